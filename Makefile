@@ -1,0 +1,39 @@
+# EdgeSplit: the two commands a user needs are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+APT_PACKAGES := mosquitto mosquitto-clients dataset-fashion-mnist
+# torch/torchvision pinned to the pair that lies on disk on the dev machine;
+# override on other machines (e.g. TORCH_SPEC="torch torchvision").
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: all venv system-deps test test-fast demo bench clean
+
+all: test
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+system-deps:
+	@bash deploy/ensure_system_deps.sh $(APT_PACKAGES)
+
+test: venv system-deps
+	$(PY) -m pytest -q tests
+
+demo: venv system-deps
+	$(VENV)/bin/edgesplit local --method fedgkt --agents 4 --rounds 8 --dataset fashion-mnist --partition dirichlet:0.5 --out runs/demo
+
+bench: venv system-deps
+	$(PY) bench/codecs.py
+	$(PY) bench/edge_cost.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,97 @@
+"""Protocol error types.
+
+Every way an inbound frame or chunk can be bad has its own exception type, all
+deriving from :class:`ProtocolError`, so a receiver can log the specific reason,
+count it, and carry on. Nothing else may escape the decoders for bad input.
+"""
+
+from __future__ import annotations
+
+
+class ProtocolError(Exception):
+    """Base class of every error raised for a malformed or unacceptable message."""
+
+    code = "protocol_error"
+
+
+class TruncatedFrameError(ProtocolError):
+    code = "truncated_frame"
+
+
+class BadMagicError(ProtocolError):
+    code = "bad_magic"
+
+
+class UnsupportedVersionError(ProtocolError):
+    code = "unsupported_version"
+
+
+class LengthMismatchError(ProtocolError):
+    """Header or body length disagrees with the bytes that arrived."""
+
+    code = "length_mismatch"
+
+
+class SizeLimitError(ProtocolError):
+    """A declared or actual size is over a configured limit."""
+
+    code = "size_limit"
+
+
+class HeaderError(ProtocolError):
+    """The JSON header is not valid JSON or lacks / mistypes a required field."""
+
+    code = "bad_header"
+
+
+class ShapeMismatchError(ProtocolError):
+    """A tensor's shape or dtype is not what was announced or expected."""
+
+    code = "shape_mismatch"
+
+
+class NonFiniteError(ProtocolError):
+    code = "non_finite"
+
+
+class UnknownCodecError(ProtocolError):
+    code = "unknown_codec"
+
+
+class CodecError(ProtocolError):
+    """A codec could not decode its payload (corrupt compressed data, bad params)."""
+
+    code = "codec_error"
+
+
+class HashMismatchError(ProtocolError):
+    code = "hash_mismatch"
+
+
+class UnknownMessageTypeError(ProtocolError):
+    code = "unknown_message_type"
+
+
+class ValueRangeError(ProtocolError):
+    """A value is outside its allowed range (e.g. a label >= num_classes)."""
+
+    code = "value_range"
+
+
+class ChunkError(ProtocolError):
+    """A chunk's metadata is missing, inconsistent, or conflicts with its transfer."""
+
+    code = "bad_chunk"
+
+
+class StaleMessageError(ProtocolError):
+    """A message for a round that is not the current one (replay or straggler)."""
+
+    code = "stale_round"
+
+
+class UnknownSenderError(ProtocolError):
+    code = "unknown_sender"
+
+
+__all__ = [name for name in dir() if name.endswith("Error")]

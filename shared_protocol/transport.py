@@ -1,0 +1,599 @@
+"""Transports: how frames move between agents and the server.
+
+:class:`Transport` is the interface methods and the coordinator use; they never
+import paho. :class:`MqttTransport` speaks MQTT v5 through paho-mqtt 2.x (QoS 1,
+persistent session, last will, automatic reconnect with backoff, TLS and
+username/password), chunks every blob below the broker's packet limit, keeps a
+bounded window of chunks in flight, reassembles inbound chunks, and counts
+bytes both as payload and as MQTT packets on the wire. :class:`InMemoryTransport`
+has the same interface over an in-process :class:`InMemoryBroker`, for fast
+unit tests of methods.
+
+Wire bytes are the sizes of the MQTT PUBLISH packets (fixed header, topic,
+packet id, properties, payload) plus 4-byte PUBACKs, computed from what was
+sent and received; TCP/IP and TLS framing are not included.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import ssl
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from .chunking import (
+    DEFAULT_CHUNK_SIZE_BYTES,
+    P_CONTROL,
+    P_REPLY,
+    P_TRANSFER,
+    ChunkHeader,
+    Reassembler,
+    split_blob,
+)
+from .errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+PUBACK_BYTES = 4
+
+
+class TransportError(RuntimeError):
+    """The transport could not do what was asked (not connected in time, publish not acknowledged)."""
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int
+    tls: bool
+
+    @classmethod
+    def parse(cls, url: str) -> "BrokerAddress":
+        """``mqtt://host:port`` (plain) or ``mqtts://host:port`` (TLS)."""
+        parsed = urlparse(url if "://" in url else f"mqtt://{url}")
+        if parsed.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
+            raise ValueError(f"broker URL {url!r}: scheme must be mqtt:// or mqtts://")
+        tls = parsed.scheme in ("mqtts", "ssl")
+        if not parsed.hostname:
+            raise ValueError(f"broker URL {url!r} has no host")
+        try:
+            port = parsed.port or (8883 if tls else 1883)
+        except ValueError:
+            raise ValueError(f"broker URL {url!r} has an invalid port") from None
+        return cls(parsed.hostname, port, tls)
+
+    def url(self) -> str:
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    broker_url: str = "mqtt://127.0.0.1:1883"
+    client_id: str = ""
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)  # never logged
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    keepalive_s: int = 30
+    session_expiry_s: int = 3600
+    connect_timeout_s: float = 30.0
+    chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES
+    max_inflight_chunks: int = 16
+    publish_timeout_s: float = 600.0
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 30.0
+    max_transfer_bytes: int = 256 * 1024 * 1024
+    max_reassembly_bytes: int = 1024 * 1024 * 1024
+    transfer_timeout_s: float = 300.0
+    resend_after_s: float = 15.0
+    resend_cache_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        BrokerAddress.parse(self.broker_url)
+        if self.chunk_size_bytes < 1024:
+            raise ValueError(f"chunk_size_bytes must be >= 1024, got {self.chunk_size_bytes}")
+        if self.max_inflight_chunks < 1:
+            raise ValueError("max_inflight_chunks must be >= 1")
+        if self.keepalive_s < 1 or self.publish_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("keepalive_s, publish_timeout_s and connect_timeout_s must be positive")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One complete inbound blob."""
+
+    topic: str
+    payload: bytes
+    transfer_id: str
+    wire_bytes: int
+    received_at: float
+
+
+@dataclass
+class TrafficStats:
+    payload_bytes_out: int = 0
+    wire_bytes_out: int = 0
+    payload_bytes_in: int = 0
+    wire_bytes_in: int = 0
+    messages_out: int = 0
+    messages_in: int = 0
+    chunks_out: int = 0
+    chunks_in: int = 0
+    rejected_chunks: int = 0
+    resent_chunks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+def _varint_len(value: int) -> int:
+    length = 1
+    while value >= 128:
+        value //= 128
+        length += 1
+    return length
+
+
+def publish_packet_bytes(topic: str, payload_len: int, qos: int, properties_len: int) -> int:
+    """Size of an MQTT v5 PUBLISH packet; ``properties_len`` includes its length prefix."""
+    remaining = 2 + len(topic.encode()) + (2 if qos > 0 else 0) + properties_len + payload_len
+    return 1 + _varint_len(remaining) + remaining
+
+
+class Transport(ABC):
+    """What methods, agents and the coordinator see of the network."""
+
+    stats: TrafficStats
+
+    @abstractmethod
+    def connect(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def subscribe(self, topic_filter: str) -> None: ...
+
+    @abstractmethod
+    def publish(self, topic: str, blob: bytes, retain: bool = False) -> None:
+        """Send one blob; return once the broker acknowledged every chunk."""
+
+    @abstractmethod
+    def receive(self, timeout_s: float | None = None) -> Delivery | None:
+        """Next complete inbound blob, or None after ``timeout_s``."""
+
+    @abstractmethod
+    def set_will(self, topic: str, blob: bytes) -> None:
+        """Blob the broker publishes (retained) if this client vanishes. Call before connect."""
+
+    @property
+    @abstractmethod
+    def connect_count(self) -> int:
+        """Successful (re)connections so far; a change means we reconnected."""
+
+
+# --------------------------------------------------------------------------- #
+# MQTT
+# --------------------------------------------------------------------------- #
+
+
+class MqttTransport(Transport):
+    def __init__(self, config: TransportConfig) -> None:
+        import paho.mqtt.client as mqtt  # imported here so the in-memory path needs no paho
+        from paho.mqtt.enums import CallbackAPIVersion
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        self._mqtt = mqtt
+        self._Properties = Properties
+        self._PacketTypes = PacketTypes
+        self.config = config
+        self.address = BrokerAddress.parse(config.broker_url)
+        self.client_id = config.client_id or f"es-{uuid.uuid4().hex[:12]}"
+        self.stats = TrafficStats()
+        self._inbox: queue.Queue[Delivery] = queue.Queue()
+        self._reassembler = Reassembler(
+            config.max_transfer_bytes, config.max_reassembly_bytes, config.transfer_timeout_s
+        )
+        self._subscriptions: list[str] = []
+        self._lock = threading.Lock()
+        self._ack_cond = threading.Condition(self._lock)
+        self._pending: set[int] = set()
+        self._early_acks: set[int] = set()
+        self._connected = threading.Event()
+        self._connect_count = 0
+        self._refused_reason: str | None = None
+        self._closed = False
+        self._publish_lock = threading.Lock()  # one blob at a time keeps the window meaningful
+        self._inbound_wire: dict[tuple[str, str], int] = {}
+        self._reply_for: dict[tuple[str, str], str] = {}
+        # transfer id -> (topic, chunks), for answering resend requests.
+        self._sent: OrderedDict[str, tuple[str, list[tuple[ChunkHeader, bytes]]]] = OrderedDict()
+        self._sent_bytes = 0
+        self._reply_topic: str | None = None
+        self._reasm_lock = threading.Lock()  # network thread and housekeeping thread
+        self._housekeeper = threading.Thread(target=self._housekeeping, name=f"{self.client_id}-housekeeping", daemon=True)
+
+        client = mqtt.Client(
+            callback_api_version=CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=mqtt.MQTTv5,
+            reconnect_on_failure=True,
+        )
+        client.max_inflight_messages_set(max(20, config.max_inflight_chunks))
+        client.reconnect_delay_set(
+            min_delay=max(1, int(config.reconnect_min_s)), max_delay=max(1, int(config.reconnect_max_s))
+        )
+        if config.username is not None:
+            client.username_pw_set(config.username, config.password)
+        if self.address.tls:
+            context = ssl.create_default_context(cafile=config.ca_file)
+            if config.cert_file and config.key_file:
+                context.load_cert_chain(config.cert_file, config.key_file)
+            client.tls_set_context(context)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
+        self._client = client
+
+    # -- lifecycle --------------------------------------------------------- #
+
+    @property
+    def connect_count(self) -> int:
+        return self._connect_count
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def set_reply_topic(self, topic: str) -> None:
+        """Topic on which this client listens; receivers send resend requests there."""
+        self._reply_topic = topic
+
+    def set_will(self, topic: str, blob: bytes) -> None:
+        (header, chunk), *rest = split_blob(blob, self.config.chunk_size_bytes)
+        if rest:
+            raise ValueError("a last-will blob must fit in one chunk")
+        props = self._Properties(self._PacketTypes.WILLMESSAGE)
+        props.UserProperty = header.properties()
+        self._client.will_set(topic, chunk, qos=1, retain=True, properties=props)
+
+    def connect(self) -> None:
+        props = self._Properties(self._PacketTypes.CONNECT)
+        props.SessionExpiryInterval = self.config.session_expiry_s
+        try:
+            self._client.connect(
+                self.address.host,
+                self.address.port,
+                keepalive=self.config.keepalive_s,
+                clean_start=False,
+                properties=props,
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise TransportError(f"cannot reach broker {self.address.url()}: {exc}") from exc
+        self._client.loop_start()
+        if not self._housekeeper.is_alive():
+            self._housekeeper.start()
+        if not self._connected.wait(self.config.connect_timeout_s):
+            reason = self._refused_reason or "no CONNACK"
+            self._client.loop_stop()
+            raise TransportError(f"could not connect to {self.address.url()} within {self.config.connect_timeout_s}s: {reason}")
+
+    def close(self) -> None:
+        self._closed = True
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def kill(self) -> None:
+        """Drop the connection without DISCONNECT (the broker then sends the will). For tests."""
+        self._closed = True
+        self._client.loop_stop()
+        sock = self._client.socket()
+        if sock is not None:
+            sock.close()
+
+    # -- paho callbacks (network thread) ----------------------------------- #
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        if reason_code.is_failure:
+            self._refused_reason = str(reason_code)
+            log.warning("broker %s refused connection: %s", self.address.url(), reason_code)
+            if str(reason_code) in ("Not authorized", "Bad user name or password"):
+                client.disconnect()  # retrying with the same credentials cannot succeed
+            return
+        # The broker may have restarted without our session: always resubscribe.
+        for topic_filter in self._subscriptions:
+            client.subscribe(topic_filter, qos=1)
+        self._connect_count += 1
+        self._connected.set()
+        log.info("connected to %s as %s (connection %d)", self.address.url(), self.client_id, self._connect_count)
+
+    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        self._connected.clear()
+        if not self._closed:
+            log.warning("disconnected from %s (%s); reconnecting", self.address.url(), reason_code)
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        with self._ack_cond:
+            if mid in self._pending:
+                self._pending.discard(mid)
+            else:
+                self._early_acks.add(mid)
+            self._ack_cond.notify_all()
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        props = message.properties
+        user_props = list(getattr(props, "UserProperty", None) or []) if props is not None else []
+        props_len = len(props.pack()) if props is not None else 1
+        wire = publish_packet_bytes(message.topic, len(message.payload), message.qos, props_len)
+        self.stats.add(wire_bytes_in=wire + (PUBACK_BYTES if message.qos else 0), wire_bytes_out=PUBACK_BYTES if message.qos else 0, chunks_in=1)
+        control = dict(user_props).get(P_CONTROL)
+        if control is not None:
+            self._handle_control(control, dict(user_props))
+            return
+        with self._reasm_lock:
+            try:
+                header = ChunkHeader.from_properties(user_props)
+                key = (message.topic, header.transfer_id)
+                blob = self._reassembler.add(header, message.payload, source=message.topic)
+            except ProtocolError as exc:
+                self.stats.add(rejected_chunks=1)
+                log.warning("rejected chunk on %s: %s", message.topic, exc)
+                return
+            self._inbound_wire[key] = self._inbound_wire.get(key, 0) + wire
+            reply = dict(user_props).get(P_REPLY)
+            if blob is None:
+                if reply:
+                    self._reply_for[key] = reply
+                return
+            self._reply_for.pop(key, None)
+            total_wire = self._inbound_wire.pop(key, wire)
+        self.stats.add(payload_bytes_in=len(blob), messages_in=1)
+        self._inbox.put(Delivery(message.topic, blob, header.transfer_id, total_wire, time.time()))
+
+    def _housekeeping(self) -> None:
+        """Expire dead transfers; ask senders to resend the chunks of stalled ones."""
+        interval = max(0.2, min(1.0, self.config.resend_after_s / 4))
+        asked: dict[tuple[str, str], float] = {}
+        while not self._closed:
+            time.sleep(interval)
+            requests = []
+            with self._reasm_lock:
+                for key in self._reassembler.expire():
+                    self._inbound_wire.pop(key, None)
+                    self._reply_for.pop(key, None)
+                now = time.monotonic()
+                for source, tid, missing in self._reassembler.stalled(self.config.resend_after_s):
+                    reply = self._reply_for.get((source, tid))
+                    if reply and missing and now - asked.get((source, tid), 0.0) >= self.config.resend_after_s:
+                        asked[(source, tid)] = now
+                        requests.append((reply, tid, missing))
+            for reply, tid, missing in requests:
+                if self.connected:
+                    log.info("asking %s to resend %d chunks of transfer %s", reply, len(missing), tid)
+                    self._send_control(reply, {"kind": "resend", "tid": tid, "seqs": ",".join(map(str, missing[:2000]))})
+
+    def _send_control(self, topic: str, values: dict[str, str]) -> None:
+        props = self._Properties(self._PacketTypes.PUBLISH)
+        props.UserProperty = [(P_CONTROL, values["kind"]), (P_TRANSFER, values["tid"]), ("es-seqs", values["seqs"])]
+        self._client.publish(topic, b"", qos=1, properties=props)
+
+    def _handle_control(self, kind: str, values: dict[str, str]) -> None:
+        if kind != "resend":
+            log.warning("unknown transport control message %r ignored", kind)
+            return
+        entry = self._sent.get(values.get(P_TRANSFER, ""))
+        if entry is None:
+            log.warning("resend requested for unknown or evicted transfer %s", values.get(P_TRANSFER))
+            return
+        topic, chunks = entry
+        try:
+            seqs = {int(s) for s in values.get("es-seqs", "").split(",") if s}
+        except ValueError:
+            log.warning("malformed resend request ignored")
+            return
+        for header, chunk in chunks:
+            if header.seq in seqs:
+                # Fire and forget from the network thread: never block it on acks.
+                self._client.publish(topic, chunk, qos=1, properties=self._chunk_props(header))
+                self.stats.add(resent_chunks=1)
+
+    # -- API --------------------------------------------------------------- #
+
+    def subscribe(self, topic_filter: str) -> None:
+        self._subscriptions.append(topic_filter)
+        if self.connected:
+            self._client.subscribe(topic_filter, qos=1)
+
+    def _chunk_props(self, header: ChunkHeader) -> Any:
+        props = self._Properties(self._PacketTypes.PUBLISH)
+        user = header.properties()
+        if self._reply_topic:
+            user.append((P_REPLY, self._reply_topic))
+        props.UserProperty = user
+        return props
+
+    def publish(self, topic: str, blob: bytes, retain: bool = False) -> None:
+        chunks = split_blob(bytes(blob), self.config.chunk_size_bytes)
+        deadline = time.monotonic() + self.config.publish_timeout_s
+        window: deque[int] = deque()
+        wire_total = 0
+        with self._publish_lock:
+            self._remember_sent(topic, chunks)
+            for header, chunk in chunks:
+                props = self._chunk_props(header)
+                info = self._client.publish(topic, chunk, qos=1, retain=retain, properties=props)
+                if info.rc == self._mqtt.MQTT_ERR_QUEUE_SIZE:
+                    raise TransportError("paho's outgoing queue is full")
+                # When disconnected paho keeps QoS 1 messages and sends them on reconnect.
+                wire_total += publish_packet_bytes(topic, len(chunk), 1, len(props.pack()))
+                with self._ack_cond:
+                    if info.mid in self._early_acks:
+                        self._early_acks.discard(info.mid)
+                    else:
+                        self._pending.add(info.mid)
+                        window.append(info.mid)
+                    while len(window) >= self.config.max_inflight_chunks:
+                        self._wait_acked(window, deadline, keep=self.config.max_inflight_chunks - 1)
+            with self._ack_cond:
+                self._wait_acked(window, deadline, keep=0)
+        self.stats.add(
+            payload_bytes_out=len(blob),
+            wire_bytes_out=wire_total,
+            wire_bytes_in=PUBACK_BYTES * len(chunks),
+            messages_out=1,
+            chunks_out=len(chunks),
+        )
+
+    def _wait_acked(self, window: deque[int], deadline: float, keep: int) -> None:
+        """With ``_ack_cond`` held: block until at most ``keep`` mids of ``window`` are unacknowledged."""
+        while True:
+            while window and window[0] not in self._pending:
+                window.popleft()
+            outstanding = [m for m in window if m in self._pending]
+            if len(outstanding) <= keep:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportError(
+                    f"{len(outstanding)} chunks not acknowledged by {self.address.url()} within "
+                    f"{self.config.publish_timeout_s}s"
+                )
+            self._ack_cond.wait(min(remaining, 1.0))
+
+    def _remember_sent(self, topic: str, chunks: list[tuple[ChunkHeader, bytes]]) -> None:
+        size = sum(len(c) for _, c in chunks)
+        if size > self.config.resend_cache_bytes:
+            return
+        self._sent[chunks[0][0].transfer_id] = (topic, chunks)
+        self._sent_bytes += size
+        while self._sent_bytes > self.config.resend_cache_bytes:
+            _, (_, old) = self._sent.popitem(last=False)
+            self._sent_bytes -= sum(len(c) for _, c in old)
+
+    def receive(self, timeout_s: float | None = None) -> Delivery | None:
+        try:
+            return self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+
+# --------------------------------------------------------------------------- #
+# In memory
+# --------------------------------------------------------------------------- #
+
+
+def topic_matches(topic_filter: str, topic: str) -> bool:
+    """MQTT wildcard matching (+ one level, # the rest)."""
+    f_parts, t_parts = topic_filter.split("/"), topic.split("/")
+    for i, part in enumerate(f_parts):
+        if part == "#":
+            return True
+        if i >= len(t_parts) or (part != "+" and part != t_parts[i]):
+            return False
+    return len(f_parts) == len(t_parts)
+
+
+class InMemoryBroker:
+    """Routes blobs between :class:`InMemoryTransport` instances in one process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[str, "InMemoryTransport"] = {}
+        self._retained: dict[str, bytes] = {}
+        self.published: list[tuple[str, int]] = []  # (topic, bytes): for assertions
+
+    def attach(self, client: "InMemoryTransport") -> None:
+        with self._lock:
+            self._clients[client.client_id] = client
+
+    def retained_matching(self, topic_filter: str) -> list[tuple[str, bytes]]:
+        with self._lock:
+            return [(t, b) for t, b in self._retained.items() if topic_matches(topic_filter, t)]
+
+    def detach(self, client: "InMemoryTransport", send_will: bool) -> None:
+        with self._lock:
+            self._clients.pop(client.client_id, None)
+        if send_will and client._will is not None:
+            self.route(*client._will, retain=True)
+
+    def route(self, topic: str, blob: bytes, retain: bool = False) -> None:
+        with self._lock:
+            self.published.append((topic, len(blob)))
+            if retain:
+                self._retained[topic] = blob
+            clients = list(self._clients.values())
+        for client in clients:
+            client._offer(topic, blob)
+
+
+class InMemoryTransport(Transport):
+    def __init__(self, broker: InMemoryBroker, client_id: str) -> None:
+        self.broker = broker
+        self.client_id = client_id
+        self.stats = TrafficStats()
+        self._filters: list[str] = []
+        self._inbox: queue.Queue[Delivery] = queue.Queue()
+        self._will: tuple[str, bytes] | None = None
+        self._connects = 0
+
+    @property
+    def connect_count(self) -> int:
+        return self._connects
+
+    def set_will(self, topic: str, blob: bytes) -> None:
+        self._will = (topic, blob)
+
+    def connect(self) -> None:
+        self._connects += 1
+        self.broker.attach(self)
+
+    def close(self) -> None:
+        self.broker.detach(self, send_will=False)
+
+    def kill(self) -> None:
+        self.broker.detach(self, send_will=True)
+
+    def subscribe(self, topic_filter: str) -> None:
+        self._filters.append(topic_filter)
+        for topic, blob in self.broker.retained_matching(topic_filter):
+            self._offer(topic, blob)
+
+    def publish(self, topic: str, blob: bytes, retain: bool = False) -> None:
+        wire = publish_packet_bytes(topic, len(blob), 1, 1)
+        self.stats.add(payload_bytes_out=len(blob), wire_bytes_out=wire, wire_bytes_in=PUBACK_BYTES, messages_out=1, chunks_out=1)
+        self.broker.route(topic, bytes(blob), retain)
+
+    def _offer(self, topic: str, blob: bytes) -> None:
+        if any(topic_matches(f, topic) for f in self._filters):
+            wire = publish_packet_bytes(topic, len(blob), 1, 1)
+            self.stats.add(payload_bytes_in=len(blob), wire_bytes_in=wire, wire_bytes_out=PUBACK_BYTES, messages_in=1, chunks_in=1)
+            self._inbox.put(Delivery(topic, blob, uuid.uuid4().hex, wire, time.time()))
+
+    def receive(self, timeout_s: float | None = None) -> Delivery | None:
+        try:
+            return self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+
+def make_transport(config: TransportConfig) -> MqttTransport:
+    return MqttTransport(config)

@@ -1,0 +1,18 @@
+"""Regenerate the golden frames. Only run this on a deliberate wire-format change
+(bump PROTOCOL_VERSION and document it in docs/protocol.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent.parent))
+sys.path.insert(0, str(HERE.parent))
+
+from shared_protocol.messages import encode_message  # noqa: E402
+from test_frame import golden_round_start  # noqa: E402
+
+(HERE / "round_start_v1.bin").write_bytes(encode_message(golden_round_start(), codecs={"weights": "raw"}))
+(HERE / "round_start_zstd_v1.bin").write_bytes(encode_message(golden_round_start(), codecs={"weights": "zstd"}))
+print("wrote", sorted(p.name for p in HERE.glob("*.bin")))

@@ -306,8 +306,14 @@ class RoundEnd(Message):
 
     TYPE: ClassVar[str] = "round_end"
     num_samples: int
+    instance: str = ""  # the agent process that did the work (a restart is a new instance)
+    uploads: dict = field(default_factory=dict)  # method-specific: what was sent, e.g. batches per split
     costs: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.num_samples < 0:
+            raise ValueRangeError(f"round_end: num_samples must be >= 0, got {self.num_samples}")
 
 
 @register_message
@@ -338,6 +344,14 @@ class Status(Message):
 
 @register_message
 @dataclass(kw_only=True)
+class Discover(Message):
+    """Server -> all, on (re)start: every agent answers with a Hello."""
+
+    TYPE: ClassVar[str] = "discover"
+
+
+@register_message
+@dataclass(kw_only=True)
 class Shutdown(Message):
     """Server -> all: the run is over (or aborted); agents exit cleanly."""
 
@@ -364,5 +378,6 @@ __all__ = [
     "ErrorReply",
     "Status",
     "Shutdown",
+    "Discover",
     "new_message_id",
 ]

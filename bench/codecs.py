@@ -1,0 +1,521 @@
+"""Tensor codecs on real ResNet-8 feature maps: size, speed and error.
+
+What the FedGKT edge uploads every round is the ResNet-8 extractor's output H,
+``(N, 16, 32, 32)`` post-ReLU float32 maps, in batches of
+``upload_batch_samples`` (256) samples, plus the edge logits ``(N, 10)``. This
+benchmark runs Fashion-MNIST images through a ResNet-8 (``in_channels=1``) in
+eval mode, twice: freshly initialised, and after about one epoch of training on
+a few thousand other images (trained maps are what agents really send), and
+measures every registered codec on those maps, batch by batch as the agent
+encodes them:
+
+* encoded bytes and ratio = raw float32 bytes / encoded bytes;
+* encode and decode throughput in MB/s (10^6 bytes) *of raw float32 bytes*,
+  the median over repetitions of one pass over all batches;
+* max absolute error, and max relative error = max over batches of
+  (max |decoded - x| / max |x|) of that batch: the codec sees one batch at a
+  time, so its bound is per batch.
+
+Logits are measured with the lossless codecs only. For the record it also
+encodes whole ``fedgkt.features`` frames (features + logits + labels + sample
+ids, default codecs) to show the frame overhead, and, outside ``--quick``,
+a few fp16 + zstd variants that are *not* registered codecs (byte shuffle on
+or off, zstd level), to judge the codec's parameters.
+
+Writes ``bench/results/codecs.json`` with the versions, CPU, date, dataset and
+sample counts, and a ``claims`` section that checks the design's claim
+(fp16-zstd at least 4x smaller than fp32 on trained maps) against the numbers.
+
+Usage::
+
+    python bench/codecs.py [--samples 1024] [--quick] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import zstandard
+
+# Run from a checkout without installing the package. Never put bench/ itself
+# on the path: this file's name would shadow the standard library's codecs.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from fldata import ArrayDataset, load_dataset, take  # noqa: E402  (needs the path above)
+from fldata.torch_data import make_loader  # noqa: E402
+from models import build_model  # noqa: E402
+from shared_protocol import codecs as wire_codecs  # noqa: E402
+from shared_protocol.chunking import DEFAULT_CHUNK_SIZE_BYTES  # noqa: E402
+from shared_protocol.messages import encode_message  # noqa: E402
+from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig  # noqa: E402
+
+DATASET = "fashion-mnist"
+SPLIT = "train"
+MODEL = "resnet8"
+NUM_CLASSES = 10
+IN_CHANNELS = 1
+BATCH_SAMPLES = GktRoundConfig().upload_batch_samples  # what the agent sends per frame (256)
+TRAIN_BATCH_SIZE = GktRoundConfig().batch_size  # 64, as the edge trains
+TRAIN_LR = GktRoundConfig().edge_lr  # Adam 1e-3, the edge's default optimiser
+DEFAULT_SAMPLES = 1024
+DEFAULT_TRAIN_SAMPLES = 3072
+QUICK_TRAIN_SAMPLES = 256
+DEFAULT_REPS = 7
+QUICK_REPS = 2
+DEFAULT_SEED = 0
+
+# The bounds the codecs document (shared_protocol/codecs.py, docs/protocol.md),
+# as max |error| / max |x| over one encoded tensor. fp16 keeps 11 significant
+# bits (relative step 2^-11 ~ 4.9e-4); u8 stores x / (max_c / 255) rounded, so
+# |error| <= max_c / 510 <= max |x| / 510 ~ 2.0e-3.
+DOCUMENTED_REL_ERROR_BOUNDS: dict[str, float] = {"fp16-zstd": 1e-3, "u8-zstd": 1e-2}
+
+# DESIGN.md: "fp16-zstd ... about 4.6-5x smaller than fp32 on ResNet-8 feature
+# maps"; the claim checked here is the floor the design relies on.
+CLAIM_FP16_MIN_RATIO = 4.0
+
+DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "codecs.json"
+
+MODEL_STATES = ("fresh", "trained")
+
+
+def cpu_model() -> str:
+    """CPU model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            # x86 says "model name"; many ARM kernels (Raspberry Pi) say "Model".
+            if key.strip() in ("model name", "Model") and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine()
+
+
+# --------------------------------------------------------------------------- #
+# Data and feature maps
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class Extracted:
+    """One model's outputs on the measured images, batch by batch as uploaded."""
+
+    features: list[np.ndarray]  # each (B, 16, 32, 32) float32, post-ReLU
+    logits: list[np.ndarray]  # each (B, 10) float32
+    labels: list[np.ndarray]  # each (B,) int64
+    sample_ids: list[np.ndarray]  # each (B,) int64
+
+
+def split_images(ds: ArrayDataset, samples: int, train_samples: int, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
+    """Disjoint seeded, class-stratified subsets: (measured images, training images)."""
+    pool = take(ds, samples + train_samples, seed)
+    order = np.random.default_rng(seed).permutation(len(pool))
+    measured = pool.subset(np.sort(order[:samples]))
+    training = pool.subset(np.sort(order[samples:]))
+    return measured, training
+
+
+def train_one_epoch(model: torch.nn.Module, data: ArrayDataset, seed: int) -> float:
+    """One epoch of CE training, as the edge's first FedGKT round does; mean loss."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=TRAIN_LR)
+    model.train()
+    total, n = 0.0, 0
+    for images, labels, _ids in make_loader(data, TRAIN_BATCH_SIZE, shuffle=True, seed=seed):
+        logits, _features = model(images)  # (B, 10), (B, 16, 32, 32)
+        loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += float(loss.item()) * len(labels)
+        n += len(labels)
+    return total / max(n, 1)
+
+
+@torch.no_grad()
+def extract(model: torch.nn.Module, data: ArrayDataset, batch_samples: int) -> Extracted:
+    """Eval-mode extractor outputs and logits, in upload batches (no shuffle)."""
+    model.eval()
+    out = Extracted([], [], [], [])
+    for images, labels, sample_ids in make_loader(data, batch_samples, shuffle=False):
+        features = model.extract(images)  # (B, 16, 32, 32)
+        logits = model.classify(features)  # (B, 10)
+        out.features.append(features.numpy().astype(np.float32, copy=False))
+        out.logits.append(logits.numpy().astype(np.float32, copy=False))
+        out.labels.append(labels.numpy().astype(np.int64))
+        out.sample_ids.append(sample_ids.numpy().astype(np.int64))
+    return out
+
+
+def map_stats(batches: list[np.ndarray]) -> dict[str, Any]:
+    values = np.concatenate([b.reshape(-1) for b in batches])
+    return {
+        "shape_per_sample": list(batches[0].shape[1:]),
+        "samples": int(sum(len(b) for b in batches)),
+        "raw_bytes": int(sum(b.nbytes for b in batches)),
+        "min": float(values.min()),
+        "max": float(values.max()),
+        "mean": float(values.mean()),
+        "zero_fraction": float(np.mean(values == 0)),
+    }
+
+
+# --------------------------------------------------------------------------- #
+# Codec measurement
+# --------------------------------------------------------------------------- #
+
+
+def needs_parameters(codec: Any) -> str | None:
+    """Why ``codec.encode(array)`` cannot be called with the array alone, or None."""
+    try:
+        signature = inspect.signature(codec.encode)
+    except (TypeError, ValueError):
+        return None
+    required = [
+        p.name
+        for p in list(signature.parameters.values())[1:]
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    return f"encode needs parameters {required}" if required else None
+
+
+def _median_seconds(fn: Callable[[], None], reps: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def measure_codec(codec: Any, batches: list[np.ndarray], reps: int) -> dict[str, Any]:
+    """Encode + decode every batch: sizes, exactness, errors, then timed passes."""
+    raw_bytes = sum(b.nbytes for b in batches)
+    encoded: list[tuple[bytes, dict[str, Any], str, tuple[int, ...]]] = []
+    max_abs = 0.0
+    max_rel = 0.0
+    exact = True
+    for batch in batches:
+        payload, params, dtype = codec.encode(batch)
+        decoded = codec.decode(memoryview(payload), dtype, batch.shape, params)
+        if decoded.shape != batch.shape:
+            raise AssertionError(f"{codec.name}: decoded shape {decoded.shape}, expected {batch.shape}")
+        if decoded.dtype != batch.dtype:
+            raise AssertionError(f"{codec.name}: decoded dtype {decoded.dtype}, expected {batch.dtype}")
+        exact = exact and bool(np.array_equal(decoded, batch))
+        err = float(np.max(np.abs(decoded.astype(np.float64) - batch.astype(np.float64)))) if batch.size else 0.0
+        scale = float(np.max(np.abs(batch))) if batch.size else 0.0
+        max_abs = max(max_abs, err)
+        max_rel = max(max_rel, err / scale if scale > 0 else (0.0 if err == 0 else float("inf")))
+        encoded.append((payload, params, dtype, batch.shape))
+    encoded_bytes = sum(len(p) for p, _, _, _ in encoded)
+    params_json_bytes = sum(len(json.dumps(params, separators=(",", ":"))) for _, params, _, _ in encoded)
+
+    def encode_all() -> None:
+        for batch in batches:
+            codec.encode(batch)
+
+    def decode_all() -> None:
+        for payload, params, dtype, shape in encoded:
+            codec.decode(memoryview(payload), dtype, shape, params)
+
+    encode_s, encode_times = _median_seconds(encode_all, reps)
+    decode_s, decode_times = _median_seconds(decode_all, reps)
+    return {
+        "lossless": bool(codec.lossless),
+        "batches": len(batches),
+        "raw_bytes": int(raw_bytes),
+        "encoded_bytes": int(encoded_bytes),
+        "params_json_bytes": int(params_json_bytes),
+        "ratio": round(raw_bytes / encoded_bytes, 4) if encoded_bytes else None,
+        "bytes_per_sample": round(encoded_bytes / max(sum(len(b) for b in batches), 1), 1),
+        "encode_mb_per_s": round(raw_bytes / encode_s / 1e6, 1),
+        "decode_mb_per_s": round(raw_bytes / decode_s / 1e6, 1),
+        "encode_s_median": round(encode_s, 6),
+        "decode_s_median": round(decode_s, 6),
+        "encode_s_samples": [round(t, 6) for t in encode_times],
+        "decode_s_samples": [round(t, 6) for t in decode_times],
+        "exact": exact,
+        "max_abs_error": max_abs,
+        "max_rel_error": max_rel,
+    }
+
+
+def measure_all(batches: list[np.ndarray], names: list[str], reps: int, skipped: dict[str, str]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name in names:
+        codec = wire_codecs.get_codec(name)
+        try:
+            results[name] = measure_codec(codec, batches, reps)
+        except (ValueError, TypeError) as exc:  # e.g. u8-zstd on negative values
+            skipped.setdefault(name, f"refused this data: {exc}")
+    return results
+
+
+def fp16_variants(batches: list[np.ndarray], reps: int) -> dict[str, Any]:
+    """fp16 + zstd with other parameters than the registered codec's (not on the wire)."""
+    raw_bytes = sum(b.nbytes for b in batches)
+    out: dict[str, Any] = {}
+    for shuffle in (True, False):
+        for level in (1, 3, 9):
+            compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
+
+            def encode_all() -> int:
+                total = 0
+                for batch in batches:
+                    half = batch.astype("<f2").tobytes()
+                    total += len(compressor.compress(wire_codecs.byte_shuffle(half, 2) if shuffle else half))
+                return total
+
+            encoded_bytes = encode_all()
+            encode_s, _ = _median_seconds(encode_all, reps)
+            out[f"fp16{'-shuffle' if shuffle else ''}-zstd{level}"] = {
+                "byte_shuffle": shuffle,
+                "zstd_level": level,
+                "encoded_bytes": int(encoded_bytes),
+                "ratio": round(raw_bytes / encoded_bytes, 4),
+                "encode_mb_per_s": round(raw_bytes / encode_s / 1e6, 1),
+                "registered_as": "fp16-zstd" if shuffle and level == 1 else None,
+            }
+    return out
+
+
+def frame_sizes(data: Extracted, feature_codecs: list[str]) -> dict[str, Any]:
+    """Whole ``fedgkt.features`` frames per features codec (other tensors: default codecs)."""
+    out: dict[str, Any] = {}
+    samples = sum(len(b) for b in data.labels)
+    for name in ["raw-everything", *feature_codecs]:
+        total = header_total = chunks = 0
+        for seq, (features, logits, labels, ids) in enumerate(zip(data.features, data.logits, data.labels, data.sample_ids)):
+            msg = GktFeatures(
+                run="bench", round=1, sender="agent-0", split="train", seq=seq, instance="0123456789ab",
+                features=features, logits=logits, labels=labels, sample_ids=ids,
+            )
+            if name == "raw-everything":
+                codecs_for = {"features": "raw", "logits": "raw", "labels": "raw", "sample_ids": "raw"}
+            else:
+                codecs_for = {"features": name}
+            blob = encode_message(msg, codecs=codecs_for)
+            header_len = int.from_bytes(blob[6:10], "big")
+            total += len(blob)
+            header_total += 18 + header_len
+            chunks += max(1, -(-len(blob) // DEFAULT_CHUNK_SIZE_BYTES))
+        out[name] = {
+            "frames": len(data.labels),
+            "frame_bytes": int(total),
+            "prefix_and_header_bytes": int(header_total),
+            "bytes_per_sample": round(total / max(samples, 1), 1),
+            "chunks_at_default_chunk_size": int(chunks),
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# The run
+# --------------------------------------------------------------------------- #
+
+
+def run(
+    samples: int = DEFAULT_SAMPLES,
+    quick: bool = False,
+    seed: int = DEFAULT_SEED,
+    batch_samples: int = BATCH_SAMPLES,
+    train_samples: int | None = None,
+    reps: int | None = None,
+) -> dict[str, Any]:
+    """Measure every registered codec; return the report (see the module docstring)."""
+    if samples < 1 or batch_samples < 1:
+        raise ValueError(f"samples and batch_samples must be >= 1, got {samples} and {batch_samples}")
+    train_samples = train_samples if train_samples is not None else (QUICK_TRAIN_SAMPLES if quick else DEFAULT_TRAIN_SAMPLES)
+    reps = reps if reps is not None else (QUICK_REPS if quick else DEFAULT_REPS)
+    if train_samples < 1 or reps < 1:
+        raise ValueError(f"train_samples and reps must be >= 1, got {train_samples} and {reps}")
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+
+    full = load_dataset(DATASET, SPLIT)
+    if samples + train_samples > len(full):
+        raise ValueError(f"{samples} + {train_samples} samples requested, {DATASET} {SPLIT} has {len(full)}")
+    measured, training = split_images(full, samples, train_samples, seed)
+
+    torch.manual_seed(seed)
+    fresh = build_model(MODEL, num_classes=NUM_CLASSES, in_channels=IN_CHANNELS)
+    trained = copy.deepcopy(fresh)  # same initial weights, then one epoch
+    train_start = time.perf_counter()
+    train_loss = train_one_epoch(trained, training, seed)
+    train_s = time.perf_counter() - train_start
+    extracted = {"fresh": extract(fresh, measured, batch_samples), "trained": extract(trained, measured, batch_samples)}
+    accuracy = {
+        state: float(np.mean(np.concatenate([l.argmax(1) for l in ex.logits]) == np.concatenate(ex.labels)))
+        for state, ex in extracted.items()
+    }
+
+    skipped: dict[str, str] = {}
+    usable: list[str] = []
+    for name in wire_codecs.list_codecs():
+        why = needs_parameters(wire_codecs.get_codec(name))
+        if why is None:
+            usable.append(name)
+        else:
+            skipped[name] = why
+    lossless = [n for n in usable if wire_codecs.get_codec(n).lossless]
+
+    results: dict[str, Any] = {"features": {}, "logits": {}}
+    stats: dict[str, Any] = {"features": {}, "logits": {}}
+    for state in MODEL_STATES:
+        ex = extracted[state]
+        stats["features"][state] = map_stats(ex.features)
+        stats["logits"][state] = map_stats(ex.logits)
+        results["features"][state] = measure_all(ex.features, usable, reps, skipped)
+        results["logits"][state] = measure_all(ex.logits, lossless, reps, skipped)
+
+    feature_codecs = list(results["features"]["trained"])
+    report: dict[str, Any] = {
+        "benchmark": "codecs",
+        "description": (
+            "Registered tensor codecs on ResNet-8 feature maps (N, 16, 32, 32) and logits (N, 10) of "
+            "Fashion-MNIST images, encoded per upload batch as the FedGKT edge sends them"
+        ),
+        "config": {
+            "quick": quick,
+            "seed": seed,
+            "batch_samples": batch_samples,
+            "reps": reps,
+            "model": MODEL,
+            "num_classes": NUM_CLASSES,
+            "in_channels": IN_CHANNELS,
+            "model_mode_for_extraction": "eval",
+            "mb": "10^6 bytes of raw float32 input (encode) / output (decode)",
+            "throughput": "median over reps of one pass over all batches, single thread, in-process",
+            "rel_error": "max over batches of max|decoded - x| / max|x| of that batch",
+        },
+        "dataset": {
+            "name": DATASET,
+            "split": SPLIT,
+            "split_samples": len(full),
+            "image_shape": list(full.image_shape),
+            "note": "28x28 images zero-padded to 32x32 by fldata; normalised with the dataset's mean/std",
+            "measured_samples": len(measured),
+            "training_samples": len(training),
+            "selection": "fldata.take(train, measured + training, seed), stratified; split by a seeded permutation; disjoint",
+        },
+        "models": {
+            "fresh": {"description": "freshly initialised (seeded)", "accuracy_on_measured": accuracy["fresh"]},
+            "trained": {
+                "description": f"same init, 1 epoch Adam lr {TRAIN_LR} batch {TRAIN_BATCH_SIZE}, CE, on the training samples",
+                "epochs": 1,
+                "train_loss_mean": round(train_loss, 4),
+                "train_s": round(train_s, 2),
+                "accuracy_on_measured": accuracy["trained"],
+            },
+        },
+        "environment": {
+            "torch_version": torch.__version__,
+            "numpy_version": np.__version__,
+            "zstandard_version": zstandard.__version__,
+            "zstd_library_version": ".".join(map(str, zstandard.ZSTD_VERSION)),
+            "python_version": platform.python_version(),
+            "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "cpu_model": cpu_model(),
+            "machine": platform.machine(),
+            "platform": platform.platform(),
+            "load_average_1m_before": round(load_before[0], 2),
+            "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        },
+        "codecs": {
+            "registered": wire_codecs.list_codecs(),
+            "measured": usable,
+            "skipped": skipped,
+            "documented_rel_error_bounds": DOCUMENTED_REL_ERROR_BOUNDS,
+        },
+        "stats": stats,
+        "results": results,
+        "frames": frame_sizes(extracted["trained"], feature_codecs),
+    }
+    if not quick:
+        report["fp16_variants_trained"] = fp16_variants(extracted["trained"].features, max(3, reps // 2))
+    report["claims"] = check_claims(results)
+    report["environment"]["load_average_1m_after"] = round(os.getloadavg()[0], 2)
+    report["environment"]["wall_s"] = round(time.perf_counter() - started, 2)
+    return report
+
+
+def check_claims(results: dict[str, Any]) -> dict[str, Any]:
+    """The design's compression claim, checked on both model states."""
+    out: dict[str, Any] = {}
+    for state in MODEL_STATES:
+        entry = results["features"][state].get("fp16-zstd")
+        out[f"fp16_zstd_ratio_ge_{CLAIM_FP16_MIN_RATIO:g}_{state}"] = {
+            "claim": f"fp16-zstd is at least {CLAIM_FP16_MIN_RATIO:g}x smaller than fp32 on {state} ResNet-8 feature maps",
+            "source": "DESIGN.md (codecs: 'about 4.6-5x smaller than fp32 on ResNet-8 feature maps')",
+            "primary": state == "trained",
+            "measured_ratio": entry["ratio"] if entry else None,
+            "holds": bool(entry and entry["ratio"] >= CLAIM_FP16_MIN_RATIO),
+        }
+    for state in MODEL_STATES:
+        for name, bound in DOCUMENTED_REL_ERROR_BOUNDS.items():
+            entry = results["features"][state].get(name)
+            out[f"{name}_rel_error_lt_{bound:g}_{state}"] = {
+                "claim": f"{name} max relative error < {bound:g} on {state} maps",
+                "source": "shared_protocol/codecs.py, docs/protocol.md",
+                "primary": False,
+                "measured_rel_error": entry["max_rel_error"] if entry else None,
+                "holds": bool(entry and entry["max_rel_error"] < bound),
+            }
+    return out
+
+
+def print_table(report: dict[str, Any]) -> None:
+    for kind in ("features", "logits"):
+        for state, per_codec in report["results"][kind].items():
+            print(f"{kind} ({state}):")
+            for name, r in per_codec.items():
+                print(
+                    f"  {name:>10}: {r['encoded_bytes']:>10,} B  ratio {r['ratio']:6.2f}  "
+                    f"enc {r['encode_mb_per_s']:7.1f} MB/s  dec {r['decode_mb_per_s']:7.1f} MB/s  "
+                    f"max abs {r['max_abs_error']:.3g}  max rel {r['max_rel_error']:.3g}"
+                )
+    for key, claim in report["claims"].items():
+        if claim["primary"]:
+            print(f"claim {key}: {'holds' if claim['holds'] else 'DOES NOT HOLD'} (ratio {claim['measured_ratio']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help=f"images measured (default {DEFAULT_SAMPLES})")
+    parser.add_argument("--quick", action="store_true", help="small training set, fewer repetitions, no variants")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"data and init seed (default {DEFAULT_SEED})")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output JSON (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.samples < 1:
+        parser.error("--samples must be >= 1")
+
+    report = run(samples=args.samples, quick=args.quick, seed=args.seed)
+    print_table(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(args.out)  # atomic: a reader never sees a half-written report
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""EdgeSplit cloud server: coordinator, server side of each method, reports."""

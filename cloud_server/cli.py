@@ -1,0 +1,115 @@
+"""``cloud-server``: run the coordinator, or re-render a run's report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from shared_protocol.logs import setup_logging
+from shared_protocol.tomlio import read_toml
+from shared_protocol.transport import MqttTransport, TransportError
+
+from .config import ServerConfig
+
+log = logging.getLogger("cloud_server")
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available on this machine")
+    return name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cloud-server", description="EdgeSplit cloud server (coordinator + server side of each method).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a federation")
+    run.add_argument("--config", required=True, help="server TOML ([server] and a table for the method)")
+    run.add_argument("--broker", help="override the broker URL, mqtt://HOST:PORT or mqtts://HOST:PORT")
+    run.add_argument("--out", help="override the run directory")
+    run.add_argument("--run-id", help="override the run id")
+    run.add_argument("--rounds", type=int, help="override the number of rounds")
+    run.add_argument("--resume", action="store_true", help="continue from the checkpoint in the run directory")
+    run.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    report = sub.add_parser("report", help="re-render report.json, rounds.csv, plots and summary.md of a run")
+    report.add_argument("run_dir")
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> ServerConfig:
+    config = ServerConfig.from_dict(read_toml(args.config))
+    overrides = {
+        "broker_url": args.broker,
+        "out_dir": args.out,
+        "run_id": args.run_id,
+        "rounds": args.rounds,
+        "log_json": True if args.log_json else None,
+        "progress": False if args.no_progress else None,
+    }
+    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .coordinator import Coordinator, RunAborted
+    from .methods import ServerContext, get_server_method
+
+    config = load_config(args)
+    setup_logging(config.log_json, name="server ")
+    ctx = ServerContext(
+        run_id=config.run_id,
+        num_classes=config.num_classes,
+        in_channels=config.resolved_in_channels,
+        device=resolve_device(config.device),
+        seed=config.seed,
+        progress=config.progress and sys.stderr.isatty(),
+    )
+    method = get_server_method(config.method)(ctx, config.method_config)
+    coordinator = Coordinator(config, method, MqttTransport(config.transport_config()))
+    log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,
+             "async" if method.asynchronous else "sync", config.rounds, ctx.device, config.out_dir)
+    try:
+        report = coordinator.run(resume=args.resume)
+    except (RunAborted, TransportError, FileNotFoundError) as exc:
+        log.error("%s", exc)
+        return 2
+    totals = report["totals"]
+    acc = totals.get("final_accuracy")
+    print(
+        f"run {config.run_id} {report['status']}: {totals['rounds_completed']} rounds, "
+        f"final accuracy {'—' if acc is None else f'{acc:.2%}'}, {totals['wire_total'] / 1e6:.1f} MB on the wire; "
+        f"report in {Path(config.out_dir) / 'summary.md'}",
+        flush=True,
+    )
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import render_run_dir
+
+    paths = render_run_dir(args.run_dir)
+    for name, path in sorted(paths.items()):
+        print(f"{name}: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        return cmd_report(args)
+    except ValueError as exc:
+        print(f"cloud-server: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

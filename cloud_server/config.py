@@ -1,0 +1,112 @@
+"""Server configuration: frozen dataclasses validated on construction.
+
+TOML and CLI flags are parsed in :mod:`cloud_server.cli`; the method's own
+table (e.g. ``[fedgkt]``) is kept as a dict here and parsed by the method into
+its own config dataclass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shared_protocol.topics import check_name
+from shared_protocol.transport import BrokerAddress, TransportConfig
+
+IN_CHANNELS_BY_DATASET = {"fashion-mnist": 1, "mnist": 1}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    run_id: str = "default"
+    method: str = "fedgkt"
+    broker_url: str = "mqtt://127.0.0.1:1883"
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    chunk_size_bytes: int = 512 * 1024
+    out_dir: str = "runs/default"
+    expected_agents: int = 1  # round 1 starts when this many have joined (or at registration_timeout_s)
+    allow_list: tuple[str, ...] = ()  # empty: any agent id may join
+    rounds: int = 10
+    round_deadline_s: float = 600.0
+    min_agents: int = 1  # quorum: at least this many completed uploads ...
+    min_fraction: float = 0.0  # ... and at least this fraction of the round's participants
+    max_failed_rounds: int = 3  # consecutive rounds without quorum before the run is aborted
+    target_accuracy: float | None = None
+    eval_every: int = 1
+    registration_timeout_s: float = 300.0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+    dataset: str = "fashion-mnist"
+    num_classes: int = 10
+    in_channels: int = 0  # 0: from the dataset name
+    max_rejections_per_agent: int = 50
+    log_json: bool = False
+    progress: bool = True
+    method_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_name("run id", self.run_id)
+        BrokerAddress.parse(self.broker_url)
+        for agent in self.allow_list:
+            check_name("allow_list entry", agent)
+        positive = {
+            "expected_agents": self.expected_agents, "rounds": self.rounds, "min_agents": self.min_agents,
+            "eval_every": self.eval_every, "num_classes": self.num_classes, "max_failed_rounds": self.max_failed_rounds,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"server.{name} must be an integer >= 1, got {value!r}")
+        if self.round_deadline_s <= 0 or self.registration_timeout_s <= 0:
+            raise ValueError("round_deadline_s and registration_timeout_s must be positive")
+        if not 0.0 <= self.min_fraction <= 1.0:
+            raise ValueError(f"min_fraction must be in [0, 1], got {self.min_fraction}")
+        if self.target_accuracy is not None and not 0.0 < self.target_accuracy <= 1.0:
+            raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
+        if self.min_agents > self.expected_agents:
+            raise ValueError(f"min_agents ({self.min_agents}) cannot exceed expected_agents ({self.expected_agents})")
+        if self.in_channels < 0:
+            raise ValueError("in_channels must be >= 0")
+
+    @property
+    def resolved_in_channels(self) -> int:
+        return self.in_channels or IN_CHANNELS_BY_DATASET.get(self.dataset, 3)
+
+    def transport_config(self) -> TransportConfig:
+        return TransportConfig(
+            broker_url=self.broker_url,
+            client_id=f"edgesplit-{self.run_id}-server",
+            username=self.username,
+            password=self.password,
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+            chunk_size_bytes=self.chunk_size_bytes,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["allow_list"] = list(self.allow_list)
+        if out.get("password"):
+            out["password"] = "***"
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ServerConfig":
+        """From a parsed TOML document: ``[server]`` plus a table named after the method."""
+        server = dict(raw.get("server", {}))
+        unknown = set(server) - set(cls.__dataclass_fields__) - {"password_file"}
+        if unknown:
+            raise ValueError(f"unknown [server] keys: {sorted(unknown)}")
+        password_file = server.pop("password_file", None)
+        if password_file:
+            server["password"] = open(os.path.expanduser(password_file)).read().strip()
+        if "allow_list" in server:
+            server["allow_list"] = tuple(server["allow_list"])
+        method = server.get("method", "fedgkt")
+        server.setdefault("method_config", dict(raw.get(method, {})))
+        return cls(**server)

@@ -1,0 +1,600 @@
+"""The coordinator: owns the round loop, the agent registry, deadlines, quorum,
+failures, checkpoints and the run report. Methods only configure rounds and
+consume uploads (see :mod:`cloud_server.methods.base`).
+
+Sync mode (FedGKT Algorithm 1): every participant gets RoundStart(r); the round
+closes when all have finished or at the deadline, and proceeds if a quorum
+finished; agents that missed it are recorded as missing and take part again
+in the next round. Async mode: no barrier; each agent's finished round is
+handed to the method at once and the agent immediately gets its answer and
+its next RoundStart. Round r's record closes when every agent that was given
+round r finished it or missed its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import shutil
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from shared_protocol.errors import ProtocolError, StaleMessageError, UnknownSenderError
+from shared_protocol.frame import FrameLimits
+from shared_protocol.messages import (
+    Discover,
+    ErrorReply,
+    Hello,
+    Message,
+    RoundEnd,
+    RoundStart,
+    Shutdown,
+    Status,
+    Welcome,
+    decode_message,
+    encode_message,
+)
+from shared_protocol.methods import load_method_messages
+from shared_protocol.topics import Topics
+from shared_protocol.transport import Transport
+
+from . import report as run_report
+from .config import ServerConfig
+from .methods import RoundOutcome, ServerMethod
+
+log = logging.getLogger("cloud_server")
+
+SERVER_ID = "server"
+VERSION = "0.1.0"
+
+
+class RunAborted(RuntimeError):
+    """The run cannot go on (too few agents, too many failed rounds)."""
+
+
+@dataclass
+class AgentState:
+    agent_id: str
+    hello: Hello
+    online: bool = True
+    rejections: int = 0
+    dropped: bool = False
+    round: int = 0  # round currently assigned (0: none)
+    assigned_at: float = 0.0
+    instance: str = ""
+
+
+@dataclass
+class OpenRound:
+    round: int
+    evaluate: bool
+    started_at: float
+    participants: set[str] = field(default_factory=set)
+    done: dict[str, RoundEnd] = field(default_factory=dict)
+    missing: set[str] = field(default_factory=set)
+    outcomes: list[RoundOutcome] = field(default_factory=list)
+    bytes_at_start: dict[str, int] = field(default_factory=dict)
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Coordinator:
+    def __init__(self, config: ServerConfig, method: ServerMethod, transport: Transport) -> None:
+        self.config = config
+        self.method = method
+        self.transport = transport
+        self.topics = Topics(config.run_id)
+        self.out_dir = Path(config.out_dir)
+        self.agents: dict[str, AgentState] = {}
+        self.rejected: Counter[str] = Counter()
+        self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
+        self.report: dict[str, Any] = {}
+        self.completed_round = 0
+        self.open_rounds: dict[int, OpenRound] = {}
+        self._started = time.monotonic()
+        self._failed_in_a_row = 0
+        load_method_messages(method.name)
+
+    # -- report --------------------------------------------------------------- #
+
+    def _new_report(self) -> dict[str, Any]:
+        import torch
+
+        return {
+            "edgesplit_version": VERSION,
+            "run_id": self.config.run_id,
+            "method": self.method.name,
+            "config": {**self.config.to_dict(), "method_config": self.method.resolved_config()},
+            "started_at": _now_iso(),
+            "finished_at": None,
+            "status": "running",
+            "server": {
+                "device": self.method.ctx.device,
+                "cpu_model": _cpu_model(),
+                "torch": torch.__version__,
+                "hostname": socket.gethostname(),
+            },
+            "agents": {},
+            "models": self.method.model_info(),
+            "rounds": [],
+            "totals": {},
+        }
+
+    def _agent_report(self) -> dict[str, Any]:
+        return {
+            a.agent_id: {
+                "cpu_model": a.hello.cpu_model,
+                "arch": a.hello.arch,
+                "cores": a.hello.cores,
+                "memory_bytes": a.hello.memory_bytes,
+                "backend": a.hello.backend,
+                "num_samples": a.hello.num_samples,
+                "class_counts": list(a.hello.class_counts),
+            }
+            for a in sorted(self.agents.values(), key=lambda a: a.agent_id)
+        }
+
+    def _update_totals(self) -> None:
+        rounds = self.report["rounds"]
+        accs = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
+        edge_accs = [r["edge_accuracy"] for r in rounds if r["edge_accuracy"] is not None]
+        totals: dict[str, Any] = {
+            "rounds_completed": sum(1 for r in rounds if r["status"] == "ok"),
+            "best_accuracy": max(accs) if accs else None,
+            "final_accuracy": accs[-1] if accs else None,
+            "final_edge_accuracy": edge_accs[-1] if edge_accs else None,
+        }
+        for key in ("up_payload", "up_wire", "down_payload", "down_wire"):
+            totals[key] = sum(r["bytes"][key] for r in rounds)
+        totals["wire_total"] = totals["up_wire"] + totals["down_wire"]
+        totals["edge_train_flops"] = sum(r["edge_train_flops"] for r in rounds)
+        totals["wall_time_s"] = time.monotonic() - self._started + self.report.get("_prior_wall_s", 0.0)
+        totals["rejected_messages"] = sum(self.rejected.values())
+        totals["rejected_by_reason"] = dict(self.rejected)
+        # Everything the server's connection carried, registration and status included.
+        totals["server_connection"] = self.transport.stats.snapshot()
+        self.report["totals"] = totals
+
+    def write_report(self) -> None:
+        self.report["agents"] = self._agent_report()
+        self._update_totals()
+        public = {k: v for k, v in self.report.items() if not k.startswith("_")}
+        run_report.write_report(self.out_dir, public)
+
+    # -- checkpoints ----------------------------------------------------------- #
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoint"
+
+    def save_checkpoint(self) -> None:
+        from models.state_io import save_state
+
+        staging = self.out_dir / "checkpoint.new"
+        if staging.exists():
+            shutil.rmtree(staging)
+        save_state(staging, "method", self.method.state())
+        save_state(
+            staging,
+            "coordinator",
+            {
+                "round": self.completed_round,
+                "config": self.config.to_dict(),
+                "method_config": self.method.resolved_config(),
+                "report": {**self.report, "_prior_wall_s": self.report["totals"].get("wall_time_s", 0.0)},
+                "rejected": dict(self.rejected),
+            },
+        )
+        # Swap directories so a crash mid-save leaves the previous checkpoint intact.
+        old = self.out_dir / "checkpoint.old"
+        if self.checkpoint_dir.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(self.checkpoint_dir, old)
+        os.replace(staging, self.checkpoint_dir)
+        if old.exists():
+            shutil.rmtree(old)
+
+    def load_checkpoint(self) -> None:
+        from models.state_io import load_state
+
+        if not (self.checkpoint_dir / "coordinator.json").exists():
+            raise FileNotFoundError(f"no checkpoint in {self.checkpoint_dir}; run without --resume to start a new run")
+        state = load_state(self.checkpoint_dir, "coordinator")
+        if state["method_config"] != self.method.resolved_config():
+            log.warning("resuming with a different method config than the checkpoint's")
+        self.method.load_state(load_state(self.checkpoint_dir, "method"))
+        self.completed_round = int(state["round"])
+        self.report = state["report"]
+        self.report["status"] = "running"
+        self.rejected = Counter(state["rejected"])
+        log.info("resumed from checkpoint after round %d", self.completed_round)
+
+    # -- messaging -------------------------------------------------------------- #
+
+    def _send(self, agent: str | None, msg: Message) -> None:
+        topic = self.topics.down(agent) if agent else self.topics.down_all
+        self.transport.publish(topic, encode_message(msg))
+
+    def _base(self, round_: int) -> dict[str, Any]:
+        return {"run": self.config.run_id, "round": round_, "sender": SERVER_ID}
+
+    def _reject(self, agent: str | None, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        log.warning("rejected message from %s (%s): %s", agent or "?", reason, detail)
+        state = self.agents.get(agent or "")
+        if state is not None:
+            state.rejections += 1
+            if state.rejections >= self.config.max_rejections_per_agent and not state.dropped:
+                state.dropped = True
+                log.error("dropping agent %s after %d rejected messages", agent, state.rejections)
+                self._agent_gone(agent or "")
+
+    def pump(self, timeout_s: float) -> None:
+        """Receive and handle at most one inbound message."""
+        delivery = self.transport.receive(timeout_s=max(0.0, timeout_s))
+        if delivery is None:
+            return
+        topic_agent = self.topics.agent_of(delivery.topic)
+        try:
+            msg = decode_message(delivery.payload, self.limits)
+            if msg.run != self.config.run_id:
+                raise StaleMessageError(f"message for run {msg.run!r}")
+            if topic_agent is None or msg.sender != topic_agent:
+                raise UnknownSenderError(f"sender {msg.sender!r} published on {delivery.topic}")
+        except ProtocolError as exc:
+            self._reject(topic_agent, exc.code, str(exc))
+            return
+        agent = topic_agent
+        state = self.agents.get(agent)
+        if state is not None and state.dropped:
+            self.rejected["dropped_agent"] += 1
+            return
+        if isinstance(msg, Status):
+            if state is not None:
+                was_online, state.online = state.online, msg.state != "offline"
+                if was_online and not state.online:
+                    log.warning("agent %s went offline", agent)
+                    self._agent_gone(agent)
+            return
+        if isinstance(msg, Hello):
+            self._on_hello(agent, msg)
+            return
+        if state is None:
+            self._reject(agent, UnknownSenderError.code, f"{msg.TYPE} from an agent that never said hello")
+            return
+        if isinstance(msg, ErrorReply):
+            log.warning("agent %s reports %s: %s", agent, msg.code, msg.reason)
+            if msg.code == "round_failed" and msg.round == state.round:
+                self._agent_missed(agent, f"agent error: {msg.reason}")
+            return
+        if msg.round != state.round or state.round == 0:
+            self._reject(agent, StaleMessageError.code, f"{msg.TYPE} for round {msg.round}, agent is in round {state.round}")
+            return
+        if isinstance(msg, RoundEnd):
+            self._on_round_end(agent, msg)
+        elif isinstance(msg, self.method.upload_types):
+            try:
+                self.method.on_upload(agent, msg)
+            except ProtocolError as exc:
+                self._reject(agent, exc.code, str(exc))
+        else:
+            self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
+
+    def _on_hello(self, agent: str, hello: Hello) -> None:
+        if self.config.allow_list and agent not in self.config.allow_list:
+            self.rejected[UnknownSenderError.code] += 1
+            log.warning("refusing agent %s: not in the allow-list", agent)
+            self._send(agent, Welcome(**self._base(0), accepted=False, reason="agent id not in the server's allow-list"))
+            return
+        if self.method.name not in hello.methods:
+            self._send(agent, Welcome(**self._base(0), accepted=False, reason=f"agent does not implement {self.method.name}"))
+            return
+        state = self.agents.get(agent)
+        if state is None:
+            state = self.agents[agent] = AgentState(agent, hello)
+            log.info("agent %s joined: %s, %d cores, %d samples", agent, hello.cpu_model, hello.cores, hello.num_samples)
+        else:
+            state.hello, state.online = hello, True
+            if state.dropped:
+                return
+        self._send(agent, Welcome(**self._base(0), accepted=True, method=self.method.name, settings=self.method.welcome_settings()))
+        # A participant that (re)joins while its round is open restarts it: it may have
+        # been restarted and lost the RoundStart.
+        if state.round and state.round in self.open_rounds and agent not in self.open_rounds[state.round].done:
+            self.method.discard(agent)
+            self._start_agent_round(agent, state.round)
+
+    # -- round mechanics --------------------------------------------------------- #
+
+    def _evaluate(self, round_: int) -> bool:
+        return round_ % self.config.eval_every == 0 or round_ == self.config.rounds
+
+    def _open(self, round_: int) -> OpenRound:
+        if round_ not in self.open_rounds:
+            self.open_rounds[round_] = OpenRound(round_, self._evaluate(round_), time.monotonic(), bytes_at_start=self.transport.stats.snapshot())
+        return self.open_rounds[round_]
+
+    def _start_agent_round(self, agent: str, round_: int) -> None:
+        rnd = self._open(round_)
+        rnd.participants.add(agent)
+        rnd.missing.discard(agent)
+        state = self.agents[agent]
+        state.round, state.assigned_at = round_, time.monotonic()
+        config, weights = self.method.round_config(round_, agent, rnd.evaluate)
+        self._send(
+            agent,
+            RoundStart(
+                **self._base(round_), method=self.method.name, config=config, deadline_s=self.config.round_deadline_s,
+                evaluate=rnd.evaluate, participants=sorted(rnd.participants), weights=weights,
+            ),
+        )
+
+    def _active_agents(self) -> list[str]:
+        return sorted(a for a, s in self.agents.items() if s.online and not s.dropped)
+
+    def _on_round_end(self, agent: str, end: RoundEnd) -> None:
+        rnd = self.open_rounds.get(end.round)
+        if rnd is None or agent in rnd.done:
+            self._reject(agent, StaleMessageError.code, f"round_end for closed round {end.round}")
+            return
+        rnd.done[agent] = end
+        self.agents[agent].instance = end.instance
+        if self.method.asynchronous:
+            outcome = self.method.complete(end.round, {agent: end}, rnd.evaluate)
+            self._deliver(outcome)
+            rnd.outcomes.append(outcome)
+            self._advance(agent, end.round)
+
+    def _agent_missed(self, agent: str, why: str) -> None:
+        state = self.agents[agent]
+        rnd = self.open_rounds.get(state.round)
+        if rnd is None or agent in rnd.done:
+            return
+        log.warning("agent %s missed round %d: %s", agent, state.round, why)
+        rnd.missing.add(agent)
+        self.method.discard(agent)
+        if self.method.asynchronous:
+            self._advance(agent, state.round)
+
+    def _agent_gone(self, agent: str) -> None:
+        """Offline or dropped: in async mode stop waiting for it now."""
+        if self.method.asynchronous and self.agents[agent].round in self.open_rounds:
+            self._agent_missed(agent, "went offline")
+
+    def _advance(self, agent: str, finished_round: int) -> None:
+        state = self.agents[agent]
+        nxt = finished_round + 1
+        state.round = 0
+        if nxt <= self.config.rounds and not self._stopping and state.online and not state.dropped:
+            self._start_agent_round(agent, nxt)
+
+    def _deliver(self, outcome: RoundOutcome) -> None:
+        for agent, msg in outcome.downloads:
+            self._send(agent, msg)
+
+    # -- closing rounds -------------------------------------------------------------- #
+
+    def _close(self, rnd: OpenRound, status: str) -> dict[str, Any]:
+        del self.open_rounds[rnd.round]
+        now_bytes = self.transport.stats.snapshot()
+        start = rnd.bytes_at_start
+        ends = rnd.done
+        outcomes = rnd.outcomes
+        correct = sum(o.correct for o in outcomes)
+        total = sum(o.total for o in outcomes)
+        edge_correct = sum(int(e.metrics.get("edge_correct", 0) or 0) for e in ends.values())
+        edge_total = sum(int(e.metrics.get("edge_total", 0) or 0) for e in ends.values())
+        losses = [(o.server_loss, o.samples) for o in outcomes if o.server_loss is not None and o.samples]
+
+        def mean_cost(key: str) -> float:
+            values = [float(e.costs.get(key, 0.0)) for e in ends.values()]
+            return sum(values) / len(values) if values else 0.0
+
+        per_agent = {}
+        for agent, e in sorted(ends.items()):
+            c = e.costs
+            per_agent[agent] = {
+                "samples": int(c.get("samples", 0)),
+                "train_flops": int(c.get("train_flops", 0)),
+                "compute_s": float(c.get("compute_s", 0.0)),
+                "encode_s": float(c.get("encode_s", 0.0)),
+                "network_s": float(c.get("network_s", 0.0)),
+                "idle_s": float(c.get("idle_s", 0.0)),
+                "peak_rss_bytes": int(c.get("peak_rss_bytes", 0)),
+                "payload_bytes_up": int(c.get("payload_bytes_up", 0)),
+                "wire_bytes_up": int(c.get("wire_bytes_up", 0)),
+                "payload_bytes_down": int(c.get("payload_bytes_down", 0)),
+                "wire_bytes_down": int(c.get("wire_bytes_down", 0)),
+                "codec": str(c.get("codec", "")),
+                "codec_ratio": float(c.get("codec_ratio", 1.0)),
+                "edge_accuracy": e.metrics.get("edge_accuracy"),
+            }
+        excluded = {a: why for o in outcomes for a, why in o.excluded.items()}
+        record = {
+            "round": rnd.round,
+            "status": status,
+            "participants": sorted(rnd.participants),
+            "completed": sorted(set(ends) - set(excluded)),
+            "missing": sorted((rnd.participants - set(ends)) | set(excluded)),
+            "accuracy": correct / total if total else None,
+            "edge_accuracy": edge_correct / edge_total if edge_total else None,
+            "server_loss": sum(l * n for l, n in losses) / sum(n for _, n in losses) if losses else None,
+            "samples": sum(o.samples for o in outcomes),
+            "bytes": {
+                # The server's own connection sees every upload and sends every download.
+                "up_payload": now_bytes["payload_bytes_in"] - start["payload_bytes_in"],
+                "up_wire": now_bytes["wire_bytes_in"] - start["wire_bytes_in"],
+                "down_payload": now_bytes["payload_bytes_out"] - start["payload_bytes_out"],
+                "down_wire": now_bytes["wire_bytes_out"] - start["wire_bytes_out"],
+            },
+            "edge_train_flops": sum(int(e.costs.get("train_flops", 0)) for e in ends.values()),
+            "time_s": {
+                "round": time.monotonic() - rnd.started_at,
+                "server_train": sum(o.server_train_s for o in outcomes),
+                "edge_compute": mean_cost("compute_s"),
+                "edge_encode": mean_cost("encode_s"),
+                "edge_network": mean_cost("network_s"),
+                "edge_idle": mean_cost("idle_s"),
+            },
+            "per_agent": per_agent,
+        }
+        if excluded:
+            record["excluded"] = excluded
+        self.report["rounds"].append(record)
+        self.completed_round = rnd.round
+        self.write_report()
+        self.save_checkpoint()
+        print(run_report.format_summary_line(record, self.config.rounds), flush=True)
+        return record
+
+    def _sync_round(self, round_: int) -> dict[str, Any]:
+        participants = self._active_agents()
+        for agent in participants:
+            self._start_agent_round(agent, round_)
+        rnd = self.open_rounds[round_]
+        deadline = time.monotonic() + self.config.round_deadline_s
+        while time.monotonic() < deadline:
+            waiting = [a for a in rnd.participants if a not in rnd.done and a not in rnd.missing]
+            if not waiting:
+                break
+            self.pump(min(1.0, deadline - time.monotonic()))
+        for agent in rnd.participants - set(rnd.done):
+            rnd.missing.add(agent)
+            self.method.discard(agent)
+        quorum = max(self.config.min_agents, math.ceil(self.config.min_fraction * len(rnd.participants)))
+        if len(rnd.done) >= quorum:
+            outcome = self.method.complete(round_, dict(rnd.done), rnd.evaluate)
+            rnd.outcomes.append(outcome)
+            if len(outcome.used_agents) >= quorum:
+                self._deliver(outcome)
+                status = "ok"
+            else:
+                status = "failed_quorum"
+        else:
+            status = "failed_quorum"
+            log.warning("round %d: %d of %d agents finished, quorum is %d", round_, len(rnd.done), len(rnd.participants), quorum)
+        for agent in rnd.participants:
+            self.agents[agent].round = 0
+        return self._close(rnd, status)
+
+    def _async_rounds(self, first_round: int) -> None:
+        for agent in self._active_agents():
+            self._start_agent_round(agent, first_round)
+        while self.open_rounds:
+            self.pump(0.5)
+            now = time.monotonic()
+            for agent, state in list(self.agents.items()):
+                if state.round and now - state.assigned_at > self.config.round_deadline_s:
+                    self._agent_missed(agent, "deadline passed")
+            # Join: an online agent with nothing to do gets the lowest open round.
+            for agent in self._active_agents():
+                if self.agents[agent].round == 0 and self.open_rounds and not self._stopping:
+                    lowest = min(self.open_rounds)
+                    if agent not in self.open_rounds[lowest].participants:
+                        self._start_agent_round(agent, lowest)
+            while self.open_rounds:
+                lowest = self.open_rounds[min(self.open_rounds)]
+                if not lowest.participants <= set(lowest.done) | lowest.missing:
+                    break
+                used = {a for o in lowest.outcomes for a in o.used_agents}
+                quorum = max(self.config.min_agents, math.ceil(self.config.min_fraction * len(lowest.participants)))
+                record = self._close(lowest, "ok" if len(used) >= quorum else "failed_quorum")
+                if self._should_stop(record):
+                    self._stopping = True
+                    for rnd in list(self.open_rounds.values()):
+                        rnd.missing |= rnd.participants - set(rnd.done)
+
+    # -- the run ------------------------------------------------------------------- #
+
+    _stopping = False
+
+    def _should_stop(self, record: dict[str, Any]) -> bool:
+        self._failed_in_a_row = 0 if record["status"] == "ok" else self._failed_in_a_row + 1
+        if self._failed_in_a_row >= self.config.max_failed_rounds:
+            self.report["status"] = "aborted"
+            log.error("%d rounds in a row without quorum: aborting", self._failed_in_a_row)
+            return True
+        target = self.config.target_accuracy
+        if target is not None and record["accuracy"] is not None and record["accuracy"] >= target:
+            self.report["status"] = "stopped_target"
+            log.info("target accuracy %.2f%% reached in round %d", 100 * target, record["round"])
+            return True
+        return False
+
+    def wait_for_agents(self) -> None:
+        deadline = time.monotonic() + self.config.registration_timeout_s
+        last_count = -1
+        while time.monotonic() < deadline and len(self._active_agents()) < self.config.expected_agents:
+            count = len(self._active_agents())
+            if count != last_count:
+                log.info("waiting for agents: %d of %d joined", count, self.config.expected_agents)
+                last_count = count
+            self.pump(min(1.0, deadline - time.monotonic()))
+        joined = len(self._active_agents())
+        if joined < self.config.min_agents:
+            raise RunAborted(
+                f"only {joined} agents joined within {self.config.registration_timeout_s}s; need at least {self.config.min_agents}"
+            )
+        if joined < self.config.expected_agents:
+            log.warning("starting with %d of %d expected agents", joined, self.config.expected_agents)
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self.load_checkpoint()
+        else:
+            self.report = self._new_report()
+        me = "server"
+        self.transport.subscribe(self.topics.up_any)
+        self.transport.subscribe(self.topics.status_any)
+        if hasattr(self.transport, "set_reply_topic"):
+            self.transport.set_reply_topic(self.topics.up(me))  # unused by agents' ACLs, harmless
+        self.transport.connect()
+        self._send(None, Discover(**self._base(self.completed_round)))
+        try:
+            self.wait_for_agents()
+            first = self.completed_round + 1
+            if first > self.config.rounds:
+                log.info("all %d rounds already done", self.config.rounds)
+            elif self.method.asynchronous:
+                self._async_rounds(first)
+            else:
+                for round_ in range(first, self.config.rounds + 1):
+                    record = self._sync_round(round_)
+                    if self._should_stop(record):
+                        break
+            if self.report["status"] == "running":
+                self.report["status"] = "finished"
+        except RunAborted:
+            self.report["status"] = "aborted"
+            raise
+        finally:
+            self.report["finished_at"] = _now_iso()
+            self.write_report()
+            try:
+                self._send(None, Shutdown(**self._base(self.completed_round), reason=self.report["status"]))
+            except (OSError, RuntimeError) as exc:
+                log.warning("could not broadcast shutdown: %s", exc)
+            self.transport.close()
+        return self.report
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

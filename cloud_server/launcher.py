@@ -1,0 +1,206 @@
+"""``edgesplit local``: a whole federation on one machine.
+
+Starts mosquitto on a free loopback port (unless ``--broker`` is given), then
+the server and N agents as separate processes that talk only through the
+broker, waits for the run, prints the summary and the report path, and cleans
+up every process on exit or Ctrl-C. Each agent gets one torch thread: N
+processes each spinning all cores would slow every one of them down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shared_protocol.tomlio import write_toml
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_broker(workdir: Path) -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+    if binary is None:
+        raise SystemExit("edgesplit: mosquitto not found; install it (apt-get install mosquitto) or pass --broker URL")
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    conf = workdir / "mosquitto.conf"
+    conf.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+        f"log_dest file {workdir / 'mosquitto.log'}\nmax_inflight_messages 0\nmax_queued_messages 100000\n"
+    )
+    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return proc, f"mqtt://127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"edgesplit: mosquitto exited at start; see {workdir / 'mosquitto.log'}")
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("edgesplit: mosquitto did not start listening within 10 s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgesplit", description="EdgeSplit tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    local = sub.add_parser("local", help="run a federation on this machine: broker + server + N agents")
+    local.add_argument("--method", default="fedgkt")
+    local.add_argument("--agents", type=int, default=4)
+    local.add_argument("--rounds", type=int, default=8)
+    local.add_argument("--dataset", default="fashion-mnist")
+    local.add_argument("--data-root", default=None)
+    local.add_argument("--partition", default="dirichlet:0.5", help="iid | dirichlet:A | step:K | table:FILE")
+    local.add_argument("--train-samples", type=int, default=4000, help="seeded subset of the training set (0 = all)")
+    local.add_argument("--test-samples", type=int, default=1000, help="seeded subset of the test set (0 = all)")
+    local.add_argument("--mode", choices=("sync", "async"), default="sync")
+    local.add_argument("--kd", choices=("bidirectional", "s2e", "none"), default="bidirectional")
+    local.add_argument("--server-model", default="resnet55_server")
+    local.add_argument("--server-epochs", type=int, default=1)
+    local.add_argument("--edge-epochs", type=int, default=1)
+    local.add_argument("--codec", default="fp16-zstd", help="feature-map codec: raw | fp16-zstd | u8-zstd | zstd")
+    local.add_argument("--deadline", type=float, default=900.0, help="round deadline in seconds")
+    local.add_argument("--eval-every", type=int, default=1)
+    local.add_argument("--seed", type=int, default=0)
+    local.add_argument("--run-id", default=None)
+    local.add_argument("--out", default=None, help="run directory (default runs/<run id>)")
+    local.add_argument("--broker", default=None, help="use this broker instead of starting one")
+    local.add_argument("--log-json", action="store_true")
+    return parser
+
+
+def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str) -> tuple[Path, list[Path]]:
+    configs = out / "configs"
+    configs.mkdir(parents=True, exist_ok=True)
+    server_path = configs / "server.toml"
+    write_toml(
+        server_path,
+        {
+            "server": {
+                "run_id": run_id, "method": args.method, "broker_url": broker, "out_dir": str(out),
+                "expected_agents": args.agents, "rounds": args.rounds, "round_deadline_s": args.deadline,
+                "min_agents": 1, "min_fraction": 0.5, "eval_every": args.eval_every, "registration_timeout_s": 300.0,
+                "dataset": args.dataset, "num_classes": 10 if args.dataset != "cifar100" else 100, "seed": args.seed,
+            },
+            args.method: {
+                "mode": args.mode, "kd": args.kd, "server_model": args.server_model,
+                "server_epochs": args.server_epochs, "edge_epochs": args.edge_epochs, "upload_codec": args.codec,
+            },
+        },
+        header=f"generated by edgesplit local for run {run_id}",
+    )
+    agent_paths = []
+    for i in range(args.agents):
+        path = configs / f"agent-{i}.toml"
+        write_toml(
+            path,
+            {
+                "agent": {"agent_id": f"agent-{i}", "run_id": run_id, "broker_url": broker, "state_dir": str(out / "agent-state"), "threads": 1},
+                "data": {
+                    "dataset": args.dataset, "root": args.data_root, "partition": args.partition, "num_agents": args.agents,
+                    "agent_index": i, "seed": args.seed, "train_samples": args.train_samples, "test_samples": args.test_samples,
+                },
+            },
+            header=f"generated by edgesplit local for run {run_id}",
+        )
+        agent_paths.append(path)
+    return server_path, agent_paths
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    if args.agents < 1 or args.rounds < 1:
+        raise SystemExit("edgesplit: --agents and --rounds must be >= 1")
+    run_id = args.run_id or f"{args.method}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(args.out or f"runs/{run_id}").resolve()
+    if (out / "report.json").exists():
+        shutil.rmtree(out / "agent-state", ignore_errors=True)
+        shutil.rmtree(out / "checkpoint", ignore_errors=True)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    broker_proc = None
+    procs: list[subprocess.Popen] = []
+    files = []
+    try:
+        if args.broker:
+            broker = args.broker
+        else:
+            broker_proc, broker = start_broker(out / "broker")
+        print(f"edgesplit: broker {broker}; run {run_id}; {args.agents} agents x {args.rounds} rounds of {args.method} on {args.dataset} ({args.partition})", flush=True)
+        server_cfg, agent_cfgs = write_configs(args, run_id, out, broker)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        extra = ["--log-json"] if args.log_json else []
+        server_log = open(logs / "server.log", "w")
+        files.append(server_log)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "cloud_server.cli", "run", "--config", str(server_cfg), "--no-progress", *extra],
+            stdout=subprocess.PIPE, stderr=server_log, text=True, env=env,
+        )
+        procs.append(server)
+        agent_env = dict(env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        for i, cfg in enumerate(agent_cfgs):
+            f = open(logs / f"agent-{i}.log", "w")
+            files.append(f)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "edge_agent.cli", "run", "--config", str(cfg), "--no-progress", *extra],
+                stdout=f, stderr=subprocess.STDOUT, env=agent_env,
+            ))
+        assert server.stdout is not None
+        for line in server.stdout:  # one status line per round, then the final line
+            print(line.rstrip(), flush=True)
+            for i, p in enumerate(procs[1:]):
+                if p.poll() not in (None, 0):
+                    print(f"edgesplit: agent-{i} exited with code {p.returncode}; see {logs / f'agent-{i}.log'}", flush=True)
+        code = server.wait()
+        _stop(procs[1:], grace_s=30)
+        if code != 0:
+            print(f"edgesplit: server exited with code {code}; see {logs / 'server.log'}", flush=True)
+            return code
+        summary = out / "summary.md"
+        if summary.exists():
+            print()
+            print(summary.read_text())
+        print(f"edgesplit: report in {out} (report.json, rounds.csv, summary.md, *.png); logs in {logs}")
+        return 0
+    except KeyboardInterrupt:
+        print("\nedgesplit: interrupted; stopping processes", flush=True)
+        return 130
+    finally:
+        _stop(procs)
+        if broker_proc is not None:
+            _stop([broker_proc])
+        for f in files:
+            f.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return cmd_local(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The interface between the coordinator (rounds, deadlines, quorum, failures)
+and a method's server step. A method configures rounds and consumes uploads;
+it never touches the transport."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from shared_protocol.messages import Message, RoundEnd
+
+
+@dataclass
+class ServerContext:
+    run_id: str
+    num_classes: int
+    in_channels: int
+    device: str
+    seed: int = 0
+    progress: bool = False
+
+
+@dataclass
+class RoundOutcome:
+    """What a method's ``complete`` returns for one round (or one agent's round, async)."""
+
+    downloads: list[tuple[str, Message]] = field(default_factory=list)  # (agent id, message)
+    server_loss: float | None = None
+    server_train_s: float = 0.0
+    correct: int = 0  # server-side evaluation on the agents' test uploads
+    total: int = 0
+    samples: int = 0
+    used_agents: list[str] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)  # agent -> why its upload was not used
+
+
+_SERVER_METHODS: dict[str, type["ServerMethod"]] = {}
+
+
+def register_server_method(cls: type["ServerMethod"]) -> type["ServerMethod"]:
+    if cls.name in _SERVER_METHODS:
+        raise ValueError(f"server method {cls.name!r} is already registered")
+    _SERVER_METHODS[cls.name] = cls
+    return cls
+
+
+def registered_server_methods() -> dict[str, type["ServerMethod"]]:
+    return dict(_SERVER_METHODS)
+
+
+class ServerMethod(ABC):
+    name: ClassVar[str]
+    upload_types: ClassVar[tuple[type[Message], ...]] = ()
+
+    def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
+        self.ctx = ctx
+
+    @property
+    def asynchronous(self) -> bool:
+        return False
+
+    @abstractmethod
+    def resolved_config(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def welcome_settings(self) -> dict[str, Any]:
+        """Fixed run settings every agent receives when it joins."""
+
+    @abstractmethod
+    def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(RoundStart.config, RoundStart.weights) for one agent."""
+
+    def on_upload(self, agent: str, msg: Message) -> None:
+        """Stage one upload message; raise a ProtocolError subclass to reject it."""
+
+    def discard(self, agent: str) -> None:
+        """Forget what ``agent`` staged in its current round (it failed or timed out)."""
+
+    @abstractmethod
+    def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
+        """Everything needed from ``ends``' agents has arrived: do the server's step."""
+
+    @abstractmethod
+    def model_info(self) -> dict[str, Any]: ...
+
+    def state(self) -> Any:
+        """Checkpointable state (a tree of dicts, lists, scalars, tensors)."""
+        return {}
+
+    def load_state(self, state: Any) -> None: ...

@@ -1,0 +1,320 @@
+"""FedGKT server step (He et al. 2020, Algorithm 1 ServerExecute, Eq. 6).
+
+The server trains a large model f_s (ResNet-55/109) on the feature maps H that
+agents upload, with ``CE + alpha * KD(z_c -> z_s)`` against the edge logits
+(bidirectional S<->E) or CE only (S->E and no-KD ablations). In the last of
+``server_epochs`` it records its logits z_s for every uploaded sample, keyed by
+sample id, and sends each agent its own (Algorithm 1, lines 11-15).
+
+Sync mode trains on all agents' uploads of a round at once; async mode trains
+on one agent's upload as soon as it is complete and answers that agent at once.
+Staged features are kept as float16 to halve server memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.losses import kd_loss
+from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
+from shared_protocol.messages import Message, RoundEnd, check_labels
+from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig, GktServerLogits
+
+from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
+
+log = logging.getLogger("cloud_server.fedgkt")
+
+KD_MODES = ("bidirectional", "s2e", "none")
+
+
+@dataclass(frozen=True)
+class FedGktConfig:
+    server_model: str = "resnet55_server"
+    edge_model: str = "resnet8"
+    mode: str = "sync"  # sync | async
+    kd: str = "bidirectional"  # bidirectional (S<->E) | s2e (S->E) | none
+    server_epochs: int = 1
+    server_optimizer: str = "adam"
+    server_lr: float = 0.001
+    server_momentum: float = 0.9
+    server_weight_decay: float = 5e-4
+    server_batch_size: int = 64
+    lr_schedule: str = "plateau"  # plateau | none
+    temperature: float = 3.0
+    alpha: float = 1.0
+    edge_epochs: int = 1
+    edge_optimizer: str = "adam"
+    edge_lr: float = 0.001
+    edge_momentum: float = 0.9
+    edge_weight_decay: float = 5e-4
+    edge_batch_size: int = 64
+    upload_codec: str = "fp16-zstd"
+    upload_batch_samples: int = 256
+    max_staged_samples_per_agent: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"fedgkt.mode must be 'sync' or 'async', got {self.mode!r}")
+        if self.kd not in KD_MODES:
+            raise ValueError(f"fedgkt.kd must be one of {KD_MODES}, got {self.kd!r}")
+        if self.server_optimizer not in ("sgd", "adam"):
+            raise ValueError(f"fedgkt.server_optimizer must be 'sgd' or 'adam', got {self.server_optimizer!r}")
+        if self.lr_schedule not in ("plateau", "none"):
+            raise ValueError(f"fedgkt.lr_schedule must be 'plateau' or 'none', got {self.lr_schedule!r}")
+        if self.server_epochs < 1 or self.server_batch_size < 1 or self.server_lr <= 0:
+            raise ValueError("fedgkt.server_epochs, server_batch_size must be >= 1 and server_lr > 0")
+        self.round_config()  # validates the edge half
+
+    def round_config(self) -> GktRoundConfig:
+        return GktRoundConfig(
+            edge_epochs=self.edge_epochs, edge_optimizer=self.edge_optimizer, edge_lr=self.edge_lr,
+            edge_momentum=self.edge_momentum, edge_weight_decay=self.edge_weight_decay,
+            batch_size=self.edge_batch_size, temperature=self.temperature, alpha=self.alpha,
+            edge_kd=self.kd in ("bidirectional", "s2e"), upload_codec=self.upload_codec,
+            upload_batch_samples=self.upload_batch_samples,
+        )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "FedGktConfig":
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown [fedgkt] keys: {sorted(unknown)}")
+        return cls(**raw)
+
+
+@dataclass
+class _Staged:
+    """One agent's uploads of its current round."""
+
+    instance: str
+    round: int
+    train: list[GktFeatures]
+    test: list[GktFeatures]
+    samples: int = 0
+
+
+def _concat(batches: list[GktFeatures]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+    """Features (fp16), edge logits, labels, ids, de-duplicated by sample id (last wins)."""
+    ids = np.concatenate([b.sample_ids for b in batches])
+    _, last = np.unique(ids[::-1], return_index=True)
+    keep = np.sort(len(ids) - 1 - last)
+    features = torch.from_numpy(np.concatenate([b.features.astype(np.float16) for b in batches])[keep])
+    logits = torch.from_numpy(np.concatenate([b.logits for b in batches])[keep])
+    labels = torch.from_numpy(np.concatenate([b.labels for b in batches])[keep])
+    return features, logits, labels, ids[keep]
+
+
+@register_server_method
+class FedGktServer(ServerMethod):
+    name = "fedgkt"
+    upload_types = (GktFeatures,)
+
+    def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
+        super().__init__(ctx, method_config)
+        self.config = FedGktConfig.from_dict(method_config)
+        torch.manual_seed(ctx.seed)
+        self.device = torch.device(ctx.device)
+        self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
+        self.optimizer = self._make_optimizer()
+        self.scheduler = (
+            torch.optim.lr_scheduler.ReduceLROnPlateau(self.optimizer, mode="min", factor=0.5, patience=2)
+            if self.config.lr_schedule == "plateau"
+            else None
+        )
+        self.staged: dict[str, _Staged] = {}
+        self.feature_shape: tuple[int, ...] | None = None
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        c = self.config
+        if c.server_optimizer == "sgd":
+            return torch.optim.SGD(self.model.parameters(), lr=c.server_lr, momentum=c.server_momentum, weight_decay=c.server_weight_decay)
+        return torch.optim.Adam(self.model.parameters(), lr=c.server_lr, weight_decay=c.server_weight_decay, amsgrad=True)
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.config.mode == "async"
+
+    def resolved_config(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def welcome_settings(self) -> dict[str, Any]:
+        return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
+
+    def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        return asdict(self.config.round_config()), {}
+
+    def model_info(self) -> dict[str, Any]:
+        edge = build_model(self.config.edge_model, self.ctx.num_classes, self.ctx.in_channels)
+        h = 32  # feature maps are 16 x 32 x 32 for 32 x 32 inputs
+        return {
+            "edge": {
+                "name": self.config.edge_model,
+                "params": count_parameters(edge),
+                "train_flops_per_sample": training_flops_per_sample(edge, (self.ctx.in_channels, h, h)),
+            },
+            "server": {
+                "name": self.config.server_model,
+                "params": count_parameters(self.model),
+                # A fresh copy on the CPU: the counter must not move the training model.
+                "train_flops_per_sample": training_flops_per_sample(build_model(self.config.server_model, self.ctx.num_classes), (16, h, h)),
+            },
+        }
+
+    # -- uploads ------------------------------------------------------------ #
+
+    def on_upload(self, agent: str, msg: Message) -> None:
+        if not isinstance(msg, GktFeatures):
+            raise ValueRangeError(f"fedgkt does not take {msg.TYPE} uploads")
+        if msg.logits.shape[1] != self.ctx.num_classes:
+            raise ShapeMismatchError(f"edge logits have {msg.logits.shape[1]} classes, run has {self.ctx.num_classes}")
+        check_labels(msg.TYPE, msg.labels, self.ctx.num_classes)
+        shape = tuple(msg.features.shape[1:])
+        if self.feature_shape is None:
+            if shape[0] != 16:
+                raise ShapeMismatchError(f"feature maps must have 16 channels (ResNet-8 extractor), got {shape}")
+            self.feature_shape = shape
+        elif shape != self.feature_shape:
+            raise ShapeMismatchError(f"feature maps {shape}, earlier uploads were {self.feature_shape}")
+        staged = self.staged.get(agent)
+        if staged is None or staged.instance != msg.instance or staged.round != msg.round:
+            # A new process (restart) or a new round: what the old one staged is void.
+            staged = self.staged[agent] = _Staged(msg.instance, msg.round, [], [])
+        if staged.samples + len(msg.labels) > self.config.max_staged_samples_per_agent:
+            raise SizeLimitError(f"agent {agent} uploaded more than {self.config.max_staged_samples_per_agent} samples this round")
+        (staged.train if msg.split == "train" else staged.test).append(msg)
+        staged.samples += len(msg.labels)
+
+    def discard(self, agent: str) -> None:
+        self.staged.pop(agent, None)
+
+    def _usable(self, agent: str, end: RoundEnd) -> str | None:
+        """Why ``agent``'s staged upload cannot be used, or None if it can."""
+        staged = self.staged.get(agent)
+        if staged is None or not staged.train:
+            return "no feature uploads"
+        if staged.instance != end.instance or staged.round != end.round:
+            return "uploads came from another agent process or round"
+        train_info = end.uploads.get("train", {})
+        if train_info.get("batches") != len(staged.train) or train_info.get("samples") != sum(len(b.labels) for b in staged.train):
+            return f"incomplete upload: {len(staged.train)} batches staged, agent reported {train_info}"
+        test_info = end.uploads.get("test")
+        if test_info is not None and test_info.get("batches") != len(staged.test):
+            return f"incomplete test upload: {len(staged.test)} batches staged, agent reported {test_info}"
+        return None
+
+    # -- the server step ----------------------------------------------------- #
+
+    def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
+        outcome = RoundOutcome()
+        data: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        tests: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        for agent in sorted(ends):
+            why = self._usable(agent, ends[agent])
+            if why is not None:
+                outcome.excluded[agent] = why
+                log.warning("round %d: not using %s's upload: %s", round_, agent, why)
+                self.discard(agent)
+                continue
+            staged = self.staged.pop(agent)
+            data[agent] = _concat(staged.train)
+            if staged.test:
+                tests[agent] = _concat(staged.test)
+        outcome.used_agents = list(data)
+        if not data:
+            return outcome
+        started = time.perf_counter()
+        logits_by_agent, loss = self._train(data, round_)
+        outcome.server_train_s = time.perf_counter() - started
+        outcome.server_loss = loss
+        outcome.samples = sum(len(d[3]) for d in data.values())
+        if self.scheduler is not None and math.isfinite(loss):
+            self.scheduler.step(loss)
+        if self.config.kd != "none":
+            for agent, (ids, logits) in logits_by_agent.items():
+                outcome.downloads.append(
+                    (agent, GktServerLogits(run=self.ctx.run_id, round=round_, sender="server", sample_ids=ids, logits=logits))
+                )
+        if tests:
+            outcome.correct, outcome.total = self._evaluate(tests)
+        return outcome
+
+    def _train(self, data: dict[str, tuple], round_: int) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
+        """Algorithm 1 lines 6-12: E_s epochs over each agent's batches; z_s from the last epoch."""
+        c = self.config
+        generator = torch.Generator().manual_seed(self.ctx.seed * 100_003 + round_)
+        self.model.train()
+        bidirectional = c.kd == "bidirectional"
+        logits_by_agent: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        total_loss, total_n = 0.0, 0
+        steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
+        progress = None
+        if self.ctx.progress:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=steps, desc=f"server round {round_}", leave=False, dynamic_ncols=True)
+        for epoch in range(c.server_epochs):
+            last = epoch == c.server_epochs - 1
+            for agent, (features, edge_logits, labels, ids) in data.items():
+                n = len(ids)
+                z_s = np.zeros((n, self.ctx.num_classes), np.float32) if last else None
+                order = torch.randperm(n, generator=generator)
+                for start in range(0, n, c.server_batch_size):
+                    idx = order[start : start + c.server_batch_size]
+                    h = features[idx].to(self.device, torch.float32)  # (B, 16, H, W)
+                    y = labels[idx].to(self.device)
+                    logits = self.model(h)  # (B, K)
+                    loss = F.cross_entropy(logits, y)
+                    if bidirectional and c.alpha > 0:
+                        loss = loss + c.alpha * kd_loss(logits, edge_logits[idx].to(self.device), c.temperature)
+                    self.optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    self.optimizer.step()
+                    if last:
+                        z_s[idx.numpy()] = logits.detach().cpu().numpy()
+                        total_loss += float(loss.item()) * len(idx)
+                        total_n += len(idx)
+                    if progress is not None:
+                        progress.update(1)
+                if last:
+                    logits_by_agent[agent] = (ids, z_s)
+        if progress is not None:
+            progress.close()
+        return logits_by_agent, total_loss / max(total_n, 1)
+
+    @torch.no_grad()
+    def _evaluate(self, tests: dict[str, tuple]) -> tuple[int, int]:
+        """Accuracy of extractor (on the agents) + server model on the agents' test features."""
+        self.model.eval()
+        correct = total = 0
+        for features, _edge_logits, labels, _ids in tests.values():
+            for start in range(0, len(labels), 512):
+                logits = self.model(features[start : start + 512].to(self.device, torch.float32))
+                correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
+                total += int(len(labels[start : start + 512]))
+        return correct, total
+
+    # -- checkpoints ---------------------------------------------------------- #
+
+    def state(self) -> Any:
+        return {
+            "model": state_dict_to_arrays(self.model),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "feature_shape": list(self.feature_shape) if self.feature_shape else None,
+        }
+
+    def load_state(self, state: Any) -> None:
+        load_arrays_into(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.feature_shape = tuple(state["feature_shape"]) if state.get("feature_shape") else None

@@ -1,0 +1,327 @@
+"""The edge agent: connection lifecycle, message dispatch, rounds, costs, local state.
+
+The agent owns the transport; a method's edge step only trains and hands
+messages to ``send``. Every inbound frame is validated before use; a bad one is
+logged with its reason, counted, and answered with an ErrorReply, and the agent
+keeps running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fldata import ArrayDataset, PartitionSpec, agent_shard, load_dataset, take, test_shard_for_agent
+from shared_protocol.errors import ProtocolError, UnknownSenderError, StaleMessageError
+from shared_protocol.frame import FrameLimits
+from shared_protocol.messages import (
+    Discover,
+    ErrorReply,
+    Hello,
+    Message,
+    RoundEnd,
+    RoundStart,
+    Shutdown,
+    Status,
+    Welcome,
+    decode_message,
+    encode_message,
+)
+from shared_protocol.methods import load_method_messages
+from shared_protocol.topics import Topics
+from shared_protocol.transport import MqttTransport, Transport
+
+from . import __version__
+from .config import EdgeConfig
+from .costs import RoundMeter, cpu_model, peak_rss_bytes, total_memory_bytes
+from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
+
+log = logging.getLogger("edge_agent")
+
+SERVER_ID = "server"
+EXIT_OK, EXIT_REFUSED = 0, 3
+
+
+def load_agent_data(config: EdgeConfig) -> tuple[ArrayDataset, ArrayDataset]:
+    """This agent's train and test shards, as the data config describes."""
+    d = config.data
+    train = load_dataset(d.dataset, "train", d.root, d.download)
+    test = load_dataset(d.dataset, "test", d.root, d.download)
+    if d.train_samples:
+        train = take(train, min(d.train_samples, len(train)), d.seed)
+    if d.test_samples:
+        test = take(test, min(d.test_samples, len(test)), d.seed)
+    if d.partition == "none":
+        return train, test
+    spec = PartitionSpec.parse(d.partition, d.num_agents, d.seed)
+    return agent_shard(train, spec, d.agent_index), test_shard_for_agent(test, spec, d.agent_index, train_labels=train.labels)
+
+
+class EdgeAgent:
+    def __init__(
+        self,
+        config: EdgeConfig,
+        transport: Transport | None = None,
+        data: tuple[ArrayDataset, ArrayDataset] | None = None,
+    ) -> None:
+        self.config = config
+        self.topics = Topics(config.run_id)
+        self.instance = uuid.uuid4().hex[:12]
+        self.train, self.test = data if data is not None else load_agent_data(config)
+        if len(self.train) == 0:
+            raise ValueError(f"agent {config.agent_id} has no training samples (check data.partition / train_samples)")
+        self.transport = transport or MqttTransport(config.transport_config())
+        self.method: EdgeMethod | None = None
+        self.settings: dict[str, Any] = {}
+        self.rejected: Counter[str] = Counter()
+        self.rounds_done: list[int] = []
+        self.last_round_done = -1
+        self._last_round_end_at: float | None = None
+        self._stop = threading.Event()
+        self.exit_code = EXIT_OK
+        self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
+
+    # -- plumbing ----------------------------------------------------------- #
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _publish(self, msg: Message, retain: bool = False, topic: str | None = None) -> None:
+        self.transport.publish(topic or self.topics.up(self.config.agent_id), encode_message(msg), retain=retain)
+
+    def _base(self, round_: int = 0) -> dict[str, Any]:
+        return {"run": self.config.run_id, "round": round_, "sender": self.config.agent_id}
+
+    def _status(self, state: str) -> None:
+        self._publish(Status(**self._base(), state=state), retain=True, topic=self.topics.status(self.config.agent_id))
+
+    def send(self, msg: Message, meter: RoundMeter, codecs: dict[str, str] | None = None) -> None:
+        """Encode and publish a method's upload, metering time and bytes."""
+        with meter.phase("encode"):
+            blob = encode_message(msg, codecs=codecs)
+        meter.raw_bytes += sum(
+            int(value.nbytes) for f in dataclasses.fields(msg) if isinstance(value := getattr(msg, f.name), np.ndarray)
+        )
+        meter.encoded_bytes += len(blob)
+        with meter.phase("network"):
+            self.transport.publish(self.topics.up(self.config.agent_id), blob)
+
+    def hello(self) -> None:
+        counts = self.train.class_counts().tolist()
+        try:
+            import torch
+
+            torch_version = torch.__version__
+        except ImportError:
+            torch_version = "none"
+        self._publish(
+            Hello(
+                **self._base(),
+                cpu_model=cpu_model(),
+                arch=platform.machine(),
+                cores=os.cpu_count() or 1,
+                memory_bytes=total_memory_bytes(),
+                backend=self.config.backend,
+                num_samples=len(self.train),
+                class_counts=[int(c) for c in counts],
+                methods=list(KNOWN_METHODS),
+                software={"edgesplit": __version__, "python": platform.python_version(), "torch": torch_version},
+                last_round_done=self.last_round_done,
+            )
+        )
+
+    # -- main loop ---------------------------------------------------------- #
+
+    def run(self) -> int:
+        import torch
+
+        torch.set_num_threads(self.config.threads)
+        me = self.config.agent_id
+        offline = encode_message(Status(**self._base(), state="offline"))
+        self.transport.set_will(self.topics.status(me), offline)
+        if isinstance(self.transport, MqttTransport):
+            self.transport.set_reply_topic(self.topics.down(me))
+        self.transport.subscribe(self.topics.down(me))
+        self.transport.subscribe(self.topics.down_all)
+        self.transport.connect()
+        log.info("agent %s (instance %s) connected; %d train / %d test samples", me, self.instance, len(self.train), len(self.test))
+        self._status("online")
+        self.hello()
+        seen_connects = self.transport.connect_count
+        try:
+            while not self._stop.is_set():
+                if self.transport.connect_count != seen_connects:
+                    seen_connects = self.transport.connect_count
+                    log.info("reconnected; announcing again")
+                    self._status("online")
+                    self.hello()
+                delivery = self.transport.receive(timeout_s=0.5)
+                if delivery is None:
+                    continue
+                self._handle(delivery.payload)
+        finally:
+            if self.exit_code == EXIT_OK:
+                try:
+                    self._status("offline")
+                except (OSError, RuntimeError) as exc:
+                    log.warning("could not publish offline status: %s", exc)
+            self.transport.close()
+        return self.exit_code
+
+    def _reject(self, reason: str, detail: str, ref: str = "", round_: int = 0) -> None:
+        self.rejected[reason] += 1
+        log.warning("rejected message (%s): %s", reason, detail)
+
+    def _handle(self, blob: bytes) -> None:
+        try:
+            msg = decode_message(blob, self.limits)
+            if msg.run != self.config.run_id:
+                raise StaleMessageError(f"message for run {msg.run!r}, this agent is in run {self.config.run_id!r}")
+            if msg.sender != SERVER_ID:
+                raise UnknownSenderError(f"message from {msg.sender!r}; agents only take orders from the server")
+        except ProtocolError as exc:
+            self._reject(exc.code, str(exc))
+            return
+        if isinstance(msg, Welcome):
+            self._on_welcome(msg)
+        elif isinstance(msg, Discover):
+            self.hello()
+        elif isinstance(msg, Shutdown):
+            log.info("server ended the run: %s", msg.reason or "done")
+            if self.config.exit_on_shutdown:
+                self._stop.set()
+        elif isinstance(msg, RoundStart):
+            self._on_round_start(msg)
+        elif self.method is not None and self.method.on_message(msg):
+            pass
+        else:
+            self._reject("unexpected_message", f"{msg.TYPE} not expected now")
+
+    def _on_welcome(self, msg: Welcome) -> None:
+        if not msg.accepted:
+            log.error("server refused this agent: %s", msg.reason)
+            self.exit_code = EXIT_REFUSED
+            self._stop.set()
+            return
+        num_classes = int(msg.settings.get("num_classes", 0))
+        if num_classes and int(self.train.labels.max()) >= num_classes:
+            log.error("local labels go up to %d but the run has %d classes", int(self.train.labels.max()), num_classes)
+            self.exit_code = EXIT_REFUSED
+            self._stop.set()
+            return
+        if self.method is not None and self.settings == msg.settings and self.method.name == msg.method:
+            return  # a repeated welcome (after a reconnect or a server restart)
+        load_method_messages(msg.method)
+        self.settings = dict(msg.settings)
+        cls = get_edge_method(msg.method)
+        ctx = EdgeContext(
+            agent_id=self.config.agent_id,
+            run_id=self.config.run_id,
+            instance=self.instance,
+            train=self.train,
+            test=self.test,
+            settings=self.settings,
+            send=self.send,
+            device=self.config.device,
+            progress=self.config.progress,
+            seed=self.config.data.seed * 1000 + self.config.data.agent_index,
+            augment=self.config.data.augment if self.config.data.augment is not None else self.config.data.dataset in ("cifar10", "cifar100", "cinic10"),
+        )
+        self.method = cls(ctx)
+        self._load_local_state()
+        log.info("welcomed into run %s, method %s", self.config.run_id, msg.method)
+
+    def _on_round_start(self, msg: RoundStart) -> None:
+        if self.method is None or msg.method != self.method.name:
+            self._reject("not_ready", f"round_start for {msg.method!r} before a welcome for it")
+            self._publish(ErrorReply(**self._base(msg.round), code="not_ready", reason="no welcome received yet", ref_msg_id=msg.msg_id))
+            self.hello()
+            return
+        meter = RoundMeter()
+        if self._last_round_end_at is not None:
+            meter.seconds["idle"] = time.monotonic() - self._last_round_end_at
+        before = self.transport.stats.snapshot()
+        started = time.monotonic()
+        self._status("training")
+        try:
+            result = self.method.run_round(msg, meter)
+        except (ProtocolError, ValueError, RuntimeError) as exc:
+            log.error("round %d failed: %s", msg.round, exc)
+            self._publish(ErrorReply(**self._base(msg.round), code="round_failed", reason=str(exc)[:500], ref_msg_id=msg.msg_id))
+            self._status("idle")
+            return
+        after = self.transport.stats.snapshot()
+        costs = {
+            "samples": meter.samples_trained,
+            "train_flops": meter.train_flops,
+            "compute_s": meter.seconds["compute"],
+            "encode_s": meter.seconds["encode"],
+            "network_s": meter.seconds["network"],
+            "idle_s": meter.seconds["idle"],
+            "round_s": time.monotonic() - started,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "payload_bytes_up": after["payload_bytes_out"] - before["payload_bytes_out"],
+            "wire_bytes_up": after["wire_bytes_out"] - before["wire_bytes_out"],
+            "payload_bytes_down": after["payload_bytes_in"] - before["payload_bytes_in"],
+            "wire_bytes_down": after["wire_bytes_in"] - before["wire_bytes_in"],
+            "codec": str(msg.config.get("upload_codec", "")),
+            "codec_ratio": meter.codec_ratio,
+        }
+        self._publish(
+            RoundEnd(**self._base(msg.round), num_samples=result.num_samples, instance=self.instance, uploads=result.uploads, costs=costs, metrics=result.metrics)
+        )
+        self.last_round_done = msg.round
+        self.rounds_done.append(msg.round)
+        self._last_round_end_at = time.monotonic()
+        self._save_local_state()
+        self._status("idle")
+        acc = result.metrics.get("edge_accuracy")
+        log.info(
+            "round %d done: %d samples, %.1f s compute, %.2f MB up%s",
+            msg.round, result.num_samples, meter.seconds["compute"], costs["wire_bytes_up"] / 1e6,
+            f", edge acc {acc:.2%}" if isinstance(acc, float) else "",
+        )
+
+    # -- local state -------------------------------------------------------- #
+
+    def _state_paths(self) -> tuple[Path, Path] | None:
+        if not self.config.state_dir:
+            return None
+        base = Path(self.config.state_dir)
+        return base / f"{self.config.agent_id}.npz", base / f"{self.config.agent_id}.json"
+
+    def _save_local_state(self) -> None:
+        paths = self._state_paths()
+        if paths is None or self.method is None:
+            return
+        arrays_path, meta_path = paths
+        arrays_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = arrays_path.with_suffix(".tmp.npz")
+        np.savez(tmp, **self.method.state_arrays())
+        os.replace(tmp, arrays_path)
+        meta = {"run": self.config.run_id, "method": self.method.name, "last_round_done": self.last_round_done, "settings": self.settings}
+        meta_path.write_text(json.dumps(meta))
+
+    def _load_local_state(self) -> None:
+        paths = self._state_paths()
+        if paths is None or self.method is None or not paths[0].exists() or not paths[1].exists():
+            return
+        meta = json.loads(paths[1].read_text())
+        if meta.get("run") != self.config.run_id or meta.get("method") != self.method.name or meta.get("settings") != self.settings:
+            log.info("ignoring local state of another run/method in %s", paths[0])
+            return
+        with np.load(paths[0], allow_pickle=False) as data:
+            self.method.load_state_arrays({k: data[k] for k in data.files})
+        self.last_round_done = int(meta.get("last_round_done", -1))
+        log.info("restored local state after round %d from %s", self.last_round_done, paths[0])

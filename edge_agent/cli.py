@@ -1,0 +1,73 @@
+"""``edge-agent``: run an agent."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+
+from shared_protocol.logs import setup_logging
+from shared_protocol.tomlio import read_toml
+from shared_protocol.transport import TransportError
+
+from .config import EdgeConfig
+
+log = logging.getLogger("edge_agent")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge-agent", description="EdgeSplit edge agent.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="join a federation and train")
+    run.add_argument("--config", required=True, help="agent TOML ([agent] and [data] tables)")
+    run.add_argument("--broker", help="override the broker URL")
+    run.add_argument("--agent-id", help="override the agent id")
+    run.add_argument("--state-dir", help="override where local state is kept")
+    run.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> EdgeConfig:
+    config = EdgeConfig.from_dict(read_toml(args.config))
+    overrides = {
+        "broker_url": args.broker,
+        "agent_id": args.agent_id,
+        "state_dir": args.state_dir,
+        "log_json": True if args.log_json else None,
+        "progress": False if args.no_progress else None,
+    }
+    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"edge-agent: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_json, name=f"{config.agent_id} ")
+    if not sys.stderr.isatty():
+        config = dataclasses.replace(config, progress=False)
+    from .agent import EdgeAgent
+
+    try:
+        agent = EdgeAgent(config)
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("%s", exc)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    try:
+        return agent.run()
+    except TransportError as exc:
+        log.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The interface between the agent (connection, rounds, costs) and a method's edge step."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+from fldata import ArrayDataset
+from shared_protocol.messages import Message, RoundStart
+
+from ..costs import RoundMeter
+
+
+@dataclass
+class EdgeContext:
+    """What a method's edge step may use. It never sees the transport itself."""
+
+    agent_id: str
+    run_id: str
+    instance: str
+    train: ArrayDataset
+    test: ArrayDataset
+    settings: dict[str, Any]  # from the server's Welcome: num_classes, models, ...
+    send: Callable[..., None]  # send(msg, meter, codecs=None): encode + publish on our up topic, metered
+    device: str = "cpu"
+    progress: bool = False
+    seed: int = 0
+    augment: bool = False
+
+
+@dataclass
+class RoundResult:
+    num_samples: int
+    uploads: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+_EDGE_METHODS: dict[str, type["EdgeMethod"]] = {}
+
+
+def register_edge_method(cls: type["EdgeMethod"]) -> type["EdgeMethod"]:
+    if cls.name in _EDGE_METHODS:
+        raise ValueError(f"edge method {cls.name!r} is already registered")
+    _EDGE_METHODS[cls.name] = cls
+    return cls
+
+
+def registered_edge_methods() -> dict[str, type["EdgeMethod"]]:
+    return dict(_EDGE_METHODS)
+
+
+class EdgeMethod(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, ctx: EdgeContext) -> None:
+        self.ctx = ctx
+
+    def on_message(self, msg: Message) -> bool:
+        """A method-specific download (e.g. server logits). Return True if handled."""
+        return False
+
+    @abstractmethod
+    def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
+        """Train, send what the method sends, and say what was done."""
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """What to persist locally so a restarted agent resumes where it was."""
+        return {}
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore from :meth:`state_arrays`."""

@@ -1,0 +1,168 @@
+"""FedGKT edge step (He et al. 2020, Algorithm 1 ClientTrain, Eq. 7).
+
+Each round: train the ResNet-8 for ``edge_epochs`` with
+``CE + alpha * KD(server logits -> edge)`` (CE only until server logits exist),
+then run the extractor in eval mode over the shard and stream feature maps H,
+edge logits z_c, labels and sample ids batch by batch, never holding all maps
+in memory. Server logits come back keyed by sample id and are looked up by id
+in the next round, whatever order the loader shuffles the samples into.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fldata.torch_data import make_loader
+from models import build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.losses import kd_loss
+from shared_protocol.errors import ShapeMismatchError
+from shared_protocol.messages import Message, RoundStart
+from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig, GktServerLogits
+
+from ..costs import RoundMeter
+from ..trainer import accuracy, make_optimizer, train_epochs
+from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
+
+
+class TeacherLogits:
+    """Server logits by sample id. Lookups return rows in the order of the ids asked for."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.ids = np.empty(0, np.int64)  # sorted
+        self.logits = np.empty((0, num_classes), np.float32)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def update(self, ids: np.ndarray, logits: np.ndarray) -> None:
+        if logits.ndim != 2 or logits.shape[1] != self.num_classes or logits.shape[0] != ids.shape[0]:
+            raise ShapeMismatchError(f"server logits {logits.shape} for {ids.shape[0]} ids, expected (n, {self.num_classes})")
+        keep = ~np.isin(self.ids, ids)
+        all_ids = np.concatenate([self.ids[keep], ids.astype(np.int64)])
+        all_logits = np.concatenate([self.logits[keep], logits.astype(np.float32)])
+        order = np.argsort(all_ids, kind="stable")
+        self.ids, self.logits = all_ids[order], all_logits[order]
+
+    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(logits (B, K), found mask (B,)) for the given sample ids."""
+        ids = np.asarray(ids, np.int64)
+        pos = np.searchsorted(self.ids, ids)
+        pos_clipped = np.minimum(pos, max(len(self.ids) - 1, 0))
+        found = (pos < len(self.ids)) & (self.ids[pos_clipped] == ids) if len(self.ids) else np.zeros(len(ids), bool)
+        out = np.zeros((len(ids), self.num_classes), np.float32)
+        if found.any():
+            out[found] = self.logits[pos_clipped[found]]
+        return out, found
+
+
+@register_edge_method
+class FedGktEdge(EdgeMethod):
+    name = "fedgkt"
+
+    def __init__(self, ctx: EdgeContext) -> None:
+        super().__init__(ctx)
+        settings = ctx.settings
+        self.num_classes = int(settings["num_classes"])
+        self.model = build_model(settings.get("edge_model", "resnet8"), self.num_classes, ctx.train.in_channels).to(ctx.device)
+        self.teacher = TeacherLogits(self.num_classes)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_key: tuple | None = None
+        shape = ctx.train.images.shape[1:]  # (C, H, W)
+        self.train_flops_per_sample = training_flops_per_sample(self.model, shape)
+        self.forward_flops_per_sample = forward_flops_per_sample(self.model, shape)
+
+    # -- downloads --------------------------------------------------------- #
+
+    def on_message(self, msg: Message) -> bool:
+        if isinstance(msg, GktServerLogits):
+            self.teacher.update(msg.sample_ids, msg.logits)
+            return True
+        return False
+
+    # -- the round --------------------------------------------------------- #
+
+    def _optimizer_for(self, cfg: GktRoundConfig) -> torch.optim.Optimizer:
+        key = (cfg.edge_optimizer, cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay)
+        if self.optimizer is None or key != self._optimizer_key:
+            self.optimizer = make_optimizer(cfg.edge_optimizer, self.model.parameters(), cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay)
+            self._optimizer_key = key
+        return self.optimizer
+
+    def loss_fn(self, cfg: GktRoundConfig):  # type: ignore[no-untyped-def]
+        """Eq. 7: CE + alpha * KD(z_s -> z_c), KD only for samples with a server logit."""
+
+        def loss(output: object, labels: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
+            logits, _features = output  # (B, K), (B, 16, H, W)
+            value = F.cross_entropy(logits, labels)
+            if cfg.edge_kd and cfg.alpha > 0 and len(self.teacher):
+                teacher, found = self.teacher.lookup(sample_ids.numpy())
+                if found.any():
+                    mask = torch.from_numpy(found).to(logits.device)
+                    value = value + cfg.alpha * kd_loss(logits[mask], torch.from_numpy(teacher[found]).to(logits.device), cfg.temperature)
+            return value
+
+        return loss
+
+    def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
+        cfg = GktRoundConfig.from_dict(start.config)
+        ctx = self.ctx
+        with meter.phase("compute"):
+            loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
+            result = train_epochs(
+                self.model, loader, self._optimizer_for(cfg), self.loss_fn(cfg), cfg.edge_epochs,
+                device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",
+            )
+        meter.samples_trained += result.samples
+        meter.train_flops += self.train_flops_per_sample * result.samples
+        uploads = {"train": self._stream_features("train", start, cfg, meter)}
+        metrics: dict = {"train_loss": result.mean_loss, "kd_samples": len(self.teacher)}
+        if start.evaluate:
+            with meter.phase("compute"):
+                self.model.eval()
+                test_loader = make_loader(ctx.test, 256)
+                correct, total = accuracy(lambda x: self.model(x)[0], test_loader, ctx.device)
+            meter.train_flops += self.forward_flops_per_sample * total
+            metrics.update(edge_correct=correct, edge_total=total, edge_accuracy=correct / total if total else None)
+            uploads["test"] = self._stream_features("test", start, cfg, meter)
+        return RoundResult(num_samples=uploads["train"]["samples"], uploads=uploads, metrics=metrics)
+
+    @torch.no_grad()
+    def _stream_features(self, split: str, start: RoundStart, cfg: GktRoundConfig, meter: RoundMeter) -> dict:
+        """Extract (eval mode) and send batch by batch; at most one batch of maps in memory."""
+        ctx = self.ctx
+        data = ctx.train if split == "train" else ctx.test
+        self.model.eval()
+        loader = make_loader(data, cfg.upload_batch_samples, shuffle=False)
+        batches = samples = 0
+        for seq, (images, labels, sample_ids) in enumerate(loader):
+            with meter.phase("compute"):
+                features = self.model.extract(images.to(ctx.device))  # (B, 16, H, W)
+                logits = self.model.classify(features)  # (B, K)
+            msg = GktFeatures(
+                run=ctx.run_id, round=start.round, sender=ctx.agent_id, split=split, seq=seq, instance=ctx.instance,
+                features=features.cpu().numpy(), logits=logits.cpu().numpy(),
+                labels=labels.numpy().astype(np.int64), sample_ids=sample_ids.numpy().astype(np.int64),
+            )
+            ctx.send(msg, meter, codecs={"features": cfg.upload_codec})
+            batches += 1
+            samples += int(labels.shape[0])
+        if split == "train":
+            meter.train_flops += self.forward_flops_per_sample * samples
+        return {"batches": batches, "samples": samples}
+
+    # -- local persistence -------------------------------------------------- #
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        state = {f"model/{k}": v for k, v in state_dict_to_arrays(self.model).items()}
+        state["teacher/ids"] = self.teacher.ids
+        state["teacher/logits"] = self.teacher.logits
+        return state
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        load_arrays_into(self.model, {k[6:]: v for k, v in arrays.items() if k.startswith("model/")})
+        if "teacher/ids" in arrays:
+            self.teacher = TeacherLogits(self.num_classes)
+            self.teacher.update(arrays["teacher/ids"], arrays["teacher/logits"])

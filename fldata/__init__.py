@@ -1,0 +1,56 @@
+"""Datasets and partitioners shared by the edge agent and the cloud server.
+
+The core (:mod:`fldata.datasets`, :mod:`fldata.partition`) needs numpy only, so a
+torch-free edge backend can use it. Everything torch lives in
+:mod:`fldata.torch_data`, which is *not* imported here: importing ``fldata``
+never imports torch.
+
+This package imports none of ``shared_protocol``, ``models``, ``edge_agent`` or
+``cloud_server``.
+"""
+
+from fldata.datasets import (
+    DATASET_NAMES,
+    SPLIT_ID_OFFSETS,
+    ArrayDataset,
+    compute_stats,
+    dataset_stats,
+    load_dataset,
+    load_npz,
+    make_synthetic,
+    save_npz,
+    take,
+)
+from fldata.partition import (
+    PARTITION_SCHEMES,
+    PartitionSpec,
+    agent_shard,
+    class_count_table,
+    class_counts_per_agent,
+    partition_indices,
+    partition_test_indices,
+    read_count_table,
+    test_shard_for_agent,
+)
+
+__all__ = [
+    "DATASET_NAMES",
+    "PARTITION_SCHEMES",
+    "SPLIT_ID_OFFSETS",
+    "ArrayDataset",
+    "PartitionSpec",
+    "agent_shard",
+    "class_count_table",
+    "class_counts_per_agent",
+    "compute_stats",
+    "dataset_stats",
+    "load_dataset",
+    "load_npz",
+    "make_synthetic",
+    "partition_indices",
+    "partition_test_indices",
+    "read_count_table",
+    "save_npz",
+    "take",
+    "test_shard_for_agent",
+]

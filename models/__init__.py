@@ -1,0 +1,87 @@
+"""EdgeSplit model zoo: architectures, a registry by name, cost counting, weight arrays.
+
+Depends on torch and numpy only; it never imports the protocol, data, agent or
+server packages, so both sides of a run (and a Pi) can install it alone.
+
+Typical use::
+
+    from models import build_model, training_flops_per_sample
+
+    edge = build_model("resnet8", num_classes=10, in_channels=1)
+    logits, features = edge(images)            # (B, 10), (B, 16, H, W)
+    server = build_model("resnet55_server", num_classes=10)
+    server_logits = server(features)           # (B, 10)
+    flops = training_flops_per_sample(edge, (1, 28, 28))
+"""
+
+from models.cost import (
+    LossKind,
+    count_parameters,
+    flops_of,
+    forward_flops_per_sample,
+    training_flops_per_sample,
+)
+from models.registry import (
+    InputKind,
+    ModelBuilder,
+    ModelSpec,
+    build_model,
+    get_model_spec,
+    list_models,
+    register_model,
+)
+
+# Importing the architectures registers their builders.
+from models.resnet import (
+    FEATURE_CHANNELS,
+    RESNET8_LAYOUT,
+    RESNET56_LAYOUT,
+    RESNET110_LAYOUT,
+    Bottleneck,
+    ConvStem,
+    ResNet,
+    ResNet8Edge,
+    ResNetTrunk,
+    SplitResNet,
+    StageLayout,
+    resnet8,
+    resnet55_server,
+    resnet56,
+    resnet109_server,
+    resnet110,
+)
+from models.weights import WeightsMismatchError, load_arrays_into, state_dict_to_arrays
+
+__all__ = [
+    "FEATURE_CHANNELS",
+    "RESNET8_LAYOUT",
+    "RESNET56_LAYOUT",
+    "RESNET110_LAYOUT",
+    "Bottleneck",
+    "ConvStem",
+    "InputKind",
+    "LossKind",
+    "ModelBuilder",
+    "ModelSpec",
+    "ResNet",
+    "ResNet8Edge",
+    "ResNetTrunk",
+    "SplitResNet",
+    "StageLayout",
+    "WeightsMismatchError",
+    "build_model",
+    "count_parameters",
+    "flops_of",
+    "forward_flops_per_sample",
+    "get_model_spec",
+    "list_models",
+    "load_arrays_into",
+    "register_model",
+    "resnet8",
+    "resnet55_server",
+    "resnet56",
+    "resnet109_server",
+    "resnet110",
+    "state_dict_to_arrays",
+    "training_flops_per_sample",
+]

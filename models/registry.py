@@ -1,0 +1,140 @@
+"""Registry of model builders, keyed by name.
+
+Both sides of a run name their architectures in configs and on the wire
+("resnet8", "resnet55_server", ...); this module turns such a name into a
+freshly initialised ``nn.Module``. A builder is registered once, with the kind
+of input it expects, so callers (cost meters, tests, the server) can make a
+correctly shaped dummy batch without knowing the architecture.
+
+A duplicate name is an error rather than a silent override: two methods that
+register the same name would otherwise train different networks under one
+label, and the run report would not show it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Protocol, TypeVar
+
+import torch.nn as nn
+
+__all__ = [
+    "InputKind",
+    "ModelBuilder",
+    "ModelSpec",
+    "build_model",
+    "get_model_spec",
+    "list_models",
+    "register_model",
+]
+
+#: What a model's forward takes: a raw image batch ``(B, in_channels, H, W)``,
+#: or the edge extractor's feature maps ``(B, feature_channels, H, W)``.
+InputKind = Literal["image", "features"]
+
+
+class ModelBuilder(Protocol):
+    """Signature every registered builder has."""
+
+    def __call__(self, num_classes: int = 10, in_channels: int = 3) -> nn.Module: ...
+
+
+_BuilderT = TypeVar("_BuilderT", bound=Callable[..., nn.Module])
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered architecture.
+
+    Attributes:
+        name: Registry key.
+        builder: ``builder(num_classes, in_channels) -> nn.Module``.
+        input_kind: ``"image"`` for models fed raw images, ``"features"`` for
+            server models fed the edge extractor's output.
+        feature_channels: Channels of the feature-map input (only meaningful
+            when ``input_kind == "features"``).
+        description: One line for listings and run reports.
+    """
+
+    name: str
+    builder: ModelBuilder
+    input_kind: InputKind
+    feature_channels: int
+    description: str
+
+    def input_shape(self, in_channels: int = 3, image_size: int = 32) -> tuple[int, int, int]:
+        """Per-sample input shape ``(C, H, W)`` for this model.
+
+        The edge extractor keeps the spatial size (stride-1 stem), so a server
+        model sees the image's ``H x W`` with ``feature_channels`` channels.
+        """
+        channels = in_channels if self.input_kind == "image" else self.feature_channels
+        return (channels, image_size, image_size)
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(
+    name: str,
+    *,
+    input_kind: InputKind = "image",
+    feature_channels: int = 16,
+    description: str = "",
+) -> Callable[[_BuilderT], _BuilderT]:
+    """Decorator registering ``builder(num_classes, in_channels)`` under ``name``.
+
+    Raises:
+        ValueError: ``name`` is empty or already registered, or ``input_kind``
+            is unknown.
+    """
+    if not name:
+        raise ValueError("model name must be a non-empty string")
+    if input_kind not in ("image", "features"):
+        raise ValueError(f"input_kind must be 'image' or 'features', got {input_kind!r}")
+
+    def decorator(builder: _BuilderT) -> _BuilderT:
+        if name in _REGISTRY:
+            raise ValueError(f"model {name!r} is already registered")
+        doc_line = (builder.__doc__ or "").strip().splitlines()
+        _REGISTRY[name] = ModelSpec(
+            name=name,
+            builder=builder,
+            input_kind=input_kind,
+            feature_channels=feature_channels,
+            description=description or (doc_line[0] if doc_line else ""),
+        )
+        return builder
+
+    return decorator
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The registered spec for ``name``.
+
+    Raises:
+        ValueError: no model of that name; the message lists the known names.
+    """
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        raise ValueError(f"unknown model {name!r}; registered models: {list_models()}")
+    return spec
+
+
+def build_model(name: str, num_classes: int = 10, in_channels: int = 3) -> nn.Module:
+    """Build a freshly initialised model by registry name.
+
+    ``in_channels`` is the channel count of the images in the federation.
+    Server models ignore it for their input (they always take the edge
+    extractor's feature maps) but still validate it, so one config drives
+    every model of a run.
+
+    Raises:
+        ValueError: unknown name, or invalid ``num_classes`` / ``in_channels``.
+    """
+    return get_model_spec(name).builder(num_classes=num_classes, in_channels=in_channels)
+
+
+def list_models() -> list[str]:
+    """Registered model names, sorted."""
+    return sorted(_REGISTRY)

@@ -1,0 +1,326 @@
+"""CIFAR-style bottleneck ResNets used by FedGKT, split learning and FedAvg.
+
+Every model here is one of two generic pieces, with the variants given as data
+(:class:`StageLayout`), in the style of torchvision's ``ResNet(block, layers)``:
+
+* :class:`ConvStem` -- ``conv3x3(in_channels -> 16) + BN + ReLU``. On the edge
+  this is the *extractor*: its ``(B, 16, H, W)`` output is what FedGKT uploads.
+* :class:`ResNetTrunk` -- bottleneck stages, global average pool and a linear
+  head. It maps the stem's 16-channel map to logits. On the server it is the
+  whole model (ResNet-55 / ResNet-109); on the edge it is the *classifier*.
+
+Architectures follow FedML's FedGKT code (``fedml_api/model/cv/resnet_gkt`` and
+``resnet56_gkt``) so parameter counts and FLOPs are comparable with the paper:
+
+============  ==========================  ================  ==================
+name          layout (bottleneck blocks)   input             params (C=10, 3ch)
+============  ==========================  ================  ==================
+resnet8       stem + [2] (planes 16)       image             10,586
+resnet55      [6, 6, 6] (16/32/64)         16-ch features    590,858
+resnet109     [12, 12, 12]                 16-ch features    1,147,274
+resnet56      stem + [6, 6, 6]             image             591,322
+resnet110     stem + [12, 12, 12]          image             1,147,738
+============  ==========================  ================  ==================
+
+Two deliberate differences from FedML: the server models carry no unused stem
+(FedML builds ``conv1``/``bn1`` in the server ResNet and never calls them, which
+inflates its parameter count by 464), and ``in_channels`` is a parameter
+instead of a hard-coded 3, so Fashion-MNIST (1 channel) needs no fork.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+
+from models.registry import register_model
+
+__all__ = [
+    "FEATURE_CHANNELS",
+    "RESNET8_LAYOUT",
+    "RESNET56_LAYOUT",
+    "RESNET110_LAYOUT",
+    "Bottleneck",
+    "ConvStem",
+    "ResNet",
+    "ResNet8Edge",
+    "ResNetTrunk",
+    "SplitResNet",
+    "StageLayout",
+    "resnet8",
+    "resnet55_server",
+    "resnet56",
+    "resnet109_server",
+    "resnet110",
+]
+
+#: Channels of the edge extractor's output, i.e. of every server model's input.
+#: Part of the FedGKT contract between edge and server: change it on both sides.
+FEATURE_CHANNELS = 16
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` as ``int`` if it is a positive integer, else raise ValueError.
+
+    ``bool`` is rejected although it is an ``int`` subclass: ``num_classes=True``
+    is always a config mistake.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return int(value)
+
+
+def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+    """3x3 convolution, padding 1, no bias (a BatchNorm always follows)."""
+    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+    """1x1 convolution, no bias (a BatchNorm always follows)."""
+    return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
+
+
+def _init_weights(module: nn.Module) -> None:
+    """FedML/torchvision initialisation: He-normal (fan_out) convs, BN = identity.
+
+    Linear layers keep PyTorch's default init, as in FedML.
+    """
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+class Bottleneck(nn.Module):
+    """1x1 -> 3x3 -> 1x1 residual block with 4x channel expansion.
+
+    The stride sits on the 3x3 conv (torchvision's "ResNet v1.5", as in FedML).
+    The shortcut is a strided 1x1 conv + BN whenever the shape changes, which in
+    these networks means the first block of every stage.
+    """
+
+    expansion: ClassVar[int] = 4
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        out_planes = planes * self.expansion
+        self.conv1 = conv1x1(in_planes, planes)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = conv3x3(planes, planes, stride)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = conv1x1(planes, out_planes)
+        self.bn3 = nn.BatchNorm2d(out_planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or in_planes != out_planes:
+            self.downsample = nn.Sequential(conv1x1(in_planes, out_planes, stride), nn.BatchNorm2d(out_planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, in_planes, H, W)
+        identity = x if self.downsample is None else self.downsample(x)  # (B, 4*planes, H/s, W/s)
+        out = self.relu(self.bn1(self.conv1(x)))  # (B, planes, H, W)
+        out = self.relu(self.bn2(self.conv2(out)))  # (B, planes, H/s, W/s)
+        out = self.bn3(self.conv3(out))  # (B, 4*planes, H/s, W/s)
+        out += identity
+        return self.relu(out)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Bottleneck stages of a trunk: blocks, width and stride per stage.
+
+    Attributes:
+        blocks: Bottleneck blocks per stage, e.g. ``(6, 6, 6)`` for ResNet-56.
+        planes: Bottleneck width per stage; the stage outputs ``4 * planes``.
+        strides: Stride of each stage's first block.
+    """
+
+    blocks: tuple[int, ...]
+    planes: tuple[int, ...] = (16, 32, 64)
+    strides: tuple[int, ...] = (1, 2, 2)
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("StageLayout needs at least one stage")
+        if not len(self.blocks) == len(self.planes) == len(self.strides):
+            raise ValueError(
+                "blocks, planes and strides must have one entry per stage, got "
+                f"{len(self.blocks)}, {len(self.planes)} and {len(self.strides)}"
+            )
+        for field_name in ("blocks", "planes", "strides"):
+            for value in getattr(self, field_name):
+                _check_positive_int(f"StageLayout.{field_name} entry", value)
+
+    @property
+    def out_channels(self) -> int:
+        """Channels entering the pooling layer and the linear head."""
+        return self.planes[-1] * Bottleneck.expansion
+
+    @property
+    def conv_layers(self) -> int:
+        """Weighted conv layers in the stages (3 per block, shortcuts not counted)."""
+        return 3 * sum(self.blocks)
+
+
+#: ResNet-8's classifier: one stage of two blocks at width 16 (64 channels out).
+RESNET8_LAYOUT = StageLayout(blocks=(2,), planes=(16,), strides=(1,))
+#: ResNet-56 / server ResNet-55.
+RESNET56_LAYOUT = StageLayout(blocks=(6, 6, 6))
+#: ResNet-110 / server ResNet-109.
+RESNET110_LAYOUT = StageLayout(blocks=(12, 12, 12))
+
+
+class ConvStem(nn.Module):
+    """``conv3x3(in_channels -> out_channels) + BN + ReLU``, stride 1.
+
+    Keeps the spatial size, so a 32x32 image becomes a ``(16, 32, 32)`` map.
+    """
+
+    def __init__(self, in_channels: int = 3, out_channels: int = FEATURE_CHANNELS) -> None:
+        super().__init__()
+        self.in_channels = _check_positive_int("in_channels", in_channels)
+        self.out_channels = _check_positive_int("out_channels", out_channels)
+        self.conv = conv3x3(self.in_channels, self.out_channels)
+        self.bn = nn.BatchNorm2d(self.out_channels)
+        self.relu = nn.ReLU(inplace=True)
+        _init_weights(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, in_channels, H, W)
+        return self.relu(self.bn(self.conv(x)))  # (B, out_channels, H, W)
+
+
+class ResNetTrunk(nn.Module):
+    """Bottleneck stages + global average pool + linear head.
+
+    Maps a feature map ``(B, in_planes, H, W)`` to logits ``(B, num_classes)``.
+    Any ``H, W`` works (adaptive pooling); each stride-2 stage halves them.
+    """
+
+    def __init__(self, layout: StageLayout, num_classes: int = 10, in_planes: int = FEATURE_CHANNELS) -> None:
+        super().__init__()
+        self.layout = layout
+        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.in_planes = _check_positive_int("in_planes", in_planes)
+
+        stages: OrderedDict[str, nn.Module] = OrderedDict()
+        channels = self.in_planes
+        for index, (blocks, planes, stride) in enumerate(zip(layout.blocks, layout.planes, layout.strides)):
+            # Only the first block of a stage changes width or resolution.
+            stage_blocks: list[nn.Module] = [Bottleneck(channels, planes, stride)]
+            channels = planes * Bottleneck.expansion
+            stage_blocks += [Bottleneck(channels, planes) for _ in range(blocks - 1)]
+            stages[f"layer{index + 1}"] = nn.Sequential(*stage_blocks)
+        self.stages = nn.Sequential(stages)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(layout.out_channels, self.num_classes)
+        _init_weights(self)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, in_planes, H, W)
+        x = self.stages(features)  # (B, out_channels, H / prod(strides), W / prod(strides))
+        x = torch.flatten(self.avgpool(x), 1)  # (B, out_channels)
+        return self.fc(x)  # (B, num_classes)
+
+
+class SplitResNet(nn.Module):
+    """A ResNet split into ``extractor`` (the stem) and ``classifier`` (the trunk).
+
+    The split point is where FedGKT and split learning cut the network; full
+    models keep the same structure so their state-dict names line up with the
+    edge model's.
+    """
+
+    def __init__(self, layout: StageLayout, num_classes: int = 10, in_channels: int = 3) -> None:
+        super().__init__()
+        self.extractor = ConvStem(in_channels, FEATURE_CHANNELS)
+        self.classifier = ResNetTrunk(layout, num_classes, in_planes=FEATURE_CHANNELS)
+
+    @property
+    def num_classes(self) -> int:
+        """Width of the logits."""
+        return self.classifier.num_classes
+
+    @property
+    def in_channels(self) -> int:
+        """Image channels the extractor expects."""
+        return self.extractor.in_channels
+
+    def extract(self, x: torch.Tensor) -> torch.Tensor:  # (B, in_channels, H, W)
+        """Feature maps ``(B, 16, H, W)`` as uploaded by the edge."""
+        return self.extractor(x)
+
+    def classify(self, features: torch.Tensor) -> torch.Tensor:  # (B, 16, H, W)
+        """Logits ``(B, num_classes)`` from extractor features."""
+        return self.classifier(features)
+
+
+class ResNet(SplitResNet):
+    """A full image classifier (ResNet-56 / ResNet-110 for FedAvg): ``forward(x) -> logits``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, in_channels, H, W)
+        return self.classify(self.extract(x))  # (B, num_classes)
+
+
+class ResNet8Edge(SplitResNet):
+    """FedGKT's edge model (FedML ``resnet8_56``): stem + two bottlenecks + fc.
+
+    ``forward`` returns both the logits, for the edge's own CE + KD loss, and
+    the extractor output that is uploaded to the server.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
+        super().__init__(RESNET8_LAYOUT, num_classes=num_classes, in_channels=in_channels)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, in_channels, H, W)
+        features = self.extract(x)  # (B, 16, H, W)
+        logits = self.classify(features)  # (B, num_classes)
+        return logits, features
+
+
+# --- registered builders -----------------------------------------------------
+
+
+@register_model("resnet8", input_kind="image")
+def resnet8(num_classes: int = 10, in_channels: int = 3) -> ResNet8Edge:
+    """ResNet-8 edge model (FedGKT): forward(x) -> (logits, features)."""
+    return ResNet8Edge(num_classes=num_classes, in_channels=in_channels)
+
+
+@register_model("resnet55_server", input_kind="features", feature_channels=FEATURE_CHANNELS)
+def resnet55_server(num_classes: int = 10, in_channels: int = 3) -> ResNetTrunk:
+    """ResNet-55 server model (FedGKT): 16-channel features -> logits.
+
+    ``in_channels`` (the images' channels) is validated but does not change the
+    model: the server only ever sees the extractor's 16-channel maps.
+    """
+    _check_positive_int("in_channels", in_channels)
+    return ResNetTrunk(RESNET56_LAYOUT, num_classes=num_classes, in_planes=FEATURE_CHANNELS)
+
+
+@register_model("resnet109_server", input_kind="features", feature_channels=FEATURE_CHANNELS)
+def resnet109_server(num_classes: int = 10, in_channels: int = 3) -> ResNetTrunk:
+    """ResNet-109 server model (FedGKT): 16-channel features -> logits.
+
+    ``in_channels`` is validated only; see :func:`resnet55_server`.
+    """
+    _check_positive_int("in_channels", in_channels)
+    return ResNetTrunk(RESNET110_LAYOUT, num_classes=num_classes, in_planes=FEATURE_CHANNELS)
+
+
+@register_model("resnet56", input_kind="image")
+def resnet56(num_classes: int = 10, in_channels: int = 3) -> ResNet:
+    """ResNet-56 full model (FedML bottleneck variant): image -> logits."""
+    return ResNet(RESNET56_LAYOUT, num_classes=num_classes, in_channels=in_channels)
+
+
+@register_model("resnet110", input_kind="image")
+def resnet110(num_classes: int = 10, in_channels: int = 3) -> ResNet:
+    """ResNet-110 full model (FedML bottleneck variant): image -> logits."""
+    return ResNet(RESNET110_LAYOUT, num_classes=num_classes, in_channels=in_channels)

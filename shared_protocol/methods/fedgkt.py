@@ -1,0 +1,104 @@
+"""FedGKT messages: feature maps up, server logits down, keyed by sample id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..errors import ShapeMismatchError, ValueRangeError
+from ..messages import Message, check_same_length, register_message, tensor
+
+SPLITS = ("train", "test")
+
+
+@register_message
+@dataclass(kw_only=True)
+class GktFeatures(Message):
+    """Agent -> server: one batch of extracted feature maps, streamed as extracted.
+
+    ``features`` (N, C, H, W) is the extractor output H; ``logits`` (N, K) the edge
+    classifier's logits z_c; ``labels`` (N,); ``sample_ids`` (N,) stable ids that
+    the server's logits come back keyed by. ``instance`` names the agent process,
+    so uploads of a killed process are never mixed with its successor's.
+    """
+
+    TYPE: ClassVar[str] = "fedgkt.features"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {
+        "features": "fp16-zstd",
+        "logits": "zstd",
+        "labels": "zstd",
+        "sample_ids": "zstd",
+    }
+    split: str
+    seq: int
+    instance: str
+    features: np.ndarray = tensor(("float32",), ndim=4)
+    logits: np.ndarray = tensor(("float32",), ndim=2)
+    labels: np.ndarray = tensor(("int64",), ndim=1)
+    sample_ids: np.ndarray = tensor(("int64",), ndim=1)
+
+    def validate(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
+        if self.seq < 0:
+            raise ValueRangeError(f"{self.TYPE}: seq must be >= 0")
+        check_same_length(self.TYPE, features=self.features, logits=self.logits, labels=self.labels, sample_ids=self.sample_ids)
+        if len(np.unique(self.sample_ids)) != len(self.sample_ids):
+            raise ValueRangeError(f"{self.TYPE}: duplicate sample ids in one batch")
+
+
+@register_message
+@dataclass(kw_only=True)
+class GktServerLogits(Message):
+    """Server -> one agent: server logits z_s for that agent's samples, by sample id."""
+
+    TYPE: ClassVar[str] = "fedgkt.server_logits"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"logits": "zstd", "sample_ids": "zstd"}
+    logits: np.ndarray = tensor(("float32",), ndim=2)
+    sample_ids: np.ndarray = tensor(("int64",), ndim=1)
+
+    def validate(self) -> None:
+        n = check_same_length(self.TYPE, logits=self.logits, sample_ids=self.sample_ids)
+        if n and len(np.unique(self.sample_ids)) != n:
+            raise ShapeMismatchError(f"{self.TYPE}: duplicate sample ids")
+
+
+@dataclass(frozen=True)
+class GktRoundConfig:
+    """The per-round settings the server sends agents in ``RoundStart.config``.
+
+    This is the wire contract between the two sides of FedGKT; both parse it
+    with these defaults (FedML's FedGKT defaults: T = 3, alpha = 1).
+    """
+
+    edge_epochs: int = 1
+    edge_optimizer: str = "adam"
+    edge_lr: float = 0.001
+    edge_momentum: float = 0.9
+    edge_weight_decay: float = 5e-4
+    batch_size: int = 64
+    temperature: float = 3.0
+    alpha: float = 1.0
+    edge_kd: bool = True  # False for the "no KD" ablation
+    upload_codec: str = "fp16-zstd"
+    upload_batch_samples: int = 256
+
+    def __post_init__(self) -> None:
+        if self.edge_epochs < 1 or self.batch_size < 1 or self.upload_batch_samples < 1:
+            raise ValueError("edge_epochs, batch_size and upload_batch_samples must be >= 1")
+        if self.edge_optimizer not in ("sgd", "adam"):
+            raise ValueError(f"edge_optimizer must be 'sgd' or 'adam', got {self.edge_optimizer!r}")
+        if self.edge_lr <= 0 or self.temperature <= 0 or self.alpha < 0:
+            raise ValueError("edge_lr and temperature must be > 0 and alpha >= 0")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "GktRoundConfig":
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueRangeError(f"fedgkt round config has unknown keys {sorted(unknown)}")
+        try:
+            return cls(**raw)
+        except (TypeError, ValueError) as exc:
+            raise ValueRangeError(f"fedgkt round config invalid: {exc}") from None

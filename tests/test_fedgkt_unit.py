@@ -1,0 +1,154 @@
+"""FedGKT pieces: KD loss, sample-id keyed teacher logits, the server step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cloud_server.methods import ServerContext
+from cloud_server.methods.fedgkt import FedGktConfig, FedGktServer
+from edge_agent.methods.fedgkt import TeacherLogits
+from fldata import make_synthetic
+from fldata.torch_data import make_loader
+from models.losses import kd_loss
+from shared_protocol.errors import ShapeMismatchError, ValueRangeError
+from shared_protocol.messages import RoundEnd, decode_message, encode_message
+from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig, GktServerLogits
+
+
+def test_kd_loss_matches_hand_computation() -> None:
+    student = torch.tensor([[1.0, 0.0, -1.0]])
+    teacher = torch.tensor([[0.0, 2.0, 0.0]])
+    t = 2.0
+    p_t = np.exp(np.array([0.0, 1.0, 0.0]))
+    p_t /= p_t.sum()
+    p_s = np.exp(np.array([0.5, 0.0, -0.5]))
+    p_s /= p_s.sum()
+    expected = t * t * float(np.sum(p_t * (np.log(p_t) - np.log(p_s))))
+    assert kd_loss(student, teacher, t).item() == pytest.approx(expected, rel=1e-6)
+    assert kd_loss(teacher, teacher, t).item() == pytest.approx(0.0, abs=1e-7)
+    with pytest.raises(ValueError):
+        kd_loss(student, teacher, 0.0)
+
+
+def test_teacher_logits_follow_sample_ids_through_a_shuffled_loader() -> None:
+    """The teacher row used for an image is the row computed for that very image."""
+    ds = make_synthetic(100, num_classes=10, in_channels=1, seed=3)
+
+    def server_logits_of(images: np.ndarray) -> np.ndarray:  # any per-image function
+        flat = images.reshape(len(images), -1).astype(np.float32)
+        return np.stack([flat[:, i * 7 : i * 7 + 7].mean(1) for i in range(10)], 1)
+
+    teacher = TeacherLogits(10)
+    # Logits arrive in an order unrelated to the dataset (as batches from the server would).
+    perm = np.random.default_rng(0).permutation(len(ds))
+    teacher.update(ds.sample_ids[perm], server_logits_of(ds.images[perm]))
+    index_of = {int(i): k for k, i in enumerate(ds.sample_ids)}
+    seen = 0
+    for _images, _labels, ids in make_loader(ds, 16, shuffle=True, seed=7):
+        rows, found = teacher.lookup(ids.numpy())
+        assert found.all()
+        positions = [index_of[int(i)] for i in ids]
+        np.testing.assert_array_equal(rows, server_logits_of(ds.images[positions]))
+        seen += len(ids)
+    assert seen == 100
+    rows, found = teacher.lookup(np.array([10_000_000_5, int(ds.sample_ids[0])]))
+    assert found.tolist() == [False, True]
+    # Updating some ids replaces exactly those rows.
+    teacher.update(ds.sample_ids[:3], np.zeros((3, 10), np.float32))
+    np.testing.assert_array_equal(teacher.lookup(ds.sample_ids[:3])[0], 0)
+    assert len(teacher) == 100
+
+
+def _features(agent_seed: int, n: int, ids: np.ndarray, round_: int = 1, instance: str = "i1", seq: int = 0) -> GktFeatures:
+    rng = np.random.default_rng(agent_seed)
+    return GktFeatures(
+        run="u", round=round_, sender="a", split="train", seq=seq, instance=instance,
+        features=np.maximum(rng.normal(size=(n, 16, 32, 32)), 0).astype(np.float32),
+        logits=rng.normal(size=(n, 10)).astype(np.float32),
+        labels=rng.integers(0, 10, n).astype(np.int64),
+        sample_ids=ids.astype(np.int64),
+    )
+
+
+def _end(batches: list[GktFeatures], instance: str = "i1", round_: int = 1) -> RoundEnd:
+    return RoundEnd(run="u", round=round_, sender="a", num_samples=sum(len(b.labels) for b in batches), instance=instance,
+                    uploads={"train": {"batches": len(batches), "samples": sum(len(b.labels) for b in batches)}})
+
+
+def test_server_logits_are_keyed_by_sample_id() -> None:
+    """Algorithm 1 line 12: z_s[id] = f_s(H_id). Batch size 1 and a negligible lr make the
+    last-epoch logits reproducible by a separate forward pass of each sample."""
+    ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
+    server = FedGktServer(ctx, {"server_batch_size": 1, "server_lr": 1e-12, "server_optimizer": "sgd", "lr_schedule": "none"})
+    ids = np.array([50, 7, 31, 12], np.int64)
+    upload = _features(1, 4, ids)
+    server.on_upload("a", upload)
+    outcome = server.complete(1, {"a": _end([upload])}, evaluate=False)
+    (agent, msg), = outcome.downloads
+    assert agent == "a" and isinstance(msg, GktServerLogits)
+    server.model.train()
+    with torch.no_grad():
+        for i, sid in enumerate(msg.sample_ids):
+            k = int(np.where(ids == sid)[0][0])
+            expected = server.model(torch.from_numpy(upload.features[k : k + 1].astype(np.float16).astype(np.float32)))
+            np.testing.assert_allclose(msg.logits[i], expected[0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_server_excludes_incomplete_or_foreign_uploads() -> None:
+    ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
+    server = FedGktServer(ctx, {"server_batch_size": 8})
+    a = _features(1, 8, np.arange(8), seq=0)
+    b = _features(2, 8, np.arange(8, 16), seq=1)
+    server.on_upload("a", a)
+    # The agent says it sent two batches; only one arrived.
+    outcome = server.complete(1, {"a": _end([a, b])}, evaluate=False)
+    assert "a" in outcome.excluded and outcome.downloads == [] and outcome.used_agents == []
+    # A restarted process (new instance) voids what the old one staged.
+    server.on_upload("a", a)
+    server.on_upload("a", _features(3, 8, np.arange(8), instance="i2"))
+    outcome = server.complete(1, {"a": _end([a], instance="i2")}, evaluate=False)
+    assert outcome.used_agents == ["a"] and outcome.samples == 8
+
+
+def test_server_rejects_bad_uploads_without_state_change() -> None:
+    ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
+    server = FedGktServer(ctx, {})
+    bad_labels = _features(1, 4, np.arange(4))
+    bad_labels.labels[0] = 10
+    with pytest.raises(ValueRangeError):
+        server.on_upload("a", bad_labels)
+    wrong_channels = _features(1, 4, np.arange(4))
+    wrong_channels.features = wrong_channels.features[:, :8]
+    with pytest.raises(ShapeMismatchError):
+        server.on_upload("a", wrong_channels)
+    assert server.staged == {}
+
+
+def test_features_message_round_trip_and_validation() -> None:
+    msg = _features(1, 5, np.arange(5))
+    back = decode_message(encode_message(msg))
+    assert isinstance(back, GktFeatures)
+    np.testing.assert_allclose(back.features, msg.features, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(back.sample_ids, msg.sample_ids)
+    dup = _features(1, 3, np.array([1, 1, 2]))
+    with pytest.raises(ValueRangeError):
+        encode_message(dup)
+    short = _features(1, 3, np.arange(3))
+    short.labels = short.labels[:2]
+    with pytest.raises(ShapeMismatchError):
+        encode_message(short)
+
+
+def test_configs_validate() -> None:
+    with pytest.raises(ValueError):
+        FedGktConfig(mode="sometimes")
+    with pytest.raises(ValueError):
+        FedGktConfig(kd="maybe")
+    with pytest.raises(ValueRangeError):
+        GktRoundConfig.from_dict({"edge_epochs": 1, "bogus": 2})
+    assert FedGktConfig(kd="none").round_config().edge_kd is False
+    assert math.isclose(FedGktConfig().round_config().temperature, 3.0)

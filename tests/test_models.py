@@ -1,0 +1,362 @@
+"""Unit tests for the models package: architectures, registry, cost counting, weight arrays."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+from models import (
+    FEATURE_CHANNELS,
+    ResNet8Edge,
+    StageLayout,
+    WeightsMismatchError,
+    build_model,
+    count_parameters,
+    flops_of,
+    forward_flops_per_sample,
+    get_model_spec,
+    list_models,
+    load_arrays_into,
+    register_model,
+    state_dict_to_arrays,
+    training_flops_per_sample,
+)
+from models import registry as registry_module
+
+EXPECTED_MODELS = {"resnet8", "resnet55_server", "resnet109_server", "resnet56", "resnet110"}
+
+# FedML's FedGKT variants, CIFAR-10 head, 3 input channels (DESIGN.md; paper's 54x / 105x).
+# The server counts are the full models' minus the stem (conv 3*16*9 + BN 2*16 = 464).
+EXPECTED_PARAMS = {
+    "resnet8": 10_586,
+    "resnet56": 591_322,
+    "resnet110": 1_147_738,
+    "resnet55_server": 591_322 - 464,
+    "resnet109_server": 1_147_738 - 464,
+}
+
+
+def _input_batch(name: str, in_channels: int, batch_size: int = 2, size: int = 32) -> torch.Tensor:
+    shape = get_model_spec(name).input_shape(in_channels=in_channels, image_size=size)
+    return torch.randn(batch_size, *shape, generator=torch.Generator().manual_seed(1))  # (B, C, H, W)
+
+
+# --- architectures and registry ------------------------------------------------
+
+
+def test_registry_lists_every_model() -> None:
+    assert set(list_models()) == EXPECTED_MODELS
+    assert list_models() == sorted(list_models())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_parameter_counts_match_fedml_exactly(name: str) -> None:
+    assert count_parameters(build_model(name, num_classes=10, in_channels=3)) == EXPECTED_PARAMS[name]
+
+
+def test_trainable_only_excludes_frozen_parameters() -> None:
+    model = build_model("resnet8")
+    model.extractor.requires_grad_(False)
+    assert count_parameters(model, trainable_only=True) == 10_586 - 464
+    assert count_parameters(model) == 10_586
+
+
+@pytest.mark.parametrize("in_channels", [1, 3])
+@pytest.mark.parametrize("name", sorted(EXPECTED_MODELS))
+def test_every_model_builds_and_runs_forward(name: str, in_channels: int) -> None:
+    model = build_model(name, num_classes=7, in_channels=in_channels)
+    x = _input_batch(name, in_channels)
+
+    output = model(x)
+
+    if isinstance(model, ResNet8Edge):
+        logits, features = output
+        assert features.shape == (2, FEATURE_CHANNELS, 32, 32)
+    else:
+        logits = output
+    assert logits.shape == (2, 7)
+    assert torch.isfinite(logits).all()
+
+
+def test_server_input_shape_is_feature_map_regardless_of_image_channels() -> None:
+    assert get_model_spec("resnet55_server").input_shape(in_channels=1) == (FEATURE_CHANNELS, 32, 32)
+    assert get_model_spec("resnet8").input_shape(in_channels=1, image_size=28) == (1, 28, 28)
+
+
+def test_edge_forward_equals_extract_then_classify() -> None:
+    edge = build_model("resnet8", in_channels=1).eval()
+    x = _input_batch("resnet8", in_channels=1, size=28)  # Fashion-MNIST size
+
+    with torch.no_grad():
+        logits, features = edge(x)
+        assert torch.equal(features, edge.extract(x))
+        assert torch.equal(logits, edge.classify(features))
+    assert features.shape == (2, FEATURE_CHANNELS, 28, 28)
+
+
+def test_server_models_consume_edge_features() -> None:
+    edge = build_model("resnet8")
+    server = build_model("resnet109_server", num_classes=10)
+    features = edge.extract(_input_batch("resnet8", 3))  # (2, 16, 32, 32)
+
+    assert server(features).shape == (2, 10)
+
+
+def test_full_model_state_names_follow_the_split() -> None:
+    names = list(build_model("resnet56").state_dict())
+    assert names[0] == "extractor.conv.weight"
+    assert all(n.startswith(("extractor.", "classifier.")) for n in names)
+
+
+def test_duplicate_registration_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
+
+    def tiny(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
+        return nn.Linear(in_channels, num_classes)
+
+    register_model("tiny_for_test")(tiny)
+    with pytest.raises(ValueError, match="already registered"):
+        register_model("tiny_for_test")(tiny)
+    with pytest.raises(ValueError, match="already registered"):
+        register_model("resnet8")(tiny)
+    assert isinstance(build_model("tiny_for_test", num_classes=4), nn.Linear)
+
+
+def test_unknown_model_raises_with_known_names() -> None:
+    with pytest.raises(ValueError, match="resnet8"):
+        build_model("resnet9000")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_MODELS))
+@pytest.mark.parametrize("num_classes", [0, -3, 2.5, True, "10"])
+def test_invalid_num_classes_raises(name: str, num_classes: object) -> None:
+    with pytest.raises(ValueError, match="num_classes"):
+        build_model(name, num_classes=num_classes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_MODELS))
+@pytest.mark.parametrize("in_channels", [0, -1, 1.0])
+def test_invalid_in_channels_raises(name: str, in_channels: object) -> None:
+    with pytest.raises(ValueError, match="in_channels"):
+        build_model(name, in_channels=in_channels)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"blocks": ()}, "at least one stage"),
+        ({"blocks": (2, 2)}, "one entry per stage"),
+        ({"blocks": (2, 0, 2)}, "blocks"),
+        ({"blocks": (2, 2, 2), "strides": (1, 0, 2)}, "strides"),
+    ],
+)
+def test_stage_layout_is_validated(kwargs: dict[str, tuple[int, ...]], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StageLayout(**kwargs)
+
+
+# --- cost counting -----------------------------------------------------------
+
+
+def test_training_flop_ratios_match_the_paper() -> None:
+    flops = {name: training_flops_per_sample(build_model(name), (3, 32, 32), batch_size=2) for name in ("resnet8", "resnet56", "resnet110")}
+
+    assert flops["resnet56"] / flops["resnet8"] >= 9
+    assert flops["resnet110"] / flops["resnet8"] >= 17
+    # DESIGN.md reference figures per image (fwd + bwd): 56.8 M / 522.4 M / 1003.7 M.
+    assert flops["resnet8"] == pytest.approx(56.8e6, rel=1e-3)
+    assert flops["resnet56"] == pytest.approx(522.4e6, rel=1e-3)
+    assert flops["resnet110"] == pytest.approx(1003.7e6, rel=1e-3)
+
+
+def test_flops_per_sample_do_not_depend_on_batch_size() -> None:
+    model = build_model("resnet8")
+    assert training_flops_per_sample(model, batch_size=2) == training_flops_per_sample(model, batch_size=3)
+    assert forward_flops_per_sample(model, batch_size=1) == forward_flops_per_sample(model, batch_size=4)
+
+
+def test_forward_flops_are_about_a_third_of_training() -> None:
+    model = build_model("resnet56")
+    forward = forward_flops_per_sample(model)
+    training = training_flops_per_sample(model)
+    # Backward = grad wrt inputs + grad wrt weights, each about one forward;
+    # only the stem conv skips its input gradient.
+    assert 2.9 * forward < training <= 3 * forward
+
+
+def test_flop_measurement_leaves_the_model_untouched() -> None:
+    model = build_model("resnet8").eval()
+    before = state_dict_to_arrays(model)
+
+    training_flops_per_sample(model)
+    forward_flops_per_sample(model)
+
+    after = state_dict_to_arrays(model)
+    assert not model.training
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_training_flops_with_sum_loss_match_ce() -> None:
+    model = build_model("resnet55_server")
+    shape = get_model_spec("resnet55_server").input_shape()
+    assert training_flops_per_sample(model, shape, loss="sum") == training_flops_per_sample(model, shape, loss="ce")
+    with pytest.raises(ValueError, match="loss"):
+        training_flops_per_sample(model, shape, loss="mse")  # type: ignore[arg-type]
+
+
+def test_flops_of_counts_two_flops_per_mac() -> None:
+    a, b = torch.randn(4, 5), torch.randn(5, 6)
+    assert flops_of(lambda: a @ b) == 2 * 4 * 5 * 6
+
+
+def test_flops_of_a_real_training_step_matches_training_flops_per_sample() -> None:
+    model = build_model("resnet8")
+    x = torch.randn(4, 3, 32, 32)
+    y = torch.randint(0, 10, (4,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        logits, _features = model(x)
+        nn.functional.cross_entropy(logits, y).backward()
+        optimizer.step()
+
+    assert flops_of(step) == 4 * training_flops_per_sample(model)
+
+
+# --- weight arrays -------------------------------------------------------------
+
+
+def _trained_resnet8() -> nn.Module:
+    """A ResNet-8 whose BN running stats and counters differ from a fresh one."""
+    model = build_model("resnet8")
+    with torch.no_grad():
+        model(torch.randn(4, 3, 32, 32))
+    return model
+
+
+def test_state_dict_arrays_round_trip_exactly() -> None:
+    source = _trained_resnet8()
+    arrays = state_dict_to_arrays(source)
+    target = build_model("resnet8")
+
+    load_arrays_into(target, arrays)
+
+    assert list(arrays) == list(source.state_dict())
+    assert arrays["extractor.bn.num_batches_tracked"].dtype == np.int64
+    assert int(arrays["extractor.bn.num_batches_tracked"]) == 1
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, source.state_dict()[name]), name
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(source.eval()(x)[0], target.eval()(x)[0])
+
+
+def test_arrays_are_independent_copies() -> None:
+    model = build_model("resnet8")
+    arrays = state_dict_to_arrays(model)
+    arrays["classifier.fc.bias"] += 1.0
+    assert not np.array_equal(arrays["classifier.fc.bias"], model.classifier.fc.bias.detach().numpy())
+    assert all(a.flags.c_contiguous and a.flags.owndata for a in arrays.values())
+
+
+def test_read_only_arrays_load_without_warning() -> None:
+    arrays = state_dict_to_arrays(_trained_resnet8())
+    for array in arrays.values():
+        array.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_arrays_into(build_model("resnet8"), arrays)
+
+
+def test_float16_arrays_are_cast_to_the_model_dtype() -> None:
+    arrays = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in state_dict_to_arrays(build_model("resnet8")).items()}
+    target = build_model("resnet8")
+    load_arrays_into(target, arrays)
+    assert target.classifier.fc.weight.dtype == torch.float32
+
+
+def _assert_untouched(model: nn.Module, before: dict[str, np.ndarray]) -> None:
+    after = state_dict_to_arrays(model)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_missing_and_unexpected_names_raise_and_are_listed() -> None:
+    model = build_model("resnet8")
+    before = state_dict_to_arrays(model)
+    arrays = dict(before)
+    del arrays["classifier.fc.weight"]
+    arrays["classifier.fc2.weight"] = np.zeros((10, 64), dtype=np.float32)
+
+    with pytest.raises(WeightsMismatchError, match=r"classifier\.fc\.weight.*classifier\.fc2\.weight") as info:
+        load_arrays_into(model, arrays)
+
+    assert isinstance(info.value, ValueError)
+    assert info.value.missing == ("classifier.fc.weight",)
+    assert info.value.unexpected == ("classifier.fc2.weight",)
+    _assert_untouched(model, before)
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes() -> None:
+    model = build_model("resnet8", num_classes=10)
+    before = state_dict_to_arrays(model)
+    arrays = state_dict_to_arrays(build_model("resnet8", num_classes=100))
+    arrays["extractor.conv.weight"] = arrays["extractor.conv.weight"] * 0  # would be written first
+
+    with pytest.raises(WeightsMismatchError, match=re.escape("'classifier.fc.weight' has shape (100, 64), model expects (10, 64)")):
+        load_arrays_into(model, arrays)
+    _assert_untouched(model, before)
+
+
+@pytest.mark.parametrize(
+    ("name", "bad_value", "message"),
+    [
+        ("classifier.fc.bias", np.full(10, np.nan, dtype=np.float32), "NaN or infinite"),
+        ("extractor.bn.running_var", np.full(16, np.inf, dtype=np.float32), "NaN or infinite"),
+        ("extractor.bn.num_batches_tracked", np.array(1.5), "dtype float64"),
+        ("classifier.fc.bias", np.zeros(10, dtype=np.int32), "dtype int32"),
+    ],
+)
+def test_bad_values_raise_before_anything_is_written(name: str, bad_value: np.ndarray, message: str) -> None:
+    model = build_model("resnet8")
+    before = state_dict_to_arrays(model)
+    arrays = state_dict_to_arrays(_trained_resnet8())
+    arrays[name] = bad_value
+
+    with pytest.raises(WeightsMismatchError, match=message):
+        load_arrays_into(model, arrays)
+    _assert_untouched(model, before)
+
+
+def test_non_array_value_raises_type_error() -> None:
+    model = build_model("resnet8")
+    arrays: dict[str, object] = dict(state_dict_to_arrays(model))
+    arrays["classifier.fc.bias"] = [0.0] * 10
+    with pytest.raises(TypeError, match="classifier.fc.bias"):
+        load_arrays_into(model, arrays)  # type: ignore[arg-type]
+
+
+def test_package_imports_only_torch_numpy_and_itself() -> None:
+    # Checked statically: at runtime other tests may already have imported the
+    # agent or server packages, which would hide an offending import.
+    allowed = set(sys.stdlib_module_names) | {"numpy", "torch", "models"}
+    package_dir = Path(models.__file__).parent
+    for source in sorted(package_dir.rglob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text(), filename=str(source))):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                roots = [node.module.split(".")[0]]
+            else:
+                continue
+            assert set(roots) <= allowed, f"{source.name} imports {roots}"

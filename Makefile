@@ -29,7 +29,7 @@ test: venv system-deps
 	$(PY) -m pytest -q tests
 
 demo: venv system-deps
-	$(VENV)/bin/edgesplit local --method fedgkt --agents 4 --rounds 8 --dataset fashion-mnist --partition dirichlet:0.5 --out runs/demo
+	$(VENV)/bin/edgesplit local --method fedgkt --agents 4 --rounds 8 --dataset fashion-mnist --partition dirichlet:0.5 --run-id demo --out runs/demo
 
 bench: venv system-deps
 	$(PY) bench/codecs.py

@@ -80,7 +80,6 @@ class OpenRound:
     done: dict[str, RoundEnd] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
     outcomes: list[RoundOutcome] = field(default_factory=list)
-    bytes_at_start: dict[str, int] = field(default_factory=dict)
 
 
 def _now_iso() -> str:
@@ -102,6 +101,8 @@ class Coordinator:
         self.open_rounds: dict[int, OpenRound] = {}
         self._started = time.monotonic()
         self._failed_in_a_row = 0
+        self.round_bytes: dict[int, dict[str, int]] = {}
+        self.other_bytes = {"up_payload": 0, "up_wire": 0, "down_payload": 0, "down_wire": 0}
         load_method_messages(method.name)
 
     # -- report --------------------------------------------------------------- #
@@ -160,7 +161,9 @@ class Coordinator:
         totals["wall_time_s"] = time.monotonic() - self._started + self.report.get("_prior_wall_s", 0.0)
         totals["rejected_messages"] = sum(self.rejected.values())
         totals["rejected_by_reason"] = dict(self.rejected)
-        # Everything the server's connection carried, registration and status included.
+        # Bytes outside any round (registration, status, stale messages) and everything
+        # the server's connection carried.
+        totals["outside_rounds"] = dict(self.other_bytes)
         totals["server_connection"] = self.transport.stats.snapshot()
         self.report["totals"] = totals
 
@@ -223,7 +226,18 @@ class Coordinator:
 
     def _send(self, agent: str | None, msg: Message) -> None:
         topic = self.topics.down(agent) if agent else self.topics.down_all
+        before = self.transport.stats.snapshot()
         self.transport.publish(topic, encode_message(msg))
+        after = self.transport.stats.snapshot()
+        self._account(msg.round, "down", after["payload_bytes_out"] - before["payload_bytes_out"], after["wire_bytes_out"] - before["wire_bytes_out"])
+
+    def _account(self, round_: int, direction: str, payload: int, wire: int) -> None:
+        """Attribute a message's bytes to its round (async rounds overlap in time)."""
+        bucket = self.round_bytes.get(round_) if round_ in self.open_rounds else None
+        if bucket is None:
+            bucket = self.other_bytes  # registration, status, stale rounds
+        bucket[f"{direction}_payload"] += payload
+        bucket[f"{direction}_wire"] += wire
 
     def _base(self, round_: int) -> dict[str, Any]:
         return {"run": self.config.run_id, "round": round_, "sender": SERVER_ID}
@@ -252,8 +266,10 @@ class Coordinator:
             if topic_agent is None or msg.sender != topic_agent:
                 raise UnknownSenderError(f"sender {msg.sender!r} published on {delivery.topic}")
         except ProtocolError as exc:
+            self._account(-1, "up", len(delivery.payload), delivery.wire_bytes)
             self._reject(topic_agent, exc.code, str(exc))
             return
+        self._account(msg.round, "up", len(delivery.payload), delivery.wire_bytes)
         agent = topic_agent
         state = self.agents.get(agent)
         if state is not None and state.dropped:
@@ -321,7 +337,8 @@ class Coordinator:
 
     def _open(self, round_: int) -> OpenRound:
         if round_ not in self.open_rounds:
-            self.open_rounds[round_] = OpenRound(round_, self._evaluate(round_), time.monotonic(), bytes_at_start=self.transport.stats.snapshot())
+            self.open_rounds[round_] = OpenRound(round_, self._evaluate(round_), time.monotonic())
+            self.round_bytes[round_] = {"up_payload": 0, "up_wire": 0, "down_payload": 0, "down_wire": 0}
         return self.open_rounds[round_]
 
     def _start_agent_round(self, agent: str, round_: int) -> None:
@@ -367,8 +384,8 @@ class Coordinator:
             self._advance(agent, state.round)
 
     def _agent_gone(self, agent: str) -> None:
-        """Offline or dropped: in async mode stop waiting for it now."""
-        if self.method.asynchronous and self.agents[agent].round in self.open_rounds:
+        """Offline or dropped: stop waiting for it (if it comes back in time, it restarts the round)."""
+        if self.agents[agent].round in self.open_rounds:
             self._agent_missed(agent, "went offline")
 
     def _advance(self, agent: str, finished_round: int) -> None:
@@ -386,8 +403,7 @@ class Coordinator:
 
     def _close(self, rnd: OpenRound, status: str) -> dict[str, Any]:
         del self.open_rounds[rnd.round]
-        now_bytes = self.transport.stats.snapshot()
-        start = rnd.bytes_at_start
+        round_bytes = self.round_bytes.pop(rnd.round)
         ends = rnd.done
         outcomes = rnd.outcomes
         correct = sum(o.correct for o in outcomes)
@@ -430,13 +446,9 @@ class Coordinator:
             "edge_accuracy": edge_correct / edge_total if edge_total else None,
             "server_loss": sum(l * n for l, n in losses) / sum(n for _, n in losses) if losses else None,
             "samples": sum(o.samples for o in outcomes),
-            "bytes": {
-                # The server's own connection sees every upload and sends every download.
-                "up_payload": now_bytes["payload_bytes_in"] - start["payload_bytes_in"],
-                "up_wire": now_bytes["wire_bytes_in"] - start["wire_bytes_in"],
-                "down_payload": now_bytes["payload_bytes_out"] - start["payload_bytes_out"],
-                "down_wire": now_bytes["wire_bytes_out"] - start["wire_bytes_out"],
-            },
+            # Every message of this round as the server's connection saw it (uploads in,
+            # round starts and server logits out), attributed by the round it names.
+            "bytes": round_bytes,
             "edge_train_flops": sum(int(e.costs.get("train_flops", 0)) for e in ends.values()),
             "time_s": {
                 "round": time.monotonic() - rnd.started_at,

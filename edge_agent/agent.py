@@ -203,10 +203,14 @@ class EdgeAgent:
                 self._stop.set()
         elif isinstance(msg, RoundStart):
             self._on_round_start(msg)
-        elif self.method is not None and self.method.on_message(msg):
-            pass
         else:
-            self._reject("unexpected_message", f"{msg.TYPE} not expected now")
+            try:
+                handled = self.method is not None and self.method.on_message(msg)
+            except ProtocolError as exc:
+                self._reject(exc.code, f"{msg.TYPE}: {exc}")
+                return
+            if not handled:
+                self._reject("unexpected_message", f"{msg.TYPE} not expected now")
 
     def _on_welcome(self, msg: Welcome) -> None:
         if not msg.accepted:

@@ -184,11 +184,15 @@ class U8ZstdCodec:
     def encode(self, array: np.ndarray) -> tuple[bytes, dict[str, Any], str]:
         if array.dtype.kind != "f":
             raise ValueError(f"u8-zstd encodes floating arrays, got {array.dtype}")
+        if not np.isfinite(array).all():
+            raise ValueError("u8-zstd cannot encode NaN or Inf")
         if array.size and float(array.min()) < 0:
             raise ValueError("u8-zstd needs non-negative values (e.g. post-ReLU maps); got a negative minimum")
+        if array.ndim == 0:
+            raise ValueError("u8-zstd needs an array of rank >= 1")
         axis = 1 if array.ndim >= 2 else 0
         moved = np.moveaxis(array.astype(np.float32), axis, 0)  # (C, ...)
-        channels = moved.shape[0] if array.ndim else 1
+        channels = moved.shape[0]
         flat = moved.reshape(channels, -1)
         maxima = flat.max(axis=1) if flat.shape[1] else np.zeros(channels, np.float32)
         scale = np.where(maxima > 0, maxima / 255.0, 1.0).astype(np.float32)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,11 +187,14 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: FrameLimits = DEF
     view = memoryview(data)
     if len(view) < PREFIX_BYTES:
         raise TruncatedFrameError(f"frame is {len(view)} bytes, shorter than the {PREFIX_BYTES}-byte prefix")
-    magic, version, _flags, header_len, body_len = _PREFIX.unpack_from(view, 0)
+    magic, version, flags, header_len, body_len = _PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise BadMagicError(f"expected magic {MAGIC!r}, got {bytes(magic)!r}")
     if version != PROTOCOL_VERSION:
         raise UnsupportedVersionError(f"frame protocol version {version}; this build speaks {PROTOCOL_VERSION}")
+    if flags != 0:
+        # Reserved: a future flag must not be silently misread by this version.
+        raise UnsupportedVersionError(f"frame flags {flags:#04x} are not understood by protocol version {PROTOCOL_VERSION}")
     if header_len > limits.max_header_bytes:
         raise SizeLimitError(f"header declares {header_len} bytes, limit {limits.max_header_bytes}")
     if body_len > limits.max_body_bytes:
@@ -201,8 +205,10 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: FrameLimits = DEF
     if len(view) > expected:
         raise LengthMismatchError(f"frame declares {expected} bytes but {len(view)} arrived")
     try:
-        header = json.loads(bytes(view[PREFIX_BYTES : PREFIX_BYTES + header_len]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        header = json.loads(
+            bytes(view[PREFIX_BYTES : PREFIX_BYTES + header_len]).decode("utf-8"), parse_constant=_refuse_constant
+        )
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise HeaderError(f"header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):
         raise HeaderError(f"header must be a JSON object, got {type(header).__name__}")
@@ -221,10 +227,15 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: FrameLimits = DEF
             raise LengthMismatchError(
                 f"tensor {desc.name!r} spans [{desc.offset}, {desc.offset + desc.length}) past the {body_len}-byte body"
             )
-        elements = int(np.prod(desc.shape, dtype=np.int64)) if desc.shape else 1
-        if elements > limits.max_tensor_elements:
+        # Python ints: a crafted shape must not overflow int64 on its way to the check.
+        elements = math.prod(desc.shape)
+        if elements > limits.max_tensor_elements or any(d > limits.max_tensor_elements for d in desc.shape):
             raise SizeLimitError(f"tensor {desc.name!r} has {elements} elements, limit {limits.max_tensor_elements}")
     return DecodedFrame(header, descriptors, view[PREFIX_BYTES + header_len :])
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"header contains the non-JSON constant {name}")
 
 
 def decode_tensor(desc: TensorDescriptor, body: memoryview, limits: FrameLimits = DEFAULT_LIMITS) -> np.ndarray:

@@ -433,6 +433,9 @@ class MqttTransport(Transport):
 
     def publish(self, topic: str, blob: bytes, retain: bool = False) -> None:
         chunks = split_blob(bytes(blob), self.config.chunk_size_bytes)
+        if retain and len(chunks) > 1:
+            # The broker retains one message per topic: only the last chunk would survive.
+            raise ValueError(f"a retained blob must fit in one chunk ({len(blob)} > {self.config.chunk_size_bytes} bytes)")
         deadline = time.monotonic() + self.config.publish_timeout_s
         window: deque[int] = deque()
         wire_total = 0

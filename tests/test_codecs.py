@@ -87,3 +87,13 @@ def test_registry_refuses_duplicates_and_names_unknowns() -> None:
     with pytest.raises(UnknownCodecError, match="nope"):
         codecs.get_codec("nope")
     assert {"raw", "zstd", "fp16-zstd", "u8-zstd"} <= set(codecs.list_codecs())
+
+
+def test_u8_zstd_refuses_non_finite_and_scalars() -> None:
+    codec = codecs.get_codec("u8-zstd")
+    with pytest.raises(ValueError, match="NaN"):
+        codec.encode(np.array([[1.0, np.nan]], np.float32))
+    with pytest.raises(ValueError, match="Inf"):
+        codec.encode(np.array([[1.0, np.inf]], np.float32))
+    with pytest.raises(ValueError, match="rank"):
+        codec.encode(np.array(1.0, np.float32))

@@ -86,6 +86,11 @@ def patch_header(blob: bytes, mutate) -> bytes:  # type: ignore[no-untyped-def]
         (lambda b: patch_header(b, lambda h: h["tensors"][0].update(dtype="object")), errors.ShapeMismatchError),
         (lambda b: patch_header(b, lambda h: h["tensors"][0].update(length=10**6)), errors.LengthMismatchError),
         (lambda b: patch_header(b, lambda h: h["tensors"][0].pop("sha256")), errors.HeaderError),
+        (lambda b: patch_header(b, lambda h: h["tensors"][0].update(shape=[2**32, 2**32])), errors.SizeLimitError),
+        (lambda b: patch_header(b, lambda h: h["tensors"][0].update(shape=[2**64, 1])), errors.SizeLimitError),
+        (lambda b: patch_header(b, lambda h: h["tensors"][0].update(shape=[0, 2**70])), errors.SizeLimitError),
+        (lambda b: patch_header(b, lambda h: h.update(x=float("nan"))), errors.HeaderError),
+        (lambda b: b[:5] + bytes([1]) + b[6:], errors.UnsupportedVersionError),
     ],
 )
 def test_each_malformed_frame_raises_its_specific_error(make_bad, error) -> None:  # type: ignore[no-untyped-def]

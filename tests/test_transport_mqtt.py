@@ -160,3 +160,14 @@ def test_last_will_published_when_client_vanishes(mosquitto) -> None:  # type: i
         assert got is not None and got.payload == b"offline"
     finally:
         watcher.close()
+
+
+def test_retained_blob_must_fit_one_chunk(mosquitto) -> None:  # type: ignore[no-untyped-def]
+    tx = make(mosquitto.url, "tx-retain")
+    tx.connect()
+    try:
+        tx.publish("t/retained", b"small", retain=True)
+        with pytest.raises(ValueError, match="one chunk"):
+            tx.publish("t/retained", os.urandom(200 * 1024), retain=True)
+    finally:
+        tx.close()

@@ -1,0 +1,147 @@
+"""bench/codecs.py in quick mode: report structure, exactness and error bounds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from shared_protocol import codecs as wire_codecs
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "codecs.py"
+# Generous: the quick run takes ~5 s on the 2-core dev box; this only catches a
+# quick mode that quietly became a full run.
+QUICK_BUDGET_S = 60.0
+
+
+def load_bench() -> ModuleType:
+    # bench/ is not a package, and putting it on sys.path would let this file
+    # shadow the standard library's ``codecs``: load it by path, under another name.
+    spec = importlib.util.spec_from_file_location("edgesplit_bench_codecs", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return load_bench()
+
+
+@pytest.fixture(scope="module")
+def quick_report(bench: ModuleType) -> tuple[dict[str, Any], float]:
+    started = time.perf_counter()
+    try:
+        report = bench.run(samples=64, quick=True)
+    except FileNotFoundError as exc:
+        pytest.skip(f"Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist): {exc}")
+    return report, time.perf_counter() - started
+
+
+def test_quick_run_is_quick(quick_report: tuple[dict[str, Any], float]) -> None:
+    _report, elapsed_s = quick_report
+    assert elapsed_s < QUICK_BUDGET_S
+
+
+def test_report_structure(quick_report: tuple[dict[str, Any], float]) -> None:
+    report, _ = quick_report
+    for key in ("benchmark", "config", "dataset", "models", "environment", "codecs", "stats", "results", "frames", "claims"):
+        assert key in report, key
+    env = report["environment"]
+    for key in ("torch_version", "numpy_version", "zstandard_version", "cpu_model", "date_utc"):
+        assert isinstance(env[key], str) and env[key], key
+    assert report["dataset"]["name"] == "fashion-mnist"
+    assert report["dataset"]["measured_samples"] == 64
+    assert report["config"]["quick"] is True
+    assert "fp16_variants_trained" not in report  # quick mode skips them
+    json.dumps(report, allow_nan=False)  # the report is plain, finite JSON
+
+
+def test_every_registered_codec_is_measured_or_skipped(quick_report: tuple[dict[str, Any], float]) -> None:
+    report, _ = quick_report
+    registered = set(wire_codecs.list_codecs())
+    assert set(report["codecs"]["registered"]) == registered
+    for state in ("fresh", "trained"):
+        measured = set(report["results"]["features"][state])
+        assert measured | set(report["codecs"]["skipped"]) >= registered
+        assert {"raw", "zstd", "fp16-zstd", "u8-zstd"} <= measured
+        lossless = {n for n in registered if wire_codecs.get_codec(n).lossless}
+        assert lossless <= set(report["results"]["logits"][state])
+
+
+@pytest.mark.parametrize("kind", ["features", "logits"])
+@pytest.mark.parametrize("state", ["fresh", "trained"])
+def test_sizes_errors_and_speeds(quick_report: tuple[dict[str, Any], float], kind: str, state: str) -> None:
+    report, _ = quick_report
+    raw_bytes = report["stats"][kind][state]["raw_bytes"]
+    shape = report["stats"][kind][state]["shape_per_sample"]
+    assert raw_bytes == 64 * 4 * math.prod(shape)
+    bounds = report["codecs"]["documented_rel_error_bounds"]
+    for name, r in report["results"][kind][state].items():
+        assert r["raw_bytes"] == raw_bytes, name
+        assert r["ratio"] == pytest.approx(raw_bytes / r["encoded_bytes"], rel=1e-3), name
+        assert r["encode_mb_per_s"] > 0 and r["decode_mb_per_s"] > 0, name
+        if r["lossless"]:
+            assert r["exact"], name
+            assert r["max_abs_error"] == 0 and r["max_rel_error"] == 0, name
+        else:
+            assert 0 <= r["max_rel_error"] < bounds.get(name, math.inf), name
+        if name == "raw":
+            assert r["encoded_bytes"] == raw_bytes
+        elif kind == "features":
+            assert r["ratio"] > 1, name  # every compressing codec shrinks ReLU maps
+
+
+def test_lossy_bounds_are_the_documented_ones(quick_report: tuple[dict[str, Any], float]) -> None:
+    report, _ = quick_report
+    bounds = report["codecs"]["documented_rel_error_bounds"]
+    assert bounds == {"fp16-zstd": 1e-3, "u8-zstd": 1e-2}
+    for state in ("fresh", "trained"):
+        features = report["results"]["features"][state]
+        assert features["fp16-zstd"]["max_rel_error"] < 1e-3
+        assert features["u8-zstd"]["max_rel_error"] < 1e-2
+        assert not features["fp16-zstd"]["lossless"] and not features["u8-zstd"]["lossless"]
+
+
+def test_claims_report_the_measured_ratio(quick_report: tuple[dict[str, Any], float]) -> None:
+    report, _ = quick_report
+    claim = report["claims"]["fp16_zstd_ratio_ge_4_trained"]
+    assert claim["primary"] is True
+    ratio = report["results"]["features"]["trained"]["fp16-zstd"]["ratio"]
+    assert claim["measured_ratio"] == ratio
+    assert claim["holds"] is (ratio >= 4.0)  # reported honestly, whichever way it goes
+
+
+def test_frames_cover_every_feature_codec(quick_report: tuple[dict[str, Any], float]) -> None:
+    report, _ = quick_report
+    frames = report["frames"]
+    assert set(report["results"]["features"]["trained"]) <= set(frames)
+    assert frames["fp16-zstd"]["frame_bytes"] < frames["raw-everything"]["frame_bytes"]
+
+
+def test_cli_writes_json(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    canned = {"results": {"features": {}, "logits": {}}, "claims": {}}
+    monkeypatch.setattr(bench, "run", lambda samples, quick, seed: {**canned, "args": [samples, quick, seed]})
+    out = tmp_path / "codecs.json"
+    assert bench.main(["--samples", "8", "--quick", "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["args"] == [8, True, 0]
+
+
+def test_needs_parameters_skips_codecs_that_take_more_than_the_array(bench: ModuleType) -> None:
+    class NeedsRank:
+        name, lossless = "svd-like", False
+
+        def encode(self, array: Any, threshold: float) -> Any: ...
+
+    assert bench.needs_parameters(NeedsRank()) is not None
+    assert bench.needs_parameters(wire_codecs.get_codec("fp16-zstd")) is None

@@ -33,6 +33,7 @@ class ServerConfig:
     allow_list: tuple[str, ...] = ()  # empty: any agent id may join
     rounds: int = 10
     round_deadline_s: float = 600.0
+    offline_grace_s: float = 30.0  # a participant offline this long misses its round (before the deadline)
     min_agents: int = 1  # quorum: at least this many completed uploads ...
     min_fraction: float = 0.0  # ... and at least this fraction of the round's participants
     max_failed_rounds: int = 3  # consecutive rounds without quorum before the run is aborted
@@ -61,7 +62,7 @@ class ServerConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"server.{name} must be an integer >= 1, got {value!r}")
-        if self.round_deadline_s <= 0 or self.registration_timeout_s <= 0:
+        if self.round_deadline_s <= 0 or self.registration_timeout_s <= 0 or self.offline_grace_s < 0:
             raise ValueError("round_deadline_s and registration_timeout_s must be positive")
         if not 0.0 <= self.min_fraction <= 1.0:
             raise ValueError(f"min_fraction must be in [0, 1], got {self.min_fraction}")

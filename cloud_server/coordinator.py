@@ -68,6 +68,7 @@ class AgentState:
     dropped: bool = False
     round: int = 0  # round currently assigned (0: none)
     assigned_at: float = 0.0
+    offline_since: float | None = None
     instance: str = ""
 
 
@@ -280,7 +281,9 @@ class Coordinator:
                 was_online, state.online = state.online, msg.state != "offline"
                 if was_online and not state.online:
                     log.warning("agent %s went offline", agent)
-                    self._agent_gone(agent)
+                    state.offline_since = time.monotonic()
+                elif state.online:
+                    state.offline_since = None
             return
         if isinstance(msg, Hello):
             self._on_hello(agent, msg)
@@ -320,7 +323,7 @@ class Coordinator:
             state = self.agents[agent] = AgentState(agent, hello)
             log.info("agent %s joined: %s, %d cores, %d samples", agent, hello.cpu_model, hello.cores, hello.num_samples)
         else:
-            state.hello, state.online = hello, True
+            state.hello, state.online, state.offline_since = hello, True, None
             if state.dropped:
                 return
         self._send(agent, Welcome(**self._base(0), accepted=True, method=self.method.name, settings=self.method.welcome_settings()))
@@ -329,6 +332,12 @@ class Coordinator:
         if state.round and state.round in self.open_rounds and agent not in self.open_rounds[state.round].done:
             self.method.discard(agent)
             self._start_agent_round(agent, state.round)
+        elif not self.method.asynchronous and self.open_rounds and not self._stopping:
+            # Sync: a late joiner takes part in the round that is open now.
+            current = self.open_rounds[max(self.open_rounds)]
+            if agent not in current.participants:
+                log.info("agent %s joins round %d in progress", agent, current.round)
+                self._start_agent_round(agent, current.round)
 
     # -- round mechanics --------------------------------------------------------- #
 
@@ -384,9 +393,17 @@ class Coordinator:
             self._advance(agent, state.round)
 
     def _agent_gone(self, agent: str) -> None:
-        """Offline or dropped: stop waiting for it (if it comes back in time, it restarts the round)."""
+        """Dropped: stop waiting for it."""
         if self.agents[agent].round in self.open_rounds:
-            self._agent_missed(agent, "went offline")
+            self._agent_missed(agent, "dropped")
+
+    def _check_absent(self) -> None:
+        """Participants offline for longer than the grace period miss their round (a quick
+        restart, e.g. by systemd, rejoins and redoes it instead)."""
+        now = time.monotonic()
+        for agent, state in self.agents.items():
+            if state.round and state.offline_since is not None and now - state.offline_since >= self.config.offline_grace_s:
+                self._agent_missed(agent, f"offline for {self.config.offline_grace_s:.0f} s")
 
     def _advance(self, agent: str, finished_round: int) -> None:
         state = self.agents[agent]
@@ -464,8 +481,11 @@ class Coordinator:
             record["excluded"] = excluded
         self.report["rounds"].append(record)
         self.completed_round = rnd.round
-        self.write_report()
+        # Checkpoint before the report: a report that shows round r implies a checkpoint of r.
+        self.report["agents"] = self._agent_report()
+        self._update_totals()
         self.save_checkpoint()
+        self.write_report()
         print(run_report.format_summary_line(record, self.config.rounds), flush=True)
         return record
 
@@ -480,6 +500,7 @@ class Coordinator:
             if not waiting:
                 break
             self.pump(min(1.0, deadline - time.monotonic()))
+            self._check_absent()
         for agent in rnd.participants - set(rnd.done):
             rnd.missing.add(agent)
             self.method.discard(agent)
@@ -504,6 +525,7 @@ class Coordinator:
             self._start_agent_round(agent, first_round)
         while self.open_rounds:
             self.pump(0.5)
+            self._check_absent()
             now = time.monotonic()
             for agent, state in list(self.agents.items()):
                 if state.round and now - state.assigned_at > self.config.round_deadline_s:

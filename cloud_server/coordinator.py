@@ -303,9 +303,12 @@ class Coordinator:
             self._on_round_end(agent, msg)
         elif isinstance(msg, self.method.upload_types):
             try:
-                self.method.on_upload(agent, msg)
+                replies = self.method.on_upload(agent, msg)
             except ProtocolError as exc:
                 self._reject(agent, exc.code, str(exc))
+                return
+            for target, reply in replies or ():
+                self._send(target, reply)
         else:
             self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
 
@@ -427,7 +430,8 @@ class Coordinator:
         total = sum(o.total for o in outcomes)
         edge_correct = sum(int(e.metrics.get("edge_correct", 0) or 0) for e in ends.values())
         edge_total = sum(int(e.metrics.get("edge_total", 0) or 0) for e in ends.values())
-        losses = [(o.server_loss, o.samples) for o in outcomes if o.server_loss is not None and o.samples]
+        # A diverged (NaN) loss is reported as unknown rather than breaking the report.
+        losses = [(o.server_loss, o.samples) for o in outcomes if o.server_loss is not None and math.isfinite(o.server_loss) and o.samples]
 
         def mean_cost(key: str) -> float:
             values = [float(e.costs.get(key, 0.0)) for e in ends.values()]

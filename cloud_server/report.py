@@ -37,6 +37,7 @@ __all__ = [
     "ReportError",
     "validate_report",
     "write_report",
+    "load_report",
     "render_run_dir",
     "format_summary_line",
     "compare_runs",
@@ -530,6 +531,7 @@ def _accuracy_axes(ax: Axes, x: np.ndarray, server: np.ndarray, edge: np.ndarray
     measured = np.concatenate([server[~np.isnan(server)], edge[~np.isnan(edge)]])
     if measured.size == 0:
         _note(ax, "no rounds yet" if x.size == 0 else "no accuracy measured yet")
+        ax.set_ylim(0, 100)  # matplotlib's default 0..1 would read as fractions of a percent
         return
     for values, label, marker in ((server, "server model (extractor + server)", "o"), (edge, "edge models (sample-weighted)", "s")):
         keep = ~np.isnan(values)
@@ -701,8 +703,9 @@ def _summary_md(report: Mapping[str, Any]) -> str:
             # After a resume only re-registered agents are in report["agents"].
             info = report["agents"].get(agent_id)
             cpu = DASH if info is None else f"{info['cpu_model']} ({info['arch']}, {info['cores']} cores)"
-            rows.append([agent_id, cpu, cost["samples"], _seconds(cost["compute_s"]), _seconds(cost["encode_s"]),
-                         _seconds(cost["network_s"]), _seconds(cost["idle_s"]), _mb(cost["peak_rss_bytes"], 0)])
+            # Two decimals: encode and network times are often well under a second.
+            rows.append([agent_id, cpu, cost["samples"], *(f"{cost[f'{phase}_s']:.2f}" for phase in EDGE_PHASES),
+                         _mb(cost["peak_rss_bytes"])])
         lines += _table(["Agent", "CPU", "Samples", "Compute s", "Encode s", "Network s", "Idle s", "Peak RSS MB"],
                         rows, right_from=2)
         lines.append("")

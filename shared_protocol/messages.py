@@ -311,9 +311,37 @@ class RoundEnd(Message):
     costs: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
 
+    # Metrics that are fractions, and (numerator, denominator) pairs of counts.
+    FRACTIONS: ClassVar[tuple[str, ...]] = ("edge_accuracy", "mentor_accuracy", "mentee_accuracy")
+    COUNT_PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("edge_correct", "edge_total"),)
+
     def validate(self) -> None:
+        """Costs go into reports: every number must be finite and non-negative."""
         if self.num_samples < 0:
             raise ValueRangeError(f"round_end: num_samples must be >= 0, got {self.num_samples}")
+        for table_name, table in (("costs", self.costs), ("metrics", self.metrics), ("uploads", self.uploads)):
+            for key, value in _numbers(table):
+                if not math.isfinite(value) or (value < 0 and table_name != "metrics"):
+                    raise ValueRangeError(f"round_end: {table_name}.{key} = {value} must be finite and >= 0")
+        for key in self.FRACTIONS:
+            value = self.metrics.get(key)
+            if value is not None and (not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0):
+                raise ValueRangeError(f"round_end: metrics.{key} = {value!r} must be in [0, 1]")
+        for num, den in self.COUNT_PAIRS:
+            n, d = self.metrics.get(num, 0), self.metrics.get(den, 0)
+            if not (isinstance(n, int) and isinstance(d, int) and 0 <= n <= d):
+                raise ValueRangeError(f"round_end: metrics {num}={n!r} / {den}={d!r} must be ints with 0 <= {num} <= {den}")
+
+
+def _numbers(table: dict, prefix: str = "") -> list[tuple[str, float]]:
+    """Every int/float in a nested dict, with its dotted key."""
+    out: list[tuple[str, float]] = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out += _numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((f"{prefix}{key}", float(value)))
+    return out
 
 
 @register_message

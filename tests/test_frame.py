@@ -146,3 +146,21 @@ def test_hello_rejects_negative_counts() -> None:
     hello.class_counts = [5, -1]
     with pytest.raises(errors.ValueRangeError):
         encode_message(hello)
+
+
+def test_round_end_costs_must_be_finite_and_sane() -> None:
+    from shared_protocol.messages import RoundEnd
+
+    def end(**kw):  # type: ignore[no-untyped-def]
+        return RoundEnd(run="r", round=1, sender="a", num_samples=4, **kw)
+
+    decode_message(encode_message(end(costs={"compute_s": 1.5}, metrics={"edge_accuracy": 0.5, "edge_correct": 1, "edge_total": 2})))
+    for bad in (
+        end(costs={"compute_s": -1.0}),
+        end(costs={"compute_s": float("inf")}),
+        end(metrics={"edge_accuracy": 1.5}),
+        end(metrics={"edge_correct": 3, "edge_total": 2}),
+        end(uploads={"train": {"samples": -4}}),
+    ):
+        with pytest.raises(errors.ValueRangeError):
+            bad.validate()

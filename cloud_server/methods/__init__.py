@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method, registered_server_methods
 
-KNOWN_METHODS = ("fedgkt",)
+
+
+def available_methods() -> tuple[str, ...]:
+    """Every method module in this package (found on disk; adding a method edits no list)."""
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"))
+
+
+KNOWN_METHODS = available_methods()
 
 
 def get_server_method(name: str) -> type[ServerMethod]:

@@ -73,8 +73,13 @@ class ServerMethod(ABC):
     def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(RoundStart.config, RoundStart.weights) for one agent."""
 
-    def on_upload(self, agent: str, msg: Message) -> None:
-        """Stage one upload message; raise a ProtocolError subclass to reject it."""
+    def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
+        """Stage one upload message; raise a ProtocolError subclass to reject it.
+
+        May return messages to send at once (agent id, message), for methods that
+        answer within a round (split learning answers every batch with gradients).
+        """
+        return None
 
     def discard(self, agent: str) -> None:
         """Forget what ``agent`` staged in its current round (it failed or timed out)."""

@@ -48,6 +48,7 @@ class FedGktConfig:
     server_momentum: float = 0.9
     server_weight_decay: float = 5e-4
     server_batch_size: int = 64
+    server_order: str = "shuffled"  # shuffled (batches drawn from all agents' uploads) | per_agent (Algorithm 1's walk)
     lr_schedule: str = "plateau"  # plateau | none
     temperature: float = 3.0
     alpha: float = 1.0
@@ -68,6 +69,8 @@ class FedGktConfig:
             raise ValueError(f"fedgkt.kd must be one of {KD_MODES}, got {self.kd!r}")
         if self.server_optimizer not in ("sgd", "adam"):
             raise ValueError(f"fedgkt.server_optimizer must be 'sgd' or 'adam', got {self.server_optimizer!r}")
+        if self.server_order not in ("shuffled", "per_agent"):
+            raise ValueError(f"fedgkt.server_order must be 'shuffled' or 'per_agent', got {self.server_order!r}")
         if self.lr_schedule not in ("plateau", "none"):
             raise ValueError(f"fedgkt.lr_schedule must be 'plateau' or 'none', got {self.lr_schedule!r}")
         if self.server_epochs < 1 or self.server_batch_size < 1 or self.server_lr <= 0:
@@ -247,13 +250,35 @@ class FedGktServer(ServerMethod):
             outcome.correct, outcome.total = self._evaluate(tests)
         return outcome
 
+    def _batches(self, data: dict[str, tuple], generator: torch.Generator) -> list[tuple[int, torch.Tensor]]:
+        """One epoch's batches as (agent position, sample indices into that agent's data).
+
+        Eq. 8 sums the loss over all agents' samples; Algorithm 1 walks it agent by
+        agent. ``server_order = "per_agent"`` keeps that walk; the default
+        ``"shuffled"`` draws batches from the union, which keeps the server from
+        forgetting earlier agents' feature maps within an epoch (each agent's
+        extractor speaks its own "feature language") and keeps BatchNorm's
+        running statistics representative of all agents.
+        """
+        c = self.config
+        per_agent = [
+            [(k, chunk) for chunk in torch.randperm(len(d[3]), generator=generator).split(c.server_batch_size)]
+            for k, d in enumerate(data.values())
+        ]
+        if c.server_order == "per_agent":
+            return [b for batches in per_agent for b in batches]
+        flat = [b for batches in per_agent for b in batches]
+        order = torch.randperm(len(flat), generator=generator).tolist()
+        return [flat[i] for i in order]
+
     def _train(self, data: dict[str, tuple], round_: int) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
-        """Algorithm 1 lines 6-12: E_s epochs over each agent's batches; z_s from the last epoch."""
+        """Algorithm 1 lines 6-12: E_s epochs over the agents' uploads; z_s from the last epoch."""
         c = self.config
         generator = torch.Generator().manual_seed(self.ctx.seed * 100_003 + round_)
         self.model.train()
         bidirectional = c.kd == "bidirectional"
-        logits_by_agent: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        agents = list(data)
+        z_s = [np.zeros((len(data[a][3]), self.ctx.num_classes), np.float32) for a in agents]
         total_loss, total_n = 0.0, 0
         steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
         progress = None
@@ -263,31 +288,26 @@ class FedGktServer(ServerMethod):
             progress = tqdm(total=steps, desc=f"server round {round_}", leave=False, dynamic_ncols=True)
         for epoch in range(c.server_epochs):
             last = epoch == c.server_epochs - 1
-            for agent, (features, edge_logits, labels, ids) in data.items():
-                n = len(ids)
-                z_s = np.zeros((n, self.ctx.num_classes), np.float32) if last else None
-                order = torch.randperm(n, generator=generator)
-                for start in range(0, n, c.server_batch_size):
-                    idx = order[start : start + c.server_batch_size]
-                    h = features[idx].to(self.device, torch.float32)  # (B, 16, H, W)
-                    y = labels[idx].to(self.device)
-                    logits = self.model(h)  # (B, K)
-                    loss = F.cross_entropy(logits, y)
-                    if bidirectional and c.alpha > 0:
-                        loss = loss + c.alpha * kd_loss(logits, edge_logits[idx].to(self.device), c.temperature)
-                    self.optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    self.optimizer.step()
-                    if last:
-                        z_s[idx.numpy()] = logits.detach().cpu().numpy()
-                        total_loss += float(loss.item()) * len(idx)
-                        total_n += len(idx)
-                    if progress is not None:
-                        progress.update(1)
+            for k, idx in self._batches(data, generator):
+                features, edge_logits, labels, _ids = data[agents[k]]
+                h = features[idx].to(self.device, torch.float32)  # (B, 16, H, W)
+                y = labels[idx].to(self.device)
+                logits = self.model(h)  # (B, K)
+                loss = F.cross_entropy(logits, y)
+                if bidirectional and c.alpha > 0:
+                    loss = loss + c.alpha * kd_loss(logits, edge_logits[idx].to(self.device), c.temperature)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
                 if last:
-                    logits_by_agent[agent] = (ids, z_s)
+                    z_s[k][idx.numpy()] = logits.detach().cpu().numpy()
+                    total_loss += float(loss.item()) * len(idx)
+                    total_n += len(idx)
+                if progress is not None:
+                    progress.update(1)
         if progress is not None:
             progress.close()
+        logits_by_agent = {a: (data[a][3], z_s[k]) for k, a in enumerate(agents)}
         return logits_by_agent, total_loss / max(total_n, 1)
 
     @torch.no_grad()

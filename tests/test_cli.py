@@ -1,0 +1,95 @@
+"""The command lines a user types: the launcher end to end, report re-rendering,
+config errors; and coordinator policies (allow-list, target accuracy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cloud_server.report import validate_report
+from shared_protocol.messages import Hello, Welcome, decode_message, encode_message
+from shared_protocol.topics import Topics
+from shared_protocol.transport import InMemoryBroker, InMemoryTransport
+
+from fedhelpers import ROOT, agent_config, in_memory_federation, make_server, server_config
+
+PY = sys.executable
+
+
+def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_edgesplit_local_runs_a_federation_of_processes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run(
+        "cloud_server.launcher", "local", "--agents", "2", "--rounds", "2", "--dataset", "synthetic", "--partition", "iid",
+        "--train-samples", "128", "--test-samples", "64", "--out", str(out), "--run-id", "cli-smoke",
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "round 1/2" in result.stdout and "round 2/2" in result.stdout
+    assert "# EdgeSplit run `cli-smoke`" in result.stdout  # the summary is printed
+    report = json.loads((out / "report.json").read_text())
+    validate_report(report)
+    assert report["status"] == "finished" and len(report["rounds"]) == 2
+    assert sorted(report["agents"]) == ["agent-0", "agent-1"]
+    for name in ("server.log", "agent-0.log", "agent-1.log"):
+        assert (out / "logs" / name).exists()
+    # Every process is gone: nothing is left listening or running.
+    ps = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+    assert ps.stdout.strip() == ""
+
+    # cloud-server report re-renders from report.json alone.
+    for name in ("summary.md", "rounds.csv", "accuracy_vs_round.png"):
+        (out / name).unlink()
+    rendered = run("cloud_server.cli", "report", str(out))
+    assert rendered.returncode == 0, rendered.stderr
+    assert (out / "summary.md").exists() and (out / "accuracy_vs_round.png").exists()
+
+
+def test_config_errors_are_clear(tmp_path: Path) -> None:
+    bad = tmp_path / "server.toml"
+    bad.write_text('[server]\nrun_id = "x"\nrounds = 0\n')
+    result = run("cloud_server.cli", "run", "--config", str(bad))
+    assert result.returncode == 2 and "rounds" in result.stderr
+    bad.write_text('[server]\nrun_idd = "x"\n')
+    result = run("cloud_server.cli", "run", "--config", str(bad))
+    assert result.returncode == 2 and "run_idd" in result.stderr
+    agent = tmp_path / "agent.toml"
+    agent.write_text('[agent]\nagent_id = "bad/id"\n')
+    result = run("edge_agent.cli", "run", "--config", str(agent))
+    assert result.returncode == 2 and "agent id" in result.stderr
+    missing = run("cloud_server.cli", "report", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "report.json" in missing.stderr
+
+
+def test_allow_list_refuses_unknown_agents(tmp_path: Path) -> None:
+    broker = InMemoryBroker()
+    cfg = server_config(tmp_path, run_id="allow", agents=1, allow_list=("agent-0",))
+    coordinator = make_server(cfg, InMemoryTransport(broker, "server"))
+    topics = Topics("allow")
+    stranger = InMemoryTransport(broker, "agent-9")
+    stranger.subscribe(topics.down("agent-9"))
+    stranger.connect()
+    coordinator.transport.subscribe(topics.up_any)
+    coordinator.transport.connect()
+    hello = Hello(run="allow", round=0, sender="agent-9", cpu_model="x", arch="x", cores=1, memory_bytes=1, backend="torch",
+                  num_samples=1, class_counts=[1], methods=["fedgkt"])
+    stranger.publish(topics.up("agent-9"), encode_message(hello))
+    coordinator.pump(1.0)
+    reply = decode_message(stranger.receive(1.0).payload)
+    assert isinstance(reply, Welcome) and not reply.accepted and "allow-list" in reply.reason
+    assert "agent-9" not in coordinator.agents
+    assert coordinator.rejected["unknown_sender"] == 1
+
+
+def test_run_stops_at_target_accuracy(tmp_path: Path) -> None:
+    cfg = server_config(tmp_path, run_id="target", rounds=5, target_accuracy=0.01)
+    report = in_memory_federation(cfg, [agent_config(cfg.run_id, i, 2) for i in range(2)]).start().join()
+    assert report["status"] == "stopped_target"
+    assert len(report["rounds"]) == 1

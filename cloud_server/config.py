@@ -105,7 +105,10 @@ class ServerConfig:
             raise ValueError(f"unknown [server] keys: {sorted(unknown)}")
         password_file = server.pop("password_file", None)
         if password_file:
-            server["password"] = open(os.path.expanduser(password_file)).read().strip()
+            try:
+                server["password"] = open(os.path.expanduser(password_file)).read().strip()
+            except OSError as exc:
+                raise ValueError(f"cannot read password_file {password_file}: {exc.strerror}") from None
         if "allow_list" in server:
             server["allow_list"] = tuple(server["allow_list"])
         method = server.get("method", "fedgkt")

@@ -228,7 +228,8 @@ class Coordinator:
     def _send(self, agent: str | None, msg: Message) -> None:
         topic = self.topics.down(agent) if agent else self.topics.down_all
         before = self.transport.stats.snapshot()
-        self.transport.publish(topic, encode_message(msg))
+        # An agent may ask for missing chunks only on its own up topic (the ACL allows no other).
+        self.transport.publish(topic, encode_message(msg), reply_topic=self.topics.up(agent) if agent else None)
         after = self.transport.stats.snapshot()
         self._account(msg.round, "down", after["payload_bytes_out"] - before["payload_bytes_out"], after["wire_bytes_out"] - before["wire_bytes_out"])
 
@@ -592,11 +593,8 @@ class Coordinator:
             self.load_checkpoint()
         else:
             self.report = self._new_report()
-        me = "server"
         self.transport.subscribe(self.topics.up_any)
         self.transport.subscribe(self.topics.status_any)
-        if hasattr(self.transport, "set_reply_topic"):
-            self.transport.set_reply_topic(self.topics.up(me))  # unused by agents' ACLs, harmless
         self.transport.connect()
         self._send(None, Discover(**self._base(self.completed_round)))
         try:

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--out", default=None, help="run directory (default runs/<run id>)")
     local.add_argument("--broker", default=None, help="use this broker instead of starting one")
     local.add_argument("--log-json", action="store_true")
+    from .keys import add_parser as add_keys_parser
+
+    add_keys_parser(sub)
     return parser
 
 
@@ -199,6 +202,14 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "keys":
+        from .keys import KeyToolError, cmd_keys
+
+        try:
+            return cmd_keys(args)
+        except (ValueError, KeyToolError) as exc:
+            print(f"edgesplit keys: error: {exc}", file=sys.stderr)
+            return 2
     return cmd_local(args)
 
 

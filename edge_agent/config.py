@@ -15,6 +15,14 @@ from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig
 
 
+def read_secret(path: str) -> str:
+    """A password from a file (configs reference secrets by path; they never hold them)."""
+    try:
+        return open(os.path.expanduser(path)).read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read password_file {path}: {exc.strerror}") from None
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where this agent's data comes from.
@@ -97,10 +105,10 @@ class EdgeConfig:
         """From a parsed TOML document (``[agent]`` and ``[data]`` tables)."""
         agent = dict(raw.get("agent", {}))
         data = DataConfig(**raw.get("data", {}))
+        password_file = agent.pop("password_file", None)
         unknown = set(agent) - {f for f in cls.__dataclass_fields__ if f != "data"}
         if unknown:
             raise ValueError(f"unknown [agent] keys: {sorted(unknown)}")
-        password_file = agent.pop("password_file", None) if "password_file" in agent else None
         if password_file:
-            agent["password"] = open(os.path.expanduser(password_file)).read().strip()
+            agent["password"] = read_secret(password_file)
         return cls(data=data, **agent)

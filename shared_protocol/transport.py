@@ -172,8 +172,13 @@ class Transport(ABC):
     def subscribe(self, topic_filter: str) -> None: ...
 
     @abstractmethod
-    def publish(self, topic: str, blob: bytes, retain: bool = False) -> None:
-        """Send one blob; return once the broker acknowledged every chunk."""
+    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None) -> None:
+        """Send one blob; return once the broker acknowledged every chunk.
+
+        ``reply_topic`` (default: the one set by ``set_reply_topic``) is where the
+        receiver may ask for missing chunks; it must be a topic this client reads
+        and the receiver may write (the server uses the agent's own up topic).
+        """
 
     @abstractmethod
     def receive(self, timeout_s: float | None = None) -> Delivery | None:
@@ -217,6 +222,8 @@ class MqttTransport(Transport):
         self._ack_cond = threading.Condition(self._lock)
         self._pending: set[int] = set()
         self._early_acks: set[int] = set()
+        self._nacked: dict[int, str] = {}  # mid -> reason the broker refused it (e.g. ACL)
+        self._refused = threading.Event()
         self._connected = threading.Event()
         self._connect_count = 0
         self._refused_reason: str | None = None
@@ -292,8 +299,11 @@ class MqttTransport(Transport):
         self._client.loop_start()
         if not self._housekeeper.is_alive():
             self._housekeeper.start()
-        if not self._connected.wait(self.config.connect_timeout_s):
-            reason = self._refused_reason or "no CONNACK"
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        while not self._connected.is_set() and not self._refused.is_set() and time.monotonic() < deadline:
+            self._connected.wait(0.05)
+        if not self._connected.is_set():
+            reason = self._refused_reason or "no CONNACK (wrong port, or TLS expected?)"
             self._client.loop_stop()
             raise TransportError(f"could not connect to {self.address.url()} within {self.config.connect_timeout_s}s: {reason}")
 
@@ -318,6 +328,7 @@ class MqttTransport(Transport):
             log.warning("broker %s refused connection: %s", self.address.url(), reason_code)
             if str(reason_code) in ("Not authorized", "Bad user name or password"):
                 client.disconnect()  # retrying with the same credentials cannot succeed
+                self._refused.set()
             return
         # The broker may have restarted without our session: always resubscribe.
         for topic_filter in self._subscriptions:
@@ -333,6 +344,8 @@ class MqttTransport(Transport):
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
         with self._ack_cond:
+            if getattr(reason_code, "is_failure", False):
+                self._nacked[mid] = str(reason_code)
             if mid in self._pending:
                 self._pending.discard(mid)
             else:
@@ -423,31 +436,33 @@ class MqttTransport(Transport):
         if self.connected:
             self._client.subscribe(topic_filter, qos=1)
 
-    def _chunk_props(self, header: ChunkHeader) -> Any:
+    def _chunk_props(self, header: ChunkHeader, reply_topic: str | None = None) -> Any:
         props = self._Properties(self._PacketTypes.PUBLISH)
         user = header.properties()
-        if self._reply_topic:
-            user.append((P_REPLY, self._reply_topic))
+        if reply_topic or self._reply_topic:
+            user.append((P_REPLY, reply_topic or self._reply_topic))
         props.UserProperty = user
         return props
 
-    def publish(self, topic: str, blob: bytes, retain: bool = False) -> None:
+    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None) -> None:
         chunks = split_blob(bytes(blob), self.config.chunk_size_bytes)
         if retain and len(chunks) > 1:
             # The broker retains one message per topic: only the last chunk would survive.
             raise ValueError(f"a retained blob must fit in one chunk ({len(blob)} > {self.config.chunk_size_bytes} bytes)")
         deadline = time.monotonic() + self.config.publish_timeout_s
         window: deque[int] = deque()
+        mids: list[int] = []
         wire_total = 0
         with self._publish_lock:
             self._remember_sent(topic, chunks)
             for header, chunk in chunks:
-                props = self._chunk_props(header)
+                props = self._chunk_props(header, reply_topic)
                 info = self._client.publish(topic, chunk, qos=1, retain=retain, properties=props)
                 if info.rc == self._mqtt.MQTT_ERR_QUEUE_SIZE:
                     raise TransportError("paho's outgoing queue is full")
                 # When disconnected paho keeps QoS 1 messages and sends them on reconnect.
                 wire_total += publish_packet_bytes(topic, len(chunk), 1, len(props.pack()))
+                mids.append(info.mid)
                 with self._ack_cond:
                     if info.mid in self._early_acks:
                         self._early_acks.discard(info.mid)
@@ -458,6 +473,9 @@ class MqttTransport(Transport):
                         self._wait_acked(window, deadline, keep=self.config.max_inflight_chunks - 1)
             with self._ack_cond:
                 self._wait_acked(window, deadline, keep=0)
+                refused = [self._nacked.pop(m) for m in mids if m in self._nacked]
+        if refused:
+            raise TransportError(f"broker refused the publish to {topic}: {refused[0]}")
         self.stats.add(
             payload_bytes_out=len(blob),
             wire_bytes_out=wire_total,
@@ -580,7 +598,7 @@ class InMemoryTransport(Transport):
         for topic, blob in self.broker.retained_matching(topic_filter):
             self._offer(topic, blob)
 
-    def publish(self, topic: str, blob: bytes, retain: bool = False) -> None:
+    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None) -> None:
         wire = publish_packet_bytes(topic, len(blob), 1, 1)
         self.stats.add(payload_bytes_out=len(blob), wire_bytes_out=wire, wire_bytes_in=PUBACK_BYTES, messages_out=1, chunks_out=1)
         self.broker.route(topic, bytes(blob), retain)

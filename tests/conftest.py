@@ -45,6 +45,7 @@ class Broker:
     port: int
     extra_config: str = ""
     host: str = "127.0.0.1"
+    config_file: Path | None = None  # use this config as is (e.g. the production config the key tool writes)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -59,6 +60,15 @@ class Broker:
         binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
         if not Path(binary).exists():
             pytest.fail("mosquitto is not installed: run `make test` (it installs it) or apt-get install mosquitto")
+        if self.config_file is not None:
+            self.proc = subprocess.Popen([binary, "-c", str(self.config_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                wait_for_port(self.host, self.port)
+            except TimeoutError:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None and self.proc.stderr else ""
+                self.stop()
+                raise TimeoutError(f"mosquitto did not start with {self.config_file}: {err[-1000:]}") from None
+            return
         conf = self.workdir / "mosquitto.conf"
         conf.write_text(
             f"listener {self.port} {self.host}\n"

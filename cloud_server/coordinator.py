@@ -88,6 +88,8 @@ def _now_iso() -> str:
 
 
 class Coordinator:
+    MAX_COMPLETION_REQUESTS = 3  # per agent and round, then what arrived is judged as it is
+
     def __init__(self, config: ServerConfig, method: ServerMethod, transport: Transport) -> None:
         self.config = config
         self.method = method
@@ -103,6 +105,7 @@ class Coordinator:
         self._started = time.monotonic()
         self._failed_in_a_row = 0
         self.round_bytes: dict[int, dict[str, int]] = {}
+        self._completion_requests: dict[tuple[str, int], int] = {}
         self.other_bytes = {"up_payload": 0, "up_wire": 0, "down_payload": 0, "down_wire": 0}
         load_method_messages(method.name)
 
@@ -377,6 +380,15 @@ class Coordinator:
         if rnd is None or agent in rnd.done:
             self._reject(agent, StaleMessageError.code, f"round_end for closed round {end.round}")
             return
+        key = (agent, end.round)
+        if self._completion_requests.get(key, 0) < self.MAX_COMPLETION_REQUESTS:
+            requests = self.method.check_round_end(agent, end)
+            if requests:
+                self._completion_requests[key] = self._completion_requests.get(key, 0) + 1
+                log.warning("agent %s's round %d upload is incomplete; asking it to resend (%d messages)", agent, end.round, len(requests))
+                for target, msg in requests:
+                    self._send(target, msg)
+                return  # it sends round_end again when done
         rnd.done[agent] = end
         self.agents[agent].instance = end.instance
         if self.method.asynchronous:

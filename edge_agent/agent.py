@@ -88,6 +88,7 @@ class EdgeAgent:
         self.rounds_done: list[int] = []
         self.last_round_done = -1
         self._last_round_end_at: float | None = None
+        self._last_round_end: RoundEnd | None = None
         self._stop = threading.Event()
         self.exit_code = EXIT_OK
         self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
@@ -237,6 +238,7 @@ class EdgeAgent:
             test=self.test,
             settings=self.settings,
             send=self.send,
+            resend_round_end=self._resend_round_end,
             device=self.config.device,
             progress=self.config.progress,
             seed=self.config.data.seed * 1000 + self.config.data.agent_index,
@@ -282,9 +284,10 @@ class EdgeAgent:
             "codec": str(msg.config.get("upload_codec", "")),
             "codec_ratio": meter.codec_ratio,
         }
-        self._publish(
-            RoundEnd(**self._base(msg.round), num_samples=result.num_samples, instance=self.instance, uploads=result.uploads, costs=costs, metrics=result.metrics)
+        self._last_round_end = RoundEnd(
+            **self._base(msg.round), num_samples=result.num_samples, instance=self.instance, uploads=result.uploads, costs=costs, metrics=result.metrics
         )
+        self._publish(self._last_round_end)
         self.last_round_done = msg.round
         self.rounds_done.append(msg.round)
         self._last_round_end_at = time.monotonic()
@@ -296,6 +299,10 @@ class EdgeAgent:
             msg.round, result.num_samples, meter.seconds["compute"], costs["wire_bytes_up"] / 1e6,
             f", edge acc {acc:.2%}" if isinstance(acc, float) else "",
         )
+
+    def _resend_round_end(self) -> None:
+        if self._last_round_end is not None:
+            self._publish(self._last_round_end)
 
     # -- local state -------------------------------------------------------- #
 

@@ -152,3 +152,22 @@ def test_configs_validate() -> None:
         GktRoundConfig.from_dict({"edge_epochs": 1, "bogus": 2})
     assert FedGktConfig(kd="none").round_config().edge_kd is False
     assert math.isclose(FedGktConfig().round_config().temperature, 3.0)
+
+
+def test_lost_batches_are_requested_again_and_replaced_by_seq() -> None:
+    ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
+    server = FedGktServer(ctx, {"server_batch_size": 8})
+    a = _features(1, 8, np.arange(8), seq=0)
+    b = _features(2, 8, np.arange(8, 16), seq=1)
+    end = _end([a, b])
+    server.on_upload("a", a)
+    (target, request), = server.check_round_end("a", end)
+    assert target == "a" and request.split == "train" and request.seqs == [1]
+    server.on_upload("a", b)
+    server.on_upload("a", b)  # a duplicate resend replaces, never double counts
+    assert server.check_round_end("a", end) == []
+    outcome = server.complete(1, {"a": end}, evaluate=False)
+    assert outcome.used_agents == ["a"] and outcome.samples == 16
+    # Uploads of another process are not completed by asking: they are void.
+    server.on_upload("a", _features(3, 8, np.arange(8), instance="i2"))
+    assert server.check_round_end("a", _end([a, b], instance="i1")) == []

@@ -81,6 +81,11 @@ class ServerMethod(ABC):
         """
         return None
 
+    def check_round_end(self, agent: str, end: RoundEnd) -> list[tuple[str, Message]]:
+        """Called when ``agent`` says its round is done. Return requests (e.g. for lost
+        upload batches) to hold the round open for it; empty when complete."""
+        return []
+
     def discard(self, agent: str) -> None:
         """Forget what ``agent`` staged in its current round (it failed or timed out)."""
 

@@ -27,7 +27,7 @@ from models import build_model, count_parameters, load_arrays_into, state_dict_t
 from models.losses import kd_loss
 from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
-from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig, GktServerLogits
+from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -100,8 +100,8 @@ class _Staged:
 
     instance: str
     round: int
-    train: list[GktFeatures]
-    test: list[GktFeatures]
+    train: dict[int, GktFeatures]  # by seq: a resent batch replaces, never duplicates
+    test: dict[int, GktFeatures]
     samples: int = 0
 
 
@@ -190,14 +190,34 @@ class FedGktServer(ServerMethod):
         staged = self.staged.get(agent)
         if staged is None or staged.instance != msg.instance or staged.round != msg.round:
             # A new process (restart) or a new round: what the old one staged is void.
-            staged = self.staged[agent] = _Staged(msg.instance, msg.round, [], [])
+            staged = self.staged[agent] = _Staged(msg.instance, msg.round, {}, {})
         if staged.samples + len(msg.labels) > self.config.max_staged_samples_per_agent:
             raise SizeLimitError(f"agent {agent} uploaded more than {self.config.max_staged_samples_per_agent} samples this round")
-        (staged.train if msg.split == "train" else staged.test).append(msg)
+        batches = staged.train if msg.split == "train" else staged.test
+        if msg.seq in batches:
+            staged.samples -= len(batches[msg.seq].labels)
+        batches[msg.seq] = msg
         staged.samples += len(msg.labels)
 
     def discard(self, agent: str) -> None:
         self.staged.pop(agent, None)
+
+    def check_round_end(self, agent: str, end: RoundEnd) -> list[tuple[str, Message]]:
+        """Batches the agent says it sent but that never arrived (e.g. lost with a
+        restarting broker): ask for exactly those; the agent re-extracts them."""
+        staged = self.staged.get(agent)
+        if staged is not None and (staged.instance != end.instance or staged.round != end.round):
+            return []  # another process's uploads: nothing to complete
+        requests: list[tuple[str, Message]] = []
+        for split in ("train", "test"):
+            info = end.uploads.get(split)
+            if not isinstance(info, dict) or not isinstance(info.get("batches"), int):
+                continue
+            have = set() if staged is None else set(staged.train if split == "train" else staged.test)
+            missing = sorted(set(range(info["batches"])) - have)
+            if missing:
+                requests.append((agent, GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=missing)))
+        return requests
 
     def _usable(self, agent: str, end: RoundEnd) -> str | None:
         """Why ``agent``'s staged upload cannot be used, or None if it can."""
@@ -207,7 +227,7 @@ class FedGktServer(ServerMethod):
         if staged.instance != end.instance or staged.round != end.round:
             return "uploads came from another agent process or round"
         train_info = end.uploads.get("train", {})
-        if train_info.get("batches") != len(staged.train) or train_info.get("samples") != sum(len(b.labels) for b in staged.train):
+        if train_info.get("batches") != len(staged.train) or train_info.get("samples") != sum(len(b.labels) for b in staged.train.values()):
             return f"incomplete upload: {len(staged.train)} batches staged, agent reported {train_info}"
         test_info = end.uploads.get("test")
         if test_info is not None and test_info.get("batches") != len(staged.test):
@@ -228,9 +248,9 @@ class FedGktServer(ServerMethod):
                 self.discard(agent)
                 continue
             staged = self.staged.pop(agent)
-            data[agent] = _concat(staged.train)
+            data[agent] = _concat([staged.train[k] for k in sorted(staged.train)])
             if staged.test:
-                tests[agent] = _concat(staged.test)
+                tests[agent] = _concat([staged.test[k] for k in sorted(staged.test)])
         outcome.used_agents = list(data)
         if not data:
             return outcome

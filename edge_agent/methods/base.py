@@ -25,6 +25,7 @@ class EdgeContext:
     test: ArrayDataset
     settings: dict[str, Any]  # from the server's Welcome: num_classes, models, ...
     send: Callable[..., None]  # send(msg, meter, codecs=None): encode + publish on our up topic, metered
+    resend_round_end: Callable[[], None] = lambda: None  # publish the last RoundEnd again
     device: str = "cpu"
     progress: bool = False
     seed: int = 0

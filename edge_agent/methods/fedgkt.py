@@ -19,7 +19,7 @@ from models import build_model, forward_flops_per_sample, load_arrays_into, stat
 from models.losses import kd_loss
 from shared_protocol.errors import ShapeMismatchError
 from shared_protocol.messages import Message, RoundStart
-from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig, GktServerLogits
+from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 
 from ..costs import RoundMeter
 from ..trainer import accuracy, make_optimizer, train_epochs
@@ -69,6 +69,7 @@ class FedGktEdge(EdgeMethod):
         self.model = build_model(settings.get("edge_model", "resnet8"), self.num_classes, ctx.train.in_channels).to(ctx.device)
         self.teacher = TeacherLogits(self.num_classes)
         self.optimizer: torch.optim.Optimizer | None = None
+        self._last_round: tuple[RoundStart, GktRoundConfig] | None = None
         self._optimizer_key: tuple | None = None
         shape = ctx.train.images.shape[1:]  # (C, H, W)
         self.train_flops_per_sample = training_flops_per_sample(self.model, shape)
@@ -80,7 +81,19 @@ class FedGktEdge(EdgeMethod):
         if isinstance(msg, GktServerLogits):
             self.teacher.update(msg.sample_ids, msg.logits)
             return True
+        if isinstance(msg, GktResendRequest):
+            self._resend(msg)
+            return True
         return False
+
+    def _resend(self, request: GktResendRequest) -> None:
+        """Re-extract the requested batches (the model has not changed since the upload:
+        the same deterministic loader gives the same batches) and send them again."""
+        if self._last_round is None or self._last_round[0].round != request.round:
+            return  # not our latest round: nothing to resend
+        start, cfg = self._last_round
+        self._stream_features(request.split, start, cfg, RoundMeter(), only=set(request.seqs))
+        self.ctx.resend_round_end()
 
     # -- the round --------------------------------------------------------- #
 
@@ -108,6 +121,7 @@ class FedGktEdge(EdgeMethod):
 
     def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
         cfg = GktRoundConfig.from_dict(start.config)
+        self._last_round = (start, cfg)
         ctx = self.ctx
         with meter.phase("compute"):
             loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
@@ -130,7 +144,7 @@ class FedGktEdge(EdgeMethod):
         return RoundResult(num_samples=uploads["train"]["samples"], uploads=uploads, metrics=metrics)
 
     @torch.no_grad()
-    def _stream_features(self, split: str, start: RoundStart, cfg: GktRoundConfig, meter: RoundMeter) -> dict:
+    def _stream_features(self, split: str, start: RoundStart, cfg: GktRoundConfig, meter: RoundMeter, only: set[int] | None = None) -> dict:
         """Extract (eval mode) and send batch by batch; at most one batch of maps in memory."""
         ctx = self.ctx
         data = ctx.train if split == "train" else ctx.test
@@ -138,6 +152,8 @@ class FedGktEdge(EdgeMethod):
         loader = make_loader(data, cfg.upload_batch_samples, shuffle=False)
         batches = samples = 0
         for seq, (images, labels, sample_ids) in enumerate(loader):
+            if only is not None and seq not in only:
+                continue
             with meter.phase("compute"):
                 features = self.model.extract(images.to(ctx.device))  # (B, 16, H, W)
                 logits = self.model.classify(features)  # (B, K)

@@ -65,6 +65,22 @@ class GktServerLogits(Message):
             raise ShapeMismatchError(f"{self.TYPE}: duplicate sample ids")
 
 
+@register_message
+@dataclass(kw_only=True)
+class GktResendRequest(Message):
+    """Server -> one agent: these batches of your round's upload never arrived; send them again."""
+
+    TYPE: ClassVar[str] = "fedgkt.resend_request"
+    split: str
+    seqs: list
+
+    def validate(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
+        if not self.seqs or not all(isinstance(s, int) and s >= 0 for s in self.seqs) or len(self.seqs) > 100_000:
+            raise ValueRangeError(f"{self.TYPE}: seqs must be 1..100000 non-negative ints")
+
+
 @dataclass(frozen=True)
 class GktRoundConfig:
     """The per-round settings the server sends agents in ``RoundStart.config``.

@@ -105,6 +105,7 @@ class Reassembler:
         timeout_s: float = 120.0,
         remember_completed: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        max_transfers_per_source: int = 16,
     ) -> None:
         if max_transfer_bytes <= 0 or max_total_bytes < max_transfer_bytes:
             raise ValueError("need 0 < max_transfer_bytes <= max_total_bytes")
@@ -115,6 +116,7 @@ class Reassembler:
         self._transfers: dict[tuple[str, str], _Transfer] = {}
         self._completed: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._remember = remember_completed
+        self.max_transfers_per_source = max_transfers_per_source
         self.stats = ReassemblyStats()
 
     @property
@@ -147,6 +149,10 @@ class Reassembler:
                         f"transfer {header.transfer_id} ({header.total_bytes} bytes) would exceed the "
                         f"{self.max_total_bytes}-byte reassembly budget"
                     )
+            if sum(1 for src, _ in self._transfers if src == source) >= self.max_transfers_per_source:
+                self.stats.rejected += 1
+                # One sender must not hold the whole budget hostage with half-sent transfers.
+                raise SizeLimitError(f"{source or 'sender'} already has {self.max_transfers_per_source} transfers open")
             transfer = _Transfer(header, now, now)
             self._transfers[key] = transfer
         elif (header.count, header.total_bytes, header.sha256) != (

@@ -123,3 +123,12 @@ def test_inconsistent_chunk_metadata_rejected() -> None:
 def test_bad_chunk_properties(props: list[tuple[str, str]]) -> None:
     with pytest.raises(ChunkError):
         ChunkHeader.from_properties(props)
+
+
+def test_one_source_cannot_hold_too_many_open_transfers() -> None:
+    r = Reassembler(max_transfers_per_source=2)
+    for _ in range(2):
+        r.add(*split_blob(os.urandom(2000), 1000)[0], source="greedy")
+    with pytest.raises(SizeLimitError, match="transfers open"):
+        r.add(*split_blob(os.urandom(2000), 1000)[0], source="greedy")
+    r.add(*split_blob(os.urandom(2000), 1000)[0], source="polite")  # others are unaffected

@@ -109,3 +109,41 @@ def test_broker_restarted_mid_round(mosquitto, tmp_path: Path) -> None:  # type:
         assert record["samples"] == 320  # every sample once, none twice
     assert fed.coordinator.transport.connect_count >= 2
     assert all(a.transport.connect_count >= 2 for a in fed.agents)
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_agent_killed_mid_upload_then_restarted(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The killed process's partial upload is void; the restarted agent redoes the
+    round and every sample is counted exactly once."""
+    import os
+    import signal
+
+    from fedhelpers import spawn, write_agent_toml
+
+    cfg = server_config(tmp_path, run_id="midup", rounds=1, round_deadline_s=200.0, method_config={"upload_batch_samples": 16})
+    fed = mqtt_federation(cfg, [], mosquitto.url)
+    tomls = [write_agent_toml(tmp_path / f"agent-{i}.toml", agent_config("midup", i, 2, broker_url=mosquitto.url, train_samples=480)) for i in range(2)]
+    procs = [spawn("edge_agent.cli", "run", "--config", str(t), log=tmp_path / f"agent-{i}.log") for i, t in enumerate(tomls)]
+    try:
+        fed.start()
+        staged = fed.coordinator.method.staged
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not ("agent-1" in staged and len(staged["agent-1"].train) >= 2):
+            time.sleep(0.005)
+        assert "agent-1" in staged, "agent-1 never started uploading"
+        old_instance = staged["agent-1"].instance
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        procs[1] = spawn("edge_agent.cli", "run", "--config", str(tomls[1]), log=tmp_path / "agent-1-restarted.log")
+        report = fed.join(300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    (round1,) = report["rounds"]
+    assert round1["status"] == "ok" and round1["completed"] == ["agent-0", "agent-1"]
+    assert round1["samples"] == 480  # 240 per agent, the killed upload not added to the new one
+    assert round1["per_agent"]["agent-1"]["samples"] == 240
+    assert fed.coordinator.agents["agent-1"].instance != old_instance

@@ -17,6 +17,7 @@ from shared_protocol.methods.fedgkt import GktFeatures
 from shared_protocol.topics import Topics
 from shared_protocol.transport import InMemoryBroker, InMemoryTransport
 
+from cloud_server.report import validate_report
 from fedhelpers import Federation, agent_config, make_server, mqtt_federation, server_config
 from edge_agent.agent import EdgeAgent
 
@@ -102,6 +103,7 @@ def test_broker_restarted_mid_round(mosquitto, tmp_path: Path) -> None:  # type:
         time.sleep(0.05)
     mosquitto.restart(down_s=1.0)
     report = fed.join(400)
+    validate_report(report)
     assert report["status"] == "finished"
     assert [r["status"] for r in report["rounds"]] == ["ok", "ok"]
     for record in report["rounds"]:
@@ -142,6 +144,7 @@ def test_agent_killed_mid_upload_then_restarted(mosquitto, tmp_path: Path) -> No
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+    validate_report(report)
     (round1,) = report["rounds"]
     assert round1["status"] == "ok" and round1["completed"] == ["agent-0", "agent-1"]
     assert round1["samples"] == 480  # 240 per agent, the killed upload not added to the new one

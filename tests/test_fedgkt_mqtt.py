@@ -194,6 +194,6 @@ def test_server_killed_after_round_one_resumes(mosquitto, tmp_path: Path) -> Non
     assert report["status"] == "finished"
     assert [r["round"] for r in report["rounds"]] == [1, 2, 3]
     assert report["rounds"][0] == first  # round 1 was not redone
-    assert all(r["status"] == "ok" for r in report["rounds"])
+    assert all(r["status"] == "ok" and r["samples"] == 160 for r in report["rounds"])
     log = (tmp_path / "server-2.log").read_text()
     assert "resumed from checkpoint after round 1" in log

@@ -8,6 +8,7 @@ keeps running.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -74,8 +75,11 @@ class EdgeAgent:
         config: EdgeConfig,
         transport: Transport | None = None,
         data: tuple[ArrayDataset, ArrayDataset] | None = None,
+        compute_lock: threading.Lock | None = None,
     ) -> None:
         self.config = config
+        # Simulated agents in one process share the CPU: one trains at a time.
+        self._compute_lock = compute_lock or contextlib.nullcontext()
         self.topics = Topics(config.run_id)
         self.instance = uuid.uuid4().hex[:12]
         self.train, self.test = data if data is not None else load_agent_data(config)
@@ -261,7 +265,8 @@ class EdgeAgent:
         started = time.monotonic()
         self._status("training")
         try:
-            result = self.method.run_round(msg, meter)
+            with self._compute_lock:
+                result = self.method.run_round(msg, meter)
         except (ProtocolError, ValueError, RuntimeError) as exc:
             log.error("round %d failed: %s", msg.round, exc)
             self._publish(ErrorReply(**self._base(msg.round), code="round_failed", reason=str(exc)[:500], ref_msg_id=msg.msg_id))

@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", help="override where local state is kept")
     run.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sim = sub.add_parser("simulate", help="many agents in one process (each its own MQTT client), for scale tests")
+    sim.add_argument("--config", required=True, help="agent TOML; [data] is partitioned across the simulated agents")
+    sim.add_argument("--agents", type=int, required=True)
+    sim.add_argument("--broker", help="override the broker URL")
+    sim.add_argument("--prefix", default="sim-", help="agent ids are PREFIX0 .. PREFIX{N-1}")
+    sim.add_argument("--log-json", action="store_true")
     return parser
 
 
@@ -42,8 +48,26 @@ def load_config(args: argparse.Namespace) -> EdgeConfig:
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .simulate import SimulationConfig, run_simulation
+
+    try:
+        base = EdgeConfig.from_dict(read_toml(args.config))
+        if args.broker:
+            base = dataclasses.replace(base, broker_url=args.broker)
+        sim = SimulationConfig(base, args.agents, prefix=args.prefix)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"edge-agent: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_json, name="sim ")
+    codes = run_simulation(sim)
+    return max(codes) if codes else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "simulate":
+        return cmd_simulate(args)
     try:
         config = load_config(args)
     except (ValueError, FileNotFoundError) as exc:

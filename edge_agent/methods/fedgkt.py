@@ -26,6 +26,18 @@ from ..trainer import accuracy, make_optimizer, train_epochs
 from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
 
 
+_FLOPS_CACHE: dict[tuple, tuple[int, int]] = {}
+
+
+def _flops(name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(training, forward) FLOPs per sample; counted once per architecture and input shape
+    (FLOPs depend on shapes only, and counting is slow)."""
+    key = (name, shape, sum(p.numel() for p in model.parameters()))
+    if key not in _FLOPS_CACHE:
+        _FLOPS_CACHE[key] = (training_flops_per_sample(model, shape), forward_flops_per_sample(model, shape))
+    return _FLOPS_CACHE[key]
+
+
 class TeacherLogits:
     """Server logits by sample id. Lookups return rows in the order of the ids asked for."""
 
@@ -71,9 +83,8 @@ class FedGktEdge(EdgeMethod):
         self.optimizer: torch.optim.Optimizer | None = None
         self._last_round: tuple[RoundStart, GktRoundConfig] | None = None
         self._optimizer_key: tuple | None = None
-        shape = ctx.train.images.shape[1:]  # (C, H, W)
-        self.train_flops_per_sample = training_flops_per_sample(self.model, shape)
-        self.forward_flops_per_sample = forward_flops_per_sample(self.model, shape)
+        shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
+        self.train_flops_per_sample, self.forward_flops_per_sample = _flops(settings.get("edge_model", "resnet8"), self.model, shape)
 
     # -- downloads --------------------------------------------------------- #
 

@@ -1,0 +1,91 @@
+"""``edge-agent simulate``: many agents in one process.
+
+Each simulated agent is a full :class:`EdgeAgent` with its own MQTT client id,
+connection, state and data shard, so the broker and the server see N real
+agents. The dataset is loaded once and partitioned once; compute is shared
+sequentially (one agent trains at a time), which lets 128 agents run on a
+2-core machine within memory. Used by scale tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+
+from fldata import ArrayDataset, PartitionSpec, load_dataset, partition_indices, partition_test_indices, take
+
+from .agent import EdgeAgent
+from .config import DataConfig, EdgeConfig
+
+log = logging.getLogger("edge_agent.simulate")
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    base: EdgeConfig  # agent ids become f"{prefix}{i}"
+    agents: int
+    prefix: str = "sim-"
+    first_index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.agents < 1:
+            raise ValueError(f"agents must be >= 1, got {self.agents}")
+
+
+def shards(data: DataConfig, agents: int) -> list[tuple[ArrayDataset, ArrayDataset]]:
+    """Every agent's (train, test) shard, loading and partitioning the dataset once."""
+    train = load_dataset(data.dataset, "train", data.root, data.download)
+    test = load_dataset(data.dataset, "test", data.root, data.download)
+    if data.train_samples:
+        train = take(train, min(data.train_samples, len(train)), data.seed)
+    if data.test_samples:
+        test = take(test, min(data.test_samples, len(test)), data.seed)
+    spec = PartitionSpec.parse(data.partition if data.partition != "none" else "iid", agents, data.seed)
+    train_parts = partition_indices(train.labels, spec, train.num_classes)
+    test_parts = partition_test_indices(test.labels, spec, train.labels, test.num_classes)
+    return [(train.subset(tp), test.subset(sp)) for tp, sp in zip(train_parts, test_parts)]
+
+
+def build_agents(sim: SimulationConfig) -> list[EdgeAgent]:
+    lock = threading.Lock()
+    data = dataclasses.replace(sim.base.data, num_agents=sim.agents)
+    agents = []
+    for i, shard in enumerate(shards(data, sim.agents)):
+        cfg = dataclasses.replace(
+            sim.base,
+            agent_id=f"{sim.prefix}{sim.first_index + i}",
+            data=dataclasses.replace(data, agent_index=i),
+            progress=False,
+            threads=1,
+        )
+        agents.append(EdgeAgent(cfg, data=shard, compute_lock=lock))
+    return agents
+
+
+def run_simulation(sim: SimulationConfig, stop: threading.Event | None = None) -> list[int]:
+    """Run every agent in its own thread until the server ends the run (or ``stop``)."""
+    agents = build_agents(sim)
+    codes: list[int] = [0] * len(agents)
+
+    def run(i: int) -> None:
+        codes[i] = agents[i].run()
+
+    threads = [threading.Thread(target=run, args=(i,), name=a.config.agent_id, daemon=True) for i, a in enumerate(agents)]
+    for t in threads:
+        t.start()
+    log.info("simulating %d agents", len(agents))
+    try:
+        while any(t.is_alive() for t in threads):
+            if stop is not None and stop.is_set():
+                for a in agents:
+                    a.stop()
+            for t in threads:
+                t.join(0.5)
+    except KeyboardInterrupt:
+        for a in agents:
+            a.stop()
+        for t in threads:
+            t.join(10)
+    return codes

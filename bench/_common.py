@@ -1,0 +1,48 @@
+"""Shared helpers for the benchmark scripts: machine facts and atomic JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "bench" / "results"
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import numpy
+
+    info: dict[str, Any] = {
+        "cpu_model": cpu, "arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "numpy": numpy.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": os.getloadavg(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    return info
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}")

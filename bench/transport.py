@@ -1,0 +1,207 @@
+"""Throughput of the chunked MQTT transport on loopback, next to raw paho
+publishing of the same bytes through the same broker and a raw TCP socket copy;
+plain and TLS. Writes ``bench/results/transport.json``.
+
+Each measurement sends ``--mb`` megabytes from one client to another and stops
+the clock when the receiver has everything (for the transport: the reassembled,
+hash-verified blobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from _common import RESULTS, machine, write_json
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from cloud_server.keys import KeysConfig, init_keys
+from shared_protocol.transport import MqttTransport, TransportConfig
+
+CHUNK = 512 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_broker(conf_text: str | None, conf_path: Path | None, port: int, workdir: Path) -> subprocess.Popen:
+    if conf_path is None:
+        conf_path = workdir / "plain.conf"
+        conf_path.write_text(conf_text or "")
+    proc = subprocess.Popen(["mosquitto", "-c", str(conf_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("mosquitto did not start")
+
+
+def tcp_copy(total: int) -> float:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    received = 0
+
+    def sink() -> None:
+        nonlocal received
+        conn, _ = server.accept()
+        while received < total:
+            data = conn.recv(1 << 20)
+            if not data:
+                break
+            received += len(data)
+        conn.close()
+
+    t = threading.Thread(target=sink)
+    t.start()
+    block = os.urandom(CHUNK)
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        sent = 0
+        while sent < total:
+            c.sendall(block)
+            sent += len(block)
+    t.join()
+    server.close()
+    return time.perf_counter() - start
+
+
+def raw_paho(port: int, total: int, tls: dict | None) -> float:
+    done = threading.Event()
+    got = [0]
+    count = total // CHUNK
+
+    def on_message(c, u, m):  # type: ignore[no-untyped-def]
+        got[0] += 1
+        if got[0] >= count:
+            done.set()
+
+    def client(name: str) -> mqtt.Client:
+        cl = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=f"{name}-{time.monotonic_ns()}", protocol=mqtt.MQTTv5)
+        if tls:
+            cl.username_pw_set(tls["user"], tls["password"])
+            cl.tls_set(ca_certs=tls["ca"])
+        cl.connect("localhost" if tls else "127.0.0.1", port)
+        cl.loop_start()
+        return cl
+
+    rx = client("rx")
+    rx.on_message = on_message
+    rx.subscribe("bench/raw", qos=1)
+    time.sleep(0.3)
+    tx = client("tx")
+    block = os.urandom(CHUNK)
+    start = time.perf_counter()
+    infos = [tx.publish("bench/raw", block, qos=1) for _ in range(count)]
+    for info in infos:
+        info.wait_for_publish(60)
+    done.wait(120)
+    elapsed = time.perf_counter() - start
+    for cl in (rx, tx):
+        cl.loop_stop()
+        cl.disconnect()
+    return elapsed
+
+
+def ours(port: int, total: int, tls: dict | None, blob_mb: int) -> float:
+    def transport(name: str) -> MqttTransport:
+        url = f"mqtts://localhost:{port}" if tls else f"mqtt://127.0.0.1:{port}"
+        return MqttTransport(TransportConfig(broker_url=url, client_id=f"{name}-{time.monotonic_ns()}", username=tls["user"] if tls else None,
+                                             password=tls["password"] if tls else None, ca_file=tls["ca"] if tls else None))
+
+    rx, tx = transport("rx"), transport("tx")
+    rx.subscribe("bench/ours")
+    rx.connect()
+    tx.connect()
+    time.sleep(0.3)
+    blob = os.urandom(blob_mb * 1024 * 1024)
+    n = max(1, total // len(blob))
+    start = time.perf_counter()
+    for _ in range(n):
+        tx.publish("bench/ours", blob)
+    for _ in range(n):
+        assert rx.receive(120) is not None
+    elapsed = time.perf_counter() - start
+    rx.close()
+    tx.close()
+    return elapsed
+
+
+def run(mb: int, repeats: int) -> dict:
+    total = mb * 1024 * 1024
+    work = Path(tempfile.mkdtemp(prefix="edgesplit-bench-"))
+    work.chmod(0o755)  # mosquitto reads its TLS files as the mosquitto user
+    results: dict = {"machine": machine(), "setup": {"megabytes": mb, "repeats": repeats, "chunk_bytes": CHUNK}, "mb_per_s": {}}
+    try:
+        results["mb_per_s"]["tcp_socket"] = [mb / tcp_copy(total) for _ in range(repeats)]
+        plain_port = free_port()
+        plain = start_broker(f"listener {plain_port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n", None, plain_port, work)
+        try:
+            results["mb_per_s"]["paho_raw_plain"] = [mb / raw_paho(plain_port, total, None) for _ in range(repeats)]
+            results["mb_per_s"]["edgesplit_plain"] = [mb / ours(plain_port, total, None, 8) for _ in range(repeats)]
+        finally:
+            plain.kill()
+        tls_port = free_port()
+        keys = work / "keys"
+        init_keys(KeysConfig(keys, ("bench",), port=tls_port, bind="127.0.0.1"))
+        conf = keys / "mosquitto.conf"
+        conf.write_text(conf.read_text().replace("max_queued_messages 10000", "max_queued_messages 100000"))
+        acl = keys / "acl"
+        acl.write_text(acl.read_text() + "\nuser bench\ntopic readwrite bench/#\n")
+        tls_proc = start_broker(None, conf, tls_port, work)
+        tls = {"user": "bench", "password": (keys / "secrets" / "bench.password").read_text().strip(), "ca": str(keys / "ca.crt")}
+        try:
+            results["mb_per_s"]["paho_raw_tls"] = [mb / raw_paho(tls_port, total, tls) for _ in range(repeats)]
+            results["mb_per_s"]["edgesplit_tls"] = [mb / ours(tls_port, total, tls, 8) for _ in range(repeats)]
+        finally:
+            tls_proc.kill()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in results["mb_per_s"].items()}
+    results["median_mb_per_s"] = med
+    results["ratios"] = {
+        "paho_over_edgesplit_plain": med["paho_raw_plain"] / med["edgesplit_plain"],
+        "paho_over_edgesplit_tls": med["paho_raw_tls"] / med["edgesplit_tls"],
+    }
+    results["claim_within_2x_of_raw_paho"] = all(r <= 2.0 for r in results["ratios"].values())
+    try:
+        import json
+
+        codecs = json.loads((RESULTS / "codecs.json").read_text())
+        results["codecs_reference"] = "see bench/results/codecs.json (bench/codecs.py) for codec MB/s"
+        results["codecs_summary"] = codecs.get("summary", None)
+    except (OSError, ValueError):
+        pass
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mb", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS / "transport.json"))
+    args = parser.parse_args()
+    result = run(args.mb, args.repeats)
+    for name, value in result["median_mb_per_s"].items():
+        print(f"{name:>18}: {value:8.1f} MB/s")
+    write_json(Path(args.out), result)
+
+
+if __name__ == "__main__":
+    main()

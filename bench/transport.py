@@ -134,7 +134,8 @@ def ours(port: int, total: int, tls: dict | None, blob_mb: int) -> float:
     n = max(1, total // len(blob))
     start = time.perf_counter()
     for _ in range(n):
-        tx.publish("bench/ours", blob)
+        tx.publish("bench/ours", blob, wait=False)  # pipelined, as agents stream uploads
+    tx.flush()
     for _ in range(n):
         assert rx.receive(120) is not None
     elapsed = time.perf_counter() - start

@@ -81,6 +81,9 @@ class _Transfer:
     updated_at: float
     parts: dict[int, bytes] = field(default_factory=dict)
     received_bytes: int = 0
+    # Hash as chunks arrive in order, so completing a blob does not hash it all at once.
+    hasher: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    hashed_upto: int = 0  # seqs [0, hashed_upto) are in the hasher
 
 
 @dataclass
@@ -169,9 +172,12 @@ class Reassembler:
             self.stats.rejected += 1
             self._drop(key)
             raise LengthMismatchError(f"transfer {header.transfer_id} received more bytes than the declared {header.total_bytes}")
-        transfer.parts[header.seq] = bytes(payload)
+        transfer.parts[header.seq] = payload if isinstance(payload, bytes) else bytes(payload)
         transfer.received_bytes += len(payload)
         transfer.updated_at = now
+        while transfer.hashed_upto in transfer.parts:
+            transfer.hasher.update(transfer.parts[transfer.hashed_upto])
+            transfer.hashed_upto += 1
         if len(transfer.parts) < header.count:
             return None
         self._drop(key)
@@ -179,7 +185,7 @@ class Reassembler:
         if len(blob) != header.total_bytes:
             self.stats.rejected += 1
             raise LengthMismatchError(f"transfer {header.transfer_id}: {len(blob)} bytes, declared {header.total_bytes}")
-        if hashlib.sha256(blob).hexdigest() != header.sha256:
+        if transfer.hasher.hexdigest() != header.sha256:
             self.stats.rejected += 1
             raise HashMismatchError(f"transfer {header.transfer_id}: sha256 of the reassembled blob does not match")
         self._completed[key] = None

@@ -151,6 +151,13 @@ def _varint_len(value: int) -> int:
     return length
 
 
+def user_properties_bytes(user_props: list[tuple[str, str]]) -> int:
+    """Length of a PUBLISH properties block holding only user properties, prefix included
+    (computed, not packed: this runs for every chunk)."""
+    body = sum(5 + len(k.encode()) + len(v.encode()) for k, v in user_props)  # id + two length-prefixed strings
+    return _varint_len(body) + body
+
+
 def publish_packet_bytes(topic: str, payload_len: int, qos: int, properties_len: int) -> int:
     """Size of an MQTT v5 PUBLISH packet; ``properties_len`` includes its length prefix."""
     remaining = 2 + len(topic.encode()) + (2 if qos > 0 else 0) + properties_len + payload_len
@@ -172,13 +179,20 @@ class Transport(ABC):
     def subscribe(self, topic_filter: str) -> None: ...
 
     @abstractmethod
-    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None) -> None:
-        """Send one blob; return once the broker acknowledged every chunk.
+    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None, wait: bool = True) -> None:
+        """Send one blob. With ``wait`` (the default), return once the broker
+        acknowledged every chunk; without, return as soon as its chunks are in
+        flight (at most ``max_inflight_chunks`` across all blobs, so memory stays
+        bounded) and call :meth:`flush` after a stream of publishes.
 
         ``reply_topic`` (default: the one set by ``set_reply_topic``) is where the
         receiver may ask for missing chunks; it must be a topic this client reads
         and the receiver may write (the server uses the agent's own up topic).
         """
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Block until every chunk published so far is acknowledged; raise if any was refused."""
 
     @abstractmethod
     def receive(self, timeout_s: float | None = None) -> Delivery | None:
@@ -223,6 +237,8 @@ class MqttTransport(Transport):
         self._pending: set[int] = set()
         self._early_acks: set[int] = set()
         self._nacked: dict[int, str] = {}  # mid -> reason the broker refused it (e.g. ACL)
+        self._window: deque[int] = deque()  # mids in flight, across blobs
+        self._unflushed: list[int] = []  # mids published since the last flush
         self._refused = threading.Event()
         self._connected = threading.Event()
         self._connect_count = 0
@@ -355,8 +371,7 @@ class MqttTransport(Transport):
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         props = message.properties
         user_props = list(getattr(props, "UserProperty", None) or []) if props is not None else []
-        props_len = len(props.pack()) if props is not None else 1
-        wire = publish_packet_bytes(message.topic, len(message.payload), message.qos, props_len)
+        wire = publish_packet_bytes(message.topic, len(message.payload), message.qos, user_properties_bytes(user_props))
         self.stats.add(wire_bytes_in=wire + (PUBACK_BYTES if message.qos else 0), wire_bytes_out=PUBACK_BYTES if message.qos else 0, chunks_in=1)
         control = dict(user_props).get(P_CONTROL)
         if control is not None:
@@ -444,14 +459,12 @@ class MqttTransport(Transport):
         props.UserProperty = user
         return props
 
-    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None) -> None:
-        chunks = split_blob(bytes(blob), self.config.chunk_size_bytes)
+    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None, wait: bool = True) -> None:
+        chunks = split_blob(blob if isinstance(blob, bytes) else bytes(blob), self.config.chunk_size_bytes)
         if retain and len(chunks) > 1:
             # The broker retains one message per topic: only the last chunk would survive.
             raise ValueError(f"a retained blob must fit in one chunk ({len(blob)} > {self.config.chunk_size_bytes} bytes)")
         deadline = time.monotonic() + self.config.publish_timeout_s
-        window: deque[int] = deque()
-        mids: list[int] = []
         wire_total = 0
         with self._publish_lock:
             self._remember_sent(topic, chunks)
@@ -461,28 +474,37 @@ class MqttTransport(Transport):
                 if info.rc == self._mqtt.MQTT_ERR_QUEUE_SIZE:
                     raise TransportError("paho's outgoing queue is full")
                 # When disconnected paho keeps QoS 1 messages and sends them on reconnect.
-                wire_total += publish_packet_bytes(topic, len(chunk), 1, len(props.pack()))
-                mids.append(info.mid)
+                wire_total += publish_packet_bytes(topic, len(chunk), 1, user_properties_bytes(props.UserProperty))
                 with self._ack_cond:
+                    self._unflushed.append(info.mid)
                     if info.mid in self._early_acks:
                         self._early_acks.discard(info.mid)
                     else:
                         self._pending.add(info.mid)
-                        window.append(info.mid)
-                    while len(window) >= self.config.max_inflight_chunks:
-                        self._wait_acked(window, deadline, keep=self.config.max_inflight_chunks - 1)
-            with self._ack_cond:
-                self._wait_acked(window, deadline, keep=0)
-                refused = [self._nacked.pop(m) for m in mids if m in self._nacked]
+                        self._window.append(info.mid)
+                    # Chunks stay in flight across blobs: no pipeline drain between messages.
+                    self._wait_acked(self._window, deadline, keep=self.config.max_inflight_chunks - 1)
+            self.stats.add(
+                payload_bytes_out=len(blob),
+                wire_bytes_out=wire_total,
+                wire_bytes_in=PUBACK_BYTES * len(chunks),
+                messages_out=1,
+                chunks_out=len(chunks),
+            )
+            if wait:
+                self._flush_locked(deadline)
+
+    def flush(self) -> None:
+        with self._publish_lock:
+            self._flush_locked(time.monotonic() + self.config.publish_timeout_s)
+
+    def _flush_locked(self, deadline: float) -> None:
+        with self._ack_cond:
+            self._wait_acked(self._window, deadline, keep=0)
+            refused = [self._nacked.pop(m) for m in self._unflushed if m in self._nacked]
+            self._unflushed.clear()
         if refused:
-            raise TransportError(f"broker refused the publish to {topic}: {refused[0]}")
-        self.stats.add(
-            payload_bytes_out=len(blob),
-            wire_bytes_out=wire_total,
-            wire_bytes_in=PUBACK_BYTES * len(chunks),
-            messages_out=1,
-            chunks_out=len(chunks),
-        )
+            raise TransportError(f"broker refused {len(refused)} published chunk(s): {refused[0]}")
 
     def _wait_acked(self, window: deque[int], deadline: float, keep: int) -> None:
         """With ``_ack_cond`` held: block until at most ``keep`` mids of ``window`` are unacknowledged."""
@@ -598,7 +620,10 @@ class InMemoryTransport(Transport):
         for topic, blob in self.broker.retained_matching(topic_filter):
             self._offer(topic, blob)
 
-    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None) -> None:
+    def flush(self) -> None:
+        """Delivery is synchronous in memory."""
+
+    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None, wait: bool = True) -> None:
         wire = publish_packet_bytes(topic, len(blob), 1, 1)
         self.stats.add(payload_bytes_out=len(blob), wire_bytes_out=wire, wire_bytes_in=PUBACK_BYTES, messages_out=1, chunks_out=1)
         self.broker.route(topic, bytes(blob), retain)

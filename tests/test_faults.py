@@ -15,20 +15,20 @@ import pytest
 from shared_protocol.messages import Hello, RoundEnd, encode_message
 from shared_protocol.methods.fedgkt import GktFeatures
 from shared_protocol.topics import Topics
-from shared_protocol.transport import InMemoryBroker, InMemoryTransport
+from shared_protocol.transport import InMemoryBroker, InMemoryTransport, MqttTransport, TransportConfig
 
 from cloud_server.report import validate_report
 from fedhelpers import Federation, agent_config, make_server, mqtt_federation, server_config
 from edge_agent.agent import EdgeAgent
 
 
-def test_garbage_agent_is_dropped_and_the_run_goes_on(tmp_path: Path) -> None:
-    broker = InMemoryBroker()
+@pytest.mark.broker
+def test_garbage_agent_is_dropped_and_the_run_goes_on(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     cfg = server_config(tmp_path, run_id="garbage", agents=2, rounds=2, max_rejections_per_agent=5)
-    coordinator = make_server(cfg, InMemoryTransport(broker, "server"))
-    agents = [EdgeAgent(c, transport=InMemoryTransport(broker, c.agent_id)) for c in (agent_config("garbage", i, 2) for i in range(2))]
+    fed = mqtt_federation(cfg, [agent_config("garbage", i, 2) for i in range(2)], mosquitto.url)
+    coordinator = fed.coordinator
     topics = Topics("garbage")
-    rogue = InMemoryTransport(broker, "rogue")
+    rogue = MqttTransport(TransportConfig(broker_url=mosquitto.url, client_id="rogue", connect_timeout_s=10))
     rogue.connect()
     stop = threading.Event()
 
@@ -47,7 +47,6 @@ def test_garbage_agent_is_dropped_and_the_run_goes_on(tmp_path: Path) -> None:
             time.sleep(0.02)
 
     spewer = threading.Thread(target=spew, daemon=True)
-    fed = Federation(coordinator, agents)
     fed.start()
     spewer.start()
     try:
@@ -55,8 +54,11 @@ def test_garbage_agent_is_dropped_and_the_run_goes_on(tmp_path: Path) -> None:
     finally:
         stop.set()
         spewer.join(5)
+        rogue.close()
+    validate_report(report)
     assert report["status"] == "finished"
     assert all(r["status"] == "ok" and r["completed"] == ["agent-0", "agent-1"] for r in report["rounds"])
+    assert all(r["samples"] == 160 for r in report["rounds"])
     assert coordinator.agents["rogue"].dropped
     rejected = report["totals"]["rejected_by_reason"]
     assert rejected.get("bad_magic", 0) + rejected.get("truncated_frame", 0) >= 1

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-APT_PACKAGES := mosquitto mosquitto-clients dataset-fashion-mnist
+APT_PACKAGES := mosquitto mosquitto-clients dataset-fashion-mnist shellcheck
 # torch/torchvision pinned to the pair that lies on disk on the dev machine;
 # override on other machines (e.g. TORCH_SPEC="torch torchvision").
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
@@ -34,6 +34,9 @@ demo: venv system-deps
 bench: venv system-deps
 	$(PY) bench/codecs.py
 	$(PY) bench/edge_cost.py
+	$(PY) bench/comm_cost.py
+	$(PY) bench/accuracy.py --quick
+	$(PY) bench/render_results.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", help="override the run id")
     run.add_argument("--rounds", type=int, help="override the number of rounds")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint in the run directory")
+    run.add_argument("--resume-if-checkpoint", action="store_true",
+                     help="continue from the run directory's checkpoint when there is one, else start (for systemd restarts)")
     run.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     report = sub.add_parser("report", help="re-render report.json, rounds.csv, plots and summary.md of a run")
@@ -76,7 +78,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,
              "async" if method.asynchronous else "sync", config.rounds, ctx.device, config.out_dir)
     try:
-        report = coordinator.run(resume=args.resume)
+        resume = args.resume or (args.resume_if_checkpoint and (coordinator.checkpoint_dir / "coordinator.json").exists())
+        report = coordinator.run(resume=resume)
     except (RunAborted, TransportError, FileNotFoundError) as exc:
         log.error("%s", exc)
         return 2

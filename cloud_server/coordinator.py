@@ -231,8 +231,9 @@ class Coordinator:
     def _send(self, agent: str | None, msg: Message) -> None:
         topic = self.topics.down(agent) if agent else self.topics.down_all
         before = self.transport.stats.snapshot()
+        codecs = self.method.download_codecs(msg) or None
         # An agent may ask for missing chunks only on its own up topic (the ACL allows no other).
-        self.transport.publish(topic, encode_message(msg), reply_topic=self.topics.up(agent) if agent else None)
+        self.transport.publish(topic, encode_message(msg, codecs=codecs), reply_topic=self.topics.up(agent) if agent else None)
         after = self.transport.stats.snapshot()
         self._account(msg.round, "down", after["payload_bytes_out"] - before["payload_bytes_out"], after["wire_bytes_out"] - before["wire_bytes_out"])
 
@@ -339,8 +340,9 @@ class Coordinator:
         if state.round and state.round in self.open_rounds and agent not in self.open_rounds[state.round].done:
             self.method.discard(agent)
             self._start_agent_round(agent, state.round)
-        elif not self.method.asynchronous and self.open_rounds and not self._stopping:
-            # Sync: a late joiner takes part in the round that is open now.
+        elif not self.method.asynchronous and not self.method.sequential and self.open_rounds and not self._stopping:
+            # Sync: a late joiner takes part in the round that is open now (when agents take
+            # turns it waits for the next round: a second agent mid-turn would interleave).
             current = self.open_rounds[max(self.open_rounds)]
             if agent not in current.participants:
                 log.info("agent %s joins round %d in progress", agent, current.round)
@@ -506,18 +508,52 @@ class Coordinator:
         print(run_report.format_summary_line(record, self.config.rounds), flush=True)
         return record
 
-    def _sync_round(self, round_: int) -> dict[str, Any]:
-        participants = self._active_agents()
-        for agent in participants:
-            self._start_agent_round(agent, round_)
-        rnd = self.open_rounds[round_]
-        deadline = time.monotonic() + self.config.round_deadline_s
+    def _wait_for_agents_of(self, rnd: OpenRound, deadline: float) -> None:
+        """Pump until every participant of ``rnd`` finished or missed it, or ``deadline``."""
         while time.monotonic() < deadline:
             waiting = [a for a in rnd.participants if a not in rnd.done and a not in rnd.missing]
             if not waiting:
                 break
             self.pump(min(1.0, deadline - time.monotonic()))
             self._check_absent()
+
+    def _take_turns(self, round_: int, agents: list[str]) -> OpenRound:
+        """Sequential sync round (split learning): one agent at a time, each with its
+        own deadline; an agent that went away while waiting for its turn is skipped."""
+        rnd = self._open(round_)
+        for agent in agents:
+            state = self.agents[agent]
+            if self._stopping or not state.online or state.dropped:
+                continue
+            self._start_agent_round(agent, round_)
+            self._wait_for_agents_of(rnd, time.monotonic() + self.config.round_deadline_s)
+        return rnd
+
+    def _await_evaluation(self, rnd: OpenRound, outcome: RoundOutcome) -> None:
+        """Wait (at most one round deadline) for the agents' answers to the evaluation
+        requests the method sent with its downloads; see ``ServerMethod.evaluation_pending``."""
+        deadline = time.monotonic() + self.config.round_deadline_s
+        while time.monotonic() < deadline:
+            waiting = [
+                a for a in self.method.evaluation_pending(rnd.round)
+                if a in self.agents and self.agents[a].online and not self.agents[a].dropped
+            ]
+            if not waiting:
+                break
+            self.pump(min(1.0, deadline - time.monotonic()))
+        result = self.method.evaluation_result(rnd.round)
+        if result is not None:
+            outcome.correct, outcome.total = result
+
+    def _sync_round(self, round_: int) -> dict[str, Any]:
+        participants = self._active_agents()
+        if self.method.sequential:
+            rnd = self._take_turns(round_, participants)
+        else:
+            for agent in participants:
+                self._start_agent_round(agent, round_)
+            rnd = self.open_rounds[round_]
+            self._wait_for_agents_of(rnd, time.monotonic() + self.config.round_deadline_s)
         for agent in rnd.participants - set(rnd.done):
             rnd.missing.add(agent)
             self.method.discard(agent)
@@ -527,6 +563,7 @@ class Coordinator:
             rnd.outcomes.append(outcome)
             if len(outcome.used_agents) >= quorum:
                 self._deliver(outcome)
+                self._await_evaluation(rnd, outcome)
                 status = "ok"
             else:
                 status = "failed_quorum"

@@ -5,6 +5,11 @@ the server and N agents as separate processes that talk only through the
 broker, waits for the run, prints the summary and the report path, and cleans
 up every process on exit or Ctrl-C. Each agent gets one torch thread: N
 processes each spinning all cores would slow every one of them down.
+
+``--method fedgkt | fedavg | splitnn`` run federations; ``--method centralized``
+trains the same architecture on the union of the data in one process (no
+broker, no agents) for the reference rows, as ``edgesplit centralized --config``
+does from a config file.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgesplit", description="EdgeSplit tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     local = sub.add_parser("local", help="run a federation on this machine: broker + server + N agents")
-    local.add_argument("--method", default="fedgkt")
+    local.add_argument("--method", default="fedgkt", help="fedgkt | fedavg | splitnn | centralized (or another installed method)")
     local.add_argument("--agents", type=int, default=4)
     local.add_argument("--rounds", type=int, default=8)
     local.add_argument("--dataset", default="fashion-mnist")
@@ -67,10 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--test-samples", type=int, default=1000, help="seeded subset of the test set (0 = all)")
     local.add_argument("--mode", choices=("sync", "async"), default="sync")
     local.add_argument("--kd", choices=("bidirectional", "s2e", "none"), default="bidirectional")
-    local.add_argument("--server-model", default="resnet55_server")
+    local.add_argument("--server-model", default="resnet55_server", help="fedgkt, splitnn: resnet55_server | resnet109_server")
+    local.add_argument("--model", default="resnet56", help="fedavg, centralized: the full model, resnet56 | resnet110 | resnet8")
     local.add_argument("--server-epochs", type=int, default=1)
-    local.add_argument("--edge-epochs", type=int, default=1)
-    local.add_argument("--codec", default="fp16-zstd", help="feature-map codec: raw | fp16-zstd | u8-zstd | zstd")
+    local.add_argument("--edge-epochs", type=int, default=1, help="epochs of local training per round (fedavg, splitnn: per turn)")
+    local.add_argument("--codec", default=None, help="upload codec; fedgkt feature maps: raw | fp16-zstd (default) | u8-zstd; "
+                       "fedavg weights, both ways: zstd (default, lossless) | fp16-zstd; splitnn activations: raw (default) | fp16-zstd")
     local.add_argument("--deadline", type=float, default=900.0, help="round deadline in seconds")
     local.add_argument("--eval-every", type=int, default=1)
     local.add_argument("--seed", type=int, default=0)
@@ -78,13 +85,45 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--out", default=None, help="run directory (default runs/<run id>)")
     local.add_argument("--broker", default=None, help="use this broker instead of starting one")
     local.add_argument("--log-json", action="store_true")
+    central = sub.add_parser("centralized", help="train one model on the union of the data (no broker, no agents); writes a run report")
+    central.add_argument("--config", required=True, help="server TOML: [server] with method = \"centralized\", and [centralized]")
+    central.add_argument("--out", help="override the run directory")
+    central.add_argument("--rounds", type=int, help="override the number of rounds")
+    central.add_argument("--device", help="override the device (cpu, cuda, auto)")
     from .keys import add_parser as add_keys_parser
 
     add_keys_parser(sub)
     return parser
 
 
-def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str) -> tuple[Path, list[Path]]:
+def _fedgkt_table(args: argparse.Namespace) -> dict:
+    table = {"mode": args.mode, "kd": args.kd, "server_model": args.server_model,
+             "server_epochs": args.server_epochs, "edge_epochs": args.edge_epochs}
+    table["upload_codec"] = args.codec or "fp16-zstd"
+    return table
+
+
+def _fedavg_table(args: argparse.Namespace) -> dict:
+    codec = args.codec or "zstd"
+    return {"model": args.model, "local_epochs": args.edge_epochs, "upload_codec": codec, "download_codec": codec}
+
+
+def _splitnn_table(args: argparse.Namespace) -> dict:
+    return {"server_model": args.server_model, "local_epochs": args.edge_epochs, "upload_codec": args.codec or "raw"}
+
+
+def _centralized_table(args: argparse.Namespace) -> dict:
+    table = {"model": args.model, "epochs_per_round": args.edge_epochs, "train_samples": args.train_samples, "test_samples": args.test_samples}
+    if args.data_root:
+        table["data_root"] = args.data_root
+    return table
+
+
+# The method's table in the generated server.toml; methods not named here are configured like FedGKT.
+METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table}
+
+
+def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None) -> tuple[Path, list[Path]]:
     configs = out / "configs"
     configs.mkdir(parents=True, exist_ok=True)
     server_path = configs / "server.toml"
@@ -97,15 +136,12 @@ def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str)
                 "min_agents": 1, "min_fraction": 0.5, "eval_every": args.eval_every, "registration_timeout_s": 300.0,
                 "dataset": args.dataset, "num_classes": 10 if args.dataset != "cifar100" else 100, "seed": args.seed,
             },
-            args.method: {
-                "mode": args.mode, "kd": args.kd, "server_model": args.server_model,
-                "server_epochs": args.server_epochs, "edge_epochs": args.edge_epochs, "upload_codec": args.codec,
-            },
+            args.method: METHOD_TABLES.get(args.method, _fedgkt_table)(args),
         },
         header=f"generated by edgesplit local for run {run_id}",
     )
     agent_paths = []
-    for i in range(args.agents):
+    for i in range(args.agents if agents is None else agents):
         path = configs / f"agent-{i}.toml"
         write_toml(
             path,
@@ -135,6 +171,48 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
             p.wait()
 
 
+def cmd_centralized(args: argparse.Namespace) -> int:
+    """Train on the union of the data in this process and write the run report."""
+    import dataclasses
+    import logging
+
+    from shared_protocol.logs import setup_logging
+    from shared_protocol.tomlio import read_toml
+
+    from .centralized import CentralizedTrainer
+    from .cli import resolve_device
+    from .config import ServerConfig
+
+    try:
+        config = ServerConfig.from_dict(read_toml(args.config))
+        overrides = {"out_dir": args.out, "rounds": args.rounds}
+        config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+        trainer = CentralizedTrainer(config, device=resolve_device(args.device or config.device))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"edgesplit centralized: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_json, name="central ")
+    report = trainer.run()
+    acc = report["totals"]["final_accuracy"]
+    logging.getLogger("cloud_server").info("centralized run %s %s", config.run_id, report["status"])
+    print(f"run {config.run_id} {report['status']}: {report['totals']['rounds_completed']} rounds, final accuracy "
+          f"{'—' if acc is None else f'{acc:.2%}'}; report in {Path(config.out_dir) / 'summary.md'}", flush=True)
+    return 0
+
+
+def _local_centralized(args: argparse.Namespace, run_id: str, out: Path) -> int:
+    """``edgesplit local --method centralized``: the same config, trained here."""
+    server_cfg, _ = write_configs(args, run_id, out, "mqtt://127.0.0.1:1883", agents=0)
+    print(f"edgesplit: run {run_id}; centralized {args.model} x {args.rounds} rounds on {args.dataset}", flush=True)
+    code = cmd_centralized(argparse.Namespace(config=str(server_cfg), out=None, rounds=None, device=None))
+    summary = out / "summary.md"
+    if code == 0 and summary.exists():
+        print()
+        print(summary.read_text())
+        print(f"edgesplit: report in {out} (report.json, rounds.csv, summary.md, *.png)")
+    return code
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.rounds < 1:
         raise SystemExit("edgesplit: --agents and --rounds must be >= 1")
@@ -143,6 +221,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     if (out / "report.json").exists():
         shutil.rmtree(out / "agent-state", ignore_errors=True)
         shutil.rmtree(out / "checkpoint", ignore_errors=True)
+    if args.method == "centralized":
+        return _local_centralized(args, run_id, out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     broker_proc = None
@@ -210,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyToolError) as exc:
             print(f"edgesplit keys: error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "centralized":
+        return cmd_centralized(args)
     return cmd_local(args)
 
 

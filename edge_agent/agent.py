@@ -17,9 +17,9 @@ import platform
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,17 +41,31 @@ from shared_protocol.messages import (
 )
 from shared_protocol.methods import load_method_messages
 from shared_protocol.topics import Topics
-from shared_protocol.transport import MqttTransport, Transport
+from shared_protocol.transport import MqttTransport, Transport, TransportError
 
 from . import __version__
 from .config import EdgeConfig
 from .costs import RoundMeter, cpu_model, peak_rss_bytes, total_memory_bytes
+from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
 
 log = logging.getLogger("edge_agent")
 
 SERVER_ID = "server"
 EXIT_OK, EXIT_REFUSED = 0, 3
+
+
+class RequestTimeoutError(RuntimeError):
+    """The server did not answer a request within its timeout, after every attempt."""
+
+
+class RoundInterruptedError(RuntimeError):
+    """The run ended (Shutdown, or the agent was stopped) while a request waited for its answer."""
+
+
+class RoundRestartedError(RuntimeError):
+    """The server started the round in progress again (it saw this agent say hello
+    mid-round); the new RoundStart is handled next, so the round restarts cleanly."""
 
 
 def load_agent_data(config: EdgeConfig) -> tuple[ArrayDataset, ArrayDataset]:
@@ -94,6 +108,10 @@ class EdgeAgent:
         self._last_round_end_at: float | None = None
         self._last_round_end: RoundEnd | None = None
         self._stop = threading.Event()
+        # Messages that arrived while a method waited for an answer within its round
+        # (``request``); handled, in order, when the round is over.
+        self._deferred: deque[Message] = deque()
+        self._current_round = 0  # the round run_round is in, 0 between rounds
         self.exit_code = EXIT_OK
         self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
 
@@ -120,16 +138,65 @@ class EdgeAgent:
         )
         meter.encoded_bytes += len(blob)
         with meter.phase("network"):
-            self.transport.publish(self.topics.up(self.config.agent_id), blob)
+            # Pipelined: the next batch is extracted while this one's chunks are in flight;
+            # the round's uploads are flushed before round_end.
+            self.transport.publish(self.topics.up(self.config.agent_id), blob, wait=False)
+
+    def request(
+        self,
+        msg: Message,
+        meter: RoundMeter,
+        is_reply: Callable[[Message], bool],
+        timeout_s: float,
+        codecs: dict[str, str] | None = None,
+        attempts: int = 3,
+    ) -> Message:
+        """Send ``msg`` and wait for the server's answer: the first inbound message for
+        which ``is_reply`` is true. For methods that exchange within a round (split
+        learning: activations up, gradients back, per batch).
+
+        Without an answer within ``timeout_s`` the same frame is sent again (the server
+        answers a repeated request from its cache), at most ``attempts`` times in all.
+        Other messages arriving meanwhile are handled after the round; a Shutdown
+        interrupts the wait. Waiting counts as network time: for split learning that
+        is the per-batch round trip, the server's forward/backward included.
+        """
+        if timeout_s <= 0 or attempts < 1:
+            raise ValueError("request needs timeout_s > 0 and attempts >= 1")
+        with meter.phase("encode"):
+            blob = encode_message(msg, codecs=codecs)
+        meter.raw_bytes += sum(
+            int(value.nbytes) for f in dataclasses.fields(msg) if isinstance(value := getattr(msg, f.name), np.ndarray)
+        )
+        topic = self.topics.up(self.config.agent_id)
+        for attempt in range(1, attempts + 1):
+            meter.encoded_bytes += len(blob)
+            with meter.phase("network"):
+                self.transport.publish(topic, blob)
+                deadline = time.monotonic() + timeout_s
+                while (remaining := deadline - time.monotonic()) > 0:
+                    if self._stop.is_set():
+                        raise RoundInterruptedError("agent stopped while waiting for the server")
+                    delivery = self.transport.receive(timeout_s=min(remaining, 0.5))
+                    if delivery is None:
+                        continue
+                    reply = self._decode(delivery.payload)
+                    if reply is None:
+                        continue  # rejected and counted by _decode
+                    if is_reply(reply):
+                        return reply
+                    self._deferred.append(reply)
+                    if isinstance(reply, Shutdown):
+                        raise RoundInterruptedError(f"server ended the run: {reply.reason or 'done'}")
+                    if isinstance(reply, RoundStart) and reply.round == self._current_round:
+                        # The server reset its side of this round: answers to the old one would not come.
+                        raise RoundRestartedError(f"server restarted round {reply.round}")
+            log.warning("no answer to %s within %.0f s (attempt %d of %d)", msg.TYPE, timeout_s, attempt, attempts)
+        raise RequestTimeoutError(f"no answer to {msg.TYPE} after {attempts} attempts of {timeout_s:.0f} s")
 
     def hello(self) -> None:
         counts = self.train.class_counts().tolist()
-        try:
-            import torch
-
-            torch_version = torch.__version__
-        except ImportError:
-            torch_version = "none"
+        methods, backend_software = describe_backend(self.config.backend, KNOWN_METHODS)
         self._publish(
             Hello(
                 **self._base(),
@@ -140,8 +207,8 @@ class EdgeAgent:
                 backend=self.config.backend,
                 num_samples=len(self.train),
                 class_counts=[int(c) for c in counts],
-                methods=list(KNOWN_METHODS),
-                software={"edgesplit": __version__, "python": platform.python_version(), "torch": torch_version},
+                methods=methods,
+                software={"edgesplit": __version__, "python": platform.python_version(), **backend_software},
                 last_round_done=self.last_round_done,
             )
         )
@@ -149,9 +216,12 @@ class EdgeAgent:
     # -- main loop ---------------------------------------------------------- #
 
     def run(self) -> int:
-        import torch
+        if self.config.backend == "torch":
+            import torch
 
-        torch.set_num_threads(self.config.threads)
+            torch.set_num_threads(self.config.threads)
+        else:
+            os.environ.setdefault("EDGESPLIT_ORT_THREADS", str(self.config.threads))
         me = self.config.agent_id
         offline = encode_message(Status(**self._base(), state="offline"))
         self.transport.set_will(self.topics.status(me), offline)
@@ -166,6 +236,10 @@ class EdgeAgent:
         seen_connects = self.transport.connect_count
         try:
             while not self._stop.is_set():
+                while self._deferred and not self._stop.is_set():
+                    self._dispatch(self._deferred.popleft())
+                if self._stop.is_set():
+                    break
                 if self.transport.connect_count != seen_connects:
                     seen_connects = self.transport.connect_count
                     log.info("reconnected; announcing again")
@@ -188,7 +262,8 @@ class EdgeAgent:
         self.rejected[reason] += 1
         log.warning("rejected message (%s): %s", reason, detail)
 
-    def _handle(self, blob: bytes) -> None:
+    def _decode(self, blob: bytes) -> Message | None:
+        """A validated message from the server of this run, or None (rejected, logged, counted)."""
         try:
             msg = decode_message(blob, self.limits)
             if msg.run != self.config.run_id:
@@ -197,7 +272,15 @@ class EdgeAgent:
                 raise UnknownSenderError(f"message from {msg.sender!r}; agents only take orders from the server")
         except ProtocolError as exc:
             self._reject(exc.code, str(exc))
-            return
+            return None
+        return msg
+
+    def _handle(self, blob: bytes) -> None:
+        msg = self._decode(blob)
+        if msg is not None:
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Welcome):
             self._on_welcome(msg)
         elif isinstance(msg, Discover):
@@ -233,7 +316,10 @@ class EdgeAgent:
             return  # a repeated welcome (after a reconnect or a server restart)
         load_method_messages(msg.method)
         self.settings = dict(msg.settings)
-        cls = get_edge_method(msg.method)
+        if self.config.backend == "torch":
+            cls = get_edge_method(msg.method)
+        else:
+            cls = get_backend_method(self.config.backend, msg.method)
         ctx = EdgeContext(
             agent_id=self.config.agent_id,
             run_id=self.config.run_id,
@@ -242,6 +328,7 @@ class EdgeAgent:
             test=self.test,
             settings=self.settings,
             send=self.send,
+            request=self.request,
             resend_round_end=self._resend_round_end,
             device=self.config.device,
             progress=self.config.progress,
@@ -264,12 +351,26 @@ class EdgeAgent:
         before = self.transport.stats.snapshot()
         started = time.monotonic()
         self._status("training")
+        self._current_round = msg.round
         try:
             with self._compute_lock:
                 result = self.method.run_round(msg, meter)
+        except RoundRestartedError as exc:
+            log.warning("round %d abandoned: %s; starting it again", msg.round, exc)
+            self._status("idle")
+            return
         except (ProtocolError, ValueError, RuntimeError) as exc:
             log.error("round %d failed: %s", msg.round, exc)
             self._publish(ErrorReply(**self._base(msg.round), code="round_failed", reason=str(exc)[:500], ref_msg_id=msg.msg_id))
+            self._status("idle")
+            return
+        finally:
+            self._current_round = 0
+        try:
+            with meter.phase("network"):
+                self.transport.flush()
+        except TransportError as exc:
+            log.error("round %d upload refused by the broker: %s", msg.round, exc)
             self._status("idle")
             return
         after = self.transport.stats.snapshot()

@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", help="override where local state is kept")
     run.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--backend", choices=("torch", "ort"), help="local training backend (ort: onnxruntime-training, no torch)")
+    doctor = sub.add_parser("doctor", help="check this device: Python, backend, broker, TLS, credentials, data")
+    doctor.add_argument("--config", default="/etc/edgesplit/agent.toml", help="agent TOML (default: %(default)s)")
+    doctor.add_argument("--backend", choices=("torch", "ort"), help="check this backend instead of the config's")
+    doctor.add_argument("--timeout", type=float, default=5.0, help="seconds per network check (default: %(default)s)")
+    doctor.add_argument("--no-load-data", action="store_true", help="only look at the data directory, do not load the dataset")
     sim = sub.add_parser("simulate", help="many agents in one process (each its own MQTT client), for scale tests")
     sim.add_argument("--config", required=True, help="agent TOML; [data] is partitioned across the simulated agents")
     sim.add_argument("--agents", type=int, required=True)
@@ -44,6 +50,7 @@ def load_config(args: argparse.Namespace) -> EdgeConfig:
         "state_dir": args.state_dir,
         "log_json": True if args.log_json else None,
         "progress": False if args.no_progress else None,
+        "backend": args.backend,
     }
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -68,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "simulate":
         return cmd_simulate(args)
+    if args.command == "doctor":
+        from .doctor import DoctorOptions
+        from .doctor import main as doctor_main
+
+        return doctor_main(DoctorOptions(args.config, args.backend, args.timeout, load_data=not args.no_load_data))
     try:
         config = load_config(args)
     except (ValueError, FileNotFoundError) as exc:

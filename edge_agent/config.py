@@ -76,8 +76,8 @@ class EdgeConfig:
         check_name("agent id", self.agent_id)
         check_name("run id", self.run_id)
         BrokerAddress.parse(self.broker_url)
-        if self.backend not in ("torch",):
-            raise ValueError(f"backend must be 'torch', got {self.backend!r}")
+        if self.backend not in ("torch", "ort"):
+            raise ValueError(f"backend must be 'torch' or 'ort' (onnxruntime-training, no torch), got {self.backend!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 

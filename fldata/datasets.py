@@ -59,6 +59,7 @@ DATASET_NAMES: Final[tuple[str, ...]] = (
     "cifar100",
     "cinic10",
     "imagefolder",
+    "npz",
     "synthetic",
 )
 
@@ -279,6 +280,9 @@ def load_dataset(
             * ``"imagefolder"``: ``root/<split>/<class>/*.{png,jpg,jpeg,bmp}``, or
               ``root/<class>/...`` for ``split="train"`` when ``root/train`` does
               not exist. Classes are the sorted folder names.
+            * ``"npz"``: ``root/<split>.npz`` written by :func:`save_npz` (e.g. one
+              agent's partition exported with ``python -m fldata.export``), or
+              ``root`` itself when it is a ``.npz`` file and ``split="train"``.
             * ``"synthetic"``: :func:`make_synthetic` with 5000 train / 1000 test
               samples, 10 classes, 3 channels, seed 0 (``root`` is ignored).
         split: ``"train"`` or ``"test"`` (``"valid"`` too for CINIC-10 and image
@@ -303,6 +307,16 @@ def load_dataset(
     if name == "synthetic":
         n = 5000 if split == "train" else 1000
         return make_synthetic(n, split=split)
+    if name == "npz":
+        if root is None:
+            raise ValueError("npz needs root=<directory with train.npz / test.npz> (python -m fldata.export writes them)")
+        root_path = Path(root)
+        if root_path.is_file() and split == "train":
+            return load_npz(root_path)
+        split_file = root_path / f"{split}.npz"
+        if not split_file.is_file():
+            raise FileNotFoundError(f"{split_file} not found; export a partition with python -m fldata.export --out {root_path}")
+        return load_npz(split_file)
     # Image folders: there is nothing to download.
     if download:
         raise ValueError(

@@ -50,6 +50,8 @@ from models.resnet import (
     resnet109_server,
     resnet110,
 )
+# Registers the FedKD mentor architectures (resnet20) so the registry is complete on import.
+import models.mentor  # noqa: E402,F401
 from models.weights import WeightsMismatchError, load_arrays_into, state_dict_to_arrays
 
 __all__ = [

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 import zstandard
 
+from . import svd as _svd
 from .errors import CodecError, LengthMismatchError, UnknownCodecError
 
 
@@ -216,10 +217,67 @@ class U8ZstdCodec:
         return np.ascontiguousarray(np.moveaxis(values, 0, axis) if shape else values.reshape(shape))
 
 
+@dataclass(frozen=True)
+class SvdCodec:
+    """Truncated SVD of the tensor viewed as a matrix (FedKD, Eqs. 8-9); decodes to float32.
+
+    Encode (the array must be floating and finite; :mod:`shared_protocol.svd` has
+    the details): a tensor of rank >= 2 is viewed as ``d0 x (d1 * ... * dn)``
+    and factored with the smallest rank K (>= 1) whose share of the squared
+    singular values exceeds ``threshold``; if ``K * (P + Q + 1) >= P * Q`` the
+    factors are not smaller and it goes dense, as do tensors of rank 0 or 1.
+
+    Payload: float32 little-endian, ``U`` (P x K, row-major), then ``S`` (K),
+    then ``V`` (K x Q, row-major); or the dense values in C order. ``params``:
+    ``{"mode": "factored", "rank": K, "threshold": T, "energy": retained}`` or
+    ``{"mode": "dense", "rank": 0, "threshold": T}``. Decoding needs only mode,
+    rank and the descriptor's shape, never T.
+
+    The registered instance uses T = 0.95 (FedKD's default T_start). A sender
+    that needs another T per call uses :meth:`with_threshold` or
+    ``encode(array, threshold=T)``; the frame layer looks codecs up by name, so
+    a per-round T (Eq. 9) cannot reach this instance through ``encode_message``
+    -- FedKD therefore carries the payloads in its own messages
+    (``shared_protocol/methods/fedkd.py``).
+    """
+
+    name: str = "svd"
+    lossless: bool = False
+    threshold: float = 0.95
+
+    def __post_init__(self) -> None:
+        _svd.check_threshold(self.threshold)
+
+    def with_threshold(self, threshold: float) -> "SvdCodec":
+        """The same codec with another energy threshold T (not registered; same name on the wire)."""
+        return SvdCodec(name=self.name, lossless=self.lossless, threshold=threshold)
+
+    def encode(self, array: np.ndarray, threshold: float | None = None) -> tuple[bytes, dict[str, Any], str]:
+        t = self.threshold if threshold is None else _svd.check_threshold(threshold)
+        packed = _svd.factorize(array, t)
+        params: dict[str, Any] = {"mode": packed.mode, "rank": packed.rank, "threshold": t}
+        if packed.mode == "factored":
+            params["energy"] = packed.energy
+        return _to_le_bytes(packed.values), params, "float32"
+
+    def decode(self, payload, dtype, shape, params):  # type: ignore[no-untyped-def]
+        if dtype != "float32":
+            raise CodecError(f"svd decodes to float32, descriptor says {dtype}")
+        if len(payload) % 4:
+            raise LengthMismatchError(f"svd payload is {len(payload)} bytes, not a whole number of float32 values")
+        values = _from_bytes(payload, "float32", (len(payload) // 4,))
+        try:
+            packed = _svd.unpack(values, tuple(shape), params.get("mode"), params.get("rank"))
+        except ValueError as exc:
+            raise CodecError(f"svd: {exc}") from None
+        return packed.reconstruct()
+
+
 register_codec(RawCodec())
 register_codec(ZstdCodec())
 register_codec(Fp16ZstdCodec())
 register_codec(U8ZstdCodec())
+register_codec(SvdCodec())
 
 __all__ = [
     "Codec",
@@ -232,4 +290,5 @@ __all__ = [
     "ZstdCodec",
     "Fp16ZstdCodec",
     "U8ZstdCodec",
+    "SvdCodec",
 ]

@@ -123,3 +123,8 @@ def spawn(module: str, *args: str, log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     f = open(log, "w")
     return subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+
+def method_server_config(tmp: Path, method: str, method_config: dict | None = None, **kw: Any) -> ServerConfig:
+    """``server_config`` for another method: its own table instead of FedGKT's fast settings."""
+    return replace(server_config(tmp, **kw), method=method, method_config=dict(method_config or {}))

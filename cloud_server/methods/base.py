@@ -62,6 +62,18 @@ class ServerMethod(ABC):
     def asynchronous(self) -> bool:
         return False
 
+    @property
+    def sequential(self) -> bool:
+        """Agents take turns within a sync round (split learning): the coordinator
+        starts one agent's round only when the previous agent finished or missed it,
+        and a late joiner waits for the next round instead of joining mid-round."""
+        return False
+
+    def download_codecs(self, msg: Message) -> dict[str, str]:
+        """Codec per tensor field of a message the server sends (RoundStart, downloads,
+        answers), e.g. ``{"weights": "fp16-zstd"}``; empty: the message's defaults."""
+        return {}
+
     @abstractmethod
     def resolved_config(self) -> dict[str, Any]: ...
 
@@ -92,6 +104,22 @@ class ServerMethod(ABC):
     @abstractmethod
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         """Everything needed from ``ends``' agents has arrived: do the server's step."""
+
+    def evaluation_pending(self, round_: int) -> set[str]:
+        """Agents whose evaluation answers are still awaited after ``complete``.
+
+        A method whose model is evaluated on the agents (the server holds no test
+        data: FedAvg and its family evaluate the new global model on the agents'
+        test shards) sends the model with ``complete``'s downloads; in sync mode
+        the coordinator keeps the round open, handing answers to ``on_upload``,
+        until this is empty, the agents went offline, or the round deadline passed.
+        """
+        return set()
+
+    def evaluation_result(self, round_: int) -> tuple[int, int] | None:
+        """(correct, total) gathered after ``complete`` (see :meth:`evaluation_pending`);
+        None keeps ``complete``'s own figures."""
+        return None
 
     @abstractmethod
     def model_info(self) -> dict[str, Any]: ...

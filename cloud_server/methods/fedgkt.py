@@ -28,6 +28,7 @@ from models.losses import kd_loss
 from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
+from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -119,7 +120,8 @@ def _concat(batches: list[GktFeatures]) -> tuple[torch.Tensor, torch.Tensor, tor
 @register_server_method
 class FedGktServer(ServerMethod):
     name = "fedgkt"
-    upload_types = (GktFeatures,)
+    # Torch-free (--backend ort) agents ask for their training artifacts within their first round.
+    upload_types = (GktFeatures, GktOrtArtifactsRequest)
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
@@ -134,6 +136,7 @@ class FedGktServer(ServerMethod):
             else None
         )
         self.staged: dict[str, _Staged] = {}
+        self._ort = None  # OrtArtifactServer, made on the first ort agent's request
         self.feature_shape: tuple[int, ...] | None = None
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
@@ -174,7 +177,13 @@ class FedGktServer(ServerMethod):
 
     # -- uploads ------------------------------------------------------------ #
 
-    def on_upload(self, agent: str, msg: Message) -> None:
+    def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
+        if isinstance(msg, GktOrtArtifactsRequest):
+            if self._ort is None:
+                from ..ort_artifacts import OrtArtifactServer
+
+                self._ort = OrtArtifactServer(self.ctx.run_id, self.config.edge_model, self.ctx.num_classes, self.ctx.seed)
+            return [(agent, self._ort.reply(msg))]
         if not isinstance(msg, GktFeatures):
             raise ValueRangeError(f"fedgkt does not take {msg.TYPE} uploads")
         if msg.logits.shape[1] != self.ctx.num_classes:

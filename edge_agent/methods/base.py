@@ -14,6 +14,10 @@ from shared_protocol.messages import Message, RoundStart
 from ..costs import RoundMeter
 
 
+def _no_request(*args: Any, **kwargs: Any) -> Message:
+    raise NotImplementedError("this context cannot make requests (no agent behind it)")
+
+
 @dataclass
 class EdgeContext:
     """What a method's edge step may use. It never sees the transport itself."""
@@ -26,6 +30,9 @@ class EdgeContext:
     settings: dict[str, Any]  # from the server's Welcome: num_classes, models, ...
     send: Callable[..., None]  # send(msg, meter, codecs=None): encode + publish on our up topic, metered
     resend_round_end: Callable[[], None] = lambda: None  # publish the last RoundEnd again
+    # request(msg, meter, is_reply, timeout_s, codecs=None, attempts=3) -> the server's answer:
+    # send and wait within the round (split learning's per-batch exchange); see EdgeAgent.request.
+    request: Callable[..., Message] = _no_request
     device: str = "cpu"
     progress: bool = False
     seed: int = 0

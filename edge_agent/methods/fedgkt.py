@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from fldata.torch_data import make_loader
 from models import build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.losses import kd_loss
-from shared_protocol.errors import ShapeMismatchError
 from shared_protocol.messages import Message, RoundStart
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 
 from ..costs import RoundMeter
+from ..teacher import TeacherLogits  # shared with the ort backend
 from ..trainer import accuracy, make_optimizer, train_epochs
 from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
 
@@ -36,38 +36,6 @@ def _flops(name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[i
     if key not in _FLOPS_CACHE:
         _FLOPS_CACHE[key] = (training_flops_per_sample(model, shape), forward_flops_per_sample(model, shape))
     return _FLOPS_CACHE[key]
-
-
-class TeacherLogits:
-    """Server logits by sample id. Lookups return rows in the order of the ids asked for."""
-
-    def __init__(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.ids = np.empty(0, np.int64)  # sorted
-        self.logits = np.empty((0, num_classes), np.float32)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def update(self, ids: np.ndarray, logits: np.ndarray) -> None:
-        if logits.ndim != 2 or logits.shape[1] != self.num_classes or logits.shape[0] != ids.shape[0]:
-            raise ShapeMismatchError(f"server logits {logits.shape} for {ids.shape[0]} ids, expected (n, {self.num_classes})")
-        keep = ~np.isin(self.ids, ids)
-        all_ids = np.concatenate([self.ids[keep], ids.astype(np.int64)])
-        all_logits = np.concatenate([self.logits[keep], logits.astype(np.float32)])
-        order = np.argsort(all_ids, kind="stable")
-        self.ids, self.logits = all_ids[order], all_logits[order]
-
-    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(logits (B, K), found mask (B,)) for the given sample ids."""
-        ids = np.asarray(ids, np.int64)
-        pos = np.searchsorted(self.ids, ids)
-        pos_clipped = np.minimum(pos, max(len(self.ids) - 1, 0))
-        found = (pos < len(self.ids)) & (self.ids[pos_clipped] == ids) if len(self.ids) else np.zeros(len(ids), bool)
-        out = np.zeros((len(ids), self.num_classes), np.float32)
-        if found.any():
-            out[found] = self.logits[pos_clipped[found]]
-        return out, found
 
 
 @register_edge_method

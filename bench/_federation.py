@@ -1,0 +1,170 @@
+"""Run a federation (or a centralized reference) for a benchmark, in this process.
+
+A real mosquitto on a free loopback port (as ``edgesplit local`` starts it),
+the coordinator in a thread, and the agents as :class:`edge_agent.agent.EdgeAgent`
+instances, each with its own MQTT connection, talking only through the broker.
+Unlike ``edgesplit local`` the agents share one process and one compute lock
+(as ``edge-agent simulate`` does): on a 2-core machine eight agent processes
+would each start torch and fight for the cores, while here one agent trains at
+a time with both cores. Bytes, FLOPs and accuracy are unaffected; per-agent
+wall times are those of agents that take turns on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "bench" / "results"
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from cloud_server.centralized import CentralizedTrainer  # noqa: E402
+from cloud_server.config import ServerConfig  # noqa: E402
+from cloud_server.coordinator import Coordinator  # noqa: E402
+from cloud_server.launcher import _stop, start_broker  # noqa: E402
+from cloud_server.methods import ServerContext, get_server_method  # noqa: E402
+from edge_agent.agent import EdgeAgent  # noqa: E402
+from edge_agent.config import DataConfig, EdgeConfig  # noqa: E402
+from edge_agent.simulate import shards  # noqa: E402
+from shared_protocol.transport import MqttTransport  # noqa: E402
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """The data of every run in a benchmark: the same subset and partition for every method."""
+
+    dataset: str = "fashion-mnist"
+    partition: str = "iid"
+    agents: int = 4
+    train_samples: int = 1000
+    test_samples: int = 250
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.agents < 1 or self.train_samples < self.agents or self.test_samples < 1:
+            raise ValueError("need agents >= 1, train_samples >= agents and test_samples >= 1")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str  # a label for tables, e.g. "fedgkt-u8"
+    method: str  # fedgkt | fedavg | splitnn | centralized
+    method_config: dict[str, Any] = field(default_factory=dict)
+    rounds: int = 5
+    eval_every: int = 1
+    target_accuracy: float | None = None
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu_model": cpu, "arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average_at_start": list(os.getloadavg())}
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}", flush=True)
+
+
+def _server_config(run: RunSpec, data: DataSpec, out: Path, broker_url: str) -> ServerConfig:
+    return ServerConfig(
+        run_id=run.name, method=run.method, broker_url=broker_url, out_dir=str(out), expected_agents=data.agents,
+        rounds=run.rounds, round_deadline_s=1800.0, registration_timeout_s=120.0, min_agents=1, min_fraction=0.5,
+        eval_every=run.eval_every, target_accuracy=run.target_accuracy, dataset=data.dataset, seed=data.seed,
+        progress=False, method_config=dict(run.method_config),
+    )
+
+
+def run_centralized(run: RunSpec, data: DataSpec, out: Path) -> dict[str, Any]:
+    config = dataclasses.replace(
+        _server_config(run, data, out, "mqtt://127.0.0.1:1883"),  # no broker: the URL is never used
+        method_config={**run.method_config, "train_samples": data.train_samples, "test_samples": data.test_samples},
+    )
+    return CentralizedTrainer(config).run()
+
+
+def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2) -> dict[str, Any]:
+    """One run over a fresh broker; returns the run report (also written to ``out``)."""
+    if run.method == "centralized":
+        return run_centralized(run, data, out)
+    broker_proc, url = start_broker(out / "broker")
+    try:
+        config = _server_config(run, data, out, url)
+        ctx = ServerContext(run_id=config.run_id, num_classes=config.num_classes, in_channels=config.resolved_in_channels,
+                            device="cpu", seed=config.seed)
+        method = get_server_method(config.method)(ctx, config.method_config)
+        coordinator = Coordinator(config, method, MqttTransport(config.transport_config()))
+        base = DataConfig(dataset=data.dataset, partition=data.partition, num_agents=data.agents, seed=data.seed,
+                          train_samples=data.train_samples, test_samples=data.test_samples)
+        lock = threading.Lock()
+        agents = []
+        for i, shard in enumerate(shards(base, data.agents)):
+            cfg = EdgeConfig(agent_id=f"agent-{i}", run_id=run.name, broker_url=url, progress=False, threads=threads,
+                             data=dataclasses.replace(base, agent_index=i))
+            agents.append(EdgeAgent(cfg, data=shard, compute_lock=lock))
+        result: dict[str, Any] = {}
+        errors: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                result.update(coordinator.run())
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                errors.append(exc)
+
+        server = threading.Thread(target=serve, name="server", daemon=True)
+        server.start()
+        workers = [threading.Thread(target=a.run, name=a.config.agent_id, daemon=True) for a in agents]
+        for t in workers:
+            t.start()
+        server.join()
+        for a in agents:
+            a.stop()
+        for t in workers:
+            t.join(30)
+        if errors:
+            raise errors[0]
+        return result
+    finally:
+        _stop([broker_proc])
+
+
+def quiet_logs() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def round_series(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per round: accuracy, wire and payload bytes (server's connection), cumulative wire bytes."""
+    out, cumulative = [], 0
+    for r in report["rounds"]:
+        wire = r["bytes"]["up_wire"] + r["bytes"]["down_wire"]
+        cumulative += wire
+        out.append({
+            "round": r["round"], "status": r["status"], "accuracy": r["accuracy"], "edge_accuracy": r["edge_accuracy"],
+            "up_wire": r["bytes"]["up_wire"], "down_wire": r["bytes"]["down_wire"],
+            "up_payload": r["bytes"]["up_payload"], "down_payload": r["bytes"]["down_payload"],
+            "wire": wire, "cumulative_wire": cumulative, "edge_train_flops": r["edge_train_flops"],
+            "round_s": r["time_s"]["round"],
+        })
+    return out

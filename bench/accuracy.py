@@ -1,0 +1,159 @@
+"""Accuracy: a reduced-scale reproduction of the FedGKT paper's Tables 1-3 on
+Fashion-MNIST, every method through the same pipeline.
+
+* Table 1 layout: FedGKT (ResNet-8 edge + ResNet-55 server) vs FedAvg
+  (ResNet-56) on 8 agents, iid and Dirichlet(0.5), next to centralized
+  ResNet-56 and ResNet-8 trained on the union of the same data.
+* Table 2 (knowledge transfer ablation): FedGKT with no KD / S->E / S<->E.
+* Table 3: FedGKT sync vs async.
+
+Every run uses the same data subset, partition, seeds (data and models: 0),
+number of rounds and one pass over the data per round (FedGKT: one edge and
+one server epoch; FedAvg: one local epoch; centralized: one epoch), Adam with
+lr 0.001, batch 32. The paper trains 200 rounds with 20 server epochs
+(FedGKT) or 20 local epochs (FedAvg) on a GPU; that does not fit a 2-core CPU,
+so absolute accuracies are lower and the comparison is the point. The
+full-scale configs (Tables 10-12) are in ``deploy/configs/paper/``.
+
+    python bench/accuracy.py --quick    # about 10 minutes on 2 cores: the run recorded here
+    python bench/accuracy.py            # the default scale, planned for under 90 minutes on 2 cores
+
+Writes ``bench/results/accuracy.json`` (the scale it ran at and its wall time
+included); ``bench/render_results.py`` makes the tables in ``docs/results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_logs, round_series, run_federation, write_json
+
+AGENTS = 8
+# Small batches: at this scale an agent holds 100-300 samples, and a few large steps per
+# round leave BatchNorm's running statistics (used at evaluation) far from the data.
+BATCH = 32
+PARTITIONS = {"iid": "iid", "noniid": "dirichlet:0.5"}
+
+
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    train_samples: int
+    test_samples: int
+    rounds: int
+    budget_minutes: float  # what the scale is chosen to fit on 2 CPU cores
+
+
+SCALES = {
+    # Measured here: see the JSON's wall_time_s. The full scale is extrapolated from the quick
+    # run (time grows with train_samples x rounds) and stated as an estimate in the output.
+    "quick": Scale("quick", train_samples=800, test_samples=200, rounds=3, budget_minutes=10),
+    "full": Scale("full", train_samples=2400, test_samples=800, rounds=8, budget_minutes=90),
+}
+
+
+def runs(rounds: int, ablation_partition: str) -> list[tuple[str, str, RunSpec]]:
+    """(table, partition key, run): every run of the benchmark."""
+    gkt = {"server_model": "resnet55_server", "server_epochs": 1, "edge_epochs": 1, "edge_batch_size": BATCH,
+           "server_batch_size": BATCH, "server_lr": 0.001, "edge_lr": 0.001, "upload_codec": "fp16-zstd"}
+    fedavg = {"model": "resnet56", "local_epochs": 1, "batch_size": BATCH, "lr": 0.001}
+    out: list[tuple[str, str, RunSpec]] = []
+    for key in PARTITIONS:
+        out.append(("table1", key, RunSpec(f"fedgkt-{key}", "fedgkt", {**gkt, "mode": "sync", "kd": "bidirectional"}, rounds)))
+        out.append(("table1", key, RunSpec(f"fedavg-resnet56-{key}", "fedavg", fedavg, rounds)))
+    for model in ("resnet56", "resnet8"):
+        out.append(("table1", "central", RunSpec(f"centralized-{model}", "centralized",
+                                                  {"model": model, "epochs_per_round": 1, "batch_size": BATCH, "lr": 0.001}, rounds)))
+    # The S<->E sync run of the ablation partition is Table 1's; only the variants run again.
+    out.append(("table2", ablation_partition, RunSpec(f"fedgkt-kd-none-{ablation_partition}", "fedgkt", {**gkt, "kd": "none"}, rounds)))
+    out.append(("table2", ablation_partition, RunSpec(f"fedgkt-kd-s2e-{ablation_partition}", "fedgkt", {**gkt, "kd": "s2e"}, rounds)))
+    out.append(("table3", ablation_partition, RunSpec(f"fedgkt-async-{ablation_partition}", "fedgkt", {**gkt, "mode": "async"}, rounds)))
+    return out
+
+
+def summarize(table: str, key: str, run: RunSpec, report: dict[str, Any]) -> dict[str, Any]:
+    totals = report["totals"]
+    models = report["models"]
+    return {
+        "table": table, "partition": key, "method": run.method, "method_config": report["config"]["method_config"],
+        "status": report["status"], "final_accuracy": totals["final_accuracy"], "best_accuracy": totals["best_accuracy"],
+        "final_edge_accuracy": totals["final_edge_accuracy"], "models": models,
+        "edge_train_flops_total": totals["edge_train_flops"], "wire_total_bytes": totals["wire_total"],
+        "wall_time_s": totals["wall_time_s"], "rounds": round_series(report),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the 10-minute scale")
+    parser.add_argument("--train-samples", type=int, help="override the scale's training subset")
+    parser.add_argument("--test-samples", type=int)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--ablation-partition", choices=sorted(PARTITIONS), default="noniid")
+    parser.add_argument("--only", nargs="*", help="run only these runs (names as in the output)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "accuracy.json")
+    parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "accuracy")
+    args = parser.parse_args(argv)
+    quiet_logs()
+    scale = SCALES["quick" if args.quick else "full"]
+    train_samples = args.train_samples or scale.train_samples
+    test_samples = args.test_samples or scale.test_samples
+    rounds = args.rounds or scale.rounds
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    for table, key, run in runs(rounds, args.ablation_partition):
+        if args.only and run.name not in args.only:
+            continue
+        data = DataSpec("fashion-mnist", PARTITIONS.get(key, "iid"), AGENTS, train_samples, test_samples, seed=0)
+        print(f"== {run.name} ({table}, {data.partition}, {train_samples} train / {test_samples} test, {rounds} rounds)", flush=True)
+        run_started = time.monotonic()
+        report = run_federation(run, data, args.run_dir / run.name)
+        results[run.name] = {**summarize(table, key, run, report), "run_wall_time_s": time.monotonic() - run_started}
+    elapsed = time.monotonic() - started
+    work = train_samples * rounds
+    quick = SCALES["quick"]
+    estimate: dict[str, Any] = {}
+    if args.quick and not args.only and (args.train_samples, args.test_samples, args.rounds) == (None, None, None):
+        full = SCALES["full"]
+        estimate = {
+            "full_scale_estimated_minutes": elapsed / 60 * (full.train_samples * full.rounds) / (quick.train_samples * quick.rounds),
+            "how": "this run's wall time x (train_samples x rounds of the full scale) / (the same of the quick scale)",
+        }
+    write_json(args.out, {
+        "benchmark": "accuracy",
+        "description": "Reduced-scale FedGKT Tables 1-3 on Fashion-MNIST: FedGKT (ResNet-8 + ResNet-55) vs FedAvg (ResNet-56) "
+                       "vs centralized ResNet-56 / ResNet-8; KD ablation (none / S->E / S<->E); sync vs async.",
+        "scale": {
+            "name": scale.name if (args.train_samples, args.test_samples, args.rounds) == (None, None, None) else "custom",
+            "dataset": "fashion-mnist (32x32 zero-padded, 1 channel)", "agents": AGENTS, "partitions": PARTITIONS,
+            "ablation_partition": PARTITIONS[args.ablation_partition], "train_samples": train_samples, "test_samples": test_samples,
+            "rounds": rounds, "passes_over_the_data_per_round": 1, "optimizer": "adam, lr 0.001", "batch_size": BATCH,
+            "seeds": {"data": 0, "models": 0}, "evaluation": "every round",
+            "budget_minutes_on_2_cores": scale.budget_minutes, "wall_time_s": elapsed, "wall_time_min": elapsed / 60,
+            **estimate,
+            "accuracy_is": "FedGKT: extractor + server model on the agents' test shards; FedAvg: the round's global model on "
+                           "the agents' test shards; centralized: the model on the test subset (the union of the shards' pool)",
+        },
+        "paper": {
+            "table1_cifar10_resnet56": {"fedgkt": {"iid": 92.97, "noniid": 86.59}, "fedavg": {"iid": 92.88, "noniid": 86.60},
+                                        "centralized-resnet56": 93.05, "centralized-resnet8": 78.94},
+            "table2_cifar10": {"none": "diverge", "s2e": 92.97, "bidirectional": 90.53},
+            "table3_cifar10": {"sync": 92.97, "async": 92.92},
+        },
+        "machine": machine(),
+        "runs": results,
+        "generated_by": "bench/accuracy.py" + (" --quick" if args.quick else ""),
+    })
+    for name, r in results.items():
+        acc = r["final_accuracy"]
+        print(f"{name:32s} {r['table']}  final acc {'-' if acc is None else f'{100 * acc:.2f}%'}  ({r['run_wall_time_s']:.0f} s)")
+    print(f"total {elapsed / 60:.1f} min (work {work} sample-rounds)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

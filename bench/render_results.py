@@ -1,0 +1,230 @@
+"""Render ``docs/results.md`` from the benchmark JSON files in ``bench/results/``.
+
+The tables are generated, never typed: rerun a benchmark, then this script.
+
+* ``edge_cost.json`` (``bench/edge_cost.py``): the FedGKT paper's Fig. 4 -- edge
+  parameters, training FLOPs and CPU time of ResNet-8 vs ResNet-56/110;
+* ``comm_cost.json`` (``bench/comm_cost.py``): Fig. 5 / Eqs. 12-13 -- measured
+  bytes on the wire per round and to a target accuracy, next to the formulas;
+* ``accuracy.json`` (``bench/accuracy.py``): Tables 1-3 at reduced scale.
+
+    python bench/render_results.py [--results bench/results] [--out docs/results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DASH = "—"
+
+
+class ResultsError(ValueError):
+    """A results file is missing a field this page needs."""
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], right_from: int = 1) -> list[str]:
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return lines
+
+
+def _pct(x: float | None) -> str:
+    return DASH if x is None else f"{100 * x:.2f}%"
+
+
+def _mb(n: float | None) -> str:
+    return DASH if n is None else f"{n / 1e6:,.2f}"
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or "benchmark" not in data:
+        raise ResultsError(f"{path}: not a benchmark result (no 'benchmark' key)")
+    return data
+
+
+def _machine_line(machine: dict[str, Any]) -> str:
+    when = machine.get("runs_started_utc") or machine.get("date_utc", "?")
+    return (f"{machine.get('cpu_model', '?')}, {machine.get('cores', '?')} cores, torch {machine.get('torch', '?')}, "
+            f"{when}; load average when the JSON was written {', '.join(f'{x:.1f}' for x in machine.get('load_average_at_start', []))} "
+            "(the machine is shared: wall times are indicative)")
+
+
+def edge_cost_section(data: dict[str, Any]) -> list[str]:
+    env = data["environment"]
+    models = data["models"]
+    rows = []
+    for name in ("resnet8", "resnet56", "resnet110"):
+        m = models[name]
+        rows.append([name, f"{m['params']:,}", f"{m.get('params_ratio_vs_resnet8', 1.0):.1f}×",
+                     f"{m['training_mflops_per_sample']:.1f}", f"{m.get('flops_ratio_vs_resnet8', 1.0):.1f}×",
+                     f"{m['cpu_ms_per_batch_median']:.0f}"])
+    paper = data["paper"]
+    return [
+        "## Edge compute (the paper's Fig. 4)", "",
+        f"From `bench/results/edge_cost.json` (`bench/edge_cost.py`): {env['cpu_model']}, {env['cpu_count']} cores, "
+        f"torch {env['torch_version']}, {env['date_utc']}. Training = forward + cross-entropy + backward; FLOPs = 2 × MACs "
+        f"(`FlopCounterMode`); CPU time is the median of a batch of {data['config']['timed_batch_size']}.", "",
+        *_table(["Edge model", "Params", "÷ ResNet-8", "Train MFLOPs / image", "÷ ResNet-8", "CPU ms / batch"], rows),
+        "",
+        f"The paper: ResNet-56 / ResNet-110 need {paper['flops_ratio_vs_resnet8']['resnet56']:.0f}× / "
+        f"{paper['flops_ratio_vs_resnet8']['resnet110']:.0f}× the FLOPs and {paper['params_ratio_vs_resnet8']['resnet56']:.0f}× / "
+        f"{paper['params_ratio_vs_resnet8']['resnet110']:.0f}× the parameters of ResNet-8. FedAvg trains the full model on "
+        "the edge; FedGKT trains ResNet-8; split learning trains only ResNet-8's stem on the edge.", "",
+    ]
+
+
+def comm_cost_section(data: dict[str, Any]) -> list[str]:
+    scale = data["scale"]
+    runs = data["runs"]
+    rows = []
+    for name, r in runs.items():
+        m, a = r["measured"], r["analytic"]
+        rows.append([
+            f"`{name}`", r["codec"], _pct(r["final_accuracy"]), _mb(m["wire_per_round_bytes"]), _mb(a["per_round_bytes"]),
+            f"{a['measured_over_analytic']:.2f}", DASH if m["rounds_to_target"] is None else m["rounds_to_target"],
+            _mb(m["wire_bytes_to_target"]), _mb(a["bytes_to_target"]), _mb(m["wire_total_bytes"]),
+        ])
+    targets = scale.get("targets", [scale["target_accuracy"]])
+    target_rows = []
+    for name, r in runs.items():
+        cells = []
+        for hit in r.get("to_targets", []):
+            cells.append(DASH if hit["rounds"] is None else f"{_mb(hit['wire_bytes'])} (r{hit['rounds']}; formula {_mb(hit['analytic_bytes'])})")
+        target_rows.append([f"`{name}`", *cells])
+    check = data["paper_fig5_check"]
+    formulas = sorted({r["analytic"]["formula"] for r in runs.values()})
+    return [
+        "## Communication (the paper's Fig. 5, Eqs. 12-13)", "",
+        f"From `bench/results/comm_cost.json` (`bench/comm_cost.py`), measured {_machine_line(data['machine'])}. "
+        f"Scale: {scale['dataset']}, {scale['partition']}, {scale['agents']} agents, {scale['train_samples']:,} training / "
+        f"{scale['test_samples']:,} test samples, {scale['rounds']} rounds, batch {scale['batch_size']}; evaluation {scale['evaluation']}. "
+        f"Target accuracy {_pct(scale['target_accuracy'])}. {scale['note'][0].upper()}{scale['note'][1:]}."
+        + (f" The JSON was recomputed from the recorded runs of {', '.join(data['reused_runs'])} (`--reuse-runs`)."
+           if data.get("reused_runs") else ""), "",
+        *_table(["Run", "Upload codec", "Final acc.", "Wire MB / round", "Formula MB / round", "Measured ÷ formula",
+                 "Rounds to target", "Wire MB to target", "Formula MB to target", "Wire MB total"], rows, right_from=2),
+        "",
+        "Wire MB until each target accuracy was first reached (round; the formula's MB for those rounds):",
+        "",
+        *_table(["Run", *[f"to {_pct(t)}" for t in targets]], target_rows),
+        "",
+        "Measured = MQTT packets through the server's connection, both directions, every message of the round "
+        "(uploads, answers, RoundStart, evaluation traffic, frame headers). Formulas, for the same sizes "
+        f"(fp32 feature map {data['sizes']['feature_map_bytes_fp32']:,} B, soft labels {data['sizes']['soft_labels_bytes']} B):",
+        "",
+        *[f"- {f}" for f in formulas],
+        "",
+        f"The paper's Fig. 5 (ResNet-56, CIFAR-10: SL {check['sl_gb']} GB, FedGKT {check['fedgkt_gb']} GB) implies, with "
+        f"these formulas and 50,000 samples, {check['implied_sl_epochs_if_gb_is_1e9']:.1f} SL epochs and "
+        f"{check['implied_fedgkt_rounds_if_gb_is_1e9']:.1f} FedGKT rounds (GB = 10^9 B; "
+        f"{check['implied_sl_epochs_if_gb_is_2pow30']:.1f} and {check['implied_fedgkt_rounds_if_gb_is_2pow30']:.1f} for GiB): "
+        "the same count for both, so its 2× gap is (map + gradient) ÷ (map + soft labels), not fewer rounds to converge.",
+        "",
+    ]
+
+
+def _acc_cell(runs: dict[str, Any], name: str) -> str:
+    r = runs.get(name)
+    if r is None:
+        return DASH
+    return f"{_pct(r['final_accuracy'])} ({_pct(r['best_accuracy'])})"
+
+
+def accuracy_section(data: dict[str, Any]) -> list[str]:
+    scale = data["scale"]
+    runs = data["runs"]
+    abl = next((k for k, v in scale["partitions"].items() if v == scale["ablation_partition"]), "noniid")
+    table1 = [
+        ["FedGKT (ResNet-8 + ResNet-55)", _acc_cell(runs, "fedgkt-iid"), _acc_cell(runs, "fedgkt-noniid")],
+        ["FedAvg (ResNet-56)", _acc_cell(runs, "fedavg-resnet56-iid"), _acc_cell(runs, "fedavg-resnet56-noniid")],
+        ["Centralized (ResNet-56)", _acc_cell(runs, "centralized-resnet56"), DASH],
+        ["Centralized (ResNet-8)", _acc_cell(runs, "centralized-resnet8"), DASH],
+    ]
+    table2 = [[label, _acc_cell(runs, name)] for label, name in (
+        ("None", f"fedgkt-kd-none-{abl}"), ("S->E", f"fedgkt-kd-s2e-{abl}"), ("S<->E", f"fedgkt-{abl}"))]
+    table3 = [[label, _acc_cell(runs, name)] for label, name in (("Sync", f"fedgkt-{abl}"), ("Async", f"fedgkt-async-{abl}"))]
+    estimate = scale.get("full_scale_estimated_minutes")
+    timing = f"This run took {scale['wall_time_min']:.1f} min (scale `{scale['name']}`, planned for {scale['budget_minutes_on_2_cores']:.0f} min on 2 cores)"
+    if estimate is not None:
+        timing += f"; the default (full) scale is estimated at {estimate:.0f} min from it ({scale['how']})"
+    paper = data["paper"]["table1_cifar10_resnet56"]
+    steps = scale["train_samples"] / scale["agents"] / scale["batch_size"]
+    few_steps = (
+        [f"At this scale a FedAvg agent takes about {steps:.0f} optimiser steps per round. After so few steps "
+         "ResNet-56's BatchNorm running statistics, used in evaluation, are far from the data, and a model that "
+         "predicts a single class scores 10% on the balanced test set. The scale checks the pipeline end to end; "
+         "the comparison needs the full scale or the paper's.", ""]
+        if steps < 20 else []
+    )
+    return [
+        "## Accuracy (the paper's Tables 1-3, reduced scale)", "",
+        f"From `bench/results/accuracy.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
+        f"Fashion-MNIST, {scale['agents']} agents, {scale['train_samples']:,} training / {scale['test_samples']:,} test samples, "
+        f"{scale['rounds']} rounds of {scale['passes_over_the_data_per_round']} pass over the data, {scale['optimizer']}, batch "
+        f"{scale['batch_size']}, seeds fixed. {timing}. Cells: final accuracy after the last round (best round in brackets). "
+        f"Accuracy is: {scale['accuracy_is']}.", "",
+        "### Table 1: FedGKT vs FedAvg vs centralized", "",
+        *_table(["Method", "IID", f"non-IID ({scale['partitions']['noniid']})"], table1),
+        "",
+        f"Paper (CIFAR-10, ResNet-56, 200 rounds): FedGKT {paper['fedgkt']['iid']} / {paper['fedgkt']['noniid']}, FedAvg "
+        f"{paper['fedavg']['iid']} / {paper['fedavg']['noniid']}, centralized ResNet-56 {paper['centralized-resnet56']}, "
+        f"ResNet-8 {paper['centralized-resnet8']}.", "",
+        *few_steps,
+        f"### Table 2: knowledge transfer ({scale['ablation_partition']})", "",
+        *_table(["KD", "Accuracy"], table2),
+        "",
+        f"### Table 3: synchronous vs asynchronous ({scale['ablation_partition']})", "",
+        *_table(["Mode", "Accuracy"], table3),
+        "",
+    ]
+
+
+def render(results: Path) -> str:
+    sources = {name: _load(results / f"{name}.json") for name in ("edge_cost", "comm_cost", "accuracy")}
+    lines = [
+        "# EdgeSplit results",
+        "",
+        "<!-- Generated by bench/render_results.py from bench/results/*.json. Do not edit by hand: "
+        "rerun the benchmark, then the renderer. -->",
+        "",
+        "Every number below was measured by this system on the machine named with it, by the scripts named with it. "
+        "The FedGKT paper's claims are comparisons (FedAvg on accuracy and edge compute, split learning on bandwidth); "
+        "these are the same comparisons, made here.",
+        "",
+    ]
+    sections = (("accuracy", accuracy_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section))
+    for name, section in sections:
+        data = sources[name]
+        if data is None:
+            lines += [f"*`bench/results/{name}.json` not found: run `bench/{name}.py`.*", ""]
+            continue
+        try:
+            lines += section(data)
+        except KeyError as exc:
+            raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun bench/{name}.py") from None
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=REPO_ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results.md")
+    args = parser.parse_args(argv)
+    text = render(args.results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""Centralized training: the reference rows of the FedGKT paper's Table 1.
+
+The server trains one architecture (ResNet-56/110, or ResNet-8) on the union of
+the data the agents would hold -- the same seeded subset of the training set
+(``train_samples``, ``seed``) that ``edgesplit local`` partitions -- and tests
+it on the same seeded subset of the test set. No broker, no agents. A "round"
+is ``epochs_per_round`` epochs, so runs compare round for round with the
+federated methods, and the run report has the same format (``report.json``,
+``rounds.csv``, plots, ``summary.md``) with zero bytes on the wire.
+
+Run with ``cloud-server centralized --config server.toml`` (``[server]`` with
+``method = "centralized"`` plus a ``[centralized]`` table) or
+``edgesplit local --method centralized``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fldata import ArrayDataset, load_dataset, take
+from fldata.torch_data import make_loader
+from models import build_model, count_parameters, get_model_spec, training_flops_per_sample
+
+from . import report as run_report
+from .config import ServerConfig
+
+log = logging.getLogger("cloud_server.centralized")
+
+VERSION = "0.1.0"
+BYTE_KEYS = ("up_payload", "up_wire", "down_payload", "down_wire")
+
+
+@dataclass(frozen=True)
+class CentralizedConfig:
+    """``[centralized]``. Defaults are CPU-friendly; the paper's (Tables 10-12: Adam,
+    lr 0.003, wd 1e-4, batch 256, 300 epochs) are in ``deploy/configs/paper``."""
+
+    model: str = "resnet56"  # resnet56 | resnet110 | resnet8
+    epochs_per_round: int = 1
+    optimizer: str = "adam"
+    lr: float = 0.001
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    batch_size: int = 64
+    lr_schedule: str = "none"  # none | plateau (halve after 2 rounds without a lower training loss)
+    train_samples: int = 0  # 0: the whole training set; else the seeded subset the agents would share
+    test_samples: int = 0
+    data_root: str | None = None
+    download: bool = False
+    augment: bool | None = None  # None: on for CIFAR/CINIC as in the paper, off otherwise
+
+    def __post_init__(self) -> None:
+        if get_model_spec(self.model).input_kind != "image":
+            raise ValueError(f"centralized.model must take images, {self.model!r} takes feature maps")
+        if self.epochs_per_round < 1 or self.batch_size < 1:
+            raise ValueError("centralized.epochs_per_round and batch_size must be >= 1")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"centralized.optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        if self.lr <= 0 or self.weight_decay < 0:
+            raise ValueError("centralized.lr must be > 0 and weight_decay >= 0")
+        if self.lr_schedule not in ("none", "plateau"):
+            raise ValueError(f"centralized.lr_schedule must be 'none' or 'plateau', got {self.lr_schedule!r}")
+        if self.train_samples < 0 or self.test_samples < 0:
+            raise ValueError("centralized.train_samples and test_samples must be >= 0")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "CentralizedConfig":
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown [centralized] keys: {sorted(unknown)}")
+        return cls(**raw)
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def _logits(output: object) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]  # ResNet-8: (logits, features)
+
+
+def load_union(server: ServerConfig, config: CentralizedConfig) -> tuple[ArrayDataset, ArrayDataset]:
+    """The seeded train / test subsets a local federation with the same settings partitions."""
+    train = load_dataset(server.dataset, "train", config.data_root, config.download)
+    test = load_dataset(server.dataset, "test", config.data_root, config.download)
+    if config.train_samples:
+        train = take(train, min(config.train_samples, len(train)), server.seed)
+    if config.test_samples:
+        test = take(test, min(config.test_samples, len(test)), server.seed)
+    return train, test
+
+
+class CentralizedTrainer:
+    def __init__(self, server: ServerConfig, device: str = "cpu", data: tuple[ArrayDataset, ArrayDataset] | None = None) -> None:
+        if server.method != "centralized":
+            raise ValueError(f"server.method must be 'centralized' here, got {server.method!r}")
+        self.server = server
+        self.config = CentralizedConfig.from_dict(server.method_config)
+        self.device = torch.device(device)
+        self.train_data, self.test_data = data if data is not None else load_union(server, self.config)
+        if len(self.train_data) == 0:
+            raise ValueError("centralized training has no training samples")
+        torch.manual_seed(server.seed)
+        c = self.config
+        self.model = build_model(c.model, server.num_classes, self.train_data.in_channels).to(self.device)
+        if c.optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(self.model.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+        else:
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay, amsgrad=True)
+        self.scheduler = (
+            torch.optim.lr_scheduler.ReduceLROnPlateau(self.optimizer, mode="min", factor=0.5, patience=2)
+            if c.lr_schedule == "plateau" else None
+        )
+        shape = tuple(self.train_data.images.shape[1:])  # (C, H, W)
+        self.train_flops_per_sample = training_flops_per_sample(self.model, shape)
+        self.augment = c.augment if c.augment is not None else server.dataset in ("cifar10", "cifar100", "cinic10")
+        self.out_dir = Path(server.out_dir)
+        self._started = time.monotonic()
+
+    # -- training ------------------------------------------------------------------ #
+
+    def _train_round(self, round_: int) -> tuple[float, int]:
+        """``epochs_per_round`` epochs; (mean loss, samples)."""
+        c = self.config
+        self.model.train()
+        total_loss, samples = 0.0, 0
+        for epoch in range(c.epochs_per_round):
+            loader = make_loader(self.train_data, c.batch_size, shuffle=True, augment=self.augment,
+                                 seed=self.server.seed * 100_003 + round_ * 1000 + epoch)
+            for images, labels, _ids in loader:
+                images, labels = images.to(self.device), labels.to(self.device)
+                loss = F.cross_entropy(_logits(self.model(images)), labels)  # (B, K) logits
+                if not math.isfinite(float(loss.detach())):
+                    raise RuntimeError(f"centralized training diverged in round {round_}: loss {float(loss.detach())}")
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                n = int(labels.shape[0])
+                total_loss += float(loss.detach()) * n
+                samples += n
+        return total_loss / samples, samples
+
+    @torch.no_grad()
+    def _test(self) -> tuple[int, int]:
+        self.model.eval()
+        correct = total = 0
+        for images, labels, _ids in make_loader(self.test_data, 512):
+            predictions = _logits(self.model(images.to(self.device))).argmax(1).cpu()  # (B,)
+            correct += int((predictions == labels).sum())
+            total += int(labels.shape[0])
+        return correct, total
+
+    # -- report ---------------------------------------------------------------------- #
+
+    def _new_report(self) -> dict[str, Any]:
+        return {
+            "edgesplit_version": VERSION,
+            "run_id": self.server.run_id,
+            "method": "centralized",
+            "config": {**self.server.to_dict(), "method_config": asdict(self.config)},
+            "started_at": _now_iso(),
+            "finished_at": None,
+            "status": "running",
+            "server": {"device": str(self.device), "cpu_model": _cpu_model(), "torch": torch.__version__, "hostname": socket.gethostname()},
+            "agents": {},
+            "models": {
+                "edge": None,  # no edge: the reference is trained in one place
+                "server": {"name": self.config.model, "params": count_parameters(self.model),
+                           "train_flops_per_sample": self.train_flops_per_sample},
+            },
+            "rounds": [],
+            "totals": {},
+            "data": {"dataset": self.server.dataset, "train_samples": len(self.train_data), "test_samples": len(self.test_data)},
+        }
+
+    def _totals(self, report: dict[str, Any]) -> dict[str, Any]:
+        rounds = report["rounds"]
+        accs = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
+        zeros = {k: 0 for k in BYTE_KEYS}
+        return {
+            "rounds_completed": sum(1 for r in rounds if r["status"] == "ok"),
+            "best_accuracy": max(accs) if accs else None,
+            "final_accuracy": accs[-1] if accs else None,
+            "final_edge_accuracy": None,
+            **zeros,
+            "wire_total": 0,
+            "edge_train_flops": 0,
+            "server_train_flops": sum(r["server_train_flops"] for r in rounds),
+            "wall_time_s": time.monotonic() - self._started,
+            "rejected_messages": 0,
+            "rejected_by_reason": {},
+            "outside_rounds": dict(zeros),
+        }
+
+    def run(self) -> dict[str, Any]:
+        report = self._new_report()
+        s = self.server
+        log.info("centralized %s on %d %s samples (%d test), %d rounds of %d epochs, device %s",
+                 self.config.model, len(self.train_data), s.dataset, len(self.test_data), s.rounds, self.config.epochs_per_round, self.device)
+        try:
+            for round_ in range(1, s.rounds + 1):
+                started = time.monotonic()
+                loss, samples = self._train_round(round_)
+                train_s = time.monotonic() - started
+                if self.scheduler is not None:
+                    self.scheduler.step(loss)
+                evaluate = round_ % s.eval_every == 0 or round_ == s.rounds
+                correct, total = self._test() if evaluate else (0, 0)
+                record = {
+                    "round": round_, "status": "ok", "participants": [], "completed": [], "missing": [],
+                    "accuracy": correct / total if total else None, "edge_accuracy": None, "server_loss": loss,
+                    "samples": samples, "bytes": {k: 0 for k in BYTE_KEYS}, "edge_train_flops": 0,
+                    "server_train_flops": self.train_flops_per_sample * samples,
+                    "time_s": {"round": time.monotonic() - started, "server_train": train_s, "edge_compute": 0.0,
+                               "edge_encode": 0.0, "edge_network": 0.0, "edge_idle": 0.0},
+                    "per_agent": {},
+                }
+                report["rounds"].append(record)
+                report["totals"] = self._totals(report)
+                run_report.write_report(self.out_dir, report)
+                print(run_report.format_summary_line(record, s.rounds), flush=True)
+                if s.target_accuracy is not None and record["accuracy"] is not None and record["accuracy"] >= s.target_accuracy:
+                    report["status"] = "stopped_target"
+                    break
+            if report["status"] == "running":
+                report["status"] = "finished"
+        except (RuntimeError, KeyboardInterrupt):
+            report["status"] = "aborted"
+            raise
+        finally:
+            report["finished_at"] = _now_iso()
+            report["totals"] = self._totals(report)
+            run_report.write_report(self.out_dir, report)
+        return report

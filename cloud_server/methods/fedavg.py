@@ -1,0 +1,254 @@
+"""FedAvg server step (McMahan et al. 2017; the FedGKT paper's accuracy baseline).
+
+Each round every agent receives the global model, trains the *full* model
+(ResNet-56 / ResNet-110, or ResNet-8 as a small full model) for
+``local_epochs`` on its shard, and uploads it with its sample count; the
+server's new global model is the sample-weighted mean
+(:func:`cloud_server.aggregation.weighted_mean`, which documents how BatchNorm
+buffers are averaged).
+
+Evaluation: the server holds no test data. In an evaluated round the new
+global model goes to the agents that finished (:class:`FedAvgEvaluate`); each
+evaluates it on its local test shard and answers with correct / total, and the
+round's accuracy is their sample-weighted sum, i.e. the accuracy of the round's
+aggregate on the union of the agents' test shards. The agents keep that model,
+so the next RoundStart names its version instead of carrying the weights again.
+
+Subclass hooks for the FedAvg family (FedGKD, FedDistill, FedBE): override
+:meth:`FedAvgServer.aggregate` (e.g. distil after averaging) and
+:meth:`FedAvgServer.extra_round_config`; the edge side's loss lives in
+``edge_agent/methods/fedavg.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
+from shared_protocol.messages import Message, RoundEnd, RoundStart
+from shared_protocol.methods.fedavg import (
+    WEIGHT_CODECS,
+    FedAvgEvalResult,
+    FedAvgEvaluate,
+    FedAvgRoundConfig,
+    FedAvgUpdate,
+    join_state,
+    split_state,
+)
+
+from ..aggregation import weighted_mean
+from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
+
+log = logging.getLogger("cloud_server.fedavg")
+
+
+@dataclass(frozen=True)
+class FedAvgConfig:
+    """``[fedavg]``. Defaults are CPU-friendly; the paper's (Tables 10-12: Adam,
+    lr 0.001, wd 1e-4, batch 64, 20 local epochs) are in ``deploy/configs/paper``."""
+
+    model: str = "resnet56"  # resnet56 | resnet110 | resnet8 (a small full model)
+    local_epochs: int = 1
+    optimizer: str = "adam"
+    lr: float = 0.001
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    batch_size: int = 64
+    upload_codec: str = "zstd"  # zstd (lossless) | fp16-zstd | raw
+    download_codec: str = "zstd"
+
+    def __post_init__(self) -> None:
+        if get_model_spec(self.model).input_kind != "image":
+            raise ValueError(f"fedavg.model must take images (a full model), {self.model!r} takes feature maps")
+        if self.download_codec not in WEIGHT_CODECS:
+            raise ValueError(f"fedavg.download_codec must be one of {WEIGHT_CODECS}, got {self.download_codec!r}")
+        self.round_config(0, {})  # validates the agents' half
+
+    def round_config(self, model_version: int, int_buffers: dict[str, int]) -> FedAvgRoundConfig:
+        return FedAvgRoundConfig(
+            model_version=model_version, local_epochs=self.local_epochs, optimizer=self.optimizer, lr=self.lr,
+            momentum=self.momentum, weight_decay=self.weight_decay, batch_size=self.batch_size,
+            upload_codec=self.upload_codec, int_buffers=dict(int_buffers),
+        )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "FedAvgConfig":
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown [fedavg] keys: {sorted(unknown)}")
+        return cls(**raw)
+
+
+@dataclass
+class _Staged:
+    instance: str
+    round: int
+    num_samples: int
+    state: dict[str, np.ndarray]
+
+
+@register_server_method
+class FedAvgServer(ServerMethod):
+    name = "fedavg"
+    upload_types = (FedAvgUpdate, FedAvgEvalResult)
+    config_class: type[FedAvgConfig] = FedAvgConfig
+
+    def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
+        super().__init__(ctx, method_config)
+        self.config = self.config_class.from_dict(method_config)
+        torch.manual_seed(ctx.seed)
+        # The global model lives on the CPU: the server only averages arrays.
+        self.model = build_model(self.config.model, ctx.num_classes, ctx.in_channels)
+        self.global_state = state_dict_to_arrays(self.model)
+        self.version = 0  # round whose aggregate global_state is (0: the initial model)
+        self.staged: dict[str, _Staged] = {}
+        self.has_version: dict[str, int] = {}  # agent -> global version it confirmed holding
+        self._eval_round = 0
+        self._eval_waiting: set[str] = set()
+        self._eval_results: dict[str, tuple[int, int]] = {}
+
+    # -- configuration --------------------------------------------------------- #
+
+    def resolved_config(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def welcome_settings(self) -> dict[str, Any]:
+        return {"num_classes": self.ctx.num_classes, "model": self.config.model}
+
+    def download_codecs(self, msg: Message) -> dict[str, str]:
+        return {"weights": self.config.download_codec} if isinstance(msg, (RoundStart, FedAvgEvaluate)) else {}
+
+    def extra_round_config(self, round_: int, agent: str) -> dict[str, Any]:
+        """Method-specific additions to RoundStart.config (for subclasses)."""
+        return {}
+
+    def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        floats, ints = split_state(self.global_state)
+        config = {**self.config.round_config(self.version, ints).to_dict(), **self.extra_round_config(round_, agent)}
+        # An agent that confirmed holding this version (it evaluated it) needs no second copy.
+        weights = {} if self.has_version.get(agent) == self.version else floats
+        return config, weights
+
+    def model_info(self) -> dict[str, Any]:
+        shape = (self.ctx.in_channels, 32, 32)
+        return {
+            "edge": {
+                "name": self.config.model,
+                "params": count_parameters(self.model),
+                "train_flops_per_sample": training_flops_per_sample(self.model, shape),
+            },
+            "server": None,  # the server only averages
+        }
+
+    # -- uploads ----------------------------------------------------------------- #
+
+    def on_upload(self, agent: str, msg: Message) -> None:
+        if isinstance(msg, FedAvgUpdate):
+            self._stage_update(agent, msg)
+        elif isinstance(msg, FedAvgEvalResult):
+            self._record_evaluation(agent, msg)
+        else:
+            raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
+
+    def _stage_update(self, agent: str, msg: FedAvgUpdate) -> None:
+        if msg.model_version != self.version:
+            raise StaleMessageError(f"update trained from global version {msg.model_version}, current is {self.version}")
+        state = join_state(msg.weights, msg.int_buffers)
+        if set(state) != set(self.global_state):
+            missing, extra = sorted(set(self.global_state) - set(state)), sorted(set(state) - set(self.global_state))
+            raise ShapeMismatchError(f"update does not fit {self.config.model}: missing {missing[:5]}, unexpected {extra[:5]}")
+        for name, array in state.items():
+            if array.shape != self.global_state[name].shape:
+                raise ShapeMismatchError(f"update {name!r} has shape {array.shape}, model has {self.global_state[name].shape}")
+        self.staged[agent] = _Staged(msg.instance, msg.round, msg.num_samples, state)
+
+    def _record_evaluation(self, agent: str, msg: FedAvgEvalResult) -> None:
+        if msg.round != self._eval_round or agent not in self._eval_waiting:
+            raise StaleMessageError(f"evaluation of round {msg.round} not asked for")
+        if msg.model_version != self.version:
+            raise StaleMessageError(f"evaluation of global version {msg.model_version}, current is {self.version}")
+        self._eval_results[agent] = (msg.correct, msg.total)
+        self.has_version[agent] = msg.model_version
+
+    def discard(self, agent: str) -> None:
+        self.staged.pop(agent, None)
+        # A failed or restarted agent may not hold the global model any more.
+        self.has_version.pop(agent, None)
+
+    def _usable(self, agent: str, end: RoundEnd) -> str | None:
+        staged = self.staged.get(agent)
+        if staged is None:
+            return "no model upload"
+        if staged.instance != end.instance or staged.round != end.round:
+            return "upload came from another agent process or round"
+        if staged.num_samples != end.num_samples:
+            return f"upload says {staged.num_samples} samples, round_end says {end.num_samples}"
+        return None
+
+    # -- the server step ------------------------------------------------------------ #
+
+    def aggregate(self, round_: int, states: list[dict[str, np.ndarray]], num_samples: list[int]) -> dict[str, np.ndarray]:
+        """The new global state from the agents' states (FedAvg: the sample-weighted mean)."""
+        return weighted_mean(states, num_samples)
+
+    def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
+        outcome = RoundOutcome()
+        used: dict[str, _Staged] = {}
+        for agent in sorted(ends):
+            why = self._usable(agent, ends[agent])
+            if why is not None:
+                outcome.excluded[agent] = why
+                log.warning("round %d: not using %s's upload: %s", round_, agent, why)
+                self.staged.pop(agent, None)
+                continue
+            used[agent] = self.staged.pop(agent)
+        outcome.used_agents = list(used)
+        if not used:
+            return outcome
+        started = time.perf_counter()
+        new_state = self.aggregate(round_, [s.state for s in used.values()], [s.num_samples for s in used.values()])
+        load_arrays_into(self.model, new_state)  # checks names, shapes and finiteness
+        self.global_state = new_state
+        self.version = round_
+        outcome.server_train_s = time.perf_counter() - started
+        outcome.samples = sum(s.num_samples for s in used.values())
+        losses = [(float(ends[a].metrics["train_loss"]), s.num_samples) for a, s in used.items()
+                  if isinstance(ends[a].metrics.get("train_loss"), (int, float))]
+        if losses:
+            # No server model is trained: report the agents' mean local training loss.
+            outcome.server_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses)
+        self._eval_round, self._eval_waiting, self._eval_results = round_, set(), {}
+        if evaluate:
+            floats, ints = split_state(self.global_state)
+            for agent in sorted(ends):
+                msg = FedAvgEvaluate(run=self.ctx.run_id, round=round_, sender="server", model_version=self.version,
+                                     int_buffers=ints, weights=floats)
+                outcome.downloads.append((agent, msg))
+                self._eval_waiting.add(agent)
+        return outcome
+
+    def evaluation_pending(self, round_: int) -> set[str]:
+        return self._eval_waiting - set(self._eval_results) if round_ == self._eval_round else set()
+
+    def evaluation_result(self, round_: int) -> tuple[int, int] | None:
+        if round_ != self._eval_round or not self._eval_results:
+            return None
+        return sum(c for c, _ in self._eval_results.values()), sum(t for _, t in self._eval_results.values())
+
+    # -- checkpoints ------------------------------------------------------------------ #
+
+    def state(self) -> Any:
+        return {"global": self.global_state, "version": self.version}
+
+    def load_state(self, state: Any) -> None:
+        self.global_state = {k: np.asarray(v) for k, v in state["global"].items()}
+        load_arrays_into(self.model, self.global_state)
+        self.version = int(state["version"])
+        self.has_version.clear()

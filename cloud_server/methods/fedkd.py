@@ -1,0 +1,395 @@
+"""FedKD server step (Wu et al. 2022, Algorithm 1 lines 11-19; Eqs. 8-9).
+
+The server holds the global mentee only; mentors never leave the agents. Each
+round it receives every agent's SVD-factored mentee update
+(:class:`FedKdUpdate`), rebuilds them, averages them (sample-weighted as
+FedAvg does, or plainly as Algorithm 1's ``g / N``), factors the average again
+with the same threshold T(t) (Eq. 9), adds the *factored* average to its own
+copy of the global mentee and sends the factors to every agent whose update it
+used (:class:`FedKdAggregate`). Agent and server add the same float32 values to
+the same float32 copy, so all copies of the global mentee stay identical. An
+agent that does not hold the version a round starts from gets the whole
+mentee once, losslessly, in ``RoundStart.weights``.
+
+With ``upload = "gradient"`` the agents send their mean mentee gradient and the
+server turns the average into the update ``-gradient_lr * g`` (Algorithm 1
+line 22 with the step taken once, on the server, so every copy takes the same
+step); BatchNorm statistics travel as their change in both modes.
+
+Accuracy in the run report: ``accuracy`` is the *global mentee* (the shared,
+federated model) on the union of the agents' test shards, measured by the
+agents after applying each evaluated round's aggregate; ``edge_accuracy`` is
+the agents' *mentors* (the model FedKD uses for inference) on the same shards.
+
+Per round the method keeps a record (:attr:`FedKdServer.history`, also in the
+checkpoint) of the threshold, the rank of every factored tensor in every
+upload and in the aggregate, and bytes: factored vs dense mentee update, and a
+FedAvg of a mentor-sized model for comparison. The coordinator's report keeps
+only generic fields, so ``bench/fedkd.py`` reads this record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. resnet20)
+from models import build_model, count_parameters, get_model_spec, state_dict_to_arrays, training_flops_per_sample
+from models.mentor import hidden_dim
+from shared_protocol import svd
+from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
+from shared_protocol.messages import Message, RoundEnd, RoundStart
+from shared_protocol.methods.fedkd import (
+    SYNC_CODECS,
+    UPLOAD_KINDS,
+    FedKdAggregate,
+    FedKdEvalResult,
+    FedKdRoundConfig,
+    FedKdUpdate,
+    factor_state,
+    unfactor_state,
+)
+
+from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
+
+log = logging.getLogger("cloud_server.fedkd")
+
+WEIGHTINGS = ("samples", "uniform")
+
+
+@dataclass(frozen=True)
+class FedKdConfig:
+    """``[fedkd]``. Defaults: the paper's T_start = 0.95, T_end = 0.98, ResNet-56 mentor and
+    ResNet-8 mentee; ``resnet20`` is a mentor three times cheaper for CPUs.
+
+    ``schedule_rounds`` is the round in which T reaches T_end (Eq. 9's t = 1);
+    set it to the run's ``[server] rounds`` (the method is not told them).
+    """
+
+    mentee_model: str = "resnet8"
+    mentor_model: str = "resnet56"
+    threshold_start: float = 0.95
+    threshold_end: float = 0.98
+    schedule_rounds: int = 10
+    upload: str = "update"  # update | gradient
+    gradient_lr: float = 0.1  # eta_s of the server's step in gradient mode
+    weighting: str = "samples"  # samples (FedAvg) | uniform (Algorithm 1's g / N)
+    local_epochs: int = 1
+    batch_size: int = 64
+    optimizer: str = "adam"
+    mentor_lr: float = 0.001
+    mentee_lr: float = 0.001
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    hidden_loss: bool = True
+    attention_loss: bool = True
+    sync_codec: str = "zstd"  # the whole mentee, for agents that do not hold the current one
+
+    def __post_init__(self) -> None:
+        for role in ("mentee_model", "mentor_model"):
+            if get_model_spec(getattr(self, role)).input_kind != "image":
+                raise ValueError(f"fedkd.{role} must take images, {getattr(self, role)!r} takes feature maps")
+        svd.check_threshold(self.threshold_start)
+        svd.check_threshold(self.threshold_end)
+        if self.schedule_rounds < 1:
+            raise ValueError(f"fedkd.schedule_rounds must be >= 1, got {self.schedule_rounds}")
+        if self.upload not in UPLOAD_KINDS:
+            raise ValueError(f"fedkd.upload must be one of {UPLOAD_KINDS}, got {self.upload!r}")
+        if self.gradient_lr <= 0:
+            raise ValueError(f"fedkd.gradient_lr must be > 0, got {self.gradient_lr}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"fedkd.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if self.sync_codec not in SYNC_CODECS:
+            raise ValueError(f"fedkd.sync_codec must be one of {SYNC_CODECS}, got {self.sync_codec!r}")
+        self.round_config(1, 0)  # validates the agents' half
+
+    def threshold(self, round_: int) -> float:
+        """T(t) of Eq. 9 for ``round_`` (t = 0 in round 1, 1 from ``schedule_rounds`` on)."""
+        return svd.threshold_at(svd.round_progress(min(round_, self.schedule_rounds), self.schedule_rounds), self.threshold_start, self.threshold_end)
+
+    def round_config(self, round_: int, global_version: int) -> FedKdRoundConfig:
+        return FedKdRoundConfig(
+            global_version=global_version, threshold=self.threshold(round_), upload=self.upload,
+            local_epochs=self.local_epochs, batch_size=self.batch_size, optimizer=self.optimizer,
+            mentor_lr=self.mentor_lr, mentee_lr=self.mentee_lr, momentum=self.momentum,
+            weight_decay=self.weight_decay, hidden_loss=self.hidden_loss, attention_loss=self.attention_loss,
+        )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "FedKdConfig":
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown [fedkd] keys: {sorted(unknown)}")
+        return cls(**raw)
+
+
+@dataclass
+class _Staged:
+    instance: str
+    round: int
+    num_samples: int
+    delta: dict[str, np.ndarray]  # rebuilt update (or gradient), float32
+    ranks: dict[str, int]  # factored tensors only
+    svd_bytes: int
+    dense_bytes: int
+
+
+@dataclass
+class _RoundLog:
+    """What the history records for the round in progress."""
+
+    threshold: float
+    sync_bytes: int = 0  # whole-mentee float32 bytes sent in RoundStarts
+    sync_agents: list[str] = field(default_factory=list)
+
+
+def _ranks(packed: dict[str, svd.SvdTensor]) -> dict[str, int]:
+    return {name: p.rank for name, p in packed.items() if p.mode == "factored"}
+
+
+@register_server_method
+class FedKdServer(ServerMethod):
+    name = "fedkd"
+    upload_types = (FedKdUpdate, FedKdEvalResult)
+
+    def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
+        super().__init__(ctx, method_config)
+        self.config = FedKdConfig.from_dict(method_config)
+        torch.manual_seed(ctx.seed)
+        mentee = build_model(self.config.mentee_model, ctx.num_classes, ctx.in_channels)
+        self.param_names = {name for name, _ in mentee.named_parameters()}
+        # The global mentee as float32 arrays; integer counters stay with each agent.
+        self.global_state = {k: v for k, v in state_dict_to_arrays(mentee).items() if v.dtype.kind == "f"}
+        self.version = 0  # round whose aggregate global_state is (0: the initial mentee)
+        mentor = build_model(self.config.mentor_model, ctx.num_classes, ctx.in_channels)
+        self.mentee_dense_bytes = sum(4 * v.size for v in self.global_state.values())
+        # What FedAvg of a mentor-sized model moves per agent and direction (its float state).
+        self.mentor_dense_bytes = sum(4 * v.size for v in state_dict_to_arrays(mentor).values() if v.dtype.kind == "f")
+        self.holds: dict[str, int] = {}  # agent -> global version the server believes it holds
+        self.staged: dict[str, _Staged] = {}
+        self.history: list[dict[str, Any]] = []
+        self._round_logs: dict[int, _RoundLog] = {}
+        self._eval_round = 0
+        self._eval_waiting: set[str] = set()
+        self._eval_results: dict[str, tuple[int, int]] = {}
+
+    # -- configuration --------------------------------------------------------------- #
+
+    def resolved_config(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def welcome_settings(self) -> dict[str, Any]:
+        return {"num_classes": self.ctx.num_classes, "mentor_model": self.config.mentor_model, "mentee_model": self.config.mentee_model}
+
+    def download_codecs(self, msg: Message) -> dict[str, str]:
+        return {"weights": self.config.sync_codec} if isinstance(msg, RoundStart) else {}
+
+    def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        config = self.config.round_config(round_, self.version).to_dict()
+        entry = self._round_logs.setdefault(round_, _RoundLog(config["threshold"]))
+        if self.holds.get(agent) == self.version:
+            return config, {}
+        entry.sync_bytes += self.mentee_dense_bytes
+        entry.sync_agents.append(agent)
+        return config, dict(self.global_state)
+
+    def model_info(self) -> dict[str, Any]:
+        shape = (self.ctx.in_channels, 32, 32)
+        mentor = build_model(self.config.mentor_model, self.ctx.num_classes, self.ctx.in_channels)
+        mentee = build_model(self.config.mentee_model, self.ctx.num_classes, self.ctx.in_channels)
+        projection_params = (hidden_dim(mentee) + 1) * hidden_dim(mentor)
+        info = {
+            role: {"name": name, "params": count_parameters(m), "train_flops_per_sample": training_flops_per_sample(m, shape)}
+            for role, name, m in (("mentor", self.config.mentor_model, mentor), ("mentee", self.config.mentee_model, mentee))
+        }
+        return {
+            # Both models train on the edge; the report's edge row is their sum (+ W_h).
+            "edge": {
+                "name": f"{self.config.mentor_model}+{self.config.mentee_model}",
+                "params": info["mentor"]["params"] + info["mentee"]["params"] + projection_params,
+                "train_flops_per_sample": info["mentor"]["train_flops_per_sample"] + info["mentee"]["train_flops_per_sample"],
+            },
+            "server": None,  # the server only averages and factors
+            **info,
+        }
+
+    # -- uploads ------------------------------------------------------------------------ #
+
+    def on_upload(self, agent: str, msg: Message) -> None:
+        if isinstance(msg, FedKdUpdate):
+            self._stage_update(agent, msg)
+        elif isinstance(msg, FedKdEvalResult):
+            self._record_evaluation(agent, msg)
+        else:
+            raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
+
+    def _stage_update(self, agent: str, msg: FedKdUpdate) -> None:
+        """Algorithm 1, lines 11-12: check and rebuild one agent's update."""
+        if msg.base_version != self.version:
+            raise StaleMessageError(f"update computed from global mentee {msg.base_version}, current is {self.version}")
+        if msg.payload != self.config.upload:
+            raise ValueRangeError(f"update carries a {msg.payload}, this run uploads {self.config.upload}s")
+        packed = unfactor_state(msg.TYPE, msg.layout, msg.factors)
+        if set(packed) != set(self.global_state):
+            missing, extra = sorted(set(self.global_state) - set(packed)), sorted(set(packed) - set(self.global_state))
+            raise ShapeMismatchError(f"update does not fit {self.config.mentee_model}: missing {missing[:5]}, unexpected {extra[:5]}")
+        delta = {}
+        for name, p in packed.items():
+            if p.shape != self.global_state[name].shape:
+                raise ShapeMismatchError(f"update {name!r} has shape {list(p.shape)}, mentee has {list(self.global_state[name].shape)}")
+            delta[name] = p.reconstruct()
+            if not np.isfinite(delta[name]).all():
+                raise ValueRangeError(f"update {name!r} rebuilds to non-finite values")
+        self.staged[agent] = _Staged(
+            msg.instance, msg.round, msg.num_samples, delta, _ranks(packed),
+            svd_bytes=sum(p.payload_bytes for p in packed.values()), dense_bytes=sum(4 * p.dense_elements for p in packed.values()),
+        )
+
+    def _record_evaluation(self, agent: str, msg: FedKdEvalResult) -> None:
+        if msg.round != self._eval_round or agent not in self._eval_waiting:
+            raise StaleMessageError(f"evaluation of round {msg.round} not asked for")
+        if msg.version != self.version:
+            raise StaleMessageError(f"evaluation of global mentee {msg.version}, current is {self.version}")
+        self._eval_results[agent] = (msg.correct, msg.total)
+
+    def discard(self, agent: str) -> None:
+        self.staged.pop(agent, None)
+        # A failed or restarted agent may not hold the global mentee any more.
+        self.holds.pop(agent, None)
+
+    def _usable(self, agent: str, end: RoundEnd) -> str | None:
+        staged = self.staged.get(agent)
+        if staged is None:
+            return "no mentee update"
+        if staged.instance != end.instance or staged.round != end.round:
+            return "update came from another agent process or round"
+        if staged.num_samples != end.num_samples:
+            return f"update says {staged.num_samples} samples, round_end says {end.num_samples}"
+        return None
+
+    # -- the server step ------------------------------------------------------------------ #
+
+    def aggregate(self, staged: list[_Staged]) -> dict[str, np.ndarray]:
+        """Algorithm 1, lines 13-16: the (weighted) mean of the rebuilt updates, as the
+        update to add (gradient mode: one step of -gradient_lr along the mean gradient)."""
+        weights = np.asarray([s.num_samples if self.config.weighting == "samples" else 1 for s in staged], dtype=np.float64)
+        weights /= weights.sum()
+        out: dict[str, np.ndarray] = {}
+        for name in self.global_state:
+            total = np.zeros(self.global_state[name].shape, dtype=np.float64)
+            for w, s in zip(weights, staged):
+                total += w * s.delta[name].astype(np.float64)
+            if self.config.upload == "gradient" and name in self.param_names:
+                total *= -self.config.gradient_lr
+            out[name] = total.astype(np.float32)
+        return out
+
+    def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
+        outcome = RoundOutcome()
+        used: dict[str, _Staged] = {}
+        for agent in sorted(ends):
+            why = self._usable(agent, ends[agent])
+            if why is not None:
+                outcome.excluded[agent] = why
+                log.warning("round %d: not using %s's update: %s", round_, agent, why)
+                self.staged.pop(agent, None)
+                self.holds.pop(agent, None)
+                continue
+            used[agent] = self.staged.pop(agent)
+        outcome.used_agents = list(used)
+        round_log = self._round_logs.pop(round_, _RoundLog(self.config.threshold(round_)))
+        if not used:
+            return outcome
+        started = time.perf_counter()
+        threshold = round_log.threshold
+        mean_update = self.aggregate(list(used.values()))
+        # Lines 17-19: factor the aggregate with the same T; add exactly what the agents will add.
+        layout, factors, packed = factor_state(mean_update, threshold)
+        base_version = self.version
+        self.global_state = {name: base + packed[name].reconstruct() for name, base in self.global_state.items()}
+        self.version = round_
+        outcome.server_train_s = time.perf_counter() - started
+        outcome.samples = sum(s.num_samples for s in used.values())
+        losses = [(float(ends[a].metrics["train_loss"]), s.num_samples) for a, s in used.items()
+                  if isinstance(ends[a].metrics.get("train_loss"), (int, float))]
+        if losses:
+            # No server model is trained: report the agents' mean mentee loss (Eq. 7).
+            outcome.server_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses)
+        self._eval_round, self._eval_waiting, self._eval_results = round_, set(), {}
+        for agent in used:
+            msg = FedKdAggregate(run=self.ctx.run_id, round=round_, sender="server", version=self.version,
+                                 base_version=base_version, threshold=threshold, evaluate=evaluate, layout=layout, factors=factors)
+            outcome.downloads.append((agent, msg))
+            self.holds[agent] = self.version
+            if evaluate:
+                self._eval_waiting.add(agent)
+        for agent in set(ends) - set(used):
+            self.holds.pop(agent, None)
+        self.history.append(self._record(round_, round_log, used, ends, packed))
+        return outcome
+
+    def _record(self, round_: int, round_log: _RoundLog, used: dict[str, _Staged], ends: dict[str, RoundEnd],
+                packed: dict[str, svd.SvdTensor]) -> dict[str, Any]:
+        """The round's FedKD-specific costs; bytes are float32 tensor payloads (frames add headers)."""
+        down_svd = sum(p.payload_bytes for p in packed.values())
+        agents = {}
+        for agent, s in used.items():
+            metrics, uploads = ends[agent].metrics, ends[agent].uploads
+            fallback = uploads.get("dense_fallback_ranks")
+            agents[agent] = {
+                "ranks": s.ranks,
+                "dense_fallback_ranks": dict(fallback) if isinstance(fallback, dict) else {},
+                "svd_bytes": s.svd_bytes,
+                "dense_bytes": s.dense_bytes,
+                "frame_bytes": int(uploads.get("frame_bytes", 0)),
+                **{k: metrics[k] for k in ("mentor_accuracy", "mentee_accuracy", "mentor_loss", "mentee_loss") if k in metrics},
+            }
+        up_svd = sum(a["svd_bytes"] for a in agents.values())
+        return {
+            "round": round_,
+            "threshold": round_log.threshold,
+            "version": self.version,
+            "agents": agents,
+            "aggregate": {
+                "ranks": _ranks(packed),
+                "dense_fallback_ranks": {name: p.eq8_rank for name, p in packed.items() if p.mode == "dense" and p.eq8_rank is not None},
+                "energy": {name: p.energy for name, p in packed.items() if p.mode == "factored"},
+                "svd_bytes": down_svd,
+                "dense_bytes": self.mentee_dense_bytes,
+            },
+            # Per agent and round, both directions: what FedKD sent vs a dense mentee update
+            # vs FedAvg of a model as large as the mentor.
+            "bytes_per_agent": {
+                "fedkd_svd": (up_svd / len(agents)) + down_svd,
+                "dense_mentee": 2 * self.mentee_dense_bytes,
+                "fedavg_mentor": 2 * self.mentor_dense_bytes,
+            },
+            "sync": {"agents": round_log.sync_agents, "bytes": round_log.sync_bytes},
+        }
+
+    def evaluation_pending(self, round_: int) -> set[str]:
+        return self._eval_waiting - set(self._eval_results) if round_ == self._eval_round else set()
+
+    def evaluation_result(self, round_: int) -> tuple[int, int] | None:
+        if round_ != self._eval_round or not self._eval_results:
+            return None
+        return sum(c for c, _ in self._eval_results.values()), sum(t for _, t in self._eval_results.values())
+
+    # -- checkpoints -------------------------------------------------------------------- #
+
+    def state(self) -> Any:
+        return {"global": self.global_state, "version": self.version, "history": self.history}
+
+    def load_state(self, state: Any) -> None:
+        global_state = {k: np.asarray(v, dtype=np.float32) for k, v in state["global"].items()}
+        if set(global_state) != set(self.global_state) or any(v.shape != self.global_state[k].shape for k, v in global_state.items()):
+            raise ValueError(f"checkpoint's global mentee does not fit {self.config.mentee_model}")
+        self.global_state = global_state
+        self.version = int(state["version"])
+        self.history = list(state.get("history", []))
+        self.holds.clear()  # agents get the whole mentee once after a restart

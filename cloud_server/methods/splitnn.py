@@ -1,0 +1,331 @@
+"""Split learning server step (vanilla SplitNN, Gupta & Raskar 2018; the FedGKT
+paper's SL baseline for communication cost).
+
+The network is ResNet-8's stem (on the agents) followed by ResNet-55/109 (here),
+i.e. exactly ResNet-56/110 cut after the stem. Agents take turns, as in the
+original SL: the coordinator starts one agent's round when the previous one
+finished (``sequential``), and the extractor travels along the ring through the
+server (each RoundStart carries the extractor the previous agent uploaded).
+Every training batch is a real exchange over the broker: activations arrive in
+``on_upload``, the server runs forward + backward of its part and one optimiser
+step, and answers at once with the gradient w.r.t. the activations.
+
+Evaluation: after an evaluated round the final extractor goes to the agents
+that took part; they stream their test activations and the server scores them
+with its part (the coordinator's evaluation phase).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
+from shared_protocol.messages import Message, RoundEnd, check_labels
+from shared_protocol.methods.splitnn import (
+    SplitActivations,
+    SplitEvalDone,
+    SplitEvaluate,
+    SplitExtractorWeights,
+    SplitGradients,
+    SplitRoundConfig,
+)
+
+from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
+
+log = logging.getLogger("cloud_server.splitnn")
+
+
+@dataclass(frozen=True)
+class SplitNNConfig:
+    server_model: str = "resnet55_server"  # or resnet109_server
+    edge_model: str = "resnet8"  # the agents hold this model's stem (its extractor)
+    server_optimizer: str = "adam"
+    server_lr: float = 0.001
+    server_momentum: float = 0.9
+    server_weight_decay: float = 5e-4
+    local_epochs: int = 1  # epochs over its shard in each agent's turn
+    edge_optimizer: str = "adam"
+    edge_lr: float = 0.001
+    edge_momentum: float = 0.9
+    edge_weight_decay: float = 5e-4
+    batch_size: int = 64
+    upload_codec: str = "raw"  # vanilla SL (and the paper's Eq. 12) sends fp32
+    reply_timeout_s: float = 60.0
+    reply_attempts: int = 3
+    eval_batch_samples: int = 256
+
+    def __post_init__(self) -> None:
+        if get_model_spec(self.server_model).input_kind != "features":
+            raise ValueError(f"splitnn.server_model must take feature maps, {self.server_model!r} takes images")
+        if self.server_optimizer not in ("sgd", "adam"):
+            raise ValueError(f"splitnn.server_optimizer must be 'sgd' or 'adam', got {self.server_optimizer!r}")
+        if self.server_lr <= 0 or self.server_weight_decay < 0:
+            raise ValueError("splitnn.server_lr must be > 0 and server_weight_decay >= 0")
+        get_model_spec(self.edge_model)
+        self.round_config()  # validates the agents' half
+
+    def round_config(self) -> SplitRoundConfig:
+        return SplitRoundConfig(
+            local_epochs=self.local_epochs, optimizer=self.edge_optimizer, lr=self.edge_lr, momentum=self.edge_momentum,
+            weight_decay=self.edge_weight_decay, batch_size=self.batch_size, upload_codec=self.upload_codec,
+            reply_timeout_s=self.reply_timeout_s, reply_attempts=self.reply_attempts, eval_batch_samples=self.eval_batch_samples,
+        )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "SplitNNConfig":
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown [splitnn] keys: {sorted(unknown)}")
+        return cls(**raw)
+
+
+@dataclass
+class _Turn:
+    """One agent's turn in one round."""
+
+    agent: str
+    round: int
+    instance: str | None = None
+    next_seq: int = 0
+    last_reply: SplitGradients | None = None
+    samples: int = 0
+    correct: int = 0
+    loss_sum: float = 0.0
+    train_s: float = 0.0
+    extractor_received: bool = False
+
+
+@dataclass
+class _Evaluation:
+    round: int = 0
+    waiting: set[str] = field(default_factory=set)
+    done: set[str] = field(default_factory=set)
+    correct: int = 0
+    total: int = 0
+
+
+@register_server_method
+class SplitNNServer(ServerMethod):
+    name = "splitnn"
+    upload_types = (SplitActivations, SplitExtractorWeights, SplitEvalDone)
+
+    def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
+        super().__init__(ctx, method_config)
+        self.config = SplitNNConfig.from_dict(method_config)
+        torch.manual_seed(ctx.seed)
+        self.device = torch.device(ctx.device)
+        # The ring's starting extractor is made here, so every agent starts from the same one.
+        extractor = build_model(self.config.edge_model, ctx.num_classes, ctx.in_channels).extractor
+        self.extractor_state = state_dict_to_arrays(extractor)
+        self.feature_channels = get_model_spec(self.config.server_model).feature_channels
+        self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
+        c = self.config
+        if c.server_optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
+                self.model.parameters(), lr=c.server_lr, momentum=c.server_momentum, weight_decay=c.server_weight_decay)
+        else:
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.server_lr, weight_decay=c.server_weight_decay, amsgrad=True)
+        self.turn: _Turn | None = None
+        self.finished: dict[str, _Turn] = {}
+        self.evaluation = _Evaluation()
+        self.turn_order: list[tuple[int, str]] = []  # (round, agent) as turns began: for reports and tests
+
+    @property
+    def sequential(self) -> bool:
+        return True
+
+    def resolved_config(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def welcome_settings(self) -> dict[str, Any]:
+        return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
+
+    def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Called as ``agent``'s turn begins: it gets the extractor the previous agent left."""
+        self._end_turn()
+        self.turn = _Turn(agent, round_)
+        self.turn_order.append((round_, agent))
+        return self.config.round_config().to_dict(), dict(self.extractor_state)
+
+    def _end_turn(self) -> None:
+        if self.turn is not None:
+            self.finished[self.turn.agent] = self.turn
+            self.turn = None
+
+    def model_info(self) -> dict[str, Any]:
+        extractor = build_model(self.config.edge_model, self.ctx.num_classes, self.ctx.in_channels).extractor
+        h = 32
+        return {
+            "edge": {
+                "name": f"{self.config.edge_model}-extractor",
+                "params": count_parameters(extractor),
+                "train_flops_per_sample": training_flops_per_sample(extractor, (self.ctx.in_channels, h, h), loss="sum"),
+            },
+            "server": {
+                "name": self.config.server_model,
+                "params": count_parameters(self.model),
+                "train_flops_per_sample": training_flops_per_sample(
+                    build_model(self.config.server_model, self.ctx.num_classes), (self.feature_channels, h, h)),
+            },
+        }
+
+    # -- uploads ---------------------------------------------------------------------- #
+
+    def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
+        if isinstance(msg, SplitActivations):
+            self._check_batch(msg)
+            if msg.split == "train":
+                return [(agent, self._train_step(agent, msg))]
+            self._score_test_batch(agent, msg)
+            return None
+        if isinstance(msg, SplitExtractorWeights):
+            self._take_extractor(agent, msg)
+            return None
+        if isinstance(msg, SplitEvalDone):
+            if msg.round != self.evaluation.round or agent not in self.evaluation.waiting:
+                raise StaleMessageError(f"evaluation of round {msg.round} not asked for")
+            self.evaluation.done.add(agent)
+            return None
+        raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
+
+    def _check_batch(self, msg: SplitActivations) -> None:
+        if msg.activations.shape[1] != self.feature_channels:
+            raise ShapeMismatchError(f"activations have {msg.activations.shape[1]} channels, {self.config.server_model} takes {self.feature_channels}")
+        check_labels(msg.TYPE, msg.labels, self.ctx.num_classes)
+
+    def _current_turn(self, agent: str, msg: SplitActivations | SplitExtractorWeights) -> _Turn:
+        turn = self.turn
+        if turn is None or turn.agent != agent or turn.round != msg.round:
+            raise StaleMessageError(f"{msg.TYPE} from {agent} for round {msg.round}: not its turn")
+        if turn.instance is None:
+            turn.instance = msg.instance
+        elif turn.instance != msg.instance:
+            raise StaleMessageError(f"{msg.TYPE} from another process of {agent} than the one in this turn")
+        return turn
+
+    def _train_step(self, agent: str, msg: SplitActivations) -> SplitGradients:
+        """Forward and backward of the server's part on one batch, one optimiser step;
+        the answer is dLoss/dActivations, computed before the step."""
+        turn = self._current_turn(agent, msg)
+        if msg.seq == turn.next_seq - 1 and turn.last_reply is not None:
+            return turn.last_reply  # a retry: the answer got lost, the batch was trained on already
+        if msg.seq != turn.next_seq:
+            raise ValueRangeError(f"expected batch {turn.next_seq} of {agent}'s turn, got {msg.seq}")
+        started = time.perf_counter()
+        self.model.train()
+        h = torch.from_numpy(msg.activations).to(self.device).requires_grad_(True)  # (B, 16, H, W)
+        labels = torch.from_numpy(msg.labels).to(self.device)  # (B,)
+        logits = self.model(h)  # (B, K)
+        loss = F.cross_entropy(logits, labels)
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            raise ValueRangeError(f"server loss is {loss_value} on {agent}'s batch {msg.seq}: training diverged")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the parameters' gradients, and h.grad = dLoss/dActivations (h is a leaf)
+        gradients = h.grad.detach().cpu().numpy()  # type: ignore[union-attr]  # (B, 16, H, W)
+        self.optimizer.step()
+        n = int(labels.shape[0])
+        correct = int((logits.detach().argmax(1) == labels).sum())
+        reply = SplitGradients(run=self.ctx.run_id, round=msg.round, sender="server", seq=msg.seq, loss=loss_value,
+                               correct=correct, gradients=gradients)
+        turn.next_seq += 1
+        turn.last_reply = reply
+        turn.samples += n
+        turn.correct += correct
+        turn.loss_sum += loss_value * n
+        turn.train_s += time.perf_counter() - started
+        return reply
+
+    def _take_extractor(self, agent: str, msg: SplitExtractorWeights) -> None:
+        turn = self._current_turn(agent, msg)
+        if set(msg.weights) != set(self.extractor_state):
+            raise ShapeMismatchError(f"extractor weights have names {sorted(msg.weights)[:4]}..., expected {sorted(self.extractor_state)[:4]}...")
+        for name, array in msg.weights.items():
+            if array.shape != self.extractor_state[name].shape:
+                raise ShapeMismatchError(f"extractor {name!r} has shape {array.shape}, expected {self.extractor_state[name].shape}")
+        # The next agent continues from this extractor (the original SL ring).
+        self.extractor_state = {k: np.asarray(v) for k, v in msg.weights.items()}
+        turn.extractor_received = True
+
+    @torch.no_grad()
+    def _score_test_batch(self, agent: str, msg: SplitActivations) -> None:
+        ev = self.evaluation
+        if msg.round != ev.round or agent not in ev.waiting or agent in ev.done:
+            raise StaleMessageError(f"test activations of round {msg.round} not asked for")
+        self.model.eval()
+        logits = self.model(torch.from_numpy(msg.activations).to(self.device))  # (B, K)
+        ev.correct += int((logits.argmax(1).cpu() == torch.from_numpy(msg.labels)).sum())
+        ev.total += int(msg.labels.shape[0])
+
+    def discard(self, agent: str) -> None:
+        if self.turn is not None and self.turn.agent == agent:
+            self.turn = None
+        self.finished.pop(agent, None)
+        self.evaluation.waiting.discard(agent)
+
+    # -- closing the round ------------------------------------------------------------- #
+
+    def _usable(self, turn: _Turn | None, end: RoundEnd) -> str | None:
+        if turn is None or turn.round != end.round:
+            return "no turn in this round"
+        if turn.instance != end.instance:
+            return "batches came from another agent process"
+        declared = end.uploads.get("train", {})
+        if declared.get("batches") != turn.next_seq or declared.get("samples") != turn.samples:
+            return f"{turn.next_seq} batches / {turn.samples} samples trained, agent reported {declared}"
+        if not turn.extractor_received:
+            return "extractor weights never arrived"
+        return None
+
+    def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
+        self._end_turn()
+        outcome = RoundOutcome()
+        turns: list[_Turn] = []
+        for agent in sorted(ends):
+            turn = self.finished.get(agent)
+            why = self._usable(turn, ends[agent])
+            if turn is None or why is not None:
+                outcome.excluded[agent] = why or "no turn"
+                log.warning("round %d: %s's turn does not count: %s", round_, agent, why)
+                continue
+            turns.append(turn)
+            outcome.used_agents.append(agent)
+            outcome.samples += turn.samples
+            outcome.server_train_s += turn.train_s
+        if outcome.samples:
+            outcome.server_loss = sum(t.loss_sum for t in turns) / outcome.samples
+        self.finished.clear()
+        self.evaluation = _Evaluation(round=round_)
+        if evaluate and outcome.used_agents:
+            for agent in sorted(ends):
+                outcome.downloads.append(
+                    (agent, SplitEvaluate(run=self.ctx.run_id, round=round_, sender="server", weights=dict(self.extractor_state))))
+                self.evaluation.waiting.add(agent)
+        return outcome
+
+    def evaluation_pending(self, round_: int) -> set[str]:
+        ev = self.evaluation
+        return ev.waiting - ev.done if round_ == ev.round else set()
+
+    def evaluation_result(self, round_: int) -> tuple[int, int] | None:
+        ev = self.evaluation
+        return (ev.correct, ev.total) if round_ == ev.round and ev.total else None
+
+    # -- checkpoints -------------------------------------------------------------------- #
+
+    def state(self) -> Any:
+        return {"model": state_dict_to_arrays(self.model), "optimizer": self.optimizer.state_dict(), "extractor": self.extractor_state}
+
+    def load_state(self, state: Any) -> None:
+        load_arrays_into(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.extractor_state = {k: np.asarray(v) for k, v in state["extractor"].items()}

@@ -1,0 +1,230 @@
+"""The FedGKT edge model trained with onnxruntime-training and numpy (no torch).
+
+:class:`OrtEdgeModel` wraps one set of artifacts (see :mod:`models.onnx_export`):
+onnxruntime computes the forward pass, the FedGKT loss and the gradients; the
+update is the torch backend's optimizer in numpy (:mod:`.optim`); BatchNorm
+running statistics, frozen in the ONNX graphs, are updated here from the
+training graph's extra outputs with torch's semantics. Weights are exchanged
+as the torch backend's state-dict arrays (same names, shapes and dtypes, with
+``num_batches_tracked`` counted here), so the two backends' local states and
+checkpoints are interchangeable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .optim import NumpyAdam, NumpySGD
+
+__all__ = ["ArtifactMeta", "OrtEdgeModel", "OrtUnavailableError", "ort_version"]
+
+#: Torch's BatchNorm2d defaults, which the exported graphs use.
+BN_MOMENTUM = 0.1
+
+
+class OrtUnavailableError(ImportError):
+    """onnxruntime-training is not installed in this environment."""
+
+
+def import_training_api():  # type: ignore[no-untyped-def]
+    """``onnxruntime.training.api``, also where torch is not installed.
+
+    onnxruntime-training 1.19's ``onnxruntime/training/__init__.py`` imports its
+    torch-only helpers (``amp``, ``optim``: ``import torch``) before anything
+    else, so ``from onnxruntime.training import api`` fails without torch,
+    although the on-device training API itself (checkpoint, module, optimizer)
+    needs only the native library and numpy. Likewise ``artifacts`` needs onnx,
+    which a lean install (``pip install --no-deps onnxruntime-training-cpu``)
+    leaves out. When such a module is missing we load ``api`` under a bare
+    parent package, which skips that ``__init__``.
+    """
+    try:
+        from onnxruntime.training import api
+
+        return api
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] == "onnxruntime":
+            raise  # onnxruntime itself is broken or missing
+    import onnxruntime
+
+    for name in [m for m in sys.modules if m == "onnxruntime.training" or m.startswith("onnxruntime.training.")]:
+        del sys.modules[name]  # the failed, half-imported package
+    package = types.ModuleType("onnxruntime.training")
+    package.__path__ = [os.path.join(os.path.dirname(onnxruntime.__file__), "training")]
+    package.__package__ = "onnxruntime.training"
+    sys.modules["onnxruntime.training"] = package
+    return importlib.import_module("onnxruntime.training.api")
+
+
+def _ort():  # type: ignore[no-untyped-def]
+    try:
+        import onnxruntime
+
+        api = import_training_api()
+    except ImportError as exc:
+        raise OrtUnavailableError(
+            f"the ort backend needs onnxruntime-training ({exc}); install it with: pip install 'edgesplit[edge-lite]' "
+            "(x86_64 Linux, macOS or Windows; there is no Linux aarch64 build, use --backend torch on a Pi)"
+        ) from None
+    return onnxruntime, api
+
+
+def ort_version() -> str | None:
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    return str(onnxruntime.__version__)
+
+
+@dataclass(frozen=True)
+class ArtifactMeta:
+    """What the agent must know about a set of artifacts beyond the ONNX files."""
+
+    trainable: tuple[str, ...]
+    bn_stats: tuple[str, ...]  # frozen running stats, in the order of the extra training outputs
+    bn_counters: tuple[str, ...]  # num_batches_tracked buffers
+    state_names: tuple[str, ...]  # torch state-dict order
+    input_shape: tuple[int, int, int]
+    num_classes: int
+
+    def to_json(self) -> str:
+        return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> "ArtifactMeta":
+        raw = json.loads(text)
+        return cls(
+            trainable=tuple(raw["trainable"]), bn_stats=tuple(raw["bn_stats"]), bn_counters=tuple(raw["bn_counters"]),
+            state_names=tuple(raw["state_names"]), input_shape=tuple(raw["input_shape"]), num_classes=int(raw["num_classes"]),
+        )
+
+
+class OrtEdgeModel:
+    """One edge model under onnxruntime-training: train steps, eval forward, weights as arrays."""
+
+    def __init__(self, artifact_dir: str | os.PathLike[str], meta: ArtifactMeta, threads: int = 1) -> None:
+        onnxruntime, api = _ort()
+        d = Path(artifact_dir)
+        for name in ("training_model.onnx", "eval_model.onnx", "checkpoint"):
+            if not (d / name).is_file():
+                raise FileNotFoundError(f"ort artifact {d / name} is missing")
+        self.meta = meta
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3  # warnings and above; ORT's info log is very chatty
+        self.state = api.CheckpointState.load_checkpoint(str(d / "checkpoint"))
+        self.module = api.Module(str(d / "training_model.onnx"), self.state, str(d / "eval_model.onnx"), session_options=options)
+        self.counters = {name: 0 for name in meta.bn_counters}
+        # Our copy of the BN statistics: ORT's training kernel may write into the frozen buffers.
+        self.bn_values = {name: np.array(self.state.parameters[name].data, dtype=np.float32) for name in meta.bn_stats}
+
+    # -- training ------------------------------------------------------------ #
+
+    def _params(self) -> dict[str, np.ndarray]:
+        return {name: np.array(self.state.parameters[name].data, dtype=np.float32) for name in self.meta.trainable}
+
+    def train_step(
+        self,
+        images: np.ndarray,  # (B, C, H, W) float32
+        labels: np.ndarray,  # (B,) int64
+        teacher_logits: np.ndarray,  # (B, K) float32
+        kd_mask: np.ndarray,  # (B,) float32
+        temperature: float,
+        alpha: float,
+        optimizer: NumpySGD | NumpyAdam,
+    ) -> tuple[float, np.ndarray]:
+        """One forward/backward/update; returns (loss, logits (B, K))."""
+        self.module.train()
+        for name, value in self.bn_values.items():  # the statistics as torch has them before this step
+            self.state.parameters[name] = value
+        outputs = self.module(
+            np.ascontiguousarray(images, dtype=np.float32), np.ascontiguousarray(labels, dtype=np.int64),
+            np.ascontiguousarray(teacher_logits, dtype=np.float32), np.ascontiguousarray(kd_mask, dtype=np.float32),
+            np.array(temperature, dtype=np.float32), np.array(alpha, dtype=np.float32),
+        )
+        loss, logits = float(outputs[0]), outputs[1]
+        if math.isfinite(loss):
+            grads = {name: self.state.parameters[name].grad for name in self.meta.trainable}
+            new = optimizer.step(self._params(), grads)
+            for name, value in new.items():
+                self.state.parameters[name] = value
+            self._update_bn(outputs[3:], images.shape[0] * images.shape[2] * images.shape[3])
+        self.module.lazy_reset_grad()
+        return loss, logits
+
+    def _update_bn(self, updated: tuple[np.ndarray, ...], n: int) -> None:
+        """torch: running = (1 - m) running + m batch_stat, with the *unbiased* batch variance.
+
+        ORT's outputs are ``(1 - m) running + m batch_stat`` with the biased
+        variance; recover the batch statistic and redo the update as torch does.
+        """
+        m = np.float32(BN_MOMENTUM)
+        for name, out in zip(self.meta.bn_stats, updated):
+            before = self.bn_values[name]
+            batch = (out.astype(np.float32) - (np.float32(1) - m) * before) / m
+            if name.endswith("running_var"):
+                batch = batch * np.float32(n / max(n - 1, 1))
+            self.bn_values[name] = ((np.float32(1) - m) * before + m * batch).astype(np.float32)
+        for name in self.counters:
+            self.counters[name] += 1
+
+    # -- inference ------------------------------------------------------------ #
+
+    def forward_eval(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(logits (B, K), features (B, 16, H, W)) with BN running statistics (eval mode)."""
+        self.module.eval()
+        for name, value in self.bn_values.items():
+            self.state.parameters[name] = value
+        b = images.shape[0]
+        outputs = self.module(
+            np.ascontiguousarray(images, dtype=np.float32), np.zeros(b, np.int64),
+            np.zeros((b, self.meta.num_classes), np.float32), np.zeros(b, np.float32),
+            np.array(1.0, np.float32), np.array(0.0, np.float32),
+        )
+        return outputs[1], outputs[2]
+
+    # -- weights as the torch backend's arrays ---------------------------------- #
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for name in self.meta.state_names:
+            if name in self.counters:
+                out[name] = np.array(self.counters[name], dtype=np.int64)
+            elif name in self.bn_values:
+                out[name] = self.bn_values[name].copy()
+            else:
+                out[name] = np.array(self.state.parameters[name].data, dtype=np.float32)
+        return out
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """All-or-nothing, like :func:`models.weights.load_arrays_into`."""
+        current = self.arrays()
+        missing = [k for k in current if k not in arrays]
+        unexpected = [k for k in arrays if k not in current]
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the edge model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, target in current.items():
+            value = np.asarray(arrays[name])
+            if value.shape != target.shape:
+                raise ValueError(f"weight {name!r} has shape {value.shape}, model expects {target.shape}")
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise ValueError(f"weight {name!r} contains NaN or infinite values")
+        for name in current:
+            value = np.asarray(arrays[name])
+            if name in self.counters:
+                self.counters[name] = int(value)
+            elif name in self.bn_values:
+                self.bn_values[name] = np.array(value, dtype=np.float32)
+            else:
+                self.state.parameters[name] = np.ascontiguousarray(value, dtype=np.float32)

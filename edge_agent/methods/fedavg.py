@@ -1,0 +1,161 @@
+"""FedAvg edge step: train the full model locally, upload it with the sample count.
+
+Each round: load the global model (from ``RoundStart.weights``, or the copy
+kept from the last :class:`FedAvgEvaluate` when the RoundStart names that
+version and carries no weights), train ``local_epochs`` with a fresh optimiser
+(the global model moved; moments from another model would be stale), and
+upload the trained weights. In evaluated rounds the agent also measures its
+local model on its test shard (``edge_accuracy``), and afterwards evaluates the
+new global model the server sends (the run's ``accuracy``).
+
+The FedAvg family (FedGKD, FedDistill) subclasses :class:`FedAvgEdge` and
+overrides :meth:`FedAvgEdge.loss_fn`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fldata.torch_data import make_loader
+from models import WeightsMismatchError, build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from shared_protocol.errors import ShapeMismatchError, StaleMessageError
+from shared_protocol.messages import Message, RoundStart
+from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgEvaluate, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
+
+from ..costs import RoundMeter
+from ..trainer import LossFn, accuracy, make_optimizer, train_epochs
+from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
+
+log = logging.getLogger("edge_agent.fedavg")
+
+_FLOPS_CACHE: dict[tuple, tuple[int, int]] = {}
+
+
+def _flops(name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(training, forward) FLOPs per sample, counted once per architecture and input shape
+    (counting a ResNet-56 takes seconds; simulated agents share one process)."""
+    key = (name, shape, sum(p.numel() for p in model.parameters()))
+    if key not in _FLOPS_CACHE:
+        _FLOPS_CACHE[key] = (training_flops_per_sample(model, shape), forward_flops_per_sample(model, shape))
+    return _FLOPS_CACHE[key]
+
+
+def logits_of(output: object) -> torch.Tensor:
+    """The logits of a model's output (ResNet-8 returns ``(logits, features)``)."""
+    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]
+
+
+@register_edge_method
+class FedAvgEdge(EdgeMethod):
+    name = "fedavg"
+
+    def __init__(self, ctx: EdgeContext) -> None:
+        super().__init__(ctx)
+        self.num_classes = int(ctx.settings["num_classes"])
+        self.model_name = str(ctx.settings.get("model", "resnet56"))
+        self.model = build_model(self.model_name, self.num_classes, ctx.train.in_channels).to(ctx.device)
+        self.global_state: dict[str, np.ndarray] | None = None  # the last global model received
+        self.global_version = -1
+        shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
+        self.train_flops_per_sample, self.forward_flops_per_sample = _flops(self.model_name, self.model, shape)
+
+    # -- the global model -------------------------------------------------------- #
+
+    def _load(self, state: dict[str, np.ndarray]) -> None:
+        try:
+            load_arrays_into(self.model, state)
+        except WeightsMismatchError as exc:
+            raise ShapeMismatchError(f"global model does not fit {self.model_name}: {exc}") from None
+
+    def _receive_global(self, start: RoundStart, cfg: FedAvgRoundConfig) -> None:
+        if start.weights:
+            state = join_state(start.weights, cfg.int_buffers)
+            self._load(state)
+            self.global_state, self.global_version = state, cfg.model_version
+        elif self.global_state is not None and self.global_version == cfg.model_version:
+            self._load(self.global_state)
+        else:
+            # The server believed we hold this version (e.g. we restarted without local state):
+            # fail the round; the server then sends the weights next time.
+            raise StaleMessageError(f"round_start names global version {cfg.model_version} without weights; this agent holds {self.global_version}")
+
+    def on_message(self, msg: Message) -> bool:
+        if isinstance(msg, FedAvgEvaluate):
+            self._evaluate_global(msg)
+            return True
+        return False
+
+    def _evaluate_global(self, msg: FedAvgEvaluate) -> None:
+        state = join_state(msg.weights, msg.int_buffers)
+        self._load(state)
+        self.global_state, self.global_version = state, msg.model_version
+        meter = RoundMeter()
+        with meter.phase("compute"):
+            correct, total = self._test_accuracy()
+        self.ctx.send(
+            FedAvgEvalResult(run=self.ctx.run_id, round=msg.round, sender=self.ctx.agent_id, instance=self.ctx.instance,
+                             model_version=msg.model_version, correct=correct, total=total),
+            meter,
+        )
+        log.info("global model %d: %d / %d test samples right", msg.model_version, correct, total)
+
+    @torch.no_grad()
+    def _test_accuracy(self) -> tuple[int, int]:
+        self.model.eval()
+        return accuracy(lambda x: logits_of(self.model(x)), make_loader(self.ctx.test, 256), self.ctx.device)
+
+    # -- the round ------------------------------------------------------------------ #
+
+    def loss_fn(self, cfg: FedAvgRoundConfig) -> LossFn:
+        """Cross-entropy on the full model's logits; the FedAvg family adds terms here."""
+
+        def loss(output: object, labels: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits_of(output), labels)
+
+        return loss
+
+    def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
+        cfg = FedAvgRoundConfig.from_dict(start.config)
+        ctx = self.ctx
+        with meter.phase("compute"):
+            self._receive_global(start, cfg)
+            optimizer = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
+            loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
+            result = train_epochs(
+                self.model, loader, optimizer, self.loss_fn(cfg), cfg.local_epochs,
+                device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",
+            )
+        meter.samples_trained += result.samples
+        meter.train_flops += self.train_flops_per_sample * result.samples
+        metrics: dict = {"train_loss": result.mean_loss}
+        if start.evaluate:
+            with meter.phase("compute"):
+                correct, total = self._test_accuracy()
+            meter.train_flops += self.forward_flops_per_sample * total
+            metrics.update(edge_correct=correct, edge_total=total, edge_accuracy=correct / total if total else None)
+        weights, int_buffers = split_state(state_dict_to_arrays(self.model))
+        update = FedAvgUpdate(
+            run=ctx.run_id, round=start.round, sender=ctx.agent_id, instance=ctx.instance, num_samples=len(ctx.train),
+            model_version=cfg.model_version, int_buffers=int_buffers, weights=weights,
+        )
+        ctx.send(update, meter, codecs={"weights": cfg.upload_codec})
+        return RoundResult(num_samples=len(ctx.train), uploads={"model_version": cfg.model_version, "tensors": len(weights)}, metrics=metrics)
+
+    # -- local persistence ------------------------------------------------------------ #
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        if self.global_state is None:
+            return {}
+        state = {f"global/{k}": v for k, v in self.global_state.items()}
+        state["global_version"] = np.asarray(self.global_version, dtype=np.int64)
+        return state
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        if "global_version" not in arrays:
+            return
+        self.global_state = {k[7:]: v for k, v in arrays.items() if k.startswith("global/")}
+        self.global_version = int(arrays["global_version"])

@@ -1,0 +1,144 @@
+"""Split learning edge step (vanilla SplitNN; the FedGKT paper's SL baseline).
+
+The agent holds only the extractor (ResNet-8's conv stem, as in the paper's
+SL setup); the server holds the rest (ResNet-55/109). In its turn the agent
+loads the extractor the previous agent left, then per mini-batch: forward,
+send the activations, block until the server's gradient w.r.t. them arrives
+(``ctx.request``; a real exchange over the broker for every batch), backward
+and step. At the end it uploads the extractor for the next agent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from fldata.torch_data import make_loader
+from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from shared_protocol.errors import ShapeMismatchError
+from shared_protocol.messages import Message, RoundStart
+from shared_protocol.methods.splitnn import (
+    SplitActivations,
+    SplitEvalDone,
+    SplitEvaluate,
+    SplitExtractorWeights,
+    SplitGradients,
+    SplitRoundConfig,
+)
+
+from ..costs import RoundMeter
+from ..trainer import make_optimizer
+from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
+
+log = logging.getLogger("edge_agent.splitnn")
+
+_FLOPS_CACHE: dict[tuple, int] = {}
+
+
+def _extractor_train_flops(name: str, extractor: torch.nn.Module, shape: tuple[int, ...]) -> int:
+    """Training FLOPs per sample of the extractor alone (its output has no loss of its
+    own: the backward pass starts from the server's gradient, so count with a sum)."""
+    key = (name, shape)
+    if key not in _FLOPS_CACHE:
+        _FLOPS_CACHE[key] = training_flops_per_sample(extractor, shape, loss="sum")
+    return _FLOPS_CACHE[key]
+
+
+@register_edge_method
+class SplitNNEdge(EdgeMethod):
+    name = "splitnn"
+
+    def __init__(self, ctx: EdgeContext) -> None:
+        super().__init__(ctx)
+        self.edge_model = str(ctx.settings.get("edge_model", "resnet8"))
+        num_classes = int(ctx.settings["num_classes"])
+        # Only the stem is used; the rest of the edge model is never built into the graph.
+        self.extractor = build_model(self.edge_model, num_classes, ctx.train.in_channels).extractor.to(ctx.device)
+        self.config = SplitRoundConfig()
+        shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
+        self.train_flops_per_sample = _extractor_train_flops(self.edge_model, self.extractor, shape)
+
+    def _load(self, weights: dict[str, np.ndarray]) -> None:
+        try:
+            load_arrays_into(self.extractor, weights)
+        except WeightsMismatchError as exc:
+            raise ShapeMismatchError(f"extractor weights do not fit {self.edge_model}'s stem: {exc}") from None
+
+    # -- the turn ------------------------------------------------------------------ #
+
+    def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
+        cfg = self.config = SplitRoundConfig.from_dict(start.config)
+        ctx = self.ctx
+        if not start.weights:
+            raise ShapeMismatchError("round_start carries no extractor weights")
+        self._load(start.weights)
+        # A fresh optimiser every turn: the extractor arrives from another agent.
+        optimizer = make_optimizer(cfg.optimizer, self.extractor.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
+        loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
+        self.extractor.train()
+        seq = samples = correct = 0
+        loss_sum = 0.0
+        for _epoch in range(cfg.local_epochs):
+            for images, labels, _ids in loader:
+                with meter.phase("compute"):
+                    optimizer.zero_grad(set_to_none=True)
+                    activations = self.extractor(images.to(ctx.device))  # (B, 16, H, W)
+                upload = SplitActivations(
+                    run=ctx.run_id, round=start.round, sender=ctx.agent_id, split="train", seq=seq, instance=ctx.instance,
+                    activations=activations.detach().cpu().numpy(), labels=labels.numpy().astype(np.int64),
+                )
+                reply = ctx.request(
+                    upload, meter, _is_gradient_for(start.round, seq), cfg.reply_timeout_s,
+                    codecs={"activations": cfg.upload_codec}, attempts=cfg.reply_attempts,
+                )
+                if not isinstance(reply, SplitGradients) or reply.gradients.shape != tuple(activations.shape):
+                    raise ShapeMismatchError(f"answer {reply.TYPE} does not fit activations {tuple(activations.shape)}")
+                with meter.phase("compute"):
+                    activations.backward(torch.from_numpy(reply.gradients).to(ctx.device))  # dL/dW_extractor
+                    optimizer.step()
+                n = int(labels.shape[0])
+                seq, samples, correct, loss_sum = seq + 1, samples + n, correct + reply.correct, loss_sum + reply.loss * n
+        meter.samples_trained += samples
+        meter.train_flops += self.train_flops_per_sample * samples
+        ctx.send(
+            SplitExtractorWeights(run=ctx.run_id, round=start.round, sender=ctx.agent_id, instance=ctx.instance,
+                                  batches=seq, weights=state_dict_to_arrays(self.extractor)),
+            meter,
+        )
+        metrics = {"train_loss": loss_sum / samples if samples else 0.0, "train_accuracy": correct / samples if samples else 0.0}
+        return RoundResult(num_samples=samples, uploads={"train": {"batches": seq, "samples": samples}}, metrics=metrics)
+
+    # -- evaluation after the round --------------------------------------------------- #
+
+    def on_message(self, msg: Message) -> bool:
+        if isinstance(msg, SplitEvaluate):
+            self._send_test_activations(msg)
+            return True
+        return False
+
+    @torch.no_grad()
+    def _send_test_activations(self, msg: SplitEvaluate) -> None:
+        """Stream the test shard's activations under the round's final extractor; the
+        server's head scores them (no answers), then say how many were sent."""
+        ctx, cfg, meter = self.ctx, self.config, RoundMeter()
+        self._load(msg.weights)
+        self.extractor.eval()
+        batches = samples = 0
+        for seq, (images, labels, _ids) in enumerate(make_loader(ctx.test, cfg.eval_batch_samples)):
+            activations = self.extractor(images.to(ctx.device))  # (B, 16, H, W)
+            ctx.send(
+                SplitActivations(run=ctx.run_id, round=msg.round, sender=ctx.agent_id, split="test", seq=seq, instance=ctx.instance,
+                                 activations=activations.cpu().numpy(), labels=labels.numpy().astype(np.int64)),
+                meter, codecs={"activations": cfg.upload_codec},
+            )
+            batches, samples = batches + 1, samples + int(labels.shape[0])
+        ctx.send(SplitEvalDone(run=ctx.run_id, round=msg.round, sender=ctx.agent_id, instance=ctx.instance, batches=batches, samples=samples), meter)
+
+
+def _is_gradient_for(round_: int, seq: int):  # type: ignore[no-untyped-def]
+    def match(msg: Message) -> bool:
+        return isinstance(msg, SplitGradients) and msg.round == round_ and msg.seq == seq
+
+    return match

@@ -1,0 +1,167 @@
+"""Split learning (vanilla SplitNN, Gupta & Raskar 2018; the FedGKT paper's SL
+baseline) messages: per mini-batch, activations up and gradients back.
+
+An agent's turn: RoundStart carries the extractor weights the previous agent
+left (agents take turns and pass the extractor on, through the server); then,
+batch by batch, :class:`SplitActivations` up and :class:`SplitGradients` back
+before the next batch; at the end :class:`SplitExtractorWeights` up. After an
+evaluated round the server sends the final extractor (:class:`SplitEvaluate`);
+each agent streams its test activations (``split = "test"``, no answers) and
+says :class:`SplitEvalDone`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..errors import ShapeMismatchError, ValueRangeError
+from ..messages import Message, check_same_length, register_message, tensor, tensor_dict
+
+SPLITS = ("train", "test")
+#: Activation codecs; vanilla split learning sends fp32 (the paper's Eq. 12 counts fp32).
+ACTIVATION_CODECS = ("raw", "zstd", "fp16-zstd", "u8-zstd")
+
+
+@register_message
+@dataclass(kw_only=True)
+class SplitActivations(Message):
+    """Agent -> server: the extractor's output for one mini-batch.
+
+    ``activations`` (B, C, H, W), ``labels`` (B,). ``seq`` numbers the batches of
+    the agent's turn from 0; a repeated seq (a retry) is answered from the
+    server's cache, never trained on twice.
+    """
+
+    TYPE: ClassVar[str] = "splitnn.activations"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"activations": "raw", "labels": "zstd"}
+    split: str
+    seq: int
+    instance: str
+    activations: np.ndarray = tensor(("float32",), ndim=4)
+    labels: np.ndarray = tensor(("int64",), ndim=1)
+
+    def validate(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
+        if self.seq < 0:
+            raise ValueRangeError(f"{self.TYPE}: seq must be >= 0")
+        if check_same_length(self.TYPE, activations=self.activations, labels=self.labels) == 0:
+            raise ShapeMismatchError(f"{self.TYPE}: empty batch")
+
+
+@register_message
+@dataclass(kw_only=True)
+class SplitGradients(Message):
+    """Server -> agent: dLoss/dActivations (B, C, H, W) for batch ``seq``, and the
+    batch's loss and correct count (the server holds the head)."""
+
+    TYPE: ClassVar[str] = "splitnn.gradients"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"gradients": "raw"}
+    seq: int
+    loss: float
+    correct: int
+    gradients: np.ndarray = tensor(("float32",), ndim=4)
+
+    def validate(self) -> None:
+        if self.seq < 0 or not 0 <= self.correct <= self.gradients.shape[0]:
+            raise ValueRangeError(f"{self.TYPE}: bad seq {self.seq} or correct {self.correct}")
+
+
+@register_message
+@dataclass(kw_only=True)
+class SplitExtractorWeights(Message):
+    """Agent -> server at the end of its turn: the extractor, for the next agent."""
+
+    TYPE: ClassVar[str] = "splitnn.extractor"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"weights": "zstd"}
+    instance: str
+    batches: int
+    weights: dict = tensor_dict()
+
+    def validate(self) -> None:
+        if not self.weights:
+            raise ShapeMismatchError(f"{self.TYPE}: no weights")
+
+
+@register_message
+@dataclass(kw_only=True)
+class SplitEvaluate(Message):
+    """Server -> agent after an evaluated round: the round's final extractor; send
+    your test activations with it."""
+
+    TYPE: ClassVar[str] = "splitnn.evaluate"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"weights": "zstd"}
+    weights: dict = tensor_dict()
+
+    def validate(self) -> None:
+        if not self.weights:
+            raise ShapeMismatchError(f"{self.TYPE}: no weights")
+
+
+@register_message
+@dataclass(kw_only=True)
+class SplitEvalDone(Message):
+    """Agent -> server: all ``batches`` test batches (``samples`` samples) are sent."""
+
+    TYPE: ClassVar[str] = "splitnn.eval_done"
+    instance: str
+    batches: int
+    samples: int
+
+    def validate(self) -> None:
+        if self.batches < 0 or self.samples < 0:
+            raise ValueRangeError(f"{self.TYPE}: counts must be >= 0")
+
+
+@dataclass(frozen=True)
+class SplitRoundConfig:
+    """``RoundStart.config`` of split learning: the agent's half of the settings."""
+
+    local_epochs: int = 1
+    optimizer: str = "adam"
+    lr: float = 0.001
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    batch_size: int = 64
+    upload_codec: str = "raw"
+    reply_timeout_s: float = 60.0  # per batch; the request is repeated up to reply_attempts times
+    reply_attempts: int = 3
+    eval_batch_samples: int = 256
+
+    def __post_init__(self) -> None:
+        if self.local_epochs < 1 or self.batch_size < 1 or self.eval_batch_samples < 1 or self.reply_attempts < 1:
+            raise ValueError("local_epochs, batch_size, eval_batch_samples and reply_attempts must be >= 1")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        if self.lr <= 0 or self.weight_decay < 0 or self.reply_timeout_s <= 0:
+            raise ValueError("lr and reply_timeout_s must be > 0, weight_decay >= 0")
+        if self.upload_codec not in ACTIVATION_CODECS:
+            raise ValueError(f"upload_codec must be one of {ACTIVATION_CODECS}, got {self.upload_codec!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "SplitRoundConfig":
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueRangeError(f"splitnn round config has unknown keys {sorted(unknown)}")
+        try:
+            return cls(**raw)
+        except (TypeError, ValueError) as exc:
+            raise ValueRangeError(f"splitnn round config invalid: {exc}") from None
+
+
+__all__ = [
+    "ACTIVATION_CODECS",
+    "SPLITS",
+    "SplitActivations",
+    "SplitEvalDone",
+    "SplitEvaluate",
+    "SplitExtractorWeights",
+    "SplitGradients",
+    "SplitRoundConfig",
+]

@@ -276,7 +276,7 @@ def export_edge_artifacts(
                 artifact_directory=tmp,
                 additional_output_names=["logits", "features", *bn_updated],
             )
-        except Exception as exc:  # onnxruntime raises bare RuntimeError/Fail types; name the step
+        except (RuntimeError, ValueError, OSError) as exc:  # name the failing step (onnxruntime raises RuntimeError subclasses)
             raise OrtExportError(f"generate_artifacts failed: {exc}") from exc
         finally:
             os.chdir(cwd)

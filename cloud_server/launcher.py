@@ -119,8 +119,13 @@ def _centralized_table(args: argparse.Namespace) -> dict:
     return table
 
 
+def _fedkd_table(args: argparse.Namespace) -> dict:
+    # Eq. 9's threshold schedule reaches T_end in the last round of the run.
+    return {"schedule_rounds": args.rounds}
+
+
 # The method's table in the generated server.toml; methods not named here are configured like FedGKT.
-METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table}
+METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table, "fedkd": _fedkd_table}
 
 
 def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None) -> tuple[Path, list[Path]]:

@@ -7,10 +7,10 @@ its own config dataclass.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig
 
@@ -105,10 +105,7 @@ class ServerConfig:
             raise ValueError(f"unknown [server] keys: {sorted(unknown)}")
         password_file = server.pop("password_file", None)
         if password_file:
-            try:
-                server["password"] = open(os.path.expanduser(password_file)).read().strip()
-            except OSError as exc:
-                raise ValueError(f"cannot read password_file {password_file}: {exc.strerror}") from None
+            server["password"] = read_secret(password_file)
         if "allow_list" in server:
             server["allow_list"] = tuple(server["allow_list"])
         method = server.get("method", "fedgkt")

@@ -7,20 +7,12 @@ them with every round, so one federation cannot run with mismatched settings.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig
-
-
-def read_secret(path: str) -> str:
-    """A password from a file (configs reference secrets by path; they never hold them)."""
-    try:
-        return open(os.path.expanduser(path)).read().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read password_file {path}: {exc.strerror}") from None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ launcher and key tools generate (tables of scalars and lists)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,3 +49,11 @@ def dumps_toml(doc: dict[str, dict[str, Any]], header: str = "") -> str:
 
 def write_toml(path: str | Path, doc: dict[str, dict[str, Any]], header: str = "") -> None:
     Path(path).write_text(dumps_toml(doc, header))
+
+
+def read_secret(path: str) -> str:
+    """A password from a file (configs reference secrets by path; they never hold them)."""
+    try:
+        return open(os.path.expanduser(path)).read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read password_file {path}: {exc.strerror}") from None

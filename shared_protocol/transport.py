@@ -240,6 +240,9 @@ class MqttTransport(Transport):
         self._window: deque[int] = deque()  # mids in flight, across blobs
         self._unflushed: list[int] = []  # mids published since the last flush
         self._refused = threading.Event()
+        self._sub_cond = threading.Condition()
+        self._suback_pending: set[int] = set()
+        self._early_subacks: set[int] = set()
         self._connected = threading.Event()
         self._connect_count = 0
         self._refused_reason: str | None = None
@@ -274,6 +277,7 @@ class MqttTransport(Transport):
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_subscribe = self._on_subscribe
         client.on_publish = self._on_publish
         self._client = client
 
@@ -322,6 +326,7 @@ class MqttTransport(Transport):
             reason = self._refused_reason or "no CONNACK (wrong port, or TLS expected?)"
             self._client.loop_stop()
             raise TransportError(f"could not connect to {self.address.url()} within {self.config.connect_timeout_s}s: {reason}")
+        self._wait_subscribed(deadline)
 
     def close(self) -> None:
         self._closed = True
@@ -348,7 +353,7 @@ class MqttTransport(Transport):
             return
         # The broker may have restarted without our session: always resubscribe.
         for topic_filter in self._subscriptions:
-            client.subscribe(topic_filter, qos=1)
+            self._track_subscribe(client.subscribe(topic_filter, qos=1))
         self._connect_count += 1
         self._connected.set()
         log.info("connected to %s as %s (connection %d)", self.address.url(), self.client_id, self._connect_count)
@@ -449,7 +454,31 @@ class MqttTransport(Transport):
     def subscribe(self, topic_filter: str) -> None:
         self._subscriptions.append(topic_filter)
         if self.connected:
-            self._client.subscribe(topic_filter, qos=1)
+            self._track_subscribe(self._client.subscribe(topic_filter, qos=1))
+            self._wait_subscribed(time.monotonic() + self.config.connect_timeout_s)
+
+    def _track_subscribe(self, result: tuple[Any, int | None]) -> None:
+        _rc, mid = result
+        if mid is not None:
+            with self._sub_cond:
+                if mid in self._early_subacks:
+                    self._early_subacks.discard(mid)
+                else:
+                    self._suback_pending.add(mid)
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
+        with self._sub_cond:
+            if mid in self._suback_pending:
+                self._suback_pending.discard(mid)
+            else:
+                self._early_subacks.add(mid)
+            self._sub_cond.notify_all()
+
+    def _wait_subscribed(self, deadline: float) -> None:
+        """Messages published to our topics after this returns reach us: the broker acknowledged the subscriptions."""
+        with self._sub_cond:
+            while self._suback_pending and time.monotonic() < deadline:
+                self._sub_cond.wait(0.05)
 
     def _chunk_props(self, header: ChunkHeader, reply_topic: str | None = None) -> Any:
         props = self._Properties(self._PacketTypes.PUBLISH)

@@ -33,7 +33,7 @@ from cloud_server.centralized import CentralizedTrainer  # noqa: E402
 from cloud_server.config import ServerConfig  # noqa: E402
 from cloud_server.coordinator import Coordinator  # noqa: E402
 from cloud_server.launcher import _stop, start_broker  # noqa: E402
-from cloud_server.methods import ServerContext, get_server_method  # noqa: E402
+from cloud_server.methods import get_server_method  # noqa: E402
 from edge_agent.agent import EdgeAgent  # noqa: E402
 from edge_agent.config import DataConfig, EdgeConfig  # noqa: E402
 from edge_agent.simulate import shards  # noqa: E402
@@ -112,8 +112,7 @@ def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2) ->
     broker_proc, url = start_broker(out / "broker")
     try:
         config = _server_config(run, data, out, url)
-        ctx = ServerContext(run_id=config.run_id, num_classes=config.num_classes, in_channels=config.resolved_in_channels,
-                            device="cpu", seed=config.seed)
+        ctx = config.method_context("cpu")
         method = get_server_method(config.method)(ctx, config.method_config)
         coordinator = Coordinator(config, method, MqttTransport(config.transport_config()))
         base = DataConfig(dataset=data.dataset, partition=data.partition, num_agents=data.agents, seed=data.seed,

@@ -61,18 +61,11 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .coordinator import Coordinator, RunAborted
-    from .methods import ServerContext, get_server_method
+    from .methods import get_server_method
 
     config = load_config(args)
     setup_logging(config.log_json, name="server ")
-    ctx = ServerContext(
-        run_id=config.run_id,
-        num_classes=config.num_classes,
-        in_channels=config.resolved_in_channels,
-        device=resolve_device(config.device),
-        seed=config.seed,
-        progress=config.progress and sys.stderr.isatty(),
-    )
+    ctx = config.method_context(resolve_device(config.device), progress=config.progress and sys.stderr.isatty())
     method = get_server_method(config.method)(ctx, config.method_config)
     coordinator = Coordinator(config, method, MqttTransport(config.transport_config()))
     log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,

@@ -8,11 +8,14 @@ its own config dataclass.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig
+
+if TYPE_CHECKING:
+    from .methods.base import ServerContext
 
 IN_CHANNELS_BY_DATASET = {"fashion-mnist": 1, "mnist": 1}
 
@@ -46,6 +49,9 @@ class ServerConfig:
     num_classes: int = 10
     in_channels: int = 0  # 0: from the dataset name
     max_rejections_per_agent: int = 50
+    # Client sampling (FedAvg's C): each sync round takes this fraction of the online
+    # agents (at least min_agents), drawn with a generator seeded by (seed, round).
+    client_fraction: float = 1.0
     log_json: bool = False
     progress: bool = True
     method_config: dict[str, Any] = field(default_factory=dict)
@@ -64,6 +70,8 @@ class ServerConfig:
                 raise ValueError(f"server.{name} must be an integer >= 1, got {value!r}")
         if self.round_deadline_s <= 0 or self.registration_timeout_s <= 0 or self.offline_grace_s < 0:
             raise ValueError("round_deadline_s and registration_timeout_s must be positive")
+        if not 0.0 < self.client_fraction <= 1.0:
+            raise ValueError(f"client_fraction must be in (0, 1], got {self.client_fraction}")
         if not 0.0 <= self.min_fraction <= 1.0:
             raise ValueError(f"min_fraction must be in [0, 1], got {self.min_fraction}")
         if self.target_accuracy is not None and not 0.0 < self.target_accuracy <= 1.0:
@@ -88,6 +96,13 @@ class ServerConfig:
             key_file=self.key_file,
             chunk_size_bytes=self.chunk_size_bytes,
         )
+
+    def method_context(self, device: str, progress: bool = False) -> "ServerContext":
+        """What the method's server step gets to know about the run."""
+        from .methods.base import ServerContext
+
+        return ServerContext(run_id=self.run_id, num_classes=self.num_classes, in_channels=self.resolved_in_channels,
+                             device=device, seed=self.seed, progress=progress, rounds=self.rounds)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import platform
+import random
 import shutil
 import socket
 import time
@@ -107,6 +108,9 @@ class Coordinator:
         self.round_bytes: dict[int, dict[str, int]] = {}
         self._completion_requests: dict[tuple[str, int], int] = {}
         self.other_bytes = {"up_payload": 0, "up_wire": 0, "down_payload": 0, "down_wire": 0}
+        if config.client_fraction < 1.0 and (method.asynchronous or method.sequential):
+            kind = "asynchronous" if method.asynchronous else "sequential (agents take turns)"
+            raise ValueError(f"client_fraction < 1 samples the agents of sync rounds; {method.name} runs {kind} rounds")
         load_method_messages(method.name)
 
     # -- report --------------------------------------------------------------- #
@@ -340,9 +344,11 @@ class Coordinator:
         if state.round and state.round in self.open_rounds and agent not in self.open_rounds[state.round].done:
             self.method.discard(agent)
             self._start_agent_round(agent, state.round)
-        elif not self.method.asynchronous and not self.method.sequential and self.open_rounds and not self._stopping:
+        elif (not self.method.asynchronous and not self.method.sequential and self.config.client_fraction == 1.0
+              and self.open_rounds and not self._stopping):
             # Sync: a late joiner takes part in the round that is open now (when agents take
-            # turns it waits for the next round: a second agent mid-turn would interleave).
+            # turns it waits for the next round: a second agent mid-turn would interleave;
+            # when agents are sampled, it waits for the next draw).
             current = self.open_rounds[max(self.open_rounds)]
             if agent not in current.participants:
                 log.info("agent %s joins round %d in progress", agent, current.round)
@@ -376,6 +382,17 @@ class Coordinator:
 
     def _active_agents(self) -> list[str]:
         return sorted(a for a, s in self.agents.items() if s.online and not s.dropped)
+
+    def _sample_agents(self, round_: int, agents: list[str]) -> list[str]:
+        """Client sampling: ``max(min_agents, ceil(C * K))`` of the ``K`` online agents,
+        drawn without replacement by a generator seeded with (run seed, round), so a
+        resumed run draws the same agents for the same round."""
+        fraction = self.config.client_fraction
+        if fraction >= 1.0 or not agents:
+            return agents
+        count = min(len(agents), max(self.config.min_agents, math.ceil(fraction * len(agents))))
+        rng = random.Random(f"{self.config.seed}/{round_}")
+        return sorted(rng.sample(agents, count))
 
     def _on_round_end(self, agent: str, end: RoundEnd) -> None:
         rnd = self.open_rounds.get(end.round)
@@ -498,6 +515,9 @@ class Coordinator:
         }
         if excluded:
             record["excluded"] = excluded
+        method_figures = _plain_json(self.method.round_report(rnd.round))
+        if method_figures:
+            record["method"] = method_figures
         self.report["rounds"].append(record)
         self.completed_round = rnd.round
         # Checkpoint before the report: a report that shows round r implies a checkpoint of r.
@@ -546,7 +566,7 @@ class Coordinator:
             outcome.correct, outcome.total = result
 
     def _sync_round(self, round_: int) -> dict[str, Any]:
-        participants = self._active_agents()
+        participants = self._sample_agents(round_, self._active_agents())
         if self.method.sequential:
             rnd = self._take_turns(round_, participants)
         else:
@@ -672,6 +692,20 @@ class Coordinator:
                 log.warning("could not broadcast shutdown: %s", exc)
             self.transport.close()
         return self.report
+
+
+def _plain_json(value: Any) -> Any:
+    """``value`` with numpy scalars and arrays as Python numbers and lists, so a method's
+    round figures go into the strict-JSON report as they are."""
+    if isinstance(value, dict):
+        return {str(k): _plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(v) for v in value]
+    if hasattr(value, "tolist"):  # numpy scalar or array
+        return _plain_json(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _cpu_model() -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from cloud_server.config import ServerConfig
 from cloud_server.coordinator import Coordinator
-from cloud_server.methods import ServerContext, get_server_method
+from cloud_server.methods import get_server_method
 from edge_agent.agent import EdgeAgent
 from edge_agent.config import DataConfig, EdgeConfig
 from shared_protocol.tomlio import write_toml
@@ -84,8 +84,7 @@ class Federation:
 
 
 def make_server(config: ServerConfig, transport: Transport) -> Coordinator:
-    ctx = ServerContext(run_id=config.run_id, num_classes=config.num_classes, in_channels=config.resolved_in_channels,
-                        device="cpu", seed=config.seed, progress=False)
+    ctx = config.method_context("cpu")
     method = get_server_method(config.method)(ctx, config.method_config)
     return Coordinator(config, method, transport)
 

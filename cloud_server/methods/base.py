@@ -21,6 +21,7 @@ class ServerContext:
     device: str
     seed: int = 0
     progress: bool = False
+    rounds: int = 0  # the run's planned number of rounds (0: not known, e.g. a unit test)
 
 
 @dataclass
@@ -120,6 +121,15 @@ class ServerMethod(ABC):
         """(correct, total) gathered after ``complete`` (see :meth:`evaluation_pending`);
         None keeps ``complete``'s own figures."""
         return None
+
+    def round_report(self, round_: int) -> dict[str, Any]:
+        """Method-specific figures of ``round_`` for the run report (small, JSON-able:
+        scalars, short lists, small dicts), stored as the round record's ``"method"``.
+
+        Called when the round closes, after :meth:`complete` (and, async, after the
+        last agent's ``complete`` of that round). Empty: nothing to add.
+        """
+        return {}
 
     @abstractmethod
     def model_info(self) -> dict[str, Any]: ...

@@ -3,7 +3,9 @@ Fashion-MNIST, every method through the same pipeline.
 
 * Table 1 layout: FedGKT (ResNet-8 edge + ResNet-55 server) vs FedAvg
   (ResNet-56) on 8 agents, iid and Dirichlet(0.5), next to centralized
-  ResNet-56 and ResNet-8 trained on the union of the same data.
+  ResNet-56 and ResNet-8 trained on the union of the same data, and the
+  FedAvg family built on FedAvg's aggregation (FedGKD, FedDistill, FedBE, all
+  with ResNet-56) on the same data, rounds and local training.
 * Table 2 (knowledge transfer ablation): FedGKT with no KD / S->E / S<->E.
 * Table 3: FedGKT sync vs async.
 
@@ -15,16 +17,22 @@ lr 0.001, batch 32. The paper trains 200 rounds with 20 server epochs
 so absolute accuracies are lower and the comparison is the point. The
 full-scale configs (Tables 10-12) are in ``deploy/configs/paper/``.
 
-    python bench/accuracy.py --quick    # about 10 minutes on 2 cores: the run recorded here
-    python bench/accuracy.py            # the default scale, planned for under 90 minutes on 2 cores
+    python bench/accuracy.py --quick    # the pipeline-check scale, about 10-15 minutes on 2 idle cores
+    python bench/accuracy.py            # the default (full) scale, planned for under 90 minutes on 2 idle cores
+    python bench/accuracy.py --only fedbe-iid fedbe-noniid --merge   # add runs to the JSON of the same scale
 
-Writes ``bench/results/accuracy.json`` (the scale it ran at and its wall time
-included); ``bench/render_results.py`` makes the tables in ``docs/results.md``.
+Writes ``bench/results/accuracy.json`` (the scale it ran at, each run's wall
+time and the machine's load included); ``bench/render_results.py`` makes the
+tables in ``docs/results.md``. With ``--merge`` the runs of an existing JSON of
+the same scale are kept and the runs made now replace or join them; the total
+wall time is then the sum of the runs' wall times.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +45,12 @@ AGENTS = 8
 # round leave BatchNorm's running statistics (used at evaluation) far from the data.
 BATCH = 32
 PARTITIONS = {"iid": "iid", "noniid": "dirichlet:0.5"}
+# Method-specific settings of the FedAvg family on top of FedAvg's (the papers' defaults unless said).
+FEDAVG_FAMILY: dict[str, dict[str, Any]] = {
+    "fedgkd": {},
+    "feddistill": {},
+    "fedbe": {},
+}
 
 
 @dataclass(frozen=True)
@@ -49,10 +63,13 @@ class Scale:
 
 
 SCALES = {
-    # Measured here: see the JSON's wall_time_s. The full scale is extrapolated from the quick
-    # run (time grows with train_samples x rounds) and stated as an estimate in the output.
-    "quick": Scale("quick", train_samples=800, test_samples=200, rounds=3, budget_minutes=10),
-    "full": Scale("full", train_samples=2400, test_samples=800, rounds=8, budget_minutes=90),
+    # Chosen from ResNet-56 fwd+bwd at about 7.4 ms per 32x32 image on 2 idle cores (ResNet-8:
+    # 1.25 ms): a ResNet-56-sized run costs about 7.4 ms x train_samples x rounds plus evaluation.
+    # The full scale gives every agent about 12 optimiser steps per round: after the 3 of the old
+    # 800-sample scale, ResNet-56's BatchNorm running statistics (used in evaluation) had not
+    # caught up with the data and FedAvg scored the 10% of a constant prediction.
+    "quick": Scale("quick", train_samples=1200, test_samples=400, rounds=3, budget_minutes=15),
+    "full": Scale("full", train_samples=3200, test_samples=800, rounds=10, budget_minutes=90),
 }
 
 
@@ -65,6 +82,9 @@ def runs(rounds: int, ablation_partition: str) -> list[tuple[str, str, RunSpec]]
     for key in PARTITIONS:
         out.append(("table1", key, RunSpec(f"fedgkt-{key}", "fedgkt", {**gkt, "mode": "sync", "kd": "bidirectional"}, rounds)))
         out.append(("table1", key, RunSpec(f"fedavg-resnet56-{key}", "fedavg", fedavg, rounds)))
+        # The FedAvg family: FedAvg's local training and aggregation plus each method's own terms.
+        for method, extra in FEDAVG_FAMILY.items():
+            out.append(("table1", key, RunSpec(f"{method}-resnet56-{key}", method, {**fedavg, **extra}, rounds)))
     for model in ("resnet56", "resnet8"):
         out.append(("table1", "central", RunSpec(f"centralized-{model}", "centralized",
                                                   {"model": model, "epochs_per_round": 1, "batch_size": BATCH, "lr": 0.001}, rounds)))
@@ -95,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--ablation-partition", choices=sorted(PARTITIONS), default="noniid")
     parser.add_argument("--only", nargs="*", help="run only these runs (names as in the output)")
+    parser.add_argument("--merge", action="store_true", help="keep the runs of an existing --out JSON of the same scale")
     parser.add_argument("--out", type=Path, default=RESULTS / "accuracy.json")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "accuracy")
     args = parser.parse_args(argv)
@@ -103,8 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     train_samples = args.train_samples or scale.train_samples
     test_samples = args.test_samples or scale.test_samples
     rounds = args.rounds or scale.rounds
-    started = time.monotonic()
+    scale_name = scale.name if (args.train_samples, args.test_samples, args.rounds) == (None, None, None) else "custom"
     results: dict[str, Any] = {}
+    if args.merge and args.out.exists():
+        previous = json.loads(args.out.read_text())
+        same = {k: previous["scale"].get(k) for k in ("name", "train_samples", "test_samples", "rounds")}
+        if same != {"name": scale_name, "train_samples": train_samples, "test_samples": test_samples, "rounds": rounds}:
+            parser.error(f"--merge: {args.out} holds another scale ({same}); run without --merge to start afresh")
+        results = dict(previous["runs"])
+    known = {run.name for _, _, run in runs(rounds, args.ablation_partition)}
+    unknown = sorted(set(args.only or ()) - known)
+    if unknown:
+        parser.error(f"--only: no runs named {unknown}; the runs are {sorted(known)}")
+    started = time.monotonic()
     for table, key, run in runs(rounds, args.ablation_partition):
         if args.only and run.name not in args.only:
             continue
@@ -112,12 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {run.name} ({table}, {data.partition}, {train_samples} train / {test_samples} test, {rounds} rounds)", flush=True)
         run_started = time.monotonic()
         report = run_federation(run, data, args.run_dir / run.name)
-        results[run.name] = {**summarize(table, key, run, report), "run_wall_time_s": time.monotonic() - run_started}
-    elapsed = time.monotonic() - started
+        results[run.name] = {**summarize(table, key, run, report), "run_wall_time_s": time.monotonic() - run_started,
+                             "load_average_after": list(os.getloadavg())}
+        write_partial = {"note": "written after every run, so an interrupted benchmark keeps its finished runs"}
+        write_json(args.out.with_suffix(".partial.json"), {**write_partial, "runs": results})
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
+    elapsed = sum(r["run_wall_time_s"] for r in results.values())  # the runs of this JSON, merged or not
     work = train_samples * rounds
     quick = SCALES["quick"]
     estimate: dict[str, Any] = {}
-    if args.quick and not args.only and (args.train_samples, args.test_samples, args.rounds) == (None, None, None):
+    if args.quick and scale_name == "quick" and known <= set(results):
         full = SCALES["full"]
         estimate = {
             "full_scale_estimated_minutes": elapsed / 60 * (full.train_samples * full.rounds) / (quick.train_samples * quick.rounds),
@@ -126,14 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, {
         "benchmark": "accuracy",
         "description": "Reduced-scale FedGKT Tables 1-3 on Fashion-MNIST: FedGKT (ResNet-8 + ResNet-55) vs FedAvg (ResNet-56) "
-                       "vs centralized ResNet-56 / ResNet-8; KD ablation (none / S->E / S<->E); sync vs async.",
+                       "and the FedAvg family (FedGKD, FedDistill, FedBE; ResNet-56) vs centralized ResNet-56 / ResNet-8; "
+                       "KD ablation (none / S->E / S<->E); sync vs async.",
         "scale": {
-            "name": scale.name if (args.train_samples, args.test_samples, args.rounds) == (None, None, None) else "custom",
+            "name": scale_name,
             "dataset": "fashion-mnist (32x32 zero-padded, 1 channel)", "agents": AGENTS, "partitions": PARTITIONS,
             "ablation_partition": PARTITIONS[args.ablation_partition], "train_samples": train_samples, "test_samples": test_samples,
             "rounds": rounds, "passes_over_the_data_per_round": 1, "optimizer": "adam, lr 0.001", "batch_size": BATCH,
             "seeds": {"data": 0, "models": 0}, "evaluation": "every round",
             "budget_minutes_on_2_cores": scale.budget_minutes, "wall_time_s": elapsed, "wall_time_min": elapsed / 60,
+            "wall_time_is": "the sum of the runs' wall times (runs merged from several invocations with --merge count each once)",
+            "complete": known <= set(results),
             **estimate,
             "accuracy_is": "FedGKT: extractor + server model on the agents' test shards; FedAvg: the round's global model on "
                            "the agents' test shards; centralized: the model on the test subset (the union of the shards' pool)",
@@ -146,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "machine": machine(),
         "runs": results,
-        "generated_by": "bench/accuracy.py" + (" --quick" if args.quick else ""),
+        "generated_by": "bench/accuracy.py" + (" --quick" if args.quick else "") + (" (runs merged with --merge)" if args.merge else ""),
     })
     for name, r in results.items():
         acc = r["final_accuracy"]

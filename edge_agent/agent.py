@@ -335,7 +335,14 @@ class EdgeAgent:
             seed=self.config.data.seed * 1000 + self.config.data.agent_index,
             augment=self.config.data.augment if self.config.data.augment is not None else self.config.data.dataset in ("cifar10", "cifar100", "cinic10"),
         )
-        self.method = cls(ctx)
+        with self._compute_lock:  # simulated agents share the process and its global RNG
+            if self.config.backend == "torch":
+                import torch
+
+                # The agent's own models start from a seed of (run seed, agent index): two runs
+                # with the same config start alike (FedAvg-like methods then load the server's model).
+                torch.manual_seed(ctx.seed)
+            self.method = cls(ctx)
         self._load_local_state()
         log.info("welcomed into run %s, method %s", self.config.run_id, msg.method)
 

@@ -1,6 +1,6 @@
-"""Coordinator features every method gets: client sampling (FedAvg's C) in sync
-rounds, method figures per round in the report, the run's rounds in the method's
-context."""
+"""Features every method gets: client sampling (FedAvg's C) in sync rounds, method
+figures per round in the report, the run's rounds in the method's context, and agent
+models seeded from the run's seed."""
 
 from __future__ import annotations
 
@@ -67,3 +67,31 @@ def test_sampled_rounds_use_only_the_drawn_agents_and_report_method_figures(tmp_
         assert r["participants"] == fed.coordinator._sample_agents(r["round"], [f"agent-{i}" for i in range(4)])
         assert set(r["per_agent"]) == set(r["participants"])  # nobody outside the draw trained
         assert r["method"] == {"round_twice": 2 * r["round"], "vec": [0.0, 1.0], "nan": None}
+
+
+def _initial_edge_model(index: int, seed: int) -> dict[str, np.ndarray]:
+    from dataclasses import replace
+
+    from edge_agent.agent import EdgeAgent
+    from models import state_dict_to_arrays
+    from shared_protocol.messages import Welcome
+
+    config = agent_config("t1", index, 2, train_samples=32, test_samples=8)
+    config = replace(config, data=replace(config.data, seed=seed))
+    agent = EdgeAgent(config, transport=InMemoryTransport(InMemoryBroker(), config.agent_id))
+    agent._on_welcome(Welcome(run="t1", round=0, sender="server", accepted=True, method="fedgkt", settings=_gkt_settings()))
+    return state_dict_to_arrays(agent.method.model)
+
+
+def _gkt_settings() -> dict:
+    config = server_config(Path("/nonexistent"), agents=2)
+    return get_server_method("fedgkt")(config.method_context("cpu"), config.method_config).welcome_settings()
+
+
+def test_agent_models_start_from_the_run_seed() -> None:
+    first, again = _initial_edge_model(0, seed=0), _initial_edge_model(0, seed=0)
+    assert all(np.array_equal(first[k], again[k]) for k in first)  # the same run config starts alike
+    other_agent, other_seed = _initial_edge_model(1, seed=0), _initial_edge_model(0, seed=1)
+    name = next(k for k in first if k.endswith("weight") and first[k].ndim == 4)
+    assert not np.array_equal(first[name], other_agent[name])  # agents do not all start as one model
+    assert not np.array_equal(first[name], other_seed[name])

@@ -1,0 +1,572 @@
+"""FedBE server step (Chen & Chao, "FedBE: Making Bayesian Model Ensemble
+Applicable to Federated Learning", ICLR 2021; Algorithm 1).
+
+The agents run plain FedAvg local training (``edge_agent/methods/fedbe.py``) and
+upload their models with :class:`FedAvgUpdate`; the wire is FedAvg's. Only the
+server step differs. After collecting the round's client models ``w_i`` the
+server
+
+1. builds the weight average ``w_bar`` (Eq. 2, :func:`weighted_mean`);
+2. fits a global model distribution to the client models: a diagonal Gaussian
+   (Eq. 5, :func:`fit_diagonal_gaussian`) or a Dirichlet over client mixtures
+   (Eq. 7, :func:`sample_dirichlet`), and samples ``M`` models from it;
+3. ensembles ``{w_bar} u {w_i} u {w^(m)}`` on its unlabeled set by the mean of
+   their softmax probabilities (Eq. 4, :func:`ensemble_probabilities`), which
+   gives the pseudo-labels ``p_hat_j``;
+4. distils the ensemble into the global model with SWA, starting from
+   ``w_bar``: SGD on the soft cross-entropy ``-1/J sum_j p_hat_j^T log p(y|x_j; w)``
+   with a cyclical learning rate (:func:`swa_learning_rate`), collecting the
+   weights at the end of each cycle after the warm-up and averaging them
+   (:class:`SwaAverage`).
+
+BatchNorm: the running statistics of every *sampled* model, and of the SWA
+average, are recomputed on the unlabeled set (a forward pass in train mode
+with a cumulative average, :func:`recompute_bn_statistics`); a sample of BN
+statistics from a Gaussian has no meaning (and a negative variance is
+possible). Client models keep their own statistics, ``w_bar`` the averaged ones.
+
+The unlabeled set is the server's (:func:`load_server_data`): by default the
+part of the federation's training split that the agents do not take
+(``unlabeled_split = "train-holdout"``), or a whole split of any dataset.
+Its labels, when it has any, are never used for training; they only give the
+per-round figures in :meth:`FedBEServer.round_report`.
+
+Evaluation on the agents' test shards is FedAvg's (the global model the agents
+evaluate is the distilled one). The math is in small pure functions so it is
+unit-testable; see ``docs/methods/fedbe.md`` for the equations and deviations.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fldata import ArrayDataset, load_dataset, take
+from fldata.torch_data import make_loader
+from models import build_model, count_parameters, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+
+from ..aggregation import AggregationError, weighted_mean
+from .base import ServerContext, register_server_method
+from .fedavg import FedAvgConfig, FedAvgServer
+
+log = logging.getLogger("cloud_server.fedbe")
+
+POSTERIORS = ("gaussian", "dirichlet")
+UNLABELED_SPLITS = ("train-holdout", "train", "test", "valid")
+
+
+# --------------------------------------------------------------------------- #
+# Configuration
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class FedBEConfig(FedAvgConfig):
+    """``[fedbe]``: FedAvg's keys (local training, codecs) plus the server's ensemble
+    and distillation. Defaults are the paper's method (Gaussian, M = 10, SWA
+    1e-3 -> 4e-4 in cycles of 25 steps) at a CPU-friendly length; the paper
+    distils 20 epochs of 10K images at batch 128 and starts SWA at step 250."""
+
+    # The server's unlabeled data (see load_server_data).
+    unlabeled_dataset: str = ""  # required: a fldata dataset name (usually the federation's)
+    unlabeled_split: str = "train-holdout"  # train-holdout | train | test | valid
+    unlabeled_root: str | None = None
+    unlabeled_download: bool = False
+    unlabeled_samples: int = 1000  # 0: all of the pool (less validation_samples)
+    validation_samples: int = 0  # labelled held-out figures in the round report (0: report on the unlabeled set)
+    agent_train_samples: int = 0  # train-holdout: the agents' data.train_samples (their seeded subset)
+    agent_data_seed: int | None = None  # train-holdout: the agents' data.seed (None: the server's seed)
+    # The global model distribution and the ensemble (Algorithm 1).
+    posterior: str = "gaussian"  # gaussian (Eq. 5) | dirichlet (Eq. 7)
+    sampled_models: int = 10  # M
+    variance_scale: float = 1.0  # Gaussian: sample from N(mu, scale * Sigma_diag); 1 is Eq. 5
+    dirichlet_alpha: float = 1.0  # Dirichlet: alpha = dirichlet_alpha * 1
+    ensemble_weight_average: bool = True  # include w_bar in the ensemble
+    ensemble_clients: bool = True  # include the client models
+    # Distillation with SWA.
+    distill_steps: int = 200
+    distill_batch_size: int = 64
+    swa_warmup_steps: int = 100  # constant lr_max before the first cycle (the paper: 250)
+    swa_cycle_steps: int = 25  # collect the weights at the end of every cycle
+    swa_lr_max: float = 1e-3
+    swa_lr_min: float = 4e-4
+    distill_momentum: float = 0.9
+    distill_weight_decay: float = 0.0
+    eval_batch_size: int = 256  # forward passes (ensemble, BN statistics, accuracy)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.unlabeled_dataset:
+            raise ValueError("fedbe.unlabeled_dataset is required: the dataset of the server's unlabeled set "
+                             "(usually the federation's, e.g. \"fashion-mnist\")")
+        if self.unlabeled_split not in UNLABELED_SPLITS:
+            raise ValueError(f"fedbe.unlabeled_split must be one of {UNLABELED_SPLITS}, got {self.unlabeled_split!r}")
+        if self.unlabeled_split == "train-holdout" and self.agent_train_samples < 1:
+            raise ValueError("fedbe.unlabeled_split = \"train-holdout\" needs agent_train_samples >= 1 (the agents' "
+                             "data.train_samples): agents that take the whole training split leave nothing to hold out")
+        for name in ("unlabeled_samples", "validation_samples", "agent_train_samples"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"fedbe.{name} must be >= 0, got {getattr(self, name)}")
+        if self.posterior not in POSTERIORS:
+            raise ValueError(f"fedbe.posterior must be one of {POSTERIORS}, got {self.posterior!r}")
+        if self.sampled_models < 0:
+            raise ValueError(f"fedbe.sampled_models must be >= 0, got {self.sampled_models}")
+        if not self.variance_scale >= 0 or not self.dirichlet_alpha > 0:
+            raise ValueError("fedbe.variance_scale must be >= 0 and dirichlet_alpha > 0")
+        if self.sampled_models == 0 and not (self.ensemble_weight_average or self.ensemble_clients):
+            raise ValueError("fedbe: the ensemble is empty (sampled_models = 0 and neither the weight average nor the clients)")
+        for name in ("distill_steps", "distill_batch_size", "swa_cycle_steps", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"fedbe.{name} must be >= 1, got {getattr(self, name)}")
+        if self.swa_warmup_steps < 0:
+            raise ValueError(f"fedbe.swa_warmup_steps must be >= 0, got {self.swa_warmup_steps}")
+        if self.distill_steps < self.swa_warmup_steps + self.swa_cycle_steps:
+            raise ValueError(f"fedbe.distill_steps ({self.distill_steps}) must be >= swa_warmup_steps + swa_cycle_steps "
+                             f"({self.swa_warmup_steps} + {self.swa_cycle_steps}): SWA would collect no model")
+        if not 0 < self.swa_lr_min <= self.swa_lr_max:
+            raise ValueError(f"fedbe: need 0 < swa_lr_min <= swa_lr_max, got {self.swa_lr_min} and {self.swa_lr_max}")
+        if self.distill_momentum < 0 or self.distill_weight_decay < 0:
+            raise ValueError("fedbe.distill_momentum and distill_weight_decay must be >= 0")
+
+    @property
+    def swa_models_per_round(self) -> int:
+        return (self.distill_steps - self.swa_warmup_steps) // self.swa_cycle_steps
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "FedBEConfig":
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown [fedbe] keys: {sorted(unknown)}")
+        return cls(**raw)
+
+
+# --------------------------------------------------------------------------- #
+# The server's unlabeled (and validation) data
+# --------------------------------------------------------------------------- #
+
+
+def load_server_data(config: FedBEConfig, seed: int) -> tuple[ArrayDataset, ArrayDataset | None]:
+    """(unlabeled set, validation set or None) of the server.
+
+    ``train-holdout``: the training split minus ``take(train, agent_train_samples,
+    agent_data_seed)``, which is exactly the seeded subset every agent of a local
+    simulation takes before partitioning (``edge_agent.agent.load_agent_data``),
+    so no agent trains on a held-out sample whatever the partition. Other splits:
+    that whole split of ``unlabeled_dataset`` (e.g. another dataset's, or the
+    training split when the agents' data live elsewhere).
+
+    From that pool, a stratified seeded subset (``take``) of ``unlabeled_samples +
+    validation_samples`` is drawn and ``validation_samples`` of it (again
+    stratified) are set aside for the report; the rest is the unlabeled set.
+    """
+    c = config
+    if c.unlabeled_split == "train-holdout":
+        train = load_dataset(c.unlabeled_dataset, "train", c.unlabeled_root, c.unlabeled_download)
+        if c.agent_train_samples >= len(train):
+            raise ValueError(f"fedbe: the agents take all {len(train)} training samples (agent_train_samples = "
+                             f"{c.agent_train_samples}); nothing is left to hold out")
+        agent_seed = seed if c.agent_data_seed is None else c.agent_data_seed
+        agents = take(train, c.agent_train_samples, agent_seed)
+        pool = train.subset(~np.isin(train.sample_ids, agents.sample_ids))
+    else:
+        pool = load_dataset(c.unlabeled_dataset, c.unlabeled_split, c.unlabeled_root, c.unlabeled_download)
+    wanted = (c.unlabeled_samples or max(len(pool) - c.validation_samples, 0)) + c.validation_samples
+    if wanted > len(pool) or wanted - c.validation_samples < 1:
+        raise ValueError(f"fedbe: {c.unlabeled_split} of {c.unlabeled_dataset} holds {len(pool)} samples; "
+                         f"asked for {c.unlabeled_samples} unlabeled + {c.validation_samples} validation")
+    chosen = take(pool, wanted, seed) if wanted < len(pool) else pool
+    if not c.validation_samples:
+        return chosen, None
+    validation = take(chosen, c.validation_samples, seed + 1)
+    unlabeled = chosen.subset(~np.isin(chosen.sample_ids, validation.sample_ids))
+    return unlabeled, validation
+
+
+def _images_tensor(ds: ArrayDataset, device: torch.device) -> torch.Tensor:
+    """The whole set normalised as the agents' loaders do, as one ``(N, C, H, W)`` tensor on ``device``.
+
+    Held once instead of re-normalised every pass: the ensemble, BN statistics and
+    distillation make ~M + 10 passes per round (1000 Fashion-MNIST images: 4 MB).
+    """
+    batches = [images for images, _labels, _ids in make_loader(ds, 1024)]
+    return torch.cat(batches).to(device)
+
+
+# --------------------------------------------------------------------------- #
+# The global model distribution (Eq. 5, Eq. 7)
+# --------------------------------------------------------------------------- #
+
+
+def fit_diagonal_gaussian(
+    states: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], names: Iterable[str]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Eq. 5: ``mu = sum_i (|D_i|/|D|) w_i`` and ``Sigma_diag = sum_i (|D_i|/|D|) (w_i - mu)^2``
+    (element-wise), for the float entries ``names``. Returned as float64 (mean, variance).
+    """
+    selected = [{n: np.asarray(s[n], dtype=np.float64) for n in names} for s in states]
+    mean = weighted_mean(selected, weights)  # validates names, shapes and weights
+    squared = [{n: (s[n] - mean[n]) ** 2 for n in mean} for s in selected]
+    return mean, weighted_mean(squared, weights)
+
+
+def sample_gaussian(
+    mean: Mapping[str, np.ndarray], variance: Mapping[str, np.ndarray], rng: np.random.Generator, scale: float = 1.0
+) -> dict[str, np.ndarray]:
+    """One draw ``w ~ N(mean, scale * diag(variance))``, float64 per entry."""
+    return {n: m + np.sqrt(scale * variance[n]) * rng.standard_normal(m.shape) for n, m in mean.items()}
+
+
+def sample_dirichlet(
+    states: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], alpha: float, rng: np.random.Generator
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Eq. 7: ``gamma ~ Dir(alpha * 1)`` and ``w = sum_i gamma_i |D_i| w_i / sum_i' gamma_i' |D_i'|``.
+
+    Returns (w, gamma). Every entry (BN buffers included) is the same convex combination.
+    """
+    gamma = rng.dirichlet(np.full(len(states), alpha))  # (K,) on the simplex
+    return weighted_mean(states, gamma * np.asarray(weights, dtype=np.float64)), gamma
+
+
+def build_sampled_state(
+    template: Mapping[str, np.ndarray], sampled: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """A full state: ``sampled`` entries cast to the template's dtypes, the rest from ``template``."""
+    return {n: (np.asarray(sampled[n]).astype(a.dtype) if n in sampled else a) for n, a in template.items()}
+
+
+# --------------------------------------------------------------------------- #
+# Ensemble (Eq. 4) and distillation
+# --------------------------------------------------------------------------- #
+
+
+def ensemble_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """Eq. 4: ``p_hat = 1/M' sum_m softmax(logits_m)``; ``(M', B, K)`` logits -> ``(B, K)`` probabilities."""
+    if logits.dim() != 3 or logits.shape[0] < 1:
+        raise ValueError(f"expected (models, batch, classes) logits, got shape {tuple(logits.shape)}")
+    return F.softmax(logits.float(), dim=-1).mean(dim=0)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """``-1/B sum_j p_hat_j^T log softmax(logits_j)`` (Sec. 4's distillation loss); ``(B, K)`` each."""
+    return -(target_probs * F.log_softmax(logits, dim=-1)).sum(dim=-1).mean()
+
+
+def swa_learning_rate(step: int, warmup_steps: int, cycle_steps: int, lr_max: float, lr_min: float) -> float:
+    """Learning rate of distillation step ``step`` (1-based).
+
+    ``lr_max`` during the warm-up, then Izmailov et al.'s cyclical schedule (their
+    Eq. 2): in each cycle of ``cycle_steps`` steps it falls linearly from just
+    below ``lr_max`` to ``lr_min``, reached at the cycle's last step, and jumps back.
+    """
+    if step <= warmup_steps:
+        return lr_max
+    t = ((step - warmup_steps - 1) % cycle_steps + 1) / cycle_steps  # in (0, 1]
+    return (1.0 - t) * lr_max + t * lr_min
+
+
+def swa_collects_after(step: int, warmup_steps: int, cycle_steps: int) -> bool:
+    """SWA takes the weights after ``step`` (1-based): the end of every cycle after the warm-up."""
+    return step > warmup_steps and (step - warmup_steps) % cycle_steps == 0
+
+
+class SwaAverage:
+    """The running mean of collected states (SWA: ``w_swa <- (n w_swa + w) / (n + 1)``),
+    so only one extra copy is held however many models are collected.
+    Floats keep their dtype; integer entries are rounded (as in :func:`weighted_mean`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._mean: dict[str, np.ndarray] = {}
+        self._dtypes: dict[str, np.dtype] = {}
+
+    def add(self, state: Mapping[str, np.ndarray]) -> None:
+        if self.count and set(state) != set(self._mean):
+            raise AggregationError(f"SWA: collected state has other entries than the first "
+                                   f"(missing {sorted(set(self._mean) - set(state))[:5]}, extra {sorted(set(state) - set(self._mean))[:5]})")
+        self.count += 1
+        for name, array in state.items():
+            value = np.asarray(array, dtype=np.float64)
+            if self.count == 1:
+                self._mean[name] = value.copy()
+                self._dtypes[name] = np.asarray(array).dtype
+            else:
+                if value.shape != self._mean[name].shape:
+                    raise AggregationError(f"SWA: {name!r} has shape {value.shape}, first collected {self._mean[name].shape}")
+                self._mean[name] += (value - self._mean[name]) / self.count
+
+    def average(self) -> dict[str, np.ndarray]:
+        if not self.count:
+            raise AggregationError("SWA collected no model")
+        return {n: (np.rint(m) if self._dtypes[n].kind in "iu" else m).astype(self._dtypes[n]) for n, m in self._mean.items()}
+
+
+def _logits(output: object) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]  # ResNet-8: (logits, features)
+
+
+@torch.no_grad()
+def recompute_bn_statistics(model: nn.Module, images: torch.Tensor, batch_size: int) -> None:
+    """BatchNorm running mean/var as the plain average over the batches of ``images``
+    (``torch.optim.swa_utils.update_bn``: statistics reset, ``momentum=None``, train mode)."""
+    batches = [images[i : i + batch_size] for i in range(0, images.shape[0], batch_size)]  # (B, C, H, W) each
+    torch.optim.swa_utils.update_bn(batches, model)
+
+
+@torch.no_grad()
+def predict_probabilities(model: nn.Module, images: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Softmax outputs in eval mode, ``(N, K)`` on the CPU."""
+    model.eval()
+    out = [F.softmax(_logits(model(images[i : i + batch_size])).float(), dim=-1).cpu() for i in range(0, images.shape[0], batch_size)]
+    return torch.cat(out)
+
+
+@dataclass
+class DistillResult:
+    steps: int
+    swa_models: int
+    mean_loss: float  # over the last cycle's steps (NaN when it failed)
+    failed: str | None = None  # why the distilled model was not used (the weight average is kept)
+
+
+def distill_swa(
+    model: nn.Module, images: torch.Tensor, targets: torch.Tensor, config: FedBEConfig,
+    generator: torch.Generator, progress: bool = False, desc: str = "distil",
+    snapshots: list[dict[str, np.ndarray]] | None = None,
+) -> DistillResult:
+    """Algorithm 1's ``SWA(w_bar, T, eta_SWA)``: SGD from the model's current weights on
+    the soft cross-entropy to ``targets`` (``(N, K)`` on the model's device), cyclical lr,
+    weights collected after every cycle past the warm-up; the model ends with their
+    average and BN statistics recomputed on ``images``. Batches are drawn from a
+    fresh permutation of the set each epoch (``generator`` on the CPU). ``snapshots``,
+    when given, receives a copy of every collected state (for tests)."""
+    c = config
+    n = images.shape[0]
+    batch = min(c.distill_batch_size, n)
+    optimizer = torch.optim.SGD(model.parameters(), lr=c.swa_lr_max, momentum=c.distill_momentum, weight_decay=c.distill_weight_decay)
+    swa = SwaAverage()
+    order, position = torch.randperm(n, generator=generator), 0
+    losses: list[float] = []
+    steps = range(1, c.distill_steps + 1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc=desc, leave=False, dynamic_ncols=True)
+    model.train()
+    for step in steps:
+        if position + batch > n:  # a new epoch: full batches only, every sample once per epoch
+            order, position = torch.randperm(n, generator=generator), 0
+        index = order[position : position + batch].to(images.device)
+        position += batch
+        lr = swa_learning_rate(step, c.swa_warmup_steps, c.swa_cycle_steps, c.swa_lr_max, c.swa_lr_min)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = soft_cross_entropy(_logits(model(images[index])), targets[index])  # (B, K) vs (B, K)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            return DistillResult(step, swa.count, float("nan"), failed=f"distillation loss became {value} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(value)
+        if swa_collects_after(step, c.swa_warmup_steps, c.swa_cycle_steps):
+            collected = state_dict_to_arrays(model)
+            swa.add(collected)
+            if snapshots is not None:
+                snapshots.append(collected)
+    load_arrays_into(model, swa.average())
+    recompute_bn_statistics(model, images, c.eval_batch_size)
+    return DistillResult(c.distill_steps, swa.count, float(np.mean(losses[-c.swa_cycle_steps:])))
+
+
+def _accuracy(probabilities: torch.Tensor, labels: torch.Tensor | None) -> float | None:
+    if labels is None or labels.numel() == 0:
+        return None
+    return float((probabilities.argmax(dim=1) == labels).float().mean())
+
+
+# --------------------------------------------------------------------------- #
+# The server step
+# --------------------------------------------------------------------------- #
+
+
+@register_server_method
+class FedBEServer(FedAvgServer):
+    name = "fedbe"
+    config_class = FedBEConfig
+
+    def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
+        super().__init__(ctx, method_config)
+        self.config: FedBEConfig  # type: ignore[assignment]  # set by FedAvgServer from config_class
+        self.device = torch.device(ctx.device)
+        unlabeled, validation = load_server_data(self.config, ctx.seed)
+        if unlabeled.in_channels != ctx.in_channels:
+            raise ValueError(f"fedbe: the unlabeled set ({self.config.unlabeled_dataset}) has {unlabeled.in_channels} "
+                             f"channels, the federation's models take {ctx.in_channels}")
+        self.unlabeled, self.validation = unlabeled, validation
+        self._images = _images_tensor(unlabeled, self.device)  # (J, C, H, W)
+        self._val_images = _images_tensor(validation, self.device) if validation is not None else None
+        # Labels only measure the round (never train): meaningful when the set has the federation's classes.
+        same_task = unlabeled.num_classes == ctx.num_classes
+        self._labels = torch.from_numpy(unlabeled.labels) if same_task else None
+        self._val_labels = torch.from_numpy(validation.labels) if same_task and validation is not None else None
+        self._work = build_model(self.config.model, ctx.num_classes, ctx.in_channels).to(self.device)
+        self._param_names = [name for name, _ in self._work.named_parameters()]
+        self._flops: tuple[int, int] | None = None
+        self._reports: dict[int, dict[str, Any]] = {}
+        log.info("fedbe: %d unlabeled samples from %s/%s%s, device %s", len(unlabeled), self.config.unlabeled_dataset,
+                 self.config.unlabeled_split, f", {len(validation)} for validation" if validation is not None else "", self.device)
+
+    def resolved_config(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def _flops_per_sample(self) -> tuple[int, int]:
+        """(training, forward) FLOPs per server-set sample, counted once."""
+        if self._flops is None:
+            shape = tuple(self._images.shape[1:])
+            cpu_model = self.model  # counted on the CPU copy: the work model may be on a GPU
+            self._flops = (training_flops_per_sample(cpu_model, shape), forward_flops_per_sample(cpu_model, shape))
+        return self._flops
+
+    def model_info(self) -> dict[str, Any]:
+        info = super().model_info()
+        # The server trains the same architecture (distillation on its unlabeled set).
+        info["server"] = {"name": self.config.model, "params": count_parameters(self.model),
+                          "train_flops_per_sample": self._flops_per_sample()[0]}
+        return info
+
+    def round_report(self, round_: int) -> dict[str, Any]:
+        return dict(self._reports.get(round_, {}))
+
+    def _probabilities_of(self, state: Mapping[str, np.ndarray], recompute_bn: bool) -> torch.Tensor:
+        load_arrays_into(self._work, state)
+        if recompute_bn:
+            recompute_bn_statistics(self._work, self._images, self.config.eval_batch_size)
+        return predict_probabilities(self._work, self._images, self.config.eval_batch_size)  # (J, K)
+
+    def _sample_states(self, round_: int, states: list[dict[str, np.ndarray]], num_samples: list[int],
+                       template: dict[str, np.ndarray]) -> tuple[list[dict[str, np.ndarray]], dict[str, Any]]:
+        """M models from the global model distribution fitted to the clients (Eq. 5 or 7)."""
+        c = self.config
+        rng = np.random.default_rng([self.ctx.seed, round_, 0xFEDBE])
+        info: dict[str, Any] = {}
+        sampled: list[dict[str, np.ndarray]] = []
+        if c.posterior == "gaussian":
+            mean, variance = fit_diagonal_gaussian(states, num_samples, self._param_names)
+            info["mean_std"] = float(np.mean([np.sqrt(v).mean() for v in variance.values()]))  # how far the clients spread
+            for _ in range(c.sampled_models):
+                sampled.append(build_sampled_state(template, sample_gaussian(mean, variance, rng, c.variance_scale)))
+        else:
+            gammas = []
+            for _ in range(c.sampled_models):
+                state, gamma = sample_dirichlet(states, num_samples, c.dirichlet_alpha, rng)
+                sampled.append(build_sampled_state(template, state))
+                gammas.append(gamma)
+            if gammas:
+                info["gamma_max_mean"] = float(np.mean([g.max() for g in gammas]))
+        return sampled, info
+
+    def aggregate(self, round_: int, states: list[dict[str, np.ndarray]], num_samples: list[int]) -> dict[str, np.ndarray]:
+        c = self.config
+        timing: dict[str, float] = {}
+        started = time.perf_counter()
+        average = weighted_mean(states, num_samples)  # w_bar, Eq. 2
+        sampled, posterior_info = self._sample_states(round_, states, num_samples, average)
+        timing["posterior"] = time.perf_counter() - started
+
+        # Eq. 4 over {w_bar} u {w_i} u {w^(m)}: the pseudo-labels p_hat_j.
+        mark = time.perf_counter()
+        average_probs = self._probabilities_of(average, recompute_bn=False)  # (J, K)
+        members: list[torch.Tensor] = [average_probs] if c.ensemble_weight_average else []
+        client_accs = []
+        if c.ensemble_clients:
+            for state in states:
+                probs = self._probabilities_of(state, recompute_bn=False)
+                members.append(probs)
+                client_accs.append(_accuracy(probs, self._labels))
+        sample_accs = []
+        for state in sampled:
+            probs = self._probabilities_of(state, recompute_bn=True)
+            members.append(probs)
+            sample_accs.append(_accuracy(probs, self._labels))
+        # Softmax outputs were averaged one model at a time: the mean of probabilities is Eq. 4.
+        targets = torch.stack(members).mean(dim=0)  # (J, K)
+        timing["ensemble"] = time.perf_counter() - mark
+
+        mark = time.perf_counter()
+        load_arrays_into(self._work, average)  # SWA(w_bar, T, eta_SWA) starts from the weight average
+        generator = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + round_)
+        result = distill_swa(self._work, self._images, targets.to(self.device), c, generator,
+                             progress=self.ctx.progress, desc=f"fedbe round {round_} distillation")
+        timing["distill"] = time.perf_counter() - mark
+
+        mark = time.perf_counter()
+        if result.failed is None:
+            new_state = state_dict_to_arrays(self._work)
+        else:
+            log.warning("round %d: %s; the global model is the weight average", round_, result.failed)
+            new_state = average
+        # Accuracies: on the validation split when there is one, else on the unlabeled set itself
+        # (the distilled model saw those images, with pseudo-labels, so its figure there is optimistic).
+        if self._val_images is not None:
+            eval_labels = self._val_labels
+            average_acc = _accuracy(predict_probabilities(_loaded(self._work, average), self._val_images, c.eval_batch_size), eval_labels)
+            distilled_acc = _accuracy(predict_probabilities(_loaded(self._work, new_state), self._val_images, c.eval_batch_size), eval_labels)
+        else:
+            average_acc = _accuracy(average_probs, self._labels)
+            distilled_acc = _accuracy(predict_probabilities(_loaded(self._work, new_state), self._images, c.eval_batch_size), self._labels)
+        timing["evaluate"] = time.perf_counter() - mark
+        timing["total"] = time.perf_counter() - started
+
+        train_flops, forward_flops = self._flops_per_sample()
+        j = self._images.shape[0]
+        forwards = j * (len(states) * c.ensemble_clients + 2 * len(sampled) + 2 + 1)  # ensemble, BN passes, w_bar, SWA BN, eval
+        if self._val_images is not None:
+            forwards += 2 * self._val_images.shape[0] - j
+        batch = min(c.distill_batch_size, j)
+        self._reports[round_] = {
+            "posterior": c.posterior,
+            "clients": len(states),
+            "sampled_models": len(sampled),
+            "ensemble_size": len(members),
+            "unlabeled_samples": j,
+            "distill_steps": result.steps,
+            "distill_batch_size": batch,
+            "swa_models": result.swa_models,
+            "distill_loss": None if math.isnan(result.mean_loss) else result.mean_loss,
+            "distill_failed": result.failed,
+            "accuracy_set": "validation" if self._val_images is not None else "unlabeled",
+            "weight_average_accuracy": average_acc,
+            "distilled_accuracy": distilled_acc if result.failed is None else None,
+            "pseudo_label_accuracy": _accuracy(targets, self._labels),  # the ensemble's, on the unlabeled set
+            "client_accuracy_mean": _mean_or_none(client_accs),
+            "sampled_accuracy_mean": _mean_or_none(sample_accs),
+            **posterior_info,
+            "server_flops": int(train_flops * batch * result.steps + forward_flops * forwards),
+            "server_time_s": timing,
+        }
+        log.info("round %d: fedbe ensemble of %d, %d SWA models, weight average %s -> distilled %s (%s set), %.1f s",
+                 round_, len(members), result.swa_models, _pct(average_acc), _pct(distilled_acc), self._reports[round_]["accuracy_set"], timing["total"])
+        return new_state
+
+
+def _loaded(model: nn.Module, state: Mapping[str, np.ndarray]) -> nn.Module:
+    load_arrays_into(model, state)
+    return model
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) if known else None
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"

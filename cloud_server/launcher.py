@@ -124,8 +124,14 @@ def _fedkd_table(args: argparse.Namespace) -> dict:
     return {"schedule_rounds": args.rounds}
 
 
+def _fedgkd_table(args: argparse.Namespace) -> dict:
+    # FedAvg's keys (model, local epochs, codecs); gamma, M and the variant keep FedGkdConfig's
+    # defaults (the paper's CV settings: FedGKD with gamma = 0.2, M = 5).
+    return _fedavg_table(args)
+
+
 # The method's table in the generated server.toml; methods not named here are configured like FedGKT.
-METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table, "fedkd": _fedkd_table}
+METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table, "fedkd": _fedkd_table, "fedgkd": _fedgkd_table}
 
 
 def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None) -> tuple[Path, list[Path]]:

@@ -130,8 +130,13 @@ def _fedgkd_table(args: argparse.Namespace) -> dict:
     return _fedavg_table(args)
 
 
+def _feddistill_table(args: argparse.Namespace) -> dict:
+    # FedAvg's keys (model, local epochs, codecs); the loss weights keep FedDistillConfig's defaults.
+    return _fedavg_table(args)
+
+
 # The method's table in the generated server.toml; methods not named here are configured like FedGKT.
-METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table, "fedkd": _fedkd_table, "fedgkd": _fedgkd_table}
+METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table, "fedkd": _fedkd_table, "fedgkd": _fedgkd_table, "feddistill": _feddistill_table}
 
 
 def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None) -> tuple[Path, list[Path]]:

@@ -275,6 +275,9 @@ def _check_round(ck: _Checker, index: int, rnd: Any) -> dict[str, Any]:
         ck.fields(costs, f"{path}.per_agent[{agent_id}]", _PER_AGENT_FIELDS)
         if participants is not None and agent_id not in participants:
             ck.add(f"{path}.per_agent[{agent_id}]: not a participant of the round")
+    if "method" in rnd and not isinstance(rnd["method"], dict):
+        # Optional: the method's own figures (ServerMethod.round_report); free-form inside.
+        ck.add(f"{path}.method: expected a dict of the method's figures, got {_describe(rnd['method'])}")
     return good
 
 
@@ -434,6 +437,59 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], right_from: int
     align = ["---" if i < right_from else "---:" for i in range(len(header))]
     lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return lines
+
+
+def _figure(value: Any) -> str:
+    """One of a method's own figures in a table cell: grouped ints, 4 significant digits."""
+    if value is None:
+        return DASH
+    if isinstance(value, bool) or isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+    return _describe(value)
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _method_figures_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The rounds' ``method`` entries (a method's own figures, ``ServerMethod.round_report``),
+    whatever the method: its scalars as one table over the rounds; of the last round, each
+    dict of scalars, or of dicts of scalars, as a table of its own. Empty if no round has any."""
+    figured = [r for r in rounds if isinstance(r.get("method"), dict) and r["method"]]
+    if not figured:
+        return []
+    lines = ["## Method figures per round", ""]
+    keys: list[str] = []
+    for r in figured:
+        keys += [k for k, v in r["method"].items() if _is_scalar(v) and k not in keys]
+    if keys:
+        lines += _table(["Round", *keys], [[r["round"], *(_figure(r["method"].get(k)) for k in keys)] for r in figured])
+        lines.append("")
+    last = figured[-1]
+    for key, value in last["method"].items():
+        if not isinstance(value, dict) or not value:
+            continue
+        if all(_is_scalar(v) for v in value.values()):
+            rows = [[k, _figure(v)] for k, v in value.items()]
+            header = [key, "value"]
+        elif all(isinstance(v, dict) and all(_is_scalar(x) for x in v.values()) for v in value.values()):
+            columns: list[str] = []
+            for v in value.values():
+                columns += [c for c in v if c not in columns]
+            rows = [[k, *(_figure(v.get(c)) for c in columns)] for k, v in value.items()]
+            header = [key, *columns]
+        else:
+            continue  # deeper structures stay in report.json
+        lines += [f"`{key}` in round {last['round']}:", ""]
+        lines += _table(header, rows)
+        lines.append("")
+    lines += ["The method's own figures (`method` in each round of report.json).", ""]
     return lines
 
 
@@ -694,6 +750,7 @@ def _summary_md(report: Mapping[str, Any]) -> str:
             right_from=2,
         )
         lines.append("")
+    lines += _method_figures_md(rounds)
 
     last = next((r for r in reversed(rounds) if r["per_agent"]), None)
     if last is not None:

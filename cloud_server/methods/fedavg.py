@@ -44,6 +44,7 @@ from shared_protocol.methods.fedavg import (
 )
 
 from ..aggregation import weighted_mean
+from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.fedavg")
@@ -87,10 +88,7 @@ class FedAvgConfig:
 
 
 @dataclass
-class _Staged:
-    instance: str
-    round: int
-    num_samples: int
+class _Staged(StagedUpload):
     state: dict[str, np.ndarray]
 
 
@@ -108,7 +106,7 @@ class FedAvgServer(ServerMethod):
         self.model = build_model(self.config.model, ctx.num_classes, ctx.in_channels)
         self.global_state = state_dict_to_arrays(self.model)
         self.version = 0  # round whose aggregate global_state is (0: the initial model)
-        self.staged: dict[str, _Staged] = {}
+        self.staged: ModelUploadStage[_Staged] = ModelUploadStage("model upload", log)
         self.has_version: dict[str, int] = {}  # agent -> global version it confirmed holding
         self._eval_round = 0
         self._eval_waiting: set[str] = set()
@@ -182,16 +180,6 @@ class FedAvgServer(ServerMethod):
         # A failed or restarted agent may not hold the global model any more.
         self.has_version.pop(agent, None)
 
-    def _usable(self, agent: str, end: RoundEnd) -> str | None:
-        staged = self.staged.get(agent)
-        if staged is None:
-            return "no model upload"
-        if staged.instance != end.instance or staged.round != end.round:
-            return "upload came from another agent process or round"
-        if staged.num_samples != end.num_samples:
-            return f"upload says {staged.num_samples} samples, round_end says {end.num_samples}"
-        return None
-
     # -- the server step ------------------------------------------------------------ #
 
     def aggregate(self, round_: int, states: list[dict[str, np.ndarray]], num_samples: list[int]) -> dict[str, np.ndarray]:
@@ -200,15 +188,7 @@ class FedAvgServer(ServerMethod):
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
-        used: dict[str, _Staged] = {}
-        for agent in sorted(ends):
-            why = self._usable(agent, ends[agent])
-            if why is not None:
-                outcome.excluded[agent] = why
-                log.warning("round %d: not using %s's upload: %s", round_, agent, why)
-                self.staged.pop(agent, None)
-                continue
-            used[agent] = self.staged.pop(agent)
+        used, outcome.excluded = self.staged.take_usable(round_, ends)
         outcome.used_agents = list(used)
         if not used:
             return outcome

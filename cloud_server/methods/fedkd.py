@@ -24,8 +24,13 @@ the agents' *mentors* (the model FedKD uses for inference) on the same shards.
 Per round the method keeps a record (:attr:`FedKdServer.history`, also in the
 checkpoint) of the threshold, the rank of every factored tensor in every
 upload and in the aggregate, and bytes: factored vs dense mentee update, and a
-FedAvg of a mentor-sized model for comparison. The coordinator's report keeps
-only generic fields, so ``bench/fedkd.py`` reads this record.
+FedAvg of a mentor-sized model for comparison. :meth:`FedKdServer.round_report`
+condenses it into the round's ``method`` entry of ``report.json`` (T, the rank
+chosen per tensor, bytes per agent and their reductions); the full per-agent
+record stays in the checkpoint.
+
+Eq. 9's training progress t runs over the run's rounds (``ServerContext.rounds``)
+unless ``[fedkd] schedule_rounds`` sets another horizon.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from shared_protocol.methods.fedkd import (
     unfactor_state,
 )
 
+from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.fedkd")
@@ -68,14 +74,14 @@ class FedKdConfig:
     ResNet-8 mentee; ``resnet20`` is a mentor three times cheaper for CPUs.
 
     ``schedule_rounds`` is the round in which T reaches T_end (Eq. 9's t = 1);
-    set it to the run's ``[server] rounds`` (the method is not told them).
+    0 (the default) means the run's last round (``[server] rounds``).
     """
 
     mentee_model: str = "resnet8"
     mentor_model: str = "resnet56"
     threshold_start: float = 0.95
     threshold_end: float = 0.98
-    schedule_rounds: int = 10
+    schedule_rounds: int = 0  # 0: the run's rounds
     upload: str = "update"  # update | gradient
     gradient_lr: float = 0.1  # eta_s of the server's step in gradient mode
     weighting: str = "samples"  # samples (FedAvg) | uniform (Algorithm 1's g / N)
@@ -96,8 +102,8 @@ class FedKdConfig:
                 raise ValueError(f"fedkd.{role} must take images, {getattr(self, role)!r} takes feature maps")
         svd.check_threshold(self.threshold_start)
         svd.check_threshold(self.threshold_end)
-        if self.schedule_rounds < 1:
-            raise ValueError(f"fedkd.schedule_rounds must be >= 1, got {self.schedule_rounds}")
+        if isinstance(self.schedule_rounds, bool) or not isinstance(self.schedule_rounds, int) or self.schedule_rounds < 0:
+            raise ValueError(f"fedkd.schedule_rounds must be an int >= 0 (0: the run's rounds), got {self.schedule_rounds!r}")
         if self.upload not in UPLOAD_KINDS:
             raise ValueError(f"fedkd.upload must be one of {UPLOAD_KINDS}, got {self.upload!r}")
         if self.gradient_lr <= 0:
@@ -106,15 +112,24 @@ class FedKdConfig:
             raise ValueError(f"fedkd.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if self.sync_codec not in SYNC_CODECS:
             raise ValueError(f"fedkd.sync_codec must be one of {SYNC_CODECS}, got {self.sync_codec!r}")
-        self.round_config(1, 0)  # validates the agents' half
+        self.round_config(1, 0, run_rounds=1)  # validates the agents' half
 
-    def threshold(self, round_: int) -> float:
-        """T(t) of Eq. 9 for ``round_`` (t = 0 in round 1, 1 from ``schedule_rounds`` on)."""
-        return svd.threshold_at(svd.round_progress(min(round_, self.schedule_rounds), self.schedule_rounds), self.threshold_start, self.threshold_end)
+    def horizon(self, run_rounds: int) -> int:
+        """The round in which T reaches T_end: ``schedule_rounds``, or the run's ``run_rounds`` if that is 0."""
+        horizon = self.schedule_rounds or run_rounds
+        if horizon < 1:
+            raise ValueError("fedkd: Eq. 9's schedule runs over the run's rounds, which are not known here "
+                             "(ServerContext.rounds = 0); set [fedkd] schedule_rounds")
+        return horizon
 
-    def round_config(self, round_: int, global_version: int) -> FedKdRoundConfig:
+    def threshold(self, round_: int, run_rounds: int = 0) -> float:
+        """T(t) of Eq. 9 for ``round_`` (t = 0 in round 1, 1 from the horizon on: see :meth:`horizon`)."""
+        horizon = self.horizon(run_rounds)
+        return svd.threshold_at(svd.round_progress(min(round_, horizon), horizon), self.threshold_start, self.threshold_end)
+
+    def round_config(self, round_: int, global_version: int, run_rounds: int = 0) -> FedKdRoundConfig:
         return FedKdRoundConfig(
-            global_version=global_version, threshold=self.threshold(round_), upload=self.upload,
+            global_version=global_version, threshold=self.threshold(round_, run_rounds), upload=self.upload,
             local_epochs=self.local_epochs, batch_size=self.batch_size, optimizer=self.optimizer,
             mentor_lr=self.mentor_lr, mentee_lr=self.mentee_lr, momentum=self.momentum,
             weight_decay=self.weight_decay, hidden_loss=self.hidden_loss, attention_loss=self.attention_loss,
@@ -129,10 +144,7 @@ class FedKdConfig:
 
 
 @dataclass
-class _Staged:
-    instance: str
-    round: int
-    num_samples: int
+class _Staged(StagedUpload):
     delta: dict[str, np.ndarray]  # rebuilt update (or gradient), float32
     ranks: dict[str, int]  # factored tensors only
     svd_bytes: int
@@ -152,6 +164,17 @@ def _ranks(packed: dict[str, svd.SvdTensor]) -> dict[str, int]:
     return {name: p.rank for name, p in packed.items() if p.mode == "factored"}
 
 
+def _eq8_rank(entry: dict[str, Any], name: str, limit: int, full: int) -> int | None:
+    """Eq. 8's K of tensor ``name`` in a history entry (an upload or the aggregate): its
+    rank if it went factored, else the K it reported for its dense fallback. An agent
+    reports that K itself, so only a value consistent with going dense (above ``limit``,
+    at most ``full``) is taken; None if there is none (e.g. no SVD was needed)."""
+    if name in entry["ranks"]:
+        return int(entry["ranks"][name])
+    k = entry["dense_fallback_ranks"].get(name)
+    return k if isinstance(k, int) and not isinstance(k, bool) and limit < k <= full else None
+
+
 @register_server_method
 class FedKdServer(ServerMethod):
     name = "fedkd"
@@ -160,6 +183,7 @@ class FedKdServer(ServerMethod):
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
         self.config = FedKdConfig.from_dict(method_config)
+        self.schedule_rounds = self.config.horizon(ctx.rounds)  # Eq. 9's t = 1: the run's last round by default
         torch.manual_seed(ctx.seed)
         mentee = build_model(self.config.mentee_model, ctx.num_classes, ctx.in_channels)
         self.param_names = {name for name, _ in mentee.named_parameters()}
@@ -171,7 +195,7 @@ class FedKdServer(ServerMethod):
         # What FedAvg of a mentor-sized model moves per agent and direction (its float state).
         self.mentor_dense_bytes = sum(4 * v.size for v in state_dict_to_arrays(mentor).values() if v.dtype.kind == "f")
         self.holds: dict[str, int] = {}  # agent -> global version the server believes it holds
-        self.staged: dict[str, _Staged] = {}
+        self.staged: ModelUploadStage[_Staged] = ModelUploadStage("mentee update", log)
         self.history: list[dict[str, Any]] = []
         self._round_logs: dict[int, _RoundLog] = {}
         self._eval_round = 0
@@ -181,7 +205,11 @@ class FedKdServer(ServerMethod):
     # -- configuration --------------------------------------------------------------- #
 
     def resolved_config(self) -> dict[str, Any]:
-        return asdict(self.config)
+        return {**asdict(self.config), "schedule_rounds": self.schedule_rounds}
+
+    def threshold(self, round_: int) -> float:
+        """This run's T(t) (Eq. 9) for ``round_``."""
+        return self.config.threshold(round_, self.schedule_rounds)
 
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "mentor_model": self.config.mentor_model, "mentee_model": self.config.mentee_model}
@@ -190,7 +218,7 @@ class FedKdServer(ServerMethod):
         return {"weights": self.config.sync_codec} if isinstance(msg, RoundStart) else {}
 
     def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        config = self.config.round_config(round_, self.version).to_dict()
+        config = self.config.round_config(round_, self.version, self.schedule_rounds).to_dict()
         entry = self._round_logs.setdefault(round_, _RoundLog(config["threshold"]))
         if self.holds.get(agent) == self.version:
             return config, {}
@@ -262,16 +290,6 @@ class FedKdServer(ServerMethod):
         # A failed or restarted agent may not hold the global mentee any more.
         self.holds.pop(agent, None)
 
-    def _usable(self, agent: str, end: RoundEnd) -> str | None:
-        staged = self.staged.get(agent)
-        if staged is None:
-            return "no mentee update"
-        if staged.instance != end.instance or staged.round != end.round:
-            return "update came from another agent process or round"
-        if staged.num_samples != end.num_samples:
-            return f"update says {staged.num_samples} samples, round_end says {end.num_samples}"
-        return None
-
     # -- the server step ------------------------------------------------------------------ #
 
     def aggregate(self, staged: list[_Staged]) -> dict[str, np.ndarray]:
@@ -291,18 +309,11 @@ class FedKdServer(ServerMethod):
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
-        used: dict[str, _Staged] = {}
-        for agent in sorted(ends):
-            why = self._usable(agent, ends[agent])
-            if why is not None:
-                outcome.excluded[agent] = why
-                log.warning("round %d: not using %s's update: %s", round_, agent, why)
-                self.staged.pop(agent, None)
-                self.holds.pop(agent, None)
-                continue
-            used[agent] = self.staged.pop(agent)
+        used, outcome.excluded = self.staged.take_usable(round_, ends)
+        for agent in outcome.excluded:
+            self.holds.pop(agent, None)  # it gets no aggregate this round
         outcome.used_agents = list(used)
-        round_log = self._round_logs.pop(round_, _RoundLog(self.config.threshold(round_)))
+        round_log = self._round_logs.pop(round_, _RoundLog(self.threshold(round_)))
         if not used:
             return outcome
         started = time.perf_counter()
@@ -328,8 +339,6 @@ class FedKdServer(ServerMethod):
             self.holds[agent] = self.version
             if evaluate:
                 self._eval_waiting.add(agent)
-        for agent in set(ends) - set(used):
-            self.holds.pop(agent, None)
         self.history.append(self._record(round_, round_log, used, ends, packed))
         return outcome
 
@@ -370,6 +379,55 @@ class FedKdServer(ServerMethod):
                 "fedavg_mentor": 2 * self.mentor_dense_bytes,
             },
             "sync": {"agents": round_log.sync_agents, "bytes": round_log.sync_bytes},
+        }
+
+    def round_report(self, round_: int) -> dict[str, Any]:
+        """The round's entry in ``report.json`` (``record["method"]``), from :attr:`history`.
+
+        Bytes are float32 tensor payloads per agent and round, both directions
+        (upload + aggregate): FedKD's factors vs the dense mentee update vs FedAvg of
+        a mentor-sized model (its float state up and down); ``sync_bytes`` is the
+        whole mentee sent in this round's RoundStarts (all agents). ``ranks`` has one
+        entry per matrix of the mentee (vectors always travel dense): its 2-D view,
+        ``max_factored_rank`` (the largest K whose factors are smaller than the
+        matrix), Eq. 8's K of the aggregate (``down``) and of the agents' uploads
+        (min / max / mean), and how many of those went dense because K exceeded it.
+        """
+        record = next((h for h in reversed(self.history) if h["round"] == round_), None)
+        if record is None:
+            return {"threshold": self.threshold(round_), "agents_used": 0}  # no update was used
+        bytes_ = record["bytes_per_agent"]
+        uploads = list(record["agents"].values())
+        aggregate = record["aggregate"]
+        ranks: dict[str, dict[str, Any]] = {}
+        for name, array in self.global_state.items():
+            dims = svd.matrix_shape(array.shape)
+            if dims is None:
+                continue
+            p, q = dims
+            limit = (p * q - 1) // (p + q + 1)  # K * (P + Q + 1) < P * Q
+            up = [_eq8_rank(u, name, limit, min(p, q)) for u in uploads]
+            known = [k for k in up if k is not None]
+            ranks[name] = {
+                "matrix": f"{p}x{q}", "max_factored_rank": limit,
+                "down": _eq8_rank(aggregate, name, limit, min(p, q)),
+                "down_dense": name not in aggregate["ranks"],
+                "up_min": min(known) if known else None, "up_max": max(known) if known else None,
+                "up_mean": round(float(np.mean(known)), 2) if known else None,
+                "up_dense": sum(1 for u in uploads if name not in u["ranks"]),
+            }
+        return {
+            "threshold": record["threshold"],
+            "agents_used": len(uploads),
+            "up_svd_bytes": round(float(np.mean([u["svd_bytes"] for u in uploads])), 1),
+            "down_svd_bytes": aggregate["svd_bytes"],
+            "fedkd_bytes": round(bytes_["fedkd_svd"], 1),
+            "dense_mentee_bytes": bytes_["dense_mentee"],
+            "fedavg_mentor_bytes": bytes_["fedavg_mentor"],
+            "saved_vs_dense_mentee": round(1.0 - bytes_["fedkd_svd"] / bytes_["dense_mentee"], 4),
+            "saved_vs_fedavg_mentor": round(1.0 - bytes_["fedkd_svd"] / bytes_["fedavg_mentor"], 4),
+            "sync_bytes": record["sync"]["bytes"],
+            "ranks": ranks,
         }
 
     def evaluation_pending(self, round_: int) -> set[str]:

@@ -251,6 +251,21 @@ def test_vote_server_weighs_teachers_by_validation_loss_and_resends_only_what_is
     assert server.evaluation_pending(2) == {"agent-9"}
 
 
+def test_vote_leaves_out_models_nobody_scored() -> None:
+    # w0's loss was measured at round 1's start, but every evaluation answer of w1 was lost.
+    server = FedGkdServer(CTX, {"model": "resnet8", "variant": "vote", "buffer_size": 3})
+    _run_server_round(server, 1, {"agent-0": (_state(1), 10)}, start_loss_sum=8.0, start_loss_total=4)
+    spec = _teachers_of(server.round_config(2, "agent-0", evaluate=False)[0])
+    assert [(t.versions, t.source) for t in spec.teachers] == [((0,), "held")]
+    assert spec.teachers[0].coefficient == pytest.approx(0.2)  # one scored model: the whole lambda
+    assert spec.measure_start_loss  # w1 starts round 2 unscored: the agents measure it
+    # Nothing scored at all: the newest model (the global one) teaches alone.
+    blind = FedGkdServer(CTX, {"model": "resnet8", "variant": "vote", "buffer_size": 3})
+    _run_server_round(blind, 1, {"agent-0": (_state(1), 10)})
+    spec = _teachers_of(blind.round_config(2, "agent-0", evaluate=False)[0])
+    assert [(t.versions, t.source, t.coefficient) for t in spec.teachers] == [((1,), "global", pytest.approx(0.2))]
+
+
 def test_server_checkpoint_keeps_the_buffer_and_losses() -> None:
     server = FedGkdServer(CTX, {"model": "resnet8", "variant": "vote", "buffer_size": 2})
     _run_server_round(server, 1, {"agent-0": (_state(1), 10)}, eval_losses={"agent-0": (4.0, 4)})

@@ -189,18 +189,19 @@ class FedGkdServer(FedAvgServer):
             state = self.global_state if len(entries) == 1 else self.buffer.average()
             teachers = _RoundTeachers("avg", [(tuple(v for v, _ in entries), self.config.gamma, state)], [None], False)
         else:
-            losses = [self.mean_val_loss(v) for v, _ in entries]
-            scored = [(v, s, loss) for (v, s), loss in zip(entries, losses) if loss is not None]
+            losses = {v: self.mean_val_loss(v) for v, _ in entries}
+            scored = [(v, s) for v, s in entries if losses[v] is not None]
             if len(entries) == 1 or not scored:
-                # One model (or none scored yet): softmax over one entry is 1 whatever its loss.
-                scored = [(entries[0][0], entries[0][1], losses[0] if losses[0] is not None else math.nan)]
-            elif len(scored) < len(entries):
-                # A model no agent evaluated (all its answers were lost) cannot be weighted by Eq. 5's rule.
-                log.warning("round %d: no validation loss for global versions %s; they sit out the vote",
-                            round_, [v for (v, _), loss in zip(entries, losses) if loss is None])
-            coefs = vote_coefficients([0.0 if math.isnan(l) else l for _, _, l in scored], self.config.vote_scale, self.config.beta)
-            teachers = _RoundTeachers("vote", [((v,), c, s) for (v, s, _), c in zip(scored, coefs)],
-                                      [None if math.isnan(l) else l for _, _, l in scored], False)
+                # A softmax over one model is 1 whatever its loss: gamma / 2 = lambda.
+                chosen, coefs = entries[:1], [2.0 * self.config.vote_scale]
+            else:
+                if len(scored) < len(entries):
+                    # No agent's evaluation of it arrived: Eq. 5's rule cannot weigh it.
+                    log.warning("round %d: no validation loss for global versions %s; they sit out the vote",
+                                round_, [v for v, _ in entries if losses[v] is None])
+                chosen = scored
+                coefs = vote_coefficients([losses[v] for v, _ in scored], self.config.vote_scale, self.config.beta)  # type: ignore[misc]
+            teachers = _RoundTeachers("vote", [((v,), c, s) for (v, s), c in zip(chosen, coefs)], [losses[v] for v, _ in chosen], False)
             # The starting model's loss is needed for the vote of later rounds (the initial model is never evaluated).
             measure = self.mean_val_loss(self.version) is None and self.config.buffer_size > 1
         teachers.measure_start_loss = measure

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from shared_protocol.messages import Message, RoundEnd
+from shared_protocol.messages import RoundEnd
 from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgUpdate, split_state
 from shared_protocol.methods.fedgkd import CONFIG_KEY, VARIANTS, FedGkdEvalResult, FedGkdTeachers, TeacherSpec, teacher_prefix
 

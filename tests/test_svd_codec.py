@@ -251,3 +251,39 @@ def test_payload_sizes_by_formula() -> None:
     for mode, rank in (("factored", 0), ("factored", 17), ("dense", 1), ("other", 1)):
         with pytest.raises(ValueError):
             svd.payload_elements((16, 16, 3, 3), mode, rank)
+
+
+def test_protocol_doc_test_vectors() -> None:
+    """The `svd` test vectors of docs/protocol.md §4: fixed payloads decode to the documented
+    tensors, and the encoder makes the documented choices (mode, rank, energy, payload size).
+    Factored payload bytes are not compared: singular vectors are unique only up to sign."""
+    codec = codecs.get_codec("svd")
+    twos = np.full((4, 1, 2, 2), 2.0, np.float32)  # the 4 x 4 matrix of 2s: s = (8, 0, 0, 0)
+    payload = bytes.fromhex("000000bf" * 4 + "00000041" + "000000bf" * 4)  # U = -0.5, s = 8, V = -0.5
+    np.testing.assert_array_equal(codec.decode(payload, "float32", twos.shape, {"mode": "factored", "rank": 1}), twos)
+    encoded, params, _ = codec.encode(twos)
+    assert (params["mode"], params["rank"], params["energy"], len(encoded)) == ("factored", 1, 1.0, 36)
+
+    small = np.array([[1, 2, 3], [4, 5, 6]], np.float32)  # 2 + 3 + 1 >= 2 * 3: never factored
+    dense_hex = "0000803f0000004000004040000080400000a0400000c040"
+    for threshold in (0.01, 0.95, 1.0):
+        encoded, params, _ = codec.encode(small, threshold=threshold)  # type: ignore[call-arg]
+        assert (params["mode"], params["rank"], encoded.hex()) == ("dense", 0, dense_hex)
+    np.testing.assert_array_equal(codec.decode(bytes.fromhex(dense_hex), "float32", (2, 3), {"mode": "dense", "rank": 0}), small)
+
+    diag = np.zeros((6, 5), np.float32)
+    diag[0, 0], diag[1, 1], diag[2, 2] = 3.0, 2.0, 1.0  # s = (3, 2, 1, 0, 0): energies 9/14, 13/14, 1
+    u = "0000803f00000000" + "000000000000803f" + "00000000" * 8  # (6, 2): rows e1, e2, then zeros
+    s = "00004040" + "00000040"  # (3, 2)
+    v = "0000803f" + "00000000" * 4 + "000000000000803f" + "00000000" * 3  # (2, 5): rows e1, e2
+    rank2 = codec.decode(bytes.fromhex(u + s + v), "float32", (6, 5), {"mode": "factored", "rank": 2})
+    expected = diag.copy()
+    expected[2, 2] = 0.0
+    np.testing.assert_array_equal(rank2, expected)
+    for threshold, mode, rank, energy, size in ((0.5, "factored", 1, 9 / 14, 48), (0.9, "factored", 2, 13 / 14, 96),
+                                                (0.95, "dense", 0, None, 120)):
+        encoded, params, _ = codec.encode(diag, threshold=threshold)  # type: ignore[call-arg]
+        assert (params["mode"], params["rank"], len(encoded)) == (mode, rank, size)
+        assert params.get("energy") == (None if energy is None else pytest.approx(energy))
+        decoded = codec.decode(encoded, "float32", diag.shape, params)
+        assert float(np.sum((decoded - diag) ** 2)) == pytest.approx({1: 5.0, 2: 1.0, 0: 0.0}[rank], abs=1e-6)

@@ -47,7 +47,7 @@ BATCH = 32
 PARTITIONS = {"iid": "iid", "noniid": "dirichlet:0.5"}
 # Method-specific settings of the FedAvg family on top of FedAvg's (the papers' defaults unless said).
 FEDAVG_FAMILY: dict[str, dict[str, Any]] = {
-    "fedgkd": {},
+    "fedgkd": {"variant": "avg", "gamma": 0.2, "buffer_size": 5},  # FedGKD (not -Vote), the paper's CV defaults
     "feddistill": {},
     "fedbe": {},
 }

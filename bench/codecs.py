@@ -1,4 +1,4 @@
-"""Tensor codecs on real ResNet-8 feature maps: size, speed and error.
+"""Tensor codecs on real ResNet-8 feature maps and trained model updates: size, speed and error.
 
 What the FedGKT edge uploads every round is the ResNet-8 extractor's output H,
 ``(N, 16, 32, 32)`` post-ReLU float32 maps, in batches of
@@ -22,9 +22,24 @@ ids, default codecs) to show the frame overhead, and, outside ``--quick``,
 a few fp16 + zstd variants that are *not* registered codecs (byte shuffle on
 or off, zstd level), to judge the codec's parameters.
 
+The ``svd`` codec (FedKD's truncated SVD, ``shared_protocol/svd.py``) is made
+for model *updates*, not feature maps, and is measured on those
+(``results.model_updates``): the change of a seeded ResNet-8 (the FedKD
+mentee) and of a ResNet-56 (a mentor-sized model) over one epoch of training
+from initialisation, and over a second epoch; every float tensor of the state
+(parameters and BatchNorm statistics) is one codec call, as FedKD factors
+them. Per energy threshold T: ratio, encode/decode MB/s, how many matrices
+went factored and at what rank, and the squared reconstruction error next to
+the discarded singular-value energy computed independently with numpy's SVD
+(they must agree up to float32 rounding). The other codecs that accept the
+data are measured on the same updates for comparison.
+
 Writes ``bench/results/codecs.json`` with the versions, CPU, date, dataset and
 sample counts, and a ``claims`` section that checks the design's claim
-(fp16-zstd at least 4x smaller than fp32 on trained maps) against the numbers.
+(fp16-zstd at least 4x smaller than fp32 on trained maps), and the svd codec's
+error = discarded energy and never-larger payload, against the numbers.
+MB/s are single-threaded and noisy on a shared machine (the load average
+before and after is recorded).
 
 Usage::
 
@@ -62,6 +77,7 @@ from fldata import ArrayDataset, load_dataset, take  # noqa: E402  (needs the pa
 from fldata.torch_data import make_loader  # noqa: E402
 from models import build_model  # noqa: E402
 from shared_protocol import codecs as wire_codecs  # noqa: E402
+from shared_protocol import svd as svd_math  # noqa: E402
 from shared_protocol.chunking import DEFAULT_CHUNK_SIZE_BYTES  # noqa: E402
 from shared_protocol.messages import encode_message  # noqa: E402
 from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig  # noqa: E402
@@ -94,6 +110,18 @@ CLAIM_FP16_MIN_RATIO = 4.0
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "codecs.json"
 
 MODEL_STATES = ("fresh", "trained")
+
+# Codecs for model updates, not activations: measured in results.model_updates only.
+UPDATE_CODECS = ("svd",)
+# FedKD's T_start and T_end (Eq. 9), and two either side.
+SVD_THRESHOLDS = (0.9, 0.95, 0.98, 0.99)
+# (model, training images per epoch, why): the update FedKD sends, and one of a mentor-sized model.
+UPDATE_MODELS = (("resnet8", 3072, "the FedKD mentee"), ("resnet56", 512, "a mentor-sized model (FedAvg's)"))
+QUICK_UPDATE_IMAGES = 128
+QUICK_SVD_THRESHOLDS = (0.95, 0.98)
+# |squared error - discarded energy| / tensor energy: float32 factors and reconstruction
+# leave a relative residue around 1e-7 per value; anything near 1e-4 would be a real gap.
+ENERGY_GAP_TOLERANCE = 1e-4
 
 
 def cpu_model() -> str:
@@ -327,6 +355,113 @@ def frame_sizes(data: Extracted, feature_codecs: list[str]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- #
+# Model updates (the svd codec)
+# --------------------------------------------------------------------------- #
+
+
+def float_state(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The float entries of the state dict (parameters, BatchNorm statistics) as float32 copies."""
+    return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def train_epoch_any(model: torch.nn.Module, data: ArrayDataset, seed: int) -> None:
+    """One epoch of CE training with the edge's optimiser, for any classifier of the registry."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=TRAIN_LR)
+    model.train()
+    for images, labels, _ids in make_loader(data, TRAIN_BATCH_SIZE, shuffle=True, seed=seed):
+        out = model(images)
+        logits = out[0] if isinstance(out, tuple) else out  # (B, 10); ResNet-8 also returns its features
+        loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+
+def svd_energy_check(tensors: list[np.ndarray], threshold: float) -> dict[str, Any]:
+    """Encode + decode each tensor with the svd codec at ``threshold``; the squared error vs
+    the discarded singular-value energy from numpy's SVD of the same 2-D view."""
+    codec = wire_codecs.get_codec("svd").with_threshold(threshold)  # type: ignore[attr-defined]
+    sq_error = discarded = energy = matrix_energy = 0.0
+    max_gap = max_rel = 0.0
+    ranks: list[int] = []
+    matrices = factored = 0
+    for x in tensors:
+        payload, params, dtype = codec.encode(x)
+        decoded = codec.decode(memoryview(payload), dtype, x.shape, params).astype(np.float64)
+        x64 = x.astype(np.float64)
+        err = float(np.sum((decoded - x64) ** 2))
+        total = float(np.sum(x64**2))
+        dims = svd_math.matrix_shape(x.shape)
+        lost = 0.0
+        if dims is not None:
+            matrices += 1
+            matrix_energy += total
+        if params["mode"] == "factored":
+            factored += 1
+            ranks.append(int(params["rank"]))
+            s = np.linalg.svd(x64.reshape(dims), compute_uv=False)  # (min(P, Q),), float64
+            lost = float(np.sum(s[params["rank"]:] ** 2))
+        sq_error += err
+        discarded += lost
+        energy += total
+        if total > 0:
+            max_gap = max(max_gap, abs(err - lost) / total)
+            max_rel = max(max_rel, err / total)
+    return {
+        "matrices": matrices,
+        "matrices_factored": factored,
+        "rank_mean": round(float(np.mean(ranks)), 2) if ranks else None,
+        "rank_max": max(ranks) if ranks else None,
+        "update_energy": energy,
+        "matrices_energy": matrix_energy,
+        "sq_error": sq_error,
+        "discarded_energy": discarded,
+        # Vectors (biases, BatchNorm statistics) are exact and can hold most of an update's energy
+        # (running variances move a lot): the error relative to the matrices' energy says more.
+        "rel_sq_error_of_matrices": sq_error / matrix_energy if matrix_energy > 0 else 0.0,
+        "max_tensor_rel_sq_error": max_rel,  # < 1 - T: the retained share is > T (Eq. 8)
+        "max_tensor_gap_rel": max_gap,
+        "error_equals_discarded_energy": max_gap < ENERGY_GAP_TOLERANCE,
+    }
+
+
+def model_updates(training: ArrayDataset, seed: int, reps: int, quick: bool) -> dict[str, Any]:
+    """Per model: the state's change over a first and a second epoch of training, coded by every
+    codec that takes it, and by svd at each of SVD_THRESHOLDS."""
+    others = [n for n in wire_codecs.list_codecs() if n not in UPDATE_CODECS and needs_parameters(wire_codecs.get_codec(n)) is None]
+    out: dict[str, Any] = {}
+    for name, images, role in UPDATE_MODELS[:1] if quick else UPDATE_MODELS:  # quick: the mentee only
+        data = training.subset(np.arange(min(QUICK_UPDATE_IMAGES if quick else images, len(training))))
+        torch.manual_seed(seed)
+        model = build_model(name, num_classes=NUM_CLASSES, in_channels=IN_CHANNELS)
+        states = [float_state(model)]
+        for epoch in range(2):
+            train_epoch_any(model, data, seed + epoch)
+            states.append(float_state(model))
+        per_model: dict[str, Any] = {"role": role, "train_images": len(data)}
+        for epoch in (1, 2):
+            update = [states[epoch][k] - states[epoch - 1][k] for k in states[0]]  # float32, one per tensor
+            skipped: dict[str, str] = {}
+            entry: dict[str, Any] = {
+                "tensors": len(update),
+                "float_values": int(sum(u.size for u in update)),
+                "raw_bytes": int(sum(u.nbytes for u in update)),
+                "other_codecs": measure_all(update, others, reps, skipped),
+                "other_codecs_refused": skipped,
+                "svd": {},
+            }
+            for threshold in QUICK_SVD_THRESHOLDS if quick else SVD_THRESHOLDS:
+                codec = wire_codecs.get_codec("svd").with_threshold(threshold)  # type: ignore[attr-defined]
+                measured = measure_codec(codec, update, reps)
+                for key in ("encode_s_samples", "decode_s_samples", "batches", "lossless"):
+                    measured.pop(key)
+                entry["svd"][f"T={threshold:g}"] = {**measured, **svd_energy_check(update, threshold)}
+            per_model[f"epoch{epoch}_update"] = entry
+        out[name] = per_model
+    return out
+
+
+# --------------------------------------------------------------------------- #
 # The run
 # --------------------------------------------------------------------------- #
 
@@ -370,7 +505,9 @@ def run(
     usable: list[str] = []
     for name in wire_codecs.list_codecs():
         why = needs_parameters(wire_codecs.get_codec(name))
-        if why is None:
+        if name in UPDATE_CODECS:
+            skipped[name] = "a model-update codec: measured on trained model updates (results.model_updates), not on feature maps"
+        elif why is None:
             usable.append(name)
         else:
             skipped[name] = why
@@ -384,6 +521,10 @@ def run(
         stats["logits"][state] = map_stats(ex.logits)
         results["features"][state] = measure_all(ex.features, usable, reps, skipped)
         results["logits"][state] = measure_all(ex.logits, lossless, reps, skipped)
+
+    updates_started = time.perf_counter()
+    results["model_updates"] = model_updates(training, seed, reps, quick)
+    updates_s = time.perf_counter() - updates_started
 
     feature_codecs = list(results["features"]["trained"])
     report: dict[str, Any] = {
@@ -404,6 +545,10 @@ def run(
             "mb": "10^6 bytes of raw float32 input (encode) / output (decode)",
             "throughput": "median over reps of one pass over all batches, single thread, in-process",
             "rel_error": "max over batches of max|decoded - x| / max|x| of that batch",
+            "model_updates": "per tensor of the update (each tensor is one 'batch' above); svd at each T in svd_thresholds",
+            "svd_thresholds": list(QUICK_SVD_THRESHOLDS if quick else SVD_THRESHOLDS),
+            "update_models": {name: {"train_images_per_epoch": QUICK_UPDATE_IMAGES if quick else n, "role": why}
+                              for name, n, why in (UPDATE_MODELS[:1] if quick else UPDATE_MODELS)},
         },
         "dataset": {
             "name": DATASET,
@@ -459,6 +604,12 @@ def run(
         "natural images such as CIFAR-10 will likely compress less. Not measured here.",
         "Throughputs are single-threaded and depend on the machine's load; see load_average_1m_*.",
     ]
+    report["notes"].append(
+        "svd: ratio = dense float32 bytes / factor bytes of the whole update; matrices_factored counts the 2-D "
+        "tensors that went factored (the rest, and every vector, went dense); sq_error and discarded_energy are "
+        "summed over the update's tensors (float64), the latter from numpy's SVD of each 2-D view."
+    )
+    report["environment"]["model_updates_s"] = round(updates_s, 2)
     report["environment"]["load_average_1m_after"] = round(os.getloadavg()[0], 2)
     report["environment"]["wall_s"] = round(time.perf_counter() - started, 2)
     return report
@@ -475,6 +626,24 @@ def check_claims(results: dict[str, Any]) -> dict[str, Any]:
             "primary": state == "trained",
             "measured_ratio": entry["ratio"] if entry else None,
             "holds": bool(entry and entry["ratio"] >= CLAIM_FP16_MIN_RATIO),
+        }
+    svd_entries = [(f"{model}/{update}/{t}", e) for model, per in results.get("model_updates", {}).items()
+                   for update, u in per.items() if isinstance(u, dict) and "svd" in u for t, e in u["svd"].items()]
+    if svd_entries:
+        out["svd_error_equals_discarded_energy"] = {
+            "claim": "svd's squared reconstruction error equals the discarded singular-value energy (numpy's SVD), per tensor",
+            "source": "shared_protocol/svd.py, docs/protocol.md (svd codec)",
+            "primary": True,
+            "measured_max_gap_rel": max(e["max_tensor_gap_rel"] for _, e in svd_entries),
+            "tolerance": ENERGY_GAP_TOLERANCE,
+            "holds": all(e["error_equals_discarded_energy"] for _, e in svd_entries),
+        }
+        out["svd_never_larger_than_raw"] = {
+            "claim": "svd's payload is never larger than the dense float32 tensor (dense fallback)",
+            "source": "shared_protocol/svd.py",
+            "primary": True,
+            "measured_min_ratio": min(e["ratio"] for _, e in svd_entries),
+            "holds": all(e["encoded_bytes"] <= e["raw_bytes"] for _, e in svd_entries),
         }
     for state in MODEL_STATES:
         for name, bound in DOCUMENTED_REL_ERROR_BOUNDS.items():
@@ -514,9 +683,23 @@ def print_table(report: dict[str, Any]) -> None:
                     f"enc {r['encode_mb_per_s']:7.1f} MB/s  dec {r['decode_mb_per_s']:7.1f} MB/s  "
                     f"max abs {r['max_abs_error']:.3g}  max rel {r['max_rel_error']:.3g}"
                 )
+    for model, per in report["results"].get("model_updates", {}).items():
+        for update, entry in per.items():
+            if not isinstance(entry, dict):
+                continue
+            print(f"{model} {update} ({entry['raw_bytes']:,} B dense):")
+            for t, r in entry["svd"].items():
+                print(
+                    f"  svd {t:>6}: ratio {r['ratio']:6.2f}  enc {r['encode_mb_per_s']:7.1f} MB/s  dec {r['decode_mb_per_s']:7.1f} MB/s  "
+                    f"{r['matrices_factored']}/{r['matrices']} factored  rel sq error (matrices) {r['rel_sq_error_of_matrices']:.4f}  "
+                    f"gap {r['max_tensor_gap_rel']:.2g}"
+                )
+            for name, r in entry["other_codecs"].items():
+                print(f"  {name:>10}: ratio {r['ratio']:6.2f}  enc {r['encode_mb_per_s']:7.1f} MB/s  dec {r['decode_mb_per_s']:7.1f} MB/s")
     for key, claim in report["claims"].items():
         if claim["primary"]:
-            print(f"claim {key}: {'holds' if claim['holds'] else 'DOES NOT HOLD'} (ratio {claim['measured_ratio']})")
+            figure = {k: v for k, v in claim.items() if k.startswith("measured")}
+            print(f"claim {key}: {'holds' if claim['holds'] else 'DOES NOT HOLD'} {figure}")
 
 
 def main(argv: list[str] | None = None) -> int:

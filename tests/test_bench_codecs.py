@@ -145,3 +145,36 @@ def test_needs_parameters_skips_codecs_that_take_more_than_the_array(bench: Modu
 
     assert bench.needs_parameters(NeedsRank()) is not None
     assert bench.needs_parameters(wire_codecs.get_codec("fp16-zstd")) is None
+
+
+def test_svd_on_model_updates(quick_report: tuple[dict[str, Any], float]) -> None:
+    """The svd codec is measured on trained model updates (not feature maps): ratio and speed per
+    T, and its squared error equals the discarded singular-value energy from numpy's SVD."""
+    report, _ = quick_report
+    assert "svd" in report["codecs"]["skipped"] and "svd" not in report["results"]["features"]["trained"]
+    thresholds = report["config"]["svd_thresholds"]
+    assert thresholds == [0.95, 0.98]
+    updates = report["results"]["model_updates"]["resnet8"]
+    for key in ("epoch1_update", "epoch2_update"):
+        entry = updates[key]
+        assert entry["raw_bytes"] == 4 * entry["float_values"] > 0
+        assert {"raw", "zstd", "fp16-zstd"} <= set(entry["other_codecs"])
+        assert set(entry["svd"]) == {f"T={t:g}" for t in thresholds}
+        previous_size = 0
+        for t in sorted(thresholds, reverse=True):
+            r = entry["svd"][f"T={t:g}"]
+            assert r["raw_bytes"] == entry["raw_bytes"]
+            assert r["encoded_bytes"] <= r["raw_bytes"]  # dense fallback: never larger
+            assert r["ratio"] == pytest.approx(r["raw_bytes"] / r["encoded_bytes"], rel=1e-3)
+            assert r["encode_mb_per_s"] > 0 and r["decode_mb_per_s"] > 0
+            assert 0 <= r["matrices_factored"] <= r["matrices"] == 9  # ResNet-8: 8 convs + the head
+            assert r["max_tensor_gap_rel"] < 1e-4 and r["error_equals_discarded_energy"]
+            assert r["sq_error"] == pytest.approx(r["discarded_energy"], rel=1e-3, abs=1e-12)
+            assert r["max_tensor_rel_sq_error"] < 1 - t  # each factored tensor keeps more than T of its energy
+            assert r["exact"] is (r["matrices_factored"] == 0)
+            if previous_size:
+                assert r["encoded_bytes"] <= previous_size  # a lower T never keeps more
+            previous_size = r["encoded_bytes"]
+    claims = report["claims"]
+    assert claims["svd_error_equals_discarded_energy"]["holds"] is True
+    assert claims["svd_never_larger_than_raw"]["holds"] is True

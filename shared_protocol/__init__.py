@@ -8,7 +8,7 @@ from .errors import *  # noqa: F401,F403
 from .errors import ProtocolError
 from .frame import PROTOCOL_VERSION, FrameLimits, decode_frame, encode_frame
 from .codecs import get_codec, list_codecs, register_codec
-from .chunking import DEFAULT_CHUNK_SIZE_BYTES, ChunkHeader, Reassembler, split_blob
+from .chunking import DEFAULT_CHUNK_SIZE_BYTES, ChunkedBlob, ChunkHeader, Reassembler, split_blob
 from .messages import (
     ErrorReply,
     Hello,
@@ -45,6 +45,7 @@ __all__ = [
     "register_codec",
     "DEFAULT_CHUNK_SIZE_BYTES",
     "ChunkHeader",
+    "ChunkedBlob",
     "Reassembler",
     "split_blob",
     "Message",

@@ -1,9 +1,19 @@
 """Splitting blobs into chunks below the broker's packet limit, and putting
 them back together safely.
 
-Each chunk carries, as MQTT v5 user properties: transfer id, seq, count, total
-bytes and the whole blob's sha256. The :class:`Reassembler` accepts chunks in
-any order, drops duplicates (QoS 1 delivers at least once), bounds memory per
+Each chunk is one PUBLISH payload: a small binary chunk header (transfer id,
+seq, count, chunk stride, total bytes, optional reply topic and, on the last
+chunk, the whole blob's sha256) followed by a contiguous slice of the blob.
+The header travels in the payload, not as MQTT v5 user properties, because
+paho parses properties by re-slicing the whole remaining packet once per field:
+seven user properties cost the receiver about 25 copies of every 512 KiB chunk.
+
+The sender (:class:`ChunkedBlob`) cuts chunks from a memoryview of the blob
+and hashes it incrementally as chunks are cut, so the first chunk leaves before
+the blob is hashed and no chunk is copied except into its own payload. The
+:class:`Reassembler` accepts chunks in any order, drops duplicates (QoS 1
+delivers at least once), writes each chunk in place into one preallocated
+buffer per transfer, hashes in seq order as the chunks arrive, bounds memory per
 transfer and in total, expires transfers that stall, can list the seqs still
 missing, and hands a blob up only after its sha256 matches.
 """
@@ -11,6 +21,8 @@ missing, and hands a blob up only after its sha256 matches.
 from __future__ import annotations
 
 import hashlib
+import struct
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -21,66 +33,162 @@ from .errors import ChunkError, HashMismatchError, LengthMismatchError, SizeLimi
 
 DEFAULT_CHUNK_SIZE_BYTES = 512 * 1024
 
-# User-property keys. Short: they are repeated on every chunk.
-P_TRANSFER, P_SEQ, P_COUNT, P_TOTAL, P_SHA = "es-tid", "es-seq", "es-cnt", "es-len", "es-sha"
-P_REPLY = "es-reply"  # where the receiver may ask for missing seqs
-P_CONTROL = "es-ctl"  # control messages of the transport itself (resend requests)
+CHUNK_MAGIC = b"ESCK"
+CHUNK_VERSION = 1
+FLAG_SHA = 0x01  # the whole blob's sha256 follows the transfer id and reply topic (last chunk only)
+SHA_BYTES = 32
+MAX_TRANSFER_ID_BYTES = 64
+# magic, version, flags, transfer-id length, reply-topic length, seq, count, stride, total
+_FIXED = struct.Struct(">4sBBBHIIIQ")
+CHUNK_FIXED_BYTES = _FIXED.size  # 29
+
+# User-property keys of transport control messages (resend requests), which are
+# rare and carry no payload, so they stay MQTT user properties.
+P_TRANSFER = "es-tid"
+P_CONTROL = "es-ctl"
+P_SEQS = "es-seqs"
 
 
 @dataclass(frozen=True)
 class ChunkHeader:
+    """What precedes every chunk's bytes. Chunk ``seq`` covers blob bytes
+    ``[seq * chunk_bytes, min((seq + 1) * chunk_bytes, total_bytes))``."""
+
     transfer_id: str
     seq: int
     count: int
     total_bytes: int
-    sha256: str
+    chunk_bytes: int
+    sha256: bytes | None = None  # the whole blob's digest; on the last chunk, and only there
+    reply_topic: str = ""  # where the receiver may ask for missing seqs ("" = nowhere)
 
-    def properties(self) -> list[tuple[str, str]]:
-        return [
-            (P_TRANSFER, self.transfer_id),
-            (P_SEQ, str(self.seq)),
-            (P_COUNT, str(self.count)),
-            (P_TOTAL, str(self.total_bytes)),
-            (P_SHA, self.sha256),
-        ]
+    @property
+    def body_offset(self) -> int:
+        return self.seq * self.chunk_bytes
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes of the blob this chunk must carry."""
+        return max(0, min(self.chunk_bytes, self.total_bytes - self.body_offset))
+
+    def pack(self) -> bytes:
+        """The header's bytes (no checks: tests build malformed chunks with it)."""
+        tid, reply = self.transfer_id.encode(), self.reply_topic.encode()
+        flags = FLAG_SHA if self.sha256 is not None else 0
+        fixed = _FIXED.pack(CHUNK_MAGIC, CHUNK_VERSION, flags, len(tid), len(reply), self.seq, self.count,
+                            self.chunk_bytes, self.total_bytes)
+        return b"".join([fixed, tid, reply, self.sha256 or b""])
 
     @classmethod
-    def from_properties(cls, props: list[tuple[str, str]] | None) -> "ChunkHeader":
-        values = dict(props or [])
+    def parse(cls, payload: bytes | bytearray | memoryview) -> tuple["ChunkHeader", memoryview]:
+        """Split a chunk payload into its checked header and its body (a view, no copy)."""
+        view = memoryview(payload)
+        if len(view) < CHUNK_FIXED_BYTES:
+            raise ChunkError(f"chunk is {len(view)} bytes, shorter than the {CHUNK_FIXED_BYTES}-byte chunk header")
+        magic, version, flags, tid_len, reply_len, seq, count, stride, total = _FIXED.unpack_from(view, 0)
+        if magic != CHUNK_MAGIC:
+            raise ChunkError(f"chunk magic {bytes(magic)!r}, expected {CHUNK_MAGIC!r}")
+        if version != CHUNK_VERSION:
+            raise ChunkError(f"chunk format version {version}; this build speaks {CHUNK_VERSION}")
+        if flags & ~FLAG_SHA:
+            raise ChunkError(f"chunk flags {flags:#04x} are not understood")
+        if not 0 < tid_len <= MAX_TRANSFER_ID_BYTES:
+            raise ChunkError(f"chunk transfer id is {tid_len} bytes, expected 1..{MAX_TRANSFER_ID_BYTES}")
+        sha_len = SHA_BYTES if flags & FLAG_SHA else 0
+        head_len = CHUNK_FIXED_BYTES + tid_len + reply_len + sha_len
+        if len(view) < head_len:
+            raise ChunkError(f"chunk is {len(view)} bytes, its header alone declares {head_len}")
+        if stride < 1 or count != max(1, -(-total // stride)) or seq >= count:
+            raise ChunkError(f"chunk seq {seq} / count {count} / stride {stride} / length {total} is inconsistent")
+        if bool(sha_len) != (seq == count - 1):
+            raise ChunkError(f"chunk {seq} of {count}: the blob's sha256 belongs on the last chunk, and only there")
         try:
-            tid, seq, count = values[P_TRANSFER], int(values[P_SEQ]), int(values[P_COUNT])
-            total, digest = int(values[P_TOTAL]), values[P_SHA]
-        except KeyError as missing:
-            raise ChunkError(f"chunk lacks user property {missing}") from None
-        except ValueError:
-            raise ChunkError(f"chunk has non-integer seq/count/length: {values}") from None
-        if not (0 < len(tid) <= 64) or len(digest) != 64:
-            raise ChunkError("chunk transfer id or sha256 has the wrong length")
-        if count < 1 or not (0 <= seq < count) or total < 0:
-            raise ChunkError(f"chunk seq {seq} / count {count} / length {total} is inconsistent")
-        return cls(tid, seq, count, total, digest)
+            tid = str(view[CHUNK_FIXED_BYTES : CHUNK_FIXED_BYTES + tid_len], "utf-8")
+            reply = str(view[CHUNK_FIXED_BYTES + tid_len : CHUNK_FIXED_BYTES + tid_len + reply_len], "utf-8")
+        except UnicodeDecodeError:
+            raise ChunkError("chunk transfer id or reply topic is not UTF-8") from None
+        digest = bytes(view[head_len - sha_len : head_len]) if sha_len else None
+        return cls(tid, seq, count, total, stride, digest, reply), view[head_len:]
 
 
-def split_blob(blob: bytes, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES, transfer_id: str | None = None) -> list[tuple[ChunkHeader, bytes]]:
-    """Cut ``blob`` into chunks of at most ``chunk_size_bytes`` (at least one chunk)."""
-    if chunk_size_bytes <= 0:
-        raise ValueError(f"chunk_size_bytes must be positive, got {chunk_size_bytes}")
-    tid = transfer_id or uuid.uuid4().hex
-    digest = hashlib.sha256(blob).hexdigest()
-    count = max(1, -(-len(blob) // chunk_size_bytes))
-    return [
-        (ChunkHeader(tid, seq, count, len(blob), digest), blob[seq * chunk_size_bytes : (seq + 1) * chunk_size_bytes])
-        for seq in range(count)
-    ]
+class ChunkedBlob:
+    """One outgoing blob, cut into chunk payloads on demand.
+
+    Chunks are slices of a memoryview (the blob is not copied); the blob is
+    hashed as chunks are cut in order, and the last chunk carries the digest.
+    Thread-safe: the network thread may rebuild chunks for a resend request
+    while the publishing thread is still cutting.
+    """
+
+    def __init__(self, blob: bytes, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
+                 transfer_id: str | None = None, reply_topic: str = "") -> None:
+        if chunk_size_bytes <= 0:
+            raise ValueError(f"chunk_size_bytes must be positive, got {chunk_size_bytes}")
+        self.blob = blob
+        self._view = memoryview(blob).cast("B")
+        self.transfer_id = transfer_id or uuid.uuid4().hex
+        if not 0 < len(self.transfer_id.encode()) <= MAX_TRANSFER_ID_BYTES:
+            raise ValueError(f"transfer id must be 1..{MAX_TRANSFER_ID_BYTES} bytes, got {self.transfer_id!r}")
+        self.chunk_size_bytes = chunk_size_bytes
+        self.total_bytes = len(self._view)
+        self.count = max(1, -(-self.total_bytes // chunk_size_bytes))
+        self.reply_topic = reply_topic
+        self._hasher = hashlib.sha256()
+        self._hashed_upto = 0  # chunks [0, _hashed_upto) are in the hasher
+        self._digest: bytes | None = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.count
+
+    def body(self, seq: int) -> memoryview:
+        return self._view[seq * self.chunk_size_bytes : (seq + 1) * self.chunk_size_bytes]
+
+    def _hash_through(self, seq: int) -> bytes | None:
+        """Hash chunks up to ``seq``; the blob's digest once every chunk is hashed."""
+        with self._lock:
+            while self._hashed_upto <= seq:
+                self._hasher.update(self.body(self._hashed_upto))
+                self._hashed_upto += 1
+            if self._hashed_upto == self.count and self._digest is None:
+                self._digest = self._hasher.digest()
+            return self._digest
+
+    @property
+    def sha256(self) -> bytes:
+        """The whole blob's digest (hashes what is not hashed yet)."""
+        return self._hash_through(self.count - 1) or b""  # never empty: the last seq completes the hash
+
+    def header(self, seq: int) -> ChunkHeader:
+        if not 0 <= seq < self.count:
+            raise IndexError(f"seq {seq} outside [0, {self.count})")
+        digest = self._hash_through(seq)
+        digest = digest if seq == self.count - 1 else None
+        return ChunkHeader(self.transfer_id, seq, self.count, self.total_bytes, self.chunk_size_bytes, digest,
+                           self.reply_topic)
+
+    def chunk(self, seq: int) -> bytes:
+        """The PUBLISH payload of chunk ``seq``: header + body (the one copy the broker client needs)."""
+        return b"".join([self.header(seq).pack(), self.body(seq)])
+
+    def chunks(self) -> list[bytes]:
+        return [self.chunk(seq) for seq in range(self.count)]
+
+
+def split_blob(blob: bytes, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES, transfer_id: str | None = None,
+               reply_topic: str = "") -> list[bytes]:
+    """Cut ``blob`` into chunk payloads of at most ``chunk_size_bytes`` blob bytes each (at least one chunk)."""
+    return ChunkedBlob(blob, chunk_size_bytes, transfer_id, reply_topic).chunks()
 
 
 @dataclass
 class _Transfer:
-    header: ChunkHeader
+    header: ChunkHeader  # the first chunk seen: count, total and stride every later chunk must match
     started_at: float
     updated_at: float
-    parts: dict[int, bytes] = field(default_factory=dict)
-    received_bytes: int = 0
+    buffer: bytearray  # the whole blob, written in place as chunks arrive
+    received: set[int] = field(default_factory=set)
+    sha256: bytes | None = None  # from the last chunk, once it arrived
     # Hash as chunks arrive in order, so completing a blob does not hash it all at once.
     hasher: "hashlib._Hash" = field(default_factory=hashlib.sha256)
     hashed_upto: int = 0  # seqs [0, hashed_upto) are in the hasher
@@ -124,14 +232,19 @@ class Reassembler:
 
     @property
     def reserved_bytes(self) -> int:
-        """Memory promised to open transfers (their declared sizes)."""
+        """Memory held by open transfers (each allocates its declared size on its first chunk)."""
         return sum(t.header.total_bytes for t in self._transfers.values())
 
     def open_transfers(self) -> list[tuple[str, str]]:
         return list(self._transfers)
 
-    def add(self, header: ChunkHeader, payload: bytes, source: str = "") -> bytes | None:
-        """Add one chunk; return the whole blob when this chunk completes it."""
+    def add(self, payload: bytes | bytearray | memoryview, source: str = "") -> bytearray | None:
+        """Add one chunk payload; return the whole blob when this chunk completes it."""
+        header, body = ChunkHeader.parse(payload)
+        return self.add_chunk(header, body, source)
+
+    def add_chunk(self, header: ChunkHeader, body: bytes | memoryview, source: str = "") -> bytearray | None:
+        """Add one parsed chunk (see :meth:`ChunkHeader.parse`)."""
         key = (source, header.transfer_id)
         if key in self._completed:
             self.stats.duplicates += 1
@@ -139,66 +252,82 @@ class Reassembler:
         now = self._clock()
         transfer = self._transfers.get(key)
         if transfer is None:
-            if header.total_bytes > self.max_transfer_bytes:
-                self.stats.rejected += 1
-                raise SizeLimitError(
-                    f"transfer {header.transfer_id} declares {header.total_bytes} bytes, limit {self.max_transfer_bytes}"
-                )
-            if self.reserved_bytes + header.total_bytes > self.max_total_bytes:
-                self.expire()
-                if self.reserved_bytes + header.total_bytes > self.max_total_bytes:
-                    self.stats.rejected += 1
-                    raise SizeLimitError(
-                        f"transfer {header.transfer_id} ({header.total_bytes} bytes) would exceed the "
-                        f"{self.max_total_bytes}-byte reassembly budget"
-                    )
-            if sum(1 for src, _ in self._transfers if src == source) >= self.max_transfers_per_source:
-                self.stats.rejected += 1
-                # One sender must not hold the whole budget hostage with half-sent transfers.
-                raise SizeLimitError(f"{source or 'sender'} already has {self.max_transfers_per_source} transfers open")
-            transfer = _Transfer(header, now, now)
-            self._transfers[key] = transfer
-        elif (header.count, header.total_bytes, header.sha256) != (
+            transfer = self._open(key, header, now)
+        elif (header.count, header.total_bytes, header.chunk_bytes) != (
             transfer.header.count,
             transfer.header.total_bytes,
-            transfer.header.sha256,
+            transfer.header.chunk_bytes,
         ):
             self.stats.rejected += 1
             raise ChunkError(f"chunk {header.seq} of transfer {header.transfer_id} disagrees with earlier chunks")
-        if header.seq in transfer.parts:
+        if header.seq in transfer.received:
             self.stats.duplicates += 1
             return None
-        if transfer.received_bytes + len(payload) > header.total_bytes:
+        if len(body) != header.body_bytes:
             self.stats.rejected += 1
             self._drop(key)
-            raise LengthMismatchError(f"transfer {header.transfer_id} received more bytes than the declared {header.total_bytes}")
-        transfer.parts[header.seq] = payload if isinstance(payload, bytes) else bytes(payload)
-        transfer.received_bytes += len(payload)
+            raise LengthMismatchError(
+                f"transfer {header.transfer_id}: chunk {header.seq} carries {len(body)} bytes, its place in the "
+                f"{header.total_bytes}-byte blob holds {header.body_bytes}"
+            )
+        start = header.body_offset
+        transfer.buffer[start : start + len(body)] = body  # the one copy on receive
+        transfer.received.add(header.seq)
+        if header.sha256 is not None:
+            transfer.sha256 = header.sha256
         transfer.updated_at = now
-        while transfer.hashed_upto in transfer.parts:
-            transfer.hasher.update(transfer.parts[transfer.hashed_upto])
-            transfer.hashed_upto += 1
-        if len(transfer.parts) < header.count:
+        if transfer.hashed_upto in transfer.received:
+            view = memoryview(transfer.buffer)
+            while transfer.hashed_upto in transfer.received:
+                offset = transfer.hashed_upto * header.chunk_bytes
+                transfer.hasher.update(view[offset : offset + header.chunk_bytes])
+                transfer.hashed_upto += 1
+            view.release()  # an exported buffer could not be resized; no view outlives this call
+        if len(transfer.received) < header.count:
             return None
         self._drop(key)
-        blob = b"".join(transfer.parts[i] for i in range(header.count))
-        if len(blob) != header.total_bytes:
-            self.stats.rejected += 1
-            raise LengthMismatchError(f"transfer {header.transfer_id}: {len(blob)} bytes, declared {header.total_bytes}")
-        if transfer.hasher.hexdigest() != header.sha256:
+        if transfer.hasher.digest() != transfer.sha256:
             self.stats.rejected += 1
             raise HashMismatchError(f"transfer {header.transfer_id}: sha256 of the reassembled blob does not match")
         self._completed[key] = None
         while len(self._completed) > self._remember:
             self._completed.popitem(last=False)
         self.stats.completed += 1
-        return blob
+        return transfer.buffer
+
+    def _open(self, key: tuple[str, str], header: ChunkHeader, now: float) -> _Transfer:
+        source = key[0]
+        if header.total_bytes > self.max_transfer_bytes:
+            self.stats.rejected += 1
+            raise SizeLimitError(
+                f"transfer {header.transfer_id} declares {header.total_bytes} bytes, limit {self.max_transfer_bytes}"
+            )
+        if self.reserved_bytes + header.total_bytes > self.max_total_bytes:
+            self.expire()
+            if self.reserved_bytes + header.total_bytes > self.max_total_bytes:
+                self.stats.rejected += 1
+                raise SizeLimitError(
+                    f"transfer {header.transfer_id} ({header.total_bytes} bytes) would exceed the "
+                    f"{self.max_total_bytes}-byte reassembly budget"
+                )
+        if sum(1 for src, _ in self._transfers if src == source) >= self.max_transfers_per_source:
+            self.stats.rejected += 1
+            # One sender must not hold the whole budget hostage with half-sent transfers.
+            raise SizeLimitError(f"{source or 'sender'} already has {self.max_transfers_per_source} transfers open")
+        transfer = _Transfer(header, now, now, bytearray(header.total_bytes))
+        self._transfers[key] = transfer
+        return transfer
 
     def missing(self, transfer_id: str, source: str = "") -> list[int]:
         transfer = self._transfers.get((source, transfer_id))
         if transfer is None:
             return []
-        return [seq for seq in range(transfer.header.count) if seq not in transfer.parts]
+        return [seq for seq in range(transfer.header.count) if seq not in transfer.received]
+
+    def reply_topic(self, transfer_id: str, source: str = "") -> str:
+        """Where the sender of an open transfer takes resend requests ("" if it named none)."""
+        transfer = self._transfers.get((source, transfer_id))
+        return transfer.header.reply_topic if transfer is not None else ""
 
     def stalled(self, idle_s: float) -> list[tuple[str, str, list[int]]]:
         """Open transfers with no progress for ``idle_s``: (source, transfer id, missing seqs)."""

@@ -31,11 +31,11 @@ from urllib.parse import urlparse
 from .chunking import (
     DEFAULT_CHUNK_SIZE_BYTES,
     P_CONTROL,
-    P_REPLY,
+    P_SEQS,
     P_TRANSFER,
+    ChunkedBlob,
     ChunkHeader,
     Reassembler,
-    split_blob,
 )
 from .errors import ProtocolError
 
@@ -110,10 +110,10 @@ class TransportConfig:
 
 @dataclass(frozen=True)
 class Delivery:
-    """One complete inbound blob."""
+    """One complete inbound blob (a bytearray when it was reassembled in place from chunks)."""
 
     topic: str
-    payload: bytes
+    payload: bytes | bytearray
     transfer_id: str
     wire_bytes: int
     received_at: float
@@ -153,7 +153,7 @@ def _varint_len(value: int) -> int:
 
 def user_properties_bytes(user_props: list[tuple[str, str]]) -> int:
     """Length of a PUBLISH properties block holding only user properties, prefix included
-    (computed, not packed: this runs for every chunk)."""
+    (computed, not packed); chunks carry none, so theirs is the 1-byte empty block."""
     body = sum(5 + len(k.encode()) + len(v.encode()) for k, v in user_props)  # id + two length-prefixed strings
     return _varint_len(body) + body
 
@@ -249,9 +249,8 @@ class MqttTransport(Transport):
         self._closed = False
         self._publish_lock = threading.Lock()  # one blob at a time keeps the window meaningful
         self._inbound_wire: dict[tuple[str, str], int] = {}
-        self._reply_for: dict[tuple[str, str], str] = {}
-        # transfer id -> (topic, chunks), for answering resend requests.
-        self._sent: OrderedDict[str, tuple[str, list[tuple[ChunkHeader, bytes]]]] = OrderedDict()
+        # transfer id -> (topic, blob), for answering resend requests: chunks are re-cut on demand.
+        self._sent: OrderedDict[str, tuple[str, ChunkedBlob]] = OrderedDict()
         self._sent_bytes = 0
         self._reply_topic: str | None = None
         self._reasm_lock = threading.Lock()  # network thread and housekeeping thread
@@ -296,12 +295,10 @@ class MqttTransport(Transport):
         self._reply_topic = topic
 
     def set_will(self, topic: str, blob: bytes) -> None:
-        (header, chunk), *rest = split_blob(blob, self.config.chunk_size_bytes)
-        if rest:
+        chunks = ChunkedBlob(blob, self.config.chunk_size_bytes)
+        if len(chunks) > 1:
             raise ValueError("a last-will blob must fit in one chunk")
-        props = self._Properties(self._PacketTypes.WILLMESSAGE)
-        props.UserProperty = header.properties()
-        self._client.will_set(topic, chunk, qos=1, retain=True, properties=props)
+        self._client.will_set(topic, chunks.chunk(0), qos=1, retain=True)
 
     def connect(self) -> None:
         props = self._Properties(self._PacketTypes.CONNECT)
@@ -375,29 +372,28 @@ class MqttTransport(Transport):
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         props = message.properties
-        user_props = list(getattr(props, "UserProperty", None) or []) if props is not None else []
-        wire = publish_packet_bytes(message.topic, len(message.payload), message.qos, user_properties_bytes(user_props))
+        user_props = getattr(props, "UserProperty", None) if props is not None else None
+        payload = message.payload
+        wire = publish_packet_bytes(message.topic, len(payload), message.qos, user_properties_bytes(user_props or []))
         self.stats.add(wire_bytes_in=wire + (PUBACK_BYTES if message.qos else 0), wire_bytes_out=PUBACK_BYTES if message.qos else 0, chunks_in=1)
-        control = dict(user_props).get(P_CONTROL)
-        if control is not None:
-            self._handle_control(control, dict(user_props))
-            return
+        if user_props:  # chunks carry their header in the payload; only control messages have properties
+            values = dict(user_props)
+            control = values.get(P_CONTROL)
+            if control is not None:
+                self._handle_control(control, values)
+                return
         with self._reasm_lock:
             try:
-                header = ChunkHeader.from_properties(user_props)
+                header, body = ChunkHeader.parse(payload)
                 key = (message.topic, header.transfer_id)
-                blob = self._reassembler.add(header, message.payload, source=message.topic)
+                blob = self._reassembler.add_chunk(header, body, source=message.topic)
             except ProtocolError as exc:
                 self.stats.add(rejected_chunks=1)
                 log.warning("rejected chunk on %s: %s", message.topic, exc)
                 return
             self._inbound_wire[key] = self._inbound_wire.get(key, 0) + wire
-            reply = dict(user_props).get(P_REPLY)
             if blob is None:
-                if reply:
-                    self._reply_for[key] = reply
                 return
-            self._reply_for.pop(key, None)
             total_wire = self._inbound_wire.pop(key, wire)
         self.stats.add(payload_bytes_in=len(blob), messages_in=1)
         self._inbox.put(Delivery(message.topic, blob, header.transfer_id, total_wire, time.time()))
@@ -412,10 +408,9 @@ class MqttTransport(Transport):
             with self._reasm_lock:
                 for key in self._reassembler.expire():
                     self._inbound_wire.pop(key, None)
-                    self._reply_for.pop(key, None)
                 now = time.monotonic()
                 for source, tid, missing in self._reassembler.stalled(self.config.resend_after_s):
-                    reply = self._reply_for.get((source, tid))
+                    reply = self._reassembler.reply_topic(tid, source)
                     if reply and missing and now - asked.get((source, tid), 0.0) >= self.config.resend_after_s:
                         asked[(source, tid)] = now
                         requests.append((reply, tid, missing))
@@ -426,7 +421,7 @@ class MqttTransport(Transport):
 
     def _send_control(self, topic: str, values: dict[str, str]) -> None:
         props = self._Properties(self._PacketTypes.PUBLISH)
-        props.UserProperty = [(P_CONTROL, values["kind"]), (P_TRANSFER, values["tid"]), ("es-seqs", values["seqs"])]
+        props.UserProperty = [(P_CONTROL, values["kind"]), (P_TRANSFER, values["tid"]), (P_SEQS, values["seqs"])]
         self._client.publish(topic, b"", qos=1, properties=props)
 
     def _handle_control(self, kind: str, values: dict[str, str]) -> None:
@@ -439,14 +434,14 @@ class MqttTransport(Transport):
             return
         topic, chunks = entry
         try:
-            seqs = {int(s) for s in values.get("es-seqs", "").split(",") if s}
+            seqs = sorted({int(s) for s in values.get(P_SEQS, "").split(",") if s})
         except ValueError:
             log.warning("malformed resend request ignored")
             return
-        for header, chunk in chunks:
-            if header.seq in seqs:
+        for seq in seqs:
+            if 0 <= seq < len(chunks):
                 # Fire and forget from the network thread: never block it on acks.
-                self._client.publish(topic, chunk, qos=1, properties=self._chunk_props(header))
+                self._client.publish(topic, chunks.chunk(seq), qos=1)
                 self.stats.add(resent_chunks=1)
 
     # -- API --------------------------------------------------------------- #
@@ -480,16 +475,10 @@ class MqttTransport(Transport):
             while self._suback_pending and time.monotonic() < deadline:
                 self._sub_cond.wait(0.05)
 
-    def _chunk_props(self, header: ChunkHeader, reply_topic: str | None = None) -> Any:
-        props = self._Properties(self._PacketTypes.PUBLISH)
-        user = header.properties()
-        if reply_topic or self._reply_topic:
-            user.append((P_REPLY, reply_topic or self._reply_topic))
-        props.UserProperty = user
-        return props
-
     def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None, wait: bool = True) -> None:
-        chunks = split_blob(blob if isinstance(blob, bytes) else bytes(blob), self.config.chunk_size_bytes)
+        # A caller's bytearray could change under chunks still in flight or kept for resends.
+        chunks = ChunkedBlob(blob if isinstance(blob, bytes) else bytes(blob), self.config.chunk_size_bytes,
+                             reply_topic=reply_topic or self._reply_topic or "")
         if retain and len(chunks) > 1:
             # The broker retains one message per topic: only the last chunk would survive.
             raise ValueError(f"a retained blob must fit in one chunk ({len(blob)} > {self.config.chunk_size_bytes} bytes)")
@@ -497,13 +486,13 @@ class MqttTransport(Transport):
         wire_total = 0
         with self._publish_lock:
             self._remember_sent(topic, chunks)
-            for header, chunk in chunks:
-                props = self._chunk_props(header, reply_topic)
-                info = self._client.publish(topic, chunk, qos=1, retain=retain, properties=props)
+            for seq in range(len(chunks)):
+                payload = chunks.chunk(seq)  # hashes the blob as it goes: the digest rides on the last chunk
+                info = self._client.publish(topic, payload, qos=1, retain=retain)
                 if info.rc == self._mqtt.MQTT_ERR_QUEUE_SIZE:
                     raise TransportError("paho's outgoing queue is full")
                 # When disconnected paho keeps QoS 1 messages and sends them on reconnect.
-                wire_total += publish_packet_bytes(topic, len(chunk), 1, user_properties_bytes(props.UserProperty))
+                wire_total += publish_packet_bytes(topic, len(payload), 1, 1)
                 with self._ack_cond:
                     self._unflushed.append(info.mid)
                     if info.mid in self._early_acks:
@@ -551,15 +540,15 @@ class MqttTransport(Transport):
                 )
             self._ack_cond.wait(min(remaining, 1.0))
 
-    def _remember_sent(self, topic: str, chunks: list[tuple[ChunkHeader, bytes]]) -> None:
-        size = sum(len(c) for _, c in chunks)
-        if size > self.config.resend_cache_bytes:
+    def _remember_sent(self, topic: str, chunks: ChunkedBlob) -> None:
+        # Holds a reference to the blob, not a copy of its chunks.
+        if chunks.total_bytes > self.config.resend_cache_bytes:
             return
-        self._sent[chunks[0][0].transfer_id] = (topic, chunks)
-        self._sent_bytes += size
+        self._sent[chunks.transfer_id] = (topic, chunks)
+        self._sent_bytes += chunks.total_bytes
         while self._sent_bytes > self.config.resend_cache_bytes:
             _, (_, old) = self._sent.popitem(last=False)
-            self._sent_bytes -= sum(len(c) for _, c in old)
+            self._sent_bytes -= old.total_bytes
 
     def receive(self, timeout_s: float | None = None) -> Delivery | None:
         try:

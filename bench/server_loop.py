@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from cloud_server.methods import ServerContext
-from cloud_server.methods.fedgkt import FedGktServer, _concat
+from cloud_server.feature_store import ArrayStaging
+from cloud_server.methods.fedgkt import FedGktServer, _Batch, _concat
 from models.losses import kd_loss
 from shared_protocol.methods.fedgkt import GktFeatures
 
@@ -30,6 +31,7 @@ def staged_data(samples: int, agents: int, seed: int = 0) -> dict[str, tuple]:
     rng = np.random.default_rng(seed)
     per = samples // agents
     data = {}
+    staging = ArrayStaging(1 << 40)  # in memory, as the server stages when within its bound
     for a in range(agents):
         msg = GktFeatures(
             run="b", round=1, sender=f"a{a}", split="train", seq=0, instance="i",
@@ -38,12 +40,12 @@ def staged_data(samples: int, agents: int, seed: int = 0) -> dict[str, tuple]:
             labels=rng.integers(0, 10, per).astype(np.int64),
             sample_ids=np.arange(a * per, (a + 1) * per, dtype=np.int64),
         )
-        data[f"a{a}"] = _concat([msg])
+        data[f"a{a}"] = _concat([_Batch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)], staging)
     return data
 
 
 def bare_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: dict[str, tuple], batch: int, temperature: float) -> float:
-    features = torch.cat([d[0].float() for d in data.values()])  # (N, 16, 32, 32), ready in float32
+    features = torch.cat([d[0][:].float() for d in data.values()])  # (N, 16, 32, 32), ready in float32
     edge_logits = torch.cat([d[1] for d in data.values()])
     labels = torch.cat([d[2] for d in data.values()])
     model.train()

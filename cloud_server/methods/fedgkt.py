@@ -8,7 +8,10 @@ sample id, and sends each agent its own (Algorithm 1, lines 11-15).
 
 Sync mode trains on all agents' uploads of a round at once; async mode trains
 on one agent's upload as soon as it is complete and answers that agent at once.
-Staged features are kept as float16 to halve server memory.
+Staged features are kept as float16 to halve server memory, at most
+``staged_memory_bytes`` of them in memory; beyond that, uploads are staged in
+memory-mapped files (``spill_dir``) that the training loop reads back, deleted
+once the round's training is done (``cloud_server/feature_store.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +33,7 @@ from shared_protocol.messages import Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
+from ..feature_store import ArrayStaging, RowSource, StagedArray
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.fedgkt")
@@ -62,6 +66,10 @@ class FedGktConfig:
     upload_codec: str = "fp16-zstd"
     upload_batch_samples: int = 256
     max_staged_samples_per_agent: int = 1_000_000
+    # Float16 feature maps held in memory across all agents' staged uploads; beyond
+    # this, uploads are staged in memory-mapped files in spill_dir ("" = a private temp dir).
+    staged_memory_bytes: int = 2 * 1024**3
+    spill_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -76,6 +84,8 @@ class FedGktConfig:
             raise ValueError(f"fedgkt.lr_schedule must be 'plateau' or 'none', got {self.lr_schedule!r}")
         if self.server_epochs < 1 or self.server_batch_size < 1 or self.server_lr <= 0:
             raise ValueError("fedgkt.server_epochs, server_batch_size must be >= 1 and server_lr > 0")
+        if self.staged_memory_bytes < 0:
+            raise ValueError(f"fedgkt.staged_memory_bytes must be >= 0, got {self.staged_memory_bytes}")
         self.round_config()  # validates the edge half
 
     def round_config(self) -> GktRoundConfig:
@@ -96,25 +106,59 @@ class FedGktConfig:
 
 
 @dataclass
+class _Batch:
+    """One staged upload batch: its feature maps float16 in memory or in a mapped file."""
+
+    features: StagedArray  # (n, 16, H, W) float16
+    logits: np.ndarray  # (n, K)
+    labels: np.ndarray  # (n,)
+    sample_ids: np.ndarray  # (n,)
+
+
+@dataclass
 class _Staged:
     """One agent's uploads of its current round."""
 
     instance: str
     round: int
-    train: dict[int, GktFeatures]  # by seq: a resent batch replaces, never duplicates
-    test: dict[int, GktFeatures]
+    train: dict[int, _Batch] = field(default_factory=dict)  # by seq: a resent batch replaces, never duplicates
+    test: dict[int, _Batch] = field(default_factory=dict)
     samples: int = 0
 
+    def batches(self) -> list[_Batch]:
+        return [*self.train.values(), *self.test.values()]
 
-def _concat(batches: list[GktFeatures]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
-    """Features (fp16), edge logits, labels, ids, de-duplicated by sample id (last wins)."""
+
+# (features, edge logits, labels, sample ids) of one agent, rows aligned.
+AgentData = tuple[RowSource, torch.Tensor, torch.Tensor, np.ndarray]
+
+
+def _concat(batches: list[_Batch], staging: ArrayStaging) -> AgentData:
+    """One agent's batches as aligned rows, de-duplicated by sample id (last wins).
+
+    The features are gathered into one staged array, in memory if every batch was
+    and the bound allows, else in one mapped file; the batches' own staging is released.
+    """
     ids = np.concatenate([b.sample_ids for b in batches])
     _, last = np.unique(ids[::-1], return_index=True)
     keep = np.sort(len(ids) - 1 - last)
-    features = torch.from_numpy(np.concatenate([b.features.astype(np.float16) for b in batches])[keep])
+    shape = (len(keep), *batches[0].features.array.shape[1:])
+    any_spilled = any(b.features.spilled for b in batches)
+    for b in batches:
+        if not b.features.spilled:
+            staging.release(b.features)  # their bytes move into the gathered array below
+    gathered = staging.empty(shape, force_disk=any_spilled)
+    start = row = 0
+    for b in batches:
+        n = len(b.sample_ids)
+        rows = keep[(keep >= start) & (keep < start + n)] - start  # this batch's surviving rows
+        gathered.array[row : row + len(rows)] = b.features.array[rows]
+        row += len(rows)
+        start += n
+        staging.release(b.features)
     logits = torch.from_numpy(np.concatenate([b.logits for b in batches])[keep])
     labels = torch.from_numpy(np.concatenate([b.labels for b in batches])[keep])
-    return features, logits, labels, ids[keep]
+    return RowSource(staging.seal(gathered)), logits, labels, ids[keep]
 
 
 @register_server_method
@@ -136,6 +180,8 @@ class FedGktServer(ServerMethod):
             else None
         )
         self.staged: dict[str, _Staged] = {}
+        self.staging = ArrayStaging(self.config.staged_memory_bytes, self.config.spill_dir or None, np.float16,
+                                    prefix=f"fedgkt-{ctx.run_id}")
         self._ort = None  # OrtArtifactServer, made on the first ort agent's request
         self.feature_shape: tuple[int, ...] | None = None
 
@@ -199,17 +245,24 @@ class FedGktServer(ServerMethod):
         staged = self.staged.get(agent)
         if staged is None or staged.instance != msg.instance or staged.round != msg.round:
             # A new process (restart) or a new round: what the old one staged is void.
-            staged = self.staged[agent] = _Staged(msg.instance, msg.round, {}, {})
-        if staged.samples + len(msg.labels) > self.config.max_staged_samples_per_agent:
-            raise SizeLimitError(f"agent {agent} uploaded more than {self.config.max_staged_samples_per_agent} samples this round")
+            self.discard(agent)
+            staged = self.staged[agent] = _Staged(msg.instance, msg.round)
         batches = staged.train if msg.split == "train" else staged.test
-        if msg.seq in batches:
-            staged.samples -= len(batches[msg.seq].labels)
-        batches[msg.seq] = msg
-        staged.samples += len(msg.labels)
+        replaced = batches.get(msg.seq)
+        samples = staged.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.labels)
+        if samples > self.config.max_staged_samples_per_agent:
+            raise SizeLimitError(f"agent {agent} uploaded more than {self.config.max_staged_samples_per_agent} samples this round")
+        if replaced is not None:
+            self.staging.release(replaced.features)
+        # float16 now, not at training time: the bound is on what is actually held.
+        batches[msg.seq] = _Batch(self.staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
+        staged.samples = samples
+        return None
 
     def discard(self, agent: str) -> None:
-        self.staged.pop(agent, None)
+        staged = self.staged.pop(agent, None)
+        if staged is not None:
+            self.staging.release_all([b.features for b in staged.batches()])
 
     def check_round_end(self, agent: str, end: RoundEnd) -> list[tuple[str, Message]]:
         """Batches the agent says it sent but that never arrived (e.g. lost with a
@@ -247,8 +300,8 @@ class FedGktServer(ServerMethod):
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
-        data: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = {}
-        tests: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        data: dict[str, AgentData] = {}
+        tests: dict[str, AgentData] = {}
         for agent in sorted(ends):
             why = self._usable(agent, ends[agent])
             if why is not None:
@@ -257,27 +310,31 @@ class FedGktServer(ServerMethod):
                 self.discard(agent)
                 continue
             staged = self.staged.pop(agent)
-            data[agent] = _concat([staged.train[k] for k in sorted(staged.train)])
+            data[agent] = _concat([staged.train[k] for k in sorted(staged.train)], self.staging)
             if staged.test:
-                tests[agent] = _concat([staged.test[k] for k in sorted(staged.test)])
+                tests[agent] = _concat([staged.test[k] for k in sorted(staged.test)], self.staging)
         outcome.used_agents = list(data)
-        if not data:
+        try:
+            if not data:
+                return outcome
+            started = time.perf_counter()
+            logits_by_agent, loss = self._train(data, round_)
+            outcome.server_train_s = time.perf_counter() - started
+            outcome.server_loss = loss
+            outcome.samples = sum(len(d[3]) for d in data.values())
+            if self.scheduler is not None and math.isfinite(loss):
+                self.scheduler.step(loss)
+            if self.config.kd != "none":
+                for agent, (ids, logits) in logits_by_agent.items():
+                    outcome.downloads.append(
+                        (agent, GktServerLogits(run=self.ctx.run_id, round=round_, sender="server", sample_ids=ids, logits=logits))
+                    )
+            if tests:
+                outcome.correct, outcome.total = self._evaluate(tests)
             return outcome
-        started = time.perf_counter()
-        logits_by_agent, loss = self._train(data, round_)
-        outcome.server_train_s = time.perf_counter() - started
-        outcome.server_loss = loss
-        outcome.samples = sum(len(d[3]) for d in data.values())
-        if self.scheduler is not None and math.isfinite(loss):
-            self.scheduler.step(loss)
-        if self.config.kd != "none":
-            for agent, (ids, logits) in logits_by_agent.items():
-                outcome.downloads.append(
-                    (agent, GktServerLogits(run=self.ctx.run_id, round=round_, sender="server", sample_ids=ids, logits=logits))
-                )
-        if tests:
-            outcome.correct, outcome.total = self._evaluate(tests)
-        return outcome
+        finally:
+            # The round's training is done (or failed): its staged features, and spill files, go.
+            self.staging.release_all([d[0].staged for d in (*data.values(), *tests.values())])
 
     def _batches(self, data: dict[str, tuple], generator: torch.Generator) -> list[tuple[int, torch.Tensor]]:
         """One epoch's batches as (agent position, sample indices into that agent's data).

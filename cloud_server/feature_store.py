@@ -1,0 +1,168 @@
+"""Bounded staging of uploaded feature arrays on the server (memory, then memory-mapped files).
+
+Methods that train on what agents upload (FedGKT's feature maps) stage the
+uploads until the round's training. :class:`ArrayStaging` keeps them in memory
+up to ``memory_bytes`` and writes the rest to memory-mapped ``.npy`` files in
+``spill_dir`` (numpy's own format, opened with ``allow_pickle=False``), which
+the training loop reads back row by row through the page cache. Files are
+deleted when the staged array is released; unlinking a mapped file is safe on
+POSIX (the mapping keeps the pages until it is dropped).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("cloud_server.feature_store")
+
+
+@dataclass
+class StagedArray:
+    """One staged array: in memory (``path`` None) or a read-only memory map over ``path``."""
+
+    array: np.ndarray
+    path: Path | None
+    released: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    @property
+    def spilled(self) -> bool:
+        return self.path is not None
+
+
+class ArrayStaging:
+    """Staged arrays of one dtype, at most ``memory_bytes`` of them in memory at a time.
+
+    ``spill_dir`` None means a private temporary directory, made on the first spill
+    and removed once it holds no files.
+    """
+
+    def __init__(self, memory_bytes: int, spill_dir: str | Path | None = None, dtype: Any = np.float16,
+                 prefix: str = "staged") -> None:
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
+        self.memory_bytes = memory_bytes
+        self.dtype = np.dtype(dtype)
+        self._spill_dir = Path(spill_dir) if spill_dir else None
+        self._own_dir: Path | None = None
+        self._prefix = prefix
+        self._names = itertools.count()
+        self.in_memory_bytes = 0
+        self.spilled_bytes = 0
+        self.peak_in_memory_bytes = 0
+        self.files_written = 0
+        self._files: set[Path] = set()
+
+    # -- staging ------------------------------------------------------------ #
+
+    def stage(self, array: np.ndarray) -> StagedArray:
+        """A copy of ``array`` in this staging's dtype: in memory while the bound allows, else on disk."""
+        nbytes = int(np.prod(array.shape, dtype=np.int64)) * self.dtype.itemsize
+        if self.in_memory_bytes + nbytes <= self.memory_bytes:
+            staged = StagedArray(np.ascontiguousarray(array, dtype=self.dtype), None)
+            self._count_in(staged)
+            return staged
+        target = self.empty(array.shape, force_disk=True)
+        target.array[...] = array  # casts while writing: no full-size temporary in memory
+        return self.seal(target)
+
+    def empty(self, shape: tuple[int, ...], force_disk: bool = False) -> StagedArray:
+        """An uninitialised writable array to fill and then :meth:`seal`; on disk when the bound says so."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
+        if not force_disk and self.in_memory_bytes + nbytes <= self.memory_bytes:
+            staged = StagedArray(np.empty(shape, self.dtype), None)
+            self._count_in(staged)
+            return staged
+        path = self._directory() / f"{self._prefix}-{os.getpid()}-{next(self._names)}.npy"
+        array = np.lib.format.open_memmap(path, mode="w+", dtype=self.dtype, shape=tuple(shape))
+        self._files.add(path)
+        self.files_written += 1
+        self.spilled_bytes += nbytes
+        return StagedArray(array, path)
+
+    def seal(self, staged: StagedArray) -> StagedArray:
+        """Finish writing a spilled array: flush it and map it back read-only."""
+        if staged.path is None:
+            return staged
+        written = staged.array
+        if isinstance(written, np.memmap):
+            written.flush()
+        del written
+        staged.array = np.load(staged.path, mmap_mode="r", allow_pickle=False)
+        return staged
+
+    def release(self, staged: StagedArray) -> None:
+        """Forget a staged array: free its share of the bound, delete its file (idempotent)."""
+        if staged.released:
+            return
+        staged.released = True
+        if staged.path is None:
+            self.in_memory_bytes -= staged.nbytes
+        else:
+            self.spilled_bytes -= staged.nbytes
+            self._files.discard(staged.path)
+            staged.path.unlink(missing_ok=True)
+            self._cleanup_dir()
+
+    @property
+    def files(self) -> list[Path]:
+        """Spill files currently on disk."""
+        return sorted(self._files)
+
+    def release_all(self, staged: list[StagedArray]) -> None:
+        for item in staged:
+            self.release(item)
+
+    # -- internals ---------------------------------------------------------- #
+
+    def _count_in(self, staged: StagedArray) -> None:
+        self.in_memory_bytes += staged.nbytes
+        self.peak_in_memory_bytes = max(self.peak_in_memory_bytes, self.in_memory_bytes)
+
+    def _directory(self) -> Path:
+        if self._spill_dir is not None:
+            self._spill_dir.mkdir(parents=True, exist_ok=True)
+            return self._spill_dir
+        if self._own_dir is None:
+            self._own_dir = Path(tempfile.mkdtemp(prefix=f"edgesplit-{self._prefix}-"))
+            log.info("staging beyond %d bytes in memory spills to %s", self.memory_bytes, self._own_dir)
+        return self._own_dir
+
+    def _cleanup_dir(self) -> None:
+        if self._own_dir is not None and not self._files:
+            try:
+                self._own_dir.rmdir()
+            except OSError:  # someone put a file there: leave it be
+                return
+            self._own_dir = None
+
+
+class RowSource:
+    """Rows of a staged (N, ...) array as float16 torch tensors, indexable like a tensor
+    by a LongTensor of rows or a slice; spilled arrays are read from their memory map."""
+
+    def __init__(self, staged: StagedArray) -> None:
+        self.staged = staged
+        self._tensor = torch.from_numpy(staged.array) if not staged.spilled else None
+
+    def __len__(self) -> int:
+        return int(self.staged.array.shape[0])
+
+    def __getitem__(self, index: torch.Tensor | slice) -> torch.Tensor:
+        if self._tensor is not None:
+            return self._tensor[index]
+        rows = index.numpy() if isinstance(index, torch.Tensor) else index
+        out = self.staged.array[rows]  # a gather copies; a slice is a view of the read-only map
+        return torch.from_numpy(out if out.flags.writeable else np.array(out))

@@ -377,6 +377,8 @@ def test_server_rejects_stale_and_mismatched_updates() -> None:
         server.on_upload("a", FedKdUpdate(**base, base_version=3, layout=layout, factors=factors))
     with pytest.raises(ValueRangeError):
         server.on_upload("a", FedKdUpdate(**{**base, "payload": "gradient"}, base_version=0, layout=layout, factors=factors))
+    with pytest.raises(ValueRangeError, match="T = 0.98"):  # round 1's T is T_start = 0.95
+        server.on_upload("a", FedKdUpdate(**{**base, "threshold": 0.98}, base_version=0, layout=layout, factors=factors))
     small = {k: v for k, v in delta.items() if "fc" not in k}
     layout2, factors2, _ = factor_state(small, 0.95)
     with pytest.raises(ShapeMismatchError):

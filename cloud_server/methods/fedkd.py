@@ -36,6 +36,7 @@ unless ``[fedkd] schedule_rounds`` sets another horizon.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -262,6 +263,9 @@ class FedKdServer(ServerMethod):
             raise StaleMessageError(f"update computed from global mentee {msg.base_version}, current is {self.version}")
         if msg.payload != self.config.upload:
             raise ValueRangeError(f"update carries a {msg.payload}, this run uploads {self.config.upload}s")
+        if not math.isclose(msg.threshold, self.threshold(msg.round), rel_tol=0.0, abs_tol=1e-9):
+            # The agent did not factor with this round's T(t) (Eq. 9): a misconfigured or stale agent.
+            raise ValueRangeError(f"update factored with T = {msg.threshold}, round {msg.round} uses T = {self.threshold(msg.round)}")
         packed = unfactor_state(msg.TYPE, msg.layout, msg.factors)
         if set(packed) != set(self.global_state):
             missing, extra = sorted(set(self.global_state) - set(packed)), sorted(set(packed) - set(self.global_state))

@@ -48,7 +48,8 @@ PARTITIONS = {"iid": "iid", "noniid": "dirichlet:0.5"}
 # Method-specific settings of the FedAvg family on top of FedAvg's (the papers' defaults unless said).
 FEDAVG_FAMILY: dict[str, dict[str, Any]] = {
     "fedgkd": {"variant": "avg", "gamma": 0.2, "buffer_size": 5},  # FedGKD (not -Vote), the paper's CV defaults
-    "feddistill": {},
+    # The paper prints search ranges, not the values kept: read off its sensitivity study (docs/methods/feddistill.md).
+    "feddistill": {"alpha_t": 0.0, "alpha_r": 0.5, "alpha_f": 1.0, "beta_l": 1.4, "beta_e": 0.3, "beta_fc": 0.3},
     "fedbe": {},
 }
 

@@ -12,10 +12,12 @@ The sender (:class:`ChunkedBlob`) cuts chunks from a memoryview of the blob
 and hashes it incrementally as chunks are cut, so the first chunk leaves before
 the blob is hashed and no chunk is copied except into its own payload. The
 :class:`Reassembler` accepts chunks in any order, drops duplicates (QoS 1
-delivers at least once), writes each chunk in place into one preallocated
-buffer per transfer, hashes in seq order as the chunks arrive, bounds memory per
+delivers at least once), keeps each chunk's body as a view into the received
+payload (no copy), hashes in seq order as the chunks arrive, bounds memory per
 transfer and in total, expires transfers that stall, can list the seqs still
-missing, and hands a blob up only after its sha256 matches.
+missing, and hands a blob up only after its sha256 matches, joined with one copy.
+(Writing chunks in place into a preallocated bytearray costs the same one copy
+plus zero-filling the buffer first: measured 0.30 vs 0.15 ms/MB.)
 """
 
 from __future__ import annotations
@@ -186,8 +188,7 @@ class _Transfer:
     header: ChunkHeader  # the first chunk seen: count, total and stride every later chunk must match
     started_at: float
     updated_at: float
-    buffer: bytearray  # the whole blob, written in place as chunks arrive
-    received: set[int] = field(default_factory=set)
+    parts: dict[int, memoryview | bytes] = field(default_factory=dict)  # by seq: views into the received payloads
     sha256: bytes | None = None  # from the last chunk, once it arrived
     # Hash as chunks arrive in order, so completing a blob does not hash it all at once.
     hasher: "hashlib._Hash" = field(default_factory=hashlib.sha256)
@@ -232,19 +233,20 @@ class Reassembler:
 
     @property
     def reserved_bytes(self) -> int:
-        """Memory held by open transfers (each allocates its declared size on its first chunk)."""
+        """Memory promised to open transfers (their declared sizes)."""
         return sum(t.header.total_bytes for t in self._transfers.values())
 
     def open_transfers(self) -> list[tuple[str, str]]:
         return list(self._transfers)
 
-    def add(self, payload: bytes | bytearray | memoryview, source: str = "") -> bytearray | None:
+    def add(self, payload: bytes | bytearray | memoryview, source: str = "") -> bytes | None:
         """Add one chunk payload; return the whole blob when this chunk completes it."""
         header, body = ChunkHeader.parse(payload)
         return self.add_chunk(header, body, source)
 
-    def add_chunk(self, header: ChunkHeader, body: bytes | memoryview, source: str = "") -> bytearray | None:
-        """Add one parsed chunk (see :meth:`ChunkHeader.parse`)."""
+    def add_chunk(self, header: ChunkHeader, body: bytes | memoryview, source: str = "") -> bytes | None:
+        """Add one parsed chunk (see :meth:`ChunkHeader.parse`). ``body`` is kept as is until the
+        transfer completes, so it must not change (paho hands up immutable bytes)."""
         key = (source, header.transfer_id)
         if key in self._completed:
             self.stats.duplicates += 1
@@ -260,7 +262,7 @@ class Reassembler:
         ):
             self.stats.rejected += 1
             raise ChunkError(f"chunk {header.seq} of transfer {header.transfer_id} disagrees with earlier chunks")
-        if header.seq in transfer.received:
+        if header.seq in transfer.parts:
             self.stats.duplicates += 1
             return None
         if len(body) != header.body_bytes:
@@ -270,20 +272,14 @@ class Reassembler:
                 f"transfer {header.transfer_id}: chunk {header.seq} carries {len(body)} bytes, its place in the "
                 f"{header.total_bytes}-byte blob holds {header.body_bytes}"
             )
-        start = header.body_offset
-        transfer.buffer[start : start + len(body)] = body  # the one copy on receive
-        transfer.received.add(header.seq)
+        transfer.parts[header.seq] = body  # a view: the payload stays alive, nothing is copied yet
         if header.sha256 is not None:
             transfer.sha256 = header.sha256
         transfer.updated_at = now
-        if transfer.hashed_upto in transfer.received:
-            view = memoryview(transfer.buffer)
-            while transfer.hashed_upto in transfer.received:
-                offset = transfer.hashed_upto * header.chunk_bytes
-                transfer.hasher.update(view[offset : offset + header.chunk_bytes])
-                transfer.hashed_upto += 1
-            view.release()  # an exported buffer could not be resized; no view outlives this call
-        if len(transfer.received) < header.count:
+        while transfer.hashed_upto in transfer.parts:
+            transfer.hasher.update(transfer.parts[transfer.hashed_upto])
+            transfer.hashed_upto += 1
+        if len(transfer.parts) < header.count:
             return None
         self._drop(key)
         if transfer.hasher.digest() != transfer.sha256:
@@ -293,7 +289,7 @@ class Reassembler:
         while len(self._completed) > self._remember:
             self._completed.popitem(last=False)
         self.stats.completed += 1
-        return transfer.buffer
+        return b"".join([transfer.parts[i] for i in range(header.count)])  # the one copy on receive
 
     def _open(self, key: tuple[str, str], header: ChunkHeader, now: float) -> _Transfer:
         source = key[0]
@@ -314,7 +310,7 @@ class Reassembler:
             self.stats.rejected += 1
             # One sender must not hold the whole budget hostage with half-sent transfers.
             raise SizeLimitError(f"{source or 'sender'} already has {self.max_transfers_per_source} transfers open")
-        transfer = _Transfer(header, now, now, bytearray(header.total_bytes))
+        transfer = _Transfer(header, now, now)
         self._transfers[key] = transfer
         return transfer
 
@@ -322,7 +318,7 @@ class Reassembler:
         transfer = self._transfers.get((source, transfer_id))
         if transfer is None:
             return []
-        return [seq for seq in range(transfer.header.count) if seq not in transfer.received]
+        return [seq for seq in range(transfer.header.count) if seq not in transfer.parts]
 
     def reply_topic(self, transfer_id: str, source: str = "") -> str:
         """Where the sender of an open transfer takes resend requests ("" if it named none)."""

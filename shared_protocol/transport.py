@@ -110,10 +110,10 @@ class TransportConfig:
 
 @dataclass(frozen=True)
 class Delivery:
-    """One complete inbound blob (a bytearray when it was reassembled in place from chunks)."""
+    """One complete inbound blob."""
 
     topic: str
-    payload: bytes | bytearray
+    payload: bytes
     transfer_id: str
     wire_bytes: int
     received_at: float

@@ -91,6 +91,7 @@ def run(samples: int, agents: int, repeats: int, model_name: str) -> dict:
             server_times.append(time_server())
     s, b = statistics.median(server_times), statistics.median(bare_times)
     return {
+        "benchmark": "server_loop",
         "machine": machine(),
         "setup": {"server_model": model_name, "samples": samples, "agents": agents, "batch_size": 64, "repeats": repeats},
         "server_step_s": server_times,

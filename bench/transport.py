@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -82,7 +83,7 @@ def tcp_copy(total: int) -> float:
     return time.perf_counter() - start
 
 
-def raw_paho(port: int, total: int, tls: dict | None) -> float:
+def raw_paho(port: int, total: int, tls: dict | None, meter: Meter | None = None) -> float:
     done = threading.Event()
     got = [0]
     count = total // CHUNK
@@ -107,19 +108,22 @@ def raw_paho(port: int, total: int, tls: dict | None) -> float:
     time.sleep(0.3)
     tx = client("tx")
     block = os.urandom(CHUNK)
+    meter = meter or Meter()
+    meter.start()
     start = time.perf_counter()
     infos = [tx.publish("bench/raw", block, qos=1) for _ in range(count)]
     for info in infos:
         info.wait_for_publish(60)
     done.wait(120)
     elapsed = time.perf_counter() - start
+    meter.stop()
     for cl in (rx, tx):
         cl.loop_stop()
         cl.disconnect()
     return elapsed
 
 
-def ours(port: int, total: int, tls: dict | None, blob_mb: int) -> float:
+def ours(port: int, total: int, tls: dict | None, blob_mb: int, meter: Meter | None = None) -> float:
     def transport(name: str) -> MqttTransport:
         url = f"mqtts://localhost:{port}" if tls else f"mqtt://127.0.0.1:{port}"
         return MqttTransport(TransportConfig(broker_url=url, client_id=f"{name}-{time.monotonic_ns()}", username=tls["user"] if tls else None,
@@ -143,6 +147,8 @@ def ours(port: int, total: int, tls: dict | None, blob_mb: int) -> float:
             received.append(len(got.payload))
 
     consumer = threading.Thread(target=consume)
+    meter = meter or Meter()
+    meter.start()
     start = time.perf_counter()
     consumer.start()
     for _ in range(n):
@@ -150,6 +156,7 @@ def ours(port: int, total: int, tls: dict | None, blob_mb: int) -> float:
     tx.flush()
     consumer.join()
     elapsed = time.perf_counter() - start
+    meter.stop()
     if received != [len(blob)] * n:
         raise RuntimeError(f"receiver got {len(received)} of {n} blobs")
     rx.close()
@@ -157,16 +164,51 @@ def ours(port: int, total: int, tls: dict | None, blob_mb: int) -> float:
     return elapsed
 
 
-def paired(port: int, total: int, tls: dict | None, repeats: int, mb: int) -> tuple[list[float], list[float]]:
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of this process, or of ``pid``."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Meter:
+    """CPU seconds of this process and of the broker over the timed part of one transfer."""
+
+    def __init__(self, broker_pid: int | None = None) -> None:
+        self.broker_pid = broker_pid
+        self.clients_s = self.broker_s = 0.0
+
+    def start(self) -> None:
+        self._c0 = cpu_s()
+        self._b0 = cpu_s(self.broker_pid) if self.broker_pid else 0.0
+
+    def stop(self) -> None:
+        self.clients_s = cpu_s() - self._c0
+        self.broker_s = (cpu_s(self.broker_pid) - self._b0) if self.broker_pid else 0.0
+
+
+def measured(run_once, mb: int, broker_pid: int) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
+    """(MB/s, client CPU ms per MB, broker CPU ms per MB) of one transfer."""
+    meter = Meter(broker_pid)
+    elapsed = run_once(meter)
+    return mb / elapsed, 1000 * meter.clients_s / mb, 1000 * meter.broker_s / mb
+
+
+def paired(port: int, total: int, tls: dict | None, repeats: int, mb: int, broker_pid: int) -> dict[str, list]:
     """Raw paho and the transport alternately, after one untimed warm-up of each: on a shared
-    machine the load drifts, and a pair measured back to back sees (nearly) the same load."""
+    machine the load drifts, and a pair measured back to back sees (nearly) the same load.
+    CPU time per MB (sender and receiver in this process; the broker separately) does not
+    depend on the load the way wall time does."""
     raw_paho(port, CHUNK * 16, tls)
     ours(port, CHUNK * 16, tls, 8)
-    raw, es = [], []
+    out: dict[str, list] = {"raw": [], "ours": []}
     for _ in range(repeats):
-        raw.append(mb / raw_paho(port, total, tls))
-        es.append(mb / ours(port, total, tls, 8))
-    return raw, es
+        out["raw"].append(measured(lambda m: raw_paho(port, total, tls, m), mb, broker_pid))
+        out["ours"].append(measured(lambda m: ours(port, total, tls, 8, m), mb, broker_pid))
+    return out
 
 
 def run(mb: int, repeats: int) -> dict:
@@ -174,6 +216,7 @@ def run(mb: int, repeats: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="edgesplit-bench-"))
     work.chmod(0o755)  # mosquitto reads its TLS files as the mosquitto user
     results: dict = {
+        "benchmark": "transport",
         "machine": machine(),
         "setup": {
             "megabytes": mb, "repeats": repeats, "chunk_bytes": CHUNK, "blob_megabytes": 8,
@@ -182,12 +225,13 @@ def run(mb: int, repeats: int) -> dict:
         },
         "mb_per_s": {},
     }
+    pairs: dict[str, dict[str, list]] = {}
     try:
         results["mb_per_s"]["tcp_socket"] = [mb / tcp_copy(total) for _ in range(repeats)]
         plain_port = free_port()
         plain = start_broker(f"listener {plain_port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n", None, plain_port, work)
         try:
-            results["mb_per_s"]["paho_raw_plain"], results["mb_per_s"]["edgesplit_plain"] = paired(plain_port, total, None, repeats, mb)
+            pairs["plain"] = paired(plain_port, total, None, repeats, mb, plain.pid)
         finally:
             plain.kill()
         tls_port = free_port()
@@ -200,11 +244,16 @@ def run(mb: int, repeats: int) -> dict:
         tls_proc = start_broker(None, conf, tls_port, work)
         tls = {"user": "bench", "password": (keys / "secrets" / "bench.password").read_text().strip(), "ca": str(keys / "ca.crt")}
         try:
-            results["mb_per_s"]["paho_raw_tls"], results["mb_per_s"]["edgesplit_tls"] = paired(tls_port, total, tls, repeats, mb)
+            pairs["tls"] = paired(tls_port, total, tls, repeats, mb, tls_proc.pid)
         finally:
             tls_proc.kill()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    results["cpu_ms_per_mb"] = {}
+    for mode, both in pairs.items():
+        for who, name in (("raw", f"paho_raw_{mode}"), ("ours", f"edgesplit_{mode}")):
+            results["mb_per_s"][name] = [r[0] for r in both[who]]
+            results["cpu_ms_per_mb"][name] = {"clients": [r[1] for r in both[who]], "broker": [r[2] for r in both[who]]}
     rates = results["mb_per_s"]
     med = {k: statistics.median(v) for k, v in rates.items()}
     results["median_mb_per_s"] = med
@@ -216,6 +265,14 @@ def run(mb: int, repeats: int) -> dict:
         mode: [r / e for r, e in zip(rates[f"paho_raw_{mode}"], rates[f"edgesplit_{mode}"])] for mode in ("plain", "tls")
     }
     results["median_pair_ratio"] = {mode: statistics.median(v) for mode, v in results["pair_ratios"].items()}
+    results["median_cpu_ms_per_mb"] = {
+        name: {part: statistics.median(v) for part, v in parts.items()} for name, parts in results["cpu_ms_per_mb"].items()
+    }
+    results["cpu_ratio_edgesplit_over_paho"] = {
+        mode: sum(results["median_cpu_ms_per_mb"][f"edgesplit_{mode}"].values())
+        / sum(results["median_cpu_ms_per_mb"][f"paho_raw_{mode}"].values())
+        for mode in ("plain", "tls")
+    }
     results["claim_within_2x_of_raw_paho"] = all(r <= 2.0 for r in results["ratios"].values())
     try:
         import json

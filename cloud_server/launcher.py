@@ -135,8 +135,17 @@ def _feddistill_table(args: argparse.Namespace) -> dict:
     return _fedavg_table(args)
 
 
+def _fedbe_table(args: argparse.Namespace) -> dict:
+    # FedAvg's local training; the server's unlabeled set is the training samples the agents do not
+    # take (they take a --train-samples subset seeded by --seed, which is also the server's seed).
+    table = {**_fedavg_table(args), "unlabeled_dataset": args.dataset, "agent_train_samples": args.train_samples}
+    if args.data_root:
+        table["unlabeled_root"] = args.data_root
+    return table
+
+
 # The method's table in the generated server.toml; methods not named here are configured like FedGKT.
-METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table, "fedkd": _fedkd_table, "fedgkd": _fedgkd_table, "feddistill": _feddistill_table}
+METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table, "fedkd": _fedkd_table, "fedgkd": _fedgkd_table, "feddistill": _feddistill_table, "fedbe": _fedbe_table}
 
 
 def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None) -> tuple[Path, list[Path]]:

@@ -611,8 +611,22 @@ def run(
     )
     report["environment"]["model_updates_s"] = round(updates_s, 2)
     report["environment"]["load_average_1m_after"] = round(os.getloadavg()[0], 2)
+    shared = shared_machine_note(report["environment"])
+    if shared:
+        report["notes"].append(shared)
     report["environment"]["wall_s"] = round(time.perf_counter() - started, 2)
     return report
+
+
+def shared_machine_note(env: dict[str, Any]) -> str | None:
+    """A warning for the report when other work shared the CPU (MB/s then say little)."""
+    cores = env.get("cpu_count") or 1
+    load = max(env["load_average_1m_before"], env["load_average_1m_after"])
+    if load <= 0.5 * cores:
+        return None
+    return (f"The machine was shared during this run (1-min load average {env['load_average_1m_before']} before, "
+            f"{env['load_average_1m_after']} after, on {cores} cores): MB/s are noisy and lower than on an idle machine; "
+            "sizes, ratios and errors are unaffected.")
 
 
 def check_claims(results: dict[str, Any]) -> dict[str, Any]:

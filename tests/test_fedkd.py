@@ -317,6 +317,7 @@ def _check_round_report(server: FedKdServer, round_: int, t: float, deltas: dict
     figures = server.round_report(round_)
     json.dumps(figures, allow_nan=False)  # strict JSON as it is
     assert figures["threshold"] == t and figures["agents_used"] == len(deltas)
+    assert figures["local_mentee_accuracy"] is None  # the test's round ends report no evaluation
     uploads = {a: {name: svd.factorize(array, t) for name, array in d.items()} for a, d in deltas.items()}
     up_bytes = np.mean([sum(p.payload_bytes for p in packed.values()) for packed in uploads.values()])
     down_bytes = sum(p.payload_bytes for p in aggregate.values())
@@ -412,6 +413,8 @@ def _check_run(fed, report: dict, run_dir: Path) -> None:  # type: ignore[no-unt
     for record, h in zip(report["rounds"], server.history):
         figures = record["method"]
         assert figures["threshold"] == h["threshold"] and figures["agents_used"] == 2
+        local = [a["mentee_accuracy"] for a in h["agents"].values()]  # every round is evaluated here
+        assert figures["local_mentee_accuracy"] == pytest.approx(sum(local) / 2, abs=1e-4) and 0 <= min(local)
         assert figures["fedkd_bytes"] < figures["dense_mentee_bytes"] < figures["fedavg_mentor_bytes"]
         assert 0 < figures["saved_vs_dense_mentee"] < figures["saved_vs_fedavg_mentor"] < 1
         assert set(figures["ranks"]) == {name for name, v in server.global_state.items() if v.ndim >= 2}

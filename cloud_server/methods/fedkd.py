@@ -165,6 +165,11 @@ def _ranks(packed: dict[str, svd.SvdTensor]) -> dict[str, int]:
     return {name: p.rank for name, p in packed.items() if p.mode == "factored"}
 
 
+def _mean_of(entries: list[dict[str, Any]], key: str) -> float | None:
+    values = [e[key] for e in entries if isinstance(e.get(key), (int, float)) and not isinstance(e.get(key), bool)]
+    return round(float(np.mean(values)), 4) if values else None
+
+
 def _eq8_rank(entry: dict[str, Any], name: str, limit: int, full: int) -> int | None:
     """Eq. 8's K of tensor ``name`` in a history entry (an upload or the aggregate): its
     rank if it went factored, else the K it reported for its dense fallback. An agent
@@ -431,6 +436,9 @@ class FedKdServer(ServerMethod):
             "saved_vs_dense_mentee": round(1.0 - bytes_["fedkd_svd"] / bytes_["dense_mentee"], 4),
             "saved_vs_fedavg_mentor": round(1.0 - bytes_["fedkd_svd"] / bytes_["fedavg_mentor"], 4),
             "sync_bytes": record["sync"]["bytes"],
+            # Evaluated rounds: the agents' own mentees before aggregation (the global mentee
+            # is the round's "accuracy", the mentors its "edge_accuracy"); a plain mean over agents.
+            "local_mentee_accuracy": _mean_of(uploads, "mentee_accuracy"),
             "ranks": ranks,
         }
 

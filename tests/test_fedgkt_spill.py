@@ -33,7 +33,8 @@ def _batch(agent: int, split: str, seq: int, ids: np.ndarray, salt: int = 0) -> 
 
 
 def _uploads() -> dict[str, list[GktFeatures]]:
-    """Two agents, three train batches each (one sent twice, as a resend), one test batch."""
+    """Two agents, three train batches each (one sent twice, as a resend; one overlapping
+    the others' sample ids), one test batch."""
     out = {}
     for a in range(2):
         base = 100 * a
@@ -41,7 +42,7 @@ def _uploads() -> dict[str, list[GktFeatures]]:
             _batch(a, "train", 0, np.arange(base, base + 6)),
             _batch(a, "train", 1, np.arange(base + 6, base + 12), salt=1),
             _batch(a, "train", 1, np.arange(base + 6, base + 12), salt=2),  # replaces seq 1
-            _batch(a, "train", 2, np.arange(base + 12, base + 18)),
+            _batch(a, "train", 2, np.arange(base + 3, base + 9)),  # re-sends ids of seqs 0 and 1: last wins
             _batch(a, "test", 0, np.arange(base + 50, base + 56)),
         ]
     return out
@@ -84,7 +85,8 @@ def test_spilled_features_train_to_the_same_result_and_are_deleted(tmp_path: Pat
     assert spilled.staging.in_memory_bytes == 0 and spilled.staging.spilled_bytes == 0
     for want, have in zip(expected, got):
         assert have.used_agents == want.used_agents == ["a0", "a1"]
-        assert (have.correct, have.total, have.samples) == (want.correct, want.total, want.samples) and want.total == 12
+        assert (have.correct, have.total, have.samples) == (want.correct, want.total, want.samples)
+        assert want.total == 12 and want.samples == 2 * 12  # 18 uploaded per agent, 6 of them twice
         assert have.server_loss == want.server_loss
         for (agent_w, msg_w), (agent_h, msg_h) in zip(want.downloads, have.downloads):
             assert agent_w == agent_h

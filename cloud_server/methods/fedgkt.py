@@ -152,7 +152,11 @@ def _concat(batches: list[_Batch], staging: ArrayStaging) -> AgentData:
     for b in batches:
         n = len(b.sample_ids)
         rows = keep[(keep >= start) & (keep < start + n)] - start  # this batch's surviving rows
-        gathered.array[row : row + len(rows)] = b.features.array[rows]
+        target = gathered.array[row : row + len(rows)]
+        if len(rows) == n:  # no duplicates (the usual case): one straight copy
+            target[...] = b.features.array
+        else:
+            np.take(b.features.array, rows, axis=0, out=target)
         row += len(rows)
         start += n
         staging.release(b.features)

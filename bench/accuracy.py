@@ -86,6 +86,11 @@ def runs(rounds: int, ablation_partition: str) -> list[tuple[str, str, RunSpec]]
         # The FedAvg family: FedAvg's local training and aggregation plus each method's own terms.
         for method, extra in FEDAVG_FAMILY.items():
             out.append(("table1", key, RunSpec(f"{method}-resnet56-{key}", method, {**fedavg, **extra}, rounds)))
+        # FedKD: a private ResNet-56 mentor and a shared ResNet-8 mentee per agent; its accuracy is the
+        # global mentee's (the mentors' is its edge accuracy), its uploads SVD-factored mentee updates.
+        out.append(("table1", key, RunSpec(f"fedkd-{key}", "fedkd", {
+            "mentor_model": "resnet56", "mentee_model": "resnet8", "batch_size": BATCH, "local_epochs": 1,
+            "optimizer": "adam", "mentor_lr": 0.001, "mentee_lr": 0.001}, rounds)))
     for model in ("resnet56", "resnet8"):
         out.append(("table1", "central", RunSpec(f"centralized-{model}", "centralized",
                                                   {"model": model, "epochs_per_round": 1, "batch_size": BATCH, "lr": 0.001}, rounds)))

@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgesplit", description="EdgeSplit tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     local = sub.add_parser("local", help="run a federation on this machine: broker + server + N agents")
-    local.add_argument("--method", default="fedgkt", help="fedgkt | fedavg | splitnn | centralized (or another installed method)")
+    from .methods import KNOWN_METHODS
+
+    local.add_argument("--method", default="fedgkt", help=f"{' | '.join(KNOWN_METHODS)} | centralized")
     local.add_argument("--agents", type=int, default=4)
     local.add_argument("--rounds", type=int, default=8)
     local.add_argument("--dataset", default="fashion-mnist")
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "fedavg weights, both ways: zstd (default, lossless) | fp16-zstd; splitnn activations: raw (default) | fp16-zstd")
     local.add_argument("--deadline", type=float, default=900.0, help="round deadline in seconds")
     local.add_argument("--eval-every", type=int, default=1)
+    local.add_argument("--client-fraction", type=float, default=1.0, help="sync methods: fraction of the agents drawn each round")
     local.add_argument("--seed", type=int, default=0)
     local.add_argument("--run-id", default=None)
     local.add_argument("--out", default=None, help="run directory (default runs/<run id>)")
@@ -158,7 +161,7 @@ def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str,
             "server": {
                 "run_id": run_id, "method": args.method, "broker_url": broker, "out_dir": str(out),
                 "expected_agents": args.agents, "rounds": args.rounds, "round_deadline_s": args.deadline,
-                "min_agents": 1, "min_fraction": 0.5, "eval_every": args.eval_every, "registration_timeout_s": 300.0,
+                "min_agents": 1, "min_fraction": 0.5, "eval_every": args.eval_every, "client_fraction": args.client_fraction, "registration_timeout_s": 300.0,
                 "dataset": args.dataset, "num_classes": 10 if args.dataset != "cifar100" else 100, "seed": args.seed,
             },
             args.method: METHOD_TABLES.get(args.method, _fedgkt_table)(args),

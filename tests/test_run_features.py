@@ -95,3 +95,13 @@ def test_agent_models_start_from_the_run_seed() -> None:
     name = next(k for k in first if k.endswith("weight") and first[k].ndim == 4)
     assert not np.array_equal(first[name], other_agent[name])  # agents do not all start as one model
     assert not np.array_equal(first[name], other_seed[name])
+
+
+def test_edgesplit_local_passes_the_client_fraction(tmp_path: Path) -> None:
+    from cloud_server.launcher import build_parser, write_configs
+    from shared_protocol.tomlio import read_toml
+
+    args = build_parser().parse_args(["local", "--method", "fedavg", "--agents", "4", "--client-fraction", "0.5"])
+    server_toml, agents = write_configs(args, "cf", tmp_path, "mqtt://127.0.0.1:1883")
+    config = ServerConfig.from_dict(read_toml(server_toml))
+    assert config.client_fraction == 0.5 and len(agents) == 4

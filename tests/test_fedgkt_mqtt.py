@@ -17,6 +17,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud_server.report import validate_report
+from shared_protocol.chunking import ChunkHeader
 from shared_protocol.errors import ProtocolError
 from shared_protocol.messages import decode_message
 from shared_protocol.topics import Topics
@@ -49,7 +50,8 @@ class Observer:
                 self.wire_bytes += publish_packet_bytes(message.topic, len(message.payload), message.qos, props_len)
             if "/status/" in message.topic and message.payload:
                 try:
-                    self.statuses[message.topic.rsplit("/", 1)[1]] = decode_message(message.payload).state  # type: ignore[attr-defined]
+                    _header, frame = ChunkHeader.parse(message.payload)  # a status frame is one chunk
+                    self.statuses[message.topic.rsplit("/", 1)[1]] = decode_message(frame).state  # type: ignore[attr-defined]
                 except ProtocolError:
                     pass  # an observer only watches
 

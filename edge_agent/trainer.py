@@ -1,8 +1,11 @@
 """One generic local trainer for every method.
 
 The trainer knows nothing about the method: a method passes a ``loss_fn`` that
-maps (model output, labels, sample ids) to a scalar loss, and the trainer runs
-the epochs, shows progress and counts samples. FLOPs are measured by the
+maps (model output, labels, sample ids) to a scalar loss, and optionally a
+``forward`` that maps (model, images) to that output when the loss needs more
+than ``model(images)`` (a teacher's logits on the same batch, the features
+before the classifier); the trainer runs the epochs, shows progress and counts
+samples. FLOPs are measured by the
 caller on one representative step (counting every step is far too slow).
 """
 
@@ -16,6 +19,7 @@ import torch
 import torch.nn as nn
 
 LossFn = Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]
+Forward = Callable[[nn.Module, torch.Tensor], object]  # (model, images (B, C, H, W)) -> what loss_fn takes
 
 
 class NonFiniteLossError(RuntimeError):
@@ -46,6 +50,7 @@ def train_epochs(
     device: torch.device | str = "cpu",
     progress: bool = False,
     desc: str = "train",
+    forward: Forward | None = None,
 ) -> TrainResult:
     model.train()
     samples = steps = 0
@@ -55,7 +60,8 @@ def train_epochs(
         for images, labels, sample_ids in batches:
             images, labels = images.to(device), labels.to(device)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(images), labels, sample_ids)
+            output = model(images) if forward is None else forward(model, images)
+            loss = loss_fn(output, labels, sample_ids)
             if not math.isfinite(loss.item()):
                 raise NonFiniteLossError(f"{desc}: loss is {loss.item()} at step {steps}")
             loss.backward()

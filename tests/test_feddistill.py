@@ -345,8 +345,6 @@ def test_edge_round_trains_against_the_received_global_model() -> None:
         assert torch.equal(value, torch.as_tensor(global_state[name])), name
     assert not torch.equal(edge.model.state_dict()["classifier.fc.weight"], edge.teacher.state_dict()["classifier.fc.weight"])
     assert not any(p.requires_grad for p in edge.teacher.parameters())
-    # Hooks are gone after the round: the model is FedAvg's model again.
-    assert not edge.model._forward_pre_hooks and not linear_head(edge.model)._forward_hooks
     (update,) = sent
     assert isinstance(update, FedAvgUpdate) and update.num_samples == 20 and update.model_version == 0
 

@@ -9,7 +9,8 @@ local model on its test shard (``edge_accuracy``), and afterwards evaluates the
 new global model the server sends (the run's ``accuracy``).
 
 The FedAvg family (FedGKD, FedDistill) subclasses :class:`FedAvgEdge` and
-overrides :meth:`FedAvgEdge.loss_fn`.
+overrides :meth:`FedAvgEdge.loss_fn` (and :meth:`FedAvgEdge.forward_fn` when the
+loss needs more of the batch than the local model's output).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from shared_protocol.messages import Message, RoundStart
 from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgEvaluate, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
 
 from ..costs import RoundMeter
-from ..trainer import LossFn, accuracy, make_optimizer, train_epochs
+from ..trainer import Forward, LossFn, accuracy, make_optimizer, train_epochs
 from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
 
 log = logging.getLogger("edge_agent.fedavg")
@@ -118,6 +119,11 @@ class FedAvgEdge(EdgeMethod):
 
         return loss
 
+    def forward_fn(self, cfg: FedAvgRoundConfig) -> Forward | None:
+        """What the trainer computes per batch for :meth:`loss_fn` (None: ``model(images)``);
+        the FedAvg family adds a teacher's outputs on the same batch here."""
+        return None
+
     def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
         cfg = FedAvgRoundConfig.from_dict(start.config)
         ctx = self.ctx
@@ -125,9 +131,10 @@ class FedAvgEdge(EdgeMethod):
             self._receive_global(start, cfg)
             optimizer = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
             loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
+            loss_fn = self.loss_fn(cfg)
             result = train_epochs(
-                self.model, loader, optimizer, self.loss_fn(cfg), cfg.local_epochs,
-                device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",
+                self.model, loader, optimizer, loss_fn, cfg.local_epochs,
+                device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}", forward=self.forward_fn(cfg),
             )
         meter.samples_trained += result.samples
         meter.train_flops += self.train_flops_per_sample * result.samples

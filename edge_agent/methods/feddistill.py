@@ -23,22 +23,20 @@ is *rich* if its share of the local training set exceeds gamma (1/|C| by
 default), otherwise *few*. See :func:`group_distillation_parts` for Eqs. 4-6
 and ``docs/methods/feddistill.md`` for how they relate to plain KL.
 
-The trainer's loss function sees only the model's output, so the images and the
-local features are taken with forward hooks on the local model (its input and
-the input of its linear head) for the duration of the round; the teacher then
-runs on exactly the (possibly augmented) batch the local model saw.
+:meth:`FedDistillEdge.forward_fn` hands the trainer a forward that returns the
+local model's features and logits (:func:`models.heads.features_and_logits`)
+together with the frozen global model's on exactly the same (possibly
+augmented) batch; the loss takes all four.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.hooks import RemovableHandle
 
 from models import build_model, load_arrays_into
 from models.heads import features_and_logits, linear_head
@@ -48,7 +46,7 @@ from shared_protocol.methods.fedavg import FedAvgRoundConfig
 from shared_protocol.methods.feddistill import ROUND_CONFIG_KEY, FedDistillRoundConfig
 
 from ..costs import RoundMeter
-from ..trainer import LossFn
+from ..trainer import Forward, LossFn
 from .base import EdgeContext, RoundResult, register_edge_method
 from .fedavg import FedAvgEdge, logits_of
 
@@ -191,8 +189,7 @@ def feddistill_loss(
 
     ``global_*`` are the frozen teacher's (treated as constants);
     ``local_head`` is the local model's own final layer, applied here to the
-    global features with ``F.linear`` (not by calling the module, so forward
-    hooks on it do not fire).
+    global features with ``F.linear``.
     """
     global_features, global_logits = global_features.detach(), global_logits.detach()
     # y_lg: local features through the frozen global classifier; gradients reach the local extractor only.
@@ -231,8 +228,6 @@ class FedDistillEdge(FedAvgEdge):
         self.teacher.requires_grad_(False)
         self.class_counts = np.bincount(np.asarray(ctx.train.labels, dtype=np.int64), minlength=self.num_classes)[: self.num_classes]
         self.distill: FedDistillRoundConfig | None = None
-        self._hooks: list[RemovableHandle] = []
-        self._captured: dict[str, torch.Tensor] = {}
         self._sums: dict[str, float] = {}
         # Cost per trained sample on top of FedAvg's: one teacher forward, and the two
         # cross-head passes (y_lg forward + its input gradient; y_gl forward + its weight
@@ -247,11 +242,8 @@ class FedDistillEdge(FedAvgEdge):
             raise ValueRangeError(f"feddistill round_start has no {ROUND_CONFIG_KEY!r} config")
         self.distill = distill = FedDistillRoundConfig.from_dict(config.pop(ROUND_CONFIG_KEY))
         self._sums = dict.fromkeys(_PART_METRICS, 0.0) | {"samples": 0.0}
-        try:
-            # FedAvg's round on FedAvg's own config; our part was taken out above.
-            result = super().run_round(replace(start, config=config), meter)
-        finally:
-            self._release_hooks()
+        # FedAvg's round on FedAvg's own config; our part was taken out above.
+        result = super().run_round(replace(start, config=config), meter)
         n = self._sums["samples"]
         if n:
             result.metrics.update({key: self._sums[key] / n for key in _PART_METRICS})
@@ -268,38 +260,18 @@ class FedDistillEdge(FedAvgEdge):
         load_arrays_into(self.teacher, self.global_state)
         self.teacher.eval()
 
-    def _capture_hooks(self) -> None:
-        self._release_hooks()
-
-        def keep_images(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            self._captured["images"] = args[0]
-
-        def keep_features(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-            self._captured["features"] = args[0]  # (B, D), still attached to the local graph
-
-        self._hooks = [self.model.register_forward_pre_hook(keep_images), linear_head(self.model).register_forward_hook(keep_features)]
-
-    def _release_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        self._captured.clear()
-
     def loss_fn(self, cfg: FedAvgRoundConfig) -> LossFn:
         distill = self.distill
         if distill is None:
             raise ValueRangeError("feddistill loss weights not set: the round config has not been read")
         rich = self._rich(distill).to(self.ctx.device)
         self._load_teacher(cfg)
-        self._capture_hooks()
         sums = self._sums
 
         def loss(output: object, labels: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
-            images, local_features = self._captured["images"], self._captured["features"]
-            with torch.no_grad():
-                global_features, global_logits = features_and_logits(self.teacher, images)  # (B, D), (B, K)
+            local_features, local_logits, global_features, global_logits = output  # from forward_fn
             parts = feddistill_loss(
-                local_features, logits_of(output), linear_head(self.model),
+                local_features, local_logits, linear_head(self.model),
                 global_features, global_logits, linear_head(self.teacher), labels, rich, distill,
             )
             n = float(labels.shape[0])
@@ -309,3 +281,14 @@ class FedDistillEdge(FedAvgEdge):
             return parts.total
 
         return loss
+
+    def forward_fn(self, cfg: FedAvgRoundConfig) -> Forward:
+        teacher = self.teacher
+
+        def forward(model: torch.nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            local_features, local_logits = features_and_logits(model, images)  # (B, D), (B, K)
+            with torch.no_grad():
+                global_features, global_logits = features_and_logits(teacher, images)  # (B, D), (B, K)
+            return local_features, local_logits, global_features, global_logits
+
+        return forward

@@ -14,9 +14,8 @@ and the teachers ``w_m`` with their coefficients come with the RoundStart
 The round itself is :class:`FedAvgEdge`'s (same trainer, same upload); this
 class only resolves the teachers before it and supplies the loss. Teachers run
 in eval mode without gradients on the *same* (possibly augmented) batch the
-local model sees: the batch is taken from the local model's forward pre-hook,
-since the generic trainer's loss function gets outputs, labels and sample ids,
-not images.
+local model sees: :meth:`FedGkdEdge.forward_fn` hands the trainer a forward that
+returns the local output together with the teachers' logits on that batch.
 
 A RoundStart without teachers, or naming a teacher this agent does not hold,
 fails the round with a clear error: training without the teacher would
@@ -43,7 +42,7 @@ from shared_protocol.methods.fedavg import FedAvgEvaluate, FedAvgRoundConfig, jo
 from shared_protocol.methods.fedgkd import CONFIG_KEY, FedGkdEvalResult, FedGkdTeachers, TeacherSpec
 
 from ..costs import RoundMeter
-from ..trainer import LossFn
+from ..trainer import Forward, LossFn
 from .base import EdgeContext, RoundResult, register_edge_method
 from .fedavg import FedAvgEdge, logits_of
 
@@ -81,7 +80,6 @@ class FedGkdEdge(FedAvgEdge):
         self.buffer_size = 1  # M of the last round: how many recent global versions to keep
         self._teacher_models: list[nn.Module] = []  # built once, reloaded every round
         self._teachers: list[tuple[nn.Module, float]] = []  # this round's (teacher, gamma_m)
-        self._batch_images: torch.Tensor | None = None
 
     # -- global models kept for the vote ------------------------------------------------ #
 
@@ -140,22 +138,25 @@ class FedGkdEdge(FedAvgEdge):
             self._teachers.append((teacher, gamma))
 
     def loss_fn(self, cfg: FedAvgRoundConfig) -> LossFn:
-        teachers = list(self._teachers)
-        if not teachers:
+        gammas = [g for _, g in self._teachers]
+        if not gammas:
             raise ValueRangeError("fedgkd: no teacher loaded for this round; refusing to train as plain FedAvg")
 
         def loss(output: object, labels: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
-            images = self._batch_images
-            if images is None or images.shape[0] != labels.shape[0]:
-                raise RuntimeError("fedgkd: the local model's input batch was not captured for the teachers")
-            with torch.no_grad():
-                teacher_logits = [logits_of(t(images)) for t, _ in teachers]
-            return fedgkd_loss(logits_of(output), labels, teacher_logits, [g for _, g in teachers])
+            local_output, teacher_logits = output  # from forward_fn
+            return fedgkd_loss(logits_of(local_output), labels, teacher_logits, gammas)
 
         return loss
 
-    def _capture_batch(self, module: nn.Module, args: tuple) -> None:
-        self._batch_images = args[0]
+    def forward_fn(self, cfg: FedAvgRoundConfig) -> Forward:
+        teachers = [t for t, _ in self._teachers]
+
+        def forward(model: nn.Module, images: torch.Tensor) -> tuple[object, list[torch.Tensor]]:
+            with torch.no_grad():
+                teacher_logits = [logits_of(t(images)) for t in teachers]  # M x (B, K)
+            return model(images), teacher_logits
+
+        return forward
 
     # -- evaluation (FedAvg's, plus the loss the vote needs) ---------------------------- #
 
@@ -217,12 +218,9 @@ class FedGkdEdge(FedAvgEdge):
             for t, state in zip(spec.teachers, states):
                 self._remember(t.versions[0], state)
         samples_before = meter.samples_trained
-        hook = self.model.register_forward_pre_hook(self._capture_batch)
         try:
             result = super().run_round(base, meter)
         finally:
-            hook.remove()
-            self._batch_images = None
             self._teachers = []
         # Every trained sample also went forward through each teacher.
         meter.train_flops += self.forward_flops_per_sample * (meter.samples_trained - samples_before) * len(spec.teachers)

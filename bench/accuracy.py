@@ -19,13 +19,16 @@ full-scale configs (Tables 10-12) are in ``deploy/configs/paper/``.
 
     python bench/accuracy.py --quick    # the pipeline-check scale, about 10-15 minutes on 2 idle cores
     python bench/accuracy.py            # the default (full) scale, planned for under 90 minutes on 2 idle cores
-    python bench/accuracy.py --only fedbe-iid fedbe-noniid --merge   # add runs to the JSON of the same scale
+    python bench/accuracy.py --only fedbe-resnet56-iid --merge   # add runs to the JSON of the same scale
 
 Writes ``bench/results/accuracy.json`` (the scale it ran at, each run's wall
 time and the machine's load included); ``bench/render_results.py`` makes the
-tables in ``docs/results.md``. With ``--merge`` the runs of an existing JSON of
-the same scale are kept and the runs made now replace or join them; the total
-wall time is then the sum of the runs' wall times.
+tables in ``docs/results.md``. Every finished run also leaves a
+``summary.json`` in its run directory; with ``--merge`` the runs of the same
+scale recorded before (in the existing JSON or in those summaries: an
+interrupted benchmark resumes, and two invocations may run at once) are kept
+and the runs made now replace or join them. The total wall time is the sum of
+the runs' wall times.
 """
 
 from __future__ import annotations
@@ -119,6 +122,21 @@ def summarize(table: str, key: str, run: RunSpec, report: dict[str, Any]) -> dic
     }
 
 
+def previous_runs(out: Path, run_dir: Path, scale_key: dict[str, Any]) -> dict[str, Any]:
+    """Runs of the same scale recorded before: in ``out`` (an earlier JSON) and in the
+    ``summary.json`` every run leaves in its run directory (the newer wins)."""
+    found: dict[str, Any] = {}
+    if out.exists():
+        previous = json.loads(out.read_text())
+        if {k: previous["scale"].get(k) for k in scale_key} == scale_key:
+            found.update(previous["runs"])
+    for path in sorted(run_dir.glob("*/summary.json")):
+        summary = json.loads(path.read_text())
+        if summary.get("scale") == scale_key:
+            found[path.parent.name] = summary["run"]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the 10-minute scale")
@@ -127,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--ablation-partition", choices=sorted(PARTITIONS), default="noniid")
     parser.add_argument("--only", nargs="*", help="run only these runs (names as in the output)")
-    parser.add_argument("--merge", action="store_true", help="keep the runs of an existing --out JSON of the same scale")
+    parser.add_argument("--merge", action="store_true",
+                        help="also keep the runs of the same scale recorded before (in --out, or in --run-dir's summaries)")
     parser.add_argument("--out", type=Path, default=RESULTS / "accuracy.json")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "accuracy")
     args = parser.parse_args(argv)
@@ -137,18 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     test_samples = args.test_samples or scale.test_samples
     rounds = args.rounds or scale.rounds
     scale_name = scale.name if (args.train_samples, args.test_samples, args.rounds) == (None, None, None) else "custom"
-    results: dict[str, Any] = {}
-    if args.merge and args.out.exists():
-        previous = json.loads(args.out.read_text())
-        same = {k: previous["scale"].get(k) for k in ("name", "train_samples", "test_samples", "rounds")}
-        if same != {"name": scale_name, "train_samples": train_samples, "test_samples": test_samples, "rounds": rounds}:
-            parser.error(f"--merge: {args.out} holds another scale ({same}); run without --merge to start afresh")
-        results = dict(previous["runs"])
+    scale_key = {"name": scale_name, "train_samples": train_samples, "test_samples": test_samples, "rounds": rounds}
     known = {run.name for _, _, run in runs(rounds, args.ablation_partition, train_samples)}
     unknown = sorted(set(args.only or ()) - known)
     if unknown:
         parser.error(f"--only: no runs named {unknown}; the runs are {sorted(known)}")
-    started = time.monotonic()
+    results: dict[str, Any] = {}
     for table, key, run in runs(rounds, args.ablation_partition, train_samples):
         if args.only and run.name not in args.only:
             continue
@@ -158,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         report = run_federation(run, data, args.run_dir / run.name)
         results[run.name] = {**summarize(table, key, run, report), "run_wall_time_s": time.monotonic() - run_started,
                              "load_average_after": list(os.getloadavg())}
-        write_partial = {"note": "written after every run, so an interrupted benchmark keeps its finished runs"}
-        write_json(args.out.with_suffix(".partial.json"), {**write_partial, "runs": results})
-    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
+        # Each finished run is kept next to its report, so an interrupted benchmark (or another
+        # invocation with --merge, even one running at the same time) keeps it.
+        write_json(args.run_dir / run.name / "summary.json", {"scale": scale_key, "run": results[run.name]})
+    if args.merge:
+        results = {**previous_runs(args.out, args.run_dir, scale_key), **results}
     elapsed = sum(r["run_wall_time_s"] for r in results.values())  # the runs of this JSON, merged or not
     work = train_samples * rounds
     quick = SCALES["quick"]

@@ -72,6 +72,17 @@ def test_accuracy_runs_end_to_end(tmp_path: Path) -> None:
     assert data["scale"]["name"] == "custom" and data["scale"]["agents"] == 8
     for run in data["runs"].values():
         assert run["final_accuracy"] is not None and len(run["rounds"]) == 1
+    # Each run left its summary; --merge keeps them next to the runs made now (an interrupted
+    # benchmark resumes, invocations may run side by side), and only those of the same scale.
+    assert acc.main(["--train-samples", "64", "--test-samples", "32", "--rounds", "1", "--only", "centralized-resnet56", "--merge",
+                     "--out", str(out), "--run-dir", str(tmp_path / "runs")]) == 0
+    merged = json.loads(out.read_text())
+    assert set(merged["runs"]) == {"fedgkt-iid", "centralized-resnet8", "centralized-resnet56"}
+    assert merged["runs"]["fedgkt-iid"] == data["runs"]["fedgkt-iid"]
+    assert merged["scale"]["wall_time_s"] == pytest.approx(sum(r["run_wall_time_s"] for r in merged["runs"].values()))
+    assert acc.main(["--train-samples", "96", "--test-samples", "32", "--rounds", "1", "--only", "centralized-resnet8", "--merge",
+                     "--out", str(out), "--run-dir", str(tmp_path / "runs")]) == 0
+    assert set(json.loads(out.read_text())["runs"]) == {"centralized-resnet8"}  # another scale: nothing merged
 
 
 def test_recorded_results_exist_and_docs_are_rendered_from_them() -> None:

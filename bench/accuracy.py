@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--ablation-partition", choices=sorted(PARTITIONS), default="noniid")
     parser.add_argument("--only", nargs="*", help="run only these runs (names as in the output)")
+    parser.add_argument("--collect", action="store_true", help="run nothing: write the JSON from the runs recorded before (as --merge)")
     parser.add_argument("--merge", action="store_true",
                         help="also keep the runs of the same scale recorded before (in --out, or in --run-dir's summaries)")
     parser.add_argument("--out", type=Path, default=RESULTS / "accuracy.json")
@@ -161,21 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.only or ()) - known)
     if unknown:
         parser.error(f"--only: no runs named {unknown}; the runs are {sorted(known)}")
+    run_root = args.run_dir / "{name}-{train_samples}-{test_samples}-{rounds}".format(**scale_key)  # one folder per scale
     results: dict[str, Any] = {}
     for table, key, run in runs(rounds, args.ablation_partition, train_samples):
-        if args.only and run.name not in args.only:
+        if args.collect or (args.only and run.name not in args.only):
             continue
         data = DataSpec("fashion-mnist", PARTITIONS.get(key, "iid"), AGENTS, train_samples, test_samples, seed=0)
         print(f"== {run.name} ({table}, {data.partition}, {train_samples} train / {test_samples} test, {rounds} rounds)", flush=True)
         run_started = time.monotonic()
-        report = run_federation(run, data, args.run_dir / run.name)
+        report = run_federation(run, data, run_root / run.name)
         results[run.name] = {**summarize(table, key, run, report), "run_wall_time_s": time.monotonic() - run_started,
                              "load_average_after": list(os.getloadavg())}
         # Each finished run is kept next to its report, so an interrupted benchmark (or another
         # invocation with --merge, even one running at the same time) keeps it.
-        write_json(args.run_dir / run.name / "summary.json", {"scale": scale_key, "run": results[run.name]})
-    if args.merge:
-        results = {**previous_runs(args.out, args.run_dir, scale_key), **results}
+        write_json(run_root / run.name / "summary.json", {"scale": scale_key, "run": results[run.name]})
+    if args.merge or args.collect:
+        results = {**previous_runs(args.out, run_root, scale_key), **results}
+    if not results:
+        parser.error("no runs made or recorded for this scale")
     elapsed = sum(r["run_wall_time_s"] for r in results.values())  # the runs of this JSON, merged or not
     work = train_samples * rounds
     quick = SCALES["quick"]
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "machine": machine(),
         "runs": results,
-        "generated_by": "bench/accuracy.py" + (" --quick" if args.quick else "") + (" (runs merged with --merge)" if args.merge else ""),
+        "generated_by": "bench/accuracy.py" + (" --quick" if args.quick else "") + (" (runs merged with --merge / --collect)" if args.merge or args.collect else ""),
     })
     for name, r in results.items():
         acc = r["final_accuracy"]

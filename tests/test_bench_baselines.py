@@ -83,6 +83,10 @@ def test_accuracy_runs_end_to_end(tmp_path: Path) -> None:
     assert acc.main(["--train-samples", "96", "--test-samples", "32", "--rounds", "1", "--only", "centralized-resnet8", "--merge",
                      "--out", str(out), "--run-dir", str(tmp_path / "runs")]) == 0
     assert set(json.loads(out.read_text())["runs"]) == {"centralized-resnet8"}  # another scale: nothing merged
+    # --collect runs nothing and writes the JSON of a scale from what its runs recorded.
+    assert acc.main(["--train-samples", "64", "--test-samples", "32", "--rounds", "1", "--collect",
+                     "--out", str(out), "--run-dir", str(tmp_path / "runs")]) == 0
+    assert set(json.loads(out.read_text())["runs"]) == {"fedgkt-iid", "centralized-resnet8", "centralized-resnet56"}
 
 
 def test_recorded_results_exist_and_docs_are_rendered_from_them() -> None:

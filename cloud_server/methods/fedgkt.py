@@ -306,19 +306,23 @@ class FedGktServer(ServerMethod):
         outcome = RoundOutcome()
         data: dict[str, AgentData] = {}
         tests: dict[str, AgentData] = {}
-        for agent in sorted(ends):
-            why = self._usable(agent, ends[agent])
-            if why is not None:
-                outcome.excluded[agent] = why
-                log.warning("round %d: not using %s's upload: %s", round_, agent, why)
-                self.discard(agent)
-                continue
-            staged = self.staged.pop(agent)
-            data[agent] = _concat([staged.train[k] for k in sorted(staged.train)], self.staging)
-            if staged.test:
-                tests[agent] = _concat([staged.test[k] for k in sorted(staged.test)], self.staging)
-        outcome.used_agents = list(data)
         try:
+            for agent in sorted(ends):
+                why = self._usable(agent, ends[agent])
+                if why is not None:
+                    outcome.excluded[agent] = why
+                    log.warning("round %d: not using %s's upload: %s", round_, agent, why)
+                    self.discard(agent)
+                    continue
+                staged = self.staged.pop(agent)
+                try:
+                    data[agent] = _concat([staged.train[k] for k in sorted(staged.train)], self.staging)
+                    if staged.test:
+                        tests[agent] = _concat([staged.test[k] for k in sorted(staged.test)], self.staging)
+                finally:
+                    # Normally already released by _concat; after a failed gather (disk full) this frees the rest.
+                    self.staging.release_all([b.features for b in staged.batches()])
+            outcome.used_agents = list(data)
             if not data:
                 return outcome
             started = time.perf_counter()

@@ -151,9 +151,9 @@ def _free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--agents", default="8,16,64,128")
-    parser.add_argument("--total-samples", type=int, default=1024,
+    parser.add_argument("--total-samples", type=int, default=2048,
                         help="training samples split over the agents (the paper's Table 4 splits one dataset over 16-128 edges)")
-    parser.add_argument("--total-test-samples", type=int, default=256)
+    parser.add_argument("--total-test-samples", type=int, default=512)
     parser.add_argument("--per-agent", type=int, default=0, help="training samples per agent instead of a fixed total")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dataset", default="fashion-mnist")

@@ -102,7 +102,8 @@ class ServerConfig:
         from .methods.base import ServerContext
 
         return ServerContext(run_id=self.run_id, num_classes=self.num_classes, in_channels=self.resolved_in_channels,
-                             device=device, seed=self.seed, progress=progress, rounds=self.rounds)
+                             device=device, seed=self.seed, progress=progress, rounds=self.rounds,
+                             out_dir=self.out_dir)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -135,3 +135,11 @@ def test_private_spill_directory_is_removed_when_empty() -> None:
     directory = item.path.parent
     staging.release(item)
     assert not directory.exists()
+
+
+def test_spill_files_go_to_the_run_directory_by_default(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    server = FedGktServer(replace(CTX, out_dir=str(tmp_path / "run")), {"staged_memory_bytes": 0})
+    assert server.staging._spill_dir == tmp_path / "run" / "staged"
+    assert FedGktServer(CTX, {"staged_memory_bytes": 0}).staging._spill_dir is None  # no run directory: a private temp dir

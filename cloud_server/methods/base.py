@@ -22,6 +22,7 @@ class ServerContext:
     seed: int = 0
     progress: bool = False
     rounds: int = 0  # the run's planned number of rounds (0: not known, e.g. a unit test)
+    out_dir: str = ""  # the run directory (report, checkpoint); "" when there is none (unit tests)
 
 
 @dataclass

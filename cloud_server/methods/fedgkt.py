@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -67,7 +68,8 @@ class FedGktConfig:
     upload_batch_samples: int = 256
     max_staged_samples_per_agent: int = 1_000_000
     # Float16 feature maps held in memory across all agents' staged uploads; beyond
-    # this, uploads are staged in memory-mapped files in spill_dir ("" = a private temp dir).
+    # this, uploads are staged in memory-mapped files in spill_dir ("": <run directory>/staged,
+    # or a private temp dir when the server has no run directory).
     staged_memory_bytes: int = 2 * 1024**3
     spill_dir: str = ""
 
@@ -184,7 +186,8 @@ class FedGktServer(ServerMethod):
             else None
         )
         self.staged: dict[str, _Staged] = {}
-        self.staging = ArrayStaging(self.config.staged_memory_bytes, self.config.spill_dir or None, np.float16,
+        spill_dir = self.config.spill_dir or (str(Path(ctx.out_dir) / "staged") if ctx.out_dir else None)
+        self.staging = ArrayStaging(self.config.staged_memory_bytes, spill_dir, np.float16,
                                     prefix=f"fedgkt-{ctx.run_id}")
         self._ort = None  # OrtArtifactServer, made on the first ort agent's request
         self.feature_shape: tuple[int, ...] | None = None

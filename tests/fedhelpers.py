@@ -127,3 +127,24 @@ def spawn(module: str, *args: str, log: Path) -> subprocess.Popen:
 def method_server_config(tmp: Path, method: str, method_config: dict | None = None, **kw: Any) -> ServerConfig:
     """``server_config`` for another method: its own table instead of FedGKT's fast settings."""
     return replace(server_config(tmp, **kw), method=method, method_config=dict(method_config or {}))
+
+
+def distinct_resnet8_state(seed: int) -> dict[str, "np.ndarray"]:
+    """A ResNet-8 state (10 classes, 1 channel) with every entry, BatchNorm buffers and
+    counters included, distinct per seed: what aggregation tests average."""
+    import numpy as np
+    import torch
+
+    from models import build_model, state_dict_to_arrays
+
+    torch.manual_seed(seed)
+    state = state_dict_to_arrays(build_model("resnet8", 10, 1))
+    rng = np.random.default_rng(seed)
+    for name, array in state.items():
+        if array.dtype.kind == "f":
+            state[name] = (array + rng.normal(size=array.shape)).astype(array.dtype)
+            if name.endswith("running_var"):
+                state[name] = np.abs(state[name]) + 0.1
+        else:
+            state[name] = np.asarray(rng.integers(0, 1000), dtype=array.dtype)
+    return state

@@ -19,25 +19,12 @@ from shared_protocol.errors import ShapeMismatchError, StaleMessageError
 from shared_protocol.messages import RoundEnd, decode_message, encode_message
 from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgEvaluate, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
 
-from fedhelpers import agent_config, in_memory_federation, method_server_config, mqtt_federation
+from fedhelpers import agent_config, distinct_resnet8_state, in_memory_federation, method_server_config, mqtt_federation
 
 CTX = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
 
 
-def _trained_like_state(seed: int) -> dict[str, np.ndarray]:
-    """A ResNet-8 state with every entry (BN buffers and counters included) distinct per seed."""
-    torch.manual_seed(seed)
-    model = build_model("resnet8", 10, 1)
-    state = state_dict_to_arrays(model)
-    rng = np.random.default_rng(seed)
-    for name, array in state.items():
-        if array.dtype.kind == "f":
-            state[name] = (array + rng.normal(size=array.shape)).astype(array.dtype)
-            if name.endswith("running_var"):
-                state[name] = np.abs(state[name]) + 0.1
-        else:
-            state[name] = np.asarray(rng.integers(0, 1000), dtype=array.dtype)
-    return state
+_trained_like_state = distinct_resnet8_state
 
 
 def _closed_form(states: list[dict[str, np.ndarray]], counts: list[int]) -> dict[str, np.ndarray]:

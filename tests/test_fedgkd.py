@@ -25,7 +25,7 @@ from shared_protocol.messages import RoundEnd, RoundStart, decode_message, encod
 from shared_protocol.methods.fedavg import FedAvgEvaluate, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
 from shared_protocol.methods.fedgkd import CONFIG_KEY, FedGkdEvalResult, FedGkdTeachers
 
-from fedhelpers import agent_config, in_memory_federation, method_server_config, mqtt_federation
+from fedhelpers import agent_config, distinct_resnet8_state, in_memory_federation, method_server_config, mqtt_federation
 
 CTX = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
 LN = math.log
@@ -81,19 +81,7 @@ def test_vote_loss_sums_each_teacher_with_its_own_coefficient() -> None:
 # --------------------------------------------------------------------------- #
 
 
-def _state(seed: int) -> dict[str, np.ndarray]:
-    """A ResNet-8 state with every entry distinct per seed (BN counters included)."""
-    torch.manual_seed(seed)
-    state = state_dict_to_arrays(build_model("resnet8", 10, 1))
-    rng = np.random.default_rng(seed)
-    for name, array in state.items():
-        if array.dtype.kind == "f":
-            state[name] = (array + rng.normal(size=array.shape)).astype(array.dtype)
-            if name.endswith("running_var"):
-                state[name] = np.abs(state[name]) + 0.1
-        else:
-            state[name] = np.asarray(rng.integers(0, 1000), dtype=array.dtype)
-    return state
+_state = distinct_resnet8_state
 
 
 def test_buffer_keeps_the_last_m_models_and_averages_them() -> None:

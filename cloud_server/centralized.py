@@ -33,6 +33,7 @@ from models import build_model, count_parameters, get_model_spec, training_flops
 
 from . import report as run_report
 from .config import ServerConfig
+from shared_protocol.configs import config_from_table
 
 log = logging.getLogger("cloud_server.centralized")
 
@@ -75,10 +76,7 @@ class CentralizedConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "CentralizedConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown [centralized] keys: {sorted(unknown)}")
-        return cls(**raw)
+        return config_from_table(cls, raw, "centralized")
 
 
 def _now_iso() -> str:

@@ -210,5 +210,5 @@ def cmd_keys(args: argparse.Namespace) -> int:
     print(f"edgesplit: wrote CA, broker certificate, {len(ids)} agent accounts, ACL and configs to {cfg.out_dir}")
     print(f"  broker: mosquitto -c {paths['mosquitto_conf']}")
     print(f"  server: cloud-server run --config {paths['configs'] / 'server.toml'}")
-    print(f"  agents: copy configs/agent-<id>.toml, secrets/<id>.password and ca.crt to each device")
+    print("  agents: copy configs/agent-<id>.toml, secrets/<id>.password and ca.crt to each device")
     return 0

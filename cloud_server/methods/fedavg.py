@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from shared_protocol.configs import config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, RoundStart
 from shared_protocol.methods.fedavg import (
@@ -81,10 +82,7 @@ class FedAvgConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedAvgConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown [fedavg] keys: {sorted(unknown)}")
-        return cls(**raw)
+        return config_from_table(cls, raw, "fedavg")
 
 
 @dataclass

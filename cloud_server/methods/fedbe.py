@@ -57,6 +57,7 @@ from models import build_model, count_parameters, forward_flops_per_sample, load
 from ..aggregation import AggregationError, weighted_mean
 from .base import ServerContext, register_server_method
 from .fedavg import FedAvgConfig, FedAvgServer
+from shared_protocol.configs import config_from_table
 
 log = logging.getLogger("cloud_server.fedbe")
 
@@ -145,10 +146,7 @@ class FedBEConfig(FedAvgConfig):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedBEConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown [fedbe] keys: {sorted(unknown)}")
-        return cls(**raw)
+        return config_from_table(cls, raw, "fedbe")
 
 
 # --------------------------------------------------------------------------- #

@@ -22,6 +22,7 @@ from typing import Any
 
 from models.cost import forward_flops_per_sample
 from models.heads import linear_head
+from shared_protocol.configs import config_from_table
 from shared_protocol.messages import RoundEnd
 from shared_protocol.methods.feddistill import ROUND_CONFIG_KEY, FedDistillRoundConfig
 
@@ -68,10 +69,7 @@ class FedDistillConfig(FedAvgConfig):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedDistillConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown [feddistill] keys: {sorted(unknown)}")
-        return cls(**raw)
+        return config_from_table(cls, raw, "feddistill")
 
 
 @register_server_method

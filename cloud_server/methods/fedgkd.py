@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from shared_protocol.configs import config_from_table
 from shared_protocol.messages import RoundEnd
 from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgUpdate, split_state
 from shared_protocol.methods.fedgkd import CONFIG_KEY, VARIANTS, FedGkdEvalResult, FedGkdTeachers, TeacherSpec, teacher_prefix
@@ -83,10 +84,7 @@ class FedGkdConfig(FedAvgConfig):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedGkdConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown [fedgkd] keys: {sorted(unknown)}")
-        return cls(**raw)
+        return config_from_table(cls, raw, "fedgkd")
 
 
 def vote_coefficients(losses: list[float], scale: float, temperature: float) -> list[float]:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.losses import kd_loss
+from shared_protocol.configs import config_from_table
 from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
@@ -101,10 +102,7 @@ class FedGktConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedGktConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown [fedgkt] keys: {sorted(unknown)}")
-        return cls(**raw)
+        return config_from_table(cls, raw, "fedgkt")
 
 
 @dataclass

@@ -48,6 +48,7 @@ import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. re
 from models import build_model, count_parameters, get_model_spec, state_dict_to_arrays, training_flops_per_sample
 from models.mentor import hidden_dim
 from shared_protocol import svd
+from shared_protocol.configs import config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, RoundStart
 from shared_protocol.methods.fedkd import (
@@ -138,10 +139,7 @@ class FedKdConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedKdConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown [fedkd] keys: {sorted(unknown)}")
-        return cls(**raw)
+        return config_from_table(cls, raw, "fedkd")
 
 
 @dataclass

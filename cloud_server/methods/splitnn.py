@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from shared_protocol.configs import config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
 from shared_protocol.methods.splitnn import (
@@ -82,10 +83,7 @@ class SplitNNConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SplitNNConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown [splitnn] keys: {sorted(unknown)}")
-        return cls(**raw)
+        return config_from_table(cls, raw, "splitnn")
 
 
 @dataclass

@@ -48,7 +48,7 @@ from shared_protocol.methods.feddistill import ROUND_CONFIG_KEY, FedDistillRound
 from ..costs import RoundMeter
 from ..trainer import Forward, LossFn
 from .base import EdgeContext, RoundResult, register_edge_method
-from .fedavg import FedAvgEdge, logits_of
+from .fedavg import FedAvgEdge
 
 log = logging.getLogger("edge_agent.feddistill")
 

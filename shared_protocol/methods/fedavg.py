@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..configs import round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..messages import Message, register_message, tensor_dict
 
@@ -166,10 +167,4 @@ class FedAvgRoundConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "FedAvgRoundConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueRangeError(f"fedavg round config has unknown keys {sorted(unknown)}")
-        try:
-            return cls(**raw)
-        except (TypeError, ValueError) as exc:
-            raise ValueRangeError(f"fedavg round config invalid: {exc}") from None
+        return round_config_from_wire(cls, raw, "fedavg round config")

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import ValueRangeError
+from ..configs import round_config_from_wire
 
 #: The key of ``RoundStart.config`` that holds :class:`FedDistillRoundConfig`.
 ROUND_CONFIG_KEY = "feddistill"
@@ -70,12 +70,4 @@ class FedDistillRoundConfig:
     @classmethod
     def from_dict(cls, raw: Any) -> "FedDistillRoundConfig":
         """Parse an agent's copy of the config; anything wrong is a :class:`ValueRangeError`."""
-        if not isinstance(raw, dict):
-            raise ValueRangeError(f"feddistill round config must be a table, got {type(raw).__name__}")
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueRangeError(f"feddistill round config has unknown keys {sorted(unknown)}")
-        try:
-            return cls(**raw)
-        except (TypeError, ValueError) as exc:
-            raise ValueRangeError(f"feddistill round config invalid: {exc}") from None
+        return round_config_from_wire(cls, raw, "feddistill round config")

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..configs import round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..messages import Message, check_same_length, register_message, tensor
 
@@ -111,10 +112,4 @@ class GktRoundConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "GktRoundConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueRangeError(f"fedgkt round config has unknown keys {sorted(unknown)}")
-        try:
-            return cls(**raw)
-        except (TypeError, ValueError) as exc:
-            raise ValueRangeError(f"fedgkt round config invalid: {exc}") from None
+        return round_config_from_wire(cls, raw, "fedgkt round config")

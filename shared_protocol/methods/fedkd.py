@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import svd
+from ..configs import round_config_from_wire
 from ..errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from ..frame import DEFAULT_LIMITS
 from ..messages import Message, register_message, tensor
@@ -215,10 +216,4 @@ class FedKdRoundConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "FedKdRoundConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueRangeError(f"fedkd round config has unknown keys {sorted(unknown)}")
-        try:
-            return cls(**raw)
-        except (TypeError, ValueError) as exc:
-            raise ValueRangeError(f"fedkd round config invalid: {exc}") from None
+        return round_config_from_wire(cls, raw, "fedkd round config")

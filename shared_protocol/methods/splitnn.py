@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..configs import round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..messages import Message, check_same_length, register_message, tensor, tensor_dict
 
@@ -146,13 +147,7 @@ class SplitRoundConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "SplitRoundConfig":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueRangeError(f"splitnn round config has unknown keys {sorted(unknown)}")
-        try:
-            return cls(**raw)
-        except (TypeError, ValueError) as exc:
-            raise ValueRangeError(f"splitnn round config invalid: {exc}") from None
+        return round_config_from_wire(cls, raw, "splitnn round config")
 
 
 __all__ = [

@@ -24,19 +24,29 @@ here, since "bytes to reach the target" needs an accuracy every round), the
 frame headers and the MQTT framing. Writes ``bench/results/comm_cost.json``;
 ``bench/render_results.py`` turns it into the table in ``docs/results.md``.
 
-    python bench/comm_cost.py                       # the small scale that was run here
+The default setting is ``bench/accuracy.py``'s full scale and its IID
+partition (8 agents, the same data subset, rounds, batch and optimiser), with
+FedGKT and FedAvg configured exactly as there: at that scale both reach the
+target accuracies, and ``--reuse-runs`` takes the accuracy benchmark's
+``fedgkt-iid`` and ``fedavg-resnet56-iid`` reports (same spec, same data)
+instead of training them again.
+
+    python bench/comm_cost.py --reuse-runs          # the default scale; reuse finished runs of the same spec
     python bench/comm_cost.py --agents 8 --train-samples 8000 --rounds 20 --target 0.85
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
 from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_logs, round_series, run_federation, write_json
+from accuracy import AGENTS, BATCH, FEDAVG, GKT_SYNC, PARTITIONS, SCALES  # the accuracy benchmark's setting, not a copy
+from accuracy import runs as accuracy_runs
 
 FEATURE_CHANNELS, IMAGE_SIZE, FP32_BYTES = 16, 32, 4
 # The paper's Fig. 5 (ResNet-56, GB) and the sizes behind it: CIFAR-10, 50,000 training images.
@@ -45,14 +55,17 @@ PAPER_FIG5 = {"dataset": "cifar10", "samples": 50_000, "num_classes": 10, "sl_gb
 
 def runs(rounds: int, batch_size: int) -> list[RunSpec]:
     """Every run does one pass over the data per round: one edge and one server epoch
-    (FedGKT), one epoch per agent's turn (SL), one local epoch (FedAvg)."""
-    gkt = {"server_epochs": 1, "edge_epochs": 1, "edge_batch_size": batch_size, "server_batch_size": batch_size, "upload_batch_samples": 256}
+    (FedGKT), one epoch per agent's turn (SL), one local epoch (FedAvg). FedGKT and
+    FedAvg are set up as in bench/accuracy.py (its fp16-zstd FedGKT run and its FedAvg
+    run are these, at the same batch size)."""
+    gkt = {**GKT_SYNC, "edge_batch_size": batch_size, "server_batch_size": batch_size}
     return [
         RunSpec("fedgkt-raw", "fedgkt", {**gkt, "upload_codec": "raw"}, rounds),
         RunSpec("fedgkt-fp16-zstd", "fedgkt", {**gkt, "upload_codec": "fp16-zstd"}, rounds),
         RunSpec("fedgkt-u8-zstd", "fedgkt", {**gkt, "upload_codec": "u8-zstd"}, rounds),
-        RunSpec("splitnn", "splitnn", {"local_epochs": 1, "batch_size": batch_size, "upload_codec": "raw"}, rounds),
-        RunSpec("fedavg-resnet56", "fedavg", {"model": "resnet56", "local_epochs": 1, "batch_size": batch_size}, rounds),
+        RunSpec("splitnn", "splitnn", {"server_model": gkt["server_model"], "local_epochs": 1, "batch_size": batch_size,
+                                       "server_lr": gkt["server_lr"], "edge_lr": gkt["edge_lr"], "upload_codec": "raw"}, rounds),
+        RunSpec("fedavg-resnet56", "fedavg", {**FEDAVG, "batch_size": batch_size}, rounds),
     ]
 
 
@@ -139,15 +152,19 @@ def report_num_classes(report: dict[str, Any]) -> int:
 
 
 def reusable(report_path: Path, run: RunSpec, data: DataSpec) -> dict[str, Any] | None:
-    """A finished earlier run of exactly this spec (to recompute the JSON, e.g. for other
-    targets, without training again), or None."""
+    """A finished earlier run of exactly this spec on this data (to recompute the JSON,
+    e.g. for other targets, without training again), or None."""
     if not report_path.exists():
         return None
+    spec_path = report_path.parent / "data.json"
+    if spec_path.exists() and json.loads(spec_path.read_text()) != dataclasses.asdict(data):
+        return None  # the same spec on other data (a partition the report cannot tell apart)
     report = json.loads(report_path.read_text())
     config = report["config"]
     same = (
         report["status"] == "finished" and config["method"] == run.method and config["rounds"] == run.rounds
         and config["dataset"] == data.dataset and config["seed"] == data.seed and config["expected_agents"] == data.agents
+        and config["eval_every"] == run.eval_every
         and all(config["method_config"].get(k) == v for k, v in run.method_config.items())
         and sum(a["num_samples"] for a in report["agents"].values()) == data.train_samples
         and len(report["rounds"]) == run.rounds
@@ -155,37 +172,64 @@ def reusable(report_path: Path, run: RunSpec, data: DataSpec) -> dict[str, Any] 
     return report if same else None
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def accuracy_bench_report(run: RunSpec, data: DataSpec, accuracy_dir: Path) -> Path | None:
+    """Where bench/accuracy.py leaves its run of this spec on this data, if it makes one:
+    its run directory is named by the scale, its summary.json says the partition."""
+    keys = [key for key, spec in PARTITIONS.items() if spec == data.partition]
+    if data.agents != AGENTS or data.seed != 0 or data.dataset != "fashion-mnist" or not keys:
+        return None
+    for _table, key, spec in accuracy_runs(run.rounds, keys[0], data.train_samples):
+        if key == keys[0] and spec.method == run.method and spec.method_config == run.method_config and spec.eval_every == run.eval_every:
+            for folder in sorted(accuracy_dir.glob(f"*-{data.train_samples}-{data.test_samples}-{run.rounds}")):
+                summary = folder / spec.name / "summary.json"
+                if summary.exists() and json.loads(summary.read_text())["run"]["partition"] == key:
+                    return folder / spec.name / "report.json"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    full = SCALES["full"]
     parser.add_argument("--dataset", default="fashion-mnist")
-    parser.add_argument("--partition", default="iid")
-    parser.add_argument("--agents", type=int, default=4)
-    parser.add_argument("--train-samples", type=int, default=600)
-    parser.add_argument("--test-samples", type=int, default=150)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--partition", default=PARTITIONS["iid"])
+    parser.add_argument("--agents", type=int, default=AGENTS)
+    parser.add_argument("--train-samples", type=int, default=full.train_samples)
+    parser.add_argument("--test-samples", type=int, default=full.test_samples)
+    parser.add_argument("--rounds", type=int, default=full.rounds)
+    parser.add_argument("--batch-size", type=int, default=BATCH)
     parser.add_argument("--target", type=float, nargs="+", default=[0.4, 0.3, 0.2],
                         help="target test accuracies for 'bytes to reach the target' (the first is the headline)")
     parser.add_argument("--reuse-runs", action="store_true",
-                        help="take finished runs of the same spec from --run-dir instead of training again")
+                        help="take finished runs of the same spec and data from --run-dir, or bench/accuracy.py's "
+                             "(--accuracy-run-dir), instead of training again")
     parser.add_argument("--only", nargs="*", help="run only these runs (names as in the output)")
     parser.add_argument("--out", type=Path, default=RESULTS / "comm_cost.json")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "comm_cost")
+    parser.add_argument("--accuracy-run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "accuracy",
+                        help="bench/accuracy.py's --run-dir")
     args = parser.parse_args(argv)
     quiet_logs()
     data = DataSpec(args.dataset, args.partition, args.agents, args.train_samples, args.test_samples)
     started = time.monotonic()
     results: dict[str, Any] = {}
-    reused: list[str] = []
+    reused: dict[str, str] = {}
     for run in runs(args.rounds, args.batch_size):
         if args.only and run.name not in args.only:
             continue
-        report = reusable(args.run_dir / run.name / "report.json", run, data) if args.reuse_runs else None
-        print(f"== {run.name}{' (reused)' if report is not None else ''}", flush=True)
+        report = None
+        if args.reuse_runs:
+            for path in (args.run_dir / run.name / "report.json", accuracy_bench_report(run, data, args.accuracy_run_dir)):
+                if path is not None and (report := reusable(path, run, data)) is not None:
+                    reused[run.name] = _shown(path.parent)
+                    break
+        print(f"== {run.name}{f' (reused: {reused[run.name]})' if report is not None else ''}", flush=True)
         if report is None:
             report = run_federation(run, data, args.run_dir / run.name)
-        else:
-            reused.append(run.name)
+            write_json(args.run_dir / run.name / "data.json", dataclasses.asdict(data))
         results[run.name] = {**summarize(run, report, data, args.target), "started_at": report["started_at"]}
     elapsed = time.monotonic() - started
     training_s = sum(r["measured"]["wall_time_s"] for r in results.values())
@@ -200,13 +244,14 @@ def main(argv: list[str] | None = None) -> int:
             "targets": args.target,
             "evaluation": "every round (test-set uploads / evaluation downloads are in the measured bytes)",
             "wall_time_s": training_s, "script_wall_time_s": elapsed,
-            "note": "a small CPU-scale run; the paper's CIFAR-10 setup has 50,000 samples and 16 agents",
+            "note": "a CPU-scale run (bench/accuracy.py's data when run with its defaults); the paper's CIFAR-10 setup "
+                    "has 50,000 samples and 16 agents",
         },
         "sizes": {"feature_map_bytes_fp32": fm, "gradient_bytes_fp32": fm, "soft_labels_bytes": 10 * FP32_BYTES},
         "measured_where": "the server's MQTT connection: PUBLISH packets (header, topic, properties, payload) and PUBACKs, per round",
         "paper_fig5_check": paper_check(),
         "machine": {**machine(), "runs_started_utc": min(r["started_at"] for r in results.values()) if results else None},
-        "reused_runs": reused,  # runs whose report was taken from --run-dir (--reuse-runs) instead of trained again
+        "reused_runs": reused,  # run -> the directory whose report was taken (--reuse-runs) instead of training again
         "runs": results,
         "generated_by": "bench/comm_cost.py",
     })

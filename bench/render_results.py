@@ -7,6 +7,8 @@ The tables are generated, never typed: rerun a benchmark, then this script.
 * ``comm_cost.json`` (``bench/comm_cost.py``): Fig. 5 / Eqs. 12-13 -- measured
   bytes on the wire per round and to a target accuracy, next to the formulas;
 * ``accuracy.json`` (``bench/accuracy.py``): Tables 1-3 at reduced scale;
+* ``gkt_server_epochs.json`` (``bench/gkt_server_epochs.py``): FedGKT's server
+  epochs per round at that scale;
 * ``transport.json``, ``server_loop.json``, ``scale.json`` (``bench/transport.py``,
   ``bench/server_loop.py``, ``bench/scale.py``): issue 9's speed and scale figures.
 
@@ -84,6 +86,11 @@ def edge_cost_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _reused(reused: list[str] | dict[str, str]) -> dict[str, str]:
+    """Older JSONs list the reused runs' names, newer ones map each to the directory it came from."""
+    return reused if isinstance(reused, dict) else {name: "its earlier run" for name in reused}
+
+
 def comm_cost_section(data: dict[str, Any]) -> list[str]:
     scale = data["scale"]
     runs = data["runs"]
@@ -110,7 +117,8 @@ def comm_cost_section(data: dict[str, Any]) -> list[str]:
         f"Scale: {scale['dataset']}, {scale['partition']}, {scale['agents']} agents, {scale['train_samples']:,} training / "
         f"{scale['test_samples']:,} test samples, {scale['rounds']} rounds, batch {scale['batch_size']}; evaluation {scale['evaluation']}. "
         f"Target accuracy {_pct(scale['target_accuracy'])}. {scale['note'][0].upper()}{scale['note'][1:]}."
-        + (f" The JSON was recomputed from the recorded runs of {', '.join(data['reused_runs'])} (`--reuse-runs`)."
+        + (f" Runs taken from recorded reports of the same spec and data (`--reuse-runs`): "
+           f"{', '.join(f'{name} ({where})' for name, where in _reused(data['reused_runs']).items())}."
            if data.get("reused_runs") else ""), "",
         *_table(["Run", "Upload codec", "Final acc.", "Wire MB / round", "Formula MB / round", "Measured ÷ formula",
                  "Rounds to target", "Wire MB to target", "Formula MB to target", "Wire MB total"], rows, right_from=2),
@@ -152,6 +160,20 @@ def _acc_cell(runs: dict[str, Any], name: str) -> str:
     return f"{_pct(r['final_accuracy'])} ({_pct(r['best_accuracy'])})"
 
 
+def _gkt_vs_fedavg(runs: dict[str, Any]) -> list[str]:
+    """The paper's claim in this run's numbers: accuracy, edge compute and bytes of FedGKT vs FedAvg."""
+    lines = []
+    for key, label in (("iid", "IID"), ("noniid", "non-IID")):
+        gkt, avg = runs.get(f"fedgkt-{key}"), runs.get(f"fedavg-resnet56-{key}")
+        if not gkt or not avg or not gkt["edge_train_flops_total"] or not avg["wire_total_bytes"]:
+            continue
+        lines.append(
+            f"{label}: FedGKT {_pct(gkt['final_accuracy'])} (its agents' ResNet-8 {_pct(gkt['final_edge_accuracy'])}) vs FedAvg "
+            f"{_pct(avg['final_accuracy'])}; FedAvg's agents used {avg['edge_train_flops_total'] / gkt['edge_train_flops_total']:.1f}× "
+            f"FedGKT's training FLOPs, and FedGKT moved {gkt['wire_total_bytes'] / avg['wire_total_bytes']:.2f}× FedAvg's bytes.")
+    return [*lines, ""] if lines else []
+
+
 def accuracy_section(data: dict[str, Any]) -> list[str]:
     scale = data["scale"]
     runs = data["runs"]
@@ -169,13 +191,12 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
     table2 = [[label, _acc_cell(runs, name)] for label, name in (
         ("None", f"fedgkt-kd-none-{abl}"), ("S->E", f"fedgkt-kd-s2e-{abl}"), ("S<->E", f"fedgkt-{abl}"))]
     table3 = [[label, _acc_cell(runs, name)] for label, name in (("Sync", f"fedgkt-{abl}"), ("Async", f"fedgkt-async-{abl}"))]
-    estimate = scale.get("full_scale_estimated_minutes")
     timing = f"This run took {scale['wall_time_min']:.1f} min (scale `{scale['name']}`, planned for {scale['budget_minutes_on_2_cores']:.0f} min on 2 cores)"
     if "wall_time_is" in scale:
         timing = (f"The runs took {scale['wall_time_min']:.1f} min in all ({scale['wall_time_is']}; scale `{scale['name']}`, "
                   f"planned for {scale['budget_minutes_on_2_cores']:.0f} min on 2 idle cores; each run's load average is in the JSON)")
-    if estimate is not None:
-        timing += f"; the default (full) scale is estimated at {estimate:.0f} min from it ({scale['how']})"
+    if scale.get("within_budget") is not None:
+        timing += f": {'within' if scale['within_budget'] else 'OVER'} the budget"
     paper = data["paper"]["table1_cifar10_resnet56"]
     steps = scale["train_samples"] / scale["agents"] / scale["batch_size"]
     fedavg_final = [r["final_accuracy"] for k in ("iid", "noniid") if (r := runs.get(f"fedavg-resnet56-{k}")) and r["final_accuracy"] is not None]
@@ -204,6 +225,7 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
         "directions, every message), and the run's wall time on this machine.", "",
         *_table(["Method", "Partition", "Final acc.", "Edge TFLOPs", "Wire MB", "Wall min"], costs, right_from=2),
         "",
+        *_gkt_vs_fedavg(runs),
         f"Paper (CIFAR-10, ResNet-56, 200 rounds): FedGKT {paper['fedgkt']['iid']} / {paper['fedgkt']['noniid']}, FedAvg "
         f"{paper['fedavg']['iid']} / {paper['fedavg']['noniid']}, centralized ResNet-56 {paper['centralized-resnet56']}, "
         f"ResNet-8 {paper['centralized-resnet8']}.", "",
@@ -213,6 +235,26 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
         "",
         f"### Table 3: synchronous vs asynchronous ({scale['ablation_partition']})", "",
         *_table(["Mode", "Accuracy"], table3),
+        "",
+    ]
+
+
+def gkt_server_epochs_section(data: dict[str, Any]) -> list[str]:
+    scale = data["scale"]
+    runs = sorted(data["runs"].values(), key=lambda r: r["server_epochs"])
+    rows = [[str(r["server_epochs"]), f"{_pct(r['final_accuracy'])} ({_pct(r['best_accuracy'])})", _pct(r["final_edge_accuracy"]),
+             " / ".join(_pct(a) for a in r["accuracy_by_round"]), f"{r['server_train_s_total']:.0f}",
+             "bench/accuracy.py's fedgkt-iid" if r["reused_from_accuracy_bench"] else "this script"]
+            for r in runs]
+    paper = scale["paper_server_epochs"]
+    return [
+        "### FedGKT's server epochs per round", "",
+        f"From `bench/results/gkt_server_epochs.json` (`bench/gkt_server_epochs.py`), measured {_machine_line(data['machine'])}. "
+        f"Table 1's FedGKT IID run ({scale['train_samples']:,} / {scale['test_samples']:,} samples, {scale['rounds']} rounds) with "
+        f"only the server's epochs per round changed; the paper uses {paper['iid']} (IID) / {paper['noniid']} (non-IID). "
+        "Edge compute and bytes on the wire do not depend on it.", "",
+        *_table(["Server epochs", "Server acc. final (best)", "Agents' ResNet-8", "Server acc. by round", "Server training s",
+                 "Run"], rows, right_from=1),
         "",
     ]
 
@@ -313,7 +355,7 @@ def scale_section(data: dict[str, Any]) -> list[str]:
 
 def render(results: Path) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("edge_cost", "comm_cost", "accuracy", "transport", "server_loop", "scale")}
+               for name in ("edge_cost", "comm_cost", "accuracy", "gkt_server_epochs", "transport", "server_loop", "scale")}
     lines = [
         "# EdgeSplit results",
         "",
@@ -325,7 +367,7 @@ def render(results: Path) -> str:
         "these are the same comparisons, made here.",
         "",
     ]
-    sections = (("accuracy", accuracy_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
+    sections = (("accuracy", accuracy_section), ("gkt_server_epochs", gkt_server_epochs_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section))
     for name, section in sections:
         data = sources[name]

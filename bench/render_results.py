@@ -139,6 +139,29 @@ def comm_cost_section(data: dict[str, Any]) -> list[str]:
         f"{check['implied_sl_epochs_if_gb_is_2pow30']:.1f} and {check['implied_fedgkt_rounds_if_gb_is_2pow30']:.1f} for GiB): "
         "the same count for both, so its 2× gap is (map + gradient) ÷ (map + soft labels), not fewer rounds to converge.",
         "",
+        *_codec_accuracy(runs),
+    ]
+
+
+def _codec_accuracy(runs: dict[str, Any]) -> list[str]:
+    """What the upload codec did to FedGKT's accuracy, in this run's numbers."""
+    gkt = {r["codec"]: r for r in runs.values() if r["method"] == "fedgkt"}
+    if "raw" not in gkt or len(gkt) < 2:
+        return []
+    raw = gkt["raw"]["rounds"]
+    parts = []
+    for codec, r in gkt.items():
+        if codec == "raw":
+            continue
+        same = [a["accuracy"] for a in r["rounds"]] == [a["accuracy"] for a in raw]
+        parts.append(f"`{codec}` {'the same accuracy as `raw` in every round' if same else 'accuracy by round ' + ' / '.join(_pct(a['accuracy']) for a in r['rounds'])}"
+                     f" at {r['measured']['wire_total_bytes'] / gkt['raw']['measured']['wire_total_bytes']:.2f}× its bytes")
+    return [
+        "FedGKT's upload codecs: `raw` accuracy by round " + " / ".join(_pct(a["accuracy"]) for a in raw) + "; " + "; ".join(parts) + ". "
+        "The server stages uploaded maps as float16 whatever the codec (docs/methods/fedgkt.md), so `fp16-zstd` loses "
+        "nothing that `raw` keeps; with `u8-zstd` (8 bits per channel) the server trains on other values. One seed per codec, "
+        "and FedGKT's server accuracy moves by several points from round to round: read that difference as indicative.",
+        "",
     ]
 
 

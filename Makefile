@@ -31,13 +31,14 @@ test: venv system-deps
 demo: venv system-deps
 	$(VENV)/bin/edgesplit local --method fedgkt --agents 4 --rounds 8 --dataset fashion-mnist --partition dirichlet:0.5 --run-id demo --out runs/demo
 
-# The benchmarks behind docs/results.md (about 2 hours on 2 idle cores: accuracy.py alone is
-# planned for under 90 minutes; comm_cost.py then reuses its FedGKT and FedAvg runs).
+# The benchmarks behind docs/results.md (about 1.5-2 hours on 2 idle cores: accuracy.py alone is
+# planned for under 90 minutes; comm_cost.py and gkt_server_epochs.py then reuse its runs).
 bench: venv system-deps
 	$(PY) bench/codecs.py
 	$(PY) bench/edge_cost.py
 	$(PY) bench/accuracy.py
 	$(PY) bench/comm_cost.py --reuse-runs
+	$(PY) bench/gkt_server_epochs.py
 	$(PY) bench/render_results.py
 
 # The 10-minute pipeline check of the accuracy benchmark (bench/results/accuracy-quick.json).

@@ -230,6 +230,14 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
          "the comparison needs the full scale or the paper's.", ""]
         if fedavg_final and min(fedavg_final) <= 0.12 else []
     )
+    quick_line = []
+    if (quick := data.get("quick")) is not None:
+        q = quick["scale"]
+        quick_line = [
+            f"The pipeline check `{quick['generated_by']}` (`bench/results/accuracy-quick.json`: {q['train_samples']:,} / "
+            f"{q['test_samples']:,} samples, {q['rounds']} rounds, FedBE's server work cut down; accuracies near chance by "
+            f"design) ran {len(quick['runs'])} of the same runs in {q['wall_time_min']:.1f} min "
+            f"(budget {q['budget_minutes_on_2_cores']:.0f} min), {quick['machine']['date_utc']}.", ""]
     incomplete = [] if scale.get("complete", True) else [
         "**Incomplete:** not every run of the benchmark is in this JSON yet (a dash marks the missing ones).", ""]
     return [
@@ -239,6 +247,7 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
         f"{scale['rounds']} rounds of {scale['passes_over_the_data_per_round']} pass over the data, {scale['optimizer']}, batch "
         f"{scale['batch_size']}, seeds fixed. {timing}. Cells: final accuracy after the last round (best round in brackets). "
         f"Accuracy is: {scale['accuracy_is']}.", "",
+        *quick_line,
         *incomplete,
         "### Table 1: FedGKT vs FedAvg (and its family) vs centralized", "",
         *_table(["Method", "IID", f"non-IID ({scale['partitions']['noniid']})"], table1),
@@ -379,6 +388,9 @@ def scale_section(data: dict[str, Any]) -> list[str]:
 def render(results: Path) -> str:
     sources = {name: _load(results / f"{name}.json")
                for name in ("edge_cost", "comm_cost", "accuracy", "gkt_server_epochs", "transport", "server_loop", "scale")}
+    quick = _load(results / "accuracy-quick.json")
+    if sources["accuracy"] is not None and quick is not None:
+        sources["accuracy"] = {**sources["accuracy"], "quick": quick}
     lines = [
         "# EdgeSplit results",
         "",

@@ -152,6 +152,10 @@ def test_recorded_results_exist_and_docs_are_rendered_from_them() -> None:
     if scale["complete"] and scale["name"] == "full":
         # The issue's budget: the whole script in under 90 minutes on 2 cores, as measured.
         assert scale["within_budget"] is True and scale["wall_time_min"] < 90
+    # --quick, "a 10-minute version": every run of the benchmark, as measured.
+    quick = json.loads((RESULTS / "accuracy-quick.json").read_text())
+    assert quick["generated_by"] == "bench/accuracy.py --quick" and quick["scale"]["name"] == "quick"
+    assert quick["scale"]["complete"] and quick["scale"]["within_budget"] is True and quick["scale"]["wall_time_min"] < 10
     # The point of comm_cost's scale: every method reaches the headline target, so "bytes to
     # reach the target" is measured for each of them.
     assert all(r["measured"]["rounds_to_target"] is not None for r in comm["runs"].values())

@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": rounds, "passes_over_the_data_per_round": 1, "optimizer": "adam, lr 0.001", "batch_size": BATCH,
             "seeds": {"data": 0, "models": 0}, "evaluation": "every round",
             "budget_minutes_on_2_cores": scale.budget_minutes, "wall_time_s": elapsed, "wall_time_min": elapsed / 60,
-            "wall_time_is": "the sum of the runs' wall times (runs merged from several invocations with --merge count each once)",
+            "wall_time_is": "the sum of the runs' wall times" + (
+                " (runs merged from several invocations with --merge count each once)" if args.merge or args.collect
+                else ", all made by this invocation"),
             "complete": known <= set(results),
             # Stated only for a complete benchmark: "the whole script finishes in under the budget".
             "within_budget": (elapsed / 60 < scale.budget_minutes) if known <= set(results) and scale_name != "custom" else None,

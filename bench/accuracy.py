@@ -142,17 +142,40 @@ def summarize(table: str, key: str, run: RunSpec, report: dict[str, Any]) -> dic
     }
 
 
-def previous_runs(out: Path, run_dir: Path, scale_key: dict[str, Any]) -> dict[str, Any]:
+def scale_key(scale: Scale, train_samples: int | None = None, test_samples: int | None = None,
+              rounds: int | None = None) -> dict[str, Any]:
+    """The scale a run is recorded under: the named scale, or "custom" when a size is overridden."""
+    overridden = (train_samples, test_samples, rounds) != (None, None, None)
+    return {"name": "custom" if overridden else scale.name, "train_samples": train_samples or scale.train_samples,
+            "test_samples": test_samples or scale.test_samples, "rounds": rounds or scale.rounds}
+
+
+def scale_folder(run_dir: Path, key: dict[str, Any]) -> Path:
+    """One folder of run directories per scale."""
+    return run_dir / "{name}-{train_samples}-{test_samples}-{rounds}".format(**key)
+
+
+def recorded_run(run_dir: Path, train_samples: int, test_samples: int, rounds: int, name: str) -> tuple[Path, dict[str, Any]] | None:
+    """This benchmark's finished run ``name`` on this data size (under any scale name):
+    its report's path and its summary, or None. Other benchmarks take it instead of training again."""
+    for folder in sorted(run_dir.glob(f"*-{train_samples}-{test_samples}-{rounds}")):
+        summary, report = folder / name / "summary.json", folder / name / "report.json"
+        if summary.exists() and report.exists():
+            return report, json.loads(summary.read_text())["run"]
+    return None
+
+
+def previous_runs(out: Path, run_dir: Path, key: dict[str, Any]) -> dict[str, Any]:
     """Runs of the same scale recorded before: in ``out`` (an earlier JSON) and in the
     ``summary.json`` every run leaves in its run directory (the newer wins)."""
     found: dict[str, Any] = {}
     if out.exists():
         previous = json.loads(out.read_text())
-        if {k: previous["scale"].get(k) for k in scale_key} == scale_key:
+        if {k: previous["scale"].get(k) for k in key} == key:
             found.update(previous["runs"])
     for path in sorted(run_dir.glob("*/summary.json")):
         summary = json.loads(path.read_text())
-        if summary.get("scale") == scale_key:
+        if summary.get("scale") == key:
             found[path.parent.name] = summary["run"]
     return found
 
@@ -176,16 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         # The quick scale checks the pipeline: it never replaces the full scale's results.
         args.out = RESULTS / ("accuracy-quick.json" if args.quick else "accuracy.json")
     scale = SCALES["quick" if args.quick else "full"]
-    train_samples = args.train_samples or scale.train_samples
-    test_samples = args.test_samples or scale.test_samples
-    rounds = args.rounds or scale.rounds
-    scale_name = scale.name if (args.train_samples, args.test_samples, args.rounds) == (None, None, None) else "custom"
-    scale_key = {"name": scale_name, "train_samples": train_samples, "test_samples": test_samples, "rounds": rounds}
+    recorded_as = scale_key(scale, args.train_samples, args.test_samples, args.rounds)
+    scale_name, train_samples, test_samples, rounds = (recorded_as[k] for k in ("name", "train_samples", "test_samples", "rounds"))
     known = {run.name for _, _, run in runs(rounds, args.ablation_partition, train_samples, scale.fedbe_server)}
     unknown = sorted(set(args.only or ()) - known)
     if unknown:
         parser.error(f"--only: no runs named {unknown}; the runs are {sorted(known)}")
-    run_root = args.run_dir / "{name}-{train_samples}-{test_samples}-{rounds}".format(**scale_key)  # one folder per scale
+    run_root = scale_folder(args.run_dir, recorded_as)
     results: dict[str, Any] = {}
     for table, key, run in runs(rounds, args.ablation_partition, train_samples, scale.fedbe_server):
         if args.collect or (args.only and run.name not in args.only):
@@ -198,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                              "load_average_after": list(os.getloadavg())}
         # Each finished run is kept next to its report, so an interrupted benchmark (or another
         # invocation with --merge, even one running at the same time) keeps it.
-        write_json(run_root / run.name / "summary.json", {"scale": scale_key, "run": results[run.name]})
+        write_json(run_root / run.name / "summary.json", {"scale": recorded_as, "run": results[run.name]})
     if args.merge or args.collect:
-        results = {**previous_runs(args.out, run_root, scale_key), **results}
+        results = {**previous_runs(args.out, run_root, recorded_as), **results}
     if not results:
         parser.error("no runs made or recorded for this scale")
     elapsed = sum(r["run_wall_time_s"] for r in results.values())  # the runs of this JSON, merged or not

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_logs, round_series, run_federation, write_json
-from accuracy import AGENTS, BATCH, FEDAVG, GKT_SYNC, PARTITIONS, SCALES  # the accuracy benchmark's setting, not a copy
+from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_logs, reusable, round_series, run_federation, write_json
+from accuracy import AGENTS, BATCH, FEDAVG, GKT_SYNC, PARTITIONS, SCALES, recorded_run  # the accuracy benchmark's setting, not a copy
 from accuracy import runs as accuracy_runs
 
 FEATURE_CHANNELS, IMAGE_SIZE, FP32_BYTES = 16, 32, 4
@@ -151,43 +150,21 @@ def report_num_classes(report: dict[str, Any]) -> int:
     return int(report["config"]["num_classes"])
 
 
-def reusable(report_path: Path, run: RunSpec, data: DataSpec) -> dict[str, Any] | None:
-    """A finished earlier run of exactly this spec on this data (to recompute the JSON,
-    e.g. for other targets, without training again), or None."""
-    if not report_path.exists():
-        return None
-    spec_path = report_path.parent / "data.json"
-    if spec_path.exists() and json.loads(spec_path.read_text()) != dataclasses.asdict(data):
-        return None  # the same spec on other data (a partition the report cannot tell apart)
-    report = json.loads(report_path.read_text())
-    config = report["config"]
-    same = (
-        report["status"] == "finished" and config["method"] == run.method and config["rounds"] == run.rounds
-        and config["dataset"] == data.dataset and config["seed"] == data.seed and config["expected_agents"] == data.agents
-        and config["eval_every"] == run.eval_every
-        and all(config["method_config"].get(k) == v for k, v in run.method_config.items())
-        and sum(a["num_samples"] for a in report["agents"].values()) == data.train_samples
-        and len(report["rounds"]) == run.rounds
-    )
-    return report if same else None
-
-
 def _shown(path: Path) -> str:
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def accuracy_bench_report(run: RunSpec, data: DataSpec, accuracy_dir: Path) -> Path | None:
-    """Where bench/accuracy.py leaves its run of this spec on this data, if it makes one:
-    its run directory is named by the scale, its summary.json says the partition."""
+    """Where bench/accuracy.py left its run of this spec on this data, if it made one
+    (its summary.json says the partition)."""
     keys = [key for key, spec in PARTITIONS.items() if spec == data.partition]
     if data.agents != AGENTS or data.seed != 0 or data.dataset != "fashion-mnist" or not keys:
         return None
     for _table, key, spec in accuracy_runs(run.rounds, keys[0], data.train_samples):
         if key == keys[0] and spec.method == run.method and spec.method_config == run.method_config and spec.eval_every == run.eval_every:
-            for folder in sorted(accuracy_dir.glob(f"*-{data.train_samples}-{data.test_samples}-{run.rounds}")):
-                summary = folder / spec.name / "summary.json"
-                if summary.exists() and json.loads(summary.read_text())["run"]["partition"] == key:
-                    return folder / spec.name / "report.json"
+            found = recorded_run(accuracy_dir, data.train_samples, data.test_samples, run.rounds, spec.name)
+            if found is not None and found[1]["partition"] == key:
+                return found[0]
     return None
 
 

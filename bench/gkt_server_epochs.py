@@ -22,30 +22,21 @@ puts it in ``docs/results.md``.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
-from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_logs, round_series, run_federation, write_json
-from accuracy import AGENTS, GKT_SYNC, PARTITIONS, SCALES  # the accuracy benchmark's setting, not a copy
+from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_logs, reusable, round_series, run_federation, write_json
+from accuracy import AGENTS, GKT_SYNC, PARTITIONS, SCALES, recorded_run, scale_folder, scale_key  # the accuracy benchmark's setting
 
 
 def spec(epochs: int, rounds: int) -> RunSpec:
     return RunSpec(f"fedgkt-iid-server-epochs-{epochs}", "fedgkt", {**GKT_SYNC, "server_epochs": epochs}, rounds)
 
 
-def accuracy_bench_run(run: RunSpec, scale_key: dict[str, Any], accuracy_dir: Path) -> dict[str, Any] | None:
-    """bench/accuracy.py's fedgkt-iid report when it is this spec at this scale (1 server epoch)."""
-    folder = accuracy_dir / "{name}-{train_samples}-{test_samples}-{rounds}".format(**scale_key) / "fedgkt-iid"
-    if not (folder / "summary.json").exists() or not (folder / "report.json").exists():
-        return None
-    if json.loads((folder / "summary.json").read_text())["scale"] != scale_key:
-        return None
-    report = json.loads((folder / "report.json").read_text())
-    config = report["config"]["method_config"]
-    if report["status"] != "finished" or any(config.get(k) != v for k, v in run.method_config.items()):
-        return None
-    return report
+def accuracy_bench_run(run: RunSpec, data: DataSpec, accuracy_dir: Path) -> dict[str, Any] | None:
+    """bench/accuracy.py's fedgkt-iid report when it is this spec on this data (1 server epoch)."""
+    found = recorded_run(accuracy_dir, data.train_samples, data.test_samples, run.rounds, "fedgkt-iid")
+    return None if found is None else reusable(found[0], run, data)
 
 
 def summarize(epochs: int, report: dict[str, Any]) -> dict[str, Any]:
@@ -77,27 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     if any(e < 1 for e in args.epochs):
         parser.error("--epochs: every value must be >= 1")
     quiet_logs()
-    full = SCALES["full"]
-    train = args.train_samples or full.train_samples
-    test = args.test_samples or full.test_samples
-    rounds = args.rounds or full.rounds
-    name = "full" if (args.train_samples, args.test_samples, args.rounds) == (None, None, None) else "custom"
-    scale_key = {"name": name, "train_samples": train, "test_samples": test, "rounds": rounds}
-    data = DataSpec("fashion-mnist", PARTITIONS["iid"], AGENTS, train, test, seed=0)
+    key = scale_key(SCALES["full"], args.train_samples, args.test_samples, args.rounds)
+    rounds = key["rounds"]
+    data = DataSpec("fashion-mnist", PARTITIONS["iid"], AGENTS, key["train_samples"], key["test_samples"], seed=0)
     results: dict[str, Any] = {}
     for epochs in sorted(set(args.epochs)):
         run = spec(epochs, rounds)
-        report = accuracy_bench_run(run, scale_key, args.accuracy_run_dir)
+        report = accuracy_bench_run(run, data, args.accuracy_run_dir)
         reused = report is not None
         print(f"== server epochs {epochs}{' (bench/accuracy.py fedgkt-iid, reused)' if reused else ''}", flush=True)
         if report is None:
-            report = run_federation(run, data, args.run_dir / "{name}-{train_samples}-{test_samples}-{rounds}".format(**scale_key) / run.name)
+            report = run_federation(run, data, scale_folder(args.run_dir, key) / run.name)
         results[str(epochs)] = {**summarize(epochs, report), "reused_from_accuracy_bench": reused}
     write_json(args.out, {
         "benchmark": "gkt_server_epochs",
         "description": "FedGKT (ResNet-8 + ResNet-55, IID) at bench/accuracy.py's setting with only the server's epochs per "
                        "round changed: server accuracy vs its agents' and the server's training time.",
-        "scale": {**scale_key, "dataset": data.dataset, "partition": data.partition, "agents": data.agents,
+        "scale": {**key, "dataset": data.dataset, "partition": data.partition, "agents": data.agents,
                   "paper_server_epochs": {"iid": 20, "noniid": 40}},
         "machine": machine(),
         "runs": results,

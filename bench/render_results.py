@@ -86,11 +86,6 @@ def edge_cost_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
-def _reused(reused: list[str] | dict[str, str]) -> dict[str, str]:
-    """Older JSONs list the reused runs' names, newer ones map each to the directory it came from."""
-    return reused if isinstance(reused, dict) else {name: "its earlier run" for name in reused}
-
-
 def comm_cost_section(data: dict[str, Any]) -> list[str]:
     scale = data["scale"]
     runs = data["runs"]
@@ -118,7 +113,7 @@ def comm_cost_section(data: dict[str, Any]) -> list[str]:
         f"{scale['test_samples']:,} test samples, {scale['rounds']} rounds, batch {scale['batch_size']}; evaluation {scale['evaluation']}. "
         f"Target accuracy {_pct(scale['target_accuracy'])}. {scale['note'][0].upper()}{scale['note'][1:]}."
         + (f" Runs taken from recorded reports of the same spec and data (`--reuse-runs`): "
-           f"{', '.join(f'{name} ({where})' for name, where in _reused(data['reused_runs']).items())}."
+           f"{', '.join(f'{name} ({where})' for name, where in data['reused_runs'].items())}."
            if data.get("reused_runs") else ""), "",
         *_table(["Run", "Upload codec", "Final acc.", "Wire MB / round", "Formula MB / round", "Measured ÷ formula",
                  "Rounds to target", "Wire MB to target", "Formula MB to target", "Wire MB total"], rows, right_from=2),

@@ -72,14 +72,15 @@ class Scale:
 
 
 SCALES = {
-    # Measured on 2 idle cores at batch 32 (the quick scale of 1,200 x 3, session 3), per
-    # training image and round, evaluation and transport included: FedGKT 17-19 ms, FedAvg
-    # (ResNet-56) 17 ms, FedGKD 22 ms, FedDistill 22 ms, FedKD 15 ms, centralized ResNet-56 about
-    # 9 ms; FedBE = FedAvg + about 67 s per round for the server (300 unlabeled images, 10
-    # sampled models, 100 distillation steps). The 17 runs then take about
-    # 289 ms x train_samples x rounds + 134 s x rounds + 5 s per run, so the full scale
-    # (2,000 x 6) is planned at about 73 minutes, under the 90-minute budget with room for a
-    # noisy CPU; the old 3,200 x 10 would have taken about 3 hours. An agent takes 250 images,
+    # Sized from per-image-round costs on 2 idle cores at batch 32 (first from a calibration run
+    # at 1,200 x 3 that was stopped and not kept; the full run in bench/results/accuracy.json
+    # confirms them: run wall time / (2,000 x 6) = FedGKT 15-18 ms, FedAvg (ResNet-56) 14,
+    # FedGKD and FedDistill 16-17, FedKD 14-17, centralized ResNet-56 11; FedBE's rounds take
+    # 80-103 s where FedAvg's take 24-31 s, i.e. about 55-70 s of server work per round with
+    # 300 unlabeled images, 10 sampled models and 100 distillation steps). The 17 runs then
+    # take roughly 270-290 ms x train_samples x rounds + 2 x 65 s x rounds: 2,000 x 6 fits
+    # the 90-minute budget with room for a noisy CPU (measured: 62.9 min), the old 3,200 x 10
+    # would have needed about 3 hours by the same estimate. An agent takes 250 images,
     # about 8 optimiser steps per round: at 3 steps per round (an older 800-image scale)
     # ResNet-56's BatchNorm running statistics (used in evaluation) had not caught up with the
     # data and FedAvg scored the 10% of a constant prediction.

@@ -98,7 +98,9 @@ SCALES = {
 # FedGKT (ResNet-8 + ResNet-55) and FedAvg (ResNet-56) as every run here sets them up;
 # bench/comm_cost.py runs the same, so that it can take these runs' reports.
 GKT = {"server_model": "resnet55_server", "server_epochs": 1, "edge_epochs": 1, "edge_batch_size": BATCH,
-       "server_batch_size": BATCH, "server_lr": 0.001, "edge_lr": 0.001, "upload_codec": "fp16-zstd"}
+       "server_batch_size": BATCH, "server_lr": 0.001, "edge_lr": 0.001, "upload_codec": "fp16-zstd",
+       # The server's accuracy with the running BatchNorm averages next to the per-agent statistics it reports.
+       "eval_diagnostics": True}
 GKT_SYNC = {**GKT, "mode": "sync", "kd": "bidirectional"}
 FEDAVG = {"model": "resnet56", "local_epochs": 1, "batch_size": BATCH, "lr": 0.001}
 

@@ -9,6 +9,8 @@ The tables are generated, never typed: rerun a benchmark, then this script.
 * ``accuracy.json`` (``bench/accuracy.py``): Tables 1-3 at reduced scale;
 * ``gkt_server_epochs.json`` (``bench/gkt_server_epochs.py``): FedGKT's server
   epochs per round at that scale;
+* ``fedgkt_ablation.json`` (``bench/fedgkt_ablation.py``): why FedGKT's server
+  trailed its edges, one factor at a time;
 * ``transport.json``, ``server_loop.json``, ``scale.json`` (``bench/transport.py``,
   ``bench/server_loop.py``, ``bench/scale.py``): issue 9's speed and scale figures.
 
@@ -266,6 +268,90 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _cumulative(series: Sequence[dict[str, Any]], key: str) -> list[float]:
+    out, total = [], 0.0
+    for r in series:
+        total += r[key]
+        out.append(total)
+    return out
+
+
+def cost_curves(data: dict[str, Any], image_dir: Path | None) -> list[str]:
+    """Accuracy against what it cost, FedGKT vs FedAvg: cumulative edge training FLOPs and
+    cumulative wire bytes per round (a table, and two plots when ``image_dir`` is given)."""
+    runs = data["runs"]
+    pairs = [(f"{label} {key}", runs[f"{prefix}-{key}"]) for key in ("iid", "noniid")
+             for label, prefix in (("FedGKT", "fedgkt"), ("FedAvg (ResNet-56)", "fedavg-resnet56")) if f"{prefix}-{key}" in runs]
+    if not pairs:
+        return []
+    rows = []
+    for label, r in pairs:
+        flops = _cumulative(r["rounds"], "edge_train_flops")
+        for x, f in zip(r["rounds"], flops):
+            rows.append([label, str(x["round"]), _pct(x["accuracy"]), f"{f / 1e12:.2f}", _mb(x["cumulative_wire"])])
+    plots = (("accuracy_vs_edge_flops.png", "edge_train_flops", 1e12, "cumulative edge training TFLOPs (all agents)"),
+             ("accuracy_vs_wire_mb.png", "wire", 1e6, "cumulative MB on the wire (server's connection)"))
+    images = [f"![{name}](img/{name})" for name, *_ in plots]
+    if image_dir is not None:  # the page always links them; the files are written when rendering to disk
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        image_dir.mkdir(parents=True, exist_ok=True)
+        for name, key, scale, xlabel in plots:
+            fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+            for label, r in pairs:
+                xs = [v / scale for v in _cumulative(r["rounds"], key)]
+                ys = [100 * (x["accuracy"] or 0.0) for x in r["rounds"]]
+                ax.plot(xs, ys, marker="o", linestyle="--" if label.endswith("noniid") else "-", label=label)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("test accuracy (%)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(image_dir / name)
+            plt.close(fig)
+    return [
+        "### What each point of accuracy cost: FedGKT vs FedAvg", "",
+        "The same runs as Table 1, round by round: accuracy against the edge training FLOPs spent so far (all agents) and "
+        "the bytes moved so far through the server's MQTT connection.", "",
+        *images, "",
+        *_table(["Run", "Round", "Accuracy", "Edge TFLOPs so far", "Wire MB so far"], rows, right_from=1),
+        "",
+    ]
+
+
+def fedgkt_ablation_section(data: dict[str, Any]) -> list[str]:
+    scale = data["scale"]
+    runs = data["runs"]
+    variants = data["variants"]
+    rows = []
+    for name, v in variants.items():
+        for key in ("iid", "noniid"):
+            r = runs.get(f"{name}-{key}")
+            if r is None:
+                continue
+            by_round = " / ".join(_pct(x["accuracy"]) for x in r["rounds"])
+            bn = r["rounds"][-1].get("accuracy_per_agent_bn")
+            glob = r["rounds"][-1].get("accuracy_global_bn")
+            base = runs.get(f"{v['base']}-{key}") if name != v["base"] else None
+            delta = DASH if base is None or r["final_accuracy"] is None or base["final_accuracy"] is None else (
+                f"{100 * (r['final_accuracy'] - base['final_accuracy']):+.1f}")
+            rows.append([name, key, v["tests"], by_round, _pct(r["final_edge_accuracy"]), _pct(glob), _pct(bn), delta])
+    return [
+        "### Why FedGKT's server trailed its edges: one factor at a time", "",
+        f"From `bench/results/fedgkt_ablation.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
+        f"Table 1's FedGKT setting (Fashion-MNIST, {scale['agents']} agents, {scale['train_samples']:,} / {scale['test_samples']:,} "
+        f"samples, {scale['rounds']} rounds, one seed), each row one setting changed from its base. Server accuracy is the "
+        "extractor + server model on the agents' test maps as the run reported it; the two BN columns are the last round's "
+        "accuracy of the same server model with the running BatchNorm averages over all agents (global) and with each "
+        "agent's own statistics (per agent), whatever the run used; Δ is the final server accuracy minus its base's, in points.", "",
+        *_table(["Variant", "Partition", "Change", "Server acc. by round", "Edges (final)", "Global BN", "Per-agent BN", "Δ"], rows, right_from=3),
+        "",
+    ]
+
+
 def gkt_server_epochs_section(data: dict[str, Any]) -> list[str]:
     scale = data["scale"]
     runs = sorted(data["runs"].values(), key=lambda r: r["server_epochs"])
@@ -380,9 +466,9 @@ def scale_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
-def render(results: Path) -> str:
+def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("edge_cost", "comm_cost", "accuracy", "gkt_server_epochs", "transport", "server_loop", "scale")}
+               for name in ("edge_cost", "comm_cost", "accuracy", "fedgkt_ablation", "gkt_server_epochs", "transport", "server_loop", "scale")}
     quick = _load(results / "accuracy-quick.json")
     if sources["accuracy"] is not None and quick is not None:
         sources["accuracy"] = {**sources["accuracy"], "quick": quick}
@@ -397,7 +483,7 @@ def render(results: Path) -> str:
         "these are the same comparisons, made here.",
         "",
     ]
-    sections = (("accuracy", accuracy_section), ("gkt_server_epochs", gkt_server_epochs_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
+    sections = (("accuracy", accuracy_section), ("fedgkt_ablation", fedgkt_ablation_section), ("gkt_server_epochs", gkt_server_epochs_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section))
     for name, section in sections:
         data = sources[name]
@@ -406,6 +492,8 @@ def render(results: Path) -> str:
             continue
         try:
             lines += section(data)
+            if name == "accuracy":
+                lines += cost_curves(data, image_dir)
         except KeyError as exc:
             raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun bench/{name}.py") from None
     return "\n".join(lines)
@@ -416,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results.md")
     args = parser.parse_args(argv)
-    text = render(args.results)
+    text = render(args.results, args.out.parent / "img")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")

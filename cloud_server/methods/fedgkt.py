@@ -16,6 +16,7 @@ once the round's training is done (``cloud_server/feature_store.py``).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -42,9 +43,31 @@ log = logging.getLogger("cloud_server.fedgkt")
 
 KD_MODES = ("bidirectional", "s2e", "none")
 
+# The paper's hyper-parameters, Table 10 (CIFAR-10; Tables 11 and 12 give the same for
+# CIFAR-100 and CINIC-10): one optimiser row for FedGKT, used on both sides; batch 256;
+# 1 edge epoch; 20 server epochs for I.I.D., 40 for non-I.I.D.; 200 rounds (the server's
+# [server] rounds, not a FedGKT setting). Non-I.I.D. gives no weight decay. Temperature 3
+# and KD weight 1 are the reference code's defaults (the paper gives no value).
+# ``preset = "paper-iid"`` or ``"paper-noniid"`` fills every key the table does not set.
+PAPER_PRESETS: dict[str, dict[str, Any]] = {
+    "paper-iid": {
+        "server_epochs": 20, "server_optimizer": "adam", "server_lr": 0.001, "server_weight_decay": 1e-4,
+        "server_batch_size": 256, "edge_epochs": 1, "edge_optimizer": "adam", "edge_lr": 0.001,
+        "edge_weight_decay": 1e-4, "edge_batch_size": 256, "temperature": 3.0, "alpha": 1.0, "kd": "bidirectional",
+        "mode": "sync", "lr_schedule": "plateau",
+    },
+    "paper-noniid": {
+        "server_epochs": 40, "server_optimizer": "sgd", "server_lr": 0.005, "server_momentum": 0.9,
+        "server_weight_decay": 0.0, "server_batch_size": 256, "edge_epochs": 1, "edge_optimizer": "sgd",
+        "edge_lr": 0.005, "edge_momentum": 0.9, "edge_weight_decay": 0.0, "edge_batch_size": 256,
+        "temperature": 3.0, "alpha": 1.0, "kd": "bidirectional", "mode": "sync", "lr_schedule": "plateau",
+    },
+}
+
 
 @dataclass(frozen=True)
 class FedGktConfig:
+    preset: str = ""  # "" (the defaults below) | "paper-iid" | "paper-noniid" (PAPER_PRESETS)
     server_model: str = "resnet55_server"
     edge_model: str = "resnet8"
     mode: str = "sync"  # sync | async
@@ -53,7 +76,7 @@ class FedGktConfig:
     server_optimizer: str = "adam"
     server_lr: float = 0.001
     server_momentum: float = 0.9
-    server_weight_decay: float = 5e-4
+    server_weight_decay: float = 1e-4  # Table 10 (I.I.D.)
     server_batch_size: int = 64
     server_order: str = "shuffled"  # shuffled (batches drawn from all agents' uploads) | per_agent (Algorithm 1's walk)
     lr_schedule: str = "plateau"  # plateau | none
@@ -63,7 +86,7 @@ class FedGktConfig:
     edge_optimizer: str = "adam"
     edge_lr: float = 0.001
     edge_momentum: float = 0.9
-    edge_weight_decay: float = 5e-4
+    edge_weight_decay: float = 1e-4
     edge_batch_size: int = 64
     upload_codec: str = "fp16-zstd"
     upload_batch_samples: int = 256
@@ -73,8 +96,24 @@ class FedGktConfig:
     # or a private temp dir when the server has no run directory).
     staged_memory_bytes: int = 2 * 1024**3
     spill_dir: str = ""
+    # "shared": every agent's ResNet-8 starts from the server's initial weights (sent once,
+    # with an agent's first RoundStart), so all extractors begin in one feature space;
+    # "per_agent": each agent draws its own initialisation.
+    edge_init: str = "shared"
+    # BatchNorm statistics the server model evaluates an agent's maps with: "per_agent",
+    # recomputed on that agent's training maps (at most bn_calibration_samples of them) in
+    # each evaluation round, the statistics the training batches (one agent's maps each) were
+    # normalised with; "global", the running averages over every agent's batches.
+    bn_stats: str = "per_agent"
+    bn_calibration_samples: int = 1024
+    # Extra figures in report.json: the server's accuracy with the other bn_stats, and its
+    # training accuracy in the last server epoch.
+    eval_diagnostics: bool = False
 
     def __post_init__(self) -> None:
+        if self.preset and self.preset not in PAPER_PRESETS:
+            hint = " (Table 10 has two columns: say which)" if self.preset == "paper" else ""
+            raise ValueError(f"fedgkt.preset must be '' or one of {sorted(PAPER_PRESETS)}, got {self.preset!r}{hint}")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"fedgkt.mode must be 'sync' or 'async', got {self.mode!r}")
         if self.kd not in KD_MODES:
@@ -87,6 +126,12 @@ class FedGktConfig:
             raise ValueError(f"fedgkt.lr_schedule must be 'plateau' or 'none', got {self.lr_schedule!r}")
         if self.server_epochs < 1 or self.server_batch_size < 1 or self.server_lr <= 0:
             raise ValueError("fedgkt.server_epochs, server_batch_size must be >= 1 and server_lr > 0")
+        if self.bn_stats not in ("per_agent", "global"):
+            raise ValueError(f"fedgkt.bn_stats must be 'per_agent' or 'global', got {self.bn_stats!r}")
+        if self.bn_calibration_samples < 1:
+            raise ValueError(f"fedgkt.bn_calibration_samples must be >= 1, got {self.bn_calibration_samples}")
+        if self.edge_init not in ("shared", "per_agent"):
+            raise ValueError(f"fedgkt.edge_init must be 'shared' or 'per_agent', got {self.edge_init!r}")
         if self.staged_memory_bytes < 0:
             raise ValueError(f"fedgkt.staged_memory_bytes must be >= 0, got {self.staged_memory_bytes}")
         self.round_config()  # validates the edge half
@@ -102,6 +147,10 @@ class FedGktConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedGktConfig":
+        """The [fedgkt] table; with a ``preset``, the preset's values fill the keys the table does not set."""
+        preset = raw.get("preset", "")
+        if preset in PAPER_PRESETS:
+            raw = {**PAPER_PRESETS[preset], **raw}
         return config_from_table(cls, raw, "fedgkt")
 
 
@@ -189,6 +238,19 @@ class FedGktServer(ServerMethod):
                                     prefix=f"fedgkt-{ctx.run_id}")
         self._ort = None  # OrtArtifactServer, made on the first ort agent's request
         self.feature_shape: tuple[int, ...] | None = None
+        # The agents' common starting point (edge_init = "shared"): the edge model drawn from
+        # the run's seed, as the torch-free agents' artifacts are (cloud_server/ort_artifacts.py).
+        self.edge_init_weights: dict[str, np.ndarray] = {}
+        if self.config.edge_init == "shared":
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(ctx.seed)
+                edge = build_model(self.config.edge_model, ctx.num_classes, ctx.in_channels)
+            self.edge_init_weights = state_dict_to_arrays(edge)
+        self.initialised_agents: set[str] = set()  # agents that finished a round (no initial weights needed)
+        self.figures: dict[int, dict[str, Any]] = {}  # round -> the round's own figures (round_report)
+        self.norms = [m for m in self.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        # bn_stats = "per_agent": agent -> its BatchNorm statistics, one (mean, var) per layer.
+        self.agent_bn: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
@@ -207,7 +269,14 @@ class FedGktServer(ServerMethod):
         return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
 
     def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        return asdict(self.config.round_config()), {}
+        # The initial edge weights go with every RoundStart until the agent has finished a
+        # round (a lost RoundStart must not leave it on its own initialisation); an agent that
+        # has already trained ignores them.
+        weights = self.edge_init_weights if agent not in self.initialised_agents else {}
+        return asdict(self.config.round_config()), dict(weights)
+
+    def round_report(self, round_: int) -> dict[str, Any]:
+        return self.figures.pop(round_, {})
 
     def model_info(self) -> dict[str, Any]:
         edge = build_model(self.config.edge_model, self.ctx.num_classes, self.ctx.in_channels)
@@ -324,6 +393,7 @@ class FedGktServer(ServerMethod):
                     # Normally already released by _concat; after a failed gather (disk full) this frees the rest.
                     self.staging.release_all([b.features for b in staged.batches()])
             outcome.used_agents = list(data)
+            self.initialised_agents.update(data)
             if not data:
                 return outcome
             started = time.perf_counter()
@@ -339,7 +409,17 @@ class FedGktServer(ServerMethod):
                         (agent, GktServerLogits(run=self.ctx.run_id, round=round_, sender="server", sample_ids=ids, logits=logits))
                     )
             if tests:
-                outcome.correct, outcome.total = self._evaluate(tests)
+                global_bn = self._evaluate(tests, per_agent=False)
+                per_agent_bn = None
+                if self.config.bn_stats == "per_agent" or self.config.eval_diagnostics:
+                    for agent in tests:
+                        self.agent_bn[agent] = self._calibrate(data[agent][0])
+                    per_agent_bn = self._evaluate(tests, per_agent=True)
+                outcome.correct, outcome.total = per_agent_bn if self.config.bn_stats == "per_agent" and per_agent_bn else global_bn
+                if self.config.eval_diagnostics:
+                    self.figures.setdefault(round_, {}).update(
+                        accuracy_global_bn=global_bn[0] / max(global_bn[1], 1),
+                        accuracy_per_agent_bn=per_agent_bn[0] / max(per_agent_bn[1], 1) if per_agent_bn else None)
             return outcome
         finally:
             # The round's training is done (or failed): its staged features, and spill files, go.
@@ -374,7 +454,7 @@ class FedGktServer(ServerMethod):
         bidirectional = c.kd == "bidirectional"
         agents = list(data)
         z_s = [np.zeros((len(data[a][3]), self.ctx.num_classes), np.float32) for a in agents]
-        total_loss, total_n = 0.0, 0
+        total_loss, total_n, train_correct = 0.0, 0, 0
         steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
         progress = None
         if self.ctx.progress:
@@ -398,23 +478,62 @@ class FedGktServer(ServerMethod):
                     z_s[k][idx.numpy()] = logits.detach().cpu().numpy()
                     total_loss += float(loss.item()) * len(idx)
                     total_n += len(idx)
+                    train_correct += int((logits.detach().argmax(1) == y).sum())
                 if progress is not None:
                     progress.update(1)
         if progress is not None:
             progress.close()
         logits_by_agent = {a: (data[a][3], z_s[k]) for k, a in enumerate(agents)}
+        if self.config.eval_diagnostics:
+            self.figures.setdefault(round_, {})["server_train_accuracy"] = train_correct / max(total_n, 1)
         return logits_by_agent, total_loss / max(total_n, 1)
 
     @torch.no_grad()
-    def _evaluate(self, tests: dict[str, tuple]) -> tuple[int, int]:
-        """Accuracy of extractor (on the agents) + server model on the agents' test features."""
+    def _calibrate(self, features: RowSource) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """BatchNorm statistics of the server model on one agent's maps (at most
+        ``bn_calibration_samples``, an even spread), leaving the model as it was."""
+        n = len(features)
+        take = min(n, self.config.bn_calibration_samples)
+        rows = torch.linspace(0, n - 1, take).round().long().unique()
+        saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone(), m.momentum) for m in self.norms]
+        was_training = self.model.training
+        try:
+            for m in self.norms:
+                m.reset_running_stats()
+                m.momentum = None  # a cumulative average over the agent's maps
+            self.model.train()
+            for chunk in rows.split(256):
+                self.model(features[chunk].to(self.device, torch.float32))
+            return [(m.running_mean.clone(), m.running_var.clone()) for m in self.norms]
+        finally:
+            for m, (mean, var, count, momentum) in zip(self.norms, saved):
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
+                m.num_batches_tracked.copy_(count)
+                m.momentum = momentum
+            self.model.train(was_training)
+
+    @torch.no_grad()
+    def _evaluate(self, tests: dict[str, AgentData], per_agent: bool) -> tuple[int, int]:
+        """Accuracy of extractor (on the agents) + server model on the agents' test features;
+        ``per_agent``: each agent's maps with that agent's BatchNorm statistics (``agent_bn``)."""
         self.model.eval()
         correct = total = 0
-        for features, _edge_logits, labels, _ids in tests.values():
-            for start in range(0, len(labels), 512):
-                logits = self.model(features[start : start + 512].to(self.device, torch.float32))
-                correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
-                total += int(len(labels[start : start + 512]))
+        saved = [(m.running_mean.clone(), m.running_var.clone()) for m in self.norms] if per_agent else []
+        try:
+            for agent, (features, _edge_logits, labels, _ids) in tests.items():
+                if per_agent:
+                    for m, (mean, var) in zip(self.norms, self.agent_bn.get(agent, saved)):
+                        m.running_mean.copy_(mean)
+                        m.running_var.copy_(var)
+                for start in range(0, len(labels), 512):
+                    logits = self.model(features[start : start + 512].to(self.device, torch.float32))
+                    correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
+                    total += int(len(labels[start : start + 512]))
+        finally:
+            for m, (mean, var) in zip(self.norms, saved):
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
         return correct, total
 
     # -- checkpoints ---------------------------------------------------------- #
@@ -425,6 +544,9 @@ class FedGktServer(ServerMethod):
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "feature_shape": list(self.feature_shape) if self.feature_shape else None,
+            "initialised_agents": sorted(self.initialised_agents),
+            "agent_bn": {agent: {f"{i}/{part}": t.cpu().numpy() for i, pair in enumerate(stats) for part, t in zip(("mean", "var"), pair)}
+                         for agent, stats in self.agent_bn.items()},
         }
 
     def load_state(self, state: Any) -> None:
@@ -433,3 +555,9 @@ class FedGktServer(ServerMethod):
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.feature_shape = tuple(state["feature_shape"]) if state.get("feature_shape") else None
+        self.initialised_agents = set(state.get("initialised_agents", []))
+        self.agent_bn = {
+            agent: [(torch.as_tensor(arrays[f"{i}/mean"]).to(self.device), torch.as_tensor(arrays[f"{i}/var"]).to(self.device))
+                    for i in range(len(self.norms))]
+            for agent, arrays in (state.get("agent_bn") or {}).items()
+        }

@@ -51,6 +51,7 @@ class FedGktEdge(EdgeMethod):
         self.optimizer: torch.optim.Optimizer | None = None
         self._last_round: tuple[RoundStart, GktRoundConfig] | None = None
         self._optimizer_key: tuple | None = None
+        self.trained = False  # True once this model has trained a round (or was restored)
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
         self.train_flops_per_sample, self.forward_flops_per_sample = _flops(settings.get("edge_model", "resnet8"), self.model, shape)
 
@@ -102,6 +103,11 @@ class FedGktEdge(EdgeMethod):
         cfg = GktRoundConfig.from_dict(start.config)
         self._last_round = (start, cfg)
         ctx = self.ctx
+        if start.weights and not self.trained:
+            # The server's common initialisation (fedgkt.edge_init = "shared"): every agent's
+            # extractor starts in the same feature space.
+            load_arrays_into(self.model, start.weights)
+        self.trained = True
         with meter.phase("compute"):
             loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
             result = train_epochs(
@@ -158,6 +164,7 @@ class FedGktEdge(EdgeMethod):
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         load_arrays_into(self.model, {k[6:]: v for k, v in arrays.items() if k.startswith("model/")})
+        self.trained = True
         if "teacher/ids" in arrays:
             self.teacher = TeacherLogits(self.num_classes)
             self.teacher.update(arrays["teacher/ids"], arrays["teacher/logits"])

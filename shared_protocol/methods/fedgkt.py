@@ -94,7 +94,7 @@ class GktRoundConfig:
     edge_optimizer: str = "adam"
     edge_lr: float = 0.001
     edge_momentum: float = 0.9
-    edge_weight_decay: float = 5e-4
+    edge_weight_decay: float = 1e-4
     batch_size: int = 64
     temperature: float = 3.0
     alpha: float = 1.0

@@ -1,0 +1,198 @@
+"""FedGKT's settings: the paper's presets (Table 10) and the agents' shared initialisation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+
+from cloud_server.methods import ServerContext
+from cloud_server.methods.fedgkt import PAPER_PRESETS, FedGktConfig, FedGktServer
+from edge_agent.costs import RoundMeter
+from edge_agent.methods.base import EdgeContext
+from edge_agent.methods.fedgkt import FedGktEdge
+from fldata import make_synthetic
+from shared_protocol.messages import RoundEnd, RoundStart
+
+CTX = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=5)
+
+
+def test_paper_presets_are_table_10() -> None:
+    """Table 10 (CIFAR-10; Tables 11-12 repeat it): FedGKT I.I.D. Adam lr 0.001 wd 0.0001,
+    non-I.I.D. SGD lr 0.005 momentum 0.9; batch 256; 1 edge epoch; 20 / 40 server epochs."""
+    iid = FedGktConfig.from_dict({"preset": "paper-iid"})
+    assert (iid.server_optimizer, iid.server_lr, iid.server_weight_decay) == ("adam", 0.001, 1e-4)
+    assert (iid.edge_optimizer, iid.edge_lr, iid.edge_weight_decay) == ("adam", 0.001, 1e-4)
+    assert (iid.server_batch_size, iid.edge_batch_size, iid.edge_epochs, iid.server_epochs) == (256, 256, 1, 20)
+    noniid = FedGktConfig.from_dict({"preset": "paper-noniid"})
+    assert (noniid.server_optimizer, noniid.server_lr, noniid.server_momentum) == ("sgd", 0.005, 0.9)
+    assert (noniid.edge_optimizer, noniid.edge_lr, noniid.edge_momentum) == ("sgd", 0.005, 0.9)
+    assert (noniid.server_batch_size, noniid.edge_batch_size, noniid.edge_epochs, noniid.server_epochs) == (256, 256, 1, 40)
+    for config in (iid, noniid):
+        assert (config.kd, config.mode, config.temperature, config.alpha) == ("bidirectional", "sync", 3.0, 1.0)
+
+
+def test_a_preset_fills_only_what_the_table_leaves_out() -> None:
+    config = FedGktConfig.from_dict({"preset": "paper-iid", "server_epochs": 3})
+    assert config.server_epochs == 3 and config.server_batch_size == 256
+    assert asdict(config)["preset"] == "paper-iid"  # the resolved config names the preset
+    with pytest.raises(ValueError, match="Table 10 has two columns"):
+        FedGktConfig.from_dict({"preset": "paper"})
+    with pytest.raises(ValueError, match="preset"):
+        FedGktConfig(preset="fast")
+    assert set(PAPER_PRESETS) == {"paper-iid", "paper-noniid"}
+
+
+def test_the_paper_configs_match_the_presets() -> None:
+    """deploy/configs/paper/ writes the same values as the presets (one source of truth checked)."""
+    from cloud_server.config import ServerConfig
+    from pathlib import Path
+    from shared_protocol.tomlio import read_toml
+
+    root = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "paper"
+    for split in ("iid", "noniid"):
+        table = ServerConfig.from_dict(read_toml(root / f"cifar10-fedgkt-resnet56-{split}.toml")).method_config
+        preset = PAPER_PRESETS[f"paper-{split}"]
+        assert {k: table[k] for k in preset} == preset
+
+
+def _edge(seed: int) -> FedGktEdge:
+    data = make_synthetic(48, num_classes=10, in_channels=1, seed=1)
+    ctx = EdgeContext(agent_id=f"agent-{seed}", run_id="u", instance=f"i{seed}", train=data, test=data,
+                      settings={"num_classes": 10, "edge_model": "resnet8"}, send=lambda *a, **k: None, seed=seed)
+    torch.manual_seed(seed)  # as the agent seeds its own models: each draws its own initialisation
+    return FedGktEdge(ctx)
+
+
+def _start(round_: int, weights: dict[str, np.ndarray], lr: float) -> RoundStart:
+    config = asdict(FedGktConfig(edge_optimizer="sgd", edge_lr=lr, edge_momentum=0.0, edge_weight_decay=0.0,
+                                 edge_batch_size=16, upload_batch_samples=16).round_config())
+    return RoundStart(run="u", round=round_, sender="server", method="fedgkt", config=config, deadline_s=60.0, weights=weights)
+
+
+def _convs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith("weight") and v.dim() == 4}
+
+
+def test_shared_init_starts_every_agent_from_the_servers_weights() -> None:
+    server = FedGktServer(CTX, {})
+    _, first = server.round_config(1, "agent-0", evaluate=False)
+    _, other = server.round_config(1, "agent-1", evaluate=False)
+    assert first and first.keys() == other.keys()
+    assert all(np.array_equal(first[k], other[k]) for k in first)
+    a, b = _edge(1), _edge(2)
+    assert any(not torch.equal(x, y) for x, y in zip(_convs(a.model).values(), _convs(b.model).values()))
+    for edge in (a, b):
+        edge.run_round(_start(1, first, lr=1e-12), RoundMeter())  # a step of ~0: the weights stay the initial ones
+    for name, value in _convs(a.model).items():
+        torch.testing.assert_close(value, _convs(b.model)[name])
+        torch.testing.assert_close(value, torch.from_numpy(first[name]))
+    # A model that has trained keeps its weights: a later RoundStart's init is not loaded again.
+    before = _convs(a.model)
+    a.run_round(_start(2, {k: np.zeros_like(v) for k, v in first.items()}, lr=1e-12), RoundMeter())
+    assert all(torch.allclose(v, before[k]) for k, v in _convs(a.model).items())
+
+
+def test_the_init_goes_out_until_the_agent_has_finished_a_round() -> None:
+    server = FedGktServer(CTX, {"server_batch_size": 8})
+    assert server.round_config(1, "agent-0", evaluate=False)[1]
+    server.initialised_agents.add("agent-0")  # what complete() records for the agents it used
+    assert server.round_config(2, "agent-0", evaluate=False)[1] == {}
+    assert server.round_config(2, "agent-9", evaluate=False)[1]  # a newcomer still gets it
+    assert server.state()["initialised_agents"] == ["agent-0"]
+    restored = FedGktServer(CTX, {"server_batch_size": 8})
+    restored.load_state(server.state())
+    assert restored.round_config(3, "agent-0", evaluate=False)[1] == {}
+
+
+def test_per_agent_init_sends_no_weights() -> None:
+    server = FedGktServer(CTX, {"edge_init": "per_agent"})
+    assert server.round_config(1, "agent-0", evaluate=False)[1] == {}
+    with pytest.raises(ValueError, match="edge_init"):
+        FedGktConfig(edge_init="random")
+
+
+def test_the_shared_init_is_the_torch_free_agents_init() -> None:
+    """The ort backend's artifacts start from the edge model drawn from the run's seed: so does the shared init."""
+    from models import build_model, state_dict_to_arrays
+
+    server = FedGktServer(CTX, {})
+    with torch.random.fork_rng():
+        torch.manual_seed(CTX.seed)
+        expected = state_dict_to_arrays(build_model("resnet8", 10, 1))
+    _, weights = server.round_config(1, "a", evaluate=False)
+    assert all(np.array_equal(weights[k], expected[k]) for k in expected)
+
+
+
+def _upload(agent_seed: int, n: int, split: str, scale: float, shift: float) -> "GktFeatures":
+    from shared_protocol.methods.fedgkt import GktFeatures
+
+    rng = np.random.default_rng(agent_seed)
+    return GktFeatures(
+        run="u", round=1, sender="x", split=split, seq=0, instance="i1",
+        features=(np.maximum(rng.normal(size=(n, 16, 8, 8)), 0) * scale + shift).astype(np.float32),
+        logits=rng.normal(size=(n, 10)).astype(np.float32), labels=rng.integers(0, 10, n).astype(np.int64),
+        sample_ids=np.arange(n, dtype=np.int64) + (0 if split == "train" else 1000),
+    )
+
+
+def _round_end(train: int, test: int) -> RoundEnd:
+    return RoundEnd(run="u", round=1, sender="x", num_samples=train, instance="i1",
+                    uploads={"train": {"batches": 1, "samples": train}, "test": {"batches": 1, "samples": test}})
+
+
+def test_each_agent_is_evaluated_with_its_own_batchnorm_statistics() -> None:
+    """Two agents whose extractors speak different "feature languages" (maps of different scale):
+    with bn_stats = "per_agent" each agent's test maps meet the statistics of its own training maps."""
+    server = FedGktServer(CTX, {"server_batch_size": 8, "bn_stats": "per_agent", "eval_diagnostics": True})
+    looks = {"a": (1.0, 0.0), "b": (6.0, 3.0)}
+    uploads = {agent: (_upload(k, 24, "train", *looks[agent]), _upload(10 + k, 12, "test", *looks[agent])) for k, agent in enumerate(looks)}
+    for agent, (train, test) in uploads.items():
+        server.on_upload(agent, train)
+        server.on_upload(agent, test)
+    first = server.norms[0]
+    seen: list[torch.Tensor] = []
+    handle = first.register_forward_pre_hook(lambda m, _x: seen.append(m.running_mean.clone()) if not m.training else None)
+    try:
+        outcome = server.complete(1, {agent: _round_end(24, 12) for agent in looks}, evaluate=True)
+    finally:
+        handle.remove()
+    assert outcome.total == 24 and set(server.agent_bn) == {"a", "b"}
+    # The statistics are each agent's own: an independent cumulative average over its training maps.
+    for agent, (train, _test) in uploads.items():
+        reference = FedGktServer(CTX, {"server_batch_size": 8})
+        reference.model.load_state_dict(server.model.state_dict())
+        for m in reference.norms:
+            m.reset_running_stats()
+            m.momentum = None
+        reference.model.train()
+        with torch.no_grad():
+            reference.model(torch.from_numpy(train.features.astype(np.float16)).float())
+        for (mean, var), m in zip(server.agent_bn[agent], reference.norms):
+            torch.testing.assert_close(mean, m.running_mean, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(var, m.running_var, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(server.agent_bn["a"][0][0], server.agent_bn["b"][0][0])
+    # Evaluation passes: global statistics for both agents, then a's and b's own, in that order.
+    per_agent = seen[len(seen) // 2 :]
+    torch.testing.assert_close(per_agent[0], server.agent_bn["a"][0][0])
+    torch.testing.assert_close(per_agent[-1], server.agent_bn["b"][0][0])
+    # The model's own running statistics are untouched by calibration and per-agent evaluation.
+    torch.testing.assert_close(seen[0], first.running_mean)
+    figures = server.round_report(1)
+    assert set(figures) >= {"accuracy_global_bn", "accuracy_per_agent_bn", "server_train_accuracy"}
+    assert outcome.correct / outcome.total == figures["accuracy_per_agent_bn"]
+    # They are kept in the checkpoint.
+    restored = FedGktServer(CTX, {"server_batch_size": 8})
+    restored.load_state(server.state())
+    torch.testing.assert_close(restored.agent_bn["b"][3][1], server.agent_bn["b"][3][1])
+
+
+def test_global_batchnorm_statistics_evaluate_with_the_running_averages() -> None:
+    server = FedGktServer(CTX, {"server_batch_size": 8, "bn_stats": "global"})
+    server.on_upload("a", _upload(0, 16, "train", 1.0, 0.0))
+    server.on_upload("a", _upload(1, 8, "test", 1.0, 0.0))
+    outcome = server.complete(1, {"a": _round_end(16, 8)}, evaluate=True)
+    assert outcome.total == 8 and server.agent_bn == {}  # nothing calibrated without the diagnostics

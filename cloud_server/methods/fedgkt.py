@@ -105,7 +105,7 @@ class FedGktConfig:
     # each evaluation round, the statistics the training batches (one agent's maps each) were
     # normalised with; "global", the running averages over every agent's batches.
     bn_stats: str = "per_agent"
-    bn_calibration_samples: int = 1024
+    bn_calibration_samples: int = 256
     # Extra figures in report.json: the server's accuracy with the other bn_stats, and its
     # training accuracy in the last server epoch.
     eval_diagnostics: bool = False
@@ -409,17 +409,19 @@ class FedGktServer(ServerMethod):
                         (agent, GktServerLogits(run=self.ctx.run_id, round=round_, sender="server", sample_ids=ids, logits=logits))
                     )
             if tests:
-                global_bn = self._evaluate(tests, per_agent=False)
-                per_agent_bn = None
-                if self.config.bn_stats == "per_agent" or self.config.eval_diagnostics:
+                c = self.config
+                per_agent_bn = global_bn = None
+                if c.bn_stats == "per_agent" or c.eval_diagnostics:
                     for agent in tests:
                         self.agent_bn[agent] = self._calibrate(data[agent][0])
                     per_agent_bn = self._evaluate(tests, per_agent=True)
-                outcome.correct, outcome.total = per_agent_bn if self.config.bn_stats == "per_agent" and per_agent_bn else global_bn
-                if self.config.eval_diagnostics:
+                if c.bn_stats == "global" or c.eval_diagnostics:
+                    global_bn = self._evaluate(tests, per_agent=False)
+                outcome.correct, outcome.total = per_agent_bn if c.bn_stats == "per_agent" else global_bn
+                if c.eval_diagnostics:
                     self.figures.setdefault(round_, {}).update(
                         accuracy_global_bn=global_bn[0] / max(global_bn[1], 1),
-                        accuracy_per_agent_bn=per_agent_bn[0] / max(per_agent_bn[1], 1) if per_agent_bn else None)
+                        accuracy_per_agent_bn=per_agent_bn[0] / max(per_agent_bn[1], 1))
             return outcome
         finally:
             # The round's training is done (or failed): its staged features, and spill files, go.

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", help=f"variants to run: {[v[0] for v in VARIANTS]}")
     parser.add_argument("--partition", nargs="*", choices=sorted(PARTITIONS), default=sorted(PARTITIONS))
+    parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist (the benchmark's); synthetic for a pipeline check")
     parser.add_argument("--train-samples", type=int, default=SCALES["full"].train_samples)
     parser.add_argument("--test-samples", type=int, default=SCALES["full"].test_samples)
     parser.add_argument("--rounds", type=int, default=SCALES["full"].rounds)
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only: no variants named {unknown}; the variants are {names}")
     quiet_logs()
-    scale = {"dataset": "fashion-mnist", "agents": AGENTS, "train_samples": args.train_samples,
+    scale = {"dataset": args.dataset, "agents": AGENTS, "train_samples": args.train_samples,
              "test_samples": args.test_samples, "rounds": args.rounds, "partitions": PARTITIONS}
     results: dict[str, Any] = {}
     cost: dict[str, Any] | None = None
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for key in args.partition:
             run = spec(name, key, args.rounds)
-            data = DataSpec("fashion-mnist", PARTITIONS[key], AGENTS, args.train_samples, args.test_samples, seed=0)
+            data = DataSpec(args.dataset, PARTITIONS[key], AGENTS, args.train_samples, args.test_samples, seed=0)
             print(f"== {run.name}", flush=True)
             started = time.monotonic()
             report = run_federation(run, data, args.run_dir / run.name)

@@ -95,11 +95,13 @@ def step_cost(batches: tuple[int, ...] = (32, 64, 256), steps: int = 3) -> dict[
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
     rounds = []
+    # A run that evaluated with the global statistics (or that predates bn_stats) reported them as its accuracy.
+    global_bn = report["config"]["method_config"].get("bn_stats", "global") == "global"
     for r, series in zip(report["rounds"], round_series(report)):
         figures = r.get("method") or {}
         rounds.append({
             "round": r["round"], "accuracy": r["accuracy"], "edge_accuracy": r["edge_accuracy"],
-            "accuracy_global_bn": figures.get("accuracy_global_bn"),
+            "accuracy_global_bn": figures.get("accuracy_global_bn", r["accuracy"] if global_bn else None),
             "accuracy_per_agent_bn": figures.get("accuracy_per_agent_bn"),
             "server_train_accuracy": figures.get("server_train_accuracy"),
             "server_train_s": r.get("server_train_s"), "cumulative_wire": series["cumulative_wire"],
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test-samples", type=int, default=SCALES["full"].test_samples)
     parser.add_argument("--rounds", type=int, default=SCALES["full"].rounds)
     parser.add_argument("--merge", action="store_true", help="keep the variants recorded before at the same scale")
+    parser.add_argument("--collect", action="store_true",
+                        help="run nothing: (re)summarize the finished runs' report.json files in --run-dir (with --merge)")
     parser.add_argument("--step-cost", action="store_true", help="also measure the server step's cost per map at batch 32 / 64 / 256")
     parser.add_argument("--out", type=Path, default=RESULTS / "fedgkt_ablation.json")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "fedgkt_ablation")
@@ -151,12 +155,22 @@ def main(argv: list[str] | None = None) -> int:
             "generated_by": "bench/fedgkt_ablation.py",
         })
 
+    if args.collect:
+        for path in sorted(args.run_dir.glob("*/report.json")):
+            report = json.loads(path.read_text())
+            name, _, key = path.parent.name.rpartition("-")
+            if name in names and key in PARTITIONS and report["status"] == "finished":
+                previous_run = results.get(path.parent.name, {})
+                results[path.parent.name] = {"variant": name, "partition": key, **summarize(report),
+                                             "run_wall_time_s": previous_run.get("run_wall_time_s", report["totals"]["wall_time_s"]),
+                                             "load_average_after": previous_run.get("load_average_after")}
+        write()
     if args.step_cost:
         cost = step_cost()
         print(f"server step: {json.dumps(cost['by_batch'])}", flush=True)
         write()
     for name in names:
-        if args.only is not None and name not in args.only:
+        if args.collect or (args.only is not None and name not in args.only):
             continue
         for key in args.partition:
             run = spec(name, key, args.rounds)

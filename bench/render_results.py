@@ -124,6 +124,10 @@ def comm_cost_section(data: dict[str, Any]) -> list[str]:
         "",
         *_table(["Run", *[f"to {_pct(t)}" for t in targets]], target_rows),
         "",
+        *([] if all("bn_stats" in r["method_config"] for r in runs.values() if r["method"] == "fedgkt") else [
+            "The FedGKT runs here predate its shared initialisation and per-agent BatchNorm statistics (see the ablation "
+            "above): their bytes per round are today's (plus about 42 KB per agent once, for the initial weights), but "
+            "their rounds to each target are the old defaults' (today's, round by round: the cost table under Table 1).", ""]),
         "Measured = MQTT packets through the server's connection, both directions, every message of the round "
         "(uploads, answers, RoundStart, evaluation traffic, frame headers). Formulas, for the same sizes "
         f"(fp32 feature map {data['sizes']['feature_map_bytes_fp32']:,} B, soft labels {data['sizes']['soft_labels_bytes']} B):",
@@ -400,6 +404,9 @@ def gkt_server_epochs_section(data: dict[str, Any]) -> list[str]:
         f"Table 1's FedGKT IID run ({scale['train_samples']:,} / {scale['test_samples']:,} samples, {scale['rounds']} rounds) with "
         f"only the server's epochs per round changed; the paper uses {paper['iid']} (IID) / {paper['noniid']} (non-IID). "
         "Edge compute and bytes on the wire do not depend on it.", "",
+        *([] if any("bn_stats" in (r.get("method_config") or {}) for r in runs) else [
+            "These runs predate FedGKT's shared initialisation and per-agent BatchNorm statistics (see above) and do not "
+            "record their config: their accuracies are not comparable with Table 1's FedGKT rows, only with each other.", ""]),
         *_table(["Server epochs", "Server acc. final (best)", "Agents' ResNet-8", "Server acc. by round", "Server training s",
                  "Run"], rows, right_from=1),
         "",

@@ -403,13 +403,18 @@ class Reassembler:
 
     def add(self, payload: bytes | bytearray | memoryview, source: str = "") -> bytes | None:
         """Add one chunk payload; return the whole blob when this chunk completes it."""
+        header, body = self.parse(payload, source)
+        return self.add_chunk(header, body, source)
+
+    def parse(self, payload: bytes | bytearray | memoryview, source: str = "") -> tuple[ChunkHeader, memoryview]:
+        """:meth:`ChunkHeader.parse`, refusing (and counting) chunks from an ignored sender
+        and chunks that do not parse."""
         if self.ignored(source):
             raise self._refuse(SenderIgnoredError(f"chunk from ignored sender {source or '?'}"), source, invalid=False)
         try:
-            header, body = ChunkHeader.parse(payload)
+            return ChunkHeader.parse(payload)
         except ChunkError as exc:
             raise self._refuse(exc, source, invalid=True) from None
-        return self.add_chunk(header, body, source)
 
     def add_chunk(self, header: ChunkHeader, body: bytes | memoryview, source: str = "") -> bytes | None:
         """Add one parsed chunk (see :meth:`ChunkHeader.parse`). ``body`` is kept as is until the

@@ -273,7 +273,8 @@ class Reassembler:
     but its transfer stays open, so the seq is listed as missing and asked for again
     (:meth:`stalled`) once there is room. A sender without an expectation that sends
     ``max_invalid_transfers`` invalid transfers is ignored for ``ignore_s``
-    (``ignored_sender``); :attr:`on_ignore` is called once when that starts.
+    (``ignored_sender``: only single-chunk messages of its get through meanwhile);
+    :attr:`on_ignore` is called once when that starts.
     """
 
     MAX_TRACKED_SENDERS = 4096
@@ -381,7 +382,7 @@ class Reassembler:
         publish on an expected sender's topic, so its owner decides about it)."""
         self.stats.rejected += 1
         self.stats.rejected_by_reason[exc.code] += 1
-        if invalid and source not in self._expected and source not in self._blocked:
+        if invalid and source not in self._expected and not self.ignored(source):
             entry = self._invalid.get(source)
             if entry is None:
                 entry = self._invalid[source] = _Invalid()
@@ -407,19 +408,25 @@ class Reassembler:
         return self.add_chunk(header, body, source)
 
     def parse(self, payload: bytes | bytearray | memoryview, source: str = "") -> tuple[ChunkHeader, memoryview]:
-        """:meth:`ChunkHeader.parse`, refusing (and counting) chunks from an ignored sender
-        and chunks that do not parse."""
-        if self.ignored(source):
-            raise self._refuse(SenderIgnoredError(f"chunk from ignored sender {source or '?'}"), source, invalid=False)
+        """:meth:`ChunkHeader.parse`, refusing (and counting) chunks that do not parse and chunks
+        from a blocked or ignored sender (see :meth:`add_chunk`)."""
+        if source in self._blocked:
+            raise self._refuse(SenderIgnoredError(f"chunk from {source or '?'}, which its receiver dropped"), source, invalid=False)
         try:
             return ChunkHeader.parse(payload)
         except ChunkError as exc:
+            if self.ignored(source):
+                raise self._refuse(SenderIgnoredError(f"chunk from ignored sender {source or '?'}"), source, invalid=False) from None
             raise self._refuse(exc, source, invalid=True) from None
 
     def add_chunk(self, header: ChunkHeader, body: bytes | memoryview, source: str = "") -> bytes | None:
         """Add one parsed chunk (see :meth:`ChunkHeader.parse`). ``body`` is kept as is until the
-        transfer completes, so it must not change (paho hands up immutable bytes)."""
-        if self.ignored(source):
+        transfer completes, so it must not change (paho hands up immutable bytes).
+
+        A sender that is ignored for its invalid transfers still gets a whole message that comes
+        in one chunk through (on a broker without ACLs others may publish on its topic: an agent
+        must still be able to say hello); nothing of it that takes more than one chunk is held."""
+        if source in self._blocked or (header.count > 1 and self.ignored(source)):
             raise self._refuse(SenderIgnoredError(f"chunk from ignored sender {source or '?'}"), source, invalid=False)
         key = (source, header.transfer_id)
         if key in self._completed:

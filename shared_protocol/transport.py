@@ -437,8 +437,10 @@ class MqttTransport(Transport):
         while not self._connected.is_set() and not self._refused.is_set() and time.monotonic() < deadline:
             self._connected.wait(0.05)
         if not self._connected.is_set():
-            reason = self._refused_reason or "no CONNACK (wrong port, or TLS expected?)"
             self._client.loop_stop()
+            if self._refused.is_set():
+                raise TransportError(f"cannot use broker {self.address.url()}: {self._refused_reason}")
+            reason = self._refused_reason or "no CONNACK (wrong port, or TLS expected?)"
             raise TransportError(f"could not connect to {self.address.url()} within {self.config.connect_timeout_s}s: {reason}")
         self._wait_subscribed(deadline)
 
@@ -498,7 +500,7 @@ class MqttTransport(Transport):
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         self._connected.clear()
-        if not self._closed:
+        if not self._closed and not self._refused.is_set():
             log.warning("disconnected from %s (%s); reconnecting", self.address.url(), reason_code)
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:

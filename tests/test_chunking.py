@@ -278,13 +278,14 @@ def test_a_sender_sending_invalid_transfers_is_ignored_once_then_counted() -> No
         with pytest.raises(ChunkError if i < 5 else SenderIgnoredError):
             r.add(b"garbage %d" % i, "up/stranger")
     assert calls == [("up/stranger", {"bad_chunk": 5})]  # once, with the count
-    good = split_blob(b"hello", 1024)[0]
     with pytest.raises(SenderIgnoredError):
-        r.add(good, "up/stranger")
+        r.add(split_blob(os.urandom(3000), 1024)[0], "up/stranger")  # nothing that takes more than a chunk
+    good = split_blob(b"hello", 1024)[0]
+    assert r.add(good, "up/stranger") == b"hello"  # but a whole message in one chunk (an agent's hello)
     assert r.add(good, "up/agent") == b"hello"  # an expected sender's topic is never ignored
     assert r.stats.rejected_by_reason["ignored_sender"] >= 1
     clock.now = 61  # the ignore period is over
-    assert r.add(split_blob(b"x", 1024)[0], "up/stranger") == b"x"
+    assert r.add(split_blob(b"x" * 3000, 1024)[-1], "up/stranger") is None  # held again
     r.block("up/agent", "dropped by the server")
     with pytest.raises(SenderIgnoredError):
         r.add(split_blob(b"y", 1024)[0], "up/agent")

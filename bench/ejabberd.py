@@ -192,9 +192,14 @@ def summarize(out: Path, seconds: float, code: int) -> dict[str, Any]:
     report = json.loads(report_path.read_text())
     totals = report["totals"]
     logs = "\n".join(p.read_text(errors="replace") for p in sorted((out / "logs").glob("*.log")))
+    connected = {}  # process -> the node (port) it connected to, from its log
+    for log_file in sorted((out / "logs").glob("*.log")):
+        ports = re.findall(r"connected to mqtt://127\.0\.0\.1:(\d+) as", log_file.read_text(errors="replace"))
+        connected[log_file.stem] = sorted({int(p) for p in ports})
     return {
         "exit_code": code,
         "status": report["status"],
+        "connected_to_ports": connected,
         "wall_s": round(seconds, 1),
         "rounds": [
             {"round": r["round"], "status": r["status"], "completed": r["completed"], "samples": r["samples"],
@@ -283,12 +288,14 @@ def main() -> int:
     password_file.write_text(PASSWORD + "\n")
     password_file.chmod(0o600)
     nodes = [Node(base, 1, free_port()), Node(base, 2, free_port())]
+    result_ports = {node.name: node.port for node in nodes}
     result: dict[str, Any] = {
         "benchmark": "ejabberd", "generated_by": "python bench/ejabberd.py", "machine": machine(),
         "ejabberd": ejabberd_version(),
         "setup": {"agents": 2, "rounds": 2, "method": "fedgkt", "dataset": "synthetic", "train_samples": 256,
                   "test_samples": 128, "session_expiry_s": SESSION_EXPIRY_S, "max_payload_size": MAX_PAYLOAD_BYTES,
                   "auth": "anonymous, login_anon (any non-empty password)"},
+        "node_mqtt_ports": result_ports,
     }
     try:
         nodes[0].start()

@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from shared_protocol.chunking import SenderLimits
 from shared_protocol.errors import ProtocolError, StaleMessageError, UnknownSenderError
 from shared_protocol.frame import FrameLimits
 from shared_protocol.messages import (
@@ -44,7 +45,6 @@ from shared_protocol.messages import (
 )
 from shared_protocol.methods import load_method_messages
 from shared_protocol.topics import Topics
-from shared_protocol.chunking import SenderLimits
 from shared_protocol.transport import Transport
 
 from . import report as run_report
@@ -278,6 +278,8 @@ class Coordinator:
         topic, so it does not count toward dropping the agent (a message that decoded does)."""
         self.rejected[reason] += 1
         sender = agent or "?"
+        if sender not in self._rejections_unlogged and len(self._rejections_unlogged) >= 256:
+            sender = "other senders"  # a flood from ever new topic names is summarised, not logged per name
         unlogged = self._rejections_unlogged.get(sender)
         if unlogged is None:
             self._rejections_unlogged[sender] = Counter()

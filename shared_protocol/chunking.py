@@ -517,6 +517,8 @@ class Reassembler:
             self._evict_until(lambda: self._held_total + nbytes <= self.max_total_bytes,
                               [k for k in self._transfers if k[0] not in self._expected and k != key])
         if self._held_total + nbytes > self.max_total_bytes:
+            if source not in self._expected:
+                self._drop(key)  # nobody asks a stranger to resend: keep nothing of it
             raise self._refuse(
                 BudgetError(f"chunk of transfer {key[1]} on {source or '?'}: {nbytes} more bytes would exceed the "
                             f"{self.max_total_bytes}-byte reassembly budget ({self._held_total} held); it will be "

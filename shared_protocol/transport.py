@@ -556,13 +556,13 @@ class MqttTransport(Transport):
         self.stats.add(rejected_chunks=1)
         with self._rejections_lock:
             self._rejected_by_reason[exc.code] += 1
+            if topic not in self._rejected_by_source and len(self._rejected_by_source) >= 256:
+                topic = "(other topics)"  # a flood from ever new topic names is summarised, not logged per name
             pending = self._rejected_by_source.get(topic)
             if pending is None:
                 log.warning("rejected chunk on %s (%s): %s; further rejections on this topic are summarised once a minute",
                             topic, exc.code, exc)
                 self._rejected_by_source[topic] = Counter()
-                while len(self._rejected_by_source) > 4096:
-                    self._rejected_by_source.popitem(last=False)
             else:
                 pending[exc.code] += 1
 

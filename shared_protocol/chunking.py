@@ -269,9 +269,11 @@ class Reassembler:
 
     When a sender's own bound is full, its least recently active incomplete transfer
     is dropped (``evicted``): a stalled or never-completing transfer cannot block the
-    sender's live one. When the total is full, a chunk is refused (``over_budget``)
-    but its transfer stays open, so the seq is listed as missing and asked for again
-    (:meth:`stalled`) once there is room. A sender without an expectation that sends
+    sender's live one. When the total is full, unexpected senders' transfers give way;
+    then the expected transfer nearest completion still goes on (so partial transfers
+    cannot deadlock), and any other chunk is refused (``over_budget``) but its transfer
+    stays open, so the seq is listed as missing and asked for again (:meth:`stalled`)
+    once there is room. A sender without an expectation that sends
     ``max_invalid_transfers`` invalid transfers is ignored for ``ignore_s``
     (``ignored_sender``: only single-chunk messages of its get through meanwhile);
     :attr:`on_ignore` is called once when that starts.
@@ -516,6 +518,16 @@ class Reassembler:
             # Senders nobody expects give way first.
             self._evict_until(lambda: self._held_total + nbytes <= self.max_total_bytes,
                               [k for k in self._transfers if k[0] not in self._expected and k != key])
+        if self._held_total + nbytes > self.max_total_bytes and source in self._expected:
+            # The expected transfer nearest completion always goes on: it frees its bytes when it
+            # completes, so partial transfers cannot hold the budget against each other for ever.
+            # The total is exceeded by at most what that one transfer still misses.
+            def missing(t: _Transfer) -> int:
+                return t.header.total_bytes - t.held_bytes
+
+            mine = missing(self._transfers[key])
+            if all(mine <= missing(t) for k, t in self._transfers.items() if k != key and k[0] in self._expected):
+                return
         if self._held_total + nbytes > self.max_total_bytes:
             if source not in self._expected:
                 self._drop(key)  # nobody asks a stranger to resend: keep nothing of it

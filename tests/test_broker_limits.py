@@ -233,3 +233,49 @@ def test_url_credentials_and_launcher_flags_reach_both_configs(tmp_path: Path) -
     assert config.credentials == ("dev", "pw")
     with pytest.raises(ValueError, match="give it once"):
         TransportConfig(broker_url="mqtt://dev:pw@h:1", username="other")
+
+
+def test_chunks_refused_while_the_budget_was_full_are_asked_for_again(mosquitto) -> None:  # type: ignore[no-untyped-def]
+    """a holds most of the receiver's 2 MiB in a transfer it has not finished; b's upload
+    arrives meanwhile and most of its chunks are refused (over_budget). a's transfer, the
+    nearest to completion, still goes on; once it completes and frees its bytes, the
+    receiver asks b for the missing chunks, and b's upload arrives whole."""
+    up = {name: f"edgesplit/v1/rs/up/{name}" for name in "ab"}
+    rx = MqttTransport(TransportConfig(broker_url=mosquitto.url, client_id="rx-rs", connect_timeout_s=10,
+                                       max_transfer_bytes=2 << 20, max_reassembly_bytes=2 << 20,
+                                       max_unexpected_transfer_bytes=64 << 10, resend_after_s=1.0))
+    for topic in up.values():
+        rx.expect_sender(topic, SenderLimits(3 << 19, 3 << 19, max_open_transfers=4))  # 1.5 MiB
+    rx.subscribe("edgesplit/v1/rs/up/+")
+    rx.connect()
+    raw = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="raw-rs", protocol=mqtt.MQTTv5)
+    raw.connect(mosquitto.host, mosquitto.port)
+    raw.loop_start()
+    b = MqttTransport(TransportConfig(broker_url=mosquitto.url, client_id="b-rs", chunk_size_bytes=64 << 10, connect_timeout_s=10))
+    b.set_reply_topic("edgesplit/v1/rs/down/b")
+    b.subscribe("edgesplit/v1/rs/down/b")
+    b.connect()
+    try:
+        blob_a, blob_b = os.urandom(3 << 19), os.urandom(3 << 19)
+        chunks_a = split_blob(blob_a, 64 << 10, transfer_id="a-held")
+        for chunk in chunks_a[:-2]:  # 1,408 KiB of 1,536, not finished yet
+            raw.publish(up["a"], chunk, qos=1).wait_for_publish(10)
+        deadline = time.monotonic() + 10
+        while rx.stats.chunks_in < len(chunks_a) - 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        b.publish(up["b"], blob_b)
+        deadline = time.monotonic() + 10
+        while rx.stats.chunks_in < len(chunks_a) - 2 + 24 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rx.rejections().get("over_budget", 0) >= 10  # most of b's chunks did not fit
+        assert rx.receive(timeout_s=1) is None
+        for chunk in chunks_a[-2:]:  # a finishes: it was nearest to completion, so it may
+            raw.publish(up["a"], chunk, qos=1).wait_for_publish(10)
+        got = {g.topic: g.payload for g in (rx.receive(timeout_s=30) for _ in range(2)) if g is not None}
+        assert got == {up["a"]: blob_a, up["b"]: blob_b}
+        assert b.stats.resent_chunks >= 10  # asked for again, not sent whole once more
+    finally:
+        raw.loop_stop()
+        raw.disconnect()
+        b.close()
+        rx.close()

@@ -47,7 +47,7 @@ DASH = "—"
 MB = 1e6
 GFLOP = 1e9
 
-RUN_STATUSES = frozenset({"running", "finished", "stopped_target", "aborted"})
+RUN_STATUSES = frozenset({"running", "finished", "stopped_target", "aborted", "no_agents"})
 ROUND_STATUSES = frozenset({"ok", "failed_quorum"})
 BYTE_KEYS = ("up_payload", "up_wire", "down_payload", "down_wire")
 TIME_KEYS = ("round", "server_train", "edge_compute", "edge_encode", "edge_network", "edge_idle")
@@ -292,6 +292,15 @@ def _check_totals(ck: _Checker, totals: Any, rounds: list[dict[str, Any]], round
                 f"totals.rejected_messages is {good['rejected_messages']} but rejected_by_reason "
                 f"sums to {sum(by_reason.values())}"
             )
+    if isinstance(totals, dict) and ("rejected_chunks" in totals or "rejected_chunks_by_reason" in totals):
+        # Chunks refused below the message layer (written by runs since they were counted by code).
+        chunks, by_code = totals.get("rejected_chunks"), totals.get("rejected_chunks_by_reason")
+        if not _kind_ok(chunks, "int") or chunks < 0:
+            ck.add(f"totals.rejected_chunks: expected a non-negative int, got {_describe(chunks)}")
+        elif not isinstance(by_code, dict) or not all(_kind_ok(v, "int") and v >= 0 for v in by_code.values()):
+            ck.add(f"totals.rejected_chunks_by_reason: expected non-negative int counts, got {_describe(by_code)}")
+        elif sum(by_code.values()) != chunks:
+            ck.add(f"totals.rejected_chunks is {chunks} but rejected_chunks_by_reason sums to {sum(by_code.values())}")
     if all(k in good for k in ("wire_total", "up_wire", "down_wire")) and good["wire_total"] != good["up_wire"] + good["down_wire"]:
         ck.add(f"totals.wire_total is {good['wire_total']}, expected up_wire + down_wire = {good['up_wire'] + good['down_wire']}")
     if not rounds_ok:
@@ -736,6 +745,9 @@ def _summary_md(report: Mapping[str, Any]) -> str:
     if totals["rejected_messages"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(totals["rejected_by_reason"].items()))
         lines.append(f"Rejected messages: {totals['rejected_messages']} ({reasons}).")
+    if totals.get("rejected_chunks"):
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(totals.get("rejected_chunks_by_reason", {}).items()))
+        lines.append(f"Rejected chunks (never became messages): {totals['rejected_chunks']} ({reasons}).")
     lines.append("")
 
     lines += ["## Rounds", ""]

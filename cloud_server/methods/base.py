@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shared_protocol.messages import Message, RoundEnd
+from shared_protocol.messages import Hello, Message, RoundEnd
 
 
 @dataclass
@@ -93,6 +93,13 @@ class ServerMethod(ABC):
         May return messages to send at once (agent id, message), for methods that
         answer within a round (split learning answers every batch with gradients).
         """
+        return None
+
+    def max_upload_bytes(self, agent: str, hello: Hello) -> int | None:
+        """The largest single message (frame bytes) ``agent`` may upload in a round, as far as
+        the method knows now; None: it cannot say. The coordinator refuses a transfer on the
+        agent's topic that declares more before holding any of it, and asks again at every
+        round start, so a method may tighten its answer as it learns (e.g. from a first upload)."""
         return None
 
     def check_round_end(self, agent: str, end: RoundEnd) -> list[tuple[str, Message]]:

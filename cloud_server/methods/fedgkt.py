@@ -32,7 +32,7 @@ from models import build_model, count_parameters, load_arrays_into, state_dict_t
 from models.losses import kd_loss
 from shared_protocol.configs import config_from_table
 from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
-from shared_protocol.messages import Message, RoundEnd, check_labels
+from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
@@ -296,6 +296,15 @@ class FedGktServer(ServerMethod):
         }
 
     # -- uploads ------------------------------------------------------------ #
+
+    def max_upload_bytes(self, agent: str, hello: Hello) -> int | None:
+        """A feature batch of ``upload_batch_samples`` samples with float32 maps, whatever the
+        codec (a compressed one is smaller; zstd's worst case adds well under 1%), plus the
+        logits, labels and ids; once the first upload told the map shape. Before, None."""
+        if self.feature_shape is None:
+            return None
+        per_sample = 4 * math.prod(self.feature_shape) + 4 * self.ctx.num_classes + 8 + 8
+        return int(1.02 * self.config.upload_batch_samples * per_sample) + 256 * 1024  # + header and codec framing
 
     def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
         if isinstance(msg, GktOrtArtifactsRequest):

@@ -1,0 +1,239 @@
+"""The shared server training step (cloud_server/server_step.py): modes, fallbacks, staging.
+
+Tolerances: the compiled and captured steps run the same arithmetic as the eager one in
+another kernel order, so per-step losses and logits agree to float32 rounding accumulated
+over a few steps: rtol 1e-4, atol 1e-5 here (observed differences are ~1e-6).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cloud_server import server_step as ss
+from cloud_server.feature_store import ArrayStaging, RowSource
+from cloud_server.server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, resolve_server_step
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class Tiny(nn.Module):
+    """Conv + BatchNorm + linear: the kinds of layer the server models have, small enough to compile quickly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 4, 8, 8)
+        return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))  # (B, 5)
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels) + F.kl_div(F.log_softmax(logits, 1), F.softmax(teacher, 1), reduction="batchmean")
+
+
+def _batches(sizes: list[int], seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.relu(torch.randn(n, 4, 8, 8, generator=g)), torch.randint(0, 5, (n,), generator=g),
+             torch.randn(n, 5, generator=g)) for n in sizes]
+
+
+def _run(mode: str, batches: list[tuple[torch.Tensor, ...]], optimizer: str = "adam") -> tuple[TrainStep, list[float], list[np.ndarray], nn.Module]:
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = make_server_optimizer(optimizer, model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    step = TrainStep(model, opt, _loss, mode)
+    losses, logits = [], []
+    model.train()
+    with step.session():
+        for x, y, t in batches:
+            out = step(x, y, t)
+            losses.append(float(out.loss))
+            logits.append(out.logits.clone().numpy())
+    return step, losses, logits, model
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="server_step"):
+        resolve_server_step("fast", "cpu")
+    with pytest.raises(ValueError, match="server_step"):
+        TrainStep(Tiny(), torch.optim.SGD(Tiny().parameters(), lr=0.1), _loss, "fast")
+
+
+def test_auto_and_graph_resolve_per_device() -> None:
+    assert resolve_server_step("auto", "cpu") == (ss.AUTO_STEP["cpu"], "")
+    assert resolve_server_step("eager", "cpu") == ("eager", "")
+    mode, why = resolve_server_step("graph", "cpu")
+    assert mode == "eager" and "CUDA" in why
+    assert resolve_server_step("auto", "cuda")[0] == ss.AUTO_STEP["cuda"]
+
+
+def test_graph_on_cpu_falls_back_to_the_eager_step_exactly() -> None:
+    batches = _batches([8, 8, 8, 3])
+    eager, eager_losses, eager_logits, eager_model = _run("eager", batches)
+    graph, graph_losses, graph_logits, graph_model = _run("graph", batches)
+    assert graph.mode == "eager" and "CUDA" in graph.fallback_reason
+    assert graph.steps == {"eager": 4, "compiled": 0, "graph": 0}
+    assert graph_losses == eager_losses
+    for a, b in zip(graph_logits, eager_logits):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_compiled_step_gives_the_eager_losses_and_logits(optimizer: str) -> None:
+    """Four full batches through torch.compile and a last partial batch run eagerly (another
+    shape): every step's loss and logits, and the weights after, match the eager path."""
+    batches = _batches([8, 8, 8, 8, 3])
+    _, eager_losses, eager_logits, eager_model = _run("eager", batches, optimizer)
+    compiled, losses, logits, model = _run("compiled", batches, optimizer)
+    assert compiled.mode == "compiled", compiled.fallback_reason
+    assert compiled.steps == {"eager": 1, "compiled": 4, "graph": 0}
+    np.testing.assert_allclose(losses, eager_losses, rtol=RTOL, atol=ATOL)
+    for a, b in zip(logits, eager_logits):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    for (name, p), q in zip(model.state_dict().items(), eager_model.state_dict().values()):
+        np.testing.assert_allclose(p.numpy(), q.numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_a_failing_compilation_falls_back_to_eager_and_trains_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_compile(fn, **kwargs):  # type: ignore[no-untyped-def]
+        def run(*args):  # type: ignore[no-untyped-def]
+            raise RuntimeError("inductor: no working C++ compiler\nmore detail")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    batches = _batches([8, 8, 3])
+    _, eager_losses, _, eager_model = _run("eager", batches)
+    step, losses, _, model = _run("compiled", batches)
+    assert step.mode == "eager" and "no working C++ compiler" in step.fallback_reason
+    assert losses == eager_losses
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_input_gradient_step_matches_autograd_and_checks_before_updating() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    reference = copy.deepcopy(model)
+    opt = make_server_optimizer("sgd", model.parameters(), lr=0.1)
+    step = TrainStep(model, opt, lambda logits, y: F.cross_entropy(logits, y), "auto")
+    x, y, _ = _batches([6])[0]
+    out, grad = step.step_with_input_grad(x, y)
+    h = x.clone().requires_grad_(True)
+    F.cross_entropy(reference(h), y).backward()
+    torch.testing.assert_close(grad, h.grad)
+    assert out.logits.shape == (6, 5) and out.loss.shape == ()
+
+    def refuse(loss: torch.Tensor) -> None:
+        raise ValueError("refused")
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="refused"):
+        step.step_with_input_grad(x, y, check=refuse)
+    for p, q in zip(model.parameters(), before):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_device_sum_reads_once() -> None:
+    total = DeviceSum("cpu")
+    total.add(torch.tensor(1.5), 4)
+    total.add(torch.tensor(0.25, requires_grad=True) * 2, 2)
+    assert total.item() == pytest.approx(7.0)
+
+
+# --------------------------------------------------------------------------- #
+# staging rows on the device
+# --------------------------------------------------------------------------- #
+
+
+def test_rows_are_staged_on_the_device_when_they_fit_else_gathered_on_the_host() -> None:
+    rows = np.random.default_rng(0).normal(size=(20, 16, 4, 4)).astype(np.float16)  # 10,240 bytes
+    index = torch.tensor([3, 0, 19, 7])
+    fits = RowBank(torch.from_numpy(rows), "cpu", budget_bytes=rows.nbytes)
+    too_big = RowBank(torch.from_numpy(rows), "cpu", budget_bytes=rows.nbytes - 1)
+    unlimited = RowBank(torch.from_numpy(rows), "cpu")
+    assert fits.placement == "device" and unlimited.placement == "device"
+    assert too_big.placement == "host" and "do not fit" in too_big.why_host and str(rows.nbytes) in too_big.why_host
+    expected = torch.from_numpy(rows[index.numpy()]).float()
+    for bank in (fits, too_big, unlimited):
+        got = bank.gather(index, torch.float32)
+        assert got.dtype == torch.float32 and got.device.type == "cpu"
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # The budget counts the dtype rows are staged in (float32 doubles float16).
+    assert RowBank(torch.from_numpy(rows), "cpu", budget_bytes=rows.nbytes, dtype=torch.float32).placement == "host"
+
+
+def test_spilled_rows_stay_on_the_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    staging = ArrayStaging(0, tmp_path)  # nothing in memory: every array spills to a mapped file
+    rows = np.random.default_rng(1).normal(size=(10, 16, 4, 4)).astype(np.float32)
+    staged = staging.stage(rows)
+    assert staged.spilled
+    bank = RowBank(RowSource(staged), "cpu")
+    assert bank.placement == "host" and "spilled" in bank.why_host
+    index = torch.tensor([9, 1])
+    torch.testing.assert_close(bank.gather(index, torch.float32), torch.from_numpy(rows[[9, 1]].astype(np.float16)).float())
+    staging.release(staged)
+
+
+def test_the_device_budget_is_capped_by_free_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ss.staging_budget_bytes("cpu") is None
+    assert ss.staging_budget_bytes("cpu", 123) == 123
+    assert ss.device_free_bytes("cpu") is None
+    monkeypatch.setattr(ss, "device_free_bytes", lambda device: 1000)
+    assert ss.staging_budget_bytes("cuda", None) == int(1000 * ss.DEVICE_STAGING_FRACTION)
+    assert ss.staging_budget_bytes("cuda", 100) == 100
+
+
+def test_server_optimizer_is_unchanged_on_cpu() -> None:
+    model = Tiny()
+    adam = make_server_optimizer("adam", model.parameters(), lr=0.001, weight_decay=5e-4)
+    assert isinstance(adam, torch.optim.Adam) and adam.defaults["amsgrad"] and not adam.defaults.get("fused")
+    sgd = make_server_optimizer("sgd", model.parameters(), lr=0.1, momentum=0.9)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
+    with pytest.raises(ValueError, match="optimizer"):
+        make_server_optimizer("lamb", model.parameters(), lr=0.1)
+
+
+# --------------------------------------------------------------------------- #
+# on a GPU (skipped without one)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["graph", "compiled"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_captured_step_on_cuda_gives_the_eager_losses_and_logits(mode: str, optimizer: str) -> None:
+    batches = [tuple(t.cuda() for t in b) for b in _batches([8] * 6 + [3])]
+
+    def run(m: str) -> tuple[TrainStep, list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = Tiny().cuda().train()
+        opt = make_server_optimizer(optimizer, model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, device="cuda")
+        step = TrainStep(model, opt, _loss, m)
+        losses, logits = [], []
+        with step.session():
+            for i, (x, y, t) in enumerate(batches):
+                if i == 4:
+                    for g in opt.param_groups:
+                        g["lr"] = 0.005  # a scheduler's change between steps must reach the captured step
+                out = step(x, y, t)
+                losses.append(out.loss.clone())
+                logits.append(out.logits.clone())
+        assert all(not isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
+        return step, [float(v) for v in losses], logits
+
+    _, eager_losses, eager_logits = run("eager")
+    step, losses, logits = run(mode)
+    assert step.mode == mode, step.fallback_reason
+    assert step.steps[mode] >= 1
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-3, atol=1e-4)
+    for a, b in zip(logits, eager_logits):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

@@ -49,9 +49,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .config import SERVER_STEPS  # ("auto", "eager", "compiled", "graph"); re-exported
+
+__all__ = ["SERVER_STEPS", "AUTO_STEP", "TrainStep", "StepOutput", "RowBank", "DeviceSum", "make_server_optimizer",
+           "resolve_server_step", "staging_budget_bytes", "device_free_bytes", "logits_of"]
+
 log = logging.getLogger("cloud_server.server_step")
 
-SERVER_STEPS = ("auto", "eager", "compiled", "graph")
 
 #: What ``server_step = "auto"`` runs, per device type. CPU: bench/server_loop.py measures
 #: torch.compile against the eager step on the development machine's 2 cores and records the
@@ -251,14 +255,17 @@ class _Captured:
 class TrainStep:
     """One optimiser step of ``model`` on ``loss_fn(logits, *targets)``; see the module doc.
 
-    ``mode``: one of :data:`SERVER_STEPS`. ``input_grad``: also return dLoss/dInputs
-    (split learning's reply); such steps run eagerly. Use :meth:`session` around a
+    ``mode``: one of :data:`SERVER_STEPS`. :meth:`step_with_input_grad` also returns
+    dLoss/dInputs (split learning's reply); such steps run eagerly. ``autocast_dtype``
+    (e.g. ``torch.bfloat16``) runs forward and loss under autocast (measured by
+    bench/server_gpu.py; the methods train in float32). Use :meth:`session` around a
     training call so the learning rates in the optimiser are plain floats again after it
     (checkpoints, schedulers).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, mode: str = "auto", *,
-                 warmup_steps: int = 3, max_recaptures: int = 4, name: str = "server") -> None:
+                 warmup_steps: int = 3, max_recaptures: int = 4, autocast_dtype: torch.dtype | None = None,
+                 name: str = "server") -> None:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
         self.model = model
@@ -271,6 +278,7 @@ class TrainStep:
         if self.fallback_reason:
             log.info("%s: %s; the step runs eagerly", name, self.fallback_reason)
         self.warmup_steps = warmup_steps
+        self.autocast_dtype = autocast_dtype  # e.g. torch.bfloat16: forward and loss under autocast
         self.max_recaptures = max_recaptures
         self._full_shape: tuple | None = None  # the one shape compiled / captured
         self._seen: Counter[tuple] = Counter()
@@ -323,8 +331,12 @@ class TrainStep:
     # -- modes -------------------------------------------------------------- #
 
     def _forward_loss(self, inputs: torch.Tensor, *targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits_of(self.model(inputs))  # (B, K)
-        return self.loss_fn(logits, *targets), logits
+        if self.autocast_dtype is None:
+            logits = logits_of(self.model(inputs))  # (B, K)
+            return self.loss_fn(logits, *targets), logits
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            logits = logits_of(self.model(inputs))
+            return self.loss_fn(logits.float(), *targets), logits
 
     def _eager_step(self, inputs: torch.Tensor, targets: tuple[torch.Tensor, ...]) -> StepOutput:
         loss, logits = self._forward_loss(inputs, *targets)

@@ -1,18 +1,30 @@
-"""The FedGKT server step against a bare PyTorch loop over the same tensors.
+"""The FedGKT server step against a bare PyTorch loop over the same tensors, and
+whether torch.compile helps the server step on this CPU.
 
-Both loops train the same server model (same initial weights, batch size,
+``loop``: both loops train the same server model (same initial weights, batch size,
 optimizer, CE + KD loss) for the same number of steps. The bare loop iterates
-over pre-made float32 batches; the server step (``FedGktServer._train``) works
+over pre-made float32 batches; the server step (``FedGktServer._train``, through
+the shared step of ``cloud_server/server_step.py`` in its ``auto`` mode) works
 from what it staged: float16 feature maps gathered by shuffled index, converted
-per batch, logits recorded by sample id. Writes ``bench/results/server_loop.json``.
+per batch, logits recorded by sample id.
+
+``compile``: the shared server step (ResNet-55 server on 16x32x32 maps, batch 64,
+FedGKT's loss) eagerly and through ``torch.compile``, timed after compilation
+(``bench/server_gpu.py``'s measurement); the verdict says whether compiling helps
+here and whether ``server_step = "auto"`` (``AUTO_STEP["cpu"]``) follows it.
+
+Writes ``bench/results/server_loop.json``; ``--parts`` re-measures one part and keeps
+the other's recorded figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
+from pathlib import Path
 
 from _common import RESULTS, machine, write_json
 
@@ -105,6 +117,45 @@ def run(samples: int, agents: int, repeats: int, model_name: str) -> dict:
     }
 
 
+def compile_check(model_name: str, steps: int, warmup: int, repeats: int) -> dict:
+    """Eager vs torch.compile'd server step on the CPU; ``helps`` when compiled is >= 5 % faster."""
+    from server_gpu import measure
+
+    from cloud_server.server_step import AUTO_STEP
+
+    cpu = torch.device("cpu")
+    eager = measure(model_name, 64, "fp32", "eager", cpu, steps, warmup, repeats)
+    compiled = measure(model_name, 64, "fp32", "compiled", cpu, steps, warmup, repeats)
+    out = {
+        "machine": machine(),
+        "setup": {"server_model": model_name, "batch_size": 64, "precision": "fp32", "timed_steps": steps,
+                  "warmup_steps": warmup, "repeats": repeats, "loss": "CE + KD (T=3)", "optimizer": "adam (amsgrad)"},
+        "eager": eager,
+        "compiled": compiled,
+        "auto_cpu_step": AUTO_STEP["cpu"],
+    }
+    if not (eager["measured"] and compiled["measured"]):
+        out.update(helps=False, verdict=f"torch.compile could not be measured here: {compiled.get('why') or eager.get('why')}",
+                   auto_follows_verdict=AUTO_STEP["cpu"] == "eager")
+        return out
+    speedup = eager["step_ms"] / compiled["step_ms"]
+    helps = speedup >= 1.05
+    out.update(
+        compiled_speedup=speedup,
+        helps=helps,
+        auto_follows_verdict=(AUTO_STEP["cpu"] == "compiled") == helps,
+        verdict=(f"torch.compile {'helps' if helps else 'does not help'} the server step on this CPU: "
+                 f"{compiled['step_ms']:.0f} ms vs {eager['step_ms']:.0f} ms eager per step "
+                 f"({speedup:.2f}x), after {compiled['warmup_s']:.0f} s of compilation; "
+                 f"server_step = \"auto\" runs {AUTO_STEP['cpu']!r} on a CPU"),
+    )
+    return out
+
+
+LOOP_KEYS = ("setup", "server_step_s", "bare_loop_s", "median_server_step_s", "median_bare_loop_s", "overhead_median",
+             "overhead_min", "claim_within_10_percent")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--samples", type=int, default=1024)
@@ -112,15 +163,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="resnet55_server")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps timings stable on a shared machine)")
+    parser.add_argument("--parts", default="loop,compile", help="loop, compile or both; a part not run keeps its recorded figures")
+    parser.add_argument("--compile-steps", type=int, default=6, help="timed steps per repeat of the compile check")
+    parser.add_argument("--compile-warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--compile-repeats", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "server_loop.json"))
     args = parser.parse_args()
+    parts = {p for p in args.parts.split(",") if p}
+    if not parts or parts - {"loop", "compile"}:
+        parser.error(f"--parts takes loop and/or compile, got {args.parts!r}")
     torch.set_num_threads(args.threads)
-    result = run(args.samples, args.agents, args.repeats, args.model)
-    print(f"server step {result['median_server_step_s']:.2f} s vs bare loop {result['median_bare_loop_s']:.2f} s (medians): "
-          f"overhead {100 * result['overhead_median']:+.1f}% median, {100 * result['overhead_min']:+.1f}% best-of")
-    from pathlib import Path
-
-    write_json(Path(args.out), result)
+    out = Path(args.out)
+    recorded = json.loads(out.read_text()) if out.exists() else {}
+    if "loop" in parts:
+        result = run(args.samples, args.agents, args.repeats, args.model)
+        print(f"server step {result['median_server_step_s']:.2f} s vs bare loop {result['median_bare_loop_s']:.2f} s (medians): "
+              f"overhead {100 * result['overhead_median']:+.1f}% median, {100 * result['overhead_min']:+.1f}% best-of")
+    else:
+        if not all(k in recorded for k in LOOP_KEYS):
+            parser.error(f"{out} has no recorded loop figures to keep: run with --parts loop")
+        result = {"benchmark": "server_loop", "machine": recorded["machine"], **{k: recorded[k] for k in LOOP_KEYS}}
+    if "compile" in parts:
+        result["compile_check"] = compile_check(args.model, args.compile_steps, args.compile_warmup, args.compile_repeats)
+        print(result["compile_check"]["verdict"])
+    elif "compile_check" in recorded:
+        result["compile_check"] = recorded["compile_check"]
+    write_json(out, result)
 
 
 if __name__ == "__main__":

@@ -237,3 +237,46 @@ def test_captured_step_on_cuda_gives_the_eager_losses_and_logits(mode: str, opti
     np.testing.assert_allclose(losses, eager_losses, rtol=1e-3, atol=1e-4)
     for a, b in zip(logits, eager_logits):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- #
+# the methods use it
+# --------------------------------------------------------------------------- #
+
+
+def _central(tmp_path, server_step: str = "auto"):  # type: ignore[no-untyped-def]
+    from cloud_server.centralized import CentralizedTrainer
+    from cloud_server.config import ServerConfig
+
+    config = ServerConfig(run_id="central", method="centralized", out_dir=str(tmp_path / "run"), rounds=1, dataset="synthetic",
+                          seed=3, progress=False, server_step=server_step,
+                          method_config={"model": "resnet8", "batch_size": 32, "train_samples": 80, "test_samples": 16})
+    return CentralizedTrainer(config)
+
+
+def test_server_step_is_a_validated_server_setting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cloud_server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="server_step"):
+        ServerConfig(server_step="fast")
+    assert ServerConfig(server_step="graph").method_context("cpu").server_step == "graph"
+    trainer = _central(tmp_path, "graph")
+    assert trainer.step.requested == "graph" and trainer.step.mode == "eager" and "CUDA" in trainer.step.fallback_reason
+
+
+def test_centralized_training_is_the_same_whether_its_images_are_staged_on_the_device_or_not(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from cloud_server import centralized
+
+    staged = _central(tmp_path / "a")
+    loss, samples = staged._train_round(1)
+    assert staged._bank is not None and staged._bank.placement == "device" and samples == 80
+    monkeypatch.setattr(centralized, "staging_budget_bytes", lambda device: 1)  # nothing fits on the device
+    host = _central(tmp_path / "b")
+    host_loss, host_samples = host._train_round(1)
+    assert host._bank is not None and host._bank.placement == "host" and "do not fit" in host._bank.why_host
+    assert (host_loss, host_samples) == (loss, samples)
+    for p, q in zip(staged.model.parameters(), host.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    figures = staged.device_meter.take()
+    assert figures["device"] == "cpu" and figures["train_s"] > 0

@@ -142,22 +142,28 @@ class RowBank:
 
     ``rows`` is anything indexable by a CPU LongTensor of rows that returns a tensor
     (a tensor, or :class:`cloud_server.feature_store.RowSource` over a staged array, which
-    may be a memory-mapped file). When ``on_device`` allows (``host_array`` is given, or
-    ``rows`` is a tensor) and its bytes fit in ``budget_bytes`` (None: no limit), all rows
-    are copied to the device once, in ``dtype`` (default: their own), and :meth:`gather`
-    indexes them there. Otherwise :meth:`gather` gathers on the host and copies the batch.
+    may be a memory-mapped file). ``device_rows``: the rows already on the device (staged
+    there as they arrived), used as they are. Otherwise, when the rows are in memory
+    (``host_array`` is given, or ``rows`` is a tensor) and their bytes fit in
+    ``budget_bytes`` (None: no limit), all rows are copied to the device once, in ``dtype``
+    (default: their own), and :meth:`gather` indexes them there. Otherwise :meth:`gather`
+    gathers on the host and copies the batch.
 
     :attr:`placement` says which: ``"device"`` or ``"host"`` (with :attr:`why_host`).
     """
 
     def __init__(self, rows: Any, device: torch.device | str, *, budget_bytes: int | None = None,
-                 host_array: np.ndarray | None = None, dtype: torch.dtype | None = None) -> None:
+                 host_array: np.ndarray | None = None, device_rows: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.device = torch.device(device)
         self._rows = rows
         self.dtype = dtype
         self._on_device: torch.Tensor | None = None
         self.why_host = ""
         self.nbytes = 0
+        if device_rows is not None:  # staged on the device already (as the uploads arrived)
+            self._on_device = device_rows
+            return
         source = host_array if host_array is not None else rows if isinstance(rows, torch.Tensor) else None
         if source is None:
             self.why_host = "rows are not held in memory (spilled to disk)"

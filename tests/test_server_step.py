@@ -183,6 +183,33 @@ def test_spilled_rows_stay_on_the_host(tmp_path) -> None:  # type: ignore[no-unt
     staging.release(staged)
 
 
+def test_uploads_are_copied_to_the_device_as_they_arrive_until_the_device_bound(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """copy_to_device on a CPU stands in for a GPU here: the bookkeeping is the same."""
+    rng = np.random.default_rng(2)
+    arrays = [rng.normal(size=(6, 16, 4, 4)).astype(np.float32) for _ in range(4)]
+    one = arrays[0].size * 2  # float16 bytes of one upload
+    staging = ArrayStaging(1 << 30, tmp_path, device="cpu", device_bytes=2 * one, copy_to_device=True)
+    staged = [staging.stage(a) for a in arrays[:3]]
+    assert [s.device_copy is not None for s in staged] == [True, True, False]  # the third does not fit: host only
+    assert staging.on_device_bytes == 2 * one and staging.device_refusals == 1
+    for s, a in zip(staged[:2], arrays):
+        assert s.device_copy.dtype == torch.float16
+        np.testing.assert_array_equal(s.device_copy.numpy(), a.astype(np.float16))
+    staging.release(staged[0])
+    assert staging.on_device_bytes == one and staged[0].device_copy is None
+    assert staging.stage(arrays[3]).device_copy is not None  # room again
+    # A bank over a staged array with a device copy uses it as it is.
+    bank = RowBank(RowSource(staged[1]), "cpu", device_rows=staged[1].device_copy, budget_bytes=0)
+    assert bank.placement == "device"
+    torch.testing.assert_close(bank.gather(torch.tensor([5, 0]), torch.float32),
+                               torch.from_numpy(arrays[1][[5, 0]].astype(np.float16)).float())
+    with pytest.raises(ValueError, match="device_bytes"):
+        ArrayStaging(0, device="cpu", device_bytes=-1)
+    with pytest.raises(ValueError, match="needs a device"):
+        ArrayStaging(0, copy_to_device=True)
+    assert not ArrayStaging(0, device="cpu").copy_to_device  # on a CPU the host copy is the device's
+
+
 def test_the_device_budget_is_capped_by_free_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ss.staging_budget_bytes("cpu") is None
     assert ss.staging_budget_bytes("cpu", 123) == 123

@@ -165,7 +165,8 @@ class CentralizedTrainer:
         c = self.config
         self.model.train()
         total_loss, samples = DeviceSum(self.device), 0
-        with self.device_meter.training(), self.step.session():
+        planned = math.ceil(len(self.train_data) / c.batch_size) * c.epochs_per_round
+        with self.device_meter.training(), self.step.session(planned_steps=planned):
             for epoch in range(c.epochs_per_round):
                 for images, labels in self._batches(round_, epoch):
                     n = int(labels.shape[0])

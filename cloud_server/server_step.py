@@ -20,7 +20,8 @@ on every host synchronisation. This module keeps it busy:
     the optimiser step eager;
   - ``"graph"``: the whole step -- forward, loss, backward and the optimiser -- captured
     once per batch shape with ``torch.cuda.graphs`` and replayed (CUDA only);
-  - ``"auto"``: per device type, :data:`AUTO_STEP`.
+  - ``"auto"``: per device type, :data:`AUTO_STEP` (on a CPU only for training calls of
+    at least :data:`AUTO_CPU_COMPILE_MIN_STEPS` steps, see :meth:`TrainStep.session`).
 
   Whatever cannot be captured runs eagerly instead, with the reason logged and kept
   in :attr:`TrainStep.fallback_reason`: a CPU device for ``"graph"``, a torch without
@@ -51,19 +52,27 @@ import torch.nn as nn
 
 from .config import SERVER_STEPS  # ("auto", "eager", "compiled", "graph"); re-exported
 
-__all__ = ["SERVER_STEPS", "AUTO_STEP", "TrainStep", "StepOutput", "RowBank", "DeviceSum", "make_server_optimizer",
+__all__ = ["SERVER_STEPS", "AUTO_STEP", "AUTO_CPU_COMPILE_MIN_STEPS", "TrainStep", "StepOutput", "RowBank", "DeviceSum", "make_server_optimizer",
            "resolve_server_step", "staging_budget_bytes", "device_free_bytes", "logits_of"]
 
 log = logging.getLogger("cloud_server.server_step")
 
 
-#: What ``server_step = "auto"`` runs, per device type. CPU: bench/server_loop.py measures
-#: torch.compile against the eager step on the development machine's 2 cores and records the
-#: verdict in bench/results/server_loop.json (compiled was not faster there: see that file).
-#: CUDA: a whole-step CUDA graph removes the launch and host-synchronisation overhead that
-#: bounds the step at these batch sizes; bench/server_gpu.py measures every mode on a GPU so
-#: this choice can be revisited from measurements (not yet measured: see its JSON).
-AUTO_STEP: dict[str, str] = {"cpu": "eager", "cuda": "graph"}
+#: What ``server_step = "auto"`` runs, per device type. CUDA: a whole-step CUDA graph removes
+#: the launch and host-synchronisation overhead that bounds the step at these batch sizes
+#: (bench/server_gpu.py measures every mode on a GPU so this can be revisited from
+#: measurements; not yet measured on one). CPU: torch.compile, but only for a training call
+#: long enough to pay for its compilation (:data:`AUTO_CPU_COMPILE_MIN_STEPS`), else eager.
+AUTO_STEP: dict[str, str] = {"cpu": "compiled", "cuda": "graph"}
+
+#: On a CPU, ``"auto"`` compiles the step only for a training call of at least this many
+#: steps. bench/server_loop.py measured on the 2-core development machine (ResNet-55 server,
+#: batch 64; bench/results/server_loop.json, "compile_check"): the compiled step 1.27x faster
+#: than the eager one in steady state (2.65 s vs 3.37 s per step, medians), and a first,
+#: cold-cache compilation costing minutes there; about 500 steps repay a cold compilation.
+#: A full Fashion-MNIST FedGKT round (~940 steps) or centralized epoch compiles; a test's or a
+#: FedBE distillation's 10-200 steps do not.
+AUTO_CPU_COMPILE_MIN_STEPS = 500
 
 #: Share of the device's free memory (``torch.cuda.mem_get_info``) that staged rows may take
 #: when no explicit budget is given; the rest is left to activations, gradients and the graph pools.
@@ -231,11 +240,14 @@ class DeviceSum:
 # --------------------------------------------------------------------------- #
 
 
-def resolve_server_step(mode: str, device: torch.device | str) -> tuple[str, str]:
-    """(mode to run, why it is not the one asked for) for ``mode`` on ``device``."""
+def resolve_server_step(mode: str, device: torch.device | str, planned_steps: int | None = None) -> tuple[str, str]:
+    """(mode to run, why it is not the one asked for) for ``mode`` on ``device``, for a training
+    call of ``planned_steps`` steps (None: not known; ``"auto"`` on a CPU then runs eagerly)."""
     check_server_step(mode)
     device = torch.device(device)
     wanted = AUTO_STEP.get(device.type, "eager") if mode == "auto" else mode
+    if mode == "auto" and device.type == "cpu" and (planned_steps or 0) < AUTO_CPU_COMPILE_MIN_STEPS:
+        wanted = "eager"  # too short to repay a compilation: not a fallback
     if wanted == "graph" and device.type != "cuda":
         return "eager", f"server_step 'graph' needs a CUDA device, not {device.type}"
     if wanted == "compiled" and not hasattr(torch, "compile"):
@@ -293,11 +305,16 @@ class TrainStep:
         self._recaptures = 0
         self._lr_tensors: list[torch.Tensor] | None = None
         self.steps = {"eager": 0, "compiled": 0, "graph": 0}  # steps run in each mode
+        self._fell_back = False  # a compilation or capture failed: eager for good
 
     # -- public ------------------------------------------------------------- #
 
     @contextlib.contextmanager
-    def session(self) -> Iterator["TrainStep"]:
+    def session(self, planned_steps: int | None = None) -> Iterator["TrainStep"]:
+        """One training call (a round's epochs, a distillation) of about ``planned_steps`` steps:
+        ``"auto"`` chooses its mode for it (on a CPU it compiles only long calls)."""
+        if self.requested == "auto" and not self._fell_back:
+            self.mode, self.fallback_reason = resolve_server_step("auto", self.device, planned_steps)
         try:
             yield self
         finally:
@@ -445,6 +462,15 @@ class TrainStep:
             if group["lr"] is lr:
                 group["lr"] = float(lr)  # one read per training call
 
+    def use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step with another optimiser from now on (e.g. a fresh one per round); a compiled
+        forward is kept, a captured step (which holds the old optimiser's state) is not."""
+        self.optimizer = optimizer
+        self._captured = None
+        self._lr_tensors = None
+        self._seen.clear()
+        self._recaptures = 0
+
     def reset(self) -> None:
         """Forget captured and compiled steps (after the optimiser's state was replaced, e.g.
         by loading a checkpoint: a captured graph would update the old state tensors)."""
@@ -458,5 +484,6 @@ class TrainStep:
         log.warning("%s: %s; running the step eagerly from now on", self.name, reason)
         self.fallback_reason = reason
         self.mode = "eager"
+        self._fell_back = True
         self._captured = None
         self._compiled = None

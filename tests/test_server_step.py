@@ -68,11 +68,30 @@ def test_unknown_mode_is_refused() -> None:
 
 
 def test_auto_and_graph_resolve_per_device() -> None:
-    assert resolve_server_step("auto", "cpu") == (ss.AUTO_STEP["cpu"], "")
+    assert resolve_server_step("auto", "cpu") == ("eager", "")  # length unknown: no compilation
+    assert resolve_server_step("auto", "cpu", ss.AUTO_CPU_COMPILE_MIN_STEPS - 1) == ("eager", "")
+    assert resolve_server_step("auto", "cpu", ss.AUTO_CPU_COMPILE_MIN_STEPS) == (ss.AUTO_STEP["cpu"], "")
     assert resolve_server_step("eager", "cpu") == ("eager", "")
     mode, why = resolve_server_step("graph", "cpu")
     assert mode == "eager" and "CUDA" in why
     assert resolve_server_step("auto", "cuda")[0] == ss.AUTO_STEP["cuda"]
+
+
+def test_auto_on_a_cpu_compiles_only_training_calls_long_enough_to_repay_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Tiny()
+    step = TrainStep(model, make_server_optimizer("adam", model.parameters(), lr=0.01), _loss, "auto")
+    with step.session(planned_steps=20):
+        assert step.mode == "eager"
+    with step.session(planned_steps=ss.AUTO_CPU_COMPILE_MIN_STEPS):
+        assert step.mode == ss.AUTO_STEP["cpu"] == "compiled"
+    # After a failed compilation auto stays eager, whatever the length.
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler"))))
+    x, y, t = _batches([8])[0]
+    with step.session(planned_steps=10_000):
+        step(x, y, t)
+        assert step.mode == "eager" and "no compiler" in step.fallback_reason
+    with step.session(planned_steps=10_000):
+        assert step.mode == "eager"
 
 
 def test_graph_on_cpu_falls_back_to_the_eager_step_exactly() -> None:

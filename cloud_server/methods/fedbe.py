@@ -336,12 +336,13 @@ class DistillResult:
     swa_models: int
     mean_loss: float  # over the last cycle's steps (NaN when it failed)
     failed: str | None = None  # why the distilled model was not used (the weight average is kept)
+    trainer: Any = None  # the TrainStep that ran it (to reuse next round)
 
 
 def distill_swa(
     model: nn.Module, images: torch.Tensor, targets: torch.Tensor, config: FedBEConfig,
     generator: torch.Generator, progress: bool = False, desc: str = "distil",
-    snapshots: list[dict[str, np.ndarray]] | None = None, server_step: str = "auto",
+    snapshots: list[dict[str, np.ndarray]] | None = None, server_step: str = "auto", trainer: TrainStep | None = None,
 ) -> DistillResult:
     """Algorithm 1's ``SWA(w_bar, T, eta_SWA)``: SGD from the model's current weights on
     the soft cross-entropy to ``targets`` (``(N, K)`` on the model's device), cyclical lr,
@@ -354,12 +355,18 @@ def distill_swa(
     ``cloud_server/server_step.py``); the step losses stay on the device and are read
     when the weights are collected (a host copy anyway) and at the end. A non-finite
     loss fails the distillation at its first such step, with the models collected
-    before it counted, as if it had stopped there."""
+    before it counted, as if it had stopped there. ``trainer``: a step of ``model`` to reuse
+    (its compiled forward survives across rounds); it gets this call's fresh optimiser."""
     c = config
     n = images.shape[0]
     batch = min(c.distill_batch_size, n)
     optimizer = torch.optim.SGD(model.parameters(), lr=c.swa_lr_max, momentum=c.distill_momentum, weight_decay=c.distill_weight_decay)
-    trainer = TrainStep(model, optimizer, soft_cross_entropy, server_step, name="fedbe distillation")
+    if trainer is None:
+        trainer = TrainStep(model, optimizer, soft_cross_entropy, server_step, name="fedbe distillation")
+    elif trainer.model is not model:
+        raise ValueError("distill_swa: the trainer steps another model than the one to distil")
+    else:
+        trainer.use_optimizer(optimizer)
     swa = SwaAverage()
     order, position = torch.randperm(n, generator=generator), 0
     losses = torch.zeros(c.distill_steps, dtype=torch.float32, device=images.device)  # (T,) step losses, on the device
@@ -375,10 +382,11 @@ def distill_swa(
         if not len(bad):
             return None
         first = int(bad[0, 0]) + 1
-        return DistillResult(first, swa.count, float("nan"), failed=f"distillation loss became {float(seen[first - 1])} at step {first}")
+        return DistillResult(first, swa.count, float("nan"), failed=f"distillation loss became {float(seen[first - 1])} at step {first}",
+                             trainer=trainer)
 
     model.train()
-    with trainer.session():
+    with trainer.session(planned_steps=c.distill_steps):
         for step in steps:
             if position + batch > n:  # a new epoch: full batches only, every sample once per epoch
                 order, position = torch.randperm(n, generator=generator), 0
@@ -402,7 +410,7 @@ def distill_swa(
         return failed
     load_arrays_into(model, swa.average())
     recompute_bn_statistics(model, images, c.eval_batch_size)
-    return DistillResult(c.distill_steps, swa.count, float(losses[-c.swa_cycle_steps:].double().mean()))
+    return DistillResult(c.distill_steps, swa.count, float(losses[-c.swa_cycle_steps:].double().mean()), trainer=trainer)
 
 
 def _accuracy(probabilities: torch.Tensor, labels: torch.Tensor | None) -> float | None:
@@ -439,6 +447,7 @@ class FedBEServer(FedAvgServer):
         self._work = build_model(self.config.model, ctx.num_classes, ctx.in_channels).to(self.device)
         self._param_names = [name for name, _ in self._work.named_parameters()]
         self._flops: tuple[int, int] | None = None
+        self._distill_step: TrainStep | None = None  # made by the first distillation, reused after
         self._reports: dict[int, dict[str, Any]] = {}
         log.info("fedbe: %d unlabeled samples from %s/%s%s, device %s", len(unlabeled), self.config.unlabeled_dataset,
                  self.config.unlabeled_split, f", {len(validation)} for validation" if validation is not None else "", self.device)
@@ -525,7 +534,8 @@ class FedBEServer(FedAvgServer):
         with self.ctx.device_meter.training():
             result = distill_swa(self._work, self._images, targets.to(self.device), c, generator,
                                  progress=self.ctx.progress, desc=f"fedbe round {round_} distillation",
-                                 server_step=self.ctx.server_step)
+                                 server_step=self.ctx.server_step, trainer=self._distill_step)
+        self._distill_step = self._distill_step or result.trainer
         timing["distill"] = time.perf_counter() - mark
 
         mark = time.perf_counter()

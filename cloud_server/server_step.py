@@ -67,11 +67,11 @@ AUTO_STEP: dict[str, str] = {"cpu": "compiled", "cuda": "graph"}
 
 #: On a CPU, ``"auto"`` compiles the step only for a training call of at least this many
 #: steps. bench/server_loop.py measured on the 2-core development machine (ResNet-55 server,
-#: batch 64; bench/results/server_loop.json, "compile_check"): the compiled step 1.27x faster
-#: than the eager one in steady state (2.65 s vs 3.37 s per step, medians), and a first,
-#: cold-cache compilation costing minutes there; about 500 steps repay a cold compilation.
-#: A full Fashion-MNIST FedGKT round (~940 steps) or centralized epoch compiles; a test's or a
-#: FedBE distillation's 10-200 steps do not.
+#: batch 64, one thread; bench/results/server_loop.json, "compile_check"): the compiled step
+#: 1.36x faster than the eager one (2.37 s vs 3.22 s per step, medians of alternating runs),
+#: after a cold compilation of 290 s, which it repays after ~340 steps. A full Fashion-MNIST
+#: FedGKT round (~940 steps at batch 64) or centralized epoch compiles; a test's or a FedBE
+#: distillation's 10-200 steps run eagerly.
 AUTO_CPU_COMPILE_MIN_STEPS = 500
 
 #: Share of the device's free memory (``torch.cuda.mem_get_info``) that staged rows may take

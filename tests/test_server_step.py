@@ -326,3 +326,20 @@ def test_centralized_training_is_the_same_whether_its_images_are_staged_on_the_d
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     figures = staged.device_meter.take()
     assert figures["device"] == "cpu" and figures["train_s"] > 0
+
+
+def test_the_cpu_default_follows_the_recorded_compile_measurement() -> None:
+    """server_step = "auto" on a CPU is what bench/server_loop.py measured to help; re-measure
+    (python bench/server_loop.py --parts compile) before changing AUTO_STEP or the threshold."""
+    import json
+
+    from fedhelpers import ROOT
+
+    check = json.loads((ROOT / "bench" / "results" / "server_loop.json").read_text())["compile_check"]
+    assert check["auto_cpu_step"] == ss.AUTO_STEP["cpu"]
+    assert check["auto_cpu_compile_min_steps"] == ss.AUTO_CPU_COMPILE_MIN_STEPS
+    if check["helps"]:
+        assert ss.AUTO_STEP["cpu"] == "compiled" and ss.AUTO_CPU_COMPILE_MIN_STEPS >= check["break_even_steps"]
+    else:
+        assert ss.AUTO_STEP["cpu"] != "compiled"
+    assert check["auto_follows_verdict"]

@@ -155,9 +155,9 @@ class CentralizedTrainer:
             if self._bank.placement == "host":
                 log.info("centralized: training images stay on the host: %s", self._bank.why_host)
             self._labels = torch.from_numpy(self.train_data.labels).long().to(self.device)
-        order = torch.randperm(len(self._bank), generator=torch.Generator().manual_seed(seed)).to(self.device)
-        for index in order.split(c.batch_size):
-            yield self._bank.gather(index), self._labels[index]  # type: ignore[index]
+        order = torch.randperm(len(self._bank), generator=torch.Generator().manual_seed(seed))
+        for index in order.split(c.batch_size):  # the bank moves the index where its rows are
+            yield self._bank.gather(index), self._labels[index.to(self.device, non_blocking=True)]  # type: ignore[index]
 
     def _train_round(self, round_: int) -> tuple[float, int]:
         """``epochs_per_round`` epochs; (mean loss, samples). Losses are summed on the device

@@ -514,7 +514,8 @@ class FedGktServer(ServerMethod):
                     for k, idx in self._batches(data, generator):
                         index = idx.to(device, non_blocking=True)  # (B,)
                         y = labels[k][index]
-                        out = step(banks[k].gather(index, torch.float32), y, edge_logits[k][index])  # (B, 16, H, W) maps
+                        # The host's copy of the index for maps left on the host: no wait for the device.
+                        out = step(banks[k].gather(idx, torch.float32), y, edge_logits[k][index])  # (B, 16, H, W) maps
                         if last:
                             z_s[k].index_copy_(0, index, out.logits.float())  # (B, K), keyed by row: by sample id
                             total_loss.add(out.loss, len(idx))

@@ -161,7 +161,7 @@ def run(models: list[str], batches: list[int], precisions: list[str], modes: lis
         for batch in batches:
             for precision in precisions:
                 key = f"{model_name}/bs{batch}/{precision}"
-                row: dict[str, Any] = {}
+                row: dict[str, Any] = {mode: {"measured": False, "why": "not run (--modes)"} for mode in MODES if mode not in modes}
                 for mode in modes:
                     started = time.perf_counter()
                     row[mode] = measure(model_name, batch, precision, mode, device, steps, warmup, repeats)

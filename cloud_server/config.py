@@ -17,6 +17,9 @@ from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
 if TYPE_CHECKING:
     from .methods.base import ServerContext
 
+# The modes of cloud_server/server_step.py (kept here so that reading a config never imports torch).
+SERVER_STEPS = ("auto", "eager", "compiled", "graph")
+
 IN_CHANNELS_BY_DATASET = {"fashion-mnist": 1, "mnist": 1}
 
 
@@ -45,6 +48,8 @@ class ServerConfig:
     eval_every: int = 1
     registration_timeout_s: float = 300.0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # How the server's training step runs (cloud_server/server_step.py): auto | eager | compiled | graph.
+    server_step: str = "auto"
     seed: int = 0
     dataset: str = "fashion-mnist"
     num_classes: int = 10
@@ -88,6 +93,8 @@ class ServerConfig:
             raise ValueError(f"min_agents ({self.min_agents}) cannot exceed expected_agents ({self.expected_agents})")
         if self.in_channels < 0:
             raise ValueError("in_channels must be >= 0")
+        if self.server_step not in SERVER_STEPS:
+            raise ValueError(f"server.server_step must be one of {SERVER_STEPS}, got {self.server_step!r}")
         if self.no_agents_policy not in ("wait", "end"):
             raise ValueError(f"no_agents_policy must be 'wait' or 'end', got {self.no_agents_policy!r}")
         if not 0 < self.unexpected_sender_max_bytes <= self.unexpected_senders_total_bytes:
@@ -121,7 +128,7 @@ class ServerConfig:
 
         return ServerContext(run_id=self.run_id, num_classes=self.num_classes, in_channels=self.resolved_in_channels,
                              device=device, seed=self.seed, progress=progress, rounds=self.rounds,
-                             out_dir=self.out_dir)
+                             out_dir=self.out_dir, server_step=self.server_step)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -581,6 +581,8 @@ class Coordinator:
                 "edge_idle": mean_cost("idle_s"),
             },
             "per_agent": per_agent,
+            # The server's device in this round: name, training seconds, peak memory, utilisation.
+            "server": self.method.ctx.device_meter.take(),
         }
         if excluded:
             record["excluded"] = excluded

@@ -23,6 +23,16 @@ class ServerContext:
     progress: bool = False
     rounds: int = 0  # the run's planned number of rounds (0: not known, e.g. a unit test)
     out_dir: str = ""  # the run directory (report, checkpoint); "" when there is none (unit tests)
+    server_step: str = "auto"  # how the server's training step runs (cloud_server/server_step.py)
+    # The device's figures per round (name, training seconds, peak memory, utilisation): methods wrap
+    # their server-side training in device_meter.training(); the coordinator takes them as a round closes.
+    device_meter: Any = None  # cloud_server.device_meter.DeviceMeter, made from ``device`` when not given
+
+    def __post_init__(self) -> None:
+        if self.device_meter is None:
+            from ..device_meter import DeviceMeter  # imports torch: only when a context is made
+
+            self.device_meter = DeviceMeter(self.device)
 
 
 @dataclass

@@ -78,6 +78,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("run", "simulate"):
+        from .memory import fix_malloc_mmap_threshold
+
+        fix_malloc_mmap_threshold()  # before the first big allocation; see edge_agent.memory
     if args.command == "simulate":
         return cmd_simulate(args)
     if args.command == "doctor":

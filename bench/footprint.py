@@ -172,9 +172,10 @@ def worker(backend: str, artifacts: str | None, batches: int, warmup: int, batch
 
 AGENT_SAMPLES = (1000, 4000, 16000)
 AGENT_TEST_SAMPLES = 1000
-AGENT_ROUNDS = 2
-GKT_DEFAULT_BATCH = 64  # GktRoundConfig's batch_size: the setting
-DOMINANCE_BATCHES = (16,)
+# Two rounds at the smallest shard (what round 2 keeps from round 1, server logits for every
+# sample included), one at the larger ones: a 2-core machine shared with other work takes
+# too long otherwise. Shard sizes are compared by the peak of round 1, which every run has.
+AGENT_ROUNDS = {1000: 2, 4000: 1, 16000: 1}
 
 
 def _status_kib(field: str) -> int:
@@ -198,7 +199,7 @@ def baseline_worker(backend: str) -> dict:
             "torch_loaded": "torch" in sys.modules}
 
 
-def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: int = 64) -> dict:
+def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: int = 64, rounds: int = 1) -> dict:
     """One agent, two FedGKT rounds, its own shard of ``samples`` Fashion-MNIST images."""
     sys.path.insert(0, str(REPO))
     import collections
@@ -273,7 +274,7 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
             elif kind == "round_end":
                 self.marks.append({"round": self.round, "peak_rss_bytes": _status_kib("VmHWM") * 1024,
                                    "rss_bytes": _status_kib("VmRSS") * 1024})
-                if self.round < AGENT_ROUNDS:
+                if self.round < rounds:
                     rng = np.random.default_rng(self.round)
                     self._send(GktServerLogits(run=run_id, round=self.round, sender="server", sample_ids=self.train_ids,
                                                logits=rng.normal(size=(self.train_ids.size, 10)).astype(np.float32)))
@@ -301,8 +302,8 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
     rss_loaded = _status_kib("VmHWM") * 1024
     transport.train_ids = np.asarray(agent.train.sample_ids, np.int64)
     code = agent.run()
-    if code != 0 or len(transport.marks) != AGENT_ROUNDS:
-        raise RuntimeError(f"the agent exited {code} after {len(transport.marks)} of {AGENT_ROUNDS} rounds")
+    if code != 0 or len(transport.marks) != rounds:
+        raise RuntimeError(f"the agent exited {code} after {len(transport.marks)} of {rounds} rounds")
     return {
         "backend": backend,
         "batch_size": batch_size,
@@ -441,40 +442,32 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: dict[str, str] | None = None) -> dict:
+def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: dict[str, str] | None = None,
+                   sizes: tuple[int, ...] = AGENT_SAMPLES) -> dict:
     """The agent at each shard size in ``python``'s environment, and the runtime's own baseline."""
     env = {"EDGESPLIT_DATA_DIR": str(base / "data-cache"), **(env or {})}
     me = str(Path(__file__).resolve())
     baseline = run_json([python, me, "--worker", "baseline", "--backend", backend], env)
     runs = {}
-    for n in AGENT_SAMPLES:
-        run = run_json([python, me, "--worker", "agent", "--backend", backend, "--artifacts", str(artifacts), "--samples", str(n)], env)
+    for n in sizes:
+        run = run_json([python, me, "--worker", "agent", "--backend", backend, "--artifacts", str(artifacts), "--samples", str(n),
+                        "--rounds", str(AGENT_ROUNDS[n])], env)
         run["peak_above_runtime_bytes"] = run["peak_rss_bytes"] - baseline["peak_rss_bytes"]
         runs[str(n)] = run
         print(f"  {backend} {n:6d} samples: peak {run['peak_rss_bytes'] / 1e6:.0f} MB "
               f"({run['peak_above_runtime_bytes'] / 1e6:.0f} MB above the runtime's {baseline['peak_rss_bytes'] / 1e6:.0f} MB), "
               f"{run['seconds']:.0f} s", flush=True)
-    peaks = [runs[str(n)]["peak_rss_bytes"] for n in AGENT_SAMPLES]
-    # Not the setting: the same agent at 1,000 samples with smaller training batches, to show
-    # how much of the peak is the training step's activations (they scale with the batch).
-    by_batch = {}
-    for b in DOMINANCE_BATCHES:
-        run = run_json([python, me, "--worker", "agent", "--backend", backend, "--artifacts", str(artifacts),
-                        "--samples", str(AGENT_SAMPLES[0]), "--batch-size", str(b)], env)
-        by_batch[str(b)] = {"peak_rss_bytes": run["peak_rss_bytes"], "peak_above_runtime_bytes": run["peak_rss_bytes"] - baseline["peak_rss_bytes"]}
-    by_batch[str(GKT_DEFAULT_BATCH)] = {"peak_rss_bytes": runs[str(AGENT_SAMPLES[0])]["peak_rss_bytes"],
-                         "peak_above_runtime_bytes": runs[str(AGENT_SAMPLES[0])]["peak_above_runtime_bytes"]}
-    return {
-        "runtime_baseline": baseline,
-        "runs": runs,
-        "peak_16k_over_1k": round(peaks[-1] / peaks[0], 3),
-        "peak_at_1k_by_training_batch": by_batch,
-    }
+    out = {"runtime_baseline": baseline, "runs": runs}
+    if len(sizes) > 1:
+        first, last = runs[str(sizes[0])], runs[str(sizes[-1])]
+        out["round1_peak_largest_over_smallest"] = round(last["rounds"][0]["peak_rss_bytes"] / first["rounds"][0]["peak_rss_bytes"], 3)
+        out["peak_largest_over_smallest"] = round(last["peak_rss_bytes"] / first["peak_rss_bytes"], 3)
+    return out
 
 
 def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: dict[str, str] | None = None) -> dict:
     out: dict = {
-        "setting": {"dataset": "fashion-mnist (Debian package IDX files, 1x32x32)", "method": "fedgkt", "rounds": AGENT_ROUNDS,
+        "setting": {"dataset": "fashion-mnist (Debian package IDX files, 1x32x32)", "method": "fedgkt", "rounds_by_train_samples": {str(k): v for k, v in AGENT_ROUNDS.items()},
                     "train_samples": list(AGENT_SAMPLES), "test_samples": AGENT_TEST_SAMPLES,
                     "round_config": "GktRoundConfig defaults: batch 64, 1 edge epoch, adam, fp16-zstd uploads of 256 samples",
                     "evaluate": "every round", "server": "scripted in the agent's process; uploads counted and dropped",
@@ -488,7 +481,9 @@ def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: di
     def one(name: str) -> dict:
         backend = "ort" if name.startswith("ort") else "torch"
         print(f"agent footprint: {name} ({envs[name]})", flush=True)
-        return measure_agents(envs[name], backend, artifacts, base, ort_env if backend == "ort" else None)
+        # The CUDA build only at the smallest shard: it is there for its import cost, next to the CPU build.
+        sizes = AGENT_SAMPLES[:1] if name == "torch-cuda" else AGENT_SAMPLES
+        return measure_agents(envs[name], backend, artifacts, base, ort_env if backend == "ort" else None, sizes)
 
     with ThreadPoolExecutor(max_workers=len(envs)) as pool:
         results = dict(zip(envs, pool.map(one, envs)))
@@ -501,6 +496,8 @@ def main() -> int:
     p.add_argument("--worker", choices=("torch", "ort", "agent", "baseline"))
     p.add_argument("--backend", choices=("torch", "ort"), help="with --worker agent / baseline")
     p.add_argument("--samples", type=int, default=1000, help="with --worker agent: training samples in the shard")
+    p.add_argument("--rounds", type=int, default=1, help="with --worker agent: FedGKT rounds")
+    p.add_argument("--skip-agent", action="store_true", help="keep the agent section of --out as it is")
     p.add_argument("--only-agent", action="store_true", help="only the agent runs (needs --reuse with built venvs); merged into --out")
     p.add_argument("--artifacts")
     p.add_argument("--batches", type=int, default=30)
@@ -511,7 +508,7 @@ def main() -> int:
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.worker == "agent":
-        print(json.dumps(agent_worker(args.backend, args.artifacts, args.samples, args.batch_size)))
+        print(json.dumps(agent_worker(args.backend, args.artifacts, args.samples, args.batch_size, args.rounds)))
         return 0
     if args.worker == "baseline":
         print(json.dumps(baseline_worker(args.backend)))
@@ -570,7 +567,11 @@ def main() -> int:
                     entry["torch_installed"] = (sp / "torch").exists()
                     entry["onnx_sympy_h5py_installed"] = [(sp / m).exists() for m in ("onnx", "sympy", "h5py")]
                 report["environments"][kind] = entry
-        if args.no_install:
+        if args.skip_agent:
+            previous = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+            if "agent" in previous:
+                report["agent"] = previous["agent"]
+        elif args.no_install:
             report["agent"] = agent_section({"torch-this-venv": sys.executable, "ort-this-venv": sys.executable}, artifacts_1ch, base,
                                             ort_env={"PYTHONPATH": str(block)})
         else:
@@ -589,7 +590,8 @@ def main() -> int:
     out = Path(args.out)
     _write(out, report)
     print(json.dumps({k: v for k, v in report.items() if k not in ("environments", "agent")}, indent=2))
-    _print_agent(report["agent"])
+    if "agent" in report:
+        _print_agent(report["agent"])
     for kind, entry in envs.items():
         run = entry["run"]
         print(f"{kind:10s} size {entry.get('site_packages_mb', '?')} MB  peak RSS {run['peak_rss_bytes'] / 1e6:.0f} MB  "
@@ -624,7 +626,7 @@ def _print_agent(agent: dict) -> None:
     for name, env in agent["environments"].items():
         base = env["runtime_baseline"]["peak_rss_bytes"] / 1e6
         peaks = "  ".join(f"{n}: {r['peak_rss_bytes'] / 1e6:.0f} MB" for n, r in env["runs"].items())
-        print(f"agent {name:11s} runtime {base:.0f} MB; peak {peaks}; 16k/1k {env['peak_16k_over_1k']}")
+        print(f"agent {name:11s} runtime {base:.0f} MB; peak {peaks}; round-1 peak largest/smallest {env.get('round1_peak_largest_over_smallest')}")
 
 
 def _cpu() -> str:

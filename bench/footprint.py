@@ -448,10 +448,17 @@ def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: 
     env = {"EDGESPLIT_DATA_DIR": str(base / "data-cache"), **(env or {})}
     me = str(Path(__file__).resolve())
     baseline = run_json([python, me, "--worker", "baseline", "--backend", backend], env)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def agent_run(n: int) -> dict:
+        return run_json([python, me, "--worker", "agent", "--backend", backend, "--artifacts", str(artifacts), "--samples", str(n),
+                         "--rounds", str(AGENT_ROUNDS[n])], env)
+
+    with ThreadPoolExecutor(max_workers=len(sizes)) as pool:  # side by side: peak RSS is per process
+        results = dict(zip(sizes, pool.map(agent_run, sizes)))
     runs = {}
     for n in sizes:
-        run = run_json([python, me, "--worker", "agent", "--backend", backend, "--artifacts", str(artifacts), "--samples", str(n),
-                        "--rounds", str(AGENT_ROUNDS[n])], env)
+        run = results[n]
         run["peak_above_runtime_bytes"] = run["peak_rss_bytes"] - baseline["peak_rss_bytes"]
         runs[str(n)] = run
         print(f"  {backend} {n:6d} samples: peak {run['peak_rss_bytes'] / 1e6:.0f} MB "
@@ -471,7 +478,7 @@ def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: di
                     "train_samples": list(AGENT_SAMPLES), "test_samples": AGENT_TEST_SAMPLES,
                     "round_config": "GktRoundConfig defaults: batch 64, 1 edge epoch, adam, fp16-zstd uploads of 256 samples",
                     "evaluate": "every round", "server": "scripted in the agent's process; uploads counted and dropped",
-                    "threads": 1, "environments_run": "side by side; 'seconds' are wall times on a shared 2-core machine"},
+                    "threads": 1, "runs": "all side by side (each its own process); 'seconds' are wall times on a shared 2-core machine, not timings"},
         "environments": {},
     }
     # The environments run side by side (peak RSS is per process; the seconds recorded are

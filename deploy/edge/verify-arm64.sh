@@ -148,6 +148,16 @@ mount -t sysfs sys "${ROOT_DIR}/sys"
 mount --bind /dev "${ROOT_DIR}/dev"
 mount --bind /dev/pts "${ROOT_DIR}/dev/pts"
 cp -L /etc/resolv.conf "${ROOT_DIR}/etc/resolv.conf"
+# The host's CA bundle, for pip inside the root: where the network intercepts TLS (a proxy
+# with its own CA, as in some CI sandboxes), only the host trusts it, and a fresh root's
+# ca-certificates would make every PyPI download fail with CERTIFICATE_VERIFY_FAILED.
+HOST_CA="/etc/ssl/certs/ca-certificates.crt"
+ROOT_CA="/etc/ssl/certs/host-ca-certificates.crt"
+if [ -r "${HOST_CA}" ]; then
+  cp -L "${HOST_CA}" "${ROOT_DIR}${ROOT_CA}"
+else
+  ROOT_CA="${HOST_CA}"
+fi
 
 # --- 3. broker on the host ----------------------------------------------------- #
 PORT="$("${HOST_PYTHON}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
@@ -156,9 +166,10 @@ cat > "${WORK}/mosquitto.conf" <<CONF
 listener ${PORT} 127.0.0.1
 allow_anonymous true
 persistence false
-log_dest file ${LOGS}/mosquitto.log
+log_dest stderr
 CONF
-"${MOSQUITTO}" -c "${WORK}/mosquitto.conf" &
+# stderr, not a log file: run as root, mosquitto drops to its own user, which cannot write to ${LOGS}.
+"${MOSQUITTO}" -c "${WORK}/mosquitto.conf" 2> "${LOGS}/mosquitto.log" &
 PIDS+=("$!")
 for _ in $(seq 50); do
   (exec 3<>"/dev/tcp/127.0.0.1/${PORT}") 2>/dev/null && break
@@ -196,7 +207,7 @@ say "5. deploy/edge/install.sh --no-service inside the arm64 root (emulated)"
 started=${SECONDS}
 set +e
 nice -n 19 chroot "${ROOT_DIR}" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  HOME=/root LANG=C.UTF-8 bash /opt/edgesplit-src/deploy/edge/install.sh --no-service \
+  HOME=/root LANG=C.UTF-8 PIP_CERT="${ROOT_CA}" bash /opt/edgesplit-src/deploy/edge/install.sh --no-service \
   --source /opt/edgesplit-src --config /tmp/agent.toml > "${LOGS}/install.log" 2>&1
 INSTALL_RC=$?
 set -e

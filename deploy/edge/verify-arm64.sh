@@ -216,7 +216,7 @@ echo "    install.sh exited ${INSTALL_RC} after ${INSTALL_S} s (log: ${LOGS}/ins
 [ -x "${ROOT_DIR}/opt/edgesplit/venv/bin/edge-agent" ] || { tail -30 "${LOGS}/install.log" >&2; die "install.sh did not install the agent"; }
 
 # As the service would run it: the edgesplit user, the venv's agent, one thread.
-IN_ROOT=(nice -n 19 chroot "${ROOT_DIR}" /usr/bin/env -i PATH=/opt/edgesplit/venv/bin:/usr/bin:/bin HOME=/var/lib/edgesplit
+IN_ROOT=(nice -n 19 chroot "${ROOT_DIR}" /usr/bin/env -i PATH=/opt/edgesplit/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/var/lib/edgesplit
          LANG=C.UTF-8 OMP_NUM_THREADS=1 runuser -u edgesplit --)
 
 say "6. edge-agent doctor (emulated)"

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -243,6 +245,64 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
             p.wait()
 
 
+#: Lines of an agent's log shown when it dies before the federation started.
+LOG_TAIL_LINES = 20
+
+
+def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(could not read {path}: {exc})"
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _watch(server: subprocess.Popen, agents: list[subprocess.Popen], logs: Path, poll_s: float = 0.2) -> int | None:
+    """Relay the server's status lines until its stdout closes, watching the agents meanwhile.
+
+    An agent that exits with an error before the server printed its first round
+    line (a missing dataset, a bad config) would otherwise leave the server
+    waiting out its registration timeout with no word to the user: the run is
+    abandoned at once, with the tail of that agent's log, and the agent's exit
+    code is returned. Later agent failures are reported and the run goes on
+    (the server's deadlines and quorum deal with a missing agent). Returns None
+    when the server's output ended normally.
+    """
+    assert server.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert server.stdout is not None
+        for line in server.stdout:  # one status line per round, then the final line
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="server-stdout", daemon=True).start()
+    started = False
+    reported: set[int] = set()
+    while True:
+        try:
+            line = lines.get(timeout=poll_s)
+        except queue.Empty:
+            line = ""
+        if line is None:
+            return None
+        if line:
+            print(line.rstrip(), flush=True)
+            started = True
+        for i, p in enumerate(agents):
+            if i in reported or p.poll() in (None, 0):
+                continue
+            reported.add(i)
+            log_path = logs / f"agent-{i}.log"
+            print(f"edgesplit: agent-{i} exited with code {p.returncode}; see {log_path}", flush=True)
+            if not started:
+                print(f"edgesplit: agent-{i} failed before the federation started; the end of its log:", flush=True)
+                print("    " + _log_tail(log_path).replace("\n", "\n    "), flush=True)
+                print("edgesplit: stopping the run", flush=True)
+                return p.returncode if p.returncode > 0 else 1
+
+
 def cmd_centralized(args: argparse.Namespace) -> int:
     """Train on the union of the data in this process and write the run report."""
     import dataclasses
@@ -325,11 +385,9 @@ def cmd_local(args: argparse.Namespace) -> int:
                 stdout=f, stderr=subprocess.STDOUT, env=agent_env,
             ))
         assert server.stdout is not None
-        for line in server.stdout:  # one status line per round, then the final line
-            print(line.rstrip(), flush=True)
-            for i, p in enumerate(procs[1:]):
-                if p.poll() not in (None, 0):
-                    print(f"edgesplit: agent-{i} exited with code {p.returncode}; see {logs / f'agent-{i}.log'}", flush=True)
+        failed = _watch(server, procs[1:], logs)
+        if failed is not None:
+            return failed
         code = server.wait()
         _stop(procs[1:], grace_s=30)
         if code != 0:

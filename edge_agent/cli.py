@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.add_argument("--backend", choices=("torch", "ort"), help="local training backend (ort: onnxruntime-training, no torch)")
+    run.add_argument("--data-root", help="override [data] root: the directory holding the dataset")
+    run.add_argument("--download", action="store_true",
+                     help="allow downloading the dataset if it is not on disk ([data] download = true; off by default)")
     doctor = sub.add_parser("doctor", help="check this device: Python, backend, broker, TLS, credentials, data")
     doctor.add_argument("--config", default="/etc/edgesplit/agent.toml", help="agent TOML (default: %(default)s)")
     doctor.add_argument("--backend", choices=("torch", "ort"), help="check this backend instead of the config's")
@@ -52,7 +55,9 @@ def load_config(args: argparse.Namespace) -> EdgeConfig:
         "progress": False if args.no_progress else None,
         "backend": args.backend,
     }
-    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    data_overrides = {"root": args.data_root, "download": True if args.download else None}
+    data = dataclasses.replace(config.data, **{k: v for k, v in data_overrides.items() if v is not None})
+    return dataclasses.replace(config, data=data, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -73,6 +78,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("run", "simulate"):
+        from .memory import fix_malloc_mmap_threshold
+
+        fix_malloc_mmap_threshold()  # before the first big allocation; see edge_agent.memory
     if args.command == "simulate":
         return cmd_simulate(args)
     if args.command == "doctor":

@@ -85,7 +85,7 @@ def worker(backend: str, artifacts: str | None, batches: int, warmup: int, batch
 
     from edge_agent.memory import fix_malloc_mmap_threshold
 
-    fix_malloc_mmap_threshold()  # as the agent process does
+    fix_malloc_mmap_threshold()  # as `edge-agent run --low-memory` does
 
     import edge_agent.agent  # noqa: F401  (what the agent process imports anyway)
     from fldata import make_synthetic
@@ -216,7 +216,7 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
     rss_start = _status_kib("VmHWM") * 1024
     from edge_agent.memory import fix_malloc_mmap_threshold
 
-    malloc_fixed = fix_malloc_mmap_threshold()  # as `edge-agent run` does
+    malloc_fixed = fix_malloc_mmap_threshold()  # as `edge-agent run --low-memory` does
     run_id, agent_id = "footprint", "bench-agent"
 
     class ScriptedServer(Transport):

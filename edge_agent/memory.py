@@ -12,6 +12,13 @@ agent run (FedGKT, 1,000 samples, two rounds): RSS between rounds fell from abou
 545 MB to 350 MB (torch, CPU build) and from 165 MB to 80 MB (ort), the torch
 agent's peak from about 630 MB to 510 MB, and the ort agent's peak no longer
 grows from round to round (243 then 319 MB before, 239 MB both rounds after).
+
+It is not free: every large activation is then a fresh mapping whose pages the
+kernel must fault in and zero at every step. A ResNet-8 training step (batch 64,
+one thread, x86_64) took 651-702 ms with the threshold pinned against 281-313 ms
+without, in alternating runs on a shared 2-core machine. So the agent pins it
+only when asked (``edge-agent run --low-memory``): for a device where memory,
+not time, is what runs out.
 """
 
 from __future__ import annotations

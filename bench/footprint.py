@@ -11,14 +11,30 @@ Builds two fresh virtual environments and measures, for each:
   server's artifact generation uses them), numpy, the agent;
 
 their installed size (``site-packages``, measured with ``du``-style block
-counting) and, in a fresh process in each environment, the agent's peak RSS and
-milliseconds per training batch (FedGKT edge step: ResNet-8, CE + KD, batch
-64, 3x32x32, one thread) after warm-up, plus eval (feature extraction) ms per
-batch. The ort artifacts are generated here, with torch, as the server would.
+counting) and, in a fresh process in each environment, the peak RSS and
+milliseconds per training batch of the bare training step (FedGKT edge step:
+ResNet-8, CE + KD, batch 64, 3x32x32, one thread) after warm-up, plus eval
+(feature extraction) ms per batch. The ort artifacts are generated here, with
+torch, as the server would.
 
-    .venv/bin/python bench/footprint.py                # build both venvs (a few minutes), measure
+Then the **agent** itself, as a device runs it (``agent`` in the JSON): a whole
+``EdgeAgent`` process loading its Fashion-MNIST shard of 1,000 / 4,000 / 16,000
+training samples (plus 1,000 test samples) from the Debian package's IDX files,
+running two FedGKT rounds at the protocol's defaults (batch 64, 1 edge epoch,
+fp16-zstd uploads of 256 samples, evaluation every round, server logits for
+every sample before round 2) against a scripted server inside the same process
+(no broker: uploads are encoded and counted, then dropped). Measured per run:
+peak RSS (``VmHWM``), the runtime's own import baseline (a fresh process that
+only imports torch, or onnxruntime-training as the ort backend does) and the
+agent's peak above it, RSS after each round. Three environments: the torch
+agent with the CPU-only torch build (the ``edge`` venv), the torch agent with
+the CUDA build PyPI serves on x86_64 (this venv, when its torch is one), and the
+ort agent in the lean ``edge-lite-lean`` venv (no torch installed).
+
+    .venv/bin/python bench/footprint.py                # build the venvs (a few minutes), measure
     .venv/bin/python bench/footprint.py --reuse DIR    # keep / reuse the venvs in DIR
     .venv/bin/python bench/footprint.py --no-install   # only this venv (torch hidden for the ort run)
+    .venv/bin/python bench/footprint.py --reuse DIR --only-agent   # only the agent runs, merged into the JSON
 
 Writes ``bench/results/footprint.json``.
 """
@@ -26,6 +42,7 @@ Writes ``bench/results/footprint.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -65,6 +82,10 @@ def worker(backend: str, artifacts: str | None, batches: int, warmup: int, batch
     rss_start = _rss_bytes()
     sys.path.insert(0, str(REPO))
     import numpy as np
+
+    from edge_agent.memory import fix_malloc_mmap_threshold
+
+    fix_malloc_mmap_threshold()  # as `edge-agent run --low-memory` does
 
     import edge_agent.agent  # noqa: F401  (what the agent process imports anyway)
     from fldata import make_synthetic
@@ -145,6 +166,182 @@ def worker(backend: str, artifacts: str | None, batches: int, warmup: int, batch
     return out
 
 
+# --------------------------------------------------------------------------- #
+# worker: one agent process with a scripted server
+# --------------------------------------------------------------------------- #
+
+AGENT_SAMPLES = (1000, 4000, 16000)
+AGENT_TEST_SAMPLES = 1000
+# Two rounds at the smallest shard (what round 2 keeps from round 1, server logits for every
+# sample included), one at the larger ones: a 2-core machine shared with other work takes
+# too long otherwise. Shard sizes are compared by the peak of round 1, which every run has.
+AGENT_ROUNDS = {1000: 2, 4000: 1, 16000: 1}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def baseline_worker(backend: str) -> dict:
+    """Peak RSS of a process that only loads the runtime, as the agent loads it."""
+    if backend == "torch":
+        import torch
+
+        version = {"torch": torch.__version__}
+    else:
+        sys.path.insert(0, str(REPO))
+        from edge_agent.backends.ort import _ort, ort_version
+
+        _ort()
+        version = {"onnxruntime": ort_version()}
+    return {"backend": backend, **version, "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+            "torch_loaded": "torch" in sys.modules}
+
+
+def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: int = 64, rounds: int = 1) -> dict:
+    """One agent, two FedGKT rounds, its own shard of ``samples`` Fashion-MNIST images."""
+    sys.path.insert(0, str(REPO))
+    import collections
+    import hashlib
+
+    import numpy as np
+
+    from edge_agent.agent import EdgeAgent
+    from edge_agent.config import DataConfig, EdgeConfig
+    from shared_protocol.messages import RoundStart, Shutdown, Welcome, encode_message, peek_header
+    from shared_protocol.methods.fedgkt import GktRoundConfig, GktServerLogits
+    from shared_protocol.transport import Delivery, TrafficStats, Transport
+
+    rss_start = _status_kib("VmHWM") * 1024
+    from edge_agent.memory import fix_malloc_mmap_threshold
+
+    malloc_fixed = fix_malloc_mmap_threshold()  # as `edge-agent run --low-memory` does
+    run_id, agent_id = "footprint", "bench-agent"
+
+    class ScriptedServer(Transport):
+        """The server's half of a FedGKT run, scripted: welcome, round 1, server logits for
+        every sample, round 2, shutdown. Uploads are counted and dropped unread (only
+        their header is looked at), so the process holds what the agent holds."""
+
+        def __init__(self) -> None:
+            self.stats = TrafficStats()
+            self.inbox: collections.deque[bytes] = collections.deque()
+            self.round = 0
+            self.train_ids = np.zeros(0, np.int64)
+            self.marks: list[dict] = []
+            self.uploads = 0
+            self._connects = 0
+
+        @property
+        def connect_count(self) -> int:
+            return self._connects
+
+        def set_will(self, topic: str, blob: bytes) -> None:
+            pass
+
+        def connect(self) -> None:
+            self._connects += 1
+
+        def subscribe(self, topic_filter: str) -> None:
+            pass
+
+        def flush(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+        def _send(self, msg) -> None:  # type: ignore[no-untyped-def]
+            self.inbox.append(encode_message(msg))
+
+        def _round_start(self) -> None:
+            self.round += 1
+            self._send(RoundStart(run=run_id, round=self.round, sender="server", method="fedgkt",
+                                  config=dataclasses.asdict(GktRoundConfig(batch_size=batch_size)), deadline_s=3600.0, evaluate=True))
+
+        def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None, wait: bool = True) -> None:
+            self.stats.add(payload_bytes_out=len(blob), wire_bytes_out=len(blob), messages_out=1, chunks_out=1)
+            kind = peek_header(blob)["type"]
+            if kind == "hello" and self.round == 0:
+                self._send(Welcome(run=run_id, round=0, sender="server", accepted=True, method="fedgkt",
+                                   settings={"num_classes": 10, "edge_model": "resnet8"}))
+                self._round_start()
+            elif kind == "fedgkt.features":
+                self.uploads += 1
+            elif kind == "fedgkt.ort_artifacts_request":
+                self._send(_artifacts_message(artifacts, run_id, self.round))
+            elif kind == "round_end":
+                self.marks.append({"round": self.round, "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+                                   "rss_bytes": _status_kib("VmRSS") * 1024})
+                if self.round < rounds:
+                    rng = np.random.default_rng(self.round)
+                    self._send(GktServerLogits(run=run_id, round=self.round, sender="server", sample_ids=self.train_ids,
+                                               logits=rng.normal(size=(self.train_ids.size, 10)).astype(np.float32)))
+                    self._round_start()
+                else:
+                    self._send(Shutdown(run=run_id, round=self.round, sender="server", reason="footprint bench done"))
+            elif kind == "error":
+                raise RuntimeError(f"the agent sent an error: {blob[:400]!r}")
+
+        def receive(self, timeout_s: float | None = None) -> Delivery | None:
+            if not self.inbox:
+                time.sleep(min(timeout_s or 0.0, 0.01))
+                return None
+            blob = self.inbox.popleft()
+            return Delivery("edgesplit/down", blob, hashlib.sha1(blob[:64]).hexdigest(), len(blob), time.time())
+
+    transport = ScriptedServer()
+    config = EdgeConfig(
+        agent_id=agent_id, run_id=run_id, backend=backend, threads=1, progress=False,
+        data=DataConfig(dataset="fashion-mnist", partition="none", train_samples=samples, test_samples=AGENT_TEST_SAMPLES, seed=0),
+    )
+    started = time.perf_counter()
+    agent = EdgeAgent(config, transport=transport)
+    loaded_s = time.perf_counter() - started
+    rss_loaded = _status_kib("VmHWM") * 1024
+    transport.train_ids = np.asarray(agent.train.sample_ids, np.int64)
+    code = agent.run()
+    if code != 0 or len(transport.marks) != rounds:
+        raise RuntimeError(f"the agent exited {code} after {len(transport.marks)} of {rounds} rounds")
+    return {
+        "backend": backend,
+        "batch_size": batch_size,
+        "train_samples": len(agent.train),
+        "test_samples": len(agent.test),
+        "shard_images_bytes": int(agent.train.images.nbytes),
+        "shard_is_memmap": isinstance(agent.train.images, np.memmap),
+        "rounds": transport.marks,
+        "feature_uploads": transport.uploads,
+        "payload_bytes_up": transport.stats.snapshot()["payload_bytes_out"],
+        "rss_at_start_bytes": rss_start,
+        "peak_rss_after_load_bytes": rss_loaded,
+        "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+        "torch_loaded": "torch" in sys.modules,
+        "torchvision_loaded": "torchvision" in sys.modules,
+        "malloc_mmap_threshold_fixed": malloc_fixed,
+        "seconds": round(time.perf_counter() - started, 1),
+        "load_s": round(loaded_s, 2),
+    }
+
+
+def _artifacts_message(directory: str | None, run_id: str, round_: int):  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from shared_protocol.methods.fedgkt_ort import GktOrtArtifacts, artifacts_sha256
+
+    if directory is None:
+        raise ValueError("the ort agent needs --artifacts")
+    d = Path(directory)
+    files = {"training_model": "training_model.onnx", "eval_model": "eval_model.onnx",
+             "optimizer_model": "optimizer_model.onnx", "checkpoint": "checkpoint"}
+    blobs = {name: (d / file).read_bytes() for name, file in files.items()}
+    meta = json.loads((d / "meta.json").read_text())
+    return GktOrtArtifacts(run=run_id, round=round_, sender="server", edge_model="resnet8", sha256=artifacts_sha256(blobs), meta=meta,
+                           train_flops_per_sample=0, forward_flops_per_sample=0,
+                           **{name: np.frombuffer(blob, np.uint8).copy() for name, blob in blobs.items()})
+
+
 def _torch_importable() -> bool:
     import importlib.util
 
@@ -214,7 +411,7 @@ def build_env(kind: str, base: Path) -> tuple[Path, float]:
     return venv, time.monotonic() - started
 
 
-def export_artifacts(directory: Path) -> None:
+def export_artifacts(directory: Path, in_channels: int = 3) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
@@ -222,7 +419,7 @@ def export_artifacts(directory: Path) -> None:
     from models.onnx_export import export_edge_artifacts
 
     torch.manual_seed(0)
-    artifacts = export_edge_artifacts(build_model("resnet8", 10, 3), 10, 3)
+    artifacts = export_edge_artifacts(build_model("resnet8", 10, in_channels), 10, in_channels)
     artifacts.write(directory)
     meta = {"trainable": list(artifacts.trainable), "bn_stats": list(artifacts.bn_stats), "bn_counters": list(artifacts.bn_counters),
             "state_names": list(artifacts.state_names), "input_shape": list(artifacts.input_shape), "num_classes": artifacts.num_classes}
@@ -238,9 +435,77 @@ def run_worker(python: str, backend: str, artifacts: Path, args: argparse.Namesp
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd="/", env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[-6:])} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: dict[str, str] | None = None,
+                   sizes: tuple[int, ...] = AGENT_SAMPLES) -> dict:
+    """The agent at each shard size in ``python``'s environment, and the runtime's own baseline."""
+    env = {"EDGESPLIT_DATA_DIR": str(base / "data-cache"), **(env or {})}
+    me = str(Path(__file__).resolve())
+    baseline = run_json([python, me, "--worker", "baseline", "--backend", backend], env)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def agent_run(n: int) -> dict:
+        return run_json([python, me, "--worker", "agent", "--backend", backend, "--artifacts", str(artifacts), "--samples", str(n),
+                         "--rounds", str(AGENT_ROUNDS[n])], env)
+
+    with ThreadPoolExecutor(max_workers=len(sizes)) as pool:  # side by side: peak RSS is per process
+        results = dict(zip(sizes, pool.map(agent_run, sizes)))
+    runs = {}
+    for n in sizes:
+        run = results[n]
+        run["peak_above_runtime_bytes"] = run["peak_rss_bytes"] - baseline["peak_rss_bytes"]
+        runs[str(n)] = run
+        print(f"  {backend} {n:6d} samples: peak {run['peak_rss_bytes'] / 1e6:.0f} MB "
+              f"({run['peak_above_runtime_bytes'] / 1e6:.0f} MB above the runtime's {baseline['peak_rss_bytes'] / 1e6:.0f} MB), "
+              f"{run['seconds']:.0f} s", flush=True)
+    out = {"runtime_baseline": baseline, "runs": runs}
+    if len(sizes) > 1:
+        first, last = runs[str(sizes[0])], runs[str(sizes[-1])]
+        out["round1_peak_largest_over_smallest"] = round(last["rounds"][0]["peak_rss_bytes"] / first["rounds"][0]["peak_rss_bytes"], 3)
+        out["peak_largest_over_smallest"] = round(last["peak_rss_bytes"] / first["peak_rss_bytes"], 3)
+    return out
+
+
+def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: dict[str, str] | None = None) -> dict:
+    out: dict = {
+        "setting": {"dataset": "fashion-mnist (Debian package IDX files, 1x32x32)", "method": "fedgkt", "rounds_by_train_samples": {str(k): v for k, v in AGENT_ROUNDS.items()},
+                    "train_samples": list(AGENT_SAMPLES), "test_samples": AGENT_TEST_SAMPLES,
+                    "round_config": "GktRoundConfig defaults: batch 64, 1 edge epoch, adam, fp16-zstd uploads of 256 samples",
+                    "evaluate": "every round", "server": "scripted in the agent's process; uploads counted and dropped",
+                    "threads": 1, "runs": "all side by side (each its own process); 'seconds' are wall times on a shared 2-core machine, not timings"},
+        "environments": {},
+    }
+    # The environments run side by side (peak RSS is per process; the seconds recorded are
+    # then those of a shared machine, not timings).
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> dict:
+        backend = "ort" if name.startswith("ort") else "torch"
+        print(f"agent footprint: {name} ({envs[name]})", flush=True)
+        # The CUDA build only at the smallest shard: it is there for its import cost, next to the CPU build.
+        sizes = AGENT_SAMPLES[:1] if name == "torch-cuda" else AGENT_SAMPLES
+        return measure_agents(envs[name], backend, artifacts, base, ort_env if backend == "ort" else None, sizes)
+
+    with ThreadPoolExecutor(max_workers=len(envs)) as pool:
+        results = dict(zip(envs, pool.map(one, envs)))
+    out["environments"] = results
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=("torch", "ort"))
+    p.add_argument("--worker", choices=("torch", "ort", "agent", "baseline"))
+    p.add_argument("--backend", choices=("torch", "ort"), help="with --worker agent / baseline")
+    p.add_argument("--samples", type=int, default=1000, help="with --worker agent: training samples in the shard")
+    p.add_argument("--rounds", type=int, default=1, help="with --worker agent: FedGKT rounds")
+    p.add_argument("--skip-agent", action="store_true", help="keep the agent section of --out as it is")
+    p.add_argument("--only-agent", action="store_true", help="only the agent runs (needs --reuse with built venvs); merged into --out")
     p.add_argument("--artifacts")
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -249,6 +514,12 @@ def main() -> int:
     p.add_argument("--no-install", action="store_true", help="measure in this venv only (torch hidden for the ort run)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
+    if args.worker == "agent":
+        print(json.dumps(agent_worker(args.backend, args.artifacts, args.samples, args.batch_size, args.rounds)))
+        return 0
+    if args.worker == "baseline":
+        print(json.dumps(baseline_worker(args.backend)))
+        return 0
     if args.worker:
         print(json.dumps(worker(args.worker, args.artifacts, args.batches, args.warmup, args.batch_size)))
         return 0
@@ -257,6 +528,18 @@ def main() -> int:
     base.mkdir(parents=True, exist_ok=True)
     artifacts = base / "artifacts"
     export_artifacts(artifacts)
+    artifacts_1ch = base / "artifacts-1ch"  # the agent runs train on Fashion-MNIST
+    export_artifacts(artifacts_1ch, in_channels=1)
+    if args.only_agent:
+        if not args.reuse:
+            raise SystemExit("--only-agent needs --reuse DIR with the venvs built")
+        out = Path(args.out)
+        report = json.loads(out.read_text()) if out.exists() else {}
+        report["agent"] = agent_section(_agent_envs(base), artifacts_1ch, base)
+        report["agent"]["machine"] = {"cpu": _cpu(), "arch": platform.machine(), "cores": os.cpu_count()}
+        _write(out, report)
+        _print_agent(report["agent"])
+        return 0
     report: dict = {
         "machine": {"cpu": _cpu(), "arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "load_average_at_start": os.getloadavg()},
@@ -291,6 +574,15 @@ def main() -> int:
                     entry["torch_installed"] = (sp / "torch").exists()
                     entry["onnx_sympy_h5py_installed"] = [(sp / m).exists() for m in ("onnx", "sympy", "h5py")]
                 report["environments"][kind] = entry
+        if args.skip_agent:
+            previous = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+            if "agent" in previous:
+                report["agent"] = previous["agent"]
+        elif args.no_install:
+            report["agent"] = agent_section({"torch-this-venv": sys.executable, "ort-this-venv": sys.executable}, artifacts_1ch, base,
+                                            ort_env={"PYTHONPATH": str(block)})
+        else:
+            report["agent"] = agent_section(_agent_envs(base), artifacts_1ch, base)
     finally:
         if not args.reuse:
             shutil.rmtree(base, ignore_errors=True)
@@ -303,17 +595,45 @@ def main() -> int:
     report["lite_vs_torch_train_time_ratio"] = round(
         envs["edge-lite"]["run"]["train_ms_per_batch_median"] / envs["edge"]["run"]["train_ms_per_batch_median"], 3)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(json.dumps({k: v for k, v in report.items() if k != "environments"}, indent=2))
+    _write(out, report)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("environments", "agent")}, indent=2))
+    if "agent" in report:
+        _print_agent(report["agent"])
     for kind, entry in envs.items():
         run = entry["run"]
         print(f"{kind:10s} size {entry.get('site_packages_mb', '?')} MB  peak RSS {run['peak_rss_bytes'] / 1e6:.0f} MB  "
               f"train {run['train_ms_per_batch_median']:.1f} ms/batch  eval {run['eval_ms_per_batch_median']:.1f} ms/batch")
     print(f"wrote {out}")
     return 0
+
+
+def _agent_envs(base: Path) -> dict[str, str]:
+    """torch-cpu: the edge venv's CPU-only torch; torch-cuda: this venv, when its torch is PyPI's CUDA build;
+    ort: the lean venv (no torch installed)."""
+    envs = {"torch-cpu": str(base / "edge" / "bin" / "python")}
+    try:
+        import torch
+
+        if torch.version.cuda:
+            envs["torch-cuda"] = sys.executable
+    except ImportError:
+        pass
+    envs["ort"] = str(base / "edge-lite-lean" / "bin" / "python")
+    return envs
+
+
+def _write(out: Path, report: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, out)
+
+
+def _print_agent(agent: dict) -> None:
+    for name, env in agent["environments"].items():
+        base = env["runtime_baseline"]["peak_rss_bytes"] / 1e6
+        peaks = "  ".join(f"{n}: {r['peak_rss_bytes'] / 1e6:.0f} MB" for n, r in env["runs"].items())
+        print(f"agent {name:11s} runtime {base:.0f} MB; peak {peaks}; round-1 peak largest/smallest {env.get('round1_peak_largest_over_smallest')}")
 
 
 def _cpu() -> str:

@@ -476,7 +476,29 @@ def server_loop_section(data: dict[str, Any]) -> list[str]:
         "",
         f"Overhead of the server step: {100 * data['overhead_median']:+.1f}% (medians), {100 * data['overhead_min']:+.1f}% "
         f"(best of each). Issue 9's target, within 10%: {verdict} (best of each).", "",
+        *_compile_check_lines(data.get("compile_check")),
     ]
+
+
+def _compile_check_lines(check: dict[str, Any] | None) -> list[str]:
+    """torch.compile on this CPU (issue 15): the verdict ``server_step = "auto"`` follows."""
+    if check is None:
+        return []
+    lines = ["### torch.compile on this CPU (issue 15)", "",
+             f"Measured {_bench_machine_line(check['machine'])}. The shared server step "
+             f"({check['setup']['server_model']}, batch {check['setup']['batch_size']}, {check['setup']['loss']}) eagerly and "
+             f"through `torch.compile`, {check['setup']['repeats']} alternating runs of {check['setup']['timed_steps_per_run']} "
+             f"steps each after {check['setup']['warmup_steps']} warm-up steps; {check['inductor_cache']}.", ""]
+    if "compiled_speedup_median" in check:
+        rows = [[mode, f"{check[mode]['median_step_s']:.2f}", f"{check[mode]['best_step_s']:.2f}", f"{check[mode]['warmup_s']:.0f}"]
+                for mode in ("eager", "compiled")]
+        lines += [*_table(["Step", "Median s / step", "Best s / step", "Warm-up s"], rows), "",
+                  f"First step's loss, same weights and batch: {check['first_step_loss']['eager']:.6f} eager, "
+                  f"{check['first_step_loss']['compiled']:.6f} compiled.", ""]
+    lines += [check["verdict"] + ".", ""]
+    if not check.get("auto_follows_verdict", False):
+        lines += ["**`AUTO_STEP` in cloud_server/server_step.py does not follow this measurement.**", ""]
+    return lines
 
 
 def scale_section(data: dict[str, Any]) -> list[str]:

@@ -1,18 +1,30 @@
-"""The FedGKT server step against a bare PyTorch loop over the same tensors.
+"""The FedGKT server step against a bare PyTorch loop over the same tensors, and
+whether torch.compile helps the server step on this CPU.
 
-Both loops train the same server model (same initial weights, batch size,
+``loop``: both loops train the same server model (same initial weights, batch size,
 optimizer, CE + KD loss) for the same number of steps. The bare loop iterates
-over pre-made float32 batches; the server step (``FedGktServer._train``) works
+over pre-made float32 batches; the server step (``FedGktServer._train``, through
+the shared step of ``cloud_server/server_step.py`` in its ``auto`` mode) works
 from what it staged: float16 feature maps gathered by shuffled index, converted
-per batch, logits recorded by sample id. Writes ``bench/results/server_loop.json``.
+per batch, logits recorded by sample id.
+
+``compile``: the shared server step (ResNet-55 server on 16x32x32 maps, batch 64,
+FedGKT's loss) eagerly and through ``torch.compile``, timed after compilation
+(``bench/server_gpu.py``'s measurement); the verdict says whether compiling helps
+here and whether ``server_step = "auto"`` (``AUTO_STEP["cpu"]``) follows it.
+
+Writes ``bench/results/server_loop.json``; ``--parts`` re-measures one part and keeps
+the other's recorded figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
+from pathlib import Path
 
 from _common import RESULTS, machine, write_json
 
@@ -105,6 +117,104 @@ def run(samples: int, agents: int, repeats: int, model_name: str) -> dict:
     }
 
 
+def compile_check(model_name: str, steps: int, warmup: int, repeats: int) -> dict:
+    """The shared server step eagerly and through torch.compile on the CPU, from the same initial
+    weights on the same batches, timed in alternation (the machine is shared: load drift hits
+    both alike). ``helps`` when the compiled step is >= 5 % faster by the medians and by the
+    best runs; the first step's losses (same weights, same batch) are compared too."""
+    import os
+    import tempfile
+
+    from server_gpu import _data, _gkt_loss
+
+    from cloud_server.server_step import AUTO_CPU_COMPILE_MIN_STEPS, AUTO_STEP, DeviceSum, TrainStep, make_server_optimizer
+    from models import build_model
+
+    # A cold compilation, as the first run on a machine pays it: an empty inductor cache.
+    cache = tempfile.mkdtemp(prefix="edgesplit-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+
+    cpu = torch.device("cpu")
+    batch = 64
+    n = batch * 8
+    bank, labels, edge_logits = _data(n, cpu)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    initial = build_model(model_name, 10)
+    runs: dict[str, dict] = {}
+    for mode in ("eager", "compiled"):
+        model = copy.deepcopy(initial).train()
+        optimizer = make_server_optimizer("adam", model.parameters(), lr=1e-3, weight_decay=5e-4)
+        runs[mode] = {"step": TrainStep(model, optimizer, _gkt_loss, mode, name=f"bench {mode}"), "position": 0,
+                      "total": DeviceSum(cpu), "times": [], "losses": []}
+
+    def run_steps(mode: str, count: int, record: bool = False) -> float:
+        r = runs[mode]
+        t0 = time.perf_counter()
+        for _ in range(count):
+            if r["position"] + batch > n:
+                r["position"] = 0
+            idx = order[r["position"] : r["position"] + batch]
+            r["position"] += batch
+            out = r["step"](bank.gather(idx, torch.float32), labels[idx], edge_logits[idx])
+            r["total"].add(out.loss, batch)
+            if record:
+                r["losses"].append(float(out.loss))
+        return time.perf_counter() - t0
+
+    warmup_s = {mode: run_steps(mode, 1, record=True) + run_steps(mode, max(warmup - 1, 0)) for mode in runs}
+    for i in range(repeats):
+        for mode in (("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")):
+            runs[mode]["times"].append(run_steps(mode, steps) / steps)
+    compiled_step = runs["compiled"]["step"]
+    out = {
+        "machine": machine(),
+        "setup": {"server_model": model_name, "batch_size": batch, "precision": "fp32", "timed_steps_per_run": steps,
+                  "warmup_steps": warmup, "repeats": repeats, "order": "alternating", "loss": "CE + KD (T=3)",
+                  "optimizer": "adam (amsgrad)"},
+        "auto_cpu_step": AUTO_STEP["cpu"],
+        "auto_cpu_compile_min_steps": AUTO_CPU_COMPILE_MIN_STEPS,
+        "inductor_cache": "empty at the start (a cold compilation)",
+    }
+    for mode, r in runs.items():
+        out[mode] = {"step_s_per_run": r["times"], "median_step_s": statistics.median(r["times"]), "best_step_s": min(r["times"]),
+                     "warmup_s": warmup_s[mode], "steps_run": dict(r["step"].steps)}
+    if compiled_step.mode != "compiled":
+        out.update(helps=False, auto_follows_verdict=AUTO_STEP["cpu"] == "eager",
+                   verdict=f"torch.compile could not run the step here ({compiled_step.fallback_reason}); it ran eagerly")
+        return out
+    median_speedup = out["eager"]["median_step_s"] / out["compiled"]["median_step_s"]
+    best_speedup = out["eager"]["best_step_s"] / out["compiled"]["best_step_s"]
+    helps = median_speedup >= 1.05 and best_speedup >= 1.05
+    # Compilation time: the compiled warm-up beyond the eager one's.
+    compile_s = warmup_s["compiled"] - warmup_s["eager"]
+    saved_per_step_s = out["eager"]["median_step_s"] - out["compiled"]["median_step_s"]
+    break_even = compile_s / saved_per_step_s if saved_per_step_s > 0 else None
+    rule_ok = (helps and break_even is not None and AUTO_CPU_COMPILE_MIN_STEPS >= break_even) or (
+        not helps and AUTO_STEP["cpu"] != "compiled")
+    out.update(
+        compile_s=compile_s,
+        break_even_steps=break_even,
+        first_step_loss={mode: r["losses"][0] for mode, r in runs.items()},
+        first_step_loss_abs_diff=abs(runs["eager"]["losses"][0] - runs["compiled"]["losses"][0]),
+        compiled_speedup_median=median_speedup,
+        compiled_speedup_best=best_speedup,
+        helps=helps,
+        auto_follows_verdict=rule_ok,
+        verdict=(f"torch.compile {'helps' if helps else 'does not help'} the server step on this CPU: "
+                 f"{1000 * out['compiled']['median_step_s']:.0f} ms vs {1000 * out['eager']['median_step_s']:.0f} ms eager "
+                 f"per step (medians; {median_speedup:.2f}x, best runs {best_speedup:.2f}x), after a {compile_s:.0f} s "
+                 f"cold compilation, repaid after {'-' if break_even is None else f'{break_even:.0f}'} steps; "
+                 f"server_step = \"auto\" on a CPU compiles training calls of >= {AUTO_CPU_COMPILE_MIN_STEPS} steps"
+                 + ("" if AUTO_STEP["cpu"] == "compiled" else " (but AUTO_STEP['cpu'] is not 'compiled')")),
+    )
+    return out
+
+
+LOOP_KEYS = ("setup", "server_step_s", "bare_loop_s", "median_server_step_s", "median_bare_loop_s", "overhead_median",
+             "overhead_min", "claim_within_10_percent")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--samples", type=int, default=1024)
@@ -112,15 +222,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="resnet55_server")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps timings stable on a shared machine)")
+    parser.add_argument("--parts", default="loop,compile", help="loop, compile or both; a part not run keeps its recorded figures")
+    parser.add_argument("--compile-steps", type=int, default=4, help="timed steps per run of the compile check")
+    parser.add_argument("--compile-warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--compile-repeats", type=int, default=6, help="timed runs of each, alternating")
     parser.add_argument("--out", default=str(RESULTS / "server_loop.json"))
     args = parser.parse_args()
+    parts = {p for p in args.parts.split(",") if p}
+    if not parts or parts - {"loop", "compile"}:
+        parser.error(f"--parts takes loop and/or compile, got {args.parts!r}")
     torch.set_num_threads(args.threads)
-    result = run(args.samples, args.agents, args.repeats, args.model)
-    print(f"server step {result['median_server_step_s']:.2f} s vs bare loop {result['median_bare_loop_s']:.2f} s (medians): "
-          f"overhead {100 * result['overhead_median']:+.1f}% median, {100 * result['overhead_min']:+.1f}% best-of")
-    from pathlib import Path
-
-    write_json(Path(args.out), result)
+    out = Path(args.out)
+    recorded = json.loads(out.read_text()) if out.exists() else {}
+    if "loop" in parts:
+        result = run(args.samples, args.agents, args.repeats, args.model)
+        print(f"server step {result['median_server_step_s']:.2f} s vs bare loop {result['median_bare_loop_s']:.2f} s (medians): "
+              f"overhead {100 * result['overhead_median']:+.1f}% median, {100 * result['overhead_min']:+.1f}% best-of")
+    else:
+        if not all(k in recorded for k in LOOP_KEYS):
+            parser.error(f"{out} has no recorded loop figures to keep: run with --parts loop")
+        result = {"benchmark": "server_loop", "machine": recorded["machine"], **{k: recorded[k] for k in LOOP_KEYS}}
+    if "compile" in parts:
+        result["compile_check"] = compile_check(args.model, args.compile_steps, args.compile_warmup, args.compile_repeats)
+        print(result["compile_check"]["verdict"])
+    elif "compile_check" in recorded:
+        result["compile_check"] = recorded["compile_check"]
+    write_json(out, result)
 
 
 if __name__ == "__main__":

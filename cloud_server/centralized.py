@@ -33,6 +33,8 @@ from models import build_model, count_parameters, get_model_spec, training_flops
 
 from . import report as run_report
 from .config import ServerConfig
+from .device_meter import DeviceMeter
+from .server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, staging_budget_bytes
 from shared_protocol.configs import config_from_table
 
 log = logging.getLogger("cloud_server.centralized")
@@ -119,10 +121,9 @@ class CentralizedTrainer:
         torch.manual_seed(server.seed)
         c = self.config
         self.model = build_model(c.model, server.num_classes, self.train_data.in_channels).to(self.device)
-        if c.optimizer == "sgd":
-            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(self.model.parameters(), lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
-        else:
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay, amsgrad=True)
+        self.optimizer = make_server_optimizer(c.optimizer, self.model.parameters(), c.lr, c.momentum, c.weight_decay, self.device)
+        self.step = TrainStep(self.model, self.optimizer, lambda logits, labels: F.cross_entropy(logits, labels),
+                              server.server_step, name="centralized")
         self.scheduler = (
             torch.optim.lr_scheduler.ReduceLROnPlateau(self.optimizer, mode="min", factor=0.5, patience=2)
             if c.lr_schedule == "plateau" else None
@@ -130,31 +131,51 @@ class CentralizedTrainer:
         shape = tuple(self.train_data.images.shape[1:])  # (C, H, W)
         self.train_flops_per_sample = training_flops_per_sample(self.model, shape)
         self.augment = c.augment if c.augment is not None else server.dataset in ("cifar10", "cifar100", "cinic10")
+        self.device_meter = DeviceMeter(self.device)
+        self._bank: RowBank | None = None  # the normalised training images, staged once (no augmentation)
+        self._labels: torch.Tensor | None = None
         self.out_dir = Path(server.out_dir)
         self._started = time.monotonic()
 
     # -- training ------------------------------------------------------------------ #
 
+    def _batches(self, round_: int, epoch: int):  # -> Iterator[(images (B, C, H, W), labels (B,)) on the device]
+        """One epoch's shuffled batches. Without augmentation the normalised images are staged
+        once (on the device when they fit) and batches are gathered there by index; with it,
+        the loader crops and flips on the host and each batch is copied."""
+        c = self.config
+        seed = self.server.seed * 100_003 + round_ * 1000 + epoch
+        if self.augment:
+            for images, labels, _ids in make_loader(self.train_data, c.batch_size, shuffle=True, augment=True, seed=seed):
+                yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            return
+        if self._bank is None:
+            images = torch.cat([batch for batch, _labels, _ids in make_loader(self.train_data, 1024)])  # (N, C, H, W)
+            self._bank = RowBank(images, self.device, budget_bytes=staging_budget_bytes(self.device))
+            if self._bank.placement == "host":
+                log.info("centralized: training images stay on the host: %s", self._bank.why_host)
+            self._labels = torch.from_numpy(self.train_data.labels).long().to(self.device)
+        order = torch.randperm(len(self._bank), generator=torch.Generator().manual_seed(seed))
+        for index in order.split(c.batch_size):  # the bank moves the index where its rows are
+            yield self._bank.gather(index), self._labels[index.to(self.device, non_blocking=True)]  # type: ignore[index]
+
     def _train_round(self, round_: int) -> tuple[float, int]:
-        """``epochs_per_round`` epochs; (mean loss, samples)."""
+        """``epochs_per_round`` epochs; (mean loss, samples). Losses are summed on the device
+        and read once, at the end of the round."""
         c = self.config
         self.model.train()
-        total_loss, samples = 0.0, 0
-        for epoch in range(c.epochs_per_round):
-            loader = make_loader(self.train_data, c.batch_size, shuffle=True, augment=self.augment,
-                                 seed=self.server.seed * 100_003 + round_ * 1000 + epoch)
-            for images, labels, _ids in loader:
-                images, labels = images.to(self.device), labels.to(self.device)
-                loss = F.cross_entropy(_logits(self.model(images)), labels)  # (B, K) logits
-                if not math.isfinite(float(loss.detach())):
-                    raise RuntimeError(f"centralized training diverged in round {round_}: loss {float(loss.detach())}")
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optimizer.step()
-                n = int(labels.shape[0])
-                total_loss += float(loss.detach()) * n
-                samples += n
-        return total_loss / samples, samples
+        total_loss, samples = DeviceSum(self.device), 0
+        planned = math.ceil(len(self.train_data) / c.batch_size) * c.epochs_per_round
+        with self.device_meter.training(), self.step.session(planned_steps=planned):
+            for epoch in range(c.epochs_per_round):
+                for images, labels in self._batches(round_, epoch):
+                    n = int(labels.shape[0])
+                    total_loss.add(self.step(images, labels).loss, n)  # (B, K) logits inside
+                    samples += n
+            loss = total_loss.item() / samples  # the round's one wait for the device
+        if not math.isfinite(loss):
+            raise RuntimeError(f"centralized training diverged in round {round_}: loss {loss}")
+        return loss, samples
 
     @torch.no_grad()
     def _test(self) -> tuple[int, int]:
@@ -230,6 +251,7 @@ class CentralizedTrainer:
                     "time_s": {"round": time.monotonic() - started, "server_train": train_s, "edge_compute": 0.0,
                                "edge_encode": 0.0, "edge_network": 0.0, "edge_idle": 0.0},
                     "per_agent": {},
+                    "server": self.device_meter.take(),
                 }
                 report["rounds"].append(record)
                 report["totals"] = self._totals(report)

@@ -12,10 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
-from shared_protocol.transport import BrokerAddress, TransportConfig
+from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
 
 if TYPE_CHECKING:
     from .methods.base import ServerContext
+
+# The modes of cloud_server/server_step.py (kept here so that reading a config never imports torch).
+SERVER_STEPS = ("auto", "eager", "compiled", "graph")
 
 IN_CHANNELS_BY_DATASET = {"fashion-mnist": 1, "mnist": 1}
 
@@ -30,7 +33,8 @@ class ServerConfig:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
-    chunk_size_bytes: int = 512 * 1024
+    # Blob bytes per PUBLISH; unset: 512 KiB, or what the broker's Maximum Packet Size allows.
+    chunk_size_bytes: int | None = None
     out_dir: str = "runs/default"
     expected_agents: int = 1  # round 1 starts when this many have joined (or at registration_timeout_s)
     allow_list: tuple[str, ...] = ()  # empty: any agent id may join
@@ -44,11 +48,20 @@ class ServerConfig:
     eval_every: int = 1
     registration_timeout_s: float = 300.0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # How the server's training step runs (cloud_server/server_step.py): auto | eager | compiled | graph.
+    server_step: str = "auto"
     seed: int = 0
     dataset: str = "fashion-mnist"
     num_classes: int = 10
     in_channels: int = 0  # 0: from the dataset name
     max_rejections_per_agent: int = 50
+    # What the server does when no agent is left to start a round with: "wait" up to
+    # registration_timeout_s for one to (re)join, then end the run; "end" ends it at once.
+    no_agents_policy: str = "wait"
+    # Reassembly limits for senders the server has not accepted (yet): one transfer (a hello
+    # is a few KiB) and all of them together.
+    unexpected_sender_max_bytes: int = 1024 * 1024
+    unexpected_senders_total_bytes: int = 16 * 1024 * 1024
     # Client sampling (FedAvg's C): each sync round takes this fraction of the online
     # agents (at least min_agents), drawn with a generator seeded by (seed, round).
     client_fraction: float = 1.0
@@ -80,6 +93,16 @@ class ServerConfig:
             raise ValueError(f"min_agents ({self.min_agents}) cannot exceed expected_agents ({self.expected_agents})")
         if self.in_channels < 0:
             raise ValueError("in_channels must be >= 0")
+        if self.server_step not in SERVER_STEPS:
+            raise ValueError(f"server.server_step must be one of {SERVER_STEPS}, got {self.server_step!r}")
+        if self.no_agents_policy not in ("wait", "end"):
+            raise ValueError(f"no_agents_policy must be 'wait' or 'end', got {self.no_agents_policy!r}")
+        if not 0 < self.unexpected_sender_max_bytes <= self.unexpected_senders_total_bytes:
+            raise ValueError(
+                f"need 0 < unexpected_sender_max_bytes ({self.unexpected_sender_max_bytes}) <= "
+                f"unexpected_senders_total_bytes ({self.unexpected_senders_total_bytes})"
+            )
+        self.transport_config()  # chunk size, credentials in the URL
 
     @property
     def resolved_in_channels(self) -> int:
@@ -95,6 +118,8 @@ class ServerConfig:
             cert_file=self.cert_file,
             key_file=self.key_file,
             chunk_size_bytes=self.chunk_size_bytes,
+            max_unexpected_transfer_bytes=self.unexpected_sender_max_bytes,
+            max_unexpected_total_bytes=self.unexpected_senders_total_bytes,
         )
 
     def method_context(self, device: str, progress: bool = False) -> "ServerContext":
@@ -103,13 +128,14 @@ class ServerConfig:
 
         return ServerContext(run_id=self.run_id, num_classes=self.num_classes, in_channels=self.resolved_in_channels,
                              device=device, seed=self.seed, progress=progress, rounds=self.rounds,
-                             out_dir=self.out_dir)
+                             out_dir=self.out_dir, server_step=self.server_step)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["allow_list"] = list(self.allow_list)
         if out.get("password"):
             out["password"] = "***"
+        out["broker_url"] = redact_url(self.broker_url)
         return out
 
     @classmethod

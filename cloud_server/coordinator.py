@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from shared_protocol.chunking import SenderLimits
 from shared_protocol.errors import ProtocolError, StaleMessageError, UnknownSenderError
 from shared_protocol.frame import FrameLimits
 from shared_protocol.messages import (
@@ -71,6 +72,10 @@ class AgentState:
     assigned_at: float = 0.0
     offline_since: float | None = None
     instance: str = ""
+    status: str = ""  # its last status message ("training", "idle", ...)
+    status_at: float = 0.0
+    last_heard_at: float = 0.0  # any accepted message from it
+    nudged_at: float = 0.0  # last time the server asked it to announce itself again
 
 
 @dataclass
@@ -90,6 +95,11 @@ def _now_iso() -> str:
 
 class Coordinator:
     MAX_COMPLETION_REQUESTS = 3  # per agent and round, then what arrived is judged as it is
+    WAITING_LOG_EVERY_S = 60.0  # while a round is open, who the server still waits for, and why
+    # A participant that says it is idle (its round is over) but whose round_end has not
+    # arrived this long after is asked to announce itself again (and then redoes the round).
+    NUDGE_AFTER_S = 30.0
+    STATUS_LIMITS = SenderLimits(64 * 1024, 256 * 1024, 4)  # status frames are a few hundred bytes
 
     def __init__(self, config: ServerConfig, method: ServerMethod, transport: Transport) -> None:
         self.config = config
@@ -108,6 +118,9 @@ class Coordinator:
         self.round_bytes: dict[int, dict[str, int]] = {}
         self._completion_requests: dict[tuple[str, int], int] = {}
         self.other_bytes = {"up_payload": 0, "up_wire": 0, "down_payload": 0, "down_wire": 0}
+        self._rejections_unlogged: dict[str, Counter[str]] = {}  # per sender, since the last summary
+        self._rejections_logged_at = time.monotonic()
+        self._waiting_logged_at = 0.0
         if config.client_fraction < 1.0 and (method.asynchronous or method.sequential):
             kind = "asynchronous" if method.asynchronous else "sequential (agents take turns)"
             raise ValueError(f"client_fraction < 1 samples the agents of sync rounds; {method.name} runs {kind} rounds")
@@ -169,6 +182,12 @@ class Coordinator:
         totals["wall_time_s"] = time.monotonic() - self._started + self.report.get("_prior_wall_s", 0.0)
         totals["rejected_messages"] = sum(self.rejected.values())
         totals["rejected_by_reason"] = dict(self.rejected)
+        # Chunks refused below the message layer (they never became messages), by code.
+        chunk_rejections = {**self.report.get("_prior_chunk_rejections", {})}
+        for code, n in self.transport.rejections().items():
+            chunk_rejections[code] = chunk_rejections.get(code, 0) + n
+        totals["rejected_chunks"] = sum(chunk_rejections.values())
+        totals["rejected_chunks_by_reason"] = chunk_rejections
         # Bytes outside any round (registration, status, stale messages) and everything
         # the server's connection carried.
         totals["outside_rounds"] = dict(self.other_bytes)
@@ -228,6 +247,7 @@ class Coordinator:
         self.report = state["report"]
         self.report["status"] = "running"
         self.rejected = Counter(state["rejected"])
+        self.report["_prior_chunk_rejections"] = dict(self.report.get("totals", {}).get("rejected_chunks_by_reason", {}))
         log.info("resumed from checkpoint after round %d", self.completed_round)
 
     # -- messaging -------------------------------------------------------------- #
@@ -252,16 +272,41 @@ class Coordinator:
     def _base(self, round_: int) -> dict[str, Any]:
         return {"run": self.config.run_id, "round": round_, "sender": SERVER_ID}
 
-    def _reject(self, agent: str | None, reason: str, detail: str) -> None:
+    def _reject(self, agent: str | None, reason: str, detail: str, names_sender: bool = True) -> None:
+        """Count a rejected message by reason. ``names_sender`` is False for a blob that did not
+        decode: it names no sender, and on a broker without ACLs anyone may publish on an agent's
+        topic, so it does not count toward dropping the agent (a message that decoded does)."""
         self.rejected[reason] += 1
-        log.warning("rejected message from %s (%s): %s", agent or "?", reason, detail)
+        sender = agent or "?"
+        if sender not in self._rejections_unlogged and len(self._rejections_unlogged) >= 256:
+            sender = "other senders"  # a flood from ever new topic names is summarised, not logged per name
+        unlogged = self._rejections_unlogged.get(sender)
+        if unlogged is None:
+            self._rejections_unlogged[sender] = Counter()
+            log.warning("rejected message from %s (%s): %s; further rejections from %s are summarised once a minute",
+                        sender, reason, detail, sender)
+        else:
+            unlogged[reason] += 1
+        if time.monotonic() - self._rejections_logged_at >= self.WAITING_LOG_EVERY_S:
+            self._log_rejections()
         state = self.agents.get(agent or "")
-        if state is not None:
+        if state is not None and names_sender:
             state.rejections += 1
             if state.rejections >= self.config.max_rejections_per_agent and not state.dropped:
                 state.dropped = True
-                log.error("dropping agent %s after %d rejected messages", agent, state.rejections)
+                log.error("dropping agent %s after %d rejected messages; what it sends from now on is ignored",
+                          agent, state.rejections)
+                self.transport.block_sender(self.topics.up(agent or ""), "dropped by the server")
                 self._agent_gone(agent or "")
+
+    def _log_rejections(self) -> None:
+        for sender, counts in self._rejections_unlogged.items():
+            if counts:
+                log.warning("rejected %d more messages from %s in the last %.0f s (%s)", sum(counts.values()), sender,
+                            time.monotonic() - self._rejections_logged_at,
+                            ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+                counts.clear()
+        self._rejections_logged_at = time.monotonic()
 
     def pump(self, timeout_s: float) -> None:
         """Receive and handle at most one inbound message."""
@@ -271,6 +316,11 @@ class Coordinator:
         topic_agent = self.topics.agent_of(delivery.topic)
         try:
             msg = decode_message(delivery.payload, self.limits)
+        except ProtocolError as exc:
+            self._account(-1, "up", len(delivery.payload), delivery.wire_bytes)
+            self._reject(topic_agent, exc.code, str(exc), names_sender=False)
+            return
+        try:
             if msg.run != self.config.run_id:
                 raise StaleMessageError(f"message for run {msg.run!r}")
             if topic_agent is None or msg.sender != topic_agent:
@@ -285,8 +335,11 @@ class Coordinator:
         if state is not None and state.dropped:
             self.rejected["dropped_agent"] += 1
             return
+        if state is not None:
+            state.last_heard_at = time.monotonic()
         if isinstance(msg, Status):
             if state is not None:
+                state.status, state.status_at = msg.state, time.monotonic()
                 was_online, state.online = state.online, msg.state != "offline"
                 if was_online and not state.online:
                     log.warning("agent %s went offline", agent)
@@ -332,12 +385,13 @@ class Coordinator:
             return
         state = self.agents.get(agent)
         if state is None:
-            state = self.agents[agent] = AgentState(agent, hello)
+            state = self.agents[agent] = AgentState(agent, hello, last_heard_at=time.monotonic())
             log.info("agent %s joined: %s, %d cores, %d samples", agent, hello.cpu_model, hello.cores, hello.num_samples)
         else:
             state.hello, state.online, state.offline_since = hello, True, None
             if state.dropped:
                 return
+        self._expect_from(agent)
         self._send(agent, Welcome(**self._base(0), accepted=True, method=self.method.name, settings=self.method.welcome_settings()))
         # A participant that (re)joins while its round is open restarts it: it may have
         # been restarted and lost the RoundStart.
@@ -353,6 +407,20 @@ class Coordinator:
             if agent not in current.participants:
                 log.info("agent %s joins round %d in progress", agent, current.round)
                 self._start_agent_round(agent, current.round)
+
+    def _expect_from(self, agent: str) -> None:
+        """Tell the transport what this agent may send: its largest upload, as the method
+        knows it now, bounds what a transfer on its topic may declare."""
+        largest = self.method.max_upload_bytes(agent, self.agents[agent].hello)
+        if largest is None:  # the method cannot say: the largest frame the server decodes
+            largest = self.limits.max_body_bytes + self.limits.max_header_bytes + 64
+            limits = SenderLimits(largest, largest, 16)
+        else:
+            largest = max(largest, 1024 * 1024)  # round_end, errors and requests are small
+            # An agent streams its uploads one after another: two transfers open at once, plus resends.
+            limits = SenderLimits(largest, 2 * largest + 1024 * 1024, 8)
+        self.transport.expect_sender(self.topics.up(agent), limits)
+        self.transport.expect_sender(self.topics.status(agent), self.STATUS_LIMITS)
 
     # -- round mechanics --------------------------------------------------------- #
 
@@ -371,6 +439,7 @@ class Coordinator:
         rnd.missing.discard(agent)
         state = self.agents[agent]
         state.round, state.assigned_at = round_, time.monotonic()
+        self._expect_from(agent)  # the method may know the agent's uploads better by now
         config, weights = self.method.round_config(round_, agent, rnd.evaluate)
         self._send(
             agent,
@@ -512,6 +581,8 @@ class Coordinator:
                 "edge_idle": mean_cost("idle_s"),
             },
             "per_agent": per_agent,
+            # The server's device in this round: name, training seconds, peak memory, utilisation.
+            "server": self.method.ctx.device_meter.take(),
         }
         if excluded:
             record["excluded"] = excluded
@@ -536,6 +607,100 @@ class Coordinator:
                 break
             self.pump(min(1.0, deadline - time.monotonic()))
             self._check_absent()
+            self._watch([rnd], deadline)
+        else:
+            late = sorted(a for a in rnd.participants if a not in rnd.done and a not in rnd.missing)
+            if late:
+                log.warning("round %d deadline passed; closing it without %s: %s", rnd.round, ", ".join(late),
+                            "; ".join(f"{a}: {self._why_waiting(a, rnd)}" for a in late))
+
+    # -- no silent waits ------------------------------------------------------------ #
+
+    def _waiting_for(self, rnd: OpenRound) -> list[str]:
+        return sorted(a for a in rnd.participants if a not in rnd.done and a not in rnd.missing)
+
+    def _why_waiting(self, agent: str, rnd: OpenRound) -> str:
+        """What the server knows about a participant it still waits for."""
+        now = time.monotonic()
+        state = self.agents[agent]
+        if state.dropped:
+            return "dropped"
+        parts = []
+        if not state.online:
+            since = now - (state.offline_since or now)
+            parts.append(f"offline for {since:.0f} s (misses the round after {self.config.offline_grace_s:.0f} s)")
+        elif state.status and state.status_at >= state.assigned_at:
+            parts.append(f"said '{state.status}' {now - state.status_at:.0f} s ago")
+        else:
+            parts.append("no status since its round started")
+        parts.append(f"last message {now - state.last_heard_at:.0f} s ago")
+        transfers, held = self.transport.inbound_progress(self.topics.up(agent))
+        if transfers:
+            parts.append(f"{transfers} upload(s) arriving, {held / 1e6:.1f} MB so far")
+        asked = self._completion_requests.get((agent, rnd.round), 0)
+        if asked:
+            parts.append(f"asked {asked} time(s) to resend uploads that never arrived")
+        if state.nudged_at > state.assigned_at:
+            parts.append(f"asked {now - state.nudged_at:.0f} s ago to announce itself again (its round_end never came)")
+        return ", ".join(parts)
+
+    def _watch(self, rounds: list[OpenRound], deadline: float | None) -> None:
+        """While rounds are open: nudge participants whose round_end got lost, and log at least
+        once a minute who the server still waits for and why."""
+        now = time.monotonic()
+        for rnd in rounds:
+            for agent in self._waiting_for(rnd):
+                state = self.agents[agent]
+                finished = state.online and state.status == "idle" and state.status_at > state.assigned_at
+                quiet = min(now - state.status_at, now - state.last_heard_at, now - state.nudged_at)
+                if finished and quiet >= self.NUDGE_AFTER_S and not self.transport.inbound_progress(self.topics.up(agent))[0]:
+                    # It finished, yet its round_end never came (refused on the way, e.g. while a budget
+                    # was full, or lost): ask it to announce itself; its hello restarts its round.
+                    state.nudged_at = now
+                    log.warning("agent %s said it finished round %d %.0f s ago but its round_end has not arrived; "
+                                "asking it to announce itself again (it then redoes the round)", agent, rnd.round,
+                                now - state.status_at)
+                    self._send(agent, Discover(**self._base(rnd.round)))
+        if time.monotonic() - self._rejections_logged_at >= self.WAITING_LOG_EVERY_S:
+            self._log_rejections()
+        opened = min((r.started_at for r in rounds), default=now)
+        if now - max(self._waiting_logged_at, opened) < self.WAITING_LOG_EVERY_S:
+            return
+        self._waiting_logged_at = now
+        for rnd in rounds:
+            waiting = self._waiting_for(rnd)
+            if waiting:
+                left = f", deadline in {deadline - now:.0f} s" if deadline is not None else ""
+                log.info("round %d open for %.0f s%s; waiting for %d of %d agents: %s", rnd.round, now - rnd.started_at,
+                         left, len(waiting), len(rnd.participants),
+                         "; ".join(f"{a} ({self._why_waiting(a, rnd)})" for a in waiting))
+
+    def _await_agents(self, round_: int) -> list[str]:
+        """No agent is left to start round ``round_`` with (all offline or dropped). Per
+        ``no_agents_policy``: wait up to ``registration_timeout_s`` for one to (re)join, or
+        end the run. Returns the round's participants ([]: end the run)."""
+        gone = ", ".join(f"{a} ({'dropped' if s.dropped else 'offline'})" for a, s in sorted(self.agents.items()))
+        if self.config.no_agents_policy == "end" or self._stopping:
+            log.error("no agent is left to start round %d with (%s); ending the run (no_agents_policy = end)",
+                      round_, gone or "none joined")
+            return []
+        timeout = self.config.registration_timeout_s
+        log.warning("no agent is left to start round %d with (%s); waiting up to %.0f s for one to rejoin "
+                    "(no_agents_policy = wait)", round_, gone or "none joined", timeout)
+        self._send(None, Discover(**self._base(self.completed_round)))
+        deadline = time.monotonic() + timeout
+        logged = time.monotonic()
+        while time.monotonic() < deadline and not self._active_agents():
+            self.pump(min(1.0, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() - logged >= self.WAITING_LOG_EVERY_S:
+                logged = time.monotonic()
+                log.warning("still no agent to start round %d with; %.0f s left", round_, deadline - logged)
+        active = self._active_agents()
+        if not active:
+            log.error("no agent rejoined within %.0f s; ending the run before round %d", timeout, round_)
+            return []
+        log.info("%d agent(s) back: starting round %d", len(active), round_)
+        return self._sample_agents(round_, active)
 
     def _take_turns(self, round_: int, agents: list[str]) -> OpenRound:
         """Sequential sync round (split learning): one agent at a time, each with its
@@ -561,18 +726,22 @@ class Coordinator:
             if not waiting:
                 break
             self.pump(min(1.0, deadline - time.monotonic()))
+            self._watch([rnd], deadline)
         result = self.method.evaluation_result(rnd.round)
         if result is not None:
             outcome.correct, outcome.total = result
 
-    def _sync_round(self, round_: int) -> dict[str, Any]:
-        participants = self._sample_agents(round_, self._active_agents())
+    def _sync_round(self, round_: int) -> dict[str, Any] | None:
+        """Run one sync round; None when no agent is left to run it with (see ``_await_agents``)."""
+        participants = self._sample_agents(round_, self._active_agents()) or self._await_agents(round_)
+        if not participants:
+            return None
         if self.method.sequential:
             rnd = self._take_turns(round_, participants)
         else:
             for agent in participants:
                 self._start_agent_round(agent, round_)
-            rnd = self.open_rounds[round_]
+            rnd = self._open(round_)
             self._wait_for_agents_of(rnd, time.monotonic() + self.config.round_deadline_s)
         for agent in rnd.participants - set(rnd.done):
             rnd.missing.add(agent)
@@ -595,12 +764,23 @@ class Coordinator:
         return self._close(rnd, status)
 
     def _async_rounds(self, first_round: int) -> None:
-        for agent in self._active_agents():
-            self._start_agent_round(agent, first_round)
+        next_round = first_round
+        while next_round <= self.config.rounds and not self._stopping:
+            agents = self._active_agents() or self._await_agents(next_round)
+            if not agents:
+                self.report["status"] = "no_agents"
+                return
+            for agent in agents:
+                self._start_agent_round(agent, next_round)
+            self._async_loop()
+            next_round = self.completed_round + 1  # every agent went away: start again from the next round
+
+    def _async_loop(self) -> None:
         while self.open_rounds:
             self.pump(0.5)
             self._check_absent()
             now = time.monotonic()
+            self._watch(list(self.open_rounds.values()), None)
             for agent, state in list(self.agents.items()):
                 if state.round and now - state.assigned_at > self.config.round_deadline_s:
                     self._agent_missed(agent, "deadline passed")
@@ -676,6 +856,9 @@ class Coordinator:
             else:
                 for round_ in range(first, self.config.rounds + 1):
                     record = self._sync_round(round_)
+                    if record is None:
+                        self.report["status"] = "no_agents"
+                        break
                     if self._should_stop(record):
                         break
             if self.report["status"] == "running":

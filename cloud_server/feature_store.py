@@ -7,6 +7,12 @@ up to ``memory_bytes`` and writes the rest to memory-mapped ``.npy`` files in
 the training loop reads back row by row through the page cache. Files are
 deleted when the staged array is released; unlinking a mapped file is safe on
 POSIX (the mapping keeps the pages until it is dropped).
+
+With a CUDA ``device``, every array is also copied to the device as it is staged
+(``StagedArray.device_copy``) while the device holds less than ``device_bytes`` of
+them (by default half the device's free memory when the first array arrives): the
+round's training then starts from rows already on the GPU. Beyond that bound the
+array stays on the host only, and the training loop copies its batches.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ log = logging.getLogger("cloud_server.feature_store")
 
 @dataclass
 class StagedArray:
-    """One staged array: in memory (``path`` None) or a read-only memory map over ``path``."""
+    """One staged array: in memory (``path`` None) or a read-only memory map over ``path``;
+    ``device_copy``: the same rows on the training device, when they were staged there too."""
 
     array: np.ndarray
     path: Path | None
     released: bool = False
+    device_copy: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -50,9 +58,15 @@ class ArrayStaging:
     """
 
     def __init__(self, memory_bytes: int, spill_dir: str | Path | None = None, dtype: Any = np.float16,
-                 prefix: str = "staged") -> None:
+                 prefix: str = "staged", device: str | torch.device | None = None, device_bytes: int | None = None,
+                 copy_to_device: bool | None = None) -> None:
+        """``device``: the training device; arrays are also copied there as they are staged when
+        ``copy_to_device`` (None: when the device is a CUDA device), at most ``device_bytes`` of
+        them (None: :func:`cloud_server.server_step.staging_budget_bytes` when the first arrives)."""
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
+        if device_bytes is not None and device_bytes < 0:
+            raise ValueError(f"device_bytes must be >= 0, got {device_bytes}")
         self.memory_bytes = memory_bytes
         self.dtype = np.dtype(dtype)
         self._spill_dir = Path(spill_dir) if spill_dir else None
@@ -64,6 +78,14 @@ class ArrayStaging:
         self.peak_in_memory_bytes = 0
         self.files_written = 0
         self._files: set[Path] = set()
+        self.device = torch.device(device) if device is not None else None
+        self.copy_to_device = (self.device is not None and self.device.type == "cuda") if copy_to_device is None else copy_to_device
+        if self.copy_to_device and self.device is None:
+            raise ValueError("copy_to_device needs a device")
+        self.device_bytes = device_bytes
+        self._torch_dtype = torch.from_numpy(np.empty(0, self.dtype)).dtype
+        self.on_device_bytes = 0
+        self.device_refusals = 0  # arrays left on the host because the device bound was reached
 
     # -- staging ------------------------------------------------------------ #
 
@@ -73,10 +95,32 @@ class ArrayStaging:
         if self.in_memory_bytes + nbytes <= self.memory_bytes:
             staged = StagedArray(np.ascontiguousarray(array, dtype=self.dtype), None)
             self._count_in(staged)
-            return staged
-        target = self.empty(array.shape, force_disk=True)
-        target.array[...] = array  # casts while writing: no full-size temporary in memory
-        return self.seal(target)
+        else:
+            target = self.empty(array.shape, force_disk=True)
+            target.array[...] = array  # casts while writing: no full-size temporary in memory
+            staged = self.seal(target)
+        if self.copy_to_device:
+            self.attach_device_copy(staged, lambda: torch.from_numpy(np.ascontiguousarray(array, dtype=self.dtype)))
+        return staged
+
+    def attach_device_copy(self, staged: StagedArray, rows: Any) -> bool:
+        """Give ``staged`` a copy on the device (``rows``: a tensor, or a function returning one,
+        with the staged array's rows) if the device bound allows; True if it did."""
+        nbytes = staged.nbytes
+        if self.device_bytes is None:
+            from .server_step import staging_budget_bytes
+
+            budget = staging_budget_bytes(self.device)  # type: ignore[arg-type]
+            self.device_bytes = budget if budget is not None else 1 << 62
+        if self.on_device_bytes + nbytes > self.device_bytes:
+            self.device_refusals += 1
+            if self.device_refusals == 1:
+                log.info("staging beyond %d bytes on %s stays on the host", self.device_bytes, self.device)
+            return False
+        tensor = rows() if callable(rows) else rows
+        staged.device_copy = tensor.to(self.device, dtype=self._torch_dtype)
+        self.on_device_bytes += nbytes
+        return True
 
     def empty(self, shape: tuple[int, ...], force_disk: bool = False) -> StagedArray:
         """An uninitialised writable array to fill and then :meth:`seal`; on disk when the bound says so."""
@@ -108,6 +152,9 @@ class ArrayStaging:
         if staged.released:
             return
         staged.released = True
+        if staged.device_copy is not None:
+            staged.device_copy = None
+            self.on_device_bytes -= staged.nbytes
         if staged.path is None:
             self.in_memory_bytes -= staged.nbytes
         else:

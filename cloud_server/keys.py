@@ -124,14 +124,25 @@ def mosquitto_conf(cfg: KeysConfig, out: Path) -> str:
     ])
 
 
+def broker_user() -> pwd.struct_passwd | None:
+    """The account mosquitto started as root drops to: ``mosquitto``, or -- where no such
+    account exists, e.g. a machine given mosquitto's binaries without its package --
+    ``nobody``, as mosquitto itself falls back to; None if neither exists."""
+    for name in ("mosquitto", "nobody"):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    return None
+
+
 def _give_to_broker_user(paths: tuple[Path, ...]) -> None:
-    """mosquitto started as root drops to the ``mosquitto`` user before it reads the
+    """mosquitto started as root drops to its user (:func:`broker_user`) before it reads the
     password file, ACL and key: as root, hand those files to that user."""
     if os.geteuid() != 0:
         return
-    try:
-        entry = pwd.getpwnam("mosquitto")
-    except KeyError:
+    entry = broker_user()
+    if entry is None:
         return
     for path in paths:
         os.chown(path, entry.pw_uid, entry.pw_gid)

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from shared_protocol.tomlio import write_toml
+from shared_protocol.transport import redact_url
 
 
 def free_port() -> int:
@@ -86,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--seed", type=int, default=0)
     local.add_argument("--run-id", default=None)
     local.add_argument("--out", default=None, help="run directory (default runs/<run id>)")
-    local.add_argument("--broker", default=None, help="use this broker instead of starting one")
+    local.add_argument("--broker", default=None, help="use this broker instead of starting one (mqtt[s]://[user[:password]@]host:port)")
+    local.add_argument("--username", default=None, help="broker user name for the server and every agent")
+    local.add_argument("--password-file", default=None, help="file holding the broker password (server and agents read it; never logged)")
+    local.add_argument("--chunk-size", type=int, default=None, metavar="BYTES",
+                       help="blob bytes per MQTT PUBLISH, server and agents (default: 512 KiB, or less if the broker's "
+                       "Maximum Packet Size requires; an explicit size that does not fit fails at connect)")
     local.add_argument("--log-json", action="store_true")
     central = sub.add_parser("centralized", help="train one model on the union of the data (no broker, no agents); writes a run report")
     central.add_argument("--config", required=True, help="server TOML: [server] with method = \"centralized\", and [centralized]")
@@ -151,9 +159,45 @@ def _fedbe_table(args: argparse.Namespace) -> dict:
 METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table, "fedkd": _fedkd_table, "fedgkd": _fedgkd_table, "feddistill": _feddistill_table, "fedbe": _fedbe_table}
 
 
+def broker_settings(args: argparse.Namespace, broker: str, configs: Path) -> tuple[str, dict]:
+    """The broker URL without credentials, and the keys both the server's and the agents'
+    configs get: ``username``, ``password_file`` (from ``--username`` / ``--password-file``,
+    or a ``user:password@`` in ``--broker``, whose password goes to a 0600 file: configs name
+    secrets by path, never hold them) and ``chunk_size_bytes``."""
+    from shared_protocol.transport import BrokerAddress
+
+    address = BrokerAddress.parse(broker)
+    keys: dict = {}
+    username = getattr(args, "username", None)
+    password_file = getattr(args, "password_file", None)
+    if address.username is not None:
+        if username is not None and username != address.username:
+            raise SystemExit(f"edgesplit: --broker names user {address.username!r} but --username is {username!r}")
+        username = address.username
+        broker = f"{'mqtts' if address.tls else 'mqtt'}://{address.host}:{address.port}"
+    if address.password is not None:
+        if password_file is not None:
+            raise SystemExit("edgesplit: give the broker password once: in --broker or with --password-file")
+        secret = configs / "broker.password"
+        secret.touch(mode=0o600, exist_ok=True)
+        secret.chmod(0o600)
+        secret.write_text(address.password + "\n")
+        password_file = str(secret)
+    if password_file is not None:
+        if not Path(password_file).is_file():
+            raise SystemExit(f"edgesplit: --password-file {password_file}: no such file")
+        keys["password_file"] = str(Path(password_file).resolve())
+    if username is not None:
+        keys["username"] = username
+    if getattr(args, "chunk_size", None) is not None:
+        keys["chunk_size_bytes"] = args.chunk_size
+    return broker, keys
+
+
 def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None) -> tuple[Path, list[Path]]:
     configs = out / "configs"
     configs.mkdir(parents=True, exist_ok=True)
+    broker, broker_keys = broker_settings(args, broker, configs)
     server_path = configs / "server.toml"
     write_toml(
         server_path,
@@ -163,6 +207,7 @@ def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str,
                 "expected_agents": args.agents, "rounds": args.rounds, "round_deadline_s": args.deadline,
                 "min_agents": 1, "min_fraction": 0.5, "eval_every": args.eval_every, "client_fraction": args.client_fraction, "registration_timeout_s": 300.0,
                 "dataset": args.dataset, "num_classes": 10 if args.dataset != "cifar100" else 100, "seed": args.seed,
+                **broker_keys,
             },
             args.method: METHOD_TABLES.get(args.method, _fedgkt_table)(args),
         },
@@ -174,7 +219,8 @@ def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str,
         write_toml(
             path,
             {
-                "agent": {"agent_id": f"agent-{i}", "run_id": run_id, "broker_url": broker, "state_dir": str(out / "agent-state"), "threads": 1},
+                "agent": {"agent_id": f"agent-{i}", "run_id": run_id, "broker_url": broker, "state_dir": str(out / "agent-state"), "threads": 1,
+                          **broker_keys},
                 "data": {
                     "dataset": args.dataset, "root": args.data_root, "partition": args.partition, "num_agents": args.agents,
                     "agent_index": i, "seed": args.seed, "train_samples": args.train_samples, "test_samples": args.test_samples,
@@ -197,6 +243,64 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+#: Lines of an agent's log shown when it dies before the federation started.
+LOG_TAIL_LINES = 20
+
+
+def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(could not read {path}: {exc})"
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _watch(server: subprocess.Popen, agents: list[subprocess.Popen], logs: Path, poll_s: float = 0.2) -> int | None:
+    """Relay the server's status lines until its stdout closes, watching the agents meanwhile.
+
+    An agent that exits with an error before the server printed its first round
+    line (a missing dataset, a bad config) would otherwise leave the server
+    waiting out its registration timeout with no word to the user: the run is
+    abandoned at once, with the tail of that agent's log, and the agent's exit
+    code is returned. Later agent failures are reported and the run goes on
+    (the server's deadlines and quorum deal with a missing agent). Returns None
+    when the server's output ended normally.
+    """
+    assert server.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert server.stdout is not None
+        for line in server.stdout:  # one status line per round, then the final line
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="server-stdout", daemon=True).start()
+    started = False
+    reported: set[int] = set()
+    while True:
+        try:
+            line = lines.get(timeout=poll_s)
+        except queue.Empty:
+            line = ""
+        if line is None:
+            return None
+        if line:
+            print(line.rstrip(), flush=True)
+            started = True
+        for i, p in enumerate(agents):
+            if i in reported or p.poll() in (None, 0):
+                continue
+            reported.add(i)
+            log_path = logs / f"agent-{i}.log"
+            print(f"edgesplit: agent-{i} exited with code {p.returncode}; see {log_path}", flush=True)
+            if not started:
+                print(f"edgesplit: agent-{i} failed before the federation started; the end of its log:", flush=True)
+                print("    " + _log_tail(log_path).replace("\n", "\n    "), flush=True)
+                print("edgesplit: stopping the run", flush=True)
+                return p.returncode if p.returncode > 0 else 1
 
 
 def cmd_centralized(args: argparse.Namespace) -> int:
@@ -261,7 +365,7 @@ def cmd_local(args: argparse.Namespace) -> int:
             broker = args.broker
         else:
             broker_proc, broker = start_broker(out / "broker")
-        print(f"edgesplit: broker {broker}; run {run_id}; {args.agents} agents x {args.rounds} rounds of {args.method} on {args.dataset} ({args.partition})", flush=True)
+        print(f"edgesplit: broker {redact_url(broker)}; run {run_id}; {args.agents} agents x {args.rounds} rounds of {args.method} on {args.dataset} ({args.partition})", flush=True)
         server_cfg, agent_cfgs = write_configs(args, run_id, out, broker)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         extra = ["--log-json"] if args.log_json else []
@@ -281,11 +385,9 @@ def cmd_local(args: argparse.Namespace) -> int:
                 stdout=f, stderr=subprocess.STDOUT, env=agent_env,
             ))
         assert server.stdout is not None
-        for line in server.stdout:  # one status line per round, then the final line
-            print(line.rstrip(), flush=True)
-            for i, p in enumerate(procs[1:]):
-                if p.poll() not in (None, 0):
-                    print(f"edgesplit: agent-{i} exited with code {p.returncode}; see {logs / f'agent-{i}.log'}", flush=True)
+        failed = _watch(server, procs[1:], logs)
+        if failed is not None:
+            return failed
         code = server.wait()
         _stop(procs[1:], grace_s=30)
         if code != 0:

@@ -47,7 +47,7 @@ DASH = "—"
 MB = 1e6
 GFLOP = 1e9
 
-RUN_STATUSES = frozenset({"running", "finished", "stopped_target", "aborted"})
+RUN_STATUSES = frozenset({"running", "finished", "stopped_target", "aborted", "no_agents"})
 ROUND_STATUSES = frozenset({"ok", "failed_quorum"})
 BYTE_KEYS = ("up_payload", "up_wire", "down_payload", "down_wire")
 TIME_KEYS = ("round", "server_train", "edge_compute", "edge_encode", "edge_network", "edge_idle")
@@ -115,6 +115,18 @@ _PER_AGENT_FIELDS: dict[str, _Spec] = {
     "codec": ("str", False, None, None),
     "codec_ratio": ("number", False, 0, None),
     "edge_accuracy": ("number", True, 0, 1),
+}
+# A round's ``server``: what the server's device did in it (cloud_server/device_meter.py).
+# Optional (reports written before it existed have none); checked whenever present.
+_ROUND_SERVER_FIELDS: dict[str, _Spec] = {
+    "device": ("str", False, None, None),
+    "device_name": ("str", False, None, None),
+    "train_s": ("number", False, 0, None),
+    "peak_memory_bytes": ("int", True, 0, None),  # None: not a GPU
+    "gpu_utilization_percent": ("number", True, 0, 100),  # None: see gpu_utilization_unavailable
+    "gpu_utilization_max_percent": ("number", True, 0, 100),
+    "gpu_utilization_samples": ("int", False, 0, None),
+    "gpu_utilization_unavailable": ("str", True, None, None),
 }
 _TOTALS_FIELDS: dict[str, _Spec] = {
     "rounds_completed": ("int", False, 0, None),
@@ -275,10 +287,28 @@ def _check_round(ck: _Checker, index: int, rnd: Any) -> dict[str, Any]:
         ck.fields(costs, f"{path}.per_agent[{agent_id}]", _PER_AGENT_FIELDS)
         if participants is not None and agent_id not in participants:
             ck.add(f"{path}.per_agent[{agent_id}]: not a participant of the round")
+    if "server" in rnd:
+        _check_round_server(ck, f"{path}.server", rnd["server"])
     if "method" in rnd and not isinstance(rnd["method"], dict):
         # Optional: the method's own figures (ServerMethod.round_report); free-form inside.
         ck.add(f"{path}.method: expected a dict of the method's figures, got {_describe(rnd['method'])}")
     return good
+
+
+def _check_round_server(ck: _Checker, path: str, server: Any) -> None:
+    good = ck.fields(server, path, _ROUND_SERVER_FIELDS)
+    if len(good) != len(_ROUND_SERVER_FIELDS):
+        return  # the missing or mistyped fields are already recorded
+    mean, peak, samples, why = (good["gpu_utilization_percent"], good["gpu_utilization_max_percent"],
+                                good["gpu_utilization_samples"], good["gpu_utilization_unavailable"])
+    if (mean is None) != (why is not None):
+        ck.add(f"{path}: gpu_utilization_percent is {mean!r} and gpu_utilization_unavailable is {why!r}: "
+               "exactly one of them must be set (a figure, or why there is none)")
+    if (mean is None) != (peak is None) or (mean is None) != (samples == 0):
+        ck.add(f"{path}: gpu_utilization_percent {mean!r}, gpu_utilization_max_percent {peak!r} and "
+               f"gpu_utilization_samples {samples!r} disagree on whether utilisation was sampled")
+    elif mean is not None and mean > peak + 1e-9:
+        ck.add(f"{path}: gpu_utilization_percent {mean!r} exceeds gpu_utilization_max_percent {peak!r}")
 
 
 def _check_totals(ck: _Checker, totals: Any, rounds: list[dict[str, Any]], rounds_ok: bool) -> None:
@@ -292,6 +322,15 @@ def _check_totals(ck: _Checker, totals: Any, rounds: list[dict[str, Any]], round
                 f"totals.rejected_messages is {good['rejected_messages']} but rejected_by_reason "
                 f"sums to {sum(by_reason.values())}"
             )
+    if isinstance(totals, dict) and ("rejected_chunks" in totals or "rejected_chunks_by_reason" in totals):
+        # Chunks refused below the message layer (written by runs since they were counted by code).
+        chunks, by_code = totals.get("rejected_chunks"), totals.get("rejected_chunks_by_reason")
+        if not _kind_ok(chunks, "int") or chunks < 0:
+            ck.add(f"totals.rejected_chunks: expected a non-negative int, got {_describe(chunks)}")
+        elif not isinstance(by_code, dict) or not all(_kind_ok(v, "int") and v >= 0 for v in by_code.values()):
+            ck.add(f"totals.rejected_chunks_by_reason: expected non-negative int counts, got {_describe(by_code)}")
+        elif sum(by_code.values()) != chunks:
+            ck.add(f"totals.rejected_chunks is {chunks} but rejected_chunks_by_reason sums to {sum(by_code.values())}")
     if all(k in good for k in ("wire_total", "up_wire", "down_wire")) and good["wire_total"] != good["up_wire"] + good["down_wire"]:
         ck.add(f"totals.wire_total is {good['wire_total']}, expected up_wire + down_wire = {good['up_wire'] + good['down_wire']}")
     if not rounds_ok:
@@ -455,6 +494,31 @@ def _figure(value: Any) -> str:
 
 def _is_scalar(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _server_device_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The rounds' ``server`` entries: the device, its training seconds, peak memory and
+    utilisation per round; empty if no round has them (reports from before they existed)."""
+    measured = [r for r in rounds if isinstance(r.get("server"), dict)]
+    if not measured:
+        return []
+    lines = ["## Server device per round", ""]
+    rows = []
+    for r in measured:
+        srv = r["server"]
+        util = srv.get("gpu_utilization_percent")
+        rows.append([r["round"], srv.get("device_name", DASH), srv.get("device", DASH), _seconds(srv.get("train_s")),
+                     _mb(srv.get("peak_memory_bytes"), 0),
+                     DASH if util is None else f"{util:.0f}% / {srv.get('gpu_utilization_max_percent', 0):.0f}%"])
+    lines += _table(["Round", "Device", "", "Train s", "Peak GPU MB", "GPU util. mean / max"], rows, right_from=3)
+    reasons = sorted({r["server"].get("gpu_utilization_unavailable") for r in measured} - {None})
+    lines += ["", "Train s: the server's own training in the round (the method's training or distillation). "
+              "Peak GPU MB: the most memory torch held on the GPU since the previous round closed. "
+              "GPU util.: the driver's utilisation sampled while the server trained."]
+    if reasons:
+        lines.append("No GPU utilisation where shown " + DASH + ": " + "; ".join(reasons) + ".")
+    lines.append("")
+    return lines
 
 
 def _method_figures_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -736,6 +800,9 @@ def _summary_md(report: Mapping[str, Any]) -> str:
     if totals["rejected_messages"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(totals["rejected_by_reason"].items()))
         lines.append(f"Rejected messages: {totals['rejected_messages']} ({reasons}).")
+    if totals.get("rejected_chunks"):
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(totals.get("rejected_chunks_by_reason", {}).items()))
+        lines.append(f"Rejected chunks (never became messages): {totals['rejected_chunks']} ({reasons}).")
     lines.append("")
 
     lines += ["## Rounds", ""]
@@ -750,6 +817,7 @@ def _summary_md(report: Mapping[str, Any]) -> str:
             right_from=2,
         )
         lines.append("")
+    lines += _server_device_md(rounds)
     lines += _method_figures_md(rounds)
 
     last = next((r for r in reversed(rounds) if r["per_agent"]), None)

@@ -12,7 +12,7 @@ from typing import Any
 
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
-from shared_protocol.transport import BrokerAddress, TransportConfig
+from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class EdgeConfig:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
-    chunk_size_bytes: int = 512 * 1024
+    chunk_size_bytes: int | None = None  # unset: 512 KiB, or what the broker's Maximum Packet Size allows
     data: DataConfig = field(default_factory=DataConfig)
     state_dir: str | None = None  # local checkpoint (edge model, server logits); None = no persistence
     backend: str = "torch"
@@ -72,6 +72,7 @@ class EdgeConfig:
             raise ValueError(f"backend must be 'torch' or 'ort' (onnxruntime-training, no torch), got {self.backend!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self.transport_config()  # chunk size, credentials in the URL
 
     def transport_config(self) -> TransportConfig:
         return TransportConfig(
@@ -90,6 +91,7 @@ class EdgeConfig:
         out = asdict(self)
         if out.get("password"):
             out["password"] = "***"
+        out["broker_url"] = redact_url(self.broker_url)
         return out
 
     @classmethod

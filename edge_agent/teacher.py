@@ -6,6 +6,14 @@ import numpy as np
 
 from shared_protocol.errors import ShapeMismatchError
 
+#: Images per forward pass when extracting feature maps or evaluating. An upload
+#: message holds ``upload_batch_samples`` (default 256) samples, but running the
+#: extractor and classifier on all of them at once would hold 256 samples' worth of
+#: 64-channel activations (about 350 MB at 32x32); slices of this size keep the
+#: extraction peak below the training step's at the default batch of 64. Eval-mode
+#: outputs do not depend on how the batch is sliced.
+EXTRACT_BATCH_SAMPLES = 64
+
 
 class TeacherLogits:
     """Server logits by sample id. Lookups return rows in the order of the ids asked for."""

@@ -11,8 +11,10 @@ This package imports none of ``shared_protocol``, ``models``, ``edge_agent`` or
 
 from fldata.datasets import (
     DATASET_NAMES,
+    DOWNLOAD_TIMEOUT_S,
     SPLIT_ID_OFFSETS,
     ArrayDataset,
+    DownloadError,
     compute_stats,
     dataset_stats,
     load_dataset,
@@ -35,9 +37,11 @@ from fldata.partition import (
 
 __all__ = [
     "DATASET_NAMES",
+    "DOWNLOAD_TIMEOUT_S",
     "PARTITION_SCHEMES",
     "SPLIT_ID_OFFSETS",
     "ArrayDataset",
+    "DownloadError",
     "PartitionSpec",
     "agent_shard",
     "class_count_table",

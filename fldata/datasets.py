@@ -22,26 +22,42 @@ Image layout
 folders) are zero-padded by 2 px on every side to 32x32 at load time, keeping
 their single channel, because every model in EdgeSplit takes 32x32 inputs and
 ``in_channels`` as a parameter.
+
+Memory
+------
+Fashion-MNIST's images are decompressed once into an uncompressed ``.npy``
+cache under :func:`default_data_root` (``cache/``) and memory-mapped from there,
+so loading a split costs no resident memory until rows are read; a
+:meth:`ArrayDataset.subset` of a memory-mapped dataset copies only the chosen
+rows and gives the mapped pages back as it goes. An edge agent therefore holds
+its own shard as ``uint8``, never the whole split (and never float32: batches
+are normalised one at a time by the loaders).
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
+import mmap
 import os
+import socket
 import struct
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import BinaryIO, Callable, Final, Iterator
 
 import numpy as np
 
 __all__ = [
     "DATASET_NAMES",
     "DEFAULT_FASHION_MNIST_DIR",
+    "DOWNLOAD_TIMEOUT_S",
     "SPLIT_ID_OFFSETS",
     "ArrayDataset",
+    "DownloadError",
     "compute_stats",
     "dataset_stats",
     "default_data_root",
@@ -128,6 +144,8 @@ class ArrayDataset:
             ``"1"``, ...
 
     The arrays are not copied and not made read-only: treat them as immutable.
+    ``images`` may be a read-only :class:`numpy.memmap` (see "Memory" in the
+    module docstring); :meth:`subset` then reads only the rows it keeps.
     ``eq=False`` because element-wise array comparison has no single truth
     value; compare datasets with :func:`numpy.array_equal` on the fields.
     """
@@ -226,13 +244,46 @@ class ArrayDataset:
                 f"indices must lie in [0, {n}); got values in [{int(idx.min())}, {int(idx.max())}]"
             )
         return ArrayDataset(
-            images=self.images[idx],
+            images=_gather_rows(self.images, idx),
             labels=self.labels[idx],
             sample_ids=self.sample_ids[idx],
             num_classes=self.num_classes,
             name=self.name,
             classes=self.classes,
         )
+
+
+# Rows copied per step out of a memory-mapped split before its pages are given back. Small:
+# a page fault maps its neighbours too (the kernel's fault-around, 64 KiB), so each
+# scattered row can bring 64 rows' worth of pages into this process until they are dropped.
+_GATHER_ROWS: Final[int] = 64
+
+
+def _gather_rows(images: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``images[idx]`` as an in-memory array.
+
+    For a memory-mapped source the rows are read in ascending file order, a
+    block at a time, and the mapping's pages are dropped from this process
+    after each block (``MADV_DONTNEED``; they stay in the page cache), so
+    picking a shard's rows never makes the whole file resident.
+    """
+    if not isinstance(images, np.memmap) or idx.size == 0:
+        return np.asarray(images[idx])
+    out = np.empty((idx.size, *images.shape[1:]), dtype=images.dtype)
+    order = np.argsort(idx, kind="stable")
+    ordered = idx[order]
+    mapping = getattr(images, "_mmap", None)  # numpy keeps the mmap object here, views included
+    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_RANDOM"):
+        mapping.madvise(mmap.MADV_RANDOM)  # no read-ahead for scattered rows
+    for start in range(0, idx.size, _GATHER_ROWS):
+        out[order[start : start + _GATHER_ROWS]] = images[ordered[start : start + _GATHER_ROWS]]
+        _drop_mapped_pages(mapping)
+    return out
+
+
+def _drop_mapped_pages(mapping: object) -> None:
+    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _require_array(field: str, value: object, dtype: type, ndim: int) -> None:
@@ -255,6 +306,37 @@ def default_data_root() -> Path:
     if env:
         return Path(env)
     return Path.home() / ".cache" / "edgesplit" / "datasets"
+
+
+#: Seconds a download may wait for the network before it fails (connect and each read).
+DOWNLOAD_TIMEOUT_S: Final[float] = 15.0
+
+
+@contextmanager
+def _network_timeout(seconds: float) -> Iterator[None]:
+    """A default socket timeout for torchvision's downloads, which set none of their own:
+    without it an offline machine waits on the operating system's TCP timeouts (minutes)."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+class DownloadError(OSError):
+    """A dataset download was asked for and failed (no network, a timeout, a bad mirror)."""
+
+
+def _download(what: str, fetch: Callable[[], object]) -> None:
+    try:
+        with _network_timeout(DOWNLOAD_TIMEOUT_S):
+            fetch()
+    except (OSError, RuntimeError) as exc:  # urllib's URLError and socket.timeout are OSErrors; torchvision raises RuntimeError
+        raise DownloadError(
+            f"downloading {what} failed ({exc}); on a machine without a network install the data locally "
+            "(Fashion-MNIST: `apt-get install dataset-fashion-mnist`) or point the data root at a copy"
+        ) from exc
 
 
 def load_dataset(
@@ -288,11 +370,14 @@ def load_dataset(
         split: ``"train"`` or ``"test"`` (``"valid"`` too for CINIC-10 and image
             folders).
         root: directory holding the data; see ``name``.
-        download: allow a network download (torchvision datasets only).
+        download: allow a network download (torchvision datasets only); off by
+            default, and a download that gets no answer fails after
+            :data:`DOWNLOAD_TIMEOUT_S` seconds.
 
     Raises:
         ValueError: unknown name or split.
         FileNotFoundError: the data is not on disk and may not be downloaded.
+        DownloadError: a download was allowed and failed.
     """
     if name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASET_NAMES)}")
@@ -382,6 +467,81 @@ def _read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=header_len).reshape(dims)
 
 
+def _read_idx_header(f: BinaryIO, path: Path) -> tuple[int, ...]:
+    head = f.read(4)
+    if len(head) < 4 or head[0] != 0 or head[1] != 0:
+        raise ValueError(f"{path} is not an IDX file (bad magic {head.hex()})")
+    if head[2] != 0x08:
+        raise ValueError(f"{path}: expected IDX type 0x08 (unsigned byte), got 0x{head[2]:02x}")
+    ndim = head[3]
+    raw = f.read(4 * ndim)
+    if len(raw) != 4 * ndim:
+        raise ValueError(f"{path}: IDX header cut short")
+    return tuple(struct.unpack(f">{ndim}I", raw))
+
+
+def _idx_cache_path(source: Path) -> Path:
+    """Where the padded, uncompressed copy of ``source`` lives; the name changes with the source."""
+    st = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return default_data_root() / "cache" / f"{source.name.removesuffix('.gz')}-32x32-{key}.npy"
+
+
+def _idx_images_32(path: Path) -> np.ndarray:
+    """An IDX image file as ``uint8 (N, 1, 32, 32)`` (28x28 zero-padded), memory-mapped.
+
+    The first call streams the (gzip) file, a block of rows at a time, into an
+    uncompressed ``.npy`` cache (see :func:`_idx_cache_path`); later calls map
+    the cache. Where the cache cannot be written (a read-only home), the
+    images are read into memory instead (``uint8``, about 61 MB for the
+    training split).
+    """
+    cache = _idx_cache_path(path)
+    if not cache.is_file():
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            _write_idx_cache(path, cache)
+        except PermissionError:
+            images = _read_idx(path)
+            if images.ndim != 3:
+                raise ValueError(f"{path}: expected IDX images (N, H, W), got shape {images.shape}") from None
+            return np.ascontiguousarray(_pad_28_to_32(images[:, None, :, :]))
+    images = np.load(cache, mmap_mode="r", allow_pickle=False)
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1] != 1:
+        raise ValueError(f"{cache} is not a padded IDX image cache (dtype {images.dtype}, shape {images.shape}); delete it")
+    return images
+
+
+def _write_idx_cache(path: Path, cache: Path) -> None:
+    opener = gzip.open if path.suffix == ".gz" else open
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{cache.name}.", suffix=".tmp", dir=cache.parent)
+    try:
+        with opener(path, "rb") as src, os.fdopen(fd, "wb") as dst:
+            dims = _read_idx_header(src, path)
+            if len(dims) != 3:
+                raise ValueError(f"{path}: expected IDX images (N, H, W), got dims {dims}")
+            n, h, w = dims
+            out_h, out_w = (32, 32) if (h, w) == (28, 28) else (h, w)
+            np.lib.format.write_array_header_1_0(
+                dst, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False, "shape": (n, 1, out_h, out_w)}
+            )
+            rows = 1024  # a block of about 1 MB at a time
+            for start in range(0, n, rows):
+                count = min(rows, n - start)
+                block = src.read(count * h * w)
+                if len(block) != count * h * w:
+                    raise ValueError(f"{path}: header announces {n} images of {h}x{w}, the file ends after {start + len(block) // (h * w)}")
+                images = np.frombuffer(block, np.uint8).reshape(count, 1, h, w)
+                dst.write(_pad_28_to_32(images).tobytes())
+            if src.read(1):
+                raise ValueError(f"{path}: more data than the header's dims {dims} announce")
+        os.chmod(tmp_name, 0o644)  # mkstemp's 0600 would keep other users' agents from sharing the cache
+        os.replace(tmp_name, cache)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
 def _find_idx_pair(directories: list[Path], prefix: str) -> tuple[Path, Path] | None:
     for d in directories:
         for suffix in (".gz", ""):
@@ -405,27 +565,27 @@ def _load_fashion_mnist(split: str, root: str | os.PathLike[str] | None, downloa
         from torchvision.datasets import FashionMNIST
 
         dl_root = Path(root) if root is not None else default_data_root()
-        FashionMNIST(str(dl_root), train=(split == "train"), download=True)
+        _download("Fashion-MNIST", lambda: FashionMNIST(str(dl_root), train=(split == "train"), download=True))
         found = _find_idx_pair([dl_root / "FashionMNIST" / "raw"], prefix)
     if found is None:
         raise FileNotFoundError(
             f"Fashion-MNIST {prefix}-images-idx3-ubyte[.gz] / {prefix}-labels-idx1-ubyte[.gz] "
-            f"not found in {', '.join(str(p) for p in search)}; run "
-            "`apt-get install dataset-fashion-mnist`, pass root=<directory with the IDX files>, "
-            "or pass download=True where a network exists"
+            f"not found in {', '.join(str(p) for p in search)}; install them with "
+            "`apt-get install dataset-fashion-mnist`, point the data root at a directory holding them "
+            "(root=, an agent's [data] root or --data-root DIR), or allow a download where a network "
+            "exists (download=True, [data] download = true or --download)"
         )
     images_path, labels_path = found
-    images = _read_idx(images_path)  # (N, 28, 28)
     labels = _read_idx(labels_path)  # (N,)
-    if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
+    images = _idx_images_32(images_path)  # (N, 1, 32, 32) uint8, memory-mapped when the cache can be written
+    if labels.ndim != 1 or images.shape[0] != labels.shape[0]:
         raise ValueError(
             f"Fashion-MNIST files disagree: images {images.shape} from {images_path}, "
             f"labels {labels.shape} from {labels_path}"
         )
-    images = _pad_28_to_32(images[:, None, :, :])  # (N, 1, 32, 32)
     n = images.shape[0]
     return ArrayDataset(
-        images=np.ascontiguousarray(images),
+        images=images,
         labels=labels.astype(np.int64),
         sample_ids=np.arange(n, dtype=np.int64) + SPLIT_ID_OFFSETS[split],
         num_classes=10,
@@ -449,8 +609,9 @@ def _load_cifar(
     base = Path(root) if root is not None else default_data_root()
     if not download and not (base / folder).is_dir():
         raise FileNotFoundError(
-            f"{name} not found: expected torchvision's {base / folder}; pass root=<directory "
-            f"containing {folder}/> or download=True where a network exists"
+            f"{name} not found: expected torchvision's {base / folder}; point the data root at the "
+            f"directory containing {folder}/ (root=, an agent's [data] root or --data-root DIR), or allow a "
+            "download where a network exists (download=True, [data] download = true or --download)"
         )
     _require_module("torchvision", f"loading {name}")
     # torchvision reads CIFAR's own (pickle-based) batch files. That is the
@@ -459,7 +620,9 @@ def _load_cifar(
     from torchvision.datasets import CIFAR10, CIFAR100
 
     cls = CIFAR10 if name == "cifar10" else CIFAR100
-    tv = cls(str(base), train=(split == "train"), download=download)
+    if download:
+        _download(name, lambda: cls(str(base), train=(split == "train"), download=True))
+    tv = cls(str(base), train=(split == "train"), download=False)
     images = np.ascontiguousarray(np.asarray(tv.data, dtype=np.uint8).transpose(0, 3, 1, 2))  # NHWC -> NCHW
     labels = np.asarray(tv.targets, dtype=np.int64)
     _check_split_size(images.shape[0], f"{name} {split}")

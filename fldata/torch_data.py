@@ -8,6 +8,7 @@ a shuffled loader.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -72,10 +73,13 @@ class TorchArrayDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
         self.augment = augment
         self.crop_padding = crop_padding
         self.generator = generator
-        # torch.from_numpy shares memory; it refuses read-only arrays (e.g.
-        # np.frombuffer results), which we copy once instead.
-        images = ds.images if ds.images.flags.writeable else ds.images.copy()
-        self._images = torch.from_numpy(images)  # (N, C, H, W) uint8
+        # torch.from_numpy shares memory, read-only arrays (a memory-mapped split) too:
+        # it only warns that writes would be undefined, and nothing here writes to
+        # the images (crops, flips and normalisation make new tensors). Copying
+        # instead would make a mapped dataset resident.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            self._images = torch.from_numpy(ds.images)  # (N, C, H, W) uint8
         self._labels = torch.from_numpy(np.ascontiguousarray(ds.labels))  # (N,) int64
         self._sample_ids = torch.from_numpy(np.ascontiguousarray(ds.sample_ids))  # (N,) int64
         # (x / 255 - mean) / std == x * scale - shift, one fused step per image.

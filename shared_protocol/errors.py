@@ -38,6 +38,21 @@ class SizeLimitError(ProtocolError):
     code = "size_limit"
 
 
+class BudgetError(SizeLimitError):
+    """A chunk arrived while its sender's (or the receiver's) reassembly budget was
+    full. Not the sender's fault: the transfer stays open and the chunk is asked for
+    again once the budget has room."""
+
+    code = "over_budget"
+
+
+class SenderIgnoredError(ProtocolError):
+    """A chunk from a sender the receiver ignores: it kept sending invalid transfers,
+    or its owner dropped it."""
+
+    code = "ignored_sender"
+
+
 class HeaderError(ProtocolError):
     """The JSON header is not valid JSON or lacks / mistypes a required field."""
 

@@ -23,10 +23,10 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from .chunking import (
     DEFAULT_CHUNK_SIZE_BYTES,
@@ -36,12 +36,19 @@ from .chunking import (
     ChunkedBlob,
     ChunkHeader,
     Reassembler,
+    SenderLimits,
 )
-from .errors import ProtocolError
+from .errors import BudgetError, ProtocolError, SenderIgnoredError
 
 log = logging.getLogger(__name__)
 
 PUBACK_BYTES = 4
+# What a PUBLISH carries besides a chunk's blob bytes: the chunk header with a 64-byte transfer
+# id and the SHA-256 (125 bytes), a topic and a reply topic of up to 400 bytes each, and the MQTT
+# fixed header, topic length, packet id and empty properties (10). A chunk size that leaves this
+# much room under the broker's Maximum Packet Size always fits.
+CHUNK_HEADROOM_BYTES = 1024
+MIN_CHUNK_SIZE_BYTES = 1024
 
 
 class TransportError(RuntimeError):
@@ -53,31 +60,51 @@ class BrokerAddress:
     host: str
     port: int
     tls: bool
+    username: str | None = None  # from a mqtt://user:pass@host URL
+    password: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, url: str) -> "BrokerAddress":
-        """``mqtt://host:port`` (plain) or ``mqtts://host:port`` (TLS)."""
+        """``mqtt://host:port`` (plain) or ``mqtts://host:port`` (TLS), optionally with
+        ``user:password@`` before the host (percent-encoded)."""
         parsed = urlparse(url if "://" in url else f"mqtt://{url}")
         if parsed.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
-            raise ValueError(f"broker URL {url!r}: scheme must be mqtt:// or mqtts://")
+            raise ValueError(f"broker URL {redact_url(url)!r}: scheme must be mqtt:// or mqtts://")
         tls = parsed.scheme in ("mqtts", "ssl")
         if not parsed.hostname:
-            raise ValueError(f"broker URL {url!r} has no host")
+            raise ValueError(f"broker URL {redact_url(url)!r} has no host")
         try:
             port = parsed.port or (8883 if tls else 1883)
         except ValueError:
-            raise ValueError(f"broker URL {url!r} has an invalid port") from None
-        return cls(parsed.hostname, port, tls)
+            raise ValueError(f"broker URL {redact_url(url)!r} has an invalid port") from None
+        username = unquote(parsed.username) if parsed.username is not None else None
+        password = unquote(parsed.password) if parsed.password is not None else None
+        return cls(parsed.hostname, port, tls, username, password)
 
     def url(self) -> str:
+        """The URL without credentials (what logs and reports show)."""
         return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of a ``user:password@`` part replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return url
+    creds, host = netloc.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    shown = f"{user}:***" if ":" in creds else user
+    return f"{scheme}{sep}{shown}@{host}{slash}{path}"
 
 
 @dataclass(frozen=True)
 class TransportConfig:
     broker_url: str = "mqtt://127.0.0.1:1883"
     client_id: str = ""
-    username: str | None = None
+    username: str | None = None  # or user:password@ in broker_url
     password: str | None = field(default=None, repr=False)  # never logged
     ca_file: str | None = None
     cert_file: str | None = None
@@ -85,27 +112,83 @@ class TransportConfig:
     keepalive_s: int = 30
     session_expiry_s: int = 3600
     connect_timeout_s: float = 30.0
-    chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES
+    # Blob bytes per PUBLISH. None: 512 KiB, or less when the broker's CONNACK announces a
+    # Maximum Packet Size that needs it; an explicit size that does not fit fails at connect.
+    chunk_size_bytes: int | None = None
     max_inflight_chunks: int = 16
     publish_timeout_s: float = 600.0
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 30.0
     max_transfer_bytes: int = 256 * 1024 * 1024
     max_reassembly_bytes: int = 1024 * 1024 * 1024
+    # Senders the receiver states no expectation for (Transport.expect_sender). None: they may
+    # send up to max_transfer_bytes; a server sets a small bound (a hello is a few KiB).
+    max_unexpected_transfer_bytes: int | None = None
+    max_unexpected_total_bytes: int = 16 * 1024 * 1024  # all such senders together (with a bound set)
+    max_invalid_transfers: int = 20  # from one such sender, then it is ignored for ignore_invalid_s
+    ignore_invalid_s: float = 600.0
     transfer_timeout_s: float = 300.0
     resend_after_s: float = 15.0
     resend_cache_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        BrokerAddress.parse(self.broker_url)
-        if self.chunk_size_bytes < 1024:
-            raise ValueError(f"chunk_size_bytes must be >= 1024, got {self.chunk_size_bytes}")
+        address = BrokerAddress.parse(self.broker_url)
+        if address.username is not None and self.username is not None and address.username != self.username:
+            raise ValueError(
+                f"broker URL names user {address.username!r} but username is {self.username!r}: give it once"
+            )
+        if address.password is not None and self.password is not None and address.password != self.password:
+            raise ValueError("broker URL carries a password and password / password_file gives another: give it once")
+        if self.chunk_size_bytes is not None and self.chunk_size_bytes < MIN_CHUNK_SIZE_BYTES:
+            raise ValueError(f"chunk_size_bytes must be >= {MIN_CHUNK_SIZE_BYTES}, got {self.chunk_size_bytes}")
         if self.max_inflight_chunks < 1:
             raise ValueError("max_inflight_chunks must be >= 1")
         if self.keepalive_s < 1 or self.publish_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("keepalive_s, publish_timeout_s and connect_timeout_s must be positive")
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("cert_file and key_file go together")
+        if self.max_unexpected_transfer_bytes is not None and not (
+            0 < self.max_unexpected_transfer_bytes <= self.max_unexpected_total_bytes
+        ):
+            raise ValueError(
+                f"need 0 < max_unexpected_transfer_bytes ({self.max_unexpected_transfer_bytes}) <= "
+                f"max_unexpected_total_bytes ({self.max_unexpected_total_bytes})"
+            )
+        if self.max_invalid_transfers < 1 or self.ignore_invalid_s < 0:
+            raise ValueError("max_invalid_transfers must be >= 1 and ignore_invalid_s >= 0")
+
+    @property
+    def credentials(self) -> tuple[str | None, str | None]:
+        """(username, password): the explicit ones, else those in the broker URL."""
+        address = BrokerAddress.parse(self.broker_url)
+        username = self.username if self.username is not None else address.username
+        password = self.password if self.password is not None else address.password
+        return username, password
+
+
+def chunk_size_for(packet_limit_bytes: int | None, explicit: int | None) -> int:
+    """The chunk size to use under a broker's Maximum Packet Size (None: it announced none).
+
+    An explicit size must leave :data:`CHUNK_HEADROOM_BYTES` under the limit (ValueError naming
+    both sizes otherwise); the default is 512 KiB, or the most that leaves that room.
+    """
+    if packet_limit_bytes is None:
+        return explicit or DEFAULT_CHUNK_SIZE_BYTES
+    fits = packet_limit_bytes - CHUNK_HEADROOM_BYTES
+    if explicit is not None:
+        if explicit > fits:
+            raise ValueError(
+                f"chunk_size_bytes {explicit} does not fit the broker's Maximum Packet Size of {packet_limit_bytes} "
+                f"bytes (announced in its CONNACK): a chunk needs up to {explicit + CHUNK_HEADROOM_BYTES} bytes "
+                f"with its headers; set chunk_size_bytes to at most {fits}, or leave it unset to adapt"
+            )
+        return explicit
+    if fits < MIN_CHUNK_SIZE_BYTES:
+        raise ValueError(
+            f"the broker's Maximum Packet Size of {packet_limit_bytes} bytes leaves no room for a "
+            f"{MIN_CHUNK_SIZE_BYTES}-byte chunk and its {CHUNK_HEADROOM_BYTES} bytes of headers"
+        )
+    return min(DEFAULT_CHUNK_SIZE_BYTES, fits)
 
 
 @dataclass(frozen=True)
@@ -207,6 +290,21 @@ class Transport(ABC):
     def connect_count(self) -> int:
         """Successful (re)connections so far; a change means we reconnected."""
 
+    def expect_sender(self, source: str, limits: SenderLimits | None) -> None:
+        """State what the sender publishing on topic ``source`` may send at a time (None:
+        nothing stated). A transport that does not reassemble chunks ignores it."""
+
+    def block_sender(self, source: str, why: str) -> None:
+        """Drop everything that arrives on topic ``source`` from now on, unread."""
+
+    def rejections(self) -> dict[str, int]:
+        """Chunks refused below the message layer so far, by error code."""
+        return {}
+
+    def inbound_progress(self, source: str) -> tuple[int, int]:
+        """(incomplete transfers, bytes of them held) from topic ``source`` now."""
+        return 0, 0
+
 
 # --------------------------------------------------------------------------- #
 # MQTT
@@ -227,10 +325,27 @@ class MqttTransport(Transport):
         self.address = BrokerAddress.parse(config.broker_url)
         self.client_id = config.client_id or f"es-{uuid.uuid4().hex[:12]}"
         self.stats = TrafficStats()
-        self._inbox: queue.Queue[Delivery] = queue.Queue()
+        self._inbox: queue.Queue[tuple[Delivery, int]] = queue.Queue()  # (delivery, bytes charged to the unexpected pool)
+        unexpected = None
+        if config.max_unexpected_transfer_bytes is not None:
+            unexpected = SenderLimits(config.max_unexpected_transfer_bytes, config.max_unexpected_transfer_bytes, 4)
         self._reassembler = Reassembler(
-            config.max_transfer_bytes, config.max_reassembly_bytes, config.transfer_timeout_s
+            config.max_transfer_bytes, config.max_reassembly_bytes, config.transfer_timeout_s,
+            unexpected=unexpected,
+            unexpected_total_bytes=config.max_unexpected_total_bytes if unexpected is not None else None,
+            max_invalid_transfers=config.max_invalid_transfers, ignore_s=config.ignore_invalid_s,
         )
+        self._reassembler.on_ignore = self._on_ignore
+        self._rejected_by_source: OrderedDict[str, Counter[str]] = OrderedDict()  # not logged yet, per topic
+        self._rejections_logged_at = time.monotonic()
+        self._rejections_lock = threading.Lock()
+        self._rejected_by_reason: Counter[str] = Counter()
+        self._queued_unexpected_bytes = 0  # complete blobs from unexpected senders waiting in the inbox
+        # From the broker's CONNACK: its Maximum Packet Size (None: it announced none) and the
+        # chunk size that follows from it and the config.
+        self.broker_max_packet_bytes: int | None = None
+        self.chunk_size_bytes = config.chunk_size_bytes or DEFAULT_CHUNK_SIZE_BYTES
+        self.granted_session_expiry_s: int | None = None
         self._subscriptions: list[str] = []
         self._lock = threading.Lock()
         self._ack_cond = threading.Condition(self._lock)
@@ -266,8 +381,10 @@ class MqttTransport(Transport):
         client.reconnect_delay_set(
             min_delay=max(1, int(config.reconnect_min_s)), max_delay=max(1, int(config.reconnect_max_s))
         )
-        if config.username is not None:
-            client.username_pw_set(config.username, config.password)
+        username, password = config.credentials
+        if username is not None or password is not None:
+            # mod_mqtt (ejabberd) and others refuse a login without a password; paho sends one only if given.
+            client.username_pw_set(username or "", password)
         if self.address.tls:
             context = ssl.create_default_context(cafile=config.ca_file)
             if config.cert_file and config.key_file:
@@ -295,7 +412,7 @@ class MqttTransport(Transport):
         self._reply_topic = topic
 
     def set_will(self, topic: str, blob: bytes) -> None:
-        chunks = ChunkedBlob(blob, self.config.chunk_size_bytes)
+        chunks = ChunkedBlob(blob, self.chunk_size_bytes)
         if len(chunks) > 1:
             raise ValueError("a last-will blob must fit in one chunk")
         self._client.will_set(topic, chunks.chunk(0), qos=1, retain=True)
@@ -320,8 +437,10 @@ class MqttTransport(Transport):
         while not self._connected.is_set() and not self._refused.is_set() and time.monotonic() < deadline:
             self._connected.wait(0.05)
         if not self._connected.is_set():
-            reason = self._refused_reason or "no CONNACK (wrong port, or TLS expected?)"
             self._client.loop_stop()
+            if self._refused.is_set():
+                raise TransportError(f"cannot use broker {self.address.url()}: {self._refused_reason}")
+            reason = self._refused_reason or "no CONNACK (wrong port, or TLS expected?)"
             raise TransportError(f"could not connect to {self.address.url()} within {self.config.connect_timeout_s}s: {reason}")
         self._wait_subscribed(deadline)
 
@@ -348,6 +467,30 @@ class MqttTransport(Transport):
                 client.disconnect()  # retrying with the same credentials cannot succeed
                 self._refused.set()
             return
+        limit = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
+        try:
+            chunk_size = chunk_size_for(limit, self.config.chunk_size_bytes)
+        except ValueError as exc:
+            # Every chunk would make the broker drop the connection: fail now, saying why.
+            self._refused_reason = str(exc)
+            log.error("broker %s: %s", self.address.url(), exc)
+            client.disconnect()
+            self._refused.set()
+            return
+        if chunk_size != self.chunk_size_bytes or limit != self.broker_max_packet_bytes:
+            log.info("broker %s announces a Maximum Packet Size of %s; chunks carry %d bytes", self.address.url(),
+                     "none" if limit is None else f"{limit} bytes", chunk_size)
+        self.broker_max_packet_bytes, self.chunk_size_bytes = limit, chunk_size
+        granted = getattr(properties, "SessionExpiryInterval", None) if properties is not None else None
+        granted = self.config.session_expiry_s if granted is None else int(granted)  # absent: ours stands
+        if granted < self.config.session_expiry_s and granted != self.granted_session_expiry_s:
+            log.warning(
+                "broker %s granted a session expiry of %d s, not the %d s asked for: if this client is disconnected "
+                "for longer than %d s the broker discards its session and the messages queued for it (an agent "
+                "then misses what the server sent meanwhile and redoes its round; raise the broker's limit, e.g. "
+                "ejabberd's mod_mqtt session_expiry)", self.address.url(), granted, self.config.session_expiry_s, granted,
+            )
+        self.granted_session_expiry_s = granted
         # The broker may have restarted without our session: always resubscribe.
         for topic_filter in self._subscriptions:
             self._track_subscribe(client.subscribe(topic_filter, qos=1))
@@ -357,7 +500,7 @@ class MqttTransport(Transport):
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         self._connected.clear()
-        if not self._closed:
+        if not self._closed and not self._refused.is_set():
             log.warning("disconnected from %s (%s); reconnecting", self.address.url(), reason_code)
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
@@ -382,21 +525,61 @@ class MqttTransport(Transport):
             if control is not None:
                 self._handle_control(control, values)
                 return
+        topic = message.topic
         with self._reasm_lock:
             try:
-                header, body = ChunkHeader.parse(payload)
-                key = (message.topic, header.transfer_id)
-                blob = self._reassembler.add_chunk(header, body, source=message.topic)
+                header, body = self._reassembler.parse(payload, source=topic)
+                key = (topic, header.transfer_id)
+                blob = self._reassembler.add_chunk(header, body, source=topic)
             except ProtocolError as exc:
-                self.stats.add(rejected_chunks=1)
-                log.warning("rejected chunk on %s: %s", message.topic, exc)
+                self._rejected_chunk(topic, exc)
                 return
             self._inbound_wire[key] = self._inbound_wire.get(key, 0) + wire
             if blob is None:
                 return
             total_wire = self._inbound_wire.pop(key, wire)
+            charged = 0
+            if not self._reassembler.is_expected(topic):
+                # Complete blobs from senders nobody expects wait in the inbox within the same small pool.
+                if self._queued_unexpected_bytes + len(blob) > self._reassembler.unexpected_total_bytes:
+                    self._rejected_chunk(topic, BudgetError(
+                        f"a {len(blob)}-byte message on {topic} would exceed the {self._reassembler.unexpected_total_bytes}"
+                        f"-byte bound on queued messages from unexpected senders; dropped"))
+                    return
+                charged = len(blob)
+                self._queued_unexpected_bytes += charged
         self.stats.add(payload_bytes_in=len(blob), messages_in=1)
-        self._inbox.put(Delivery(message.topic, blob, header.transfer_id, total_wire, time.time()))
+        self._inbox.put((Delivery(topic, blob, header.transfer_id, total_wire, time.time()), charged))
+
+    def _rejected_chunk(self, topic: str, exc: ProtocolError) -> None:
+        """Count a refused chunk; log the first per topic, then at most a summary a minute."""
+        self.stats.add(rejected_chunks=1)
+        with self._rejections_lock:
+            self._rejected_by_reason[exc.code] += 1
+            if topic not in self._rejected_by_source and len(self._rejected_by_source) >= 256:
+                topic = "(other topics)"  # a flood from ever new topic names is summarised, not logged per name
+            pending = self._rejected_by_source.get(topic)
+            if pending is None:
+                log.warning("rejected chunk on %s (%s): %s; further rejections on this topic are summarised once a minute",
+                            topic, exc.code, exc)
+                self._rejected_by_source[topic] = Counter()
+            else:
+                pending[exc.code] += 1
+
+    def _log_rejection_summary(self) -> None:
+        with self._rejections_lock:
+            for topic, counts in self._rejected_by_source.items():
+                if counts:
+                    log.warning("rejected %d more chunks on %s in the last %.0f s (%s)", sum(counts.values()), topic,
+                                time.monotonic() - self._rejections_logged_at,
+                                ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+                    counts.clear()
+            self._rejections_logged_at = time.monotonic()
+
+    def _on_ignore(self, source: str, counts: dict[str, int]) -> None:
+        log.warning("ignoring everything on %s for %.0f s: it sent %d invalid transfers (%s); what it sends meanwhile "
+                    "is counted as ignored_sender, not logged", source, self.config.ignore_invalid_s, sum(counts.values()),
+                    ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
 
     def _housekeeping(self) -> None:
         """Expire dead transfers; ask senders to resend the chunks of stalled ones."""
@@ -406,14 +589,23 @@ class MqttTransport(Transport):
             time.sleep(interval)
             requests = []
             with self._reasm_lock:
-                for key in self._reassembler.expire():
-                    self._inbound_wire.pop(key, None)
+                self._reassembler.expire()
+                if len(self._inbound_wire) > len(self._reassembler.open_transfers()):
+                    # Transfers evicted, expired or refused: their wire counts go with them.
+                    live = set(self._reassembler.open_transfers())
+                    self._inbound_wire = {k: v for k, v in self._inbound_wire.items() if k in live}
+                    asked = {k: v for k, v in asked.items() if k in live}
                 now = time.monotonic()
+                strict = self.config.max_unexpected_transfer_bytes is not None
                 for source, tid, missing in self._reassembler.stalled(self.config.resend_after_s):
+                    if strict and not self._reassembler.is_expected(source):
+                        continue  # a stranger's chunks name any reply topic they like: never publish there
                     reply = self._reassembler.reply_topic(tid, source)
                     if reply and missing and now - asked.get((source, tid), 0.0) >= self.config.resend_after_s:
                         asked[(source, tid)] = now
                         requests.append((reply, tid, missing))
+            if time.monotonic() - self._rejections_logged_at >= 60.0:
+                self._log_rejection_summary()
             for reply, tid, missing in requests:
                 if self.connected:
                     log.info("asking %s to resend %d chunks of transfer %s", reply, len(missing), tid)
@@ -477,11 +669,20 @@ class MqttTransport(Transport):
 
     def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None, wait: bool = True) -> None:
         # A caller's bytearray could change under chunks still in flight or kept for resends.
-        chunks = ChunkedBlob(blob if isinstance(blob, bytes) else bytes(blob), self.config.chunk_size_bytes,
+        chunks = ChunkedBlob(blob if isinstance(blob, bytes) else bytes(blob), self.chunk_size_bytes,
                              reply_topic=reply_topic or self._reply_topic or "")
         if retain and len(chunks) > 1:
             # The broker retains one message per topic: only the last chunk would survive.
-            raise ValueError(f"a retained blob must fit in one chunk ({len(blob)} > {self.config.chunk_size_bytes} bytes)")
+            raise ValueError(f"a retained blob must fit in one chunk ({len(blob)} > {self.chunk_size_bytes} bytes)")
+        if self.broker_max_packet_bytes is not None:
+            # mosquitto, like most brokers, drops the connection on an oversized packet (paho does not check).
+            largest = publish_packet_bytes(topic, len(chunks.header(0).pack()) + min(len(blob), chunks.chunk_size_bytes) + 32, 1, 1)
+            if largest > self.broker_max_packet_bytes:
+                raise TransportError(
+                    f"a chunk on {topic} would be a {largest}-byte packet, over the broker's Maximum Packet Size of "
+                    f"{self.broker_max_packet_bytes} bytes (topic or reply topic too long for chunk_size_bytes "
+                    f"{self.chunk_size_bytes})"
+                )
         deadline = time.monotonic() + self.config.publish_timeout_s
         wire_total = 0
         with self._publish_lock:
@@ -552,9 +753,29 @@ class MqttTransport(Transport):
 
     def receive(self, timeout_s: float | None = None) -> Delivery | None:
         try:
-            return self._inbox.get(timeout=timeout_s)
+            delivery, charged = self._inbox.get(timeout=timeout_s)
         except queue.Empty:
             return None
+        if charged:
+            with self._reasm_lock:
+                self._queued_unexpected_bytes -= charged
+        return delivery
+
+    def expect_sender(self, source: str, limits: SenderLimits | None) -> None:
+        with self._reasm_lock:
+            self._reassembler.expect(source, limits)
+
+    def block_sender(self, source: str, why: str) -> None:
+        with self._reasm_lock:
+            self._reassembler.block(source, why)
+
+    def rejections(self) -> dict[str, int]:
+        with self._rejections_lock:
+            return dict(self._rejected_by_reason)
+
+    def inbound_progress(self, source: str) -> tuple[int, int]:
+        with self._reasm_lock:
+            return len(self._reassembler.open_transfers(source)), self._reassembler.held_by(source)
 
 
 # --------------------------------------------------------------------------- #

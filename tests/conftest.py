@@ -37,6 +37,14 @@ def wait_for_port(host: str, port: int, timeout_s: float = 10.0) -> None:
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
 
 
+def require_tools(*tools: str) -> None:
+    """Skip the calling test (or fixture) when a command-line tool it needs is not on PATH,
+    naming it: e.g. ``edgesplit keys init`` needs openssl and mosquitto_passwd."""
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} on PATH, which this machine lacks")
+
+
 @dataclass
 class Broker:
     """A mosquitto process we own: started from a temporary config, stopped by PID."""

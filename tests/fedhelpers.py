@@ -118,8 +118,15 @@ def write_server_toml(path: Path, config: ServerConfig) -> Path:
     return path
 
 
+def child_pythonpath(*first: str | Path) -> str:
+    """PYTHONPATH for a child process: ``first``, the project root, then this process's own
+    PYTHONPATH (where a machine may keep packages, e.g. the GPU kit's /tmp/site with paho-mqtt)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([*(str(p) for p in first), str(ROOT), *inherited])
+
+
 def spawn(module: str, *args: str, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath())
     f = open(log, "w")
     return subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 

@@ -8,8 +8,15 @@ import random
 
 import pytest
 
-from shared_protocol.chunking import CHUNK_FIXED_BYTES, ChunkedBlob, ChunkHeader, Reassembler, split_blob
-from shared_protocol.errors import ChunkError, HashMismatchError, LengthMismatchError, SizeLimitError
+from shared_protocol.chunking import CHUNK_FIXED_BYTES, ChunkedBlob, ChunkHeader, Reassembler, SenderLimits, split_blob
+from shared_protocol.errors import (
+    BudgetError,
+    ChunkError,
+    HashMismatchError,
+    LengthMismatchError,
+    SenderIgnoredError,
+    SizeLimitError,
+)
 
 
 class FakeClock:
@@ -80,19 +87,34 @@ def test_hash_mismatch_detected() -> None:
 
 
 def test_per_transfer_and_total_memory_bounds() -> None:
-    r = Reassembler(max_transfer_bytes=10_000, max_total_bytes=15_000)
+    """Memory is counted as chunks arrive: the total refuses a chunk (the transfer stays
+    open, the seq missing, to be asked for again), expiry and completion free room."""
+    clock = FakeClock()
+    r = Reassembler(max_transfer_bytes=10_000, max_total_bytes=15_000, timeout_s=120, clock=clock)
     big = split_blob(os.urandom(20_000), 5_000)
     with pytest.raises(SizeLimitError):
-        r.add(big[0])
-    a = split_blob(os.urandom(9_000), 3_000)
-    b = split_blob(os.urandom(9_000), 3_000)
-    r.add(a[0])
-    with pytest.raises(SizeLimitError, match="budget"):
-        r.add(b[0])
-    # Finishing a frees its reservation.
-    for c in a[1:]:
-        r.add(c)
-    assert r.add(b[0]) is None
+        r.add(big[0], "s-big")
+    assert r.held_bytes == 0
+    blobs = {name: os.urandom(9_000) for name in "abc"}
+    chunks = {name: split_blob(blob, 3_000, transfer_id=name) for name, blob in blobs.items()}
+    for name in blobs:  # expected senders: none gives way to another
+        r.expect(f"s-{name}", SenderLimits(10_000, 10_000))
+    r.add(chunks["a"][0], "s-a")
+    r.add(chunks["a"][1], "s-a")
+    clock.now = 100
+    r.add(chunks["b"][0], "s-b")
+    r.add(chunks["b"][1], "s-b")
+    r.add(chunks["c"][0], "s-c")
+    assert r.held_bytes == 15_000
+    with pytest.raises(BudgetError, match="budget"):
+        r.add(chunks["c"][1], "s-c")
+    assert r.missing("c", "s-c") == [1, 2] and r.held_bytes == 15_000
+    clock.now = 130  # a has been idle for 130 s > 120: it expires and makes room
+    assert r.add(chunks["c"][1], "s-c") is None
+    assert ("s-a", "a") not in r.open_transfers() and r.held_bytes == 12_000
+    assert r.add(chunks["b"][2], "s-b") == blobs["b"]  # finishing b frees its 9,000 bytes
+    assert r.held_bytes == 6_000
+    assert r.stats.rejected_by_reason == {"size_limit": 1, "over_budget": 1}
 
 
 def test_stale_transfers_expire_and_free_memory() -> None:
@@ -174,9 +196,97 @@ def test_chunked_blob_cuts_views_and_resends_the_same_bytes() -> None:
 
 
 def test_one_source_cannot_hold_too_many_open_transfers() -> None:
+    """At its limit a sender's least recently active transfer gives way to its new one;
+    other senders are unaffected."""
     r = Reassembler(max_transfers_per_source=2)
-    for _ in range(2):
-        r.add(split_blob(os.urandom(2000), 1000)[0], source="greedy")
-    with pytest.raises(SizeLimitError, match="transfers open"):
-        r.add(split_blob(os.urandom(2000), 1000)[0], source="greedy")
-    r.add(split_blob(os.urandom(2000), 1000)[0], source="polite")  # others are unaffected
+    polite = split_blob(os.urandom(2000), 1000)
+    r.add(polite[0], source="polite")
+    greedy = [split_blob(os.urandom(2000), 1000) for _ in range(3)]
+    for blob in greedy:
+        r.add(blob[0], source="greedy")
+    assert len(r.open_transfers("greedy")) == 2 and r.stats.evicted == 1
+    first = ChunkHeader.parse(greedy[0][0])[0].transfer_id
+    assert ("greedy", first) not in r.open_transfers()
+    assert r.add(polite[1], source="polite") is not None  # others are unaffected
+
+
+def _first_chunk(transfer_id: str, total_bytes: int, stride: int) -> bytes:
+    """The first chunk of a transfer that declares ``total_bytes`` and never sends the rest."""
+    count = -(-total_bytes // stride)
+    return ChunkHeader(transfer_id, 0, count, total_bytes, stride).pack() + os.urandom(stride)
+
+
+def test_memory_is_taken_as_bytes_arrive_not_reserved() -> None:
+    r = Reassembler(max_transfer_bytes=256 << 20, max_total_bytes=1 << 30)
+    for i in range(8):  # eight first chunks of 256 MiB transfers: 2 GiB declared
+        r.add(_first_chunk(f"t{i}", 256 << 20, 4096), source=f"s{i}")
+    assert r.held_bytes == 8 * 4096
+    ok = os.urandom(10_000)
+    assert [r.add(c, "honest") for c in split_blob(ok, 4096)][-1] == ok
+
+
+def test_declared_length_checked_against_the_senders_expectation() -> None:
+    r = Reassembler(unexpected=SenderLimits(2_000, 4_000), unexpected_total_bytes=8_000)
+    r.expect("up/a", SenderLimits(10_000, 20_000))
+    with pytest.raises(SizeLimitError, match="expected from this sender is 10000"):
+        r.add(_first_chunk("big", 50_000, 1000), "up/a")
+    with pytest.raises(SizeLimitError, match="limit is 2000"):
+        r.add(_first_chunk("big", 5_000, 1000), "up/stranger")
+    assert r.held_bytes == 0 and r.open_transfers() == []
+    blob = os.urandom(9_000)
+    assert [r.add(c, "up/a") for c in split_blob(blob, 1000)][-1] == blob
+    r.expect("up/a", None)  # forgotten: unexpected again
+    with pytest.raises(SizeLimitError, match="limit is 2000"):
+        r.add(_first_chunk("again", 9_000, 1000), "up/a")
+
+
+def test_a_flooding_sender_cannot_make_another_senders_upload_fail() -> None:
+    r = Reassembler(max_transfer_bytes=20_000, max_total_bytes=64_000, unexpected=SenderLimits(2_000, 4_000), unexpected_total_bytes=8_000)
+    for agent in ("up/a", "up/b"):
+        r.expect(agent, SenderLimits(20_000, 24_000, max_open_transfers=4))
+    honest = os.urandom(20_000)
+    honest_chunks = split_blob(honest, 1000, transfer_id="honest")
+    a_live = os.urandom(20_000)
+    a_chunks = split_blob(a_live, 1000, transfer_id="a-live")
+    out_b, out_a = None, None
+    for i in range(20):
+        # Between every two chunks of the live uploads, a's topic and strangers open transfers that
+        # never complete (on a's own topic fewer than its open-transfer limit: the live one is then
+        # never the least recently active; b's upload does not depend on that).
+        for k in range(3):
+            r.add(_first_chunk(f"flood-{i}-{k}", 20_000, 1000), "up/a")
+            try:
+                r.add(_first_chunk(f"s-{i}-{k}", 2_000, 1000), f"up/stranger-{k}")
+            except SizeLimitError:
+                pass  # strangers' pool is full: their own problem
+        out_a = r.add(a_chunks[i], "up/a") or out_a
+        out_b = r.add(honest_chunks[i], "up/b") or out_b
+    assert out_b == honest and out_a == a_live
+    assert r.held_by("up/a") <= 24_000 and r.held_bytes <= 64_000
+    assert r.stats.evicted > 0
+
+
+def test_a_sender_sending_invalid_transfers_is_ignored_once_then_counted() -> None:
+    clock = FakeClock()
+    r = Reassembler(clock=clock, max_invalid_transfers=5, ignore_s=60)
+    r.expect("up/agent", SenderLimits(10_000, 10_000))
+    calls: list[tuple[str, dict[str, int]]] = []
+    r.on_ignore = lambda source, counts: calls.append((source, counts))
+    for i in range(12):
+        with pytest.raises(ChunkError):
+            r.add(b"garbage %d" % i, "up/agent")
+        with pytest.raises(ChunkError if i < 5 else SenderIgnoredError):
+            r.add(b"garbage %d" % i, "up/stranger")
+    assert calls == [("up/stranger", {"bad_chunk": 5})]  # once, with the count
+    with pytest.raises(SenderIgnoredError):
+        r.add(split_blob(os.urandom(3000), 1024)[0], "up/stranger")  # nothing that takes more than a chunk
+    good = split_blob(b"hello", 1024)[0]
+    assert r.add(good, "up/stranger") == b"hello"  # but a whole message in one chunk (an agent's hello)
+    assert r.add(good, "up/agent") == b"hello"  # an expected sender's topic is never ignored
+    assert r.stats.rejected_by_reason["ignored_sender"] >= 1
+    clock.now = 61  # the ignore period is over
+    assert r.add(split_blob(b"x" * 3000, 1024)[-1], "up/stranger") is None  # held again
+    r.block("up/agent", "dropped by the server")
+    with pytest.raises(SenderIgnoredError):
+        r.add(split_blob(b"y", 1024)[0], "up/agent")
+    assert r.stats.rejected == sum(r.stats.rejected_by_reason.values())

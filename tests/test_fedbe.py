@@ -189,6 +189,38 @@ def test_distill_swa_ends_with_the_mean_of_the_collected_models_and_fresh_bn_sta
     assert math.isfinite(result.mean_loss)
 
 
+def test_distillation_fails_at_the_first_non_finite_loss_with_the_models_collected_before_it() -> None:
+    """Losses stay on the device between collections; a NaN is still reported at its own step."""
+    torch.manual_seed(0)
+    model, images = _TinyNet(), torch.randn(40, 3, 8, 8)
+    targets = F.softmax(torch.randn(40, 3), dim=-1)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(0))  # the first epoch's order
+    targets[order[4 * 8 + 1]] = float("nan")  # a sample of step 5's batch
+    cfg = FedBEConfig(unlabeled_dataset="synthetic", agent_train_samples=1, distill_steps=11, distill_batch_size=8,
+                      swa_warmup_steps=3, swa_cycle_steps=1, swa_lr_max=0.05, swa_lr_min=0.01)
+    snapshots: list[dict[str, np.ndarray]] = []
+    result = distill_swa(model, images, targets, cfg, torch.Generator().manual_seed(0), snapshots=snapshots)
+    assert result.failed is not None and "at step 5" in result.failed and "nan" in result.failed
+    assert result.steps == 5 and result.swa_models == 1 == len(snapshots)  # collected after step 4 only
+    assert math.isnan(result.mean_loss)
+
+
+def test_distillation_reuses_its_step_across_rounds_with_a_fresh_optimiser() -> None:
+    torch.manual_seed(0)
+    model, images = _TinyNet(), torch.randn(40, 3, 8, 8)
+    targets = F.softmax(torch.randn(40, 3), dim=-1)
+    cfg = FedBEConfig(unlabeled_dataset="synthetic", agent_train_samples=1, distill_steps=6, distill_batch_size=8,
+                      swa_warmup_steps=2, swa_cycle_steps=2, swa_lr_max=0.05, swa_lr_min=0.01)
+    first = distill_swa(model, images, targets, cfg, torch.Generator().manual_seed(0))
+    optimizer_of_round_1 = first.trainer.optimizer
+    second = distill_swa(model, images, targets, cfg, torch.Generator().manual_seed(1), trainer=first.trainer)
+    assert second.trainer is first.trainer and second.failed is None
+    assert first.trainer.optimizer is not optimizer_of_round_1  # SWA starts each round with a fresh SGD
+    assert first.trainer.steps["eager"] == 12
+    with pytest.raises(ValueError, match="another model"):
+        distill_swa(_TinyNet(), images, targets, cfg, torch.Generator().manual_seed(0), trainer=first.trainer)
+
+
 def test_distillation_moves_the_student_towards_the_ensemble() -> None:
     torch.manual_seed(1)
     model, images = _TinyNet(), torch.randn(64, 3, 8, 8)

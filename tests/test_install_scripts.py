@@ -52,6 +52,37 @@ def test_edge_plan_on_x86_uses_the_cpu_wheel_index() -> None:
     assert "torch torchvision" in out
 
 
+def test_edge_plan_on_x86_offers_the_cuda_build_only_when_asked() -> None:
+    default = plan(EDGE, "--arch", "x86_64")
+    assert default.returncode == 0, default.stderr
+    assert "torch (cpu build)" in default.stdout and "--index-url https://download.pytorch.org/whl/cpu" in default.stdout
+    cuda = plan(EDGE, "--arch", "x86_64", "--torch-build", "cuda")
+    assert cuda.returncode == 0, cuda.stderr
+    assert "torch (cuda build)" in cuda.stdout
+    assert "download.pytorch.org" not in cuda.stdout and "install -q torch torchvision" in cuda.stdout  # PyPI's default wheel
+    assert "--torch-build cpu|cuda" in subprocess.run(["bash", str(EDGE), "--help"], capture_output=True, text=True).stdout
+
+
+def test_edge_plan_refuses_a_cuda_build_on_a_pi_or_an_unknown_build() -> None:
+    pi = plan(EDGE, "--arch", "aarch64", "--torch-build", "cuda")
+    assert pi.returncode == 1 and "--torch-build cuda is for x86_64" in pi.stderr
+    bad = plan(EDGE, "--arch", "x86_64", "--torch-build", "rocm")
+    assert bad.returncode == 1 and "--torch-build must be cpu or cuda, got 'rocm'" in bad.stderr
+
+
+def test_arm64_verification_script_is_shellcheck_clean_and_refuses_non_root() -> None:
+    script = ROOT / "deploy" / "edge" / "verify-arm64.sh"
+    assert script.stat().st_mode & 0o111 and script.read_text().startswith("#!/usr/bin/env bash\n")
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is not None:
+        result = subprocess.run([shellcheck, "--severity=style", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert "deploy/edge/install.sh" in script.read_text()  # installs as on a Pi, with the same script
+    help_text = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
+    assert help_text.returncode == 0 and "--root DIR" in help_text.stdout
+
+
 def test_edge_plan_for_the_lite_backend_installs_no_torch() -> None:
     result = plan(EDGE, "--arch", "x86_64", "--backend", "ort")
     assert result.returncode == 0, result.stderr

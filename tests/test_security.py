@@ -3,6 +3,7 @@ per-agent ACLs, enforced by a real mosquitto on a free loopback port."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from cloud_server.keys import KeysConfig, init_keys
 from shared_protocol.topics import Topics
 from shared_protocol.transport import MqttTransport, TransportConfig, TransportError
 
-from conftest import Broker, free_port
+from conftest import Broker, free_port, require_tools
 
 pytestmark = pytest.mark.broker
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.broker
 def secure_broker(tmp_path: Path):  # type: ignore[no-untyped-def]
     # mosquitto started as root reads its files as the `mosquitto` user, which cannot
     # enter pytest's private (0700) tmp directories: use a traversable one.
+    require_tools("openssl", "mosquitto_passwd")
     base = Path(tempfile.mkdtemp(prefix="edgesplit-keys-"))
     base.chmod(0o755)
     port = free_port()
@@ -133,6 +135,61 @@ def test_plain_tcp_to_the_tls_port_fails(secure_broker) -> None:  # type: ignore
     with pytest.raises(TransportError):
         t.connect()
     t.kill()
+
+
+def test_broker_user_falls_back_to_nobody_as_mosquitto_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Where mosquitto's binaries came without its package (the GPU kit) there is no
+    ``mosquitto`` account; mosquitto started as root then drops to ``nobody``, so that is
+    who must own the password file, ACL and key."""
+    import pwd
+
+    from cloud_server import keys as keys_module
+
+    real = pwd.getpwnam
+
+    def without_mosquitto(name: str) -> pwd.struct_passwd:
+        if name == "mosquitto":
+            raise KeyError(name)
+        return real(name)
+
+    monkeypatch.setattr(keys_module.pwd, "getpwnam", without_mosquitto)
+    assert keys_module.broker_user().pw_name == "nobody"
+    chowned: list[tuple[Path, int, int]] = []
+    monkeypatch.setattr(keys_module.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(keys_module.os, "chown", lambda path, uid, gid: chowned.append((Path(path), uid, gid)))
+    keys_module._give_to_broker_user((tmp_path / "passwd", tmp_path / "acl"))
+    nobody = real("nobody")
+    assert chowned == [(tmp_path / "passwd", nobody.pw_uid, nobody.pw_gid), (tmp_path / "acl", nobody.pw_uid, nobody.pw_gid)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mosquitto drops privileges only when started as root")
+def test_secure_broker_that_runs_as_nobody_reads_its_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """End to end as on a machine without the mosquitto account: the generated files are
+    given to nobody, and a broker that drops to nobody starts and authenticates agents."""
+    import pwd
+
+    from cloud_server import keys as keys_module
+
+    require_tools("openssl", "mosquitto_passwd")
+    monkeypatch.setattr(keys_module, "broker_user", lambda: pwd.getpwnam("nobody"))
+    base = Path(tempfile.mkdtemp(prefix="edgesplit-keys-nobody-"))
+    base.chmod(0o755)
+    try:
+        port = free_port()
+        keys = base / "keys"
+        init_keys(KeysConfig(keys, ("agent-a",), hosts=("localhost", "127.0.0.1"), port=port, bind="127.0.0.1", run_id="sec"))
+        conf = keys / "mosquitto.conf"
+        conf.write_text(conf.read_text() + "user nobody\n")  # what mosquitto falls back to without its account
+        broker = Broker(tmp_path, port, config_file=conf)
+        broker.start()
+        try:
+            t = transport(port, keys, "agent-a")
+            t.connect()
+            t.close()
+        finally:
+            broker.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_keys_cli_refuses_bad_input(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhelpers import ROOT, agent_config, mqtt_federation, server_config, write_agent_toml
+from fedhelpers import ROOT, agent_config, child_pythonpath, mqtt_federation, server_config, write_agent_toml
 from netlab import DelayProxy, Namespace, NetlabUnavailable
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -31,7 +31,7 @@ def test_fedgkt_round_over_a_slow_cut_link(mosquitto, tmp_path: Path) -> None:  
         for i in range(2):
             agent_toml = write_agent_toml(tmp_path / f"agent-{i}.toml", agent_config("slow", i, 2, broker_url=f"mqtt://{lab.host_ip}:{proxy.port}"))
             log = open(tmp_path / f"agent-{i}.log", "w")
-            procs.append(subprocess.Popen(lab.command("env", f"PYTHONPATH={ROOT}", "OMP_NUM_THREADS=1", sys.executable,
+            procs.append(subprocess.Popen(lab.command("env", f"PYTHONPATH={child_pythonpath()}", "OMP_NUM_THREADS=1", sys.executable,
                                                       "-m", "edge_agent.cli", "run", "--config", str(agent_toml)),
                                           stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         started = time.monotonic()

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shared_protocol.messages import Message, RoundEnd
+from shared_protocol.messages import Hello, Message, RoundEnd
 
 
 @dataclass
@@ -23,6 +23,16 @@ class ServerContext:
     progress: bool = False
     rounds: int = 0  # the run's planned number of rounds (0: not known, e.g. a unit test)
     out_dir: str = ""  # the run directory (report, checkpoint); "" when there is none (unit tests)
+    server_step: str = "auto"  # how the server's training step runs (cloud_server/server_step.py)
+    # The device's figures per round (name, training seconds, peak memory, utilisation): methods wrap
+    # their server-side training in device_meter.training(); the coordinator takes them as a round closes.
+    device_meter: Any = None  # cloud_server.device_meter.DeviceMeter, made from ``device`` when not given
+
+    def __post_init__(self) -> None:
+        if self.device_meter is None:
+            from ..device_meter import DeviceMeter  # imports torch: only when a context is made
+
+            self.device_meter = DeviceMeter(self.device)
 
 
 @dataclass
@@ -93,6 +103,13 @@ class ServerMethod(ABC):
         May return messages to send at once (agent id, message), for methods that
         answer within a round (split learning answers every batch with gradients).
         """
+        return None
+
+    def max_upload_bytes(self, agent: str, hello: Hello) -> int | None:
+        """The largest single message (frame bytes) ``agent`` may upload in a round, as far as
+        the method knows now; None: it cannot say. The coordinator refuses a transfer on the
+        agent's topic that declares more before holding any of it, and asks again at every
+        round start, so a method may tighten its answer as it learns (e.g. from a first upload)."""
         return None
 
     def check_round_end(self, agent: str, end: RoundEnd) -> list[tuple[str, Message]]:

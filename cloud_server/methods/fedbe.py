@@ -55,6 +55,7 @@ from fldata.torch_data import make_loader
 from models import build_model, count_parameters, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 
 from ..aggregation import AggregationError, weighted_mean
+from ..server_step import TrainStep
 from .base import ServerContext, register_server_method
 from .fedavg import FedAvgConfig, FedAvgServer
 from shared_protocol.configs import config_from_table
@@ -335,56 +336,81 @@ class DistillResult:
     swa_models: int
     mean_loss: float  # over the last cycle's steps (NaN when it failed)
     failed: str | None = None  # why the distilled model was not used (the weight average is kept)
+    trainer: Any = None  # the TrainStep that ran it (to reuse next round)
 
 
 def distill_swa(
     model: nn.Module, images: torch.Tensor, targets: torch.Tensor, config: FedBEConfig,
     generator: torch.Generator, progress: bool = False, desc: str = "distil",
-    snapshots: list[dict[str, np.ndarray]] | None = None,
+    snapshots: list[dict[str, np.ndarray]] | None = None, server_step: str = "auto", trainer: TrainStep | None = None,
 ) -> DistillResult:
     """Algorithm 1's ``SWA(w_bar, T, eta_SWA)``: SGD from the model's current weights on
     the soft cross-entropy to ``targets`` (``(N, K)`` on the model's device), cyclical lr,
     weights collected after every cycle past the warm-up; the model ends with their
     average and BN statistics recomputed on ``images``. Batches are drawn from a
     fresh permutation of the set each epoch (``generator`` on the CPU). ``snapshots``,
-    when given, receives a copy of every collected state (for tests)."""
+    when given, receives a copy of every collected state (for tests).
+
+    Steps run through the shared server step (``server_step``, see
+    ``cloud_server/server_step.py``); the step losses stay on the device and are read
+    when the weights are collected (a host copy anyway) and at the end. A non-finite
+    loss fails the distillation at its first such step, with the models collected
+    before it counted, as if it had stopped there. ``trainer``: a step of ``model`` to reuse
+    (its compiled forward survives across rounds); it gets this call's fresh optimiser."""
     c = config
     n = images.shape[0]
     batch = min(c.distill_batch_size, n)
     optimizer = torch.optim.SGD(model.parameters(), lr=c.swa_lr_max, momentum=c.distill_momentum, weight_decay=c.distill_weight_decay)
+    if trainer is None:
+        trainer = TrainStep(model, optimizer, soft_cross_entropy, server_step, name="fedbe distillation")
+    elif trainer.model is not model:
+        raise ValueError("distill_swa: the trainer steps another model than the one to distil")
+    else:
+        trainer.use_optimizer(optimizer)
     swa = SwaAverage()
     order, position = torch.randperm(n, generator=generator), 0
-    losses: list[float] = []
+    losses = torch.zeros(c.distill_steps, dtype=torch.float32, device=images.device)  # (T,) step losses, on the device
     steps = range(1, c.distill_steps + 1)
     if progress:
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, desc=desc, leave=False, dynamic_ncols=True)
+
+    def failure(upto: int) -> DistillResult | None:
+        seen = losses[:upto].cpu()
+        bad = (~torch.isfinite(seen)).nonzero()
+        if not len(bad):
+            return None
+        first = int(bad[0, 0]) + 1
+        return DistillResult(first, swa.count, float("nan"), failed=f"distillation loss became {float(seen[first - 1])} at step {first}",
+                             trainer=trainer)
+
     model.train()
-    for step in steps:
-        if position + batch > n:  # a new epoch: full batches only, every sample once per epoch
-            order, position = torch.randperm(n, generator=generator), 0
-        index = order[position : position + batch].to(images.device)
-        position += batch
-        lr = swa_learning_rate(step, c.swa_warmup_steps, c.swa_cycle_steps, c.swa_lr_max, c.swa_lr_min)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = soft_cross_entropy(_logits(model(images[index])), targets[index])  # (B, K) vs (B, K)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            return DistillResult(step, swa.count, float("nan"), failed=f"distillation loss became {value} at step {step}")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(value)
-        if swa_collects_after(step, c.swa_warmup_steps, c.swa_cycle_steps):
-            collected = state_dict_to_arrays(model)
-            swa.add(collected)
-            if snapshots is not None:
-                snapshots.append(collected)
+    with trainer.session(planned_steps=c.distill_steps):
+        for step in steps:
+            if position + batch > n:  # a new epoch: full batches only, every sample once per epoch
+                order, position = torch.randperm(n, generator=generator), 0
+            index = order[position : position + batch].to(images.device)
+            position += batch
+            lr = swa_learning_rate(step, c.swa_warmup_steps, c.swa_cycle_steps, c.swa_lr_max, c.swa_lr_min)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            out = trainer(images[index], targets[index])  # (B, C, H, W) images vs (B, K) targets
+            losses[step - 1] = out.loss
+            if swa_collects_after(step, c.swa_warmup_steps, c.swa_cycle_steps):
+                failed = failure(step)
+                if failed is not None:
+                    return failed
+                collected = state_dict_to_arrays(model)
+                swa.add(collected)
+                if snapshots is not None:
+                    snapshots.append(collected)
+    failed = failure(c.distill_steps)
+    if failed is not None:
+        return failed
     load_arrays_into(model, swa.average())
     recompute_bn_statistics(model, images, c.eval_batch_size)
-    return DistillResult(c.distill_steps, swa.count, float(np.mean(losses[-c.swa_cycle_steps:])))
+    return DistillResult(c.distill_steps, swa.count, float(losses[-c.swa_cycle_steps:].double().mean()), trainer=trainer)
 
 
 def _accuracy(probabilities: torch.Tensor, labels: torch.Tensor | None) -> float | None:
@@ -421,6 +447,7 @@ class FedBEServer(FedAvgServer):
         self._work = build_model(self.config.model, ctx.num_classes, ctx.in_channels).to(self.device)
         self._param_names = [name for name, _ in self._work.named_parameters()]
         self._flops: tuple[int, int] | None = None
+        self._distill_step: TrainStep | None = None  # made by the first distillation, reused after
         self._reports: dict[int, dict[str, Any]] = {}
         log.info("fedbe: %d unlabeled samples from %s/%s%s, device %s", len(unlabeled), self.config.unlabeled_dataset,
                  self.config.unlabeled_split, f", {len(validation)} for validation" if validation is not None else "", self.device)
@@ -504,8 +531,11 @@ class FedBEServer(FedAvgServer):
         mark = time.perf_counter()
         load_arrays_into(self._work, average)  # SWA(w_bar, T, eta_SWA) starts from the weight average
         generator = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + round_)
-        result = distill_swa(self._work, self._images, targets.to(self.device), c, generator,
-                             progress=self.ctx.progress, desc=f"fedbe round {round_} distillation")
+        with self.ctx.device_meter.training():
+            result = distill_swa(self._work, self._images, targets.to(self.device), c, generator,
+                                 progress=self.ctx.progress, desc=f"fedbe round {round_} distillation",
+                                 server_step=self.ctx.server_step, trainer=self._distill_step)
+        self._distill_step = self._distill_step or result.trainer
         timing["distill"] = time.perf_counter() - mark
 
         mark = time.perf_counter()

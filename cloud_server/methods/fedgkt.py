@@ -32,11 +32,12 @@ from models import build_model, count_parameters, load_arrays_into, state_dict_t
 from models.losses import kd_loss
 from shared_protocol.configs import config_from_table
 from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
-from shared_protocol.messages import Message, RoundEnd, check_labels
+from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
 from ..feature_store import ArrayStaging, RowSource, StagedArray
+from ..server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, staging_budget_bytes
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.fedgkt")
@@ -187,12 +188,17 @@ def _concat(batches: list[_Batch], staging: ArrayStaging) -> AgentData:
 
     The features are gathered into one staged array, in memory if every batch was
     and the bound allows, else in one mapped file; the batches' own staging is released.
+    When every batch was also staged on the training device, the gathered rows are too.
     """
     ids = np.concatenate([b.sample_ids for b in batches])
     _, last = np.unique(ids[::-1], return_index=True)
     keep = np.sort(len(ids) - 1 - last)
     shape = (len(keep), *batches[0].features.array.shape[1:])
     any_spilled = any(b.features.spilled for b in batches)
+    device_rows = None  # the same gather on the device, when every batch was staged there as it arrived
+    if all(b.features.device_copy is not None for b in batches):
+        copies = torch.cat([b.features.device_copy for b in batches])  # (n, 16, H, W)
+        device_rows = copies if len(keep) == len(ids) else copies[torch.from_numpy(keep).to(copies.device)]
     for b in batches:
         if not b.features.spilled:
             staging.release(b.features)  # their bytes move into the gathered array below
@@ -211,7 +217,10 @@ def _concat(batches: list[_Batch], staging: ArrayStaging) -> AgentData:
         staging.release(b.features)
     logits = torch.from_numpy(np.concatenate([b.logits for b in batches])[keep])
     labels = torch.from_numpy(np.concatenate([b.labels for b in batches])[keep])
-    return RowSource(staging.seal(gathered)), logits, labels, ids[keep]
+    sealed = staging.seal(gathered)
+    if device_rows is not None:
+        staging.attach_device_copy(sealed, device_rows)  # the batches' device bytes were released above
+    return RowSource(sealed), logits, labels, ids[keep]
 
 
 @register_server_method
@@ -234,8 +243,10 @@ class FedGktServer(ServerMethod):
         )
         self.staged: dict[str, _Staged] = {}
         spill_dir = self.config.spill_dir or (str(Path(ctx.out_dir) / "staged") if ctx.out_dir else None)
+        # On a GPU every upload is also copied there as it arrives, while it fits (server_step.py).
         self.staging = ArrayStaging(self.config.staged_memory_bytes, spill_dir, np.float16,
-                                    prefix=f"fedgkt-{ctx.run_id}")
+                                    prefix=f"fedgkt-{ctx.run_id}", device=self.device)
+        self._step: TrainStep | None = None  # the shared server step, made for the current optimiser
         self._ort = None  # OrtArtifactServer, made on the first ort agent's request
         self.feature_shape: tuple[int, ...] | None = None
         # The agents' common starting point (edge_init = "shared"): the edge model drawn from
@@ -254,9 +265,22 @@ class FedGktServer(ServerMethod):
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
-        if c.server_optimizer == "sgd":
-            return torch.optim.SGD(self.model.parameters(), lr=c.server_lr, momentum=c.server_momentum, weight_decay=c.server_weight_decay)
-        return torch.optim.Adam(self.model.parameters(), lr=c.server_lr, weight_decay=c.server_weight_decay, amsgrad=True)
+        return make_server_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
+                                     c.server_weight_decay, self.device)
+
+    def _trainer(self) -> TrainStep:
+        """The shared server step (cloud_server/server_step.py) for the model and the current
+        optimiser, with Eq. 6's loss: CE, plus alpha * KD(z_c -> z_s) when bidirectional."""
+        if self._step is None or self._step.optimizer is not self.optimizer:
+            c = self.config
+            with_kd = c.kd == "bidirectional" and c.alpha > 0
+
+            def loss_fn(logits: torch.Tensor, labels: torch.Tensor, edge_logits: torch.Tensor) -> torch.Tensor:
+                loss = F.cross_entropy(logits, labels)  # (B, K) vs (B,)
+                return loss + c.alpha * kd_loss(logits, edge_logits, c.temperature) if with_kd else loss
+
+            self._step = TrainStep(self.model, self.optimizer, loss_fn, self.ctx.server_step, name="fedgkt")
+        return self._step
 
     @property
     def asynchronous(self) -> bool:
@@ -296,6 +320,15 @@ class FedGktServer(ServerMethod):
         }
 
     # -- uploads ------------------------------------------------------------ #
+
+    def max_upload_bytes(self, agent: str, hello: Hello) -> int | None:
+        """A feature batch of ``upload_batch_samples`` samples with float32 maps, whatever the
+        codec (a compressed one is smaller; zstd's worst case adds well under 1%), plus the
+        logits, labels and ids; once the first upload told the map shape. Before, None."""
+        if self.feature_shape is None:
+            return None
+        per_sample = 4 * math.prod(self.feature_shape) + 4 * self.ctx.num_classes + 8 + 8
+        return int(1.02 * self.config.upload_batch_samples * per_sample) + 256 * 1024  # + header and codec framing
 
     def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
         if isinstance(msg, GktOrtArtifactsRequest):
@@ -397,7 +430,8 @@ class FedGktServer(ServerMethod):
             if not data:
                 return outcome
             started = time.perf_counter()
-            logits_by_agent, loss = self._train(data, round_)
+            with self.ctx.device_meter.training():
+                logits_by_agent, loss = self._train(data, round_)
             outcome.server_train_s = time.perf_counter() - started
             outcome.server_loss = loss
             outcome.samples = sum(len(d[3]) for d in data.values())
@@ -449,46 +483,67 @@ class FedGktServer(ServerMethod):
         return [flat[i] for i in order]
 
     def _train(self, data: dict[str, tuple], round_: int) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
-        """Algorithm 1 lines 6-12: E_s epochs over the agents' uploads; z_s from the last epoch."""
+        """Algorithm 1 lines 6-12: E_s epochs over the agents' uploads; z_s from the last epoch.
+
+        Through the shared server step: each agent's maps on the device when they fit (staged
+        there as they arrived, or copied now), batches gathered by index there; z_s, the loss
+        and the training accuracy stay on the device until the end and are read once."""
         c = self.config
         generator = torch.Generator().manual_seed(self.ctx.seed * 100_003 + round_)
         self.model.train()
-        bidirectional = c.kd == "bidirectional"
         agents = list(data)
-        z_s = [np.zeros((len(data[a][3]), self.ctx.num_classes), np.float32) for a in agents]
-        total_loss, total_n, train_correct = 0.0, 0, 0
+        device = self.device
+        budget = staging_budget_bytes(device)
+        banks: list[RowBank] = []
+        for a in agents:
+            features = data[a][0]  # RowSource over the agent's staged (n, 16, H, W) float16 maps
+            staged = features.staged
+            bank = RowBank(features, device, budget_bytes=budget, device_rows=staged.device_copy,
+                           host_array=None if staged.spilled else staged.array)
+            if budget is not None and bank.placement == "device" and staged.device_copy is None:
+                budget -= bank.nbytes
+            if bank.placement == "host":
+                log.info("round %d: %s's maps stay on the host: %s", round_, a, bank.why_host)
+            banks.append(bank)
+        edge_logits = [data[a][1].to(device) for a in agents]  # (n, K) each
+        labels = [data[a][2].to(device) for a in agents]  # (n,) each
+        z_s = [torch.zeros((len(data[a][3]), self.ctx.num_classes), dtype=torch.float32, device=device) for a in agents]
+        total_loss, train_correct, total_n = DeviceSum(device), DeviceSum(device), 0
         steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
         progress = None
         if self.ctx.progress:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=steps, desc=f"server round {round_}", leave=False, dynamic_ncols=True)
-        for epoch in range(c.server_epochs):
-            last = epoch == c.server_epochs - 1
-            for k, idx in self._batches(data, generator):
-                features, edge_logits, labels, _ids = data[agents[k]]
-                h = features[idx].to(self.device, torch.float32)  # (B, 16, H, W)
-                y = labels[idx].to(self.device)
-                logits = self.model(h)  # (B, K)
-                loss = F.cross_entropy(logits, y)
-                if bidirectional and c.alpha > 0:
-                    loss = loss + c.alpha * kd_loss(logits, edge_logits[idx].to(self.device), c.temperature)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optimizer.step()
-                if last:
-                    z_s[k][idx.numpy()] = logits.detach().cpu().numpy()
-                    total_loss += float(loss.item()) * len(idx)
-                    total_n += len(idx)
-                    train_correct += int((logits.detach().argmax(1) == y).sum())
-                if progress is not None:
-                    progress.update(1)
-        if progress is not None:
-            progress.close()
-        logits_by_agent = {a: (data[a][3], z_s[k]) for k, a in enumerate(agents)}
+        step = self._trainer()
+        try:
+            with step.session(planned_steps=steps):
+                for epoch in range(c.server_epochs):
+                    last = epoch == c.server_epochs - 1
+                    for k, idx in self._batches(data, generator):
+                        index = idx.to(device, non_blocking=True)  # (B,)
+                        y = labels[k][index]
+                        # The host's copy of the index for maps left on the host: no wait for the device.
+                        out = step(banks[k].gather(idx, torch.float32), y, edge_logits[k][index])  # (B, 16, H, W) maps
+                        if last:
+                            z_s[k].index_copy_(0, index, out.logits.float())  # (B, K), keyed by row: by sample id
+                            total_loss.add(out.loss, len(idx))
+                            train_correct.add((out.logits.argmax(1) == y).sum())
+                            total_n += len(idx)
+                        if progress is not None:
+                            progress.update(1)
+                # The call's one wait for the device: logits, loss and accuracy to the host.
+                logits_by_agent = {a: (data[a][3], z_s[k].cpu().numpy()) for k, a in enumerate(agents)}
+                loss = total_loss.item() / max(total_n, 1)
+                correct = train_correct.item()
+        finally:
+            for bank in banks:
+                bank.release()
+            if progress is not None:
+                progress.close()
         if self.config.eval_diagnostics:
-            self.figures.setdefault(round_, {})["server_train_accuracy"] = train_correct / max(total_n, 1)
-        return logits_by_agent, total_loss / max(total_n, 1)
+            self.figures.setdefault(round_, {})["server_train_accuracy"] = correct / max(total_n, 1)
+        return logits_by_agent, loss
 
     @torch.no_grad()
     def _calibrate(self, features: RowSource) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -554,6 +609,7 @@ class FedGktServer(ServerMethod):
     def load_state(self, state: Any) -> None:
         load_arrays_into(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._step = None  # a captured step would update the optimiser's old state tensors
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.feature_shape = tuple(state["feature_shape"]) if state.get("feature_shape") else None

@@ -40,6 +40,7 @@ from shared_protocol.methods.splitnn import (
     SplitRoundConfig,
 )
 
+from ..server_step import TrainStep, make_server_optimizer
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.splitnn")
@@ -127,11 +128,12 @@ class SplitNNServer(ServerMethod):
         self.feature_channels = get_model_spec(self.config.server_model).feature_channels
         self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
         c = self.config
-        if c.server_optimizer == "sgd":
-            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
-                self.model.parameters(), lr=c.server_lr, momentum=c.server_momentum, weight_decay=c.server_weight_decay)
-        else:
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.server_lr, weight_decay=c.server_weight_decay, amsgrad=True)
+        self.optimizer = make_server_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
+                                               c.server_weight_decay, self.device)
+        # Every batch is answered with dLoss/dActivations at once: the step runs eagerly (one
+        # exchange per batch over the broker bounds it, not kernel launches).
+        self.step = TrainStep(self.model, self.optimizer, lambda logits, labels: F.cross_entropy(logits, labels),
+                              ctx.server_step, name="splitnn")
         self.turn: _Turn | None = None
         self.finished: dict[str, _Turn] = {}
         self.evaluation = _Evaluation()
@@ -219,20 +221,21 @@ class SplitNNServer(ServerMethod):
         if msg.seq != turn.next_seq:
             raise ValueRangeError(f"expected batch {turn.next_seq} of {agent}'s turn, got {msg.seq}")
         started = time.perf_counter()
-        self.model.train()
-        h = torch.from_numpy(msg.activations).to(self.device).requires_grad_(True)  # (B, 16, H, W)
+        h = torch.from_numpy(msg.activations).to(self.device)  # (B, 16, H, W)
         labels = torch.from_numpy(msg.labels).to(self.device)  # (B,)
-        logits = self.model(h)  # (B, K)
-        loss = F.cross_entropy(logits, labels)
-        loss_value = float(loss.detach())
-        if not math.isfinite(loss_value):
-            raise ValueRangeError(f"server loss is {loss_value} on {agent}'s batch {msg.seq}: training diverged")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # the parameters' gradients, and h.grad = dLoss/dActivations (h is a leaf)
-        gradients = h.grad.detach().cpu().numpy()  # type: ignore[union-attr]  # (B, 16, H, W)
-        self.optimizer.step()
+
+        def refuse_non_finite(loss: torch.Tensor) -> None:
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise ValueRangeError(f"server loss is {value} on {agent}'s batch {msg.seq}: training diverged")
+
+        with self.ctx.device_meter.training():
+            out, grad = self.step.step_with_input_grad(h, labels, check=refuse_non_finite)  # grad: (B, 16, H, W)
+            # The reply needs all three on the host: one transfer each, once per batch.
+            gradients = grad.cpu().numpy()
+            loss_value = float(out.loss)
+            correct = int((out.logits.argmax(1) == labels).sum())
         n = int(labels.shape[0])
-        correct = int((logits.detach().argmax(1) == labels).sum())
         reply = SplitGradients(run=self.ctx.run_id, round=msg.round, sender="server", seq=msg.seq, loss=loss_value,
                                correct=correct, gradients=gradients)
         turn.next_seq += 1
@@ -326,4 +329,5 @@ class SplitNNServer(ServerMethod):
     def load_state(self, state: Any) -> None:
         load_arrays_into(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.step.reset()
         self.extractor_state = {k: np.asarray(v) for k, v in state["extractor"].items()}

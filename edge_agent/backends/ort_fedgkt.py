@@ -26,7 +26,7 @@ from shared_protocol.methods.fedgkt_ort import GktOrtArtifacts, GktOrtArtifactsR
 
 from ..costs import RoundMeter
 from ..methods.base import EdgeContext, EdgeMethod, RoundResult
-from ..teacher import TeacherLogits
+from ..teacher import EXTRACT_BATCH_SAMPLES, TeacherLogits
 from .optim import make_numpy_optimizer
 from .ort import ArtifactMeta, OrtEdgeModel, ort_version
 
@@ -148,7 +148,7 @@ class OrtFedGktEdge(EdgeMethod):
         if start.evaluate:
             correct = total = 0
             with meter.phase("compute"):
-                for images, labels, _ in iterate_batches(ctx.test, 256, normalizer=self.normalizer):
+                for images, labels, _ in iterate_batches(ctx.test, EXTRACT_BATCH_SAMPLES, normalizer=self.normalizer):
                     logits, _ = model.forward_eval(images)
                     correct += int((logits.argmax(axis=1) == labels).sum())
                     total += len(labels)
@@ -167,10 +167,10 @@ class OrtFedGktEdge(EdgeMethod):
             if only is not None and seq not in only:
                 continue
             with meter.phase("compute"):
-                logits, features = self.model.forward_eval(images)  # (B, K), (B, 16, H, W)
+                logits, features = self._extract(images)  # (B, K), (B, 16, H, W)
             msg = GktFeatures(
                 run=ctx.run_id, round=start.round, sender=ctx.agent_id, split=split, seq=seq, instance=ctx.instance,
-                features=np.ascontiguousarray(features, np.float32), logits=np.ascontiguousarray(logits, np.float32),
+                features=features, logits=logits,
                 labels=labels.astype(np.int64), sample_ids=ids.astype(np.int64),
             )
             ctx.send(msg, meter, codecs={"features": cfg.upload_codec})
@@ -179,6 +179,20 @@ class OrtFedGktEdge(EdgeMethod):
         if split == "train":
             meter.train_flops += self.forward_flops_per_sample * samples
         return {"batches": batches, "samples": samples}
+
+    def _extract(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Logits and feature maps of one upload batch, a slice at a time (see ``EXTRACT_BATCH_SAMPLES``)."""
+        assert self.model is not None
+        logits = features = None
+        for start in range(0, images.shape[0], EXTRACT_BATCH_SAMPLES):
+            part_logits, part = self.model.forward_eval(images[start : start + EXTRACT_BATCH_SAMPLES])  # (b, K), (b, 16, H, W)
+            if logits is None or features is None:
+                logits = np.empty((images.shape[0], part_logits.shape[1]), np.float32)
+                features = np.empty((images.shape[0], *part.shape[1:]), np.float32)
+            logits[start : start + part.shape[0]] = part_logits
+            features[start : start + part.shape[0]] = part
+        assert logits is not None and features is not None  # iterate_batches never yields an empty batch
+        return logits, features
 
     # -- local persistence (the torch backend's format) ------------------------ #
 

@@ -21,7 +21,7 @@ from shared_protocol.messages import Message, RoundStart
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 
 from ..costs import RoundMeter
-from ..teacher import TeacherLogits  # shared with the ort backend
+from ..teacher import EXTRACT_BATCH_SAMPLES, TeacherLogits  # shared with the ort backend
 from ..trainer import accuracy, make_optimizer, train_epochs
 from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
 
@@ -121,7 +121,7 @@ class FedGktEdge(EdgeMethod):
         if start.evaluate:
             with meter.phase("compute"):
                 self.model.eval()
-                test_loader = make_loader(ctx.test, 256)
+                test_loader = make_loader(ctx.test, EXTRACT_BATCH_SAMPLES)
                 correct, total = accuracy(lambda x: self.model(x)[0], test_loader, ctx.device)
             meter.train_flops += self.forward_flops_per_sample * total
             metrics.update(edge_correct=correct, edge_total=total, edge_accuracy=correct / total if total else None)
@@ -140,11 +140,10 @@ class FedGktEdge(EdgeMethod):
             if only is not None and seq not in only:
                 continue
             with meter.phase("compute"):
-                features = self.model.extract(images.to(ctx.device))  # (B, 16, H, W)
-                logits = self.model.classify(features)  # (B, K)
+                features, logits = self._extract(images)  # (B, 16, H, W), (B, K)
             msg = GktFeatures(
                 run=ctx.run_id, round=start.round, sender=ctx.agent_id, split=split, seq=seq, instance=ctx.instance,
-                features=features.cpu().numpy(), logits=logits.cpu().numpy(),
+                features=features, logits=logits,
                 labels=labels.numpy().astype(np.int64), sample_ids=sample_ids.numpy().astype(np.int64),
             )
             ctx.send(msg, meter, codecs={"features": cfg.upload_codec})
@@ -153,6 +152,22 @@ class FedGktEdge(EdgeMethod):
         if split == "train":
             meter.train_flops += self.forward_flops_per_sample * samples
         return {"batches": batches, "samples": samples}
+
+    @torch.no_grad()
+    def _extract(self, images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Feature maps and logits of one upload batch, computed a slice at a time
+        (see ``EXTRACT_BATCH_SAMPLES``) into the arrays the message carries."""
+        features = logits = None
+        for start in range(0, images.shape[0], EXTRACT_BATCH_SAMPLES):
+            part = self.model.extract(images[start : start + EXTRACT_BATCH_SAMPLES].to(self.ctx.device))  # (b, 16, H, W)
+            part_logits = self.model.classify(part)  # (b, K)
+            if features is None or logits is None:
+                features = np.empty((images.shape[0], *part.shape[1:]), np.float32)
+                logits = np.empty((images.shape[0], part_logits.shape[1]), np.float32)
+            features[start : start + part.shape[0]] = part.cpu().numpy()
+            logits[start : start + part.shape[0]] = part_logits.cpu().numpy()
+        assert features is not None and logits is not None  # a loader never yields an empty batch
+        return features, logits
 
     # -- local persistence -------------------------------------------------- #
 

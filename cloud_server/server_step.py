@@ -1,0 +1,489 @@
+"""The server's training step: one place for every loop that trains or distils on the server.
+
+FedGKT's server model, split learning's server half, FedBE's SWA distillation and
+centralized training all run the same inner step: forward a batch, a loss, backward,
+one optimiser step. On a GPU that step is launch-bound at the batch sizes these
+methods use (a ResNet-55 step at batch 64 is ~20 ms on an H100 although its
+arithmetic takes well under 1 ms): the card waits on Python, on kernel launches and
+on every host synchronisation. This module keeps it busy:
+
+* :class:`RowBank` -- a method's training rows (feature maps, images, targets) staged
+  on the training device when they fit in a byte budget (by default a fraction of
+  ``torch.cuda.mem_get_info``'s free memory), else left on the host and moved per
+  batch; batches are gathered by index on the device.
+* :class:`TrainStep` -- forward + loss + backward + optimiser step in one of four
+  modes (``server_step`` in ``[server]``):
+
+  - ``"eager"``: plain PyTorch, as every loop ran before;
+  - ``"compiled"``: forward and loss through ``torch.compile`` (``mode="reduce-overhead"``,
+    i.e. CUDA graphs through cudagraph trees, on a GPU; inductor's default on a CPU),
+    the optimiser step eager;
+  - ``"graph"``: the whole step -- forward, loss, backward and the optimiser -- captured
+    once per batch shape with ``torch.cuda.graphs`` and replayed (CUDA only);
+  - ``"auto"``: per device type, :data:`AUTO_STEP` (on a CPU only for training calls of
+    at least :data:`AUTO_CPU_COMPILE_MIN_STEPS` steps, see :meth:`TrainStep.session`).
+
+  Whatever cannot be captured runs eagerly instead, with the reason logged and kept
+  in :attr:`TrainStep.fallback_reason`: a CPU device for ``"graph"``, a torch without
+  a working ``torch.compile``, a capture or compilation error, and every batch of
+  another shape than the first full one (the last partial batch of an epoch).
+* :class:`DeviceSum` -- losses (and anything else) summed on the device and read once,
+  so no step waits for the host.
+* :func:`make_server_optimizer` -- Adam (AMSGrad) or SGD as the methods configured them,
+  fused on a CUDA device where this torch has it.
+
+A step returns the loss and the logits as device tensors, detached. In ``"graph"`` and
+``"compiled"`` modes they live in the captured graph's static memory and are
+overwritten by the next step: use them (accumulate, index-copy) before the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .config import SERVER_STEPS  # ("auto", "eager", "compiled", "graph"); re-exported
+
+__all__ = ["SERVER_STEPS", "AUTO_STEP", "AUTO_CPU_COMPILE_MIN_STEPS", "TrainStep", "StepOutput", "RowBank", "DeviceSum", "make_server_optimizer",
+           "resolve_server_step", "staging_budget_bytes", "device_free_bytes", "logits_of"]
+
+log = logging.getLogger("cloud_server.server_step")
+
+
+#: What ``server_step = "auto"`` runs, per device type. CUDA: a whole-step CUDA graph removes
+#: the launch and host-synchronisation overhead that bounds the step at these batch sizes
+#: (bench/server_gpu.py measures every mode on a GPU so this can be revisited from
+#: measurements; not yet measured on one). CPU: torch.compile, but only for a training call
+#: long enough to pay for its compilation (:data:`AUTO_CPU_COMPILE_MIN_STEPS`), else eager.
+AUTO_STEP: dict[str, str] = {"cpu": "compiled", "cuda": "graph"}
+
+#: On a CPU, ``"auto"`` compiles the step only for a training call of at least this many
+#: steps. bench/server_loop.py measured on the 2-core development machine (ResNet-55 server,
+#: batch 64, one thread; bench/results/server_loop.json, "compile_check"): the compiled step
+#: 1.36x faster than the eager one (2.37 s vs 3.22 s per step, medians of alternating runs),
+#: after a cold compilation of 290 s, which it repays after ~340 steps. A full Fashion-MNIST
+#: FedGKT round (~940 steps at batch 64) or centralized epoch compiles; a test's or a FedBE
+#: distillation's 10-200 steps run eagerly.
+AUTO_CPU_COMPILE_MIN_STEPS = 500
+
+#: Share of the device's free memory (``torch.cuda.mem_get_info``) that staged rows may take
+#: when no explicit budget is given; the rest is left to activations, gradients and the graph pools.
+DEVICE_STAGING_FRACTION = 0.5
+
+LossFn = Callable[..., torch.Tensor]  # (logits (B, K), *targets) -> scalar loss
+
+
+def check_server_step(mode: str) -> str:
+    if mode not in SERVER_STEPS:
+        raise ValueError(f"server_step must be one of {SERVER_STEPS}, got {mode!r}")
+    return mode
+
+
+def logits_of(output: object) -> torch.Tensor:
+    """The logits of a model's output (ResNet-8 returns (logits, features))."""
+    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- #
+# optimiser
+# --------------------------------------------------------------------------- #
+
+
+def make_server_optimizer(name: str, params: Any, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                          device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+    """Adam with AMSGrad or SGD with momentum, as the server's methods use them.
+
+    On a CUDA device Adam is built ``fused=True`` (one kernel for the whole update) and SGD
+    ``foreach=True``; on a CPU both are the same optimisers as before (PyTorch's defaults),
+    so CPU runs keep their numbers.
+    """
+    params = list(params)
+    cuda = torch.device(device).type == "cuda"
+    if name == "sgd":
+        extra: dict[str, Any] = {"foreach": True} if cuda else {}
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra)
+    if name == "adam":
+        if cuda:
+            try:
+                return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=True, fused=True)
+            except (RuntimeError, TypeError, ValueError) as exc:  # an older torch without fused AMSGrad
+                log.info("fused Adam not available (%s); using foreach", exc)
+                return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=True, foreach=True)
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=True)
+    raise ValueError(f"optimizer must be 'sgd' or 'adam', got {name!r}")
+
+
+# --------------------------------------------------------------------------- #
+# staging rows on the device
+# --------------------------------------------------------------------------- #
+
+
+def device_free_bytes(device: torch.device | str) -> int | None:
+    """Free memory of a CUDA device (``torch.cuda.mem_get_info``); None for other devices."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def staging_budget_bytes(device: torch.device | str, budget_bytes: int | None = None) -> int | None:
+    """How many bytes of rows may be staged on ``device``: the explicit budget, capped on a CUDA
+    device by :data:`DEVICE_STAGING_FRACTION` of its free memory; None means no limit (a CPU
+    device, where "on the device" is host memory that is already held)."""
+    free = device_free_bytes(device)
+    if free is None:
+        return budget_bytes
+    cap = int(free * DEVICE_STAGING_FRACTION)
+    return cap if budget_bytes is None else min(budget_bytes, cap)
+
+
+class RowBank:
+    """Rows of an ``(N, ...)`` array for training: on ``device`` when they fit, else on the host.
+
+    ``rows`` is anything indexable by a CPU LongTensor of rows that returns a tensor
+    (a tensor, or :class:`cloud_server.feature_store.RowSource` over a staged array, which
+    may be a memory-mapped file). ``device_rows``: the rows already on the device (staged
+    there as they arrived), used as they are. Otherwise, when the rows are in memory
+    (``host_array`` is given, or ``rows`` is a tensor) and their bytes fit in
+    ``budget_bytes`` (None: no limit), all rows are copied to the device once, in ``dtype``
+    (default: their own), and :meth:`gather` indexes them there. Otherwise :meth:`gather`
+    gathers on the host and copies the batch.
+
+    :attr:`placement` says which: ``"device"`` or ``"host"`` (with :attr:`why_host`).
+    """
+
+    def __init__(self, rows: Any, device: torch.device | str, *, budget_bytes: int | None = None,
+                 host_array: np.ndarray | None = None, device_rows: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.device = torch.device(device)
+        self._rows = rows
+        self.dtype = dtype
+        self._on_device: torch.Tensor | None = None
+        self.why_host = ""
+        self.nbytes = 0
+        if device_rows is not None:  # staged on the device already (as the uploads arrived)
+            self._on_device = device_rows
+            return
+        source = host_array if host_array is not None else rows if isinstance(rows, torch.Tensor) else None
+        if source is None:
+            self.why_host = "rows are not held in memory (spilled to disk)"
+            return
+        itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not None else source.dtype.itemsize
+        nbytes = int(np.prod(source.shape, dtype=np.int64)) * itemsize
+        self.nbytes = nbytes
+        if budget_bytes is not None and nbytes > budget_bytes:
+            self.why_host = f"{nbytes} bytes do not fit the device staging budget of {budget_bytes} bytes"
+            return
+        tensor = torch.from_numpy(source) if isinstance(source, np.ndarray) else source
+        if self.device.type == "cuda" and not tensor.is_cuda:
+            try:
+                self._on_device = tensor.to(self.device, dtype=dtype or tensor.dtype, non_blocking=False)
+            except torch.cuda.OutOfMemoryError as exc:
+                self.why_host = f"the device ran out of memory staging {nbytes} bytes ({exc})"
+                return
+        else:
+            self._on_device = tensor.to(self.device, dtype=dtype or tensor.dtype)
+
+    @property
+    def placement(self) -> str:
+        return "device" if self._on_device is not None else "host"
+
+    def __len__(self) -> int:
+        return len(self._on_device) if self._on_device is not None else len(self._rows)
+
+    def gather(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows ``index`` (a LongTensor on the device or the host) on the device, in ``dtype``."""
+        if self._on_device is not None:
+            out = self._on_device[index.to(self.device, non_blocking=True)]
+        else:
+            host = self._rows[index.cpu()]
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            out = host.to(self.device, non_blocking=True)
+        target = dtype or self.dtype
+        return out if target is None or out.dtype == target else out.to(target)
+
+    def release(self) -> None:
+        self._on_device = None
+        self._rows = None
+
+
+# --------------------------------------------------------------------------- #
+# sums on the device
+# --------------------------------------------------------------------------- #
+
+
+class DeviceSum:
+    """A running sum kept on the device; :meth:`item` reads it once (one host synchronisation)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, value: torch.Tensor, weight: float = 1.0) -> None:
+        self.total += value.detach().to(torch.float64) * weight
+
+    def item(self) -> float:
+        return float(self.total)
+
+
+# --------------------------------------------------------------------------- #
+# the step
+# --------------------------------------------------------------------------- #
+
+
+def resolve_server_step(mode: str, device: torch.device | str, planned_steps: int | None = None) -> tuple[str, str]:
+    """(mode to run, why it is not the one asked for) for ``mode`` on ``device``, for a training
+    call of ``planned_steps`` steps (None: not known; ``"auto"`` on a CPU then runs eagerly)."""
+    check_server_step(mode)
+    device = torch.device(device)
+    wanted = AUTO_STEP.get(device.type, "eager") if mode == "auto" else mode
+    if mode == "auto" and device.type == "cpu" and (planned_steps or 0) < AUTO_CPU_COMPILE_MIN_STEPS:
+        wanted = "eager"  # too short to repay a compilation: not a fallback
+    if wanted == "graph" and device.type != "cuda":
+        return "eager", f"server_step 'graph' needs a CUDA device, not {device.type}"
+    if wanted == "compiled" and not hasattr(torch, "compile"):
+        return "eager", f"torch {torch.__version__} has no torch.compile"
+    return wanted, ""
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # () on the device, detached
+    logits: torch.Tensor  # (B, K) on the device, detached
+
+
+@dataclass
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]  # static input buffers: (inputs, *targets)
+    loss: torch.Tensor
+    logits: torch.Tensor
+    lrs: list[float]  # SGD bakes its (float) learning rates into the graph
+
+
+class TrainStep:
+    """One optimiser step of ``model`` on ``loss_fn(logits, *targets)``; see the module doc.
+
+    ``mode``: one of :data:`SERVER_STEPS`. :meth:`step_with_input_grad` also returns
+    dLoss/dInputs (split learning's reply); such steps run eagerly. ``autocast_dtype``
+    (e.g. ``torch.bfloat16``) runs forward and loss under autocast (measured by
+    bench/server_gpu.py; the methods train in float32). Use :meth:`session` around a
+    training call so the learning rates in the optimiser are plain floats again after it
+    (checkpoints, schedulers).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, mode: str = "auto", *,
+                 warmup_steps: int = 3, max_recaptures: int = 4, autocast_dtype: torch.dtype | None = None,
+                 name: str = "server") -> None:
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.requested = check_server_step(mode)
+        self.mode, self.fallback_reason = resolve_server_step(mode, self.device)
+        if self.fallback_reason:
+            log.info("%s: %s; the step runs eagerly", name, self.fallback_reason)
+        self.warmup_steps = warmup_steps
+        self.autocast_dtype = autocast_dtype  # e.g. torch.bfloat16: forward and loss under autocast
+        self.max_recaptures = max_recaptures
+        self._full_shape: tuple | None = None  # the one shape compiled / captured
+        self._seen: Counter[tuple] = Counter()
+        self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._captured: _Captured | None = None
+        self._recaptures = 0
+        self._lr_tensors: list[torch.Tensor] | None = None
+        self.steps = {"eager": 0, "compiled": 0, "graph": 0}  # steps run in each mode
+        self._fell_back = False  # a compilation or capture failed: eager for good
+
+    # -- public ------------------------------------------------------------- #
+
+    @contextlib.contextmanager
+    def session(self, planned_steps: int | None = None) -> Iterator["TrainStep"]:
+        """One training call (a round's epochs, a distillation) of about ``planned_steps`` steps:
+        ``"auto"`` chooses its mode for it (on a CPU it compiles only long calls)."""
+        if self.requested == "auto" and not self._fell_back:
+            self.mode, self.fallback_reason = resolve_server_step("auto", self.device, planned_steps)
+        try:
+            yield self
+        finally:
+            self._restore_float_lrs()
+
+    def __call__(self, inputs: torch.Tensor, *targets: torch.Tensor) -> StepOutput:
+        """One step on ``inputs`` (B, ...) and ``targets`` (each (B, ...)), all on the device."""
+        shape = tuple((tuple(t.shape), t.dtype) for t in (inputs, *targets))
+        if self.mode != "eager":
+            if self._full_shape is None:
+                self._full_shape = shape
+            if shape == self._full_shape:
+                try:
+                    return self._graph_step(inputs, targets) if self.mode == "graph" else self._compiled_step(inputs, targets)
+                except (RuntimeError, OSError, ImportError, NotImplementedError) as exc:
+                    self._fall_back(f"{self.mode} step failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return self._eager_step(inputs, targets)
+
+    def step_with_input_grad(self, inputs: torch.Tensor, *targets: torch.Tensor,
+                             check: Callable[[torch.Tensor], None] | None = None) -> tuple[StepOutput, torch.Tensor]:
+        """An eager step that also returns dLoss/dInputs (computed before the optimiser step).
+
+        ``check(loss)`` runs after the forward pass and before backward (e.g. to refuse a
+        non-finite loss without touching the model)."""
+        self.model.train()
+        h = inputs.detach().requires_grad_(True)
+        logits = logits_of(self.model(h))
+        loss = self.loss_fn(logits, *targets)
+        if check is not None:
+            check(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.steps["eager"] += 1
+        return StepOutput(loss.detach(), logits.detach()), h.grad.detach()  # type: ignore[union-attr]
+
+    # -- modes -------------------------------------------------------------- #
+
+    def _forward_loss(self, inputs: torch.Tensor, *targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.autocast_dtype is None:
+            logits = logits_of(self.model(inputs))  # (B, K)
+            return self.loss_fn(logits, *targets), logits
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            logits = logits_of(self.model(inputs))
+            return self.loss_fn(logits.float(), *targets), logits
+
+    def _eager_step(self, inputs: torch.Tensor, targets: tuple[torch.Tensor, ...]) -> StepOutput:
+        loss, logits = self._forward_loss(inputs, *targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.steps["eager"] += 1
+        return StepOutput(loss.detach(), logits.detach())
+
+    def _compiled_step(self, inputs: torch.Tensor, targets: tuple[torch.Tensor, ...]) -> StepOutput:
+        if self._compiled is None:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._compiled = torch.compile(self._forward_loss, mode=mode, dynamic=False)
+        mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
+        if self.device.type == "cuda" and mark is not None:
+            mark()  # a new iteration: the previous step's graph outputs may be overwritten
+        loss, logits = self._compiled(inputs, *targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.steps["compiled"] += 1
+        return StepOutput(loss.detach(), logits.detach())
+
+    def _graph_step(self, inputs: torch.Tensor, targets: tuple[torch.Tensor, ...]) -> StepOutput:
+        shape = self._full_shape
+        self._seen[shape] += 1
+        if self._captured is None and self._seen[shape] <= self.warmup_steps:
+            # Warm-up steps (real steps on real batches) on a side stream, as capture requires:
+            # lazy initialisation (optimiser state, cuDNN plans, the allocator) happens here.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._make_capturable()
+                out = self._eager_step(inputs, targets)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            return out
+        self._make_capturable()
+        captured = self._captured
+        if captured is not None and captured.lrs != self._float_lrs():
+            # SGD reads its learning rate as a Python float, baked into the graph: capture again.
+            self._recaptures += 1
+            if self._recaptures > self.max_recaptures:
+                raise RuntimeError(f"the learning rate changed {self._recaptures} times; a captured step would be re-captured every step")
+            captured = self._captured = None
+        if captured is None:
+            captured = self._captured = self._capture(inputs, targets)
+        for static, new in zip(captured.inputs, (inputs, *targets)):
+            static.copy_(new, non_blocking=True)
+        captured.graph.replay()
+        self.steps["graph"] += 1
+        return StepOutput(captured.loss, captured.logits)
+
+    def _capture(self, inputs: torch.Tensor, targets: tuple[torch.Tensor, ...]) -> _Captured:
+        static = [t.detach().clone() for t in (inputs, *targets)]
+        graph = torch.cuda.CUDAGraph()
+        self.optimizer.zero_grad(set_to_none=True)  # backward in the graph allocates the gradients in its pool
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.graph(graph):
+            loss, logits = self._forward_loss(static[0], *static[1:])
+            loss.backward()
+            self.optimizer.step()
+        log.info("%s: captured the training step as a CUDA graph (batch shape %s)", self.name, tuple(inputs.shape))
+        return _Captured(graph, static, loss.detach(), logits.detach(), self._float_lrs())
+
+    # -- optimiser state for capture ------------------------------------------ #
+
+    def _adam_like(self) -> bool:
+        return isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+    def _make_capturable(self) -> None:
+        """Adam: step counters on the device and the learning rate a device tensor, so a
+        captured update reads them from memory (a scheduler may change the rate between
+        replays). SGD keeps float rates (see the re-capture in :meth:`_graph_step`)."""
+        if not self._adam_like():
+            return
+        for group in self.optimizer.param_groups:
+            if not group.get("capturable", False):
+                group["capturable"] = True
+                group["fused"] = False  # the capturable foreach path reads a tensor learning rate
+                group["foreach"] = True
+                for p in group["params"]:
+                    step = self.optimizer.state.get(p, {}).get("step")
+                    if isinstance(step, torch.Tensor) and step.device != p.device:
+                        self.optimizer.state[p]["step"] = step.to(p.device, torch.float32)
+        if self._lr_tensors is None:
+            self._lr_tensors = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device)
+                                for g in self.optimizer.param_groups]
+        for group, lr in zip(self.optimizer.param_groups, self._lr_tensors):
+            if group["lr"] is not lr:
+                lr.fill_(float(group["lr"]))  # a scheduler put a float there: into the tensor (no sync)
+                group["lr"] = lr
+
+    def _float_lrs(self) -> list[float]:
+        return [] if self._adam_like() else [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def _restore_float_lrs(self) -> None:
+        if self._lr_tensors is None:
+            return
+        for group, lr in zip(self.optimizer.param_groups, self._lr_tensors):
+            if group["lr"] is lr:
+                group["lr"] = float(lr)  # one read per training call
+
+    def use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step with another optimiser from now on (e.g. a fresh one per round); a compiled
+        forward is kept, a captured step (which holds the old optimiser's state) is not."""
+        self.optimizer = optimizer
+        self._captured = None
+        self._lr_tensors = None
+        self._seen.clear()
+        self._recaptures = 0
+
+    def reset(self) -> None:
+        """Forget captured and compiled steps (after the optimiser's state was replaced, e.g.
+        by loading a checkpoint: a captured graph would update the old state tensors)."""
+        self._captured = None
+        self._compiled = None
+        self._full_shape = None
+        self._seen.clear()
+        self._recaptures = 0
+
+    def _fall_back(self, reason: str) -> None:
+        log.warning("%s: %s; running the step eagerly from now on", self.name, reason)
+        self.fallback_reason = reason
+        self.mode = "eager"
+        self._fell_back = True
+        self._captured = None
+        self._compiled = None

@@ -1,0 +1,54 @@
+"""Keep the agent's resident memory close to what it uses.
+
+glibc's malloc serves a request above its mmap threshold with a fresh mapping
+and gives it back to the system on ``free``; below it, memory comes from the
+heap, which only shrinks from the top. The threshold starts at 128 KiB but
+rises to the size of every mapped block freed (up to 32 MiB), so after the first
+training step the 4-17 MB activation tensors of a ResNet-8 batch (torch, and
+onnxruntime without its arena) all land on the heap, fragment it, and the
+process keeps the high-water mark of every round, plus the fragmentation, as
+RSS. A fixed threshold stops that adjustment. Measured with bench/footprint.py's
+agent run (FedGKT, 1,000 samples, two rounds): RSS between rounds fell from about
+545 MB to 350 MB (torch, CPU build) and from 165 MB to 80 MB (ort), the torch
+agent's peak from about 630 MB to 510 MB, and the ort agent's peak no longer
+grows from round to round (243 then 319 MB before, 239 MB both rounds after).
+
+It is not free: every large activation is then a fresh mapping whose pages the
+kernel must fault in and zero at every step. A ResNet-8 training step (batch 64,
+one thread, x86_64) took 651-702 ms with the threshold pinned against 281-313 ms
+without, in alternating runs on a shared 2-core machine. So the agent pins it
+only when asked (``edge-agent run --low-memory``): for a device where memory,
+not time, is what runs out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+__all__ = ["MMAP_THRESHOLD_BYTES", "fix_malloc_mmap_threshold"]
+
+#: Allocations from this size up are mapped and returned to the system when freed.
+MMAP_THRESHOLD_BYTES = 1024 * 1024
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+def fix_malloc_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Pin glibc's mmap threshold at ``threshold_bytes``; True if it was set.
+
+    A no-op (False) where the C library is not glibc (macOS, musl): they manage
+    large blocks their own way.
+    """
+    if threshold_bytes < 1:
+        raise ValueError(f"threshold_bytes must be >= 1, got {threshold_bytes}")
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes))

@@ -29,7 +29,7 @@ test: venv system-deps
 	$(PY) -m pytest -q tests
 
 demo: venv system-deps
-	$(VENV)/bin/edgesplit local --method fedgkt --agents 4 --rounds 8 --dataset fashion-mnist --partition dirichlet:0.5 --run-id demo --out runs/demo
+	$(VENV)/bin/edgesplit local --method fedgkt --agents 4 --rounds 6 --train-samples 3000 --test-samples 1000 --dataset fashion-mnist --partition dirichlet:0.5 --run-id demo --out runs/demo
 
 # The benchmarks behind docs/results.md (about 1.5-2 hours on 2 idle cores: accuracy.py alone is
 # planned for under 90 minutes; comm_cost.py and gkt_server_epochs.py then reuse its runs).
@@ -39,6 +39,7 @@ bench: venv system-deps
 	$(PY) bench/accuracy.py
 	$(PY) bench/comm_cost.py --reuse-runs
 	$(PY) bench/gkt_server_epochs.py
+	$(PY) bench/fedgkt_ablation.py --step-cost
 	$(PY) bench/render_results.py
 
 # The 10-minute pipeline check of the accuracy benchmark (bench/results/accuracy-quick.json).

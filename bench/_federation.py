@@ -37,6 +37,7 @@ from cloud_server.methods import get_server_method  # noqa: E402
 from edge_agent.agent import EdgeAgent  # noqa: E402
 from edge_agent.config import DataConfig, EdgeConfig  # noqa: E402
 from edge_agent.simulate import shards  # noqa: E402
+from shared_protocol.hostinfo import host_info  # noqa: E402
 from shared_protocol.transport import MqttTransport  # noqa: E402
 
 
@@ -69,13 +70,8 @@ class RunSpec:
 def machine() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+    host = host_info()
+    return {"cpu_model": host.cpu_model, "arch": host.arch, "cores": host.cores, "python": platform.python_version(),
             "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average_at_start": list(os.getloadavg())}
 

@@ -26,6 +26,7 @@ import numpy as np
 from fldata import ArrayDataset, PartitionSpec, agent_shard, load_dataset, take, test_shard_for_agent
 from shared_protocol.errors import ProtocolError, UnknownSenderError, StaleMessageError
 from shared_protocol.frame import FrameLimits
+from shared_protocol.hostinfo import host_info
 from shared_protocol.messages import (
     Discover,
     ErrorReply,
@@ -45,7 +46,7 @@ from shared_protocol.transport import MqttTransport, Transport, TransportError
 
 from . import __version__
 from .config import EdgeConfig
-from .costs import RoundMeter, cpu_model, peak_rss_bytes, total_memory_bytes
+from .costs import RoundMeter, peak_rss_bytes
 from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
 
@@ -200,10 +201,7 @@ class EdgeAgent:
         self._publish(
             Hello(
                 **self._base(),
-                cpu_model=cpu_model(),
-                arch=platform.machine(),
-                cores=os.cpu_count() or 1,
-                memory_bytes=total_memory_bytes(),
+                **host_info().to_dict(),  # cpu_model, arch, cores, memory_bytes
                 backend=self.config.backend,
                 num_samples=len(self.train),
                 class_counts=[int(c) for c in counts],

@@ -22,48 +22,17 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from shared_protocol.local_broker import BrokerNotFoundError, BrokerStartError, LocalBroker
 from shared_protocol.tomlio import read_toml, write_toml
 from shared_protocol.transport import redact_url
 
 from .local_run import LocalRunOptions, apply_settings, launcher_table, parse_setting
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_broker(workdir: Path) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
-    if binary is None:
-        raise SystemExit("edgesplit: mosquitto not found; install it (apt-get install mosquitto) or pass --broker URL")
-    port = free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    conf = workdir / "mosquitto.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        f"log_dest file {workdir / 'mosquitto.log'}\nmax_inflight_messages 0\nmax_queued_messages 100000\n"
-    )
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return proc, f"mqtt://127.0.0.1:{port}"
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit(f"edgesplit: mosquitto exited at start; see {workdir / 'mosquitto.log'}")
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("edgesplit: mosquitto did not start listening within 10 s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -347,14 +316,18 @@ def cmd_local(args: argparse.Namespace) -> int:
         return _local_centralized(args, run_id, out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    broker_proc = None
+    local_broker: LocalBroker | None = None
     procs: list[subprocess.Popen] = []
     files = []
     try:
         if args.broker:
             broker = args.broker
         else:
-            broker_proc, broker = start_broker(out / "broker")
+            try:
+                local_broker = LocalBroker(out / "broker").start()
+            except (BrokerNotFoundError, BrokerStartError) as exc:
+                raise SystemExit(f"edgesplit: {exc}") from None
+            broker = local_broker.url
         print(f"edgesplit: broker {redact_url(broker)}; run {run_id}; {args.agents} agents x {args.rounds} rounds of {args.method} on {args.dataset} ({args.partition})", flush=True)
         try:
             server_cfg, agent_cfgs = write_configs(args, run_id, out, broker)
@@ -399,8 +372,8 @@ def cmd_local(args: argparse.Namespace) -> int:
         return 130
     finally:
         _stop(procs)
-        if broker_proc is not None:
-            _stop([broker_proc])
+        if local_broker is not None:
+            local_broker.stop()
         for f in files:
             f.close()
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fldata import ArrayDataset, PartitionSpec, agent_shard, load_dataset, take, test_shard_for_agent
+from fldata import ArrayDataset, load_agent_subset
 from shared_protocol.errors import ProtocolError, UnknownSenderError, StaleMessageError
 from shared_protocol.frame import FrameLimits
 from shared_protocol.hostinfo import host_info
@@ -45,7 +45,7 @@ from shared_protocol.topics import Topics
 from shared_protocol.transport import MqttTransport, Transport, TransportError
 
 from . import __version__
-from .config import EdgeConfig
+from .config import DataConfig, EdgeConfig
 from .costs import RoundMeter, peak_rss_bytes
 from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
@@ -69,19 +69,15 @@ class RoundRestartedError(RuntimeError):
     mid-round); the new RoundStart is handled next, so the round restarts cleanly."""
 
 
+def subset_arguments(data: DataConfig) -> dict[str, Any]:
+    """The data config as the keyword arguments of :func:`fldata.load_agent_subsets`."""
+    return dict(dataset=data.dataset, partition=data.partition, num_agents=data.num_agents, seed=data.seed, root=data.root,
+                download=data.download, train_samples=data.train_samples, test_samples=data.test_samples)
+
+
 def load_agent_data(config: EdgeConfig) -> tuple[ArrayDataset, ArrayDataset]:
-    """This agent's train and test shards, as the data config describes."""
-    d = config.data
-    train = load_dataset(d.dataset, "train", d.root, d.download)
-    test = load_dataset(d.dataset, "test", d.root, d.download)
-    if d.train_samples:
-        train = take(train, min(d.train_samples, len(train)), d.seed)
-    if d.test_samples:
-        test = take(test, min(d.test_samples, len(test)), d.seed)
-    if d.partition == "none":
-        return train, test
-    spec = PartitionSpec.parse(d.partition, d.num_agents, d.seed)
-    return agent_shard(train, spec, d.agent_index), test_shard_for_agent(test, spec, d.agent_index, train_labels=train.labels)
+    """This agent's train and test shards, as the data config describes (``fldata.subsets``)."""
+    return load_agent_subset(**subset_arguments(config.data), agent_index=config.data.agent_index)
 
 
 class EdgeAgent:

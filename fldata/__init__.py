@@ -34,20 +34,26 @@ from fldata.partition import (
     read_count_table,
     test_shard_for_agent,
 )
+from fldata.subsets import NO_PARTITION, agent_share, agent_shares, load_agent_subset, load_agent_subsets, seeded_subset
 
 __all__ = [
     "DATASET_NAMES",
     "DOWNLOAD_TIMEOUT_S",
+    "NO_PARTITION",
     "PARTITION_SCHEMES",
     "SPLIT_ID_OFFSETS",
     "ArrayDataset",
     "DownloadError",
     "PartitionSpec",
+    "agent_share",
     "agent_shard",
+    "agent_shares",
     "class_count_table",
     "class_counts_per_agent",
     "compute_stats",
     "dataset_stats",
+    "load_agent_subset",
+    "load_agent_subsets",
     "load_dataset",
     "load_npz",
     "make_synthetic",
@@ -55,6 +61,7 @@ __all__ = [
     "partition_test_indices",
     "read_count_table",
     "save_npz",
+    "seeded_subset",
     "take",
     "test_shard_for_agent",
 ]

@@ -34,6 +34,7 @@ from fldata.partition import (
     read_count_table,
     test_shard_for_agent,
 )
+from fldata.registry import DatasetSpec, get_dataset_spec, list_datasets, register_dataset
 from fldata.subsets import NO_PARTITION, agent_share, agent_shares, load_agent_subset, load_agent_subsets, seeded_subset
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "PARTITION_SCHEMES",
     "SPLIT_ID_OFFSETS",
     "ArrayDataset",
+    "DatasetSpec",
     "DownloadError",
     "PartitionSpec",
     "agent_share",
@@ -52,6 +54,8 @@ __all__ = [
     "class_counts_per_agent",
     "compute_stats",
     "dataset_stats",
+    "get_dataset_spec",
+    "list_datasets",
     "load_agent_subset",
     "load_agent_subsets",
     "load_dataset",
@@ -60,6 +64,7 @@ __all__ = [
     "partition_indices",
     "partition_test_indices",
     "read_count_table",
+    "register_dataset",
     "save_npz",
     "seeded_subset",
     "take",

@@ -64,6 +64,18 @@ class LocalRunOptions:
             raise ValueError("--server-epochs and --edge-epochs must be >= 1")
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One ``--set TABLE.KEY=VALUE``."""
+
+    table: str
+    key: str
+    value: Any
+
+    def __str__(self) -> str:
+        return f"{self.table}.{self.key}"
+
+
 LauncherTable = Callable[[LocalRunOptions], dict[str, Any]]
 
 
@@ -94,18 +106,6 @@ def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise TypeError(f"{options.method}.launcher_table must return a dict, got {type(table).__name__}")
     return table
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One ``--set TABLE.KEY=VALUE``."""
-
-    table: str
-    key: str
-    value: Any
-
-    def __str__(self) -> str:
-        return f"{self.table}.{self.key}"
 
 
 def parse_setting(text: str) -> Setting:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fldata import ArrayDataset, load_agent_subset
+from fldata import AgentDataSpec, ArrayDataset, load_agent_subset
 from shared_protocol.errors import ProtocolError, UnknownSenderError, StaleMessageError
 from shared_protocol.frame import FrameLimits
 from shared_protocol.hostinfo import host_info
@@ -69,15 +69,15 @@ class RoundRestartedError(RuntimeError):
     mid-round); the new RoundStart is handled next, so the round restarts cleanly."""
 
 
-def subset_arguments(data: DataConfig) -> dict[str, Any]:
-    """The data config as the keyword arguments of :func:`fldata.load_agent_subsets`."""
-    return dict(dataset=data.dataset, partition=data.partition, num_agents=data.num_agents, seed=data.seed, root=data.root,
-                download=data.download, train_samples=data.train_samples, test_samples=data.test_samples)
+def agent_data_spec(data: DataConfig) -> AgentDataSpec:
+    """The data config as fldata's description of the run's agents' data."""
+    return AgentDataSpec(dataset=data.dataset, partition=data.partition, num_agents=data.num_agents, seed=data.seed,
+                         root=data.root, download=data.download, train_samples=data.train_samples, test_samples=data.test_samples)
 
 
 def load_agent_data(config: EdgeConfig) -> tuple[ArrayDataset, ArrayDataset]:
     """This agent's train and test shards, as the data config describes (``fldata.subsets``)."""
-    return load_agent_subset(**subset_arguments(config.data), agent_index=config.data.agent_index)
+    return load_agent_subset(agent_data_spec(config.data), config.data.agent_index)
 
 
 class EdgeAgent:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fldata import ArrayDataset, load_agent_subsets
 
-from .agent import EdgeAgent, subset_arguments
+from .agent import EdgeAgent, agent_data_spec
 from .config import DataConfig, EdgeConfig
 
 log = logging.getLogger("edge_agent.simulate")
@@ -38,7 +38,7 @@ def shards(data: DataConfig, agents: int) -> list[tuple[ArrayDataset, ArrayDatas
     """Every agent's (train, test) shard, loading and partitioning the dataset once; agent i's
     is the one a separate agent process with ``agent_index = i`` loads. Partition "none" (the
     data is the agent's own) is refused for several agents: each would get the same samples."""
-    return load_agent_subsets(**{**subset_arguments(data), "num_agents": agents})
+    return load_agent_subsets(dataclasses.replace(agent_data_spec(data), num_agents=agents))
 
 
 def build_agents(sim: SimulationConfig) -> list[EdgeAgent]:

@@ -35,7 +35,7 @@ from fldata.partition import (
     test_shard_for_agent,
 )
 from fldata.registry import DatasetSpec, get_dataset_spec, list_datasets, register_dataset
-from fldata.subsets import NO_PARTITION, agent_share, agent_shares, load_agent_subset, load_agent_subsets, seeded_subset
+from fldata.subsets import NO_PARTITION, AgentDataSpec, agent_share, agent_shares, load_agent_subset, load_agent_subsets, seeded_subset
 
 __all__ = [
     "DATASET_NAMES",
@@ -43,6 +43,7 @@ __all__ = [
     "NO_PARTITION",
     "PARTITION_SCHEMES",
     "SPLIT_ID_OFFSETS",
+    "AgentDataSpec",
     "ArrayDataset",
     "DatasetSpec",
     "DownloadError",

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from fldata.datasets import save_npz
-from fldata.subsets import load_agent_subset
+from fldata.subsets import AgentDataSpec, load_agent_subset
 
 
 def export_partition(
@@ -30,8 +30,8 @@ def export_partition(
     test_samples: int = 0,
 ) -> tuple[Path, Path]:
     """Write ``out_dir/train.npz`` and ``out_dir/test.npz`` for one agent; returns their paths."""
-    train, test = load_agent_subset(dataset, partition=partition, num_agents=num_agents, agent_index=agent_index, seed=seed,
-                                    root=root, train_samples=train_samples, test_samples=test_samples)
+    spec = AgentDataSpec(dataset, partition, num_agents, seed, root, train_samples=train_samples, test_samples=test_samples)
+    train, test = load_agent_subset(spec, agent_index)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_npz(train, out / "train.npz")

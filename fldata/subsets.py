@@ -18,10 +18,12 @@ samples, so it is refused there rather than quietly turned into ``iid``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fldata.datasets import ArrayDataset, load_dataset, take
 from fldata.partition import PartitionSpec, partition_indices, partition_test_indices
 
-__all__ = ["NO_PARTITION", "agent_share", "agent_shares", "load_agent_subset", "load_agent_subsets", "seeded_subset"]
+__all__ = ["NO_PARTITION", "AgentDataSpec", "agent_share", "agent_shares", "load_agent_subset", "load_agent_subsets", "seeded_subset"]
 
 #: The partition of an agent whose dataset is its own.
 NO_PARTITION = "none"
@@ -73,37 +75,35 @@ def agent_share(train: ArrayDataset, test: ArrayDataset, partition: str, num_age
     return agent_shares(train, test, partition, num_agents, seed)[agent_index]
 
 
-def load_agent_subset(
-    dataset: str,
-    *,
-    partition: str = "iid",
-    num_agents: int = 1,
-    agent_index: int = 0,
-    seed: int = 0,
-    root: str | None = None,
-    download: bool = False,
-    train_samples: int = 0,
-    test_samples: int = 0,
-) -> Shard:
-    """One agent's (train, test) data: the seeded subset of ``dataset``, then its share."""
-    train, test = seeded_subset(dataset, root=root, download=download, train_samples=train_samples,
-                                test_samples=test_samples, seed=seed)
-    return agent_share(train, test, partition, num_agents, agent_index, seed)
+@dataclass(frozen=True)
+class AgentDataSpec:
+    """Where a run's agents take their data from: the dataset, its seeded subset, the partition."""
+
+    dataset: str
+    partition: str = "iid"  # iid | dirichlet:A | step:K | table:FILE | none (the agent's own data)
+    num_agents: int = 1
+    seed: int = 0  # of the subset and of the partition
+    root: str | None = None
+    download: bool = False
+    train_samples: int = 0  # 0: the whole split
+    test_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_agents < 1:
+            raise ValueError(f"num_agents must be >= 1, got {self.num_agents}")
+
+    def subset(self) -> Shard:
+        """The seeded subset every agent's share is taken from."""
+        return seeded_subset(self.dataset, root=self.root, download=self.download, train_samples=self.train_samples,
+                             test_samples=self.test_samples, seed=self.seed)
 
 
-def load_agent_subsets(
-    dataset: str,
-    *,
-    partition: str = "iid",
-    num_agents: int = 1,
-    seed: int = 0,
-    root: str | None = None,
-    download: bool = False,
-    train_samples: int = 0,
-    test_samples: int = 0,
-) -> list[Shard]:
+def load_agent_subset(spec: AgentDataSpec, agent_index: int) -> Shard:
+    """Agent ``agent_index``'s (train, test) data: the seeded subset, then its share."""
+    return agent_share(*spec.subset(), spec.partition, spec.num_agents, agent_index, spec.seed)
+
+
+def load_agent_subsets(spec: AgentDataSpec) -> list[Shard]:
     """Every agent's data, loading and partitioning the dataset once (a simulation);
     agent ``i``'s is what :func:`load_agent_subset` gives agent ``i``."""
-    train, test = seeded_subset(dataset, root=root, download=download, train_samples=train_samples,
-                                test_samples=test_samples, seed=seed)
-    return agent_shares(train, test, partition, num_agents, seed)
+    return agent_shares(*spec.subset(), spec.partition, spec.num_agents, spec.seed)

@@ -10,7 +10,7 @@ import pytest
 from edge_agent.agent import load_agent_data
 from edge_agent.config import DataConfig, EdgeConfig
 from edge_agent.simulate import shards
-from fldata import NO_PARTITION, load_agent_subset, load_agent_subsets, load_dataset, seeded_subset, take
+from fldata import NO_PARTITION, AgentDataSpec, load_agent_subset, load_agent_subsets, load_dataset, seeded_subset, take
 
 SUBSET = dict(train_samples=300, test_samples=90, seed=4)
 
@@ -33,10 +33,11 @@ def test_the_subset_is_a_seeded_stratified_take_of_each_split() -> None:
 
 @pytest.mark.parametrize("partition", ["iid", "dirichlet:0.5", "step:2"])
 def test_one_agent_loaded_alone_gets_its_share_of_all_agents(partition: str) -> None:
-    everyone = load_agent_subsets("synthetic", partition=partition, num_agents=3, **SUBSET)
+    spec = AgentDataSpec("synthetic", partition=partition, num_agents=3, **SUBSET)
+    everyone = load_agent_subsets(spec)
     assert len(everyone) == 3
     for i, (train, test) in enumerate(everyone):
-        alone_train, alone_test = load_agent_subset("synthetic", partition=partition, num_agents=3, agent_index=i, **SUBSET)
+        alone_train, alone_test = load_agent_subset(spec, i)
         assert ids(alone_train) == ids(train) and ids(alone_test) == ids(test)
     trained = [s for train, _ in everyone for s in ids(train)]
     assert len(trained) == len(set(trained))  # disjoint shares
@@ -46,18 +47,20 @@ def test_one_agent_loaded_alone_gets_its_share_of_all_agents(partition: str) -> 
 
 def test_partition_none_is_the_agents_own_data_used_whole() -> None:
     train, test = seeded_subset("synthetic", **SUBSET)
-    own = load_agent_subset("synthetic", partition=NO_PARTITION, num_agents=5, agent_index=3, **SUBSET)
+    own = load_agent_subset(AgentDataSpec("synthetic", partition=NO_PARTITION, num_agents=5, **SUBSET), 3)
     assert ids(own[0]) == ids(train) and ids(own[1]) == ids(test)
-    (single,) = load_agent_subsets("synthetic", partition=NO_PARTITION, num_agents=1, **SUBSET)
+    (single,) = load_agent_subsets(AgentDataSpec("synthetic", partition=NO_PARTITION, num_agents=1, **SUBSET))
     assert ids(single[0]) == ids(train)
     # Several simulated agents with "none" would all hold the same samples: refused, not turned into iid.
     with pytest.raises(ValueError, match='partition "none" would give all 3 agents the same samples.*iid'):
-        load_agent_subsets("synthetic", partition=NO_PARTITION, num_agents=3, **SUBSET)
+        load_agent_subsets(AgentDataSpec("synthetic", partition=NO_PARTITION, num_agents=3, **SUBSET))
 
 
 def test_agent_index_out_of_range() -> None:
     with pytest.raises(ValueError, match="agent_index"):
-        load_agent_subset("synthetic", partition="iid", num_agents=2, agent_index=2)
+        load_agent_subset(AgentDataSpec("synthetic", partition="iid", num_agents=2), 2)
+    with pytest.raises(ValueError, match="num_agents"):
+        AgentDataSpec("synthetic", num_agents=0)
 
 
 def test_the_agent_process_and_the_simulation_load_the_same_shards() -> None:

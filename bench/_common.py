@@ -17,16 +17,13 @@ if str(REPO_ROOT) not in sys.path:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     import numpy
 
+    from shared_protocol.hostinfo import host_info
+
+    host = host_info()
     info: dict[str, Any] = {
-        "cpu_model": cpu, "arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "cpu_model": host.cpu_model, "arch": host.arch, "cores": host.cores, "python": platform.python_version(),
         "numpy": numpy.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_average": os.getloadavg(),
     }

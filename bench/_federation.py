@@ -29,15 +29,14 @@ RESULTS = REPO_ROOT / "bench" / "results"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from cloud_server.assemble import build_server  # noqa: E402
 from cloud_server.centralized import CentralizedTrainer  # noqa: E402
 from cloud_server.config import ServerConfig  # noqa: E402
-from cloud_server.coordinator import Coordinator  # noqa: E402
-from cloud_server.launcher import _stop, start_broker  # noqa: E402
-from cloud_server.methods import get_server_method  # noqa: E402
 from edge_agent.agent import EdgeAgent  # noqa: E402
 from edge_agent.config import DataConfig, EdgeConfig  # noqa: E402
 from edge_agent.simulate import shards  # noqa: E402
-from shared_protocol.transport import MqttTransport  # noqa: E402
+from shared_protocol.hostinfo import host_info  # noqa: E402
+from shared_protocol.local_broker import LocalBroker  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -69,13 +68,8 @@ class RunSpec:
 def machine() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+    host = host_info()
+    return {"cpu_model": host.cpu_model, "arch": host.arch, "cores": host.cores, "python": platform.python_version(),
             "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average_at_start": list(os.getloadavg())}
 
@@ -109,12 +103,11 @@ def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2) ->
     """One run over a fresh broker; returns the run report (also written to ``out``)."""
     if run.method == "centralized":
         return run_centralized(run, data, out)
-    broker_proc, url = start_broker(out / "broker")
+    broker = LocalBroker(out / "broker").start()
+    url = broker.url
     try:
         config = _server_config(run, data, out, url)
-        ctx = config.method_context("cpu")
-        method = get_server_method(config.method)(ctx, config.method_config)
-        coordinator = Coordinator(config, method, MqttTransport(config.transport_config()))
+        coordinator = build_server(config, device="cpu")
         base = DataConfig(dataset=data.dataset, partition=data.partition, num_agents=data.agents, seed=data.seed,
                           train_samples=data.train_samples, test_samples=data.test_samples)
         lock = threading.Lock()
@@ -146,7 +139,7 @@ def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2) ->
             raise errors[0]
         return result
     finally:
-        _stop([broker_proc])
+        broker.stop()
 
 
 def reusable(report_path: Path, run: RunSpec, data: DataSpec) -> dict[str, Any] | None:

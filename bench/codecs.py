@@ -79,6 +79,7 @@ from models import build_model  # noqa: E402
 from shared_protocol import codecs as wire_codecs  # noqa: E402
 from shared_protocol import svd as svd_math  # noqa: E402
 from shared_protocol.chunking import DEFAULT_CHUNK_SIZE_BYTES  # noqa: E402
+from shared_protocol.hostinfo import cpu_model  # noqa: E402
 from shared_protocol.messages import encode_message  # noqa: E402
 from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig  # noqa: E402
 
@@ -122,18 +123,6 @@ QUICK_SVD_THRESHOLDS = (0.95, 0.98)
 # |squared error - discarded energy| / tensor energy: float32 factors and reconstruction
 # leave a relative residue around 1e-7 per value; anything near 1e-4 would be a real gap.
 ENERGY_GAP_TOLERANCE = 1e-4
-
-
-def cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            # x86 says "model name"; many ARM kernels (Raspberry Pi) say "Model".
-            if key.strip() in ("model name", "Model") and value.strip():
-                return value.strip()
-    return platform.processor() or platform.machine()
 
 
 # --------------------------------------------------------------------------- #

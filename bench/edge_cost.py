@@ -44,6 +44,7 @@ from models import (  # noqa: E402  (needs the path above)
     forward_flops_per_sample,
     training_flops_per_sample,
 )
+from shared_protocol.hostinfo import cpu_model  # noqa: E402
 
 MODEL_NAMES = ("resnet8", "resnet56", "resnet110")
 BASELINE = "resnet8"
@@ -75,18 +76,6 @@ class ModelCost:
     params_ratio_vs_resnet8: float
     paper_flops_ratio_vs_resnet8: float | None
     paper_params_ratio_vs_resnet8: float | None
-
-
-def cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            # x86 says "model name"; many ARM kernels (Raspberry Pi) say "Model".
-            if key.strip() in ("model name", "Model") and value.strip():
-                return value.strip()
-    return platform.processor() or platform.machine()
 
 
 def time_training_batch_ms(name: str, batch_size: int, warmup: int, iters: int) -> list[float]:

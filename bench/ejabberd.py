@@ -37,6 +37,7 @@ from typing import Any
 
 from _common import REPO_ROOT, RESULTS, machine, write_json
 
+from shared_protocol.local_broker import free_port
 from shared_protocol.transport import MqttTransport, TransportConfig, TransportError
 
 EJABBERDCTL = "/usr/sbin/ejabberdctl"
@@ -121,14 +122,6 @@ class Node:
     def log_tail(self, lines: int = 40) -> str:
         path = self.dir / "logs" / "ejabberd.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def probe(url: str) -> dict[str, Any]:

@@ -499,6 +499,9 @@ def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: di
 
 
 def main() -> int:
+    sys.path.insert(0, str(REPO))
+    from shared_protocol.hostinfo import cpu_model
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", choices=("torch", "ort", "agent", "baseline"))
     p.add_argument("--backend", choices=("torch", "ort"), help="with --worker agent / baseline")
@@ -536,12 +539,12 @@ def main() -> int:
         out = Path(args.out)
         report = json.loads(out.read_text()) if out.exists() else {}
         report["agent"] = agent_section(_agent_envs(base), artifacts_1ch, base)
-        report["agent"]["machine"] = {"cpu": _cpu(), "arch": platform.machine(), "cores": os.cpu_count()}
+        report["agent"]["machine"] = {"cpu": cpu_model(), "arch": platform.machine(), "cores": os.cpu_count()}
         _write(out, report)
         _print_agent(report["agent"])
         return 0
     report: dict = {
-        "machine": {"cpu": _cpu(), "arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_model(), "arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "load_average_at_start": os.getloadavg()},
         "settings": {"model": "resnet8", "input": [3, 32, 32], "batch_size": args.batch_size, "threads": 1,
                      "batches_timed": args.batches, "warmup": args.warmup, "optimizer": "adam (amsgrad), CE + KD"},
@@ -636,12 +639,6 @@ def _print_agent(agent: dict) -> None:
         print(f"agent {name:11s} runtime {base:.0f} MB; peak {peaks}; round-1 peak largest/smallest {env.get('round1_peak_largest_over_smallest')}")
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
-    except OSError:
-        return platform.machine()
 
 
 if __name__ == "__main__":

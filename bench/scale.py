@@ -24,11 +24,10 @@ from pathlib import Path
 
 from _common import REPO_ROOT, RESULTS, machine, write_json
 
+from cloud_server.assemble import build_server
 from cloud_server.config import ServerConfig
-from cloud_server.coordinator import Coordinator
-from cloud_server.methods import get_server_method
+from shared_protocol.local_broker import LocalBroker, free_port
 from shared_protocol.tomlio import write_toml
-from shared_protocol.transport import MqttTransport
 
 
 def _status_bytes(pid: int | str, key: str) -> int:
@@ -57,26 +56,13 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"mosquitto did not listen on {port}")
-
-
 def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, dataset: str, work: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     conf = work / f"mq-{agents}.conf"
+    # The broker as measured so far: mosquitto's in-flight default, no log file.
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n")
-    broker = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(port)
-    url = f"mqtt://127.0.0.1:{port}"
+    broker = LocalBroker(work / f"mq-{agents}", port, config_file=conf).start()
+    url = broker.url
     run_id = f"scale{agents}"
     agent_toml = work / f"agent-{agents}.toml"
     write_toml(agent_toml, {
@@ -87,8 +73,7 @@ def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, datas
     cfg = ServerConfig(run_id=run_id, broker_url=url, out_dir=str(work / run_id), expected_agents=agents, rounds=rounds,
                        round_deadline_s=1800, registration_timeout_s=600, dataset=dataset, progress=False,
                        method_config={"upload_batch_samples": 64, "server_batch_size": 64})
-    ctx = cfg.method_context("cpu")
-    coordinator = Coordinator(cfg, get_server_method("fedgkt")(ctx, cfg.method_config), MqttTransport(cfg.transport_config()))
+    coordinator = build_server(cfg, device="cpu")
     sim = subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "simulate", "--config", str(agent_toml), "--agents", str(agents)],
                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=open(work / f"sim-{agents}.log", "w"),
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -107,9 +92,9 @@ def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, datas
     try:
         report = coordinator.run()
     finally:
-        broker_peak = vm_hwm_bytes(broker.pid)
+        broker_peak = vm_hwm_bytes(broker.proc.pid) if broker.proc is not None else 0
         sim.wait(120)
-        broker.kill()
+        broker.stop()
     rounds_out = report["rounds"]
     connection = report["totals"]["server_connection"]
     return {
@@ -138,14 +123,6 @@ def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, datas
         "broker_peak_rss_bytes": broker_peak,
         "completed_per_round": [len(r["completed"]) for r in rounds_out],
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

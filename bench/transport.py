@@ -15,7 +15,6 @@ import resource
 import shutil
 import socket
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -27,31 +26,10 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud_server.keys import KeysConfig, init_keys
+from shared_protocol.local_broker import LocalBroker, free_port
 from shared_protocol.transport import MqttTransport, TransportConfig
 
 CHUNK = 512 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_broker(conf_text: str | None, conf_path: Path | None, port: int, workdir: Path) -> subprocess.Popen:
-    if conf_path is None:
-        conf_path = workdir / "plain.conf"
-        conf_path.write_text(conf_text or "")
-    proc = subprocess.Popen(["mosquitto", "-c", str(conf_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("mosquitto did not start")
 
 
 def tcp_copy(total: int) -> float:
@@ -229,11 +207,13 @@ def run(mb: int, repeats: int) -> dict:
     try:
         results["mb_per_s"]["tcp_socket"] = [mb / tcp_copy(total) for _ in range(repeats)]
         plain_port = free_port()
-        plain = start_broker(f"listener {plain_port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n", None, plain_port, work)
+        plain_conf = work / "plain.conf"  # as measured so far: mosquitto's in-flight default, no log file
+        plain_conf.write_text(f"listener {plain_port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n")
+        plain = LocalBroker(work / "plain", plain_port, config_file=plain_conf).start()
         try:
-            pairs["plain"] = paired(plain_port, total, None, repeats, mb, plain.pid)
+            pairs["plain"] = paired(plain_port, total, None, repeats, mb, plain.proc.pid)
         finally:
-            plain.kill()
+            plain.stop()
         tls_port = free_port()
         keys = work / "keys"
         init_keys(KeysConfig(keys, ("bench",), port=tls_port, bind="127.0.0.1"))
@@ -241,12 +221,12 @@ def run(mb: int, repeats: int) -> dict:
         conf.write_text(conf.read_text().replace("max_queued_messages 10000", "max_queued_messages 100000"))
         acl = keys / "acl"
         acl.write_text(acl.read_text() + "\nuser bench\ntopic readwrite bench/#\n")
-        tls_proc = start_broker(None, conf, tls_port, work)
+        tls_broker = LocalBroker(work / "tls", tls_port, config_file=conf).start()
         tls = {"user": "bench", "password": (keys / "secrets" / "bench.password").read_text().strip(), "ca": str(keys / "ca.crt")}
         try:
-            pairs["tls"] = paired(tls_port, total, tls, repeats, mb, tls_proc.pid)
+            pairs["tls"] = paired(tls_port, total, tls, repeats, mb, tls_broker.proc.pid)
         finally:
-            tls_proc.kill()
+            tls_broker.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["cpu_ms_per_mb"] = {}

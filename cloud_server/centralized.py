@@ -36,6 +36,7 @@ from .config import ServerConfig
 from .device_meter import DeviceMeter
 from .server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, staging_budget_bytes
 from shared_protocol.configs import config_from_table
+from shared_protocol.hostinfo import cpu_model as _cpu_model
 
 log = logging.getLogger("cloud_server.centralized")
 
@@ -83,14 +84,6 @@ class CentralizedConfig:
 
 def _now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
 
 
 def _logits(output: object) -> torch.Tensor:

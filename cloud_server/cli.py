@@ -10,21 +10,12 @@ from pathlib import Path
 
 from shared_protocol.logs import setup_logging
 from shared_protocol.tomlio import read_toml
-from shared_protocol.transport import MqttTransport, TransportError
+from shared_protocol.transport import TransportError
 
+from .assemble import build_server
 from .config import ServerConfig
 
 log = logging.getLogger("cloud_server")
-
-
-def resolve_device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available on this machine")
-    return name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,16 +51,14 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .coordinator import Coordinator, RunAborted
-    from .methods import get_server_method
+    from .coordinator import RunAborted
 
     config = load_config(args)
     setup_logging(config.log_json, name="server ")
-    ctx = config.method_context(resolve_device(config.device), progress=config.progress and sys.stderr.isatty())
-    method = get_server_method(config.method)(ctx, config.method_config)
-    coordinator = Coordinator(config, method, MqttTransport(config.transport_config()))
+    coordinator = build_server(config, progress=config.progress and sys.stderr.isatty())
+    method = coordinator.method
     log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,
-             "async" if method.asynchronous else "sync", config.rounds, ctx.device, config.out_dir)
+             "async" if method.asynchronous else "sync", config.rounds, method.ctx.device, config.out_dir)
     try:
         resume = args.resume or (args.resume_if_checkpoint and (coordinator.checkpoint_dir / "coordinator.json").exists())
         report = coordinator.run(resume=resume)

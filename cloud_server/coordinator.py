@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import platform
 import random
 import shutil
 import socket
@@ -30,6 +29,7 @@ from typing import Any
 from shared_protocol.chunking import SenderLimits
 from shared_protocol.errors import ProtocolError, StaleMessageError, UnknownSenderError
 from shared_protocol.frame import FrameLimits
+from shared_protocol.hostinfo import cpu_model as _cpu_model
 from shared_protocol.messages import (
     Discover,
     ErrorReply,
@@ -889,14 +889,3 @@ def _plain_json(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

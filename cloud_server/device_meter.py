@@ -26,15 +26,9 @@ from typing import Any
 
 import torch
 
+from shared_protocol.hostinfo import cpu_model
+
 log = logging.getLogger("cloud_server.device_meter")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
 
 
 def device_name(device: torch.device | str) -> str:

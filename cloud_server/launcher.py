@@ -6,10 +6,13 @@ broker, waits for the run, prints the summary and the report path, and cleans
 up every process on exit or Ctrl-C. Each agent gets one torch thread: N
 processes each spinning all cores would slow every one of them down.
 
-``--method fedgkt | fedavg | splitnn`` run federations; ``--method centralized``
-trains the same architecture on the union of the data in one process (no
-broker, no agents) for the reference rows, as ``edgesplit centralized --config``
-does from a config file.
+``--method NAME`` runs any method in ``cloud_server/methods/``, configured by
+that method's own ``launcher_table`` (:mod:`cloud_server.local_run`), and
+``--set TABLE.KEY=VALUE`` changes any key of the generated configs; the server's
+config is checked (its method built) before any process starts.
+``--method centralized`` trains the same architecture on the union of the data
+in one process (no broker, no agents) for the reference rows, as ``edgesplit
+centralized --config`` does from a config file.
 """
 
 from __future__ import annotations
@@ -19,46 +22,17 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from shared_protocol.tomlio import write_toml
+from shared_protocol.local_broker import BrokerNotFoundError, BrokerStartError, LocalBroker
+from shared_protocol.tomlio import read_toml, write_toml
 from shared_protocol.transport import redact_url
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_broker(workdir: Path) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
-    if binary is None:
-        raise SystemExit("edgesplit: mosquitto not found; install it (apt-get install mosquitto) or pass --broker URL")
-    port = free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    conf = workdir / "mosquitto.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        f"log_dest file {workdir / 'mosquitto.log'}\nmax_inflight_messages 0\nmax_queued_messages 100000\n"
-    )
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return proc, f"mqtt://127.0.0.1:{port}"
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit(f"edgesplit: mosquitto exited at start; see {workdir / 'mosquitto.log'}")
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("edgesplit: mosquitto did not start listening within 10 s")
+from .local_run import LocalRunOptions, apply_settings, launcher_table, parse_setting
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--chunk-size", type=int, default=None, metavar="BYTES",
                        help="blob bytes per MQTT PUBLISH, server and agents (default: 512 KiB, or less if the broker's "
                        "Maximum Packet Size requires; an explicit size that does not fit fails at connect)")
+    local.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                       help="set any key of the generated configs, e.g. fedgkt.server_epochs=3, server.round_deadline_s=60, "
+                       "data.download=true (repeatable; VALUE is read as TOML, a bare word as a string)")
     local.add_argument("--log-json", action="store_true")
     central = sub.add_parser("centralized", help="train one model on the union of the data (no broker, no agents); writes a run report")
     central.add_argument("--config", required=True, help="server TOML: [server] with method = \"centralized\", and [centralized]")
@@ -107,56 +84,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fedgkt_table(args: argparse.Namespace) -> dict:
-    table = {"mode": args.mode, "kd": args.kd, "server_model": args.server_model,
-             "server_epochs": args.server_epochs, "edge_epochs": args.edge_epochs}
-    table["upload_codec"] = args.codec or "fp16-zstd"
+def local_options(args: argparse.Namespace) -> LocalRunOptions:
+    """The flags a method's launcher table may use, typed."""
+    return LocalRunOptions(
+        method=args.method, dataset=args.dataset, data_root=args.data_root, train_samples=args.train_samples,
+        test_samples=args.test_samples, seed=args.seed, mode=args.mode, kd=args.kd, server_model=args.server_model,
+        model=args.model, server_epochs=args.server_epochs, edge_epochs=args.edge_epochs, codec=args.codec,
+    )
+
+
+def _centralized_table(options: LocalRunOptions) -> dict:
+    # Not a federated method (no module in cloud_server/methods/): one process trains on the union.
+    table = {"model": options.model, "epochs_per_round": options.edge_epochs, "train_samples": options.train_samples,
+             "test_samples": options.test_samples}
+    if options.data_root:
+        table["data_root"] = options.data_root
     return table
 
 
-def _fedavg_table(args: argparse.Namespace) -> dict:
-    codec = args.codec or "zstd"
-    return {"model": args.model, "local_epochs": args.edge_epochs, "upload_codec": codec, "download_codec": codec}
-
-
-def _splitnn_table(args: argparse.Namespace) -> dict:
-    return {"server_model": args.server_model, "local_epochs": args.edge_epochs, "upload_codec": args.codec or "raw"}
-
-
-def _centralized_table(args: argparse.Namespace) -> dict:
-    table = {"model": args.model, "epochs_per_round": args.edge_epochs, "train_samples": args.train_samples, "test_samples": args.test_samples}
-    if args.data_root:
-        table["data_root"] = args.data_root
-    return table
-
-
-def _fedkd_table(args: argparse.Namespace) -> dict:
-    # The defaults: Eq. 9's schedule follows [server] rounds (schedule_rounds = 0).
-    return {}
-
-
-def _fedgkd_table(args: argparse.Namespace) -> dict:
-    # FedAvg's keys (model, local epochs, codecs); gamma, M and the variant keep FedGkdConfig's
-    # defaults (the paper's CV settings: FedGKD with gamma = 0.2, M = 5).
-    return _fedavg_table(args)
-
-
-def _feddistill_table(args: argparse.Namespace) -> dict:
-    # FedAvg's keys (model, local epochs, codecs); the loss weights keep FedDistillConfig's defaults.
-    return _fedavg_table(args)
-
-
-def _fedbe_table(args: argparse.Namespace) -> dict:
-    # FedAvg's local training; the server's unlabeled set is the training samples the agents do not
-    # take (they take a --train-samples subset seeded by --seed, which is also the server's seed).
-    table = {**_fedavg_table(args), "unlabeled_dataset": args.dataset, "agent_train_samples": args.train_samples}
-    if args.data_root:
-        table["unlabeled_root"] = args.data_root
-    return table
-
-
-# The method's table in the generated server.toml; methods not named here are configured like FedGKT.
-METHOD_TABLES = {"fedavg": _fedavg_table, "splitnn": _splitnn_table, "centralized": _centralized_table, "fedkd": _fedkd_table, "fedgkd": _fedgkd_table, "feddistill": _feddistill_table, "fedbe": _fedbe_table}
+def method_table(args: argparse.Namespace) -> dict:
+    """The ``[<method>]`` table of the generated server.toml: the method's own launcher table."""
+    options = local_options(args)
+    return _centralized_table(options) if args.method == "centralized" else launcher_table(options)
 
 
 def broker_settings(args: argparse.Namespace, broker: str, configs: Path) -> tuple[str, dict]:
@@ -198,37 +147,34 @@ def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str,
     configs = out / "configs"
     configs.mkdir(parents=True, exist_ok=True)
     broker, broker_keys = broker_settings(args, broker, configs)
-    server_path = configs / "server.toml"
-    write_toml(
-        server_path,
-        {
-            "server": {
-                "run_id": run_id, "method": args.method, "broker_url": broker, "out_dir": str(out),
-                "expected_agents": args.agents, "rounds": args.rounds, "round_deadline_s": args.deadline,
-                "min_agents": 1, "min_fraction": 0.5, "eval_every": args.eval_every, "client_fraction": args.client_fraction, "registration_timeout_s": 300.0,
-                "dataset": args.dataset, "num_classes": 10 if args.dataset != "cifar100" else 100, "seed": args.seed,
-                **broker_keys,
-            },
-            args.method: METHOD_TABLES.get(args.method, _fedgkt_table)(args),
+    server_doc = {
+        "server": {
+            "run_id": run_id, "method": args.method, "broker_url": broker, "out_dir": str(out),
+            "expected_agents": args.agents, "rounds": args.rounds, "round_deadline_s": args.deadline,
+            "min_agents": 1, "min_fraction": 0.5, "eval_every": args.eval_every, "client_fraction": args.client_fraction, "registration_timeout_s": 300.0,
+            "dataset": args.dataset, "num_classes": 10 if args.dataset != "cifar100" else 100, "seed": args.seed,
+            **broker_keys,
         },
-        header=f"generated by edgesplit local for run {run_id}",
-    )
-    agent_paths = []
-    for i in range(args.agents if agents is None else agents):
-        path = configs / f"agent-{i}.toml"
-        write_toml(
-            path,
-            {
-                "agent": {"agent_id": f"agent-{i}", "run_id": run_id, "broker_url": broker, "state_dir": str(out / "agent-state"), "threads": 1,
-                          **broker_keys},
-                "data": {
-                    "dataset": args.dataset, "root": args.data_root, "partition": args.partition, "num_agents": args.agents,
-                    "agent_index": i, "seed": args.seed, "train_samples": args.train_samples, "test_samples": args.test_samples,
-                },
+        args.method: method_table(args),
+    }
+    agent_docs = [
+        {
+            "agent": {"agent_id": f"agent-{i}", "run_id": run_id, "broker_url": broker, "state_dir": str(out / "agent-state"), "threads": 1,
+                      **broker_keys},
+            "data": {
+                "dataset": args.dataset, "root": args.data_root, "partition": args.partition, "num_agents": args.agents,
+                "agent_index": i, "seed": args.seed, "train_samples": args.train_samples, "test_samples": args.test_samples,
             },
-            header=f"generated by edgesplit local for run {run_id}",
-        )
-        agent_paths.append(path)
+        }
+        for i in range(args.agents if agents is None else agents)
+    ]
+    apply_settings([server_doc, *agent_docs], [parse_setting(s) for s in getattr(args, "set", None) or ()], args.method)
+    header = f"generated by edgesplit local for run {run_id}"
+    server_path = configs / "server.toml"
+    write_toml(server_path, server_doc, header=header)
+    agent_paths = [configs / f"agent-{i}.toml" for i in range(len(agent_docs))]
+    for path, doc in zip(agent_paths, agent_docs):
+        write_toml(path, doc, header=header)
     return server_path, agent_paths
 
 
@@ -312,7 +258,7 @@ def cmd_centralized(args: argparse.Namespace) -> int:
     from shared_protocol.tomlio import read_toml
 
     from .centralized import CentralizedTrainer
-    from .cli import resolve_device
+    from .assemble import resolve_device
     from .config import ServerConfig
 
     try:
@@ -332,9 +278,22 @@ def cmd_centralized(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_server_config(path: Path) -> None:
+    """Build the server step from the written config, as the server will (on the CPU):
+    a bad ``--set`` or launcher table fails here, before any process starts."""
+    from .assemble import build_server_method
+    from .config import ServerConfig
+
+    build_server_method(ServerConfig.from_dict(read_toml(path)), device="cpu")
+
+
 def _local_centralized(args: argparse.Namespace, run_id: str, out: Path) -> int:
     """``edgesplit local --method centralized``: the same config, trained here."""
-    server_cfg, _ = write_configs(args, run_id, out, "mqtt://127.0.0.1:1883", agents=0)
+    try:
+        server_cfg, _ = write_configs(args, run_id, out, "mqtt://127.0.0.1:1883", agents=0)
+    except ValueError as exc:
+        print(f"edgesplit: error: {exc}", file=sys.stderr)
+        return 2
     print(f"edgesplit: run {run_id}; centralized {args.model} x {args.rounds} rounds on {args.dataset}", flush=True)
     code = cmd_centralized(argparse.Namespace(config=str(server_cfg), out=None, rounds=None, device=None))
     summary = out / "summary.md"
@@ -357,16 +316,25 @@ def cmd_local(args: argparse.Namespace) -> int:
         return _local_centralized(args, run_id, out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    broker_proc = None
+    local_broker: LocalBroker | None = None
     procs: list[subprocess.Popen] = []
     files = []
     try:
         if args.broker:
             broker = args.broker
         else:
-            broker_proc, broker = start_broker(out / "broker")
+            try:
+                local_broker = LocalBroker(out / "broker").start()
+            except (BrokerNotFoundError, BrokerStartError) as exc:
+                raise SystemExit(f"edgesplit: {exc}") from None
+            broker = local_broker.url
         print(f"edgesplit: broker {redact_url(broker)}; run {run_id}; {args.agents} agents x {args.rounds} rounds of {args.method} on {args.dataset} ({args.partition})", flush=True)
-        server_cfg, agent_cfgs = write_configs(args, run_id, out, broker)
+        try:
+            server_cfg, agent_cfgs = write_configs(args, run_id, out, broker)
+            check_server_config(server_cfg)
+        except ValueError as exc:
+            print(f"edgesplit: error: {exc}", file=sys.stderr)
+            return 2
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         extra = ["--log-json"] if args.log_json else []
         server_log = open(logs / "server.log", "w")
@@ -404,8 +372,8 @@ def cmd_local(args: argparse.Namespace) -> int:
         return 130
     finally:
         _stop(procs)
-        if broker_proc is not None:
-            _stop([broker_proc])
+        if local_broker is not None:
+            local_broker.stop()
         for f in files:
             f.close()
 

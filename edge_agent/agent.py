@@ -23,9 +23,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fldata import ArrayDataset, PartitionSpec, agent_shard, load_dataset, take, test_shard_for_agent
+from fldata import AgentDataSpec, ArrayDataset, load_agent_subset
 from shared_protocol.errors import ProtocolError, UnknownSenderError, StaleMessageError
 from shared_protocol.frame import FrameLimits
+from shared_protocol.hostinfo import host_info
 from shared_protocol.messages import (
     Discover,
     ErrorReply,
@@ -44,8 +45,8 @@ from shared_protocol.topics import Topics
 from shared_protocol.transport import MqttTransport, Transport, TransportError
 
 from . import __version__
-from .config import EdgeConfig
-from .costs import RoundMeter, cpu_model, peak_rss_bytes, total_memory_bytes
+from .config import DataConfig, EdgeConfig
+from .costs import RoundMeter, peak_rss_bytes
 from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
 
@@ -68,19 +69,15 @@ class RoundRestartedError(RuntimeError):
     mid-round); the new RoundStart is handled next, so the round restarts cleanly."""
 
 
+def agent_data_spec(data: DataConfig) -> AgentDataSpec:
+    """The data config as fldata's description of the run's agents' data."""
+    return AgentDataSpec(dataset=data.dataset, partition=data.partition, num_agents=data.num_agents, seed=data.seed,
+                         root=data.root, download=data.download, train_samples=data.train_samples, test_samples=data.test_samples)
+
+
 def load_agent_data(config: EdgeConfig) -> tuple[ArrayDataset, ArrayDataset]:
-    """This agent's train and test shards, as the data config describes."""
-    d = config.data
-    train = load_dataset(d.dataset, "train", d.root, d.download)
-    test = load_dataset(d.dataset, "test", d.root, d.download)
-    if d.train_samples:
-        train = take(train, min(d.train_samples, len(train)), d.seed)
-    if d.test_samples:
-        test = take(test, min(d.test_samples, len(test)), d.seed)
-    if d.partition == "none":
-        return train, test
-    spec = PartitionSpec.parse(d.partition, d.num_agents, d.seed)
-    return agent_shard(train, spec, d.agent_index), test_shard_for_agent(test, spec, d.agent_index, train_labels=train.labels)
+    """This agent's train and test shards, as the data config describes (``fldata.subsets``)."""
+    return load_agent_subset(agent_data_spec(config.data), config.data.agent_index)
 
 
 class EdgeAgent:
@@ -200,10 +197,7 @@ class EdgeAgent:
         self._publish(
             Hello(
                 **self._base(),
-                cpu_model=cpu_model(),
-                arch=platform.machine(),
-                cores=os.cpu_count() or 1,
-                memory_bytes=total_memory_bytes(),
+                **host_info().to_dict(),  # cpu_model, arch, cores, memory_bytes
                 backend=self.config.backend,
                 num_samples=len(self.train),
                 class_counts=[int(c) for c in counts],

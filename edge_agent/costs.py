@@ -7,7 +7,6 @@ and idle (waiting for the server between rounds).
 
 from __future__ import annotations
 
-import os
 import platform
 import resource
 import time
@@ -16,24 +15,6 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 PHASES = ("compute", "encode", "network", "idle")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "Model", "Hardware")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def total_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def peak_rss_bytes() -> int:

@@ -14,9 +14,9 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from fldata import ArrayDataset, PartitionSpec, load_dataset, partition_indices, partition_test_indices, take
+from fldata import ArrayDataset, load_agent_subsets
 
-from .agent import EdgeAgent
+from .agent import EdgeAgent, agent_data_spec
 from .config import DataConfig, EdgeConfig
 
 log = logging.getLogger("edge_agent.simulate")
@@ -35,17 +35,10 @@ class SimulationConfig:
 
 
 def shards(data: DataConfig, agents: int) -> list[tuple[ArrayDataset, ArrayDataset]]:
-    """Every agent's (train, test) shard, loading and partitioning the dataset once."""
-    train = load_dataset(data.dataset, "train", data.root, data.download)
-    test = load_dataset(data.dataset, "test", data.root, data.download)
-    if data.train_samples:
-        train = take(train, min(data.train_samples, len(train)), data.seed)
-    if data.test_samples:
-        test = take(test, min(data.test_samples, len(test)), data.seed)
-    spec = PartitionSpec.parse(data.partition if data.partition != "none" else "iid", agents, data.seed)
-    train_parts = partition_indices(train.labels, spec, train.num_classes)
-    test_parts = partition_test_indices(test.labels, spec, train.labels, test.num_classes)
-    return [(train.subset(tp), test.subset(sp)) for tp, sp in zip(train_parts, test_parts)]
+    """Every agent's (train, test) shard, loading and partitioning the dataset once; agent i's
+    is the one a separate agent process with ``agent_index = i`` loads. Partition "none" (the
+    data is the agent's own) is refused for several agents: each would get the same samples."""
+    return load_agent_subsets(dataclasses.replace(agent_data_spec(data), num_agents=agents))
 
 
 def build_agents(sim: SimulationConfig) -> list[EdgeAgent]:

@@ -37,6 +37,7 @@ are normalised one at a time by the loaders).
 from __future__ import annotations
 
 import gzip
+import functools
 import hashlib
 import importlib.util
 import mmap
@@ -50,6 +51,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Final, Iterator
 
 import numpy as np
+
+from fldata.registry import get_dataset_spec, list_datasets, register_dataset
 
 __all__ = [
     "DATASET_NAMES",
@@ -67,17 +70,6 @@ __all__ = [
     "save_npz",
     "take",
 ]
-
-#: Names accepted by :func:`load_dataset`.
-DATASET_NAMES: Final[tuple[str, ...]] = (
-    "fashion-mnist",
-    "cifar10",
-    "cifar100",
-    "cinic10",
-    "imagefolder",
-    "npz",
-    "synthetic",
-)
 
 #: Added to a sample's index in its split to form its id (see module docstring).
 SPLIT_ID_OFFSETS: Final[dict[str, int]] = {
@@ -348,7 +340,7 @@ def load_dataset(
     """Load one split of a named dataset into memory.
 
     Args:
-        name: one of :data:`DATASET_NAMES`:
+        name: a registered dataset (:func:`fldata.registry.list_datasets`); built in:
 
             * ``"fashion-mnist"``: IDX files (``.gz`` or not) in ``root``, its
               torchvision layout ``root/FashionMNIST/raw``, or by default
@@ -375,33 +367,37 @@ def load_dataset(
             :data:`DOWNLOAD_TIMEOUT_S` seconds.
 
     Raises:
-        ValueError: unknown name or split.
+        ValueError: unknown name or split (the message lists the known ones).
         FileNotFoundError: the data is not on disk and may not be downloaded.
         DownloadError: a download was allowed and failed.
     """
-    if name not in DATASET_NAMES:
-        raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASET_NAMES)}")
+    spec = get_dataset_spec(name)
     if split not in SPLIT_ID_OFFSETS:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLIT_ID_OFFSETS)}")
-    if name in ("fashion-mnist", "cifar10", "cifar100", "synthetic") and split == "valid":
-        raise ValueError(f"{name} has no 'valid' split; expected 'train' or 'test'")
-    if name == "fashion-mnist":
-        return _load_fashion_mnist(split, root, download)
-    if name in ("cifar10", "cifar100"):
-        return _load_cifar(name, split, root, download)
-    if name == "synthetic":
-        n = 5000 if split == "train" else 1000
-        return make_synthetic(n, split=split)
-    if name == "npz":
-        if root is None:
-            raise ValueError("npz needs root=<directory with train.npz / test.npz> (python -m fldata.export writes them)")
-        root_path = Path(root)
-        if root_path.is_file() and split == "train":
-            return load_npz(root_path)
-        split_file = root_path / f"{split}.npz"
-        if not split_file.is_file():
-            raise FileNotFoundError(f"{split_file} not found; export a partition with python -m fldata.export --out {root_path}")
-        return load_npz(split_file)
+    if split not in spec.splits:
+        raise ValueError(f"{name} has no {split!r} split; expected {' or '.join(repr(s) for s in spec.splits)}")
+    return spec.loader(split, root, download)
+
+
+def _load_synthetic(split: str, root: str | os.PathLike[str] | None, download: bool) -> ArrayDataset:
+    """5000 train / 1000 test samples of :func:`make_synthetic` (``root`` and ``download`` are ignored)."""
+    return make_synthetic(5000 if split == "train" else 1000, split=split)
+
+
+def _load_npz_split(split: str, root: str | os.PathLike[str] | None, download: bool) -> ArrayDataset:
+    """``root/<split>.npz`` written by :func:`save_npz`, or ``root`` itself for a ``.npz`` file and ``split="train"``."""
+    if root is None:
+        raise ValueError("npz needs root=<directory with train.npz / test.npz> (python -m fldata.export writes them)")
+    root_path = Path(root)
+    if root_path.is_file() and split == "train":
+        return load_npz(root_path)
+    split_file = root_path / f"{split}.npz"
+    if not split_file.is_file():
+        raise FileNotFoundError(f"{split_file} not found; export a partition with python -m fldata.export --out {root_path}")
+    return load_npz(split_file)
+
+
+def _image_folder_root(name: str, root: str | os.PathLike[str] | None, download: bool) -> Path:
     # Image folders: there is nothing to download.
     if download:
         raise ValueError(
@@ -410,16 +406,24 @@ def load_dataset(
         )
     if root is None:
         raise ValueError(f"{name} needs root=<directory with {{train,valid,test}}/<class>/ images>")
-    root_path = Path(root)
-    if name == "cinic10":
-        split_dir = root_path / split
-        if not split_dir.is_dir():
-            raise FileNotFoundError(
-                f"CINIC-10 split folder {split_dir} not found; expected "
-                f"{root_path}/{{train,valid,test}}/<class>/*.png"
-            )
-        return _load_image_folder(split_dir, "cinic10", SPLIT_ID_OFFSETS[split])
-    # imagefolder
+    return Path(root)
+
+
+def _load_cinic10(split: str, root: str | os.PathLike[str] | None, download: bool) -> ArrayDataset:
+    """CINIC-10 as an image folder ``root/{train,valid,test}/<class>/*.png``."""
+    root_path = _image_folder_root("cinic10", root, download)
+    split_dir = root_path / split
+    if not split_dir.is_dir():
+        raise FileNotFoundError(
+            f"CINIC-10 split folder {split_dir} not found; expected "
+            f"{root_path}/{{train,valid,test}}/<class>/*.png"
+        )
+    return _load_image_folder(split_dir, "cinic10", SPLIT_ID_OFFSETS[split])
+
+
+def _load_imagefolder(split: str, root: str | os.PathLike[str] | None, download: bool) -> ArrayDataset:
+    """``root/<split>/<class>/*`` images, or ``root/<class>/*`` as the training split."""
+    root_path = _image_folder_root("imagefolder", root, download)
     split_dir = root_path / split
     if split_dir.is_dir():
         return _load_image_folder(split_dir, "imagefolder", SPLIT_ID_OFFSETS[split])
@@ -957,3 +961,17 @@ def load_npz(path: str | os.PathLike[str]) -> ArrayDataset:
             name=str(z["name"]),
             classes=tuple(str(c) for c in z["classes"]),
         )
+
+
+# -- the built-in datasets ------------------------------------------------------ #
+
+register_dataset("fashion-mnist", description="Fashion-MNIST: IDX files (Debian's dataset-fashion-mnist), torchvision download")(_load_fashion_mnist)
+register_dataset("cifar10", description="CIFAR-10: torchvision's copy, downloaded if allowed")(functools.partial(_load_cifar, "cifar10"))
+register_dataset("cifar100", description="CIFAR-100: torchvision's copy, downloaded if allowed")(functools.partial(_load_cifar, "cifar100"))
+register_dataset("cinic10", splits=("train", "valid", "test"), description="CINIC-10 as an image folder")(_load_cinic10)
+register_dataset("imagefolder", splits=("train", "valid", "test"))(_load_imagefolder)
+register_dataset("npz", splits=("train", "valid", "test"))(_load_npz_split)
+register_dataset("synthetic")(_load_synthetic)
+
+#: The built-in dataset names (:func:`fldata.registry.list_datasets` also lists any registered later).
+DATASET_NAMES: Final[tuple[str, ...]] = list_datasets()

@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fldata.datasets import load_dataset, save_npz, take
-from fldata.partition import PartitionSpec, agent_shard, test_shard_for_agent
+from fldata.datasets import save_npz
+from fldata.subsets import AgentDataSpec, load_agent_subset
 
 
 def export_partition(
@@ -30,15 +30,8 @@ def export_partition(
     test_samples: int = 0,
 ) -> tuple[Path, Path]:
     """Write ``out_dir/train.npz`` and ``out_dir/test.npz`` for one agent; returns their paths."""
-    train = load_dataset(dataset, "train", root)
-    test = load_dataset(dataset, "test", root)
-    if train_samples:
-        train = take(train, min(train_samples, len(train)), seed)
-    if test_samples:
-        test = take(test, min(test_samples, len(test)), seed)
-    if partition != "none":
-        spec = PartitionSpec.parse(partition, num_agents, seed)
-        train, test = agent_shard(train, spec, agent_index), test_shard_for_agent(test, spec, agent_index, train_labels=train.labels)
+    spec = AgentDataSpec(dataset, partition, num_agents, seed, root, train_samples=train_samples, test_samples=test_samples)
+    train, test = load_agent_subset(spec, agent_index)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_npz(train, out / "train.npz")

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from cloud_server.assemble import build_server
 from cloud_server.config import ServerConfig
 from cloud_server.coordinator import Coordinator
-from cloud_server.methods import get_server_method
 from edge_agent.agent import EdgeAgent
 from edge_agent.config import DataConfig, EdgeConfig
 from shared_protocol.tomlio import write_toml
@@ -84,9 +84,8 @@ class Federation:
 
 
 def make_server(config: ServerConfig, transport: Transport) -> Coordinator:
-    ctx = config.method_context("cpu")
-    method = get_server_method(config.method)(ctx, config.method_config)
-    return Coordinator(config, method, transport)
+    """The server as ``cloud-server run`` builds it, on the CPU, over ``transport``."""
+    return build_server(config, transport, device="cpu")
 
 
 def in_memory_federation(config: ServerConfig, agent_configs: list[EdgeConfig]) -> Federation:

@@ -230,3 +230,14 @@ class FedAvgServer(ServerMethod):
         load_arrays_into(self.model, self.global_state)
         self.version = int(state["version"])
         self.has_version.clear()
+
+
+# -- edgesplit local: this method's [fedavg] table --
+
+from ..local_run import LocalRunOptions  # noqa: E402
+
+
+def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
+    """The model and local epochs; one codec both ways, lossless zstd unless ``--codec``."""
+    codec = options.codec or "zstd"
+    return {"model": options.model, "local_epochs": options.edge_epochs, "upload_codec": codec, "download_codec": codec}

@@ -600,3 +600,19 @@ def _mean_or_none(values: list[float | None]) -> float | None:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
+
+
+# -- edgesplit local: this method's [fedbe] table --
+
+from ..local_run import LocalRunOptions  # noqa: E402
+
+
+def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
+    """FedAvg's local training; the server's unlabeled set is the training samples the agents do not
+    take (they take a ``--train-samples`` subset seeded by ``--seed``, which is also the server's seed)."""
+    from .fedavg import launcher_table as fedavg_table
+
+    table = {**fedavg_table(options), "unlabeled_dataset": options.dataset, "agent_train_samples": options.train_samples}
+    if options.data_root:
+        table["unlabeled_root"] = options.data_root
+    return table

@@ -115,3 +115,9 @@ class FedDistillServer(FedAvgServer):
     def round_report(self, round_: int) -> dict[str, Any]:
         """The used agents' sample-weighted mean loss terms of Eq. 10 and number of few-sample classes."""
         return dict(self._round_figures.get(round_, {}))
+
+
+# -- edgesplit local: this method's [feddistill] table --
+
+# FedAvg's keys (model, local epochs, codecs); the loss weights keep FedDistillConfig's defaults.
+from .fedavg import launcher_table  # noqa: E402,F401

@@ -302,3 +302,10 @@ class FedGkdServer(FedAvgServer):
         self.holds.clear()
         self._given.clear()
         self._round_teachers.clear()
+
+
+# -- edgesplit local: this method's [fedgkd] table --
+
+# FedAvg's keys (model, local epochs, codecs); gamma, M and the variant keep FedGkdConfig's
+# defaults (the paper's CV settings: FedGKD with gamma = 0.2, M = 5).
+from .fedavg import launcher_table  # noqa: E402,F401

@@ -619,3 +619,15 @@ class FedGktServer(ServerMethod):
                     for i in range(len(self.norms))]
             for agent, arrays in (state.get("agent_bn") or {}).items()
         }
+
+
+# -- edgesplit local: this method's [fedgkt] table --
+
+from ..local_run import LocalRunOptions  # noqa: E402
+
+
+def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
+    """Mode, KD direction, the server's model and epochs; feature maps fp16-zstd unless ``--codec``."""
+    return {"mode": options.mode, "kd": options.kd, "server_model": options.server_model,
+            "server_epochs": options.server_epochs, "edge_epochs": options.edge_epochs,
+            "upload_codec": options.codec or "fp16-zstd"}

@@ -461,3 +461,13 @@ class FedKdServer(ServerMethod):
         self.version = int(state["version"])
         self.history = list(state.get("history", []))
         self.holds.clear()  # agents get the whole mentee once after a restart
+
+
+# -- edgesplit local: this method's [fedkd] table --
+
+from ..local_run import LocalRunOptions  # noqa: E402
+
+
+def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
+    """FedKdConfig's defaults: Eq. 9's schedule follows [server] rounds (schedule_rounds = 0)."""
+    return {}

@@ -331,3 +331,13 @@ class SplitNNServer(ServerMethod):
         self.optimizer.load_state_dict(state["optimizer"])
         self.step.reset()
         self.extractor_state = {k: np.asarray(v) for k, v in state["extractor"].items()}
+
+
+# -- edgesplit local: this method's [splitnn] table --
+
+from ..local_run import LocalRunOptions  # noqa: E402
+
+
+def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
+    """The server's part of the model and epochs per turn; activations raw unless ``--codec``."""
+    return {"server_model": options.server_model, "local_epochs": options.edge_epochs, "upload_codec": options.codec or "raw"}

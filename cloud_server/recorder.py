@@ -23,8 +23,8 @@ from shared_protocol.messages import RoundEnd
 from shared_protocol.records import plain_json
 
 from .methods.base import RoundOutcome
-from .records import (AgentInfo, AgentRoundRecord, ByteCounts, RoundRecord, RoundTimes, RunReport, RunTotals, ServerInfo,
-                      now_iso)
+from .records import (AgentInfo, AgentRoundRecord, ByteCounts, RoundRecord, RoundTimes, RunReport, RunTotals, ServerDeviceRecord,
+                      ServerInfo, now_iso)
 from .report import format_summary_line, write_report
 
 log = logging.getLogger("cloud_server")
@@ -106,7 +106,7 @@ class RunRecorder:
         ends: Mapping[str, RoundEnd],
         outcomes: Sequence[RoundOutcome],
         started_at: float,
-        server: dict[str, Any] | None,
+        server: ServerDeviceRecord | None,
         method_figures: Mapping[str, Any] | None = None,
         server_train_flops: int | None = None,
     ) -> RoundRecord:

@@ -17,7 +17,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from shared_protocol.messages import Hello
-from shared_protocol.records import AgentRoundCosts, JsonRecord, RecordError, non_negative, optional_section
+from shared_protocol.records import (AgentRoundCosts, JsonRecord, RecordError, bounded, fraction, non_negative,
+                                     optional_section)
 
 __all__ = [
     "RUN_STATUSES",
@@ -27,6 +28,7 @@ __all__ = [
     "ByteCounts",
     "RoundTimes",
     "AgentRoundRecord",
+    "ServerDeviceRecord",
     "RoundRecord",
     "RunTotals",
     "RunReport",
@@ -114,7 +116,7 @@ class AgentRoundRecord(AgentRoundCosts):
     """One agent's round in the report (``per_agent[id]``): the costs it sent, and the
     accuracy of its own edge model when the round evaluated."""
 
-    edge_accuracy: float | None = None
+    edge_accuracy: float | None = fraction()
 
     @classmethod
     def of(cls, costs: AgentRoundCosts, edge_accuracy: float | None) -> "AgentRoundRecord":
@@ -122,16 +124,31 @@ class AgentRoundRecord(AgentRoundCosts):
 
 
 @dataclass(frozen=True)
+class ServerDeviceRecord(JsonRecord):
+    """What the server's device did in a round (``rounds[i].server``, from
+    :class:`~cloud_server.device_meter.DeviceMeter`)."""
+
+    device: str
+    device_name: str
+    train_s: float = non_negative(0.0)  # the server's own training in the round
+    peak_memory_bytes: int | None = non_negative(None)  # None: not a GPU
+    gpu_utilization_percent: float | None = bounded(None, 0, 100)  # None: see gpu_utilization_unavailable
+    gpu_utilization_max_percent: float | None = bounded(None, 0, 100)
+    gpu_utilization_samples: int = non_negative(0)
+    gpu_utilization_unavailable: str | None = None  # why there is no utilisation figure
+
+
+@dataclass(frozen=True)
 class RoundRecord(JsonRecord):
     """One closed round (``report.rounds[i]``)."""
 
-    round: int
+    round: int = field(metadata={"min": 1})
     status: str  # one of ROUND_STATUSES
     participants: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
-    accuracy: float | None = None  # the server's (or global) model on the test data; None: not evaluated
-    edge_accuracy: float | None = None  # the agents' own models, sample-weighted
+    accuracy: float | None = fraction()  # the server's (or global) model on the test data; None: not evaluated
+    edge_accuracy: float | None = fraction()  # the agents' own models, sample-weighted
     server_loss: float | None = None
     samples: int = non_negative(0)
     # Every message of the round as the server's connection saw it (uploads in, round
@@ -142,7 +159,7 @@ class RoundRecord(JsonRecord):
     time_s: RoundTimes = field(default_factory=RoundTimes)
     per_agent: dict[str, AgentRoundRecord] = field(default_factory=dict)
     # The server's device in the round (cloud_server/device_meter.py); None in reports from before it.
-    server: dict[str, Any] | None = optional_section()
+    server: ServerDeviceRecord | None = optional_section()
     excluded: dict[str, str] = optional_section(default_factory=dict)  # agent -> why its upload was not used
     method: dict[str, Any] = optional_section(default_factory=dict)  # the method's own figures (round_report)
 
@@ -156,25 +173,25 @@ class RoundRecord(JsonRecord):
 class RunTotals(JsonRecord):
     """Sums over the rounds and the run's counters (``report.totals``); built by :meth:`of`."""
 
-    rounds_completed: int = 0
-    best_accuracy: float | None = None
-    final_accuracy: float | None = None
-    final_edge_accuracy: float | None = None
-    up_payload: int = 0
-    up_wire: int = 0
-    down_payload: int = 0
-    down_wire: int = 0
-    wire_total: int = 0
-    edge_train_flops: int = 0
+    rounds_completed: int = non_negative(0)
+    best_accuracy: float | None = fraction()
+    final_accuracy: float | None = fraction()
+    final_edge_accuracy: float | None = fraction()
+    up_payload: int = non_negative(0)
+    up_wire: int = non_negative(0)
+    down_payload: int = non_negative(0)
+    down_wire: int = non_negative(0)
+    wire_total: int = non_negative(0)
+    edge_train_flops: int = non_negative(0)
     server_train_flops: int | None = optional_section()
-    wall_time_s: float = 0.0
-    rejected_messages: int = 0
+    wall_time_s: float = non_negative(0.0)
+    rejected_messages: int = non_negative(0)
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     # Chunks refused below the message layer (they never became messages), by code.
-    rejected_chunks: int = 0
-    rejected_chunks_by_reason: dict[str, int] = field(default_factory=dict)
+    rejected_chunks: int = non_negative(0, added_later=True)
+    rejected_chunks_by_reason: dict[str, int] = field(default_factory=dict, metadata={"added_later": True})
     # Bytes outside any round (registration, status, stale messages).
-    outside_rounds: ByteCounts = field(default_factory=ByteCounts)
+    outside_rounds: ByteCounts = field(default_factory=ByteCounts, metadata={"added_later": True})
     server_connection: dict[str, Any] | None = optional_section()  # everything the server's connection carried
 
     @classmethod

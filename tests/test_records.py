@@ -175,3 +175,33 @@ def test_recorder_refuses_a_missing_checkpoint_and_a_report_before_begin(tmp_pat
     with pytest.raises(RuntimeError, match="begin"):
         recorder.write()
 
+
+
+def _dict_keys(path: Path) -> set[str]:
+    """The string constants that ``path`` uses as dict-literal keys (``"key": value``)."""
+    import tokenize
+
+    keys = set()
+    with path.open("rb") as f:
+        tokens = [t for t in tokenize.tokenize(f.readline) if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT)]
+    for before, token, following in zip(tokens, tokens[1:], tokens[2:]):
+        if token.type == tokenize.STRING and before.string in ("{", ",") and following.string == ":":
+            keys.add(token.string.strip("\"'"))
+    return keys
+
+
+def test_no_dict_literal_spells_out_the_run_record() -> None:
+    """Records are built in one place (cloud_server/recorder.py, from cloud_server/records.py):
+    no module types the record's keys out as a dict literal."""
+    root = Path(__file__).resolve().parent.parent
+    # Keys only the run record has (names like "round" or "samples" are common elsewhere).
+    record_keys = {"edge_train_flops", "per_agent", "payload_bytes_up", "wire_bytes_down", "edge_compute", "edge_idle",
+                   "rounds_completed", "final_edge_accuracy", "rejected_by_reason", "gpu_utilization_samples",
+                   "edgesplit_version"}
+    offenders = sorted(
+        f"{path.relative_to(root)}: {key}"
+        for package in ("cloud_server", "edge_agent", "shared_protocol")
+        for path in (root / package).rglob("*.py")
+        for key in _dict_keys(path) & record_keys
+    )
+    assert offenders == []

@@ -10,10 +10,12 @@ server's run report (``cloud_server/records.py``) is built from records too.
 
 Annotations understood: ``int``, ``float``, ``str``, ``bool``, ``X | None``,
 ``list[X]``, ``dict[str, X]``, a bare ``dict`` (free-form, e.g. a method's own
-figures) and other record types. Field metadata (see :func:`non_negative` and
-:func:`optional_section`): ``min`` / ``max`` bound a number inclusively, checked
-when the record is built; ``omit_empty`` leaves the field out of the JSON when it
-is None or empty, for sections only some runs have.
+figures) and other record types. Field metadata (see :func:`bounded`,
+:func:`non_negative`, :func:`fraction` and :func:`optional_section`): ``min`` /
+``max`` bound a number inclusively, checked when the record is built;
+``omit_empty`` leaves the field out of the JSON when it is None or empty, for
+sections only some runs have; ``added_later`` marks a field that files written
+before it existed lack (a schema checks it only where present).
 
 Reading: a missing key takes the field's default (a field without one is
 required); an unknown key is ignored, so a newer peer may send more.
@@ -30,7 +32,8 @@ from typing import Any, TypeVar, Union
 
 from .errors import ValueRangeError
 
-__all__ = ["RecordError", "JsonRecord", "AgentRoundCosts", "non_negative", "optional_section", "plain_json"]
+__all__ = ["RecordError", "JsonRecord", "AgentRoundCosts", "bounded", "non_negative", "fraction", "optional_section",
+           "plain_json"]
 
 R = TypeVar("R", bound="JsonRecord")
 
@@ -41,9 +44,19 @@ class RecordError(ValueRangeError, ValueError):
     for callers that read records from files."""
 
 
-def non_negative(default: Any) -> Any:
-    """A number field that must be finite and >= 0 (a count, bytes, seconds)."""
-    return field(default=default, metadata={"min": 0})
+def bounded(default: Any, minimum: float | None = None, maximum: float | None = None, added_later: bool = False) -> Any:
+    """A number field within [minimum, maximum] (None where unbounded, and a None value passes)."""
+    return field(default=default, metadata={"min": minimum, "max": maximum, "added_later": added_later})
+
+
+def non_negative(default: Any, added_later: bool = False) -> Any:
+    """A number field that must be >= 0 (a count, bytes, seconds)."""
+    return bounded(default, minimum=0, added_later=added_later)
+
+
+def fraction(default: float | None = None) -> Any:
+    """A number field in [0, 1] (an accuracy); None where not measured."""
+    return bounded(default, minimum=0, maximum=1)
 
 
 def optional_section(default: Any = None, default_factory: Any = None) -> Any:
@@ -157,7 +170,7 @@ class AgentRoundCosts(JsonRecord):
     encode_s: float = non_negative(0.0)
     network_s: float = non_negative(0.0)
     idle_s: float = non_negative(0.0)
-    round_s: float = non_negative(0.0)
+    round_s: float = non_negative(0.0, added_later=True)
     peak_rss_bytes: int = non_negative(0)
     payload_bytes_up: int = non_negative(0)
     wire_bytes_up: int = non_negative(0)

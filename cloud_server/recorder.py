@@ -8,7 +8,6 @@ agents, hands it its rounds the same way, so both write the same report.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import shutil
@@ -23,11 +22,19 @@ from shared_protocol.messages import RoundEnd
 from shared_protocol.records import plain_json
 
 from .methods.base import RoundOutcome
-from .records import (AgentInfo, AgentRoundRecord, ByteCounts, RoundRecord, RoundTimes, RunReport, RunTotals, ServerDeviceRecord,
-                      ServerInfo, now_iso)
+from .records import (
+    AgentInfo,
+    AgentRoundRecord,
+    ByteCounts,
+    RoundRecord,
+    RoundTimes,
+    RunReport,
+    RunTotals,
+    ServerDeviceRecord,
+    ServerInfo,
+    now_iso,
+)
 from .report import format_summary_line, write_report
-
-log = logging.getLogger("cloud_server")
 
 __all__ = ["RunCounters", "Checkpoint", "RunRecorder", "server_info"]
 

@@ -17,8 +17,15 @@ from datetime import datetime, timezone
 from typing import Any
 
 from shared_protocol.messages import Hello
-from shared_protocol.records import (AgentRoundCosts, JsonRecord, RecordError, bounded, fraction, non_negative,
-                                     optional_section)
+from shared_protocol.records import (
+    AgentRoundCosts,
+    JsonRecord,
+    RecordError,
+    bounded,
+    fraction,
+    non_negative,
+    optional_section,
+)
 
 __all__ = [
     "RUN_STATUSES",
@@ -80,8 +87,6 @@ class ByteCounts(JsonRecord):
     up_wire: int = non_negative(0)
     down_payload: int = non_negative(0)
     down_wire: int = non_negative(0)
-
-    KEYS = ("up_payload", "up_wire", "down_payload", "down_wire")
 
     def add(self, direction: str, payload: int, wire: int) -> None:
         if direction not in ("up", "down"):

@@ -22,18 +22,8 @@ from shared_protocol.messages import RoundEnd
 from shared_protocol.records import plain_json
 
 from .methods.base import RoundOutcome
-from .records import (
-    AgentInfo,
-    AgentRoundRecord,
-    ByteCounts,
-    RoundRecord,
-    RoundTimes,
-    RunReport,
-    RunTotals,
-    ServerDeviceRecord,
-    ServerInfo,
-    now_iso,
-)
+from .records import (AgentInfo, AgentRoundRecord, ByteCounts, RoundRecord, RoundTimes, RunReport, RunTotals,
+                      ServerDeviceRecord, ServerInfo, now_iso)
 from .report import format_summary_line, write_report
 
 __all__ = ["RunCounters", "Checkpoint", "RunRecorder", "server_info"]

@@ -147,6 +147,10 @@ def encode_message(msg: Message, codecs: dict[str, str] | None = None) -> bytes:
                 tensors[f"{f.name}/{key}"] = np.asarray(array)
                 codec_for[f"{f.name}/{key}"] = chosen.get(f.name, "raw")
         elif "record" in f.metadata:
+            kind = f.metadata["record"]
+            if not isinstance(value, kind):
+                raise TypeError(f"{msg.TYPE}.{f.name} must be {kind.__name__}, got {type(value).__name__}; "
+                                f"build it with {kind.__name__}(...) or {kind.__name__}.from_json(...)")
             fields_json[f.name] = value.to_json()
         else:
             fields_json[f.name] = value

@@ -42,6 +42,9 @@ def test_agent_costs_keep_their_wire_keys_and_round_trip() -> None:
                         "wire_bytes_down", "codec", "codec_ratio"}
     assert AgentRoundCosts.from_json(raw) == costs
     assert decode_message(encode_message(_end("a", costs))).costs == costs
+    # A plain dict where the record belongs is a mistake of the sender's code, said before anything is sent.
+    with pytest.raises(TypeError, match=r"round_end.costs must be AgentRoundCosts, got dict; build it with"):
+        encode_message(RoundEnd(run="r", round=1, sender="a", num_samples=1, costs=raw))  # type: ignore[arg-type]
 
 
 def test_reading_takes_defaults_ignores_unknown_keys_and_names_bad_fields() -> None:

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +29,11 @@ from fldata import ArrayDataset, load_dataset, take
 from fldata.torch_data import make_loader
 from models import build_model, count_parameters, get_model_spec, training_flops_per_sample
 
-from . import report as run_report
 from .config import ServerConfig
 from .device_meter import DeviceMeter
+from .methods.base import RoundOutcome
+from .recorder import RunRecorder, server_info
+from .records import RunReport
 from .server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, staging_budget_bytes
 from shared_protocol.configs import config_from_table
 from shared_protocol.hostinfo import cpu_model as _cpu_model
@@ -41,7 +41,6 @@ from shared_protocol.hostinfo import cpu_model as _cpu_model
 log = logging.getLogger("cloud_server.centralized")
 
 VERSION = "0.1.0"
-BYTE_KEYS = ("up_payload", "up_wire", "down_payload", "down_wire")
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,6 @@ class CentralizedConfig:
         return config_from_table(cls, raw, "centralized")
 
 
-def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _logits(output: object) -> torch.Tensor:
@@ -128,7 +125,6 @@ class CentralizedTrainer:
         self._bank: RowBank | None = None  # the normalised training images, staged once (no augmentation)
         self._labels: torch.Tensor | None = None
         self.out_dir = Path(server.out_dir)
-        self._started = time.monotonic()
 
     # -- training ------------------------------------------------------------------ #
 
@@ -182,84 +178,53 @@ class CentralizedTrainer:
 
     # -- report ---------------------------------------------------------------------- #
 
-    def _new_report(self) -> dict[str, Any]:
-        return {
-            "edgesplit_version": VERSION,
-            "run_id": self.server.run_id,
-            "method": "centralized",
-            "config": {**self.server.to_dict(), "method_config": asdict(self.config)},
-            "started_at": _now_iso(),
-            "finished_at": None,
-            "status": "running",
-            "server": {"device": str(self.device), "cpu_model": _cpu_model(), "torch": torch.__version__, "hostname": socket.gethostname()},
-            "agents": {},
-            "models": {
+    def _new_report(self) -> RunReport:
+        return RunReport(
+            edgesplit_version=VERSION, run_id=self.server.run_id, method="centralized",
+            config={**self.server.to_dict(), "method_config": asdict(self.config)},
+            server=server_info(str(self.device), _cpu_model()),
+            models={
                 "edge": None,  # no edge: the reference is trained in one place
                 "server": {"name": self.config.model, "params": count_parameters(self.model),
                            "train_flops_per_sample": self.train_flops_per_sample},
             },
-            "rounds": [],
-            "totals": {},
-            "data": {"dataset": self.server.dataset, "train_samples": len(self.train_data), "test_samples": len(self.test_data)},
-        }
+            data={"dataset": self.server.dataset, "train_samples": len(self.train_data), "test_samples": len(self.test_data)},
+        )
 
-    def _totals(self, report: dict[str, Any]) -> dict[str, Any]:
-        rounds = report["rounds"]
-        accs = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
-        zeros = {k: 0 for k in BYTE_KEYS}
-        return {
-            "rounds_completed": sum(1 for r in rounds if r["status"] == "ok"),
-            "best_accuracy": max(accs) if accs else None,
-            "final_accuracy": accs[-1] if accs else None,
-            "final_edge_accuracy": None,
-            **zeros,
-            "wire_total": 0,
-            "edge_train_flops": 0,
-            "server_train_flops": sum(r["server_train_flops"] for r in rounds),
-            "wall_time_s": time.monotonic() - self._started,
-            "rejected_messages": 0,
-            "rejected_by_reason": {},
-            "outside_rounds": dict(zeros),
-        }
+    def _round(self, recorder: RunRecorder, round_: int) -> None:
+        """Train, test when due, and hand the round to the recorder."""
+        s = self.server
+        started = time.monotonic()
+        loss, samples = self._train_round(round_)
+        train_s = time.monotonic() - started
+        if self.scheduler is not None:
+            self.scheduler.step(loss)
+        correct, total = self._test() if round_ % s.eval_every == 0 or round_ == s.rounds else (0, 0)
+        outcome = RoundOutcome(server_loss=loss, server_train_s=train_s, correct=correct, total=total, samples=samples)
+        recorder.add_round(recorder.round_record(
+            round_, "ok", participants=(), ends={}, outcomes=[outcome], started_at=started,
+            server=self.device_meter.take(), server_train_flops=self.train_flops_per_sample * samples,
+        ))
 
     def run(self) -> dict[str, Any]:
-        report = self._new_report()
         s = self.server
+        recorder = RunRecorder(self.out_dir, s.rounds)
+        recorder.begin(self._new_report())
         log.info("centralized %s on %d %s samples (%d test), %d rounds of %d epochs, device %s",
                  self.config.model, len(self.train_data), s.dataset, len(self.test_data), s.rounds, self.config.epochs_per_round, self.device)
+        report = recorder.report
         try:
             for round_ in range(1, s.rounds + 1):
-                started = time.monotonic()
-                loss, samples = self._train_round(round_)
-                train_s = time.monotonic() - started
-                if self.scheduler is not None:
-                    self.scheduler.step(loss)
-                evaluate = round_ % s.eval_every == 0 or round_ == s.rounds
-                correct, total = self._test() if evaluate else (0, 0)
-                record = {
-                    "round": round_, "status": "ok", "participants": [], "completed": [], "missing": [],
-                    "accuracy": correct / total if total else None, "edge_accuracy": None, "server_loss": loss,
-                    "samples": samples, "bytes": {k: 0 for k in BYTE_KEYS}, "edge_train_flops": 0,
-                    "server_train_flops": self.train_flops_per_sample * samples,
-                    "time_s": {"round": time.monotonic() - started, "server_train": train_s, "edge_compute": 0.0,
-                               "edge_encode": 0.0, "edge_network": 0.0, "edge_idle": 0.0},
-                    "per_agent": {},
-                    "server": self.device_meter.take(),
-                }
-                report["rounds"].append(record)
-                report["totals"] = self._totals(report)
-                run_report.write_report(self.out_dir, report)
-                print(run_report.format_summary_line(record, s.rounds), flush=True)
-                if s.target_accuracy is not None and record["accuracy"] is not None and record["accuracy"] >= s.target_accuracy:
-                    report["status"] = "stopped_target"
+                self._round(recorder, round_)
+                accuracy = report.rounds[-1].accuracy
+                if s.target_accuracy is not None and accuracy is not None and accuracy >= s.target_accuracy:
+                    report.status = "stopped_target"
                     break
-            if report["status"] == "running":
-                report["status"] = "finished"
+            if report.status == "running":
+                report.status = "finished"
         except (RuntimeError, KeyboardInterrupt):
-            report["status"] = "aborted"
+            report.status = "aborted"
             raise
         finally:
-            report["finished_at"] = _now_iso()
-            report["totals"] = self._totals(report)
-            run_report.write_report(self.out_dir, report)
-        return report
+            recorder.finish()
+        return report.to_json()

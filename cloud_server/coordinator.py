@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
-import shutil
-import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +43,10 @@ from shared_protocol.methods import load_method_messages
 from shared_protocol.topics import Topics
 from shared_protocol.transport import Transport
 
-from . import report as run_report
 from .config import ServerConfig
 from .methods import RoundOutcome, ServerMethod
+from .recorder import RunCounters, RunRecorder, server_info
+from .records import AgentInfo, RoundRecord, RunReport
 
 log = logging.getLogger("cloud_server")
 
@@ -89,10 +86,6 @@ class OpenRound:
     outcomes: list[RoundOutcome] = field(default_factory=list)
 
 
-def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
 class Coordinator:
     MAX_COMPLETION_REQUESTS = 3  # per agent and round, then what arrived is judged as it is
     WAITING_LOG_EVERY_S = 60.0  # while a round is open, who the server still waits for, and why
@@ -110,14 +103,14 @@ class Coordinator:
         self.agents: dict[str, AgentState] = {}
         self.rejected: Counter[str] = Counter()
         self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
-        self.report: dict[str, Any] = {}
         self.completed_round = 0
         self.open_rounds: dict[int, OpenRound] = {}
-        self._started = time.monotonic()
         self._failed_in_a_row = 0
-        self.round_bytes: dict[int, dict[str, int]] = {}
         self._completion_requests: dict[tuple[str, int], int] = {}
-        self.other_bytes = {"up_payload": 0, "up_wire": 0, "down_payload": 0, "down_wire": 0}
+        self.recorder = RunRecorder(self.out_dir, config.rounds, RunCounters(
+            agents=self._agent_report, rejected=lambda: self.rejected, rejected_chunks=self.transport.rejections,
+            server_connection=self.transport.stats.snapshot,
+        ))
         self._rejections_unlogged: dict[str, Counter[str]] = {}  # per sender, since the last summary
         self._rejections_logged_at = time.monotonic()
         self._waiting_logged_at = 0.0
@@ -126,128 +119,42 @@ class Coordinator:
             raise ValueError(f"client_fraction < 1 samples the agents of sync rounds; {method.name} runs {kind} rounds")
         load_method_messages(method.name)
 
-    # -- report --------------------------------------------------------------- #
+    # -- report and checkpoints (kept by the recorder) ----------------------------- #
 
-    def _new_report(self) -> dict[str, Any]:
-        import torch
+    @property
+    def report(self) -> RunReport:
+        return self.recorder.report
 
-        return {
-            "edgesplit_version": VERSION,
-            "run_id": self.config.run_id,
-            "method": self.method.name,
-            "config": {**self.config.to_dict(), "method_config": self.method.resolved_config()},
-            "started_at": _now_iso(),
-            "finished_at": None,
-            "status": "running",
-            "server": {
-                "device": self.method.ctx.device,
-                "cpu_model": _cpu_model(),
-                "torch": torch.__version__,
-                "hostname": socket.gethostname(),
-            },
-            "agents": {},
-            "models": self.method.model_info(),
-            "rounds": [],
-            "totals": {},
-        }
+    def _new_report(self) -> RunReport:
+        return RunReport(
+            edgesplit_version=VERSION, run_id=self.config.run_id, method=self.method.name,
+            config={**self.config.to_dict(), "method_config": self.method.resolved_config()},
+            server=server_info(self.method.ctx.device, _cpu_model()), models=self.method.model_info(),
+        )
 
-    def _agent_report(self) -> dict[str, Any]:
-        return {
-            a.agent_id: {
-                "cpu_model": a.hello.cpu_model,
-                "arch": a.hello.arch,
-                "cores": a.hello.cores,
-                "memory_bytes": a.hello.memory_bytes,
-                "backend": a.hello.backend,
-                "num_samples": a.hello.num_samples,
-                "class_counts": list(a.hello.class_counts),
-            }
-            for a in sorted(self.agents.values(), key=lambda a: a.agent_id)
-        }
+    def _agent_report(self) -> dict[str, AgentInfo]:
+        return {a.agent_id: AgentInfo.from_hello(a.hello) for a in sorted(self.agents.values(), key=lambda a: a.agent_id)}
 
     def _update_totals(self) -> None:
-        rounds = self.report["rounds"]
-        accs = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
-        edge_accs = [r["edge_accuracy"] for r in rounds if r["edge_accuracy"] is not None]
-        totals: dict[str, Any] = {
-            "rounds_completed": sum(1 for r in rounds if r["status"] == "ok"),
-            "best_accuracy": max(accs) if accs else None,
-            "final_accuracy": accs[-1] if accs else None,
-            "final_edge_accuracy": edge_accs[-1] if edge_accs else None,
-        }
-        for key in ("up_payload", "up_wire", "down_payload", "down_wire"):
-            totals[key] = sum(r["bytes"][key] for r in rounds)
-        totals["wire_total"] = totals["up_wire"] + totals["down_wire"]
-        totals["edge_train_flops"] = sum(r["edge_train_flops"] for r in rounds)
-        totals["wall_time_s"] = time.monotonic() - self._started + self.report.get("_prior_wall_s", 0.0)
-        totals["rejected_messages"] = sum(self.rejected.values())
-        totals["rejected_by_reason"] = dict(self.rejected)
-        # Chunks refused below the message layer (they never became messages), by code.
-        chunk_rejections = {**self.report.get("_prior_chunk_rejections", {})}
-        for code, n in self.transport.rejections().items():
-            chunk_rejections[code] = chunk_rejections.get(code, 0) + n
-        totals["rejected_chunks"] = sum(chunk_rejections.values())
-        totals["rejected_chunks_by_reason"] = chunk_rejections
-        # Bytes outside any round (registration, status, stale messages) and everything
-        # the server's connection carried.
-        totals["outside_rounds"] = dict(self.other_bytes)
-        totals["server_connection"] = self.transport.stats.snapshot()
-        self.report["totals"] = totals
+        self.recorder.refresh()
 
     def write_report(self) -> None:
-        self.report["agents"] = self._agent_report()
-        self._update_totals()
-        public = {k: v for k, v in self.report.items() if not k.startswith("_")}
-        run_report.write_report(self.out_dir, public)
-
-    # -- checkpoints ----------------------------------------------------------- #
+        self.recorder.write()
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.out_dir / "checkpoint"
+        return self.recorder.checkpoint_dir
 
     def save_checkpoint(self) -> None:
-        from models.state_io import save_state
-
-        staging = self.out_dir / "checkpoint.new"
-        if staging.exists():
-            shutil.rmtree(staging)
-        save_state(staging, "method", self.method.state())
-        save_state(
-            staging,
-            "coordinator",
-            {
-                "round": self.completed_round,
-                "config": self.config.to_dict(),
-                "method_config": self.method.resolved_config(),
-                "report": {**self.report, "_prior_wall_s": self.report["totals"].get("wall_time_s", 0.0)},
-                "rejected": dict(self.rejected),
-            },
-        )
-        # Swap directories so a crash mid-save leaves the previous checkpoint intact.
-        old = self.out_dir / "checkpoint.old"
-        if self.checkpoint_dir.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(self.checkpoint_dir, old)
-        os.replace(staging, self.checkpoint_dir)
-        if old.exists():
-            shutil.rmtree(old)
+        self.recorder.save_checkpoint(self.method.state(), round_=self.completed_round, config=self.config.to_dict(),
+                                      method_config=self.method.resolved_config(), rejected=self.rejected)
 
     def load_checkpoint(self) -> None:
-        from models.state_io import load_state
-
-        if not (self.checkpoint_dir / "coordinator.json").exists():
-            raise FileNotFoundError(f"no checkpoint in {self.checkpoint_dir}; run without --resume to start a new run")
-        state = load_state(self.checkpoint_dir, "coordinator")
-        if state["method_config"] != self.method.resolved_config():
+        saved = self.recorder.load_checkpoint()
+        if saved.method_config != self.method.resolved_config():
             log.warning("resuming with a different method config than the checkpoint's")
-        self.method.load_state(load_state(self.checkpoint_dir, "method"))
-        self.completed_round = int(state["round"])
-        self.report = state["report"]
-        self.report["status"] = "running"
-        self.rejected = Counter(state["rejected"])
-        self.report["_prior_chunk_rejections"] = dict(self.report.get("totals", {}).get("rejected_chunks_by_reason", {}))
+        self.method.load_state(saved.method_state)
+        self.completed_round, self.rejected = saved.round, Counter(saved.rejected)
         log.info("resumed from checkpoint after round %d", self.completed_round)
 
     # -- messaging -------------------------------------------------------------- #
@@ -262,12 +169,9 @@ class Coordinator:
         self._account(msg.round, "down", after["payload_bytes_out"] - before["payload_bytes_out"], after["wire_bytes_out"] - before["wire_bytes_out"])
 
     def _account(self, round_: int, direction: str, payload: int, wire: int) -> None:
-        """Attribute a message's bytes to its round (async rounds overlap in time)."""
-        bucket = self.round_bytes.get(round_) if round_ in self.open_rounds else None
-        if bucket is None:
-            bucket = self.other_bytes  # registration, status, stale rounds
-        bucket[f"{direction}_payload"] += payload
-        bucket[f"{direction}_wire"] += wire
+        """Attribute a message's bytes to its round if it is open (registration, status and
+        stale rounds count outside rounds)."""
+        self.recorder.account(round_ if round_ in self.open_rounds else None, direction, payload, wire)
 
     def _base(self, round_: int) -> dict[str, Any]:
         return {"run": self.config.run_id, "round": round_, "sender": SERVER_ID}
@@ -430,7 +334,6 @@ class Coordinator:
     def _open(self, round_: int) -> OpenRound:
         if round_ not in self.open_rounds:
             self.open_rounds[round_] = OpenRound(round_, self._evaluate(round_), time.monotonic())
-            self.round_bytes[round_] = {"up_payload": 0, "up_wire": 0, "down_payload": 0, "down_wire": 0}
         return self.open_rounds[round_]
 
     def _start_agent_round(self, agent: str, round_: int) -> None:
@@ -522,81 +425,15 @@ class Coordinator:
 
     # -- closing rounds -------------------------------------------------------------- #
 
-    def _close(self, rnd: OpenRound, status: str) -> dict[str, Any]:
+    def _close(self, rnd: OpenRound, status: str) -> RoundRecord:
         del self.open_rounds[rnd.round]
-        round_bytes = self.round_bytes.pop(rnd.round)
-        ends = rnd.done
-        outcomes = rnd.outcomes
-        correct = sum(o.correct for o in outcomes)
-        total = sum(o.total for o in outcomes)
-        edge_correct = sum(int(e.metrics.get("edge_correct", 0) or 0) for e in ends.values())
-        edge_total = sum(int(e.metrics.get("edge_total", 0) or 0) for e in ends.values())
-        # A diverged (NaN) loss is reported as unknown rather than breaking the report.
-        losses = [(o.server_loss, o.samples) for o in outcomes if o.server_loss is not None and math.isfinite(o.server_loss) and o.samples]
-
-        def mean_cost(key: str) -> float:
-            values = [float(e.costs.get(key, 0.0)) for e in ends.values()]
-            return sum(values) / len(values) if values else 0.0
-
-        per_agent = {}
-        for agent, e in sorted(ends.items()):
-            c = e.costs
-            per_agent[agent] = {
-                "samples": int(c.get("samples", 0)),
-                "train_flops": int(c.get("train_flops", 0)),
-                "compute_s": float(c.get("compute_s", 0.0)),
-                "encode_s": float(c.get("encode_s", 0.0)),
-                "network_s": float(c.get("network_s", 0.0)),
-                "idle_s": float(c.get("idle_s", 0.0)),
-                "peak_rss_bytes": int(c.get("peak_rss_bytes", 0)),
-                "payload_bytes_up": int(c.get("payload_bytes_up", 0)),
-                "wire_bytes_up": int(c.get("wire_bytes_up", 0)),
-                "payload_bytes_down": int(c.get("payload_bytes_down", 0)),
-                "wire_bytes_down": int(c.get("wire_bytes_down", 0)),
-                "codec": str(c.get("codec", "")),
-                "codec_ratio": float(c.get("codec_ratio", 1.0)),
-                "edge_accuracy": e.metrics.get("edge_accuracy"),
-            }
-        excluded = {a: why for o in outcomes for a, why in o.excluded.items()}
-        record = {
-            "round": rnd.round,
-            "status": status,
-            "participants": sorted(rnd.participants),
-            "completed": sorted(set(ends) - set(excluded)),
-            "missing": sorted((rnd.participants - set(ends)) | set(excluded)),
-            "accuracy": correct / total if total else None,
-            "edge_accuracy": edge_correct / edge_total if edge_total else None,
-            "server_loss": sum(l * n for l, n in losses) / sum(n for _, n in losses) if losses else None,
-            "samples": sum(o.samples for o in outcomes),
-            # Every message of this round as the server's connection saw it (uploads in,
-            # round starts and server logits out), attributed by the round it names.
-            "bytes": round_bytes,
-            "edge_train_flops": sum(int(e.costs.get("train_flops", 0)) for e in ends.values()),
-            "time_s": {
-                "round": time.monotonic() - rnd.started_at,
-                "server_train": sum(o.server_train_s for o in outcomes),
-                "edge_compute": mean_cost("compute_s"),
-                "edge_encode": mean_cost("encode_s"),
-                "edge_network": mean_cost("network_s"),
-                "edge_idle": mean_cost("idle_s"),
-            },
-            "per_agent": per_agent,
-            # The server's device in this round: name, training seconds, peak memory, utilisation.
-            "server": self.method.ctx.device_meter.take(),
-        }
-        if excluded:
-            record["excluded"] = excluded
-        method_figures = _plain_json(self.method.round_report(rnd.round))
-        if method_figures:
-            record["method"] = method_figures
-        self.report["rounds"].append(record)
+        record = self.recorder.round_record(
+            rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
+            started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),
+            method_figures=self.method.round_report(rnd.round),
+        )
         self.completed_round = rnd.round
-        # Checkpoint before the report: a report that shows round r implies a checkpoint of r.
-        self.report["agents"] = self._agent_report()
-        self._update_totals()
-        self.save_checkpoint()
-        self.write_report()
-        print(run_report.format_summary_line(record, self.config.rounds), flush=True)
+        self.recorder.add_round(record, checkpoint=self.save_checkpoint)
         return record
 
     def _wait_for_agents_of(self, rnd: OpenRound, deadline: float) -> None:
@@ -731,7 +568,7 @@ class Coordinator:
         if result is not None:
             outcome.correct, outcome.total = result
 
-    def _sync_round(self, round_: int) -> dict[str, Any] | None:
+    def _sync_round(self, round_: int) -> RoundRecord | None:
         """Run one sync round; None when no agent is left to run it with (see ``_await_agents``)."""
         participants = self._sample_agents(round_, self._active_agents()) or self._await_agents(round_)
         if not participants:
@@ -768,7 +605,7 @@ class Coordinator:
         while next_round <= self.config.rounds and not self._stopping:
             agents = self._active_agents() or self._await_agents(next_round)
             if not agents:
-                self.report["status"] = "no_agents"
+                self.report.status = "no_agents"
                 return
             for agent in agents:
                 self._start_agent_round(agent, next_round)
@@ -806,16 +643,16 @@ class Coordinator:
 
     _stopping = False
 
-    def _should_stop(self, record: dict[str, Any]) -> bool:
-        self._failed_in_a_row = 0 if record["status"] == "ok" else self._failed_in_a_row + 1
+    def _should_stop(self, record: RoundRecord) -> bool:
+        self._failed_in_a_row = 0 if record.status == "ok" else self._failed_in_a_row + 1
         if self._failed_in_a_row >= self.config.max_failed_rounds:
-            self.report["status"] = "aborted"
+            self.report.status = "aborted"
             log.error("%d rounds in a row without quorum: aborting", self._failed_in_a_row)
             return True
         target = self.config.target_accuracy
-        if target is not None and record["accuracy"] is not None and record["accuracy"] >= target:
-            self.report["status"] = "stopped_target"
-            log.info("target accuracy %.2f%% reached in round %d", 100 * target, record["round"])
+        if target is not None and record.accuracy is not None and record.accuracy >= target:
+            self.report.status = "stopped_target"
+            log.info("target accuracy %.2f%% reached in round %d", 100 * target, record.round)
             return True
         return False
 
@@ -841,7 +678,7 @@ class Coordinator:
         if resume:
             self.load_checkpoint()
         else:
-            self.report = self._new_report()
+            self.recorder.begin(self._new_report())
         self.transport.subscribe(self.topics.up_any)
         self.transport.subscribe(self.topics.status_any)
         self.transport.connect()
@@ -857,35 +694,20 @@ class Coordinator:
                 for round_ in range(first, self.config.rounds + 1):
                     record = self._sync_round(round_)
                     if record is None:
-                        self.report["status"] = "no_agents"
+                        self.report.status = "no_agents"
                         break
                     if self._should_stop(record):
                         break
-            if self.report["status"] == "running":
-                self.report["status"] = "finished"
+            if self.report.status == "running":
+                self.report.status = "finished"
         except RunAborted:
-            self.report["status"] = "aborted"
+            self.report.status = "aborted"
             raise
         finally:
-            self.report["finished_at"] = _now_iso()
-            self.write_report()
+            self.recorder.finish()
             try:
-                self._send(None, Shutdown(**self._base(self.completed_round), reason=self.report["status"]))
+                self._send(None, Shutdown(**self._base(self.completed_round), reason=self.report.status))
             except (OSError, RuntimeError) as exc:
                 log.warning("could not broadcast shutdown: %s", exc)
             self.transport.close()
-        return self.report
-
-
-def _plain_json(value: Any) -> Any:
-    """``value`` with numpy scalars and arrays as Python numbers and lists, so a method's
-    round figures go into the strict-JSON report as they are."""
-    if isinstance(value, dict):
-        return {str(k): _plain_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain_json(v) for v in value]
-    if hasattr(value, "tolist"):  # numpy scalar or array
-        return _plain_json(value.tolist())
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+        return self.report.to_json()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from shared_protocol.hostinfo import cpu_model
+from .records import ServerDeviceRecord
 
 log = logging.getLogger("cloud_server.device_meter")
 
@@ -108,8 +109,8 @@ class DeviceMeter:
                 self._active -= 1
                 self._train_s += elapsed
 
-    def take(self) -> dict[str, Any]:
-        """The figures since the previous :meth:`take` (the round record's ``"server"``); resets them."""
+    def take(self) -> ServerDeviceRecord:
+        """The figures since the previous :meth:`take` (the round record's ``server``); resets them."""
         self._stop_sampler()
         with self._lock:
             samples, train_s = self._samples, self._train_s
@@ -121,16 +122,16 @@ class DeviceMeter:
         unavailable = self._unavailable if self._reader_checked else utilization_reader(self.device)[1]
         if unavailable is None and not samples:
             unavailable = "no sample: the server did not train long enough this round"
-        return {
-            "device": str(self.device),
-            "device_name": self.name,
-            "train_s": train_s,
-            "peak_memory_bytes": peak,
-            "gpu_utilization_percent": sum(samples) / len(samples) if samples else None,
-            "gpu_utilization_max_percent": max(samples) if samples else None,
-            "gpu_utilization_samples": len(samples),
-            "gpu_utilization_unavailable": None if samples else unavailable,
-        }
+        return ServerDeviceRecord(
+            device=str(self.device),
+            device_name=self.name,
+            train_s=train_s,
+            peak_memory_bytes=peak,
+            gpu_utilization_percent=sum(samples) / len(samples) if samples else None,
+            gpu_utilization_max_percent=max(samples) if samples else None,
+            gpu_utilization_samples=len(samples),
+            gpu_utilization_unavailable=None if samples else unavailable,
+        )
 
     # -- sampling ----------------------------------------------------------- #
 

@@ -375,22 +375,10 @@ class EdgeAgent:
             self._status("idle")
             return
         after = self.transport.stats.snapshot()
-        costs = {
-            "samples": meter.samples_trained,
-            "train_flops": meter.train_flops,
-            "compute_s": meter.seconds["compute"],
-            "encode_s": meter.seconds["encode"],
-            "network_s": meter.seconds["network"],
-            "idle_s": meter.seconds["idle"],
-            "round_s": time.monotonic() - started,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "payload_bytes_up": after["payload_bytes_out"] - before["payload_bytes_out"],
-            "wire_bytes_up": after["wire_bytes_out"] - before["wire_bytes_out"],
-            "payload_bytes_down": after["payload_bytes_in"] - before["payload_bytes_in"],
-            "wire_bytes_down": after["wire_bytes_in"] - before["wire_bytes_in"],
-            "codec": str(msg.config.get("upload_codec", "")),
-            "codec_ratio": meter.codec_ratio,
-        }
+        costs = meter.costs(
+            round_s=time.monotonic() - started, peak_rss_bytes=peak_rss_bytes(), before=before, after=after,
+            codec=str(msg.config.get("upload_codec", "")),
+        )
         self._last_round_end = RoundEnd(
             **self._base(msg.round), num_samples=result.num_samples, instance=self.instance, uploads=result.uploads, costs=costs, metrics=result.metrics
         )
@@ -403,7 +391,7 @@ class EdgeAgent:
         acc = result.metrics.get("edge_accuracy")
         log.info(
             "round %d done: %d samples, %.1f s compute, %.2f MB up%s",
-            msg.round, result.num_samples, meter.seconds["compute"], costs["wire_bytes_up"] / 1e6,
+            msg.round, result.num_samples, meter.seconds["compute"], costs.wire_bytes_up / 1e6,
             f", edge acc {acc:.2%}" if isinstance(acc, float) else "",
         )
 

@@ -12,7 +12,9 @@ import resource
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Mapping
+
+from shared_protocol.records import AgentRoundCosts
 
 PHASES = ("compute", "encode", "network", "idle")
 
@@ -46,3 +48,25 @@ class RoundMeter:
     @property
     def codec_ratio(self) -> float:
         return self.raw_bytes / self.encoded_bytes if self.encoded_bytes else 1.0
+
+    def costs(
+        self, *, round_s: float, peak_rss_bytes: int, before: Mapping[str, int], after: Mapping[str, int], codec: str
+    ) -> AgentRoundCosts:
+        """The round's costs for RoundEnd; ``before`` / ``after`` are the transport's
+        byte counters (``TransportStats.snapshot()``) around the round."""
+        return AgentRoundCosts(
+            samples=self.samples_trained,
+            train_flops=self.train_flops,
+            compute_s=self.seconds["compute"],
+            encode_s=self.seconds["encode"],
+            network_s=self.seconds["network"],
+            idle_s=self.seconds["idle"],
+            round_s=round_s,
+            peak_rss_bytes=peak_rss_bytes,
+            payload_bytes_up=after["payload_bytes_out"] - before["payload_bytes_out"],
+            wire_bytes_up=after["wire_bytes_out"] - before["wire_bytes_out"],
+            payload_bytes_down=after["payload_bytes_in"] - before["payload_bytes_in"],
+            wire_bytes_down=after["wire_bytes_in"] - before["wire_bytes_in"],
+            codec=codec,
+            codec_ratio=self.codec_ratio,
+        )

@@ -5,7 +5,9 @@ A message type is a dataclass deriving from :class:`Message`, registered by its
 travel in the frame's JSON header under ``fields``; fields declared with
 :func:`tensor` travel in the body, each with the codec chosen at encode time;
 a field declared with :func:`tensor_dict` is a name -> array mapping (model
-weights) whose entries travel as tensors named ``field/key``.
+weights) whose entries travel as tensors named ``field/key``; a field declared
+with :func:`record` is a typed record (:mod:`shared_protocol.records`) that
+travels as a JSON object under ``fields`` and is checked field by field.
 
 Decoding checks everything before constructing the object: known type, every
 declared field present with the right JSON type, every tensor present with the
@@ -25,6 +27,7 @@ import numpy as np
 
 from .errors import HeaderError, ShapeMismatchError, UnknownMessageTypeError, ValueRangeError
 from .frame import DEFAULT_LIMITS, FrameLimits, decode_frame, decode_tensor, encode_frame
+from .records import AgentRoundCosts, JsonRecord
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,11 @@ def tensor(dtype: str | tuple[str, ...], ndim: int | None = None, optional: bool
 
 def tensor_dict() -> Any:
     return field(default_factory=dict, metadata={"tensor_dict": True})
+
+
+def record(cls: type[JsonRecord]) -> Any:
+    """A field holding a typed record; absent on the wire means the record's defaults."""
+    return field(default_factory=cls, metadata={"record": cls})
 
 
 def new_message_id() -> str:
@@ -138,6 +146,12 @@ def encode_message(msg: Message, codecs: dict[str, str] | None = None) -> bytes:
             for key, array in value.items():
                 tensors[f"{f.name}/{key}"] = np.asarray(array)
                 codec_for[f"{f.name}/{key}"] = chosen.get(f.name, "raw")
+        elif "record" in f.metadata:
+            kind = f.metadata["record"]
+            if not isinstance(value, kind):
+                raise TypeError(f"{msg.TYPE}.{f.name} must be {kind.__name__}, got {type(value).__name__}; "
+                                f"build it with {kind.__name__}(...) or {kind.__name__}.from_json(...)")
+            fields_json[f.name] = value.to_json()
         else:
             fields_json[f.name] = value
     header = {
@@ -207,6 +221,9 @@ def decode_message(
                 if name.startswith(prefix)
             }
             consumed.update(n for n in descriptors if n.startswith(prefix))
+        elif "record" in f.metadata:
+            if f.name in raw_fields:  # a RecordError (a ValueRangeError) names the bad field
+                kwargs[f.name] = f.metadata["record"].from_json(raw_fields[f.name], f"{cls.TYPE}.{f.name}")
         else:
             kind, optional = _json_kind(f.type)
             has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
@@ -308,29 +325,36 @@ class RoundEnd(Message):
     num_samples: int
     instance: str = ""  # the agent process that did the work (a restart is a new instance)
     uploads: dict = field(default_factory=dict)  # method-specific: what was sent, e.g. batches per split
-    costs: dict = field(default_factory=dict)
+    costs: AgentRoundCosts = record(AgentRoundCosts)
+    # Method-specific figures. Two naming rules hold for every method, so the server can
+    # check them without knowing the method: a metric named ``*_accuracy`` is a fraction
+    # in [0, 1], and ``X_correct`` comes with ``X_total``, ints with 0 <= correct <= total.
     metrics: dict = field(default_factory=dict)
 
-    # Metrics that are fractions, and (numerator, denominator) pairs of counts.
-    FRACTIONS: ClassVar[tuple[str, ...]] = ("edge_accuracy", "mentor_accuracy", "mentee_accuracy")
-    COUNT_PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (("edge_correct", "edge_total"),)
-
     def validate(self) -> None:
-        """Costs go into reports: every number must be finite and non-negative."""
+        """Costs and metrics go into reports: every number must be finite, and
+        non-negative outside ``metrics`` (a loss may be negative)."""
         if self.num_samples < 0:
             raise ValueRangeError(f"round_end: num_samples must be >= 0, got {self.num_samples}")
-        for table_name, table in (("costs", self.costs), ("metrics", self.metrics), ("uploads", self.uploads)):
+        for table_name, table in (("metrics", self.metrics), ("uploads", self.uploads)):
             for key, value in _numbers(table):
                 if not math.isfinite(value) or (value < 0 and table_name != "metrics"):
                     raise ValueRangeError(f"round_end: {table_name}.{key} = {value} must be finite and >= 0")
-        for key in self.FRACTIONS:
-            value = self.metrics.get(key)
-            if value is not None and (not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0):
-                raise ValueRangeError(f"round_end: metrics.{key} = {value!r} must be in [0, 1]")
-        for num, den in self.COUNT_PAIRS:
-            n, d = self.metrics.get(num, 0), self.metrics.get(den, 0)
-            if not (isinstance(n, int) and isinstance(d, int) and 0 <= n <= d):
-                raise ValueRangeError(f"round_end: metrics {num}={n!r} / {den}={d!r} must be ints with 0 <= {num} <= {den}")
+        check_metric_names("round_end", self.metrics)
+
+
+def check_metric_names(type_name: str, metrics: dict) -> None:
+    """The naming rules of method metrics (see ``RoundEnd.metrics``)."""
+    for key, value in metrics.items():
+        if key.endswith("_accuracy") and value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0
+        ):
+            raise ValueRangeError(f"{type_name}: metrics.{key} = {value!r} must be in [0, 1] (metrics named *_accuracy are fractions)")
+        if key.endswith("_correct"):
+            total = key[: -len("_correct")] + "_total"
+            n, d = value, metrics.get(total, 0)
+            if not (isinstance(n, int) and isinstance(d, int) and not isinstance(n, bool) and 0 <= n <= d):
+                raise ValueRangeError(f"{type_name}: metrics {key}={n!r} / {total}={d!r} must be ints with 0 <= {key} <= {total}")
 
 
 def _numbers(table: dict, prefix: str = "") -> list[tuple[str, float]]:
@@ -391,6 +415,7 @@ __all__ = [
     "TensorSpec",
     "tensor",
     "tensor_dict",
+    "record",
     "Message",
     "register_message",
     "message_types",
@@ -399,6 +424,7 @@ __all__ = [
     "peek_header",
     "check_same_length",
     "check_labels",
+    "check_metric_names",
     "Hello",
     "Welcome",
     "RoundStart",

@@ -129,7 +129,7 @@ def test_the_shared_step_gives_the_plain_loops_losses_and_sample_keyed_logits(ti
 def test_the_round_figures_record_the_server_device(tiny_server_model: None) -> None:
     server = _server()
     _run(server)
-    figures = server.ctx.device_meter.take()
+    figures = server.ctx.device_meter.take().to_json()
     assert figures["device"] == "cpu" and figures["train_s"] > 0 and figures["peak_memory_bytes"] is None
 
 

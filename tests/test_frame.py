@@ -12,6 +12,7 @@ import pytest
 from shared_protocol import errors
 from shared_protocol.frame import PREFIX_BYTES, FrameLimits, decode_frame, encode_frame
 from shared_protocol.messages import Hello, RoundStart, decode_message, encode_message
+from shared_protocol.records import AgentRoundCosts
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -154,10 +155,19 @@ def test_round_end_costs_must_be_finite_and_sane() -> None:
     def end(**kw):  # type: ignore[no-untyped-def]
         return RoundEnd(run="r", round=1, sender="a", num_samples=4, **kw)
 
-    decode_message(encode_message(end(costs={"compute_s": 1.5}, metrics={"edge_accuracy": 0.5, "edge_correct": 1, "edge_total": 2})))
+    good = end(costs=AgentRoundCosts(compute_s=1.5), metrics={"edge_accuracy": 0.5, "edge_correct": 1, "edge_total": 2})
+    assert decode_message(encode_message(good)).costs == good.costs
+    for costs in ({"compute_s": -1.0}, {"compute_s": float("inf")}):
+        with pytest.raises(errors.ValueRangeError):
+            AgentRoundCosts(**costs)
+    # A peer's frame whose costs break the record is refused on decoding, naming the field
+    # (JSON itself carries no inf: the frame decoder refuses it before).
+    for costs, field_name in (({"compute_s": -1.0}, "compute_s"), ({"samples": "many"}, "samples"), ("fast", "costs")):
+        header = decode_frame(encode_message(end())).header
+        header["fields"]["costs"] = costs
+        with pytest.raises(errors.ValueRangeError, match=field_name):
+            decode_message(encode_frame(header, {}, {}))
     for bad in (
-        end(costs={"compute_s": -1.0}),
-        end(costs={"compute_s": float("inf")}),
         end(metrics={"edge_accuracy": 1.5}),
         end(metrics={"edge_correct": 3, "edge_total": 2}),
         end(uploads={"train": {"samples": -4}}),

@@ -15,6 +15,7 @@ from shared_protocol.errors import ProtocolError
 from shared_protocol.frame import FrameLimits, decode_frame
 from shared_protocol.messages import RoundEnd, decode_message, encode_message
 from shared_protocol.methods.fedgkt import GktFeatures
+from shared_protocol.records import AgentRoundCosts
 
 LIMITS = FrameLimits(max_body_bytes=1 << 20, max_tensor_elements=1 << 20)
 FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -29,7 +30,7 @@ def _seed_frames() -> list[bytes]:
         labels=np.array([1, 2], np.int64), sample_ids=np.array([5, 6], np.int64),
     )
     frames = [encode_message(features, codecs={"features": c}) for c in ("raw", "fp16-zstd", "u8-zstd", "zstd")]
-    frames.append(encode_message(RoundEnd(run="r", round=1, sender="a", num_samples=2, costs={"compute_s": 1.0})))
+    frames.append(encode_message(RoundEnd(run="r", round=1, sender="a", num_samples=2, costs=AgentRoundCosts(compute_s=1.0))))
     return frames
 
 

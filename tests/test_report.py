@@ -20,7 +20,7 @@ from cloud_server.report import (
     validate_report,
     write_report,
 )
-from cloud_server.report import _summary_md  # the summary without plotting, for speed
+from cloud_server.report.markdown import summary_md  # the summary without plotting, for speed
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -292,11 +292,11 @@ def test_server_model_without_flops_is_valid() -> None:
     report = make_report()
     report["models"]["server"]["train_flops_per_sample"] = None
     validate_report(report)
-    text = _summary_md(report)
+    text = summary_md(report)
     assert "54.8× fewer parameters than the server model." in text
     report["models"]["server"] = None
     validate_report(report)
-    assert "| edge | resnet8 | 10,586 | 0.0568 |" in _summary_md(report)
+    assert "| edge | resnet8 | 10,586 | 0.0568 |" in summary_md(report)
 
 
 # --------------------------------------------------------------------------- #

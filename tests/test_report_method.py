@@ -7,7 +7,8 @@ import copy
 
 import pytest
 
-from cloud_server.report import ReportError, _summary_md, validate_report
+from cloud_server.report import ReportError, validate_report
+from cloud_server.report.markdown import summary_md
 
 from test_report import make_report
 
@@ -32,7 +33,7 @@ def _with_figures() -> dict:
 def test_method_figures_are_shown_for_any_method() -> None:
     report = _with_figures()
     validate_report(report)
-    text = _summary_md(report)
+    text = summary_md(report)
     assert "## Method figures per round" in text
     # Scalars of every round that has figures, the union of their keys, in first-seen order.
     assert "| Round | threshold | agents_used | fedkd_bytes | note | flag | missing | sync_bytes |" in text
@@ -49,12 +50,12 @@ def test_method_figures_are_shown_for_any_method() -> None:
 
 def test_reports_without_method_figures_render_as_before() -> None:
     plain = make_report()
-    text = _summary_md(plain)
+    text = summary_md(plain)
     assert "Method figures" not in text
     empty = copy.deepcopy(plain)
     empty["rounds"][0]["method"] = {}
     validate_report(empty)
-    assert _summary_md(empty) == text
+    assert summary_md(empty) == text
 
 
 def test_method_figures_must_be_a_dict() -> None:

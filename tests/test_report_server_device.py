@@ -11,7 +11,8 @@ import pytest
 
 from cloud_server import device_meter as dm
 from cloud_server.device_meter import DeviceMeter
-from cloud_server.report import ReportError, _summary_md, validate_report
+from cloud_server.report import ReportError, validate_report
+from cloud_server.report.markdown import summary_md
 
 from fedhelpers import agent_config, in_memory_federation, server_config
 from test_report import make_report
@@ -39,7 +40,7 @@ def _with_server(rounds: list[dict[str, Any] | None]) -> dict[str, Any]:
 def test_server_device_figures_validate_and_show_in_the_summary() -> None:
     report = _with_server([None, CPU_ROUND, GPU_ROUND])  # round 1 as written before the field existed
     validate_report(report)
-    summary = _summary_md(report)
+    summary = summary_md(report)
     assert "## Server device per round" in summary
     rows = {line.split("|")[1].strip(): line for line in summary.splitlines() if line.startswith("|")}
     assert "NVIDIA H100 80GB HBM3" in rows["3"] and "31.2" in rows["3"] and "3,456" in rows["3"] and "64% / 97%" in rows["3"]
@@ -50,7 +51,7 @@ def test_server_device_figures_validate_and_show_in_the_summary() -> None:
 def test_reports_without_server_device_figures_have_no_such_section() -> None:
     report = make_report()
     validate_report(report)
-    assert "Server device per round" not in _summary_md(report)
+    assert "Server device per round" not in summary_md(report)
 
 
 BAD = {
@@ -95,14 +96,14 @@ def test_device_meter_on_the_cpu_counts_training_and_says_why_there_is_no_utilis
         time.sleep(0.05)
     with meter.training():
         time.sleep(0.02)
-    figures = meter.take()
+    figures = meter.take().to_json()  # the record as report.json holds it
     assert figures["device"] == "cpu" and figures["device_name"] == dm.cpu_model()
     assert figures["train_s"] >= 0.07
     assert figures["peak_memory_bytes"] is None and figures["gpu_utilization_percent"] is None
     assert "cpu" in figures["gpu_utilization_unavailable"]
     report = _with_server([figures])
     validate_report(report)
-    assert meter.take()["train_s"] == 0.0  # the next round starts from zero
+    assert meter.take().train_s == 0.0  # the next round starts from zero
 
 
 def test_device_meter_samples_utilisation_only_while_training(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,12 +113,12 @@ def test_device_meter_samples_utilisation_only_while_training(monkeypatch: pytes
     with meter.training():
         time.sleep(0.2)
     time.sleep(0.1)  # not training: no samples
-    figures = meter.take()
+    figures = meter.take().to_json()  # the record as report.json holds it
     assert figures["gpu_utilization_samples"] >= 3
     assert figures["gpu_utilization_percent"] is not None and figures["gpu_utilization_unavailable"] is None
     assert figures["gpu_utilization_max_percent"] >= figures["gpu_utilization_percent"] >= 10
     validate_report(_with_server([figures]))
-    assert meter.take()["gpu_utilization_samples"] == 0  # taken: the next round samples afresh
+    assert meter.take().gpu_utilization_samples == 0  # taken: the next round samples afresh
     with pytest.raises(ValueError, match="sample_every_s"):
         DeviceMeter("cpu", sample_every_s=0)
 

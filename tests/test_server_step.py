@@ -324,7 +324,7 @@ def test_centralized_training_is_the_same_whether_its_images_are_staged_on_the_d
     assert (host_loss, host_samples) == (loss, samples)
     for p, q in zip(staged.model.parameters(), host.model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
-    figures = staged.device_meter.take()
+    figures = staged.device_meter.take().to_json()
     assert figures["device"] == "cpu" and figures["train_s"] > 0
 
 

@@ -1,0 +1,258 @@
+"""The run report as typed records: what ``report.json`` holds.
+
+Every record is a dataclass with the one JSON (de)serialiser of
+:mod:`shared_protocol.records`; :class:`~cloud_server.recorder.RunRecorder` is
+the one place that builds them. ``cloud_server/report/schema.py`` checks a
+``report.json`` read back from disk (collecting every problem, for people), and
+the markdown, CSV and plots read the JSON form.
+
+Units: bytes, seconds (``_s``), FLOPs (2 x MACs, forward + backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from shared_protocol.messages import Hello
+from shared_protocol.records import (
+    AgentRoundCosts,
+    JsonRecord,
+    RecordError,
+    bounded,
+    fraction,
+    non_negative,
+    optional_section,
+)
+
+__all__ = [
+    "RUN_STATUSES",
+    "ROUND_STATUSES",
+    "ServerInfo",
+    "AgentInfo",
+    "ByteCounts",
+    "RoundTimes",
+    "AgentRoundRecord",
+    "ServerDeviceRecord",
+    "RoundRecord",
+    "RunTotals",
+    "RunReport",
+    "now_iso",
+]
+
+RUN_STATUSES = frozenset({"running", "finished", "stopped_target", "aborted", "no_agents"})
+ROUND_STATUSES = frozenset({"ok", "failed_quorum"})
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True)
+class ServerInfo(JsonRecord):
+    """The host the server ran on (``report.server``)."""
+
+    device: str
+    cpu_model: str
+    torch: str
+    hostname: str
+
+
+@dataclass(frozen=True)
+class AgentInfo(JsonRecord):
+    """An agent as its last Hello described it (``report.agents[id]``)."""
+
+    cpu_model: str
+    arch: str
+    cores: int = non_negative(0)
+    memory_bytes: int = non_negative(0)
+    backend: str = ""
+    num_samples: int = non_negative(0)
+    class_counts: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hello(cls, hello: Hello) -> "AgentInfo":
+        return cls(cpu_model=hello.cpu_model, arch=hello.arch, cores=hello.cores, memory_bytes=hello.memory_bytes,
+                   backend=hello.backend, num_samples=hello.num_samples, class_counts=list(hello.class_counts))
+
+
+@dataclass
+class ByteCounts(JsonRecord):
+    """Bytes as the server's connection saw them: payload (frames before chunking) and
+    wire (MQTT packets), each way. Mutable: the recorder adds every message as it passes."""
+
+    up_payload: int = non_negative(0)
+    up_wire: int = non_negative(0)
+    down_payload: int = non_negative(0)
+    down_wire: int = non_negative(0)
+
+    def add(self, direction: str, payload: int, wire: int) -> None:
+        if direction not in ("up", "down"):
+            raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
+        setattr(self, f"{direction}_payload", getattr(self, f"{direction}_payload") + payload)
+        setattr(self, f"{direction}_wire", getattr(self, f"{direction}_wire") + wire)
+
+    @classmethod
+    def sum(cls, counts: Iterable["ByteCounts"]) -> "ByteCounts":
+        total = cls()
+        for c in counts:
+            total.add("up", c.up_payload, c.up_wire)
+            total.add("down", c.down_payload, c.down_wire)
+        return total
+
+
+@dataclass(frozen=True)
+class RoundTimes(JsonRecord):
+    """A round's seconds: wall time, the server's training, and the edge phases (mean
+    over the agents that finished the round)."""
+
+    round: float = non_negative(0.0)
+    server_train: float = non_negative(0.0)
+    edge_compute: float = non_negative(0.0)
+    edge_encode: float = non_negative(0.0)
+    edge_network: float = non_negative(0.0)
+    edge_idle: float = non_negative(0.0)
+
+
+@dataclass(frozen=True)
+class AgentRoundRecord(AgentRoundCosts):
+    """One agent's round in the report (``per_agent[id]``): the costs it sent, and the
+    accuracy of its own edge model when the round evaluated."""
+
+    edge_accuracy: float | None = fraction()
+
+    @classmethod
+    def of(cls, costs: AgentRoundCosts, edge_accuracy: float | None) -> "AgentRoundRecord":
+        return cls(**asdict(costs), edge_accuracy=edge_accuracy)
+
+
+@dataclass(frozen=True)
+class ServerDeviceRecord(JsonRecord):
+    """What the server's device did in a round (``rounds[i].server``, from
+    :class:`~cloud_server.device_meter.DeviceMeter`)."""
+
+    device: str
+    device_name: str
+    train_s: float = non_negative(0.0)  # the server's own training in the round
+    peak_memory_bytes: int | None = non_negative(None)  # None: not a GPU
+    gpu_utilization_percent: float | None = bounded(None, 0, 100)  # None: see gpu_utilization_unavailable
+    gpu_utilization_max_percent: float | None = bounded(None, 0, 100)
+    gpu_utilization_samples: int = non_negative(0)
+    gpu_utilization_unavailable: str | None = None  # why there is no utilisation figure
+
+
+@dataclass(frozen=True)
+class RoundRecord(JsonRecord):
+    """One closed round (``report.rounds[i]``)."""
+
+    round: int = field(metadata={"min": 1})
+    status: str  # one of ROUND_STATUSES
+    participants: list[str] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    accuracy: float | None = fraction()  # the server's (or global) model on the test data; None: not evaluated
+    edge_accuracy: float | None = fraction()  # the agents' own models, sample-weighted
+    server_loss: float | None = None
+    samples: int = non_negative(0)
+    # Every message of the round as the server's connection saw it (uploads in, round
+    # starts and answers out), attributed by the round it names.
+    bytes: ByteCounts = field(default_factory=ByteCounts)
+    edge_train_flops: int = non_negative(0)
+    server_train_flops: int | None = optional_section()  # counted where the server's training is (centralized)
+    time_s: RoundTimes = field(default_factory=RoundTimes)
+    per_agent: dict[str, AgentRoundRecord] = field(default_factory=dict)
+    # The server's device in the round (cloud_server/device_meter.py); None in reports from before it.
+    server: ServerDeviceRecord | None = optional_section()
+    excluded: dict[str, str] = optional_section(default_factory=dict)  # agent -> why its upload was not used
+    method: dict[str, Any] = optional_section(default_factory=dict)  # the method's own figures (round_report)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.status not in ROUND_STATUSES:
+            raise RecordError(f"round status must be one of {sorted(ROUND_STATUSES)}, got {self.status!r}")
+
+
+@dataclass(frozen=True)
+class RunTotals(JsonRecord):
+    """Sums over the rounds and the run's counters (``report.totals``); built by :meth:`of`."""
+
+    rounds_completed: int = non_negative(0)
+    best_accuracy: float | None = fraction()
+    final_accuracy: float | None = fraction()
+    final_edge_accuracy: float | None = fraction()
+    up_payload: int = non_negative(0)
+    up_wire: int = non_negative(0)
+    down_payload: int = non_negative(0)
+    down_wire: int = non_negative(0)
+    wire_total: int = non_negative(0)
+    edge_train_flops: int = non_negative(0)
+    server_train_flops: int | None = optional_section()
+    wall_time_s: float = non_negative(0.0)
+    rejected_messages: int = non_negative(0)
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    # Chunks refused below the message layer (they never became messages), by code.
+    rejected_chunks: int = non_negative(0, added_later=True)
+    rejected_chunks_by_reason: dict[str, int] = field(default_factory=dict, metadata={"added_later": True})
+    # Bytes outside any round (registration, status, stale messages).
+    outside_rounds: ByteCounts = field(default_factory=ByteCounts, metadata={"added_later": True})
+    server_connection: dict[str, Any] | None = optional_section()  # everything the server's connection carried
+
+    @classmethod
+    def of(
+        cls,
+        rounds: Sequence[RoundRecord],
+        *,
+        wall_time_s: float,
+        rejected: Mapping[str, int],
+        rejected_chunks: Mapping[str, int],
+        outside_rounds: ByteCounts,
+        server_connection: dict[str, Any] | None,
+    ) -> "RunTotals":
+        accs = [r.accuracy for r in rounds if r.accuracy is not None]
+        edge_accs = [r.edge_accuracy for r in rounds if r.edge_accuracy is not None]
+        wire = ByteCounts.sum(r.bytes for r in rounds)
+        server_flops = [r.server_train_flops for r in rounds if r.server_train_flops is not None]
+        return cls(
+            rounds_completed=sum(1 for r in rounds if r.status == "ok"),
+            best_accuracy=max(accs) if accs else None,
+            final_accuracy=accs[-1] if accs else None,
+            final_edge_accuracy=edge_accs[-1] if edge_accs else None,
+            **asdict(wire),
+            wire_total=wire.up_wire + wire.down_wire,
+            edge_train_flops=sum(r.edge_train_flops for r in rounds),
+            server_train_flops=sum(server_flops) if server_flops else None,
+            wall_time_s=wall_time_s,
+            rejected_messages=sum(rejected.values()),
+            rejected_by_reason=dict(rejected),
+            rejected_chunks=sum(rejected_chunks.values()),
+            rejected_chunks_by_reason=dict(rejected_chunks),
+            outside_rounds=ByteCounts(**asdict(outside_rounds)),
+            server_connection=server_connection,
+        )
+
+
+@dataclass(kw_only=True)  # keyword-only: the fields keep report.json's order
+class RunReport(JsonRecord):
+    """The whole run (``report.json``). Mutable: the recorder appends rounds and sets the
+    status and totals as the run goes."""
+
+    edgesplit_version: str
+    run_id: str
+    method: str
+    config: dict[str, Any]  # the resolved server config, with the method's under "method_config"
+    started_at: str = field(default_factory=now_iso)
+    finished_at: str | None = None
+    status: str = "running"  # one of RUN_STATUSES
+    server: ServerInfo
+    agents: dict[str, AgentInfo] = field(default_factory=dict)
+    models: dict[str, Any]  # "edge" / "server": name, params, train_flops_per_sample (or None)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    totals: RunTotals = field(default_factory=RunTotals)
+    data: dict[str, Any] | None = optional_section()  # what a run without agents trained on (centralized)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.status not in RUN_STATUSES:
+            raise RecordError(f"run status must be one of {sorted(RUN_STATUSES)}, got {self.status!r}")

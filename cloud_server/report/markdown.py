@@ -1,0 +1,230 @@
+"""``summary.md``: the run in the shape of the FedGKT paper's Table 1, Fig. 4 and
+Fig. 5, then per-round tables; and the table comparing several runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .formatting import DASH, EDGE_PHASES, duration, figure_cell, gflops, is_scalar, mb, pct, ratio, seconds, table
+from .schema import BYTE_KEYS, kind_ok
+
+__all__ = ["summary_md", "comparison_md"]
+
+
+def _server_device_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The rounds' ``server`` entries: the device, its training seconds, peak memory and
+    utilisation per round; empty if no round has them (reports from before they existed)."""
+    measured = [r for r in rounds if isinstance(r.get("server"), dict)]
+    if not measured:
+        return []
+    lines = ["## Server device per round", ""]
+    rows = []
+    for r in measured:
+        srv = r["server"]
+        util = srv.get("gpu_utilization_percent")
+        rows.append([r["round"], srv.get("device_name", DASH), srv.get("device", DASH), seconds(srv.get("train_s")),
+                     mb(srv.get("peak_memory_bytes"), 0),
+                     DASH if util is None else f"{util:.0f}% / {srv.get('gpu_utilization_max_percent', 0):.0f}%"])
+    lines += table(["Round", "Device", "", "Train s", "Peak GPU MB", "GPU util. mean / max"], rows, right_from=3)
+    reasons = sorted({r["server"].get("gpu_utilization_unavailable") for r in measured} - {None})
+    lines += ["", "Train s: the server's own training in the round (the method's training or distillation). "
+              "Peak GPU MB: the most memory torch held on the GPU since the previous round closed. "
+              "GPU util.: the driver's utilisation sampled while the server trained."]
+    if reasons:
+        lines.append("No GPU utilisation where shown " + DASH + ": " + "; ".join(reasons) + ".")
+    lines.append("")
+    return lines
+
+
+def _method_table_md(key: str, value: Any) -> tuple[list[str], list[list[Any]]] | None:
+    """A dict of scalars, or of dicts of scalars, as (header, rows); None for anything deeper
+    (it stays in report.json only)."""
+    if not isinstance(value, dict) or not value:
+        return None
+    if all(is_scalar(v) for v in value.values()):
+        return [key, "value"], [[k, figure_cell(v)] for k, v in value.items()]
+    if all(isinstance(v, dict) and all(is_scalar(x) for x in v.values()) for v in value.values()):
+        columns: list[str] = []
+        for v in value.values():
+            columns += [c for c in v if c not in columns]
+        return [key, *columns], [[k, *(figure_cell(v.get(c)) for c in columns)] for k, v in value.items()]
+    return None
+
+
+def _method_figures_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The rounds' ``method`` entries (a method's own figures, ``ServerMethod.round_report``),
+    whatever the method: its scalars as one table over the rounds; of the last round, each
+    dict of scalars, or of dicts of scalars, as a table of its own. Empty if no round has any."""
+    figured = [r for r in rounds if isinstance(r.get("method"), dict) and r["method"]]
+    if not figured:
+        return []
+    lines = ["## Method figures per round", ""]
+    keys: list[str] = []
+    for r in figured:
+        keys += [k for k, v in r["method"].items() if is_scalar(v) and k not in keys]
+    if keys:
+        lines += table(["Round", *keys], [[r["round"], *(figure_cell(r["method"].get(k)) for k in keys)] for r in figured])
+        lines.append("")
+    last = figured[-1]
+    for key, value in last["method"].items():
+        tabled = _method_table_md(key, value)
+        if tabled is not None:
+            lines += [f"`{key}` in round {last['round']}:", "", *table(*tabled), ""]
+    lines += ["The method's own figures (`method` in each round of report.json).", ""]
+    return lines
+
+
+def _model_name(model: Mapping[str, Any] | None) -> str:
+    return DASH if model is None else model["name"]
+
+
+def _header_md(report: Mapping[str, Any]) -> list[str]:
+    rounds, totals, config, srv = report["rounds"], report["totals"], report["config"], report["server"]
+    planned = config.get("rounds")
+    rounds_text = f"{len(rounds)}" + (f" of {planned}" if isinstance(planned, int) else "")
+    facts = [
+        f"**Agents:** {len(report['agents'])}",
+        f"**Rounds:** {rounds_text} ({totals['rounds_completed']} ok)",
+        f"**Status:** {report['status']}",
+        f"**Wall time:** {duration(totals['wall_time_s'])}",
+    ]
+    if isinstance(config.get("dataset"), str):
+        facts.append(f"**Dataset:** {config['dataset']}")
+    return [
+        f"# EdgeSplit run `{report['run_id']}` — {report['method']}", "",
+        " · ".join(facts), "",
+        f"Started {report['started_at']}, finished {report['finished_at'] or DASH}. "
+        f"Server: {srv['hostname']}, {srv['device']} ({srv['cpu_model']}), torch {srv['torch']}; "
+        f"EdgeSplit {report['edgesplit_version']}.",
+        "",
+    ]
+
+
+def _accuracy_md(report: Mapping[str, Any]) -> list[str]:
+    totals, models = report["totals"], report["models"]
+    row = [report["method"], _model_name(models["edge"]), _model_name(models["server"]), pct(totals["final_accuracy"]),
+           pct(totals["best_accuracy"]), pct(totals["final_edge_accuracy"])]
+    return [
+        "## Accuracy (FedGKT Table 1 layout)", "",
+        *table(["Method", "Edge model", "Server model", "Final acc.", "Best acc.", "Edge acc."], [row], right_from=3),
+        "", "Final acc.: last evaluated round, server model on the agents' test shards. "
+        "Edge acc.: agents' own edge models, sample-weighted.", "",
+    ]
+
+
+def _edge_cost_md(models: Mapping[str, Any]) -> list[str]:
+    edge, server = models["edge"], models["server"]
+    lines = ["## Edge model cost (FedGKT Fig. 4 layout)", ""]
+    if edge is None:
+        return lines + ["No edge model recorded for this method.", ""]
+    rows = [["edge", edge["name"], f"{edge['params']:,}", gflops(edge["train_flops_per_sample"])]]
+    if server is not None:
+        rows.append(["server", server["name"], f"{server['params']:,}", gflops(server["train_flops_per_sample"])])
+        rows.append(["server ÷ edge", "", ratio(server["params"], edge["params"]),
+                     ratio(server["train_flops_per_sample"], edge["train_flops_per_sample"])])
+    lines += table(["Role", "Model", "Params", "Train GFLOPs / sample (fwd+bwd)"], rows, right_from=2)
+    lines.append("")
+    if server is not None:
+        sentence = f"The edge model has {ratio(server['params'], edge['params'])} fewer parameters"
+        if server["train_flops_per_sample"] is not None:
+            sentence += f" and needs {ratio(server['train_flops_per_sample'], edge['train_flops_per_sample'])} fewer training FLOPs per sample"
+        lines += [sentence + " than the server model.", ""]
+    return lines
+
+
+def _communication_md(rounds: Sequence[Mapping[str, Any]], totals: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for label, pay_key, wire_key in (("up", "up_payload", "up_wire"), ("down", "down_payload", "down_wire"), ("total", None, None)):
+        payload = totals["up_payload"] + totals["down_payload"] if pay_key is None else totals[pay_key]
+        wire = totals["wire_total"] if wire_key is None else totals[wire_key]
+        overhead = f"{100 * (wire - payload) / payload:.1f}%" if payload > 0 else DASH
+        rows.append([label, mb(wire / len(rounds)) if rounds else DASH, mb(wire), mb(payload), overhead])
+    lines = ["## Communication (FedGKT Fig. 5 layout)", ""]
+    lines += table(["Direction", "Wire MB / round", "Wire MB total", "Payload MB total", "Wire overhead"], rows)
+    return lines + ["", _codecs_line(rounds), *_outside_and_rejected(totals), ""]
+
+
+def _codecs_line(rounds: Sequence[Mapping[str, Any]]) -> str:
+    entries = [a for r in rounds for a in r["per_agent"].values()]
+    codecs = sorted({a["codec"] for a in entries if a["codec"]})
+    ratios = [a["codec_ratio"] for a in entries if a["payload_bytes_up"] > 0]
+    return (f"Upload codec: {', '.join(codecs) or DASH}; mean codec ratio (raw ÷ encoded) "
+            f"{f'{float(np.mean(ratios)):.2f}×' if ratios else DASH} over {len(ratios)} agent-rounds. "
+            "Wire = MQTT packets as the server's connection saw them; payload = frames before chunking.")
+
+
+def _outside_and_rejected(totals: Mapping[str, Any]) -> list[str]:
+    lines = []
+    outside = totals.get("outside_rounds")
+    if isinstance(outside, dict) and all(kind_ok(outside.get(k), "int") for k in BYTE_KEYS):
+        lines.append(f"Outside rounds (registration, status, stale messages): "
+                     f"{mb(outside['up_wire'] + outside['down_wire'])} MB on the wire, not counted above.")
+    if totals["rejected_messages"]:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(totals["rejected_by_reason"].items()))
+        lines.append(f"Rejected messages: {totals['rejected_messages']} ({reasons}).")
+    if totals.get("rejected_chunks"):
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(totals.get("rejected_chunks_by_reason", {}).items()))
+        lines.append(f"Rejected chunks (never became messages): {totals['rejected_chunks']} ({reasons}).")
+    return lines
+
+
+def _rounds_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not rounds:
+        return ["## Rounds", "", "No rounds yet.", ""]
+    rows = [[r["round"], r["status"], f"{len(r['completed'])}/{len(r['participants'])}", pct(r["accuracy"]),
+             pct(r["edge_accuracy"]), mb(r["bytes"]["up_wire"]), mb(r["bytes"]["down_wire"]),
+             gflops(r["edge_train_flops"]), seconds(r["time_s"]["round"])] for r in rounds]
+    header = ["Round", "Status", "Agents", "Acc.", "Edge acc.", "MB up", "MB down", "Edge GFLOPs", "Round s"]
+    return ["## Rounds", "", *table(header, rows, right_from=2), ""]
+
+
+def _agents_md(report: Mapping[str, Any]) -> list[str]:
+    """The agents of the last round any agent finished: CPU, samples, time by phase, memory."""
+    last = next((r for r in reversed(report["rounds"]) if r["per_agent"]), None)
+    if last is None:
+        return []
+    rows = []
+    for agent_id, cost in sorted(last["per_agent"].items()):
+        # After a resume only re-registered agents are in report["agents"].
+        info = report["agents"].get(agent_id)
+        cpu = DASH if info is None else f"{info['cpu_model']} ({info['arch']}, {info['cores']} cores)"
+        # Two decimals: encode and network times are often well under a second.
+        rows.append([agent_id, cpu, cost["samples"], *(f"{cost[f'{phase}_s']:.2f}" for phase in EDGE_PHASES),
+                     mb(cost["peak_rss_bytes"])])
+    header = ["Agent", "CPU", "Samples", "Compute s", "Encode s", "Network s", "Idle s", "Peak RSS MB"]
+    return [f"## Agents in round {last['round']}", "", *table(header, rows, right_from=2), ""]
+
+
+def summary_md(report: Mapping[str, Any]) -> str:
+    """``summary.md`` of a (valid) report."""
+    rounds = report["rounds"]
+    sections = [
+        _header_md(report),
+        _accuracy_md(report),
+        _edge_cost_md(report["models"]),
+        _communication_md(rounds, report["totals"]),
+        _rounds_md(rounds),
+        _server_device_md(rounds),
+        _method_figures_md(rounds),
+        _agents_md(report),
+    ]
+    return "\n".join(line for section in sections for line in section)
+
+
+def comparison_md(reports: Sequence[Mapping[str, Any]]) -> str:
+    """A markdown table comparing several runs (e.g. one per method in a benchmark)."""
+    rows = []
+    for report in reports:
+        totals, edge = report["totals"], report["models"]["edge"]
+        rows.append([
+            f"`{report['run_id']}`", report["method"], report["status"], totals["rounds_completed"],
+            pct(totals["final_accuracy"]), pct(totals["best_accuracy"]), pct(totals["final_edge_accuracy"]),
+            gflops(None if edge is None else edge["train_flops_per_sample"]),
+            mb(totals["wire_total"]), duration(totals["wall_time_s"]),
+        ])
+    header = ["Run", "Method", "Status", "Rounds", "Final acc.", "Best acc.", "Edge acc.",
+              "Edge GFLOPs / sample", "Wire MB", "Wall time"]
+    return "\n".join(table(header, rows, right_from=3)) + "\n"

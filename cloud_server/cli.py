@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     method = get_server_method(config.method)(ctx, config.method_config)
     coordinator = Coordinator(config, method, MqttTransport(config.transport_config()))
     log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,
-             "async" if method.asynchronous else "sync", config.rounds, ctx.device, config.out_dir)
+             method.schedule, config.rounds, ctx.device, config.out_dir)
     try:
         resume = args.resume or (args.resume_if_checkpoint and (coordinator.checkpoint_dir / "coordinator.json").exists())
         report = coordinator.run(resume=resume)

@@ -46,6 +46,7 @@ from shared_protocol.transport import MqttTransport, Transport, TransportError
 from . import __version__
 from .config import EdgeConfig
 from .costs import RoundMeter, cpu_model, peak_rss_bytes, total_memory_bytes
+from .deadline import RoundDeadline
 from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
 
@@ -352,7 +353,7 @@ class EdgeAgent:
             self._publish(ErrorReply(**self._base(msg.round), code="not_ready", reason="no welcome received yet", ref_msg_id=msg.msg_id))
             self.hello()
             return
-        meter = RoundMeter()
+        meter = RoundMeter(deadline=RoundDeadline(msg.deadline_s))
         if self._last_round_end_at is not None:
             meter.seconds["idle"] = time.monotonic() - self._last_round_end_at
         before = self.transport.stats.snapshot()
@@ -396,7 +397,12 @@ class EdgeAgent:
             "wire_bytes_down": after["wire_bytes_in"] - before["wire_bytes_in"],
             "codec": str(msg.config.get("upload_codec", "")),
             "codec_ratio": meter.codec_ratio,
+            "skipped_batches": meter.deadline.skipped_batches,  # training cut short to meet deadline_s
         }
+        if meter.deadline.skipped_batches:
+            log.warning("round %d: skipped %d of %d training batches: they could not finish within the round's "
+                        "deadline (%.0f s); the round_end says so", msg.round, meter.deadline.skipped_batches,
+                        meter.deadline.skipped_batches + meter.deadline.trained_batches, msg.deadline_s)
         self._last_round_end = RoundEnd(
             **self._base(msg.round), num_samples=result.num_samples, instance=self.instance, uploads=result.uploads, costs=costs, metrics=result.metrics
         )

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .deadline import RoundDeadline
+
 PHASES = ("compute", "encode", "network", "idle")
 
 
@@ -51,6 +53,7 @@ class RoundMeter:
     samples_trained: int = 0
     raw_bytes: int = 0  # tensor bytes before encoding
     encoded_bytes: int = 0  # after the codec
+    deadline: RoundDeadline = field(default_factory=RoundDeadline)  # unbounded unless the round sets one
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -17,22 +17,14 @@ from shared_protocol.messages import RoundStart, Welcome
 from shared_protocol.transport import InMemoryBroker, InMemoryTransport
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
 def test_batches_that_cannot_finish_in_time_are_skipped_and_counted() -> None:
-    clock = FakeClock()
-    deadline = RoundDeadline(10.0, clock=clock)  # training may use 8 s (the rest is kept for the upload)
+    now_s = [0.0]
+    deadline = RoundDeadline(10.0, clock=lambda: now_s[0])  # training may use 8 s (the rest is kept for the upload)
     loader = list(range(10))
     trained = []
     for _epoch in range(2):
         for batch in deadline.batches(loader):
-            clock.now_s += 1.0  # each step takes 1 s
+            now_s[0] += 1.0  # each step takes 1 s
             trained.append(batch)
     assert trained == list(range(8))  # the 9th would end past 8 s
     assert deadline.trained_batches == 8 and deadline.skipped_batches == 2 + 10  # the second epoch did not fit at all
@@ -40,8 +32,7 @@ def test_batches_that_cannot_finish_in_time_are_skipped_and_counted() -> None:
 
 
 def test_the_first_batch_always_runs_and_no_deadline_skips_nothing() -> None:
-    clock = FakeClock()
-    late = RoundDeadline(0.0, clock=clock)
+    late = RoundDeadline(0.0, clock=lambda: 0.0)
     assert list(late.batches([1, 2, 3])) == [1] and late.skipped_batches == 2
     unbounded = RoundDeadline()
     assert list(unbounded.batches([1, 2, 3])) == [1, 2, 3] and unbounded.skipped_batches == 0

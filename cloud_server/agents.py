@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shared_protocol.chunking import SenderLimits
+from shared_protocol.errors import UnknownSenderError
 from shared_protocol.frame import FrameLimits
 from shared_protocol.messages import Hello, Status
 from shared_protocol.topics import Topics
@@ -54,14 +55,15 @@ class AgentRegistry:
     STATUS_LIMITS = SenderLimits(64 * 1024, 256 * 1024, 4)  # status frames are a few hundred bytes
     REJECTIONS_LOG_EVERY_S = 60.0  # further rejections from one sender are summarised this often
 
-    def __init__(self, config: ServerConfig, method: ServerMethod, transport: Transport, limits: FrameLimits) -> None:
+    def __init__(self, config: ServerConfig, method: ServerMethod, transport: Transport, limits: FrameLimits,
+                 count_rejection: Callable[[str], None]) -> None:
         self.config = config
         self.method = method
         self.transport = transport
         self.limits = limits
+        self.count_rejection = count_rejection  # the run's record counts rejected messages by reason
         self.topics = Topics(config.run_id)
         self.agents: dict[str, AgentState] = {}
-        self.rejected: Counter[str] = Counter()
         self._rejections_unlogged: dict[str, Counter[str]] = {}  # per sender, since the last summary
         self._rejections_logged_at = time.monotonic()
 
@@ -70,7 +72,7 @@ class AgentRegistry:
     def refusal(self, agent: str, hello: Hello) -> str | None:
         """Why ``agent`` may not join (None: it may)."""
         if self.config.allow_list and agent not in self.config.allow_list:
-            self.rejected["unknown_sender"] += 1
+            self.count_rejection(UnknownSenderError.code)
             log.warning("refusing agent %s: not in the allow-list", agent)
             return "agent id not in the server's allow-list"
         if self.method.name not in hello.methods:
@@ -207,7 +209,7 @@ class AgentRegistry:
         rejections). ``names_sender`` is False for a blob that did not decode: it names no
         sender, and on a broker without ACLs anyone may publish on an agent's topic, so it
         does not count toward dropping the agent (a message that decoded does)."""
-        self.rejected[reason] += 1
+        self.count_rejection(reason)
         sender = agent or "?"
         if sender not in self._rejections_unlogged and len(self._rejections_unlogged) >= 256:
             sender = "other senders"  # a flood from ever new topic names is summarised, not logged per name

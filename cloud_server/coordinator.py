@@ -72,7 +72,8 @@ class Coordinator:
         self.topics = Topics(config.run_id)
         self.out_dir = Path(config.out_dir)
         self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
-        self.registry = AgentRegistry(config, method, transport, self.limits)
+        self.rejected: Counter[str] = Counter()
+        self.registry = AgentRegistry(config, method, transport, self.limits, lambda reason: self.rejected.update((reason,)))
         self.report: dict[str, Any] = {}
         self.completed_round = 0
         self.open_rounds: dict[int, OpenRound] = {}
@@ -91,14 +92,6 @@ class Coordinator:
     @property
     def agents(self) -> dict[str, AgentState]:
         return self.registry.agents
-
-    @property
-    def rejected(self) -> Counter[str]:
-        return self.registry.rejected
-
-    @rejected.setter
-    def rejected(self, counts: Counter[str]) -> None:
-        self.registry.rejected = counts
 
     # -- report --------------------------------------------------------------- #
 
@@ -366,8 +359,8 @@ class Coordinator:
                 for target, msg in requests:
                     self._send(target, msg)
                 return  # it sends round_end again when done
-        skipped = int(end.costs.get("skipped_batches", 0) or 0)
-        if skipped:
+        skipped = end.costs.get("skipped_batches", 0)  # validated as a finite number >= 0 when it is one
+        if isinstance(skipped, int) and skipped > 0:
             log.warning("agent %s skipped %d training batches of round %d to finish within its deadline", agent, skipped, end.round)
         rnd.done[agent] = end
         self.agents[agent].instance = end.instance

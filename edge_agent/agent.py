@@ -353,7 +353,7 @@ class EdgeAgent:
             self._publish(ErrorReply(**self._base(msg.round), code="not_ready", reason="no welcome received yet", ref_msg_id=msg.msg_id))
             self.hello()
             return
-        meter = RoundMeter(deadline=RoundDeadline(msg.deadline_s))
+        meter = RoundMeter(deadline=RoundDeadline(max(0.0, msg.deadline_s)))  # a negative or NaN deadline: none left
         if self._last_round_end_at is not None:
             meter.seconds["idle"] = time.monotonic() - self._last_round_end_at
         before = self.transport.stats.snapshot()

@@ -58,7 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     coordinator = build_server(config, progress=config.progress and sys.stderr.isatty())
     method = coordinator.method
     log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,
-             "async" if method.asynchronous else "sync", config.rounds, method.ctx.device, config.out_dir)
+             method.schedule, config.rounds, method.ctx.device, config.out_dir)
     try:
         resume = args.resume or (args.resume_if_checkpoint and (coordinator.checkpoint_dir / "coordinator.json").exists())
         report = coordinator.run(resume=resume)

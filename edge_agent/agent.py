@@ -47,6 +47,7 @@ from shared_protocol.transport import MqttTransport, Transport, TransportError
 from . import __version__
 from .config import DataConfig, EdgeConfig
 from .costs import RoundMeter, peak_rss_bytes
+from .deadline import RoundDeadline
 from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
 
@@ -346,7 +347,7 @@ class EdgeAgent:
             self._publish(ErrorReply(**self._base(msg.round), code="not_ready", reason="no welcome received yet", ref_msg_id=msg.msg_id))
             self.hello()
             return
-        meter = RoundMeter()
+        meter = RoundMeter(deadline=RoundDeadline(max(0.0, msg.deadline_s)))  # a negative or NaN deadline: none left
         if self._last_round_end_at is not None:
             meter.seconds["idle"] = time.monotonic() - self._last_round_end_at
         before = self.transport.stats.snapshot()
@@ -379,6 +380,10 @@ class EdgeAgent:
             round_s=time.monotonic() - started, peak_rss_bytes=peak_rss_bytes(), before=before, after=after,
             codec=str(msg.config.get("upload_codec", "")),
         )
+        if meter.deadline.skipped_batches:
+            log.warning("round %d: skipped %d of %d training batches: they could not finish within the round's "
+                        "deadline (%.0f s); the round_end says so", msg.round, meter.deadline.skipped_batches,
+                        meter.deadline.skipped_batches + meter.deadline.trained_batches, msg.deadline_s)
         self._last_round_end = RoundEnd(
             **self._base(msg.round), num_samples=result.num_samples, instance=self.instance, uploads=result.uploads, costs=costs, metrics=result.metrics
         )

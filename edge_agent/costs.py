@@ -16,6 +16,8 @@ from typing import Iterator, Mapping
 
 from shared_protocol.records import AgentRoundCosts
 
+from .deadline import RoundDeadline
+
 PHASES = ("compute", "encode", "network", "idle")
 
 
@@ -34,6 +36,7 @@ class RoundMeter:
     samples_trained: int = 0
     raw_bytes: int = 0  # tensor bytes before encoding
     encoded_bytes: int = 0  # after the codec
+    deadline: RoundDeadline = field(default_factory=RoundDeadline)  # unbounded unless the round sets one
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -69,4 +72,5 @@ class RoundMeter:
             wire_bytes_down=after["wire_bytes_in"] - before["wire_bytes_in"],
             codec=codec,
             codec_ratio=self.codec_ratio,
+            skipped_batches=self.deadline.skipped_batches,
         )

@@ -178,3 +178,5 @@ class AgentRoundCosts(JsonRecord):
     wire_bytes_down: int = non_negative(0)
     codec: str = ""  # the upload codec the round used ("" when the method uploads no tensors)
     codec_ratio: float = non_negative(1.0)  # raw tensor bytes / encoded bytes
+    # training batches left out so the round could finish within RoundStart.deadline_s (0: all ran)
+    skipped_batches: int = non_negative(0, added_later=True)

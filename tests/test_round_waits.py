@@ -1,8 +1,8 @@
 """The coordinator never crashes on an empty round and never waits silently: every agent
 gone after a failed round ends the run (or waits for one, per ``no_agents_policy``),
 the server says every minute whom it waits for and why, a participant whose round_end
-never came is asked again, and the deadline closes the round. In memory, with scripted
-agents, so each takes seconds."""
+never came is asked again, and one deadline closes the round, turns and evaluation
+included. In memory, with scripted agents, so each takes seconds."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from typing import Callable
 import pytest
 
 from cloud_server.coordinator import Coordinator
+from cloud_server.methods import RoundOutcome, ServerContext, ServerMethod
 from cloud_server.report import validate_report
 from fedhelpers import make_server, server_config
-from shared_protocol.messages import Discover, Hello, RoundStart, Status, decode_message, encode_message
+from shared_protocol.messages import Discover, Hello, RoundEnd, RoundStart, Status, decode_message, encode_message
 from shared_protocol.topics import Topics
 from shared_protocol.transport import InMemoryBroker, InMemoryTransport
 
@@ -172,3 +173,69 @@ def test_the_server_says_whom_it_waits_for_asks_again_and_closes_at_the_deadline
     assert asked_again(agents[1])  # asked to announce itself again
     assert not asked_again(agents[0])  # the one still training is left alone
     assert any(m.startswith("round 1 deadline passed; closing it without agent-0, agent-1") for m in messages)
+
+
+class _TurnsThenEvaluation(ServerMethod):
+    """A sequential method whose evaluation requests are never answered: the server step
+    is scripted (the coordinator's waits are under test, not a method)."""
+
+    name = "fedgkt"  # the scripted agents implement it; its steps are replaced here
+    schedule = "sequential"
+
+    def __init__(self, ctx: ServerContext) -> None:
+        super().__init__(ctx, {})
+        self.evaluating: set[str] = set()
+
+    def resolved_config(self) -> dict:
+        return {}
+
+    def welcome_settings(self) -> dict:
+        return {}
+
+    def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict, dict]:
+        return {}, {}
+
+    def complete(self, round_: int, ends: dict, evaluate: bool) -> RoundOutcome:
+        self.evaluating = set(ends)  # it asked the agents to evaluate the new model
+        return RoundOutcome(samples=8 * len(ends), used_agents=sorted(ends))
+
+    def evaluation_pending(self, round_: int) -> set[str]:
+        return set(self.evaluating)
+
+    def model_info(self) -> dict:
+        return {"edge": None, "server": None}
+
+
+def test_a_sequential_round_with_evaluation_ends_within_one_deadline(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """agent-0 finishes its turn at once, agent-1 hangs in its turn, agent-2 waits for its
+    turn, and nobody answers the evaluation requests. Turn by turn with a deadline each,
+    then another deadline for the evaluation, this round would take three deadlines; one
+    ``round_deadline_s`` bounds it from its start, plus one grace: the coordinator pumps in
+    slices of at most 1 s, and the thread needs a moment to be scheduled."""
+    caplog.set_level(logging.INFO)
+    deadline_s, grace_s = 4.0, 2.0
+    broker = InMemoryBroker()
+    cfg = server_config(tmp_path, run_id="turns", agents=3, rounds=1, round_deadline_s=deadline_s, registration_timeout_s=20.0,
+                        min_agents=1)
+    coordinator = Coordinator(cfg, _TurnsThenEvaluation(cfg.method_context("cpu")), InMemoryTransport(broker, "server"))
+
+    def answer(agent: ScriptedAgent, msg: object) -> None:
+        if isinstance(msg, RoundStart) and agent.id == "agent-0":
+            end = RoundEnd(run=agent.run, round=msg.round, sender=agent.id, num_samples=8)
+            agent.transport.publish(agent.topics.up(agent.id), encode_message(end))
+        elif isinstance(msg, Discover) and not any(isinstance(m, RoundStart) for m in agent.received):
+            agent.hello()
+
+    agents = [ScriptedAgent(broker, "turns", f"agent-{i}", answer) for i in range(3)]
+    report = run_with(coordinator, agents)
+    validate_report(report)
+    (record,) = report["rounds"]
+    assert record["status"] == "ok" and record["completed"] == ["agent-0"]
+    assert record["missing"] == ["agent-1", "agent-2"]  # agent-2's turn never came
+    assert record["time_s"]["round"] <= deadline_s + grace_s
+    starts = {a.id: [m for m in a.received if isinstance(m, RoundStart)] for a in agents}
+    assert starts["agent-2"] == []
+    assert 0.0 < starts["agent-1"][0].deadline_s < deadline_s  # what is left of the round, not a deadline of its own
+    messages = [r.getMessage() for r in caplog.records]
+    assert "round 1 deadline passed before agent agent-2's turn" in messages
+    assert "round 1 deadline passed; closing it without the evaluation answers of agent-0" in messages

@@ -32,17 +32,17 @@ def test_sampling_draws_the_fraction_reproducibly(tmp_path: Path) -> None:
     method = get_server_method("fedavg")(config.method_context("cpu"), config.method_config)
     coord = Coordinator(config, method, InMemoryTransport(InMemoryBroker(), "server"))
     agents = [f"agent-{i}" for i in range(5)]
-    draws = [coord._sample_agents(r, agents) for r in range(1, 21)]
+    draws = [coord.registry.sample(r, agents) for r in range(1, 21)]
     assert all(len(d) == math.ceil(0.4 * 5) for d in draws)
     assert all(set(d) <= set(agents) and len(set(d)) == len(d) for d in draws)
     assert len({tuple(d) for d in draws}) > 1  # not the same agents every round
-    assert draws == [coord._sample_agents(r, agents) for r in range(1, 21)]  # seeded by (seed, round)
+    assert draws == [coord.registry.sample(r, agents) for r in range(1, 21)]  # seeded by (seed, round)
     # min_agents is a floor on the draw; C = 1 takes everyone.
     floor = Coordinator(method_server_config(tmp_path, "fedavg", FEDAVG_SMALL, agents=5, client_fraction=0.1, min_agents=3),
                         method, InMemoryTransport(InMemoryBroker(), "server2"))
-    assert len(floor._sample_agents(1, agents)) == 3
+    assert len(floor.registry.sample(1, agents)) == 3
     full = Coordinator(method_server_config(tmp_path, "fedavg", FEDAVG_SMALL, agents=5), method, InMemoryTransport(InMemoryBroker(), "s3"))
-    assert full._sample_agents(1, agents) == agents
+    assert full.registry.sample(1, agents) == agents
 
 
 def test_sampling_is_refused_for_rounds_that_are_not_sync(tmp_path: Path) -> None:
@@ -64,7 +64,7 @@ def test_sampled_rounds_use_only_the_drawn_agents_and_report_method_figures(tmp_
     assert [r["status"] for r in rounds] == ["ok"] * 3
     for r in rounds:
         assert len(r["participants"]) == 2
-        assert r["participants"] == fed.coordinator._sample_agents(r["round"], [f"agent-{i}" for i in range(4)])
+        assert r["participants"] == fed.coordinator.registry.sample(r["round"], [f"agent-{i}" for i in range(4)])
         assert set(r["per_agent"]) == set(r["participants"])  # nobody outside the draw trained
         assert r["method"] == {"round_twice": 2 * r["round"], "vec": [0.0, 1.0], "nan": None}
 

@@ -135,7 +135,7 @@ def test_only_the_agent_whose_turn_it_is_may_send() -> None:
         server.on_upload("agent-1", weights)
     with pytest.raises(ValueError, match="feature maps"):
         SplitNNConfig(server_model="resnet56")
-    assert server.sequential and not server.asynchronous
+    assert server.schedule == "sequential"
 
 
 @pytest.mark.broker

@@ -70,16 +70,12 @@ class ServerMethod(ABC):
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         self.ctx = ctx
 
-    @property
-    def asynchronous(self) -> bool:
-        return False
-
-    @property
-    def sequential(self) -> bool:
-        """Agents take turns within a sync round (split learning): the coordinator
-        starts one agent's round only when the previous agent finished or missed it,
-        and a late joiner waits for the next round instead of joining mid-round."""
-        return False
+    # How the coordinator runs this method's rounds (cloud_server/schedulers.py), read once
+    # when the run starts: "sync" (every participant at once, one barrier per round),
+    # "sequential" (agents take turns within a sync round, e.g. split learning; a late joiner
+    # waits for the next round) or "async" (no barrier: each agent's round is completed on
+    # its own). A method whose kind is a config choice sets it on the instance.
+    schedule: str = "sync"
 
     def download_codecs(self, msg: Message) -> dict[str, str]:
         """Codec per tensor field of a message the server sends (RoundStart, downloads,

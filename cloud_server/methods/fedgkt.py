@@ -232,6 +232,7 @@ class FedGktServer(ServerMethod):
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
         self.config = FedGktConfig.from_dict(method_config)
+        self.schedule = self.config.mode  # "sync" or "async": the same method, either schedule
         torch.manual_seed(ctx.seed)
         self.device = torch.device(ctx.device)
         self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
@@ -281,10 +282,6 @@ class FedGktServer(ServerMethod):
 
             self._step = TrainStep(self.model, self.optimizer, loss_fn, self.ctx.server_step, name="fedgkt")
         return self._step
-
-    @property
-    def asynchronous(self) -> bool:
-        return self.config.mode == "async"
 
     def resolved_config(self) -> dict[str, Any]:
         return asdict(self.config)

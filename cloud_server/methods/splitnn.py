@@ -4,7 +4,7 @@ paper's SL baseline for communication cost).
 The network is ResNet-8's stem (on the agents) followed by ResNet-55/109 (here),
 i.e. exactly ResNet-56/110 cut after the stem. Agents take turns, as in the
 original SL: the coordinator starts one agent's round when the previous one
-finished (``sequential``), and the extractor travels along the ring through the
+finished (``schedule = "sequential"``), and the extractor travels along the ring through the
 server (each RoundStart carries the extractor the previous agent uploaded).
 Every training batch is a real exchange over the broker: activations arrive in
 ``on_upload``, the server runs forward + backward of its part and one optimiser
@@ -116,6 +116,7 @@ class _Evaluation:
 class SplitNNServer(ServerMethod):
     name = "splitnn"
     upload_types = (SplitActivations, SplitExtractorWeights, SplitEvalDone)
+    schedule = "sequential"  # one agent at a time carries the extractor
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
@@ -138,10 +139,6 @@ class SplitNNServer(ServerMethod):
         self.finished: dict[str, _Turn] = {}
         self.evaluation = _Evaluation()
         self.turn_order: list[tuple[int, str]] = []  # (round, agent) as turns began: for reports and tests
-
-    @property
-    def sequential(self) -> bool:
-        return True
 
     def resolved_config(self) -> dict[str, Any]:
         return asdict(self.config)

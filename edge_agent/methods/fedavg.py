@@ -130,7 +130,7 @@ class FedAvgEdge(EdgeMethod):
         with meter.phase("compute"):
             self._receive_global(start, cfg)
             optimizer = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
-            loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
+            loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
             loss_fn = self.loss_fn(cfg)
             result = train_epochs(
                 self.model, loader, optimizer, loss_fn, cfg.local_epochs,

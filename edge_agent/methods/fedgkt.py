@@ -109,7 +109,7 @@ class FedGktEdge(EdgeMethod):
             load_arrays_into(self.model, start.weights)
         self.trained = True
         with meter.phase("compute"):
-            loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
+            loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
             result = train_epochs(
                 self.model, loader, self._optimizer_for(cfg), self.loss_fn(cfg), cfg.edge_epochs,
                 device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",

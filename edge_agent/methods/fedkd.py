@@ -295,7 +295,7 @@ class FedKdEdge(EdgeMethod):
             self._receive_global(start, cfg)
             optimizer = self._optimizer_for(cfg)
             self.mentee.zero_grad(set_to_none=True)  # gradient mode sums the round's gradients here
-            loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
+            loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
             result = train_epochs(
                 self.pair, loader, optimizer, self.loss_fn(cfg, stats), cfg.local_epochs,
                 device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",

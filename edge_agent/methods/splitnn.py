@@ -76,7 +76,7 @@ class SplitNNEdge(EdgeMethod):
         self._load(start.weights)
         # A fresh optimiser every turn: the extractor arrives from another agent.
         optimizer = make_optimizer(cfg.optimizer, self.extractor.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
-        loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
+        loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
         self.extractor.train()
         seq = samples = correct = 0
         loss_sum = 0.0

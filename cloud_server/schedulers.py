@@ -1,0 +1,357 @@
+"""Round schedulers: when agents get a round, when a round closes, and what happens in
+between. The coordinator picks one, once, by the method's declared ``schedule``:
+
+- ``sync`` (FedGKT Algorithm 1): every participant gets RoundStart(r); the round closes
+  when all have finished or at its deadline, and proceeds if a quorum finished; agents
+  that missed it are recorded as missing and take part again in the next round.
+- ``sequential`` (split learning): a sync round whose participants take turns, one agent
+  at a time; a late joiner waits for the next round.
+- ``async``: no barrier; each agent's finished round is handed to the method at once and
+  the agent immediately gets its answer and its next RoundStart. Round r's record closes
+  when every agent that was given round r finished it or missed its deadline.
+
+One ``round_deadline_s`` bounds a sync or sequential round as a whole, from its start:
+every turn and the wait for evaluation answers end by then, and each RoundStart tells
+its agent how much of it is left. In async mode each agent's round has its own deadline
+from the moment it was given.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from shared_protocol.messages import Discover, RoundEnd
+
+from .methods import RoundOutcome
+
+if TYPE_CHECKING:  # the coordinator imports this module; a scheduler only calls back into it
+    from .coordinator import Coordinator
+
+log = logging.getLogger("cloud_server")
+
+
+@dataclass
+class OpenRound:
+    round: int
+    evaluate: bool
+    started_at: float
+    deadline_at: float = math.inf  # monotonic time at which the round closes whoever is missing
+    participants: set[str] = field(default_factory=set)
+    done: dict[str, RoundEnd] = field(default_factory=dict)
+    missing: set[str] = field(default_factory=set)
+    outcomes: list[RoundOutcome] = field(default_factory=list)
+
+    def waiting_for(self) -> list[str]:
+        return sorted(a for a in self.participants if a not in self.done and a not in self.missing)
+
+    def time_left_s(self) -> float:
+        return self.deadline_at - time.monotonic()
+
+
+class RoundScheduler(ABC):
+    """Runs the rounds of a run through the coordinator (``loop``): it starts agents'
+    rounds, pumps messages while it waits, and closes rounds."""
+
+    kind: ClassVar[str]
+    description: ClassVar[str]  # for messages: "sync", "asynchronous", ...
+    samples_agents: ClassVar[bool] = False  # client_fraction < 1 draws each round's agents
+
+    def __init__(self, loop: Coordinator) -> None:
+        self.loop = loop
+        self.config = loop.config
+        self.registry = loop.registry
+        self._waiting_logged_at = 0.0
+
+    @abstractmethod
+    def run(self, first_round: int) -> bool:
+        """Run rounds ``first_round`` .. ``config.rounds`` (fewer when the run stops early);
+        False when no agent was left to run a round with."""
+
+    @abstractmethod
+    def deadline_for(self, started_at: float) -> float:
+        """When a round opened at ``started_at`` closes whoever is missing."""
+
+    def time_given_s(self, rnd: OpenRound) -> float:
+        """The RoundStart's ``deadline_s`` for an agent starting its part of ``rnd`` now."""
+        return max(0.0, rnd.time_left_s())
+
+    def on_round_end(self, rnd: OpenRound, agent: str, end: RoundEnd) -> None:
+        """``agent`` finished its part of ``rnd`` (its round_end is in ``rnd.done``)."""
+
+    def on_missed(self, agent: str, round_: int) -> None:
+        """``agent`` missed ``round_`` (deadline, offline, dropped, failed)."""
+
+    def round_for_late_joiner(self, agent: str) -> int | None:
+        """The open round an agent that (re)joins now takes part in; None: it waits."""
+        return None
+
+    def missed(self, agent: str, why: str) -> None:
+        """``agent`` misses its round (deadline, offline past the grace period, dropped, failed)."""
+        state = self.registry.agents[agent]
+        rnd = self.loop.open_rounds.get(state.round)
+        if rnd is None or agent in rnd.done:
+            return
+        log.warning("agent %s missed round %d: %s", agent, state.round, why)
+        rnd.missing.add(agent)
+        self.loop.method.discard(agent)
+        self.on_missed(agent, state.round)
+
+    def check_absent(self) -> None:
+        for agent in self.registry.absent():
+            self.missed(agent, f"offline for {self.config.offline_grace_s:.0f} s")
+
+    def quorum(self, rnd: OpenRound) -> int:
+        return max(self.config.min_agents, math.ceil(self.config.min_fraction * len(rnd.participants)))
+
+    # -- waiting -------------------------------------------------------------------- #
+
+    def wait_for(self, rnd: OpenRound) -> None:
+        """Pump until every participant of ``rnd`` finished or missed it, or its deadline."""
+        while rnd.time_left_s() > 0:
+            if not rnd.waiting_for():
+                return
+            self.loop.pump(min(1.0, rnd.time_left_s()))
+            self.check_absent()
+            self.watch([rnd])
+        late = rnd.waiting_for()
+        if late:
+            log.warning("round %d deadline passed; closing it without %s: %s", rnd.round, ", ".join(late),
+                        "; ".join(f"{a}: {self.loop._why_waiting(a, rnd)}" for a in late))
+
+    def watch(self, rounds: list[OpenRound]) -> None:
+        """While rounds are open: nudge participants whose round_end got lost, and log at least
+        once a minute who the server still waits for and why."""
+        loop, now = self.loop, time.monotonic()
+        for rnd in rounds:
+            for agent in rnd.waiting_for():
+                if self.registry.to_nudge(agent, loop.NUDGE_AFTER_S):
+                    log.warning("agent %s said it finished round %d %.0f s ago but its round_end has not arrived; "
+                                "asking it to announce itself again (it then redoes the round)", agent, rnd.round,
+                                now - self.registry.agents[agent].status_at)
+                    loop._send(agent, Discover(**loop._base(rnd.round)))
+        self.registry.log_rejections()
+        opened = min((r.started_at for r in rounds), default=now)
+        if now - max(self._waiting_logged_at, opened) < loop.WAITING_LOG_EVERY_S:
+            return
+        self._waiting_logged_at = now
+        for rnd in rounds:
+            waiting = rnd.waiting_for()
+            if waiting:
+                left = f", deadline in {rnd.deadline_at - now:.0f} s" if math.isfinite(rnd.deadline_at) else ""
+                log.info("round %d open for %.0f s%s; waiting for %d of %d agents: %s", rnd.round, now - rnd.started_at,
+                         left, len(waiting), len(rnd.participants),
+                         "; ".join(f"{a} ({loop._why_waiting(a, rnd)})" for a in waiting))
+
+    def await_agents(self, round_: int) -> list[str]:
+        """No agent is left to start round ``round_`` with (all offline or dropped). Per
+        ``no_agents_policy``: wait up to ``registration_timeout_s`` for one to (re)join, or
+        end the run. Returns the round's participants ([]: end the run)."""
+        loop = self.loop
+        gone = ", ".join(f"{a} ({'dropped' if s.dropped else 'offline'})" for a, s in sorted(self.registry.agents.items()))
+        if self.config.no_agents_policy == "end" or loop.stopping:
+            log.error("no agent is left to start round %d with (%s); ending the run (no_agents_policy = end)",
+                      round_, gone or "none joined")
+            return []
+        timeout = self.config.registration_timeout_s
+        log.warning("no agent is left to start round %d with (%s); waiting up to %.0f s for one to rejoin "
+                    "(no_agents_policy = wait)", round_, gone or "none joined", timeout)
+        loop._send(None, Discover(**loop._base(loop.completed_round)))
+        deadline = time.monotonic() + timeout
+        logged = time.monotonic()
+        while time.monotonic() < deadline and not self.registry.active():
+            loop.pump(min(1.0, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() - logged >= loop.WAITING_LOG_EVERY_S:
+                logged = time.monotonic()
+                log.warning("still no agent to start round %d with; %.0f s left", round_, deadline - logged)
+        active = self.registry.active()
+        if not active:
+            log.error("no agent rejoined within %.0f s; ending the run before round %d", timeout, round_)
+            return []
+        log.info("%d agent(s) back: starting round %d", len(active), round_)
+        return self.registry.sample(round_, active)
+
+
+class SyncScheduler(RoundScheduler):
+    kind = "sync"
+    description = "sync"
+    samples_agents = True
+
+    def deadline_for(self, started_at: float) -> float:
+        return started_at + self.config.round_deadline_s
+
+    def run(self, first_round: int) -> bool:
+        for round_ in range(first_round, self.config.rounds + 1):
+            record = self.run_round(round_)
+            if record is None:
+                return False
+            if self.loop._should_stop(record):
+                break
+        return True
+
+    def start(self, round_: int, participants: list[str]) -> OpenRound:
+        """Give the participants their round and wait for it to end (or its deadline)."""
+        for agent in participants:
+            self.loop._start_agent_round(agent, round_)
+        rnd = self.loop._open(round_)
+        self.wait_for(rnd)
+        return rnd
+
+    def run_round(self, round_: int) -> dict[str, Any] | None:
+        """Run one round; None when no agent is left to run it with (see ``await_agents``)."""
+        loop, method = self.loop, self.loop.method
+        participants = self.registry.sample(round_, self.registry.active()) or self.await_agents(round_)
+        if not participants:
+            return None
+        rnd = self.start(round_, participants)
+        for agent in rnd.participants - set(rnd.done):
+            rnd.missing.add(agent)
+            method.discard(agent)
+        quorum = self.quorum(rnd)
+        status = "failed_quorum"
+        if len(rnd.done) >= quorum:
+            outcome = method.complete(round_, dict(rnd.done), rnd.evaluate)
+            rnd.outcomes.append(outcome)
+            if len(outcome.used_agents) >= quorum:
+                loop._deliver(outcome)
+                self.await_evaluation(rnd, outcome)
+                status = "ok"
+        else:
+            log.warning("round %d: %d of %d agents finished, quorum is %d", round_, len(rnd.done), len(rnd.participants), quorum)
+        for agent in rnd.participants:
+            self.registry.agents[agent].round = 0
+        return loop._close(rnd, status)
+
+    def await_evaluation(self, rnd: OpenRound, outcome: RoundOutcome) -> None:
+        """Wait, within the round's deadline, for the agents' answers to the evaluation
+        requests the method sent with its downloads; see ``ServerMethod.evaluation_pending``."""
+        method = self.loop.method
+        while rnd.time_left_s() > 0:
+            waiting = [a for a in method.evaluation_pending(rnd.round)
+                       if a in self.registry.agents and self.registry.agents[a].active]
+            if not waiting:
+                break
+            self.loop.pump(min(1.0, rnd.time_left_s()))
+            self.watch([rnd])
+        else:
+            waiting = sorted(method.evaluation_pending(rnd.round))
+            if waiting:
+                log.warning("round %d deadline passed; closing it without the evaluation answers of %s",
+                            rnd.round, ", ".join(waiting))
+        result = method.evaluation_result(rnd.round)
+        if result is not None:
+            outcome.correct, outcome.total = result
+
+    def round_for_late_joiner(self, agent: str) -> int | None:
+        # A late joiner takes part in the round that is open now, unless agents are sampled
+        # (it waits for the next draw).
+        loop = self.loop
+        if self.config.client_fraction < 1.0 or not loop.open_rounds or loop.stopping:
+            return None
+        current = loop.open_rounds[max(loop.open_rounds)]
+        return None if agent in current.participants else current.round
+
+
+class SequentialScheduler(SyncScheduler):
+    """Agents take turns within a sync round: the next agent's round starts when the
+    previous agent finished or missed it. The turns share the round's one deadline."""
+
+    kind = "sequential"
+    description = "sequential (agents take turns)"
+    samples_agents = False
+
+    def start(self, round_: int, participants: list[str]) -> OpenRound:
+        rnd = self.loop._open(round_)
+        for agent in participants:
+            state = self.registry.agents[agent]
+            if self.loop.stopping or not state.active:
+                continue  # went away while waiting for its turn
+            if rnd.time_left_s() <= 0:
+                # Its turn never came: it takes part (and is counted) as missing.
+                log.warning("round %d deadline passed before agent %s's turn", round_, agent)
+                rnd.participants.add(agent)
+                continue
+            self.loop._start_agent_round(agent, round_)
+            self.wait_for(rnd)
+        return rnd
+
+    def round_for_late_joiner(self, agent: str) -> int | None:
+        return None  # a second agent mid-turn would interleave: it waits for the next round
+
+
+class AsyncScheduler(RoundScheduler):
+    kind = "async"
+    description = "asynchronous"
+
+    def deadline_for(self, started_at: float) -> float:
+        return math.inf  # each agent's round has its own deadline, from when it was given
+
+    def time_given_s(self, rnd: OpenRound) -> float:
+        return self.config.round_deadline_s
+
+    def run(self, first_round: int) -> bool:
+        next_round = first_round
+        while next_round <= self.config.rounds and not self.loop.stopping:
+            agents = self.registry.active() or self.await_agents(next_round)
+            if not agents:
+                return False
+            for agent in agents:
+                self.loop._start_agent_round(agent, next_round)
+            self._run_open_rounds()
+            next_round = self.loop.completed_round + 1  # every agent went away: start again from the next round
+        return True
+
+    def _run_open_rounds(self) -> None:
+        loop = self.loop
+        open_rounds = loop.open_rounds
+        while open_rounds:
+            loop.pump(0.5)
+            self.check_absent()
+            self.watch(list(open_rounds.values()))
+            for agent in self.registry.overdue(self.config.round_deadline_s):
+                self.missed(agent, "deadline passed")
+            # Join: an online agent with nothing to do gets the lowest open round.
+            for agent in self.registry.active():
+                if self.registry.agents[agent].round == 0 and open_rounds and not loop.stopping:
+                    lowest = min(open_rounds)
+                    if agent not in open_rounds[lowest].participants:
+                        loop._start_agent_round(agent, lowest)
+            while open_rounds:
+                lowest_round = open_rounds[min(open_rounds)]
+                if lowest_round.waiting_for():
+                    break
+                used = {a for o in lowest_round.outcomes for a in o.used_agents}
+                record = loop._close(lowest_round, "ok" if len(used) >= self.quorum(lowest_round) else "failed_quorum")
+                if loop._should_stop(record):
+                    loop.stopping = True
+                    for rnd in list(open_rounds.values()):
+                        rnd.missing |= rnd.participants - set(rnd.done)
+
+    def on_round_end(self, rnd: OpenRound, agent: str, end: RoundEnd) -> None:
+        outcome = self.loop.method.complete(end.round, {agent: end}, rnd.evaluate)
+        self.loop._deliver(outcome)
+        rnd.outcomes.append(outcome)
+        self._advance(agent, end.round)
+
+    def on_missed(self, agent: str, round_: int) -> None:
+        self._advance(agent, round_)
+
+    def _advance(self, agent: str, finished_round: int) -> None:
+        state = self.registry.agents[agent]
+        state.round = 0
+        if finished_round + 1 <= self.config.rounds and not self.loop.stopping and state.active:
+            self.loop._start_agent_round(agent, finished_round + 1)
+
+
+SCHEDULERS: dict[str, type[RoundScheduler]] = {s.kind: s for s in (SyncScheduler, SequentialScheduler, AsyncScheduler)}
+
+
+def make_scheduler(kind: str, loop: Coordinator) -> RoundScheduler:
+    try:
+        return SCHEDULERS[kind](loop)
+    except KeyError:
+        raise ValueError(f"unknown round schedule {kind!r}; a method declares one of {sorted(SCHEDULERS)}") from None

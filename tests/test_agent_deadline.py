@@ -53,8 +53,8 @@ def test_an_agent_skips_training_past_its_deadline_and_says_so(tmp_path: Path, c
     agent._on_round_start(RoundStart(run="t1", round=1, sender="server", method="fedavg", config=round_config,
                                      deadline_s=deadline_s, weights=weights))
     costs = agent._last_round_end.costs
-    assert costs["skipped_batches"] == skipped
-    assert costs["samples"] == 32 * (5 - skipped)
+    assert costs.skipped_batches == skipped
+    assert costs.samples == 32 * (5 - skipped)
     warned = [r.getMessage() for r in caplog.records if "could not finish within the round's deadline" in r.getMessage()]
     assert warned == ([f"round 1: skipped 4 of 5 training batches: they could not finish within the round's deadline (0 s); "
                        "the round_end says so"] if skipped else [])

@@ -36,11 +36,15 @@ def _end(agent: str, costs: AgentRoundCosts, **metrics: object) -> RoundEnd:
 def test_agent_costs_keep_their_wire_keys_and_round_trip() -> None:
     costs = _costs()
     raw = costs.to_json()
-    # The keys agents sent as a plain dict before the record existed: old and new peers interoperate.
-    assert set(raw) == {"samples", "train_flops", "compute_s", "encode_s", "network_s", "idle_s", "round_s",
-                        "peak_rss_bytes", "payload_bytes_up", "wire_bytes_up", "payload_bytes_down",
-                        "wire_bytes_down", "codec", "codec_ratio"}
+    # The keys agents sent as a plain dict before the record existed, plus skipped_batches (added with
+    # the agents' deadline): old and new peers interoperate.
+    old_keys = {"samples", "train_flops", "compute_s", "encode_s", "network_s", "idle_s", "round_s",
+                "peak_rss_bytes", "payload_bytes_up", "wire_bytes_up", "payload_bytes_down",
+                "wire_bytes_down", "codec", "codec_ratio"}
+    assert set(raw) == old_keys | {"skipped_batches"}
     assert AgentRoundCosts.from_json(raw) == costs
+    # An older agent's costs (no skipped_batches) read as "nothing skipped".
+    assert AgentRoundCosts.from_json({k: raw[k] for k in old_keys}).skipped_batches == 0
     assert decode_message(encode_message(_end("a", costs))).costs == costs
     # A plain dict where the record belongs is a mistake of the sender's code, said before anything is sent.
     with pytest.raises(TypeError, match=r"round_end.costs must be AgentRoundCosts, got dict; build it with"):

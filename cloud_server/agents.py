@@ -22,6 +22,7 @@ from shared_protocol.transport import Transport
 
 from .config import ServerConfig
 from .methods import ServerMethod
+from .records import AgentInfo
 
 log = logging.getLogger("cloud_server")
 
@@ -135,6 +136,10 @@ class AgentRegistry:
             state.offline_since = time.monotonic()
         elif state.online:
             state.offline_since = None
+
+    def infos(self) -> dict[str, AgentInfo]:
+        """Every agent that joined, as the report's ``agents`` describes it."""
+        return {a.agent_id: AgentInfo.from_hello(a.hello) for a in sorted(self.agents.values(), key=lambda a: a.agent_id)}
 
     def active(self) -> list[str]:
         return sorted(a for a, s in self.agents.items() if s.active)

@@ -36,7 +36,6 @@ from .recorder import RunRecorder, server_info
 from .records import RunReport
 from .server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, staging_budget_bytes
 from shared_protocol.configs import config_from_table
-from shared_protocol.hostinfo import cpu_model as _cpu_model
 
 log = logging.getLogger("cloud_server.centralized")
 
@@ -182,7 +181,7 @@ class CentralizedTrainer:
         return RunReport(
             edgesplit_version=VERSION, run_id=self.server.run_id, method="centralized",
             config={**self.server.to_dict(), "method_config": asdict(self.config)},
-            server=server_info(str(self.device), _cpu_model()),
+            server=server_info(str(self.device)),
             models={
                 "edge": None,  # no edge: the reference is trained in one place
                 "server": {"name": self.config.model, "params": count_parameters(self.model),

@@ -60,7 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,
              method.schedule, config.rounds, method.ctx.device, config.out_dir)
     try:
-        resume = args.resume or (args.resume_if_checkpoint and (coordinator.checkpoint_dir / "coordinator.json").exists())
+        resume = args.resume or (args.resume_if_checkpoint and (coordinator.recorder.checkpoint_dir / "coordinator.json").exists())
         report = coordinator.run(resume=resume)
     except (RunAborted, TransportError, FileNotFoundError) as exc:
         log.error("%s", exc)

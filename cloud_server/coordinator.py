@@ -30,16 +30,15 @@ from shared_protocol.messages import (
     decode_message,
     encode_message,
 )
-from shared_protocol.hostinfo import cpu_model as _cpu_model
 from shared_protocol.methods import load_method_messages
 from shared_protocol.topics import Topics
 from shared_protocol.transport import Transport
 
 from .agents import AgentRegistry, AgentState, RunAborted
 from .config import ServerConfig
-from .methods import RoundOutcome, ServerMethod
+from .methods import ServerMethod
 from .recorder import RunCounters, RunRecorder, server_info
-from .records import AgentInfo, RoundRecord, RunReport
+from .records import RoundRecord, RunReport
 from .schedulers import OpenRound, make_scheduler
 
 log = logging.getLogger("cloud_server")
@@ -69,10 +68,8 @@ class Coordinator:
         self.completed_round = 0
         self.open_rounds: dict[int, OpenRound] = {}
         self.stopping = False  # no new rounds or turns are started (a stop condition was met)
-        self._failed_in_a_row = 0
-        self._completion_requests: dict[tuple[str, int], int] = {}
         self.recorder = RunRecorder(self.out_dir, config.rounds, RunCounters(
-            agents=self._agent_report, rejected=lambda: self.rejected, rejected_chunks=self.transport.rejections,
+            agents=self.registry.infos, rejected=lambda: self.rejected, rejected_chunks=self.transport.rejections,
             server_connection=self.transport.stats.snapshot,
         ))
         self.scheduler = make_scheduler(method.schedule, self)
@@ -90,26 +87,6 @@ class Coordinator:
     @property
     def report(self) -> RunReport:
         return self.recorder.report
-
-    def _new_report(self) -> RunReport:
-        return RunReport(
-            edgesplit_version=VERSION, run_id=self.config.run_id, method=self.method.name,
-            config={**self.config.to_dict(), "method_config": self.method.resolved_config()},
-            server=server_info(self.method.ctx.device, _cpu_model()), models=self.method.model_info(),
-        )
-
-    def _agent_report(self) -> dict[str, AgentInfo]:
-        return {a.agent_id: AgentInfo.from_hello(a.hello) for a in sorted(self.agents.values(), key=lambda a: a.agent_id)}
-
-    def _update_totals(self) -> None:
-        self.recorder.refresh()
-
-    def write_report(self) -> None:
-        self.recorder.write()
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.recorder.checkpoint_dir
 
     def save_checkpoint(self) -> None:
         self.recorder.save_checkpoint(self.method.state(), round_=self.completed_round, config=self.config.to_dict(),
@@ -252,11 +229,10 @@ class Coordinator:
         if rnd is None or agent in rnd.done:
             self._reject(agent, StaleMessageError.code, f"round_end for closed round {end.round}")
             return
-        key = (agent, end.round)
-        if self._completion_requests.get(key, 0) < self.MAX_COMPLETION_REQUESTS:
+        if rnd.resend_requests.get(agent, 0) < self.MAX_COMPLETION_REQUESTS:
             requests = self.method.check_round_end(agent, end)
             if requests:
-                self._completion_requests[key] = self._completion_requests.get(key, 0) + 1
+                rnd.resend_requests[agent] = rnd.resend_requests.get(agent, 0) + 1
                 log.warning("agent %s's round %d upload is incomplete; asking it to resend (%d messages)", agent, end.round, len(requests))
                 for target, msg in requests:
                     self._send(target, msg)
@@ -267,13 +243,6 @@ class Coordinator:
         rnd.done[agent] = end
         self.agents[agent].instance = end.instance
         self.scheduler.on_round_end(rnd, agent, end)
-
-    def _why_waiting(self, agent: str, rnd: OpenRound) -> str:
-        return self.registry.why_waiting(agent, self._completion_requests.get((agent, rnd.round), 0))
-
-    def _deliver(self, outcome: RoundOutcome) -> None:
-        for agent, msg in outcome.downloads:
-            self._send(agent, msg)
 
     # -- closing rounds -------------------------------------------------------------- #
 
@@ -290,25 +259,16 @@ class Coordinator:
 
     # -- the run ------------------------------------------------------------------- #
 
-    def _should_stop(self, record: RoundRecord) -> bool:
-        self._failed_in_a_row = 0 if record.status == "ok" else self._failed_in_a_row + 1
-        if self._failed_in_a_row >= self.config.max_failed_rounds:
-            self.report.status = "aborted"
-            log.error("%d rounds in a row without quorum: aborting", self._failed_in_a_row)
-            return True
-        target = self.config.target_accuracy
-        if target is not None and record.accuracy is not None and record.accuracy >= target:
-            self.report.status = "stopped_target"
-            log.info("target accuracy %.2f%% reached in round %d", 100 * target, record.round)
-            return True
-        return False
-
     def run(self, resume: bool = False) -> dict[str, Any]:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self.load_checkpoint()
         else:
-            self.recorder.begin(self._new_report())
+            self.recorder.begin(RunReport(
+                edgesplit_version=VERSION, run_id=self.config.run_id, method=self.method.name,
+                config={**self.config.to_dict(), "method_config": self.method.resolved_config()},
+                server=server_info(self.method.ctx.device), models=self.method.model_info(),
+            ))
         self.transport.subscribe(self.topics.up_any)
         self.transport.subscribe(self.topics.status_any)
         self.transport.connect()

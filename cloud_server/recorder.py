@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared_protocol.hostinfo import cpu_model
 from shared_protocol.messages import RoundEnd
 from shared_protocol.records import plain_json
 
@@ -29,11 +30,11 @@ from .report import format_summary_line, write_report
 __all__ = ["RunCounters", "Checkpoint", "RunRecorder", "server_info"]
 
 
-def server_info(device: str, cpu_model: str) -> ServerInfo:
+def server_info(device: str) -> ServerInfo:
     """This host, as the report's ``server`` describes it."""
     import torch
 
-    return ServerInfo(device=device, cpu_model=cpu_model, torch=torch.__version__, hostname=socket.gethostname())
+    return ServerInfo(device=device, cpu_model=cpu_model(), torch=torch.__version__, hostname=socket.gethostname())
 
 
 def _no_counts() -> Mapping[str, int]:

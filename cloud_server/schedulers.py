@@ -31,6 +31,7 @@ from .methods import RoundOutcome
 
 if TYPE_CHECKING:  # the coordinator imports this module; a scheduler only calls back into it
     from .coordinator import Coordinator
+    from .records import RoundRecord
 
 log = logging.getLogger("cloud_server")
 
@@ -45,6 +46,7 @@ class OpenRound:
     done: dict[str, RoundEnd] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
     outcomes: list[RoundOutcome] = field(default_factory=list)
+    resend_requests: dict[str, int] = field(default_factory=dict)  # per agent: incomplete uploads asked again
 
     def waiting_for(self) -> list[str]:
         return sorted(a for a in self.participants if a not in self.done and a not in self.missing)
@@ -66,6 +68,7 @@ class RoundScheduler(ABC):
         self.config = loop.config
         self.registry = loop.registry
         self._waiting_logged_at = 0.0
+        self._failed_in_a_row = 0
 
     @abstractmethod
     def run(self, first_round: int) -> bool:
@@ -105,6 +108,26 @@ class RoundScheduler(ABC):
         for agent in self.registry.absent():
             self.missed(agent, f"offline for {self.config.offline_grace_s:.0f} s")
 
+    def should_stop(self, record: RoundRecord) -> bool:
+        """After a closed round: stop the run (too many rounds in a row without quorum, or
+        the target accuracy reached)?"""
+        self._failed_in_a_row = 0 if record.status == "ok" else self._failed_in_a_row + 1
+        if self._failed_in_a_row >= self.config.max_failed_rounds:
+            self.loop.report.status = "aborted"
+            log.error("%d rounds in a row without quorum: aborting", self._failed_in_a_row)
+            return True
+        target = self.config.target_accuracy
+        if target is not None and record.accuracy is not None and record.accuracy >= target:
+            self.loop.report.status = "stopped_target"
+            log.info("target accuracy %.2f%% reached in round %d", 100 * target, record.round)
+            return True
+        return False
+
+    def deliver(self, outcome: RoundOutcome) -> None:
+        """Send what the method's completed round has for the agents."""
+        for agent, msg in outcome.downloads:
+            self.loop._send(agent, msg)
+
     def quorum(self, rnd: OpenRound) -> int:
         return max(self.config.min_agents, math.ceil(self.config.min_fraction * len(rnd.participants)))
 
@@ -121,7 +144,7 @@ class RoundScheduler(ABC):
         late = rnd.waiting_for()
         if late:
             log.warning("round %d deadline passed; closing it without %s: %s", rnd.round, ", ".join(late),
-                        "; ".join(f"{a}: {self.loop._why_waiting(a, rnd)}" for a in late))
+                        "; ".join(f"{a}: {self.registry.why_waiting(a, rnd.resend_requests.get(a, 0))}" for a in late))
 
     def watch(self, rounds: list[OpenRound]) -> None:
         """While rounds are open: nudge participants whose round_end got lost, and log at least
@@ -145,7 +168,7 @@ class RoundScheduler(ABC):
                 left = f", deadline in {rnd.deadline_at - now:.0f} s" if math.isfinite(rnd.deadline_at) else ""
                 log.info("round %d open for %.0f s%s; waiting for %d of %d agents: %s", rnd.round, now - rnd.started_at,
                          left, len(waiting), len(rnd.participants),
-                         "; ".join(f"{a} ({loop._why_waiting(a, rnd)})" for a in waiting))
+                         "; ".join(f"{a} ({self.registry.why_waiting(a, rnd.resend_requests.get(a, 0))})" for a in waiting))
 
     def await_agents(self, round_: int) -> list[str]:
         """No agent is left to start round ``round_`` with (all offline or dropped). Per
@@ -189,7 +212,7 @@ class SyncScheduler(RoundScheduler):
             record = self.run_round(round_)
             if record is None:
                 return False
-            if self.loop._should_stop(record):
+            if self.should_stop(record):
                 break
         return True
 
@@ -217,7 +240,7 @@ class SyncScheduler(RoundScheduler):
             outcome = method.complete(round_, dict(rnd.done), rnd.evaluate)
             rnd.outcomes.append(outcome)
             if len(outcome.used_agents) >= quorum:
-                loop._deliver(outcome)
+                self.deliver(outcome)
                 self.await_evaluation(rnd, outcome)
                 status = "ok"
         else:
@@ -326,14 +349,14 @@ class AsyncScheduler(RoundScheduler):
                     break
                 used = {a for o in lowest_round.outcomes for a in o.used_agents}
                 record = loop._close(lowest_round, "ok" if len(used) >= self.quorum(lowest_round) else "failed_quorum")
-                if loop._should_stop(record):
+                if self.should_stop(record):
                     loop.stopping = True
                     for rnd in list(open_rounds.values()):
                         rnd.missing |= rnd.participants - set(rnd.done)
 
     def on_round_end(self, rnd: OpenRound, agent: str, end: RoundEnd) -> None:
         outcome = self.loop.method.complete(end.round, {agent: end}, rnd.evaluate)
-        self.loop._deliver(outcome)
+        self.deliver(outcome)
         rnd.outcomes.append(outcome)
         self._advance(agent, end.round)
 

@@ -127,7 +127,8 @@ def compile_check(model_name: str, steps: int, warmup: int, repeats: int) -> dic
 
     from server_gpu import _data, _gkt_loss
 
-    from cloud_server.server_step import AUTO_CPU_COMPILE_MIN_STEPS, AUTO_STEP, DeviceSum, TrainStep, make_server_optimizer
+    from cloud_server.server_step import AUTO_CPU_COMPILE_MIN_STEPS, AUTO_STEP, DeviceSum, TrainStep
+    from models.training import make_optimizer
     from models import build_model
 
     # A cold compilation, as the first run on a machine pays it: an empty inductor cache.
@@ -144,7 +145,7 @@ def compile_check(model_name: str, steps: int, warmup: int, repeats: int) -> dic
     runs: dict[str, dict] = {}
     for mode in ("eager", "compiled"):
         model = copy.deepcopy(initial).train()
-        optimizer = make_server_optimizer("adam", model.parameters(), lr=1e-3, weight_decay=5e-4)
+        optimizer = make_optimizer("adam", model.parameters(), lr=1e-3, weight_decay=5e-4)
         runs[mode] = {"step": TrainStep(model, optimizer, _gkt_loss, mode, name=f"bench {mode}"), "position": 0,
                       "total": DeviceSum(cpu), "times": [], "losses": []}
 

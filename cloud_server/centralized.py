@@ -30,11 +30,12 @@ import torch.nn.functional as F
 from fldata import ArrayDataset, load_dataset, take
 from fldata.torch_data import make_loader
 from models import build_model, count_parameters, get_model_spec, training_flops_per_sample
+from models.training import Batch, Trainer, accuracy, logits_of, make_optimizer
 
 from . import report as run_report
 from .config import ServerConfig
 from .device_meter import DeviceMeter
-from .server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, staging_budget_bytes
+from .server_step import RowBank, TrainStep, staging_budget_bytes
 from shared_protocol.configs import config_from_table
 
 log = logging.getLogger("cloud_server.centralized")
@@ -93,10 +94,6 @@ def _cpu_model() -> str:
         return "unknown"
 
 
-def _logits(output: object) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]  # ResNet-8: (logits, features)
-
-
 def load_union(server: ServerConfig, config: CentralizedConfig) -> tuple[ArrayDataset, ArrayDataset]:
     """The seeded train / test subsets a local federation with the same settings partitions."""
     train = load_dataset(server.dataset, "train", config.data_root, config.download)
@@ -121,7 +118,7 @@ class CentralizedTrainer:
         torch.manual_seed(server.seed)
         c = self.config
         self.model = build_model(c.model, server.num_classes, self.train_data.in_channels).to(self.device)
-        self.optimizer = make_server_optimizer(c.optimizer, self.model.parameters(), c.lr, c.momentum, c.weight_decay, self.device)
+        self.optimizer = make_optimizer(c.optimizer, self.model.parameters(), c.lr, c.momentum, c.weight_decay, self.device)
         self.step = TrainStep(self.model, self.optimizer, lambda logits, labels: F.cross_entropy(logits, labels),
                               server.server_step, name="centralized")
         self.scheduler = (
@@ -139,7 +136,7 @@ class CentralizedTrainer:
 
     # -- training ------------------------------------------------------------------ #
 
-    def _batches(self, round_: int, epoch: int):  # -> Iterator[(images (B, C, H, W), labels (B,)) on the device]
+    def _batches(self, round_: int, epoch: int):  # -> Iterator[Batch of images (B, C, H, W), labels (B,) on the device]
         """One epoch's shuffled batches. Without augmentation the normalised images are staged
         once (on the device when they fit) and batches are gathered there by index; with it,
         the loader crops and flips on the host and each batch is copied."""
@@ -147,7 +144,7 @@ class CentralizedTrainer:
         seed = self.server.seed * 100_003 + round_ * 1000 + epoch
         if self.augment:
             for images, labels, _ids in make_loader(self.train_data, c.batch_size, shuffle=True, augment=True, seed=seed):
-                yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+                yield Batch(images.to(self.device, non_blocking=True), (labels.to(self.device, non_blocking=True),))
             return
         if self._bank is None:
             images = torch.cat([batch for batch, _labels, _ids in make_loader(self.train_data, 1024)])  # (N, C, H, W)
@@ -157,35 +154,25 @@ class CentralizedTrainer:
             self._labels = torch.from_numpy(self.train_data.labels).long().to(self.device)
         order = torch.randperm(len(self._bank), generator=torch.Generator().manual_seed(seed))
         for index in order.split(c.batch_size):  # the bank moves the index where its rows are
-            yield self._bank.gather(index), self._labels[index.to(self.device, non_blocking=True)]  # type: ignore[index]
+            yield Batch(self._bank.gather(index), (self._labels[index.to(self.device, non_blocking=True)],))  # type: ignore[index]
 
     def _train_round(self, round_: int) -> tuple[float, int]:
-        """``epochs_per_round`` epochs; (mean loss, samples). Losses are summed on the device
-        and read once, at the end of the round."""
+        """``epochs_per_round`` epochs through the shared loop; (mean loss, samples). Losses
+        are summed on the device and read once, at the end of the round."""
         c = self.config
         self.model.train()
-        total_loss, samples = DeviceSum(self.device), 0
         planned = math.ceil(len(self.train_data) / c.batch_size) * c.epochs_per_round
-        with self.device_meter.training(), self.step.session(planned_steps=planned):
-            for epoch in range(c.epochs_per_round):
-                for images, labels in self._batches(round_, epoch):
-                    n = int(labels.shape[0])
-                    total_loss.add(self.step(images, labels).loss, n)  # (B, K) logits inside
-                    samples += n
-            loss = total_loss.item() / samples  # the round's one wait for the device
-        if not math.isfinite(loss):
-            raise RuntimeError(f"centralized training diverged in round {round_}: loss {loss}")
-        return loss, samples
+        trainer = Trainer(self.step, desc=f"centralized round {round_}", progress=self.server.progress)
+        with self.device_meter.training():
+            result = trainer.run(c.epochs_per_round, lambda epoch: self._batches(round_, epoch), planned_steps=planned)
+        if not math.isfinite(result.mean_loss):
+            raise RuntimeError(f"centralized training diverged in round {round_}: loss {result.mean_loss}")
+        return result.mean_loss, result.samples
 
     @torch.no_grad()
     def _test(self) -> tuple[int, int]:
         self.model.eval()
-        correct = total = 0
-        for images, labels, _ids in make_loader(self.test_data, 512):
-            predictions = _logits(self.model(images.to(self.device))).argmax(1).cpu()  # (B,)
-            correct += int((predictions == labels).sum())
-            total += int(labels.shape[0])
-        return correct, total
+        return accuracy(lambda images: logits_of(self.model(images)), make_loader(self.test_data, 512), self.device)
 
     # -- report ---------------------------------------------------------------------- #
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.losses import kd_loss
+from models.training import Batch, Trainer, make_optimizer
 from shared_protocol.configs import config_from_table
 from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
@@ -37,7 +38,7 @@ from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRou
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
 from ..feature_store import ArrayStaging, RowSource, StagedArray
-from ..server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, staging_budget_bytes
+from ..server_step import DeviceSum, RowBank, TrainStep, staging_budget_bytes
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.fedgkt")
@@ -265,7 +266,7 @@ class FedGktServer(ServerMethod):
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
-        return make_server_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
+        return make_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
                                      c.server_weight_decay, self.device)
 
     def _trainer(self) -> TrainStep:
@@ -508,42 +509,35 @@ class FedGktServer(ServerMethod):
         edge_logits = [data[a][1].to(device) for a in agents]  # (n, K) each
         labels = [data[a][2].to(device) for a in agents]  # (n,) each
         z_s = [torch.zeros((len(data[a][3]), self.ctx.num_classes), dtype=torch.float32, device=device) for a in agents]
-        total_loss, train_correct, total_n = DeviceSum(device), DeviceSum(device), 0
-        steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
-        progress = None
-        if self.ctx.progress:
-            from tqdm.auto import tqdm
+        train_correct = DeviceSum(device)
 
-            progress = tqdm(total=steps, desc=f"server round {round_}", leave=False, dynamic_ncols=True)
-        step = self._trainer()
+        def batches(epoch: int):  # -> Iterator[Batch of maps (B, 16, H, W), labels (B,), edge logits (B, K)]
+            for k, idx in self._batches(data, generator):
+                index = idx.to(device, non_blocking=True)  # (B,)
+                # The host's copy of the index for maps left on the host: no wait for the device.
+                yield Batch(banks[k].gather(idx, torch.float32), (labels[k][index], edge_logits[k][index]), meta=(k, index))
+
+        def keep_last_epoch_logits(trainer: Trainer) -> None:
+            if trainer.last_epoch:
+                k, index = trainer.batch.meta
+                logits = trainer.out.logits  # (B, K)
+                z_s[k].index_copy_(0, index, logits.float())  # keyed by row: by sample id
+                train_correct.add((logits.argmax(1) == trainer.batch.targets[0]).sum())
+
+        steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
+        trainer = Trainer(self._trainer(), desc=f"server round {round_}", progress=self.ctx.progress)
+        trainer.add_callback("on_batch_end", keep_last_epoch_logits)
         try:
-            with step.session(planned_steps=steps):
-                for epoch in range(c.server_epochs):
-                    last = epoch == c.server_epochs - 1
-                    for k, idx in self._batches(data, generator):
-                        index = idx.to(device, non_blocking=True)  # (B,)
-                        y = labels[k][index]
-                        # The host's copy of the index for maps left on the host: no wait for the device.
-                        out = step(banks[k].gather(idx, torch.float32), y, edge_logits[k][index])  # (B, 16, H, W) maps
-                        if last:
-                            z_s[k].index_copy_(0, index, out.logits.float())  # (B, K), keyed by row: by sample id
-                            total_loss.add(out.loss, len(idx))
-                            train_correct.add((out.logits.argmax(1) == y).sum())
-                            total_n += len(idx)
-                        if progress is not None:
-                            progress.update(1)
-                # The call's one wait for the device: logits, loss and accuracy to the host.
-                logits_by_agent = {a: (data[a][3], z_s[k].cpu().numpy()) for k, a in enumerate(agents)}
-                loss = total_loss.item() / max(total_n, 1)
-                correct = train_correct.item()
+            result = trainer.run(c.server_epochs, batches, planned_steps=steps)
+            # The call's other reads from the device: logits and accuracy to the host.
+            logits_by_agent = {a: (data[a][3], z_s[k].cpu().numpy()) for k, a in enumerate(agents)}
+            correct = train_correct.item()
         finally:
             for bank in banks:
                 bank.release()
-            if progress is not None:
-                progress.close()
         if self.config.eval_diagnostics:
-            self.figures.setdefault(round_, {})["server_train_accuracy"] = correct / max(total_n, 1)
-        return logits_by_agent, loss
+            self.figures.setdefault(round_, {})["server_train_accuracy"] = correct / max(result.last_epoch_samples, 1)
+        return logits_by_agent, result.last_epoch_loss
 
     @torch.no_grad()
     def _calibrate(self, features: RowSource) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.training import make_optimizer
 from shared_protocol.configs import config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
@@ -40,7 +41,7 @@ from shared_protocol.methods.splitnn import (
     SplitRoundConfig,
 )
 
-from ..server_step import TrainStep, make_server_optimizer
+from ..server_step import TrainStep
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.splitnn")
@@ -128,8 +129,8 @@ class SplitNNServer(ServerMethod):
         self.feature_channels = get_model_spec(self.config.server_model).feature_channels
         self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
         c = self.config
-        self.optimizer = make_server_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
-                                               c.server_weight_decay, self.device)
+        self.optimizer = make_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
+                                        c.server_weight_decay, self.device)
         # Every batch is answered with dLoss/dActivations at once: the step runs eagerly (one
         # exchange per batch over the broker bounds it, not kernel launches).
         self.step = TrainStep(self.model, self.optimizer, lambda logits, labels: F.cross_entropy(logits, labels),

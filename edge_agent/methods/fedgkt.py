@@ -17,12 +17,13 @@ import torch.nn.functional as F
 from fldata.torch_data import make_loader
 from models import build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.losses import kd_loss
+from models.training import accuracy, make_optimizer
 from shared_protocol.messages import Message, RoundStart
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 
 from ..costs import RoundMeter
 from ..teacher import EXTRACT_BATCH_SAMPLES, TeacherLogits  # shared with the ort backend
-from ..trainer import accuracy, make_optimizer, train_epochs
+from ..trainer import train_epochs
 from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
 
 

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from fldata import ArrayDataset, load_dataset, take
 from fldata.torch_data import make_loader
 from models import build_model, count_parameters, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.training import Batch, Trainer, logits_of, make_optimizer
 
 from ..aggregation import AggregationError, weighted_mean
 from ..server_step import TrainStep
@@ -310,10 +311,6 @@ class SwaAverage:
         return {n: (np.rint(m) if self._dtypes[n].kind in "iu" else m).astype(self._dtypes[n]) for n, m in self._mean.items()}
 
 
-def _logits(output: object) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]  # ResNet-8: (logits, features)
-
-
 @torch.no_grad()
 def recompute_bn_statistics(model: nn.Module, images: torch.Tensor, batch_size: int) -> None:
     """BatchNorm running mean/var as the plain average over the batches of ``images``
@@ -326,7 +323,7 @@ def recompute_bn_statistics(model: nn.Module, images: torch.Tensor, batch_size: 
 def predict_probabilities(model: nn.Module, images: torch.Tensor, batch_size: int) -> torch.Tensor:
     """Softmax outputs in eval mode, ``(N, K)`` on the CPU."""
     model.eval()
-    out = [F.softmax(_logits(model(images[i : i + batch_size])).float(), dim=-1).cpu() for i in range(0, images.shape[0], batch_size)]
+    out = [F.softmax(logits_of(model(images[i : i + batch_size])).float(), dim=-1).cpu() for i in range(0, images.shape[0], batch_size)]
     return torch.cat(out)
 
 
@@ -351,8 +348,9 @@ def distill_swa(
     fresh permutation of the set each epoch (``generator`` on the CPU). ``snapshots``,
     when given, receives a copy of every collected state (for tests).
 
-    Steps run through the shared server step (``server_step``, see
-    ``cloud_server/server_step.py``); the step losses stay on the device and are read
+    Steps run through the shared training loop (``models/training.py``) with the server
+    step (``server_step``, see ``cloud_server/server_step.py``); callbacks set the
+    cyclical rate and collect the weights. The step losses stay on the device and are read
     when the weights are collected (a host copy anyway) and at the end. A non-finite
     loss fails the distillation at its first such step, with the models collected
     before it counted, as if it had stopped there. ``trainer``: a step of ``model`` to reuse
@@ -360,7 +358,7 @@ def distill_swa(
     c = config
     n = images.shape[0]
     batch = min(c.distill_batch_size, n)
-    optimizer = torch.optim.SGD(model.parameters(), lr=c.swa_lr_max, momentum=c.distill_momentum, weight_decay=c.distill_weight_decay)
+    optimizer = make_optimizer("sgd", model.parameters(), c.swa_lr_max, c.distill_momentum, c.distill_weight_decay, images.device)
     if trainer is None:
         trainer = TrainStep(model, optimizer, soft_cross_entropy, server_step, name="fedbe distillation")
     elif trainer.model is not model:
@@ -368,13 +366,8 @@ def distill_swa(
     else:
         trainer.use_optimizer(optimizer)
     swa = SwaAverage()
-    order, position = torch.randperm(n, generator=generator), 0
     losses = torch.zeros(c.distill_steps, dtype=torch.float32, device=images.device)  # (T,) step losses, on the device
-    steps = range(1, c.distill_steps + 1)
-    if progress:
-        from tqdm.auto import tqdm
-
-        steps = tqdm(steps, desc=desc, leave=False, dynamic_ncols=True)
+    failures: list[DistillResult] = []
 
     def failure(upto: int) -> DistillResult | None:
         seen = losses[:upto].cpu()
@@ -385,27 +378,39 @@ def distill_swa(
         return DistillResult(first, swa.count, float("nan"), failed=f"distillation loss became {float(seen[first - 1])} at step {first}",
                              trainer=trainer)
 
-    model.train()
-    with trainer.session(planned_steps=c.distill_steps):
-        for step in steps:
+    def batches(_epoch: int):  # -> Iterator[Batch of images (B, C, H, W), targets (B, K)]: distill_steps of them
+        order, position = torch.randperm(n, generator=generator), 0
+        for _ in range(c.distill_steps):
             if position + batch > n:  # a new epoch: full batches only, every sample once per epoch
                 order, position = torch.randperm(n, generator=generator), 0
             index = order[position : position + batch].to(images.device)
             position += batch
-            lr = swa_learning_rate(step, c.swa_warmup_steps, c.swa_cycle_steps, c.swa_lr_max, c.swa_lr_min)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            out = trainer(images[index], targets[index])  # (B, C, H, W) images vs (B, K) targets
-            losses[step - 1] = out.loss
-            if swa_collects_after(step, c.swa_warmup_steps, c.swa_cycle_steps):
-                failed = failure(step)
-                if failed is not None:
-                    return failed
-                collected = state_dict_to_arrays(model)
-                swa.add(collected)
-                if snapshots is not None:
-                    snapshots.append(collected)
-    failed = failure(c.distill_steps)
+            yield Batch(images[index], (targets[index],))
+
+    def cyclical_lr(loop: Trainer) -> None:
+        lr = swa_learning_rate(loop.steps_done + 1, c.swa_warmup_steps, c.swa_cycle_steps, c.swa_lr_max, c.swa_lr_min)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+    def collect(loop: Trainer) -> None:
+        step = loop.steps_done
+        losses[step - 1] = loop.out.loss
+        if swa_collects_after(step, c.swa_warmup_steps, c.swa_cycle_steps):
+            failed = failure(step)
+            if failed is not None:
+                failures.append(failed)
+                loop.stop()
+                return
+            collected = state_dict_to_arrays(model)
+            swa.add(collected)
+            if snapshots is not None:
+                snapshots.append(collected)
+
+    model.train()
+    loop = Trainer(trainer, desc=desc, progress=progress)
+    loop.add_callback("on_batch_start", cyclical_lr).add_callback("on_batch_end", collect)
+    loop.run(1, batches, planned_steps=c.distill_steps)
+    failed = failures[0] if failures else failure(c.distill_steps)
     if failed is not None:
         return failed
     load_arrays_into(model, swa.average())

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from cloud_server.methods import ServerContext
 from cloud_server.feature_store import ArrayStaging
-from cloud_server.methods.fedgkt import FedGktServer, _Batch, _concat
+from cloud_server.feature_store import StagedBatch, gather_batches
+from cloud_server.methods.fedgkt import FedGktServer
 from models.losses import kd_loss
 from shared_protocol.methods.fedgkt import GktFeatures
 
@@ -52,7 +53,7 @@ def staged_data(samples: int, agents: int, seed: int = 0) -> dict[str, tuple]:
             labels=rng.integers(0, 10, per).astype(np.int64),
             sample_ids=np.arange(a * per, (a + 1) * per, dtype=np.int64),
         )
-        data[f"a{a}"] = _concat([_Batch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)], staging)
+        data[f"a{a}"] = gather_batches([StagedBatch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)], staging)
     return data
 
 

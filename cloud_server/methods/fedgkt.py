@@ -16,12 +16,11 @@ once the round's training is done (``cloud_server/feature_store.py``).
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
 from pathlib import Path
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -37,7 +36,7 @@ from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
-from ..feature_store import ArrayStaging, RowSource, StagedArray
+from ..feature_store import AgentRows, ArrayStaging, RowSource, StagedBatch, StagedUploads, gather_batches
 from ..server_step import DeviceSum, RowBank, TrainStep, staging_budget_bytes
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -156,74 +155,6 @@ class FedGktConfig:
         return config_from_table(cls, raw, "fedgkt")
 
 
-@dataclass
-class _Batch:
-    """One staged upload batch: its feature maps float16 in memory or in a mapped file."""
-
-    features: StagedArray  # (n, 16, H, W) float16
-    logits: np.ndarray  # (n, K)
-    labels: np.ndarray  # (n,)
-    sample_ids: np.ndarray  # (n,)
-
-
-@dataclass
-class _Staged:
-    """One agent's uploads of its current round."""
-
-    instance: str
-    round: int
-    train: dict[int, _Batch] = field(default_factory=dict)  # by seq: a resent batch replaces, never duplicates
-    test: dict[int, _Batch] = field(default_factory=dict)
-    samples: int = 0
-
-    def batches(self) -> list[_Batch]:
-        return [*self.train.values(), *self.test.values()]
-
-
-# (features, edge logits, labels, sample ids) of one agent, rows aligned.
-AgentData = tuple[RowSource, torch.Tensor, torch.Tensor, np.ndarray]
-
-
-def _concat(batches: list[_Batch], staging: ArrayStaging) -> AgentData:
-    """One agent's batches as aligned rows, de-duplicated by sample id (last wins).
-
-    The features are gathered into one staged array, in memory if every batch was
-    and the bound allows, else in one mapped file; the batches' own staging is released.
-    When every batch was also staged on the training device, the gathered rows are too.
-    """
-    ids = np.concatenate([b.sample_ids for b in batches])
-    _, last = np.unique(ids[::-1], return_index=True)
-    keep = np.sort(len(ids) - 1 - last)
-    shape = (len(keep), *batches[0].features.array.shape[1:])
-    any_spilled = any(b.features.spilled for b in batches)
-    device_rows = None  # the same gather on the device, when every batch was staged there as it arrived
-    if all(b.features.device_copy is not None for b in batches):
-        copies = torch.cat([b.features.device_copy for b in batches])  # (n, 16, H, W)
-        device_rows = copies if len(keep) == len(ids) else copies[torch.from_numpy(keep).to(copies.device)]
-    for b in batches:
-        if not b.features.spilled:
-            staging.release(b.features)  # their bytes move into the gathered array below
-    gathered = staging.empty(shape, force_disk=any_spilled)
-    start = row = 0
-    for b in batches:
-        n = len(b.sample_ids)
-        rows = keep[(keep >= start) & (keep < start + n)] - start  # this batch's surviving rows
-        target = gathered.array[row : row + len(rows)]
-        if len(rows) == n:  # no duplicates (the usual case): one straight copy
-            target[...] = b.features.array
-        else:
-            np.take(b.features.array, rows, axis=0, out=target)
-        row += len(rows)
-        start += n
-        staging.release(b.features)
-    logits = torch.from_numpy(np.concatenate([b.logits for b in batches])[keep])
-    labels = torch.from_numpy(np.concatenate([b.labels for b in batches])[keep])
-    sealed = staging.seal(gathered)
-    if device_rows is not None:
-        staging.attach_device_copy(sealed, device_rows)  # the batches' device bytes were released above
-    return RowSource(sealed), logits, labels, ids[keep]
-
-
 @register_server_method
 class FedGktServer(ServerMethod):
     name = "fedgkt"
@@ -242,7 +173,7 @@ class FedGktServer(ServerMethod):
             if self.config.lr_schedule == "plateau"
             else None
         )
-        self.staged: dict[str, _Staged] = {}
+        self.staged: dict[str, StagedUploads] = {}
         spill_dir = self.config.spill_dir or (str(Path(ctx.out_dir) / "staged") if ctx.out_dir else None)
         # On a GPU every upload is also copied there as it arrives, while it fits (server_step.py).
         self.staging = ArrayStaging(self.config.staged_memory_bytes, spill_dir, np.float16,
@@ -354,7 +285,7 @@ class FedGktServer(ServerMethod):
         if staged is None or staged.instance != msg.instance or staged.round != msg.round:
             # A new process (restart) or a new round: what the old one staged is void.
             self.discard(agent)
-            staged = self.staged[agent] = _Staged(msg.instance, msg.round)
+            staged = self.staged[agent] = StagedUploads(msg.instance, msg.round)
         batches = staged.train if msg.split == "train" else staged.test
         replaced = batches.get(msg.seq)
         samples = staged.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.labels)
@@ -363,7 +294,7 @@ class FedGktServer(ServerMethod):
         if replaced is not None:
             self.staging.release(replaced.features)
         # float16 now, not at training time: the bound is on what is actually held.
-        batches[msg.seq] = _Batch(self.staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
+        batches[msg.seq] = StagedBatch(self.staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
         staged.samples = samples
         return None
 
@@ -408,8 +339,8 @@ class FedGktServer(ServerMethod):
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
-        data: dict[str, AgentData] = {}
-        tests: dict[str, AgentData] = {}
+        data: dict[str, AgentRows] = {}
+        tests: dict[str, AgentRows] = {}
         try:
             for agent in sorted(ends):
                 why = self._usable(agent, ends[agent])
@@ -420,11 +351,11 @@ class FedGktServer(ServerMethod):
                     continue
                 staged = self.staged.pop(agent)
                 try:
-                    data[agent] = _concat([staged.train[k] for k in sorted(staged.train)], self.staging)
+                    data[agent] = gather_batches([staged.train[k] for k in sorted(staged.train)], self.staging)
                     if staged.test:
-                        tests[agent] = _concat([staged.test[k] for k in sorted(staged.test)], self.staging)
+                        tests[agent] = gather_batches([staged.test[k] for k in sorted(staged.test)], self.staging)
                 finally:
-                    # Normally already released by _concat; after a failed gather (disk full) this frees the rest.
+                    # Normally already released by gather_batches; after a failed gather (disk full) this frees the rest.
                     self.staging.release_all([b.features for b in staged.batches()])
             outcome.used_agents = list(data)
             self.initialised_agents.update(data)
@@ -565,7 +496,7 @@ class FedGktServer(ServerMethod):
             self.model.train(was_training)
 
     @torch.no_grad()
-    def _evaluate(self, tests: dict[str, AgentData], per_agent: bool) -> tuple[int, int]:
+    def _evaluate(self, tests: dict[str, AgentRows], per_agent: bool) -> tuple[int, int]:
         """Accuracy of extractor (on the agents) + server model on the agents' test features;
         ``per_agent``: each agent's maps with that agent's BatchNorm statistics (``agent_bn``)."""
         self.model.eval()

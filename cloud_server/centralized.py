@@ -36,7 +36,7 @@ from . import report as run_report
 from .config import ServerConfig
 from .device_meter import DeviceMeter
 from .server_step import RowBank, TrainStep, staging_budget_bytes
-from shared_protocol.configs import config_from_table
+from shared_protocol.configs import check_optimizer, config_from_table
 
 log = logging.getLogger("cloud_server.centralized")
 
@@ -68,8 +68,7 @@ class CentralizedConfig:
             raise ValueError(f"centralized.model must take images, {self.model!r} takes feature maps")
         if self.epochs_per_round < 1 or self.batch_size < 1:
             raise ValueError("centralized.epochs_per_round and batch_size must be >= 1")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"centralized.optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        check_optimizer(self.optimizer, "centralized.optimizer")
         if self.lr <= 0 or self.weight_decay < 0:
             raise ValueError("centralized.lr must be > 0 and weight_decay >= 0")
         if self.lr_schedule not in ("none", "plateau"):

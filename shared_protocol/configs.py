@@ -17,7 +17,19 @@ from .errors import ValueRangeError
 
 T = TypeVar("T")
 
-__all__ = ["config_from_table", "round_config_from_wire"]
+__all__ = ["OPTIMIZERS", "check_optimizer", "config_from_table", "round_config_from_wire"]
+
+#: The optimisers a config may name (``models.training.make_optimizer`` builds them, the ort
+#: backend's numpy optimisers mirror them; a test keeps the lists equal). Kept here, torch-free,
+#: so that every config -- a TOML table or a round config off the wire -- checks against one list.
+OPTIMIZERS = ("sgd", "adam")
+
+
+def check_optimizer(name: str, key: str = "optimizer") -> str:
+    """``name`` if it is one of :data:`OPTIMIZERS`, else a ValueError naming the config ``key``."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"{key} must be one of {OPTIMIZERS}, got {name!r}")
+    return name
 
 
 def _unknown_keys(cls: type, raw: Mapping[str, Any]) -> list[str]:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.losses import kd_loss
 from models.training import Batch, Trainer, make_optimizer
-from shared_protocol.configs import config_from_table
+from shared_protocol.configs import check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
@@ -119,8 +119,7 @@ class FedGktConfig:
             raise ValueError(f"fedgkt.mode must be 'sync' or 'async', got {self.mode!r}")
         if self.kd not in KD_MODES:
             raise ValueError(f"fedgkt.kd must be one of {KD_MODES}, got {self.kd!r}")
-        if self.server_optimizer not in ("sgd", "adam"):
-            raise ValueError(f"fedgkt.server_optimizer must be 'sgd' or 'adam', got {self.server_optimizer!r}")
+        check_optimizer(self.server_optimizer, "fedgkt.server_optimizer")
         if self.server_order not in ("shuffled", "per_agent"):
             raise ValueError(f"fedgkt.server_order must be 'shuffled' or 'per_agent', got {self.server_order!r}")
         if self.lr_schedule not in ("plateau", "none"):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.training import make_optimizer
-from shared_protocol.configs import config_from_table
+from shared_protocol.configs import check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
 from shared_protocol.methods.splitnn import (
@@ -69,8 +69,7 @@ class SplitNNConfig:
     def __post_init__(self) -> None:
         if get_model_spec(self.server_model).input_kind != "features":
             raise ValueError(f"splitnn.server_model must take feature maps, {self.server_model!r} takes images")
-        if self.server_optimizer not in ("sgd", "adam"):
-            raise ValueError(f"splitnn.server_optimizer must be 'sgd' or 'adam', got {self.server_optimizer!r}")
+        check_optimizer(self.server_optimizer, "splitnn.server_optimizer")
         if self.server_lr <= 0 or self.server_weight_decay < 0:
             raise ValueError("splitnn.server_lr must be > 0 and server_weight_decay >= 0")
         get_model_spec(self.edge_model)

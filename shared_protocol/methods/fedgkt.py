@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..configs import round_config_from_wire
+from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..messages import Message, check_same_length, register_message, tensor
 
@@ -105,8 +105,7 @@ class GktRoundConfig:
     def __post_init__(self) -> None:
         if self.edge_epochs < 1 or self.batch_size < 1 or self.upload_batch_samples < 1:
             raise ValueError("edge_epochs, batch_size and upload_batch_samples must be >= 1")
-        if self.edge_optimizer not in ("sgd", "adam"):
-            raise ValueError(f"edge_optimizer must be 'sgd' or 'adam', got {self.edge_optimizer!r}")
+        check_optimizer(self.edge_optimizer, "edge_optimizer")
         if self.edge_lr <= 0 or self.temperature <= 0 or self.alpha < 0:
             raise ValueError("edge_lr and temperature must be > 0 and alpha >= 0")
 

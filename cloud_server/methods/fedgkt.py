@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.losses import kd_loss
 from models.training import Batch, Trainer, make_optimizer
-from shared_protocol.configs import check_optimizer, config_from_table
+from shared_protocol.configs import EmbeddedRoundConfig, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
@@ -66,6 +66,10 @@ PAPER_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# How the [fedgkt] table names the fields of the GktRoundConfig that FedGktConfig holds.
+EDGE_KEYS = EmbeddedRoundConfig(GktRoundConfig, "edge", {"batch_size": "edge_batch_size"}, derived=("edge_kd",))
+
+
 @dataclass(frozen=True)
 class FedGktConfig:
     preset: str = ""  # "" (the defaults below) | "paper-iid" | "paper-noniid" (PAPER_PRESETS)
@@ -81,16 +85,11 @@ class FedGktConfig:
     server_batch_size: int = 64
     server_order: str = "shuffled"  # shuffled (batches drawn from all agents' uploads) | per_agent (Algorithm 1's walk)
     lr_schedule: str = "plateau"  # plateau | none
-    temperature: float = 3.0
-    alpha: float = 1.0
-    edge_epochs: int = 1
-    edge_optimizer: str = "adam"
-    edge_lr: float = 0.001
-    edge_momentum: float = 0.9
-    edge_weight_decay: float = 1e-4
-    edge_batch_size: int = 64
-    upload_codec: str = "fp16-zstd"
-    upload_batch_samples: int = 256
+    # The agents' half, sent as RoundStart.config: edge_epochs, edge_optimizer, edge_lr,
+    # edge_momentum, edge_weight_decay, edge_batch_size (its batch_size), temperature and
+    # alpha (the server's KD uses the same two), upload_codec, upload_batch_samples; all
+    # written in the [fedgkt] table itself (EDGE_KEYS). Its edge_kd follows ``kd``.
+    edge: GktRoundConfig = field(default_factory=GktRoundConfig)
     max_staged_samples_per_agent: int = 1_000_000
     # Float16 feature maps held in memory across all agents' staged uploads; beyond
     # this, uploads are staged in memory-mapped files in spill_dir ("": <run directory>/staged,
@@ -134,16 +133,15 @@ class FedGktConfig:
             raise ValueError(f"fedgkt.edge_init must be 'shared' or 'per_agent', got {self.edge_init!r}")
         if self.staged_memory_bytes < 0:
             raise ValueError(f"fedgkt.staged_memory_bytes must be >= 0, got {self.staged_memory_bytes}")
-        self.round_config()  # validates the edge half
+        # The agents distil from the server's logits unless KD is off (S<->E and S->E both send them).
+        object.__setattr__(self, "edge", replace(self.edge, edge_kd=self.kd in ("bidirectional", "s2e")))
 
     def round_config(self) -> GktRoundConfig:
-        return GktRoundConfig(
-            edge_epochs=self.edge_epochs, edge_optimizer=self.edge_optimizer, edge_lr=self.edge_lr,
-            edge_momentum=self.edge_momentum, edge_weight_decay=self.edge_weight_decay,
-            batch_size=self.edge_batch_size, temperature=self.temperature, alpha=self.alpha,
-            edge_kd=self.kd in ("bidirectional", "s2e"), upload_codec=self.upload_codec,
-            upload_batch_samples=self.upload_batch_samples,
-        )
+        return self.edge
+
+    def to_table(self) -> dict[str, Any]:
+        """The flat ``[fedgkt]`` table this config reads back from (reports, checkpoints)."""
+        return EDGE_KEYS.table_of(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedGktConfig":
@@ -151,7 +149,7 @@ class FedGktConfig:
         preset = raw.get("preset", "")
         if preset in PAPER_PRESETS:
             raw = {**PAPER_PRESETS[preset], **raw}
-        return config_from_table(cls, raw, "fedgkt")
+        return config_from_table(cls, raw, "fedgkt", embedded=EDGE_KEYS)
 
 
 @register_server_method
@@ -204,11 +202,12 @@ class FedGktServer(ServerMethod):
         optimiser, with Eq. 6's loss: CE, plus alpha * KD(z_c -> z_s) when bidirectional."""
         if self._step is None or self._step.optimizer is not self.optimizer:
             c = self.config
-            with_kd = c.kd == "bidirectional" and c.alpha > 0
+            alpha, temperature = c.edge.alpha, c.edge.temperature
+            with_kd = c.kd == "bidirectional" and alpha > 0
 
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor, edge_logits: torch.Tensor) -> torch.Tensor:
                 loss = F.cross_entropy(logits, labels)  # (B, K) vs (B,)
-                return loss + c.alpha * kd_loss(logits, edge_logits, c.temperature) if with_kd else loss
+                return loss + alpha * kd_loss(logits, edge_logits, temperature) if with_kd else loss
 
             self._step = TrainStep(self.model, self.optimizer, loss_fn, self.ctx.server_step, name="fedgkt")
         return self._step
@@ -218,7 +217,7 @@ class FedGktServer(ServerMethod):
         return self.config.mode == "async"
 
     def resolved_config(self) -> dict[str, Any]:
-        return asdict(self.config)
+        return self.config.to_table()
 
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
@@ -259,7 +258,7 @@ class FedGktServer(ServerMethod):
         if self.feature_shape is None:
             return None
         per_sample = 4 * math.prod(self.feature_shape) + 4 * self.ctx.num_classes + 8 + 8
-        return int(1.02 * self.config.upload_batch_samples * per_sample) + 256 * 1024  # + header and codec framing
+        return int(1.02 * self.config.edge.upload_batch_samples * per_sample) + 256 * 1024  # + header and codec framing
 
     def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
         if isinstance(msg, GktOrtArtifactsRequest):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.training import make_optimizer
-from shared_protocol.configs import check_optimizer, config_from_table
+from shared_protocol.configs import EmbeddedRoundConfig, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
 from shared_protocol.methods.splitnn import (
@@ -47,6 +47,11 @@ from .base import RoundOutcome, ServerContext, ServerMethod, register_server_met
 log = logging.getLogger("cloud_server.splitnn")
 
 
+# How the [splitnn] table names the fields of the SplitRoundConfig that SplitNNConfig holds.
+EDGE_KEYS = EmbeddedRoundConfig(SplitRoundConfig, "edge", {
+    "optimizer": "edge_optimizer", "lr": "edge_lr", "momentum": "edge_momentum", "weight_decay": "edge_weight_decay"})
+
+
 @dataclass(frozen=True)
 class SplitNNConfig:
     server_model: str = "resnet55_server"  # or resnet109_server
@@ -55,16 +60,11 @@ class SplitNNConfig:
     server_lr: float = 0.001
     server_momentum: float = 0.9
     server_weight_decay: float = 5e-4
-    local_epochs: int = 1  # epochs over its shard in each agent's turn
-    edge_optimizer: str = "adam"
-    edge_lr: float = 0.001
-    edge_momentum: float = 0.9
-    edge_weight_decay: float = 5e-4
-    batch_size: int = 64
-    upload_codec: str = "raw"  # vanilla SL (and the paper's Eq. 12) sends fp32
-    reply_timeout_s: float = 60.0
-    reply_attempts: int = 3
-    eval_batch_samples: int = 256
+    # The agents' half, sent as RoundStart.config: local_epochs (in each agent's turn),
+    # edge_optimizer, edge_lr, edge_momentum, edge_weight_decay, batch_size, upload_codec
+    # (vanilla SL, and the paper's Eq. 12, send fp32: "raw"), reply_timeout_s,
+    # reply_attempts, eval_batch_samples; all written in the [splitnn] table itself (EDGE_KEYS).
+    edge: SplitRoundConfig = field(default_factory=SplitRoundConfig)
 
     def __post_init__(self) -> None:
         if get_model_spec(self.server_model).input_kind != "features":
@@ -73,18 +73,17 @@ class SplitNNConfig:
         if self.server_lr <= 0 or self.server_weight_decay < 0:
             raise ValueError("splitnn.server_lr must be > 0 and server_weight_decay >= 0")
         get_model_spec(self.edge_model)
-        self.round_config()  # validates the agents' half
 
     def round_config(self) -> SplitRoundConfig:
-        return SplitRoundConfig(
-            local_epochs=self.local_epochs, optimizer=self.edge_optimizer, lr=self.edge_lr, momentum=self.edge_momentum,
-            weight_decay=self.edge_weight_decay, batch_size=self.batch_size, upload_codec=self.upload_codec,
-            reply_timeout_s=self.reply_timeout_s, reply_attempts=self.reply_attempts, eval_batch_samples=self.eval_batch_samples,
-        )
+        return self.edge
+
+    def to_table(self) -> dict[str, Any]:
+        """The flat ``[splitnn]`` table this config reads back from (reports, checkpoints)."""
+        return EDGE_KEYS.table_of(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SplitNNConfig":
-        return config_from_table(cls, raw, "splitnn")
+        return config_from_table(cls, raw, "splitnn", embedded=EDGE_KEYS)
 
 
 @dataclass
@@ -144,7 +143,7 @@ class SplitNNServer(ServerMethod):
         return True
 
     def resolved_config(self) -> dict[str, Any]:
-        return asdict(self.config)
+        return self.config.to_table()
 
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}

@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from fldata import ArrayDataset, load_dataset, take
 from fldata.torch_data import make_loader
 from models import build_model, count_parameters, get_model_spec, training_flops_per_sample
-from models.training import Batch, Trainer, accuracy, logits_of, make_optimizer
+from models.training import LR_SCHEDULES, Batch, Trainer, accuracy, logits_of, make_lr_schedule, make_optimizer
 
 from . import report as run_report
 from .config import ServerConfig
 from .device_meter import DeviceMeter
 from .server_step import RowBank, TrainStep, staging_budget_bytes
-from shared_protocol.configs import check_optimizer, config_from_table
+from shared_protocol.configs import check_choice, check_optimizer, config_from_table
 
 log = logging.getLogger("cloud_server.centralized")
 
@@ -71,8 +71,7 @@ class CentralizedConfig:
         check_optimizer(self.optimizer, "centralized.optimizer")
         if self.lr <= 0 or self.weight_decay < 0:
             raise ValueError("centralized.lr must be > 0 and weight_decay >= 0")
-        if self.lr_schedule not in ("none", "plateau"):
-            raise ValueError(f"centralized.lr_schedule must be 'none' or 'plateau', got {self.lr_schedule!r}")
+        check_choice(self.lr_schedule, LR_SCHEDULES, "centralized.lr_schedule")
         if self.train_samples < 0 or self.test_samples < 0:
             raise ValueError("centralized.train_samples and test_samples must be >= 0")
 
@@ -120,10 +119,7 @@ class CentralizedTrainer:
         self.optimizer = make_optimizer(c.optimizer, self.model.parameters(), c.lr, c.momentum, c.weight_decay, self.device)
         self.step = TrainStep(self.model, self.optimizer, lambda logits, labels: F.cross_entropy(logits, labels),
                               server.server_step, name="centralized")
-        self.scheduler = (
-            torch.optim.lr_scheduler.ReduceLROnPlateau(self.optimizer, mode="min", factor=0.5, patience=2)
-            if c.lr_schedule == "plateau" else None
-        )
+        self.scheduler = make_lr_schedule(c.lr_schedule, self.optimizer)
         shape = tuple(self.train_data.images.shape[1:])  # (C, H, W)
         self.train_flops_per_sample = training_flops_per_sample(self.model, shape)
         self.augment = c.augment if c.augment is not None else server.dataset in ("cifar10", "cifar100", "cinic10")

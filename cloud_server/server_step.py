@@ -55,7 +55,7 @@ from models.training import DeviceSum, LossFn, Step, StepOutput
 
 from .config import SERVER_STEPS  # ("auto", "eager", "compiled", "graph"); re-exported
 
-__all__ = ["SERVER_STEPS", "AUTO_STEP", "AUTO_CPU_COMPILE_MIN_STEPS", "TrainStep", "StepOutput", "RowBank", "DeviceSum",
+__all__ = ["SERVER_STEPS", "AUTO_STEP", "AUTO_CPU_COMPILE_MIN_STEPS", "TrainStep", "StepOutput", "RowBank", "DeviceSum", "banks_for_staged_rows",
            "resolve_server_step", "staging_budget_bytes", "device_free_bytes"]
 
 log = logging.getLogger("cloud_server.server_step")
@@ -182,6 +182,22 @@ class RowBank:
     def release(self) -> None:
         self._on_device = None
         self._rows = None
+
+
+def banks_for_staged_rows(sources: list[Any], device: torch.device | str) -> list[RowBank]:
+    """A :class:`RowBank` per staged row source (``cloud_server.feature_store.RowSource``), in
+    order: rows staged on the device as they arrived are used there; the others are copied to
+    the device while :func:`staging_budget_bytes` lasts, else gathered on the host per batch."""
+    budget = staging_budget_bytes(device)
+    banks = []
+    for source in sources:
+        staged = source.staged
+        bank = RowBank(source, device, budget_bytes=budget, device_rows=staged.device_copy,
+                       host_array=None if staged.spilled else staged.array)
+        if budget is not None and bank.placement == "device" and staged.device_copy is None:
+            budget -= bank.nbytes
+        banks.append(bank)
+    return banks
 
 
 # --------------------------------------------------------------------------- #

@@ -37,14 +37,17 @@ import torch
 import torch.nn as nn
 
 __all__ = [
-    "OPTIMIZERS", "Batch", "DeviceSum", "Forward", "LossFn", "NonFiniteLossError", "Step", "StepOutput",
-    "TrainResult", "Trainer", "accuracy", "logits_of", "make_optimizer",
+    "LR_SCHEDULES", "OPTIMIZERS", "Batch", "DeviceSum", "Forward", "LossFn", "NonFiniteLossError", "Step", "StepOutput",
+    "TrainResult", "Trainer", "accuracy", "logits_of", "make_lr_schedule", "make_optimizer",
 ]
 
 log = logging.getLogger("models.training")
 
 LossFn = Callable[..., torch.Tensor]  # (output of forward, *targets) -> scalar loss
 Forward = Callable[[nn.Module, torch.Tensor], object]  # (model, inputs (B, ...)) -> what the loss takes
+
+#: The learning-rate schedules :func:`make_lr_schedule` builds, per training call (a round).
+LR_SCHEDULES = ("none", "plateau")
 
 #: The optimiser names :func:`make_optimizer` builds. The torch-free configs validate
 #: against the same names in ``shared_protocol.configs.OPTIMIZERS`` (a test keeps the two equal).
@@ -91,6 +94,16 @@ def make_optimizer(name: str, params: Any, lr: float, momentum: float = 0.9, wei
             log.info("fused Adam not available (%s); using foreach", exc)
             return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=True, foreach=True)
     return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=True)
+
+
+def make_lr_schedule(name: str, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.ReduceLROnPlateau | None:
+    """``"plateau"``: halve the rate after 2 rounds without a lower training loss (step it with
+    each round's loss); ``"none"``: None."""
+    if name not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {name!r}")
+    if name == "none":
+        return None
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.5, patience=2)
 
 
 # --------------------------------------------------------------------------- #

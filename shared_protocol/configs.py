@@ -18,7 +18,8 @@ from .errors import ValueRangeError
 
 T = TypeVar("T")
 
-__all__ = ["OPTIMIZERS", "EmbeddedRoundConfig", "check_codec", "check_optimizer", "config_from_table", "round_config_from_wire"]
+__all__ = ["OPTIMIZERS", "EmbeddedRoundConfig", "check_choice", "check_codec", "check_optimizer", "config_from_table",
+           "round_config_from_wire"]
 
 #: The optimisers a config may name (``models.training.make_optimizer`` builds them, the ort
 #: backend's numpy optimisers mirror them; a test keeps the lists equal). Kept here, torch-free,
@@ -26,11 +27,16 @@ __all__ = ["OPTIMIZERS", "EmbeddedRoundConfig", "check_codec", "check_optimizer"
 OPTIMIZERS = ("sgd", "adam")
 
 
+def check_choice(value: T, allowed: tuple[T, ...], key: str) -> T:
+    """``value`` if it is one of ``allowed``, else a ValueError naming the config ``key``."""
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+    return value
+
+
 def check_optimizer(name: str, key: str = "optimizer") -> str:
     """``name`` if it is one of :data:`OPTIMIZERS`, else a ValueError naming the config ``key``."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"{key} must be one of {OPTIMIZERS}, got {name!r}")
-    return name
+    return check_choice(name, OPTIMIZERS, key)
 
 
 def check_codec(name: str, key: str = "upload_codec") -> str:

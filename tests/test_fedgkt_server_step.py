@@ -97,7 +97,7 @@ def _plain_loop(server: FedGktServer) -> tuple[dict[str, dict[int, np.ndarray]],
         for k, idx in server._batches(data, generator):
             features, edge_logits, labels, _ids = data[agents[k]]
             logits = server.model(features[idx].to(torch.float32))
-            loss = F.cross_entropy(logits, labels[idx]) + c.alpha * kd_loss(logits, edge_logits[idx], c.temperature)
+            loss = F.cross_entropy(logits, labels[idx]) + c.edge.alpha * kd_loss(logits, edge_logits[idx], c.edge.temperature)
             server.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             server.optimizer.step()

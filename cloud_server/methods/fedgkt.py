@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,16 +28,17 @@ import torch
 import torch.nn.functional as F
 
 from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.batchnorm import BnStatistics, batchnorm_layers, load_bn_statistics, measure_bn_statistics, restoring_bn_statistics
 from models.losses import kd_loss
-from models.training import Batch, Trainer, make_optimizer
-from shared_protocol.configs import EmbeddedRoundConfig, check_optimizer, config_from_table
+from models.training import LR_SCHEDULES, Batch, Trainer, make_lr_schedule, make_optimizer
+from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
 from ..feature_store import AgentRows, ArrayStaging, RowSource, StagedBatch, StagedUploads, gather_batches
-from ..server_step import DeviceSum, RowBank, TrainStep, staging_budget_bytes
+from ..server_step import DeviceSum, TrainStep, banks_for_staged_rows
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.fedgkt")
@@ -114,23 +115,16 @@ class FedGktConfig:
         if self.preset and self.preset not in PAPER_PRESETS:
             hint = " (Table 10 has two columns: say which)" if self.preset == "paper" else ""
             raise ValueError(f"fedgkt.preset must be '' or one of {sorted(PAPER_PRESETS)}, got {self.preset!r}{hint}")
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"fedgkt.mode must be 'sync' or 'async', got {self.mode!r}")
-        if self.kd not in KD_MODES:
-            raise ValueError(f"fedgkt.kd must be one of {KD_MODES}, got {self.kd!r}")
+        check_choice(self.mode, ("sync", "async"), "fedgkt.mode")
+        check_choice(self.kd, KD_MODES, "fedgkt.kd")
         check_optimizer(self.server_optimizer, "fedgkt.server_optimizer")
-        if self.server_order not in ("shuffled", "per_agent"):
-            raise ValueError(f"fedgkt.server_order must be 'shuffled' or 'per_agent', got {self.server_order!r}")
-        if self.lr_schedule not in ("plateau", "none"):
-            raise ValueError(f"fedgkt.lr_schedule must be 'plateau' or 'none', got {self.lr_schedule!r}")
-        if self.server_epochs < 1 or self.server_batch_size < 1 or self.server_lr <= 0:
-            raise ValueError("fedgkt.server_epochs, server_batch_size must be >= 1 and server_lr > 0")
-        if self.bn_stats not in ("per_agent", "global"):
-            raise ValueError(f"fedgkt.bn_stats must be 'per_agent' or 'global', got {self.bn_stats!r}")
-        if self.bn_calibration_samples < 1:
-            raise ValueError(f"fedgkt.bn_calibration_samples must be >= 1, got {self.bn_calibration_samples}")
-        if self.edge_init not in ("shared", "per_agent"):
-            raise ValueError(f"fedgkt.edge_init must be 'shared' or 'per_agent', got {self.edge_init!r}")
+        check_choice(self.server_order, ("shuffled", "per_agent"), "fedgkt.server_order")
+        check_choice(self.lr_schedule, LR_SCHEDULES, "fedgkt.lr_schedule")
+        if min(self.server_epochs, self.server_batch_size, self.bn_calibration_samples) < 1 or self.server_lr <= 0:
+            raise ValueError("fedgkt.server_epochs, server_batch_size, bn_calibration_samples must be >= 1 and server_lr > 0, "
+                             f"got {self.server_epochs}, {self.server_batch_size}, {self.bn_calibration_samples}, {self.server_lr}")
+        check_choice(self.bn_stats, ("per_agent", "global"), "fedgkt.bn_stats")
+        check_choice(self.edge_init, ("shared", "per_agent"), "fedgkt.edge_init")
         if self.staged_memory_bytes < 0:
             raise ValueError(f"fedgkt.staged_memory_bytes must be >= 0, got {self.staged_memory_bytes}")
         # The agents distil from the server's logits unless KD is off (S<->E and S->E both send them).
@@ -165,11 +159,7 @@ class FedGktServer(ServerMethod):
         self.device = torch.device(ctx.device)
         self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
         self.optimizer = self._make_optimizer()
-        self.scheduler = (
-            torch.optim.lr_scheduler.ReduceLROnPlateau(self.optimizer, mode="min", factor=0.5, patience=2)
-            if self.config.lr_schedule == "plateau"
-            else None
-        )
+        self.scheduler = make_lr_schedule(self.config.lr_schedule, self.optimizer)
         self.staged: dict[str, StagedUploads] = {}
         spill_dir = self.config.spill_dir or (str(Path(ctx.out_dir) / "staged") if ctx.out_dir else None)
         # On a GPU every upload is also copied there as it arrives, while it fits (server_step.py).
@@ -188,22 +178,20 @@ class FedGktServer(ServerMethod):
             self.edge_init_weights = state_dict_to_arrays(edge)
         self.initialised_agents: set[str] = set()  # agents that finished a round (no initial weights needed)
         self.figures: dict[int, dict[str, Any]] = {}  # round -> the round's own figures (round_report)
-        self.norms = [m for m in self.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        self.norms = batchnorm_layers(self.model)
         # bn_stats = "per_agent": agent -> its BatchNorm statistics, one (mean, var) per layer.
-        self.agent_bn: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.agent_bn: dict[str, BnStatistics] = {}
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
-        return make_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
-                                     c.server_weight_decay, self.device)
+        return make_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum, c.server_weight_decay, self.device)
 
     def _trainer(self) -> TrainStep:
         """The shared server step (cloud_server/server_step.py) for the model and the current
         optimiser, with Eq. 6's loss: CE, plus alpha * KD(z_c -> z_s) when bidirectional."""
         if self._step is None or self._step.optimizer is not self.optimizer:
-            c = self.config
-            alpha, temperature = c.edge.alpha, c.edge.temperature
-            with_kd = c.kd == "bidirectional" and alpha > 0
+            alpha, temperature = self.config.edge.alpha, self.config.edge.temperature
+            with_kd = self.config.kd == "bidirectional" and alpha > 0
 
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor, edge_logits: torch.Tensor) -> torch.Tensor:
                 loss = F.cross_entropy(logits, labels)  # (B, K) vs (B,)
@@ -423,18 +411,10 @@ class FedGktServer(ServerMethod):
         self.model.train()
         agents = list(data)
         device = self.device
-        budget = staging_budget_bytes(device)
-        banks: list[RowBank] = []
-        for a in agents:
-            features = data[a][0]  # RowSource over the agent's staged (n, 16, H, W) float16 maps
-            staged = features.staged
-            bank = RowBank(features, device, budget_bytes=budget, device_rows=staged.device_copy,
-                           host_array=None if staged.spilled else staged.array)
-            if budget is not None and bank.placement == "device" and staged.device_copy is None:
-                budget -= bank.nbytes
+        banks = banks_for_staged_rows([data[a][0] for a in agents], device)  # over each agent's (n, 16, H, W) float16 maps
+        for a, bank in zip(agents, banks):
             if bank.placement == "host":
                 log.info("round %d: %s's maps stay on the host: %s", round_, a, bank.why_host)
-            banks.append(bank)
         edge_logits = [data[a][1].to(device) for a in agents]  # (n, K) each
         labels = [data[a][2].to(device) for a in agents]  # (n,) each
         z_s = [torch.zeros((len(data[a][3]), self.ctx.num_classes), dtype=torch.float32, device=device) for a in agents]
@@ -468,30 +448,12 @@ class FedGktServer(ServerMethod):
             self.figures.setdefault(round_, {})["server_train_accuracy"] = correct / max(result.last_epoch_samples, 1)
         return logits_by_agent, result.last_epoch_loss
 
-    @torch.no_grad()
-    def _calibrate(self, features: RowSource) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _calibrate(self, features: RowSource) -> BnStatistics:
         """BatchNorm statistics of the server model on one agent's maps (at most
         ``bn_calibration_samples``, an even spread), leaving the model as it was."""
         n = len(features)
-        take = min(n, self.config.bn_calibration_samples)
-        rows = torch.linspace(0, n - 1, take).round().long().unique()
-        saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone(), m.momentum) for m in self.norms]
-        was_training = self.model.training
-        try:
-            for m in self.norms:
-                m.reset_running_stats()
-                m.momentum = None  # a cumulative average over the agent's maps
-            self.model.train()
-            for chunk in rows.split(256):
-                self.model(features[chunk].to(self.device, torch.float32))
-            return [(m.running_mean.clone(), m.running_var.clone()) for m in self.norms]
-        finally:
-            for m, (mean, var, count, momentum) in zip(self.norms, saved):
-                m.running_mean.copy_(mean)
-                m.running_var.copy_(var)
-                m.num_batches_tracked.copy_(count)
-                m.momentum = momentum
-            self.model.train(was_training)
+        rows = torch.linspace(0, n - 1, min(n, self.config.bn_calibration_samples)).round().long().unique()
+        return measure_bn_statistics(self.model, (features[chunk].to(self.device, torch.float32) for chunk in rows.split(256)))
 
     @torch.no_grad()
     def _evaluate(self, tests: dict[str, AgentRows], per_agent: bool) -> tuple[int, int]:
@@ -499,21 +461,14 @@ class FedGktServer(ServerMethod):
         ``per_agent``: each agent's maps with that agent's BatchNorm statistics (``agent_bn``)."""
         self.model.eval()
         correct = total = 0
-        saved = [(m.running_mean.clone(), m.running_var.clone()) for m in self.norms] if per_agent else []
-        try:
+        with restoring_bn_statistics(self.model) as global_bn:
             for agent, (features, _edge_logits, labels, _ids) in tests.items():
                 if per_agent:
-                    for m, (mean, var) in zip(self.norms, self.agent_bn.get(agent, saved)):
-                        m.running_mean.copy_(mean)
-                        m.running_var.copy_(var)
+                    load_bn_statistics(self.model, self.agent_bn.get(agent, global_bn))
                 for start in range(0, len(labels), 512):
-                    logits = self.model(features[start : start + 512].to(self.device, torch.float32))
+                    logits = self.model(features[start : start + 512].to(self.device, torch.float32))  # (b, K)
                     correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
                     total += int(len(labels[start : start + 512]))
-        finally:
-            for m, (mean, var) in zip(self.norms, saved):
-                m.running_mean.copy_(mean)
-                m.running_var.copy_(var)
         return correct, total
 
     # -- checkpoints ---------------------------------------------------------- #

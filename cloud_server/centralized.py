@@ -35,7 +35,7 @@ from models.training import LR_SCHEDULES, Batch, Trainer, accuracy, logits_of, m
 from . import report as run_report
 from .config import ServerConfig
 from .device_meter import DeviceMeter
-from .server_step import RowBank, TrainStep, staging_budget_bytes
+from .server_step import RowBank, TrainStep, normalised_images, staging_budget_bytes
 from shared_protocol.configs import check_choice, check_optimizer, config_from_table
 
 log = logging.getLogger("cloud_server.centralized")
@@ -142,8 +142,7 @@ class CentralizedTrainer:
                 yield Batch(images.to(self.device, non_blocking=True), (labels.to(self.device, non_blocking=True),))
             return
         if self._bank is None:
-            images = torch.cat([batch for batch, _labels, _ids in make_loader(self.train_data, 1024)])  # (N, C, H, W)
-            self._bank = RowBank(images, self.device, budget_bytes=staging_budget_bytes(self.device))
+            self._bank = RowBank(normalised_images(self.train_data), self.device, budget_bytes=staging_budget_bytes(self.device))
             if self._bank.placement == "host":
                 log.info("centralized: training images stay on the host: %s", self._bank.why_host)
             self._labels = torch.from_numpy(self.train_data.labels).long().to(self.device)

@@ -28,6 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared_protocol.errors import SizeLimitError
+from shared_protocol.messages import RoundEnd
+from shared_protocol.methods.fedgkt import GktFeatures
+
 log = logging.getLogger("cloud_server.feature_store")
 
 
@@ -242,6 +246,34 @@ class StagedUploads:
 
     def batches(self) -> list[StagedBatch]:
         return [*self.train.values(), *self.test.values()]
+
+    def add(self, msg: GktFeatures, staging: ArrayStaging, max_samples: int, agent: str) -> None:
+        """Stage one ``GktFeatures`` upload of this round (a resent batch replaces its first copy),
+        refusing more than ``max_samples`` samples in all."""
+        batches = self.train if msg.split == "train" else self.test
+        replaced = batches.get(msg.seq)
+        samples = self.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.labels)
+        if samples > max_samples:
+            raise SizeLimitError(f"agent {agent} uploaded more than {max_samples} samples this round")
+        if replaced is not None:
+            staging.release(replaced.features)
+        # float16 now, not at training time: the bound is on what is actually held.
+        batches[msg.seq] = StagedBatch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
+        self.samples = samples
+
+    def why_unusable(self, end: RoundEnd) -> str | None:
+        """Why these uploads cannot be trained on given the agent's ``RoundEnd``, or None if they can."""
+        if not self.train:
+            return "no feature uploads"
+        if self.instance != end.instance or self.round != end.round:
+            return "uploads came from another agent process or round"
+        train_info = end.uploads.get("train", {})
+        if train_info.get("batches") != len(self.train) or train_info.get("samples") != sum(len(b.labels) for b in self.train.values()):
+            return f"incomplete upload: {len(self.train)} batches staged, agent reported {train_info}"
+        test_info = end.uploads.get("test")
+        if test_info is not None and test_info.get("batches") != len(self.test):
+            return f"incomplete test upload: {len(self.test)} batches staged, agent reported {test_info}"
+        return None
 
 
 # (features, edge logits, labels, sample ids) of one agent, rows aligned.

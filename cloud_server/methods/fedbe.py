@@ -51,14 +51,13 @@ import torch
 import torch.nn as nn
 
 from fldata import ArrayDataset, load_dataset, take
-from fldata.torch_data import make_loader
 from models import build_model, count_parameters, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.losses import soft_cross_entropy
 from models.swa import SwaAverage, predict_probabilities, recompute_bn_statistics, swa_collects_after, swa_learning_rate
 from models.training import Batch, Trainer, make_optimizer
 
 from ..aggregation import build_sampled_state, fit_diagonal_gaussian, sample_dirichlet, sample_gaussian, weighted_mean
-from ..server_step import TrainStep
+from ..server_step import TrainStep, normalised_images
 from .base import ServerContext, register_server_method
 from .fedavg import FedAvgConfig, FedAvgServer
 from shared_protocol.configs import config_from_table
@@ -195,16 +194,6 @@ def load_server_data(config: FedBEConfig, seed: int) -> tuple[ArrayDataset, Arra
     return unlabeled, validation
 
 
-def _images_tensor(ds: ArrayDataset, device: torch.device) -> torch.Tensor:
-    """The whole set normalised as the agents' loaders do, as one ``(N, C, H, W)`` tensor on ``device``.
-
-    Held once instead of re-normalised every pass: the ensemble, BN statistics and
-    distillation make ~M + 10 passes per round (1000 Fashion-MNIST images: 4 MB).
-    """
-    batches = [images for images, _labels, _ids in make_loader(ds, 1024)]
-    return torch.cat(batches).to(device)
-
-
 # --------------------------------------------------------------------------- #
 # Distillation (Algorithm 1's SWA)
 # --------------------------------------------------------------------------- #
@@ -326,8 +315,9 @@ class FedBEServer(FedAvgServer):
             raise ValueError(f"fedbe: the unlabeled set ({self.config.unlabeled_dataset}) has {unlabeled.in_channels} "
                              f"channels, the federation's models take {ctx.in_channels}")
         self.unlabeled, self.validation = unlabeled, validation
-        self._images = _images_tensor(unlabeled, self.device)  # (J, C, H, W)
-        self._val_images = _images_tensor(validation, self.device) if validation is not None else None
+        # Held once on the device: the ensemble, BN statistics and distillation make ~M + 10 passes a round.
+        self._images = normalised_images(unlabeled).to(self.device)  # (J, C, H, W)
+        self._val_images = normalised_images(validation).to(self.device) if validation is not None else None
         # Labels only measure the round (never train): meaningful when the set has the federation's classes.
         same_task = unlabeled.num_classes == ctx.num_classes
         self._labels = torch.from_numpy(unlabeled.labels) if same_task else None

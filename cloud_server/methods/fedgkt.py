@@ -32,12 +32,12 @@ from models.batchnorm import BnStatistics, batchnorm_layers, load_bn_statistics,
 from models.losses import kd_loss
 from models.training import LR_SCHEDULES, Batch, Trainer, make_lr_schedule, make_optimizer
 from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
-from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
+from shared_protocol.errors import ShapeMismatchError, ValueRangeError
 from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
-from ..feature_store import AgentRows, ArrayStaging, RowSource, StagedBatch, StagedUploads, gather_batches
+from ..feature_store import AgentRows, ArrayStaging, RowSource, StagedUploads, gather_batches
 from ..server_step import DeviceSum, TrainStep, banks_for_staged_rows
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -272,16 +272,7 @@ class FedGktServer(ServerMethod):
             # A new process (restart) or a new round: what the old one staged is void.
             self.discard(agent)
             staged = self.staged[agent] = StagedUploads(msg.instance, msg.round)
-        batches = staged.train if msg.split == "train" else staged.test
-        replaced = batches.get(msg.seq)
-        samples = staged.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.labels)
-        if samples > self.config.max_staged_samples_per_agent:
-            raise SizeLimitError(f"agent {agent} uploaded more than {self.config.max_staged_samples_per_agent} samples this round")
-        if replaced is not None:
-            self.staging.release(replaced.features)
-        # float16 now, not at training time: the bound is on what is actually held.
-        batches[msg.seq] = StagedBatch(self.staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
-        staged.samples = samples
+        staged.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
         return None
 
     def discard(self, agent: str) -> None:
@@ -306,21 +297,6 @@ class FedGktServer(ServerMethod):
                 requests.append((agent, GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=missing)))
         return requests
 
-    def _usable(self, agent: str, end: RoundEnd) -> str | None:
-        """Why ``agent``'s staged upload cannot be used, or None if it can."""
-        staged = self.staged.get(agent)
-        if staged is None or not staged.train:
-            return "no feature uploads"
-        if staged.instance != end.instance or staged.round != end.round:
-            return "uploads came from another agent process or round"
-        train_info = end.uploads.get("train", {})
-        if train_info.get("batches") != len(staged.train) or train_info.get("samples") != sum(len(b.labels) for b in staged.train.values()):
-            return f"incomplete upload: {len(staged.train)} batches staged, agent reported {train_info}"
-        test_info = end.uploads.get("test")
-        if test_info is not None and test_info.get("batches") != len(staged.test):
-            return f"incomplete test upload: {len(staged.test)} batches staged, agent reported {test_info}"
-        return None
-
     # -- the server step ----------------------------------------------------- #
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
@@ -329,7 +305,8 @@ class FedGktServer(ServerMethod):
         tests: dict[str, AgentRows] = {}
         try:
             for agent in sorted(ends):
-                why = self._usable(agent, ends[agent])
+                staged = self.staged.get(agent)
+                why = "no feature uploads" if staged is None else staged.why_unusable(ends[agent])
                 if why is not None:
                     outcome.excluded[agent] = why
                     log.warning("round %d: not using %s's upload: %s", round_, agent, why)

@@ -114,7 +114,7 @@ def make_lr_schedule(name: str, optimizer: torch.optim.Optimizer) -> torch.optim
 @dataclass
 class StepOutput:
     loss: torch.Tensor  # () on the device, detached
-    logits: torch.Tensor  # (B, K) on the device, detached: logits_of(what the forward returned)
+    logits: torch.Tensor | None  # (B, K) on the device, detached; None with a step's own ``forward`` (its output is the method's)
 
 
 class DeviceSum:
@@ -135,8 +135,10 @@ class Step:
 
     ``forward`` (default: the logits of ``model(inputs)``) is the hook for a method
     whose loss needs more than the logits (the features too, a teacher's logits on
-    the same batch). ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs forward and
-    loss under autocast. Subclasses run the same step faster (see the module doc).
+    the same batch); the step's output then carries no logits, as what the forward
+    returns is the method's own. ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs
+    forward and loss under autocast. Subclasses run the same step faster (see the
+    module doc).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
@@ -145,6 +147,7 @@ class Step:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.forward = forward or _logits_forward
+        self._output_is_logits = forward is None
         self.autocast_dtype = autocast_dtype
         self.name = name
         self.device = next(model.parameters()).device
@@ -168,7 +171,7 @@ class Step:
             return self.loss_fn(output, *targets), output
         with torch.autocast(self.device.type, dtype=self.autocast_dtype):
             output = self.forward(self.model, inputs)
-            return self.loss_fn(logits_of(output).float(), *targets), output
+            return self.loss_fn(output.float() if self._output_is_logits else output, *targets), output
 
     def _eager_step(self, inputs: torch.Tensor, targets: tuple[Any, ...],
                     check: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
@@ -179,7 +182,7 @@ class Step:
         loss.backward()
         self.optimizer.step()
         self.steps["eager"] += 1
-        return StepOutput(loss.detach(), logits_of(output).detach())
+        return StepOutput(loss.detach(), output.detach() if self._output_is_logits else None)
 
 
 # --------------------------------------------------------------------------- #

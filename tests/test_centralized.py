@@ -105,7 +105,8 @@ def test_paper_configs_are_valid(path: Path) -> None:
     method = parse(server.method_config)
     assert server.dataset in ("cifar10", "cifar100", "cinic10") and server.num_classes == (100 if server.dataset == "cifar100" else 10)
     if server.method == "fedavg":  # Tables 10-12
-        assert (method.optimizer, method.lr, method.weight_decay, method.batch_size, method.local_epochs) == ("adam", 0.001, 1e-4, 64, 20)
+        local = method.edge  # the agents' local training, sent with every round
+        assert (local.optimizer, local.lr, local.weight_decay, local.batch_size, local.local_epochs) == ("adam", 0.001, 1e-4, 64, 20)
     if server.method == "fedgkt":
         assert method.server_epochs == (20 if path.stem.endswith("-iid") else 40)
 

@@ -7,17 +7,22 @@ import dataclasses
 
 import pytest
 
+from cloud_server.methods.fedavg import FedAvgConfig
+from cloud_server.methods.fedbe import FedBEConfig
 from cloud_server.methods.fedgkt import FedGktConfig
 from cloud_server.methods.splitnn import SplitNNConfig
 from shared_protocol.codecs import list_codecs
 from shared_protocol.configs import OPTIMIZERS, check_codec, check_optimizer
 from shared_protocol.errors import ValueRangeError
+from shared_protocol.methods.fedavg import FedAvgRoundConfig
 from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig
 from shared_protocol.methods.splitnn import SplitRoundConfig
 
 
 def test_the_server_configs_hold_the_round_config_instead_of_copying_its_fields() -> None:
-    for server_config, round_config in ((FedGktConfig, GktRoundConfig), (SplitNNConfig, SplitRoundConfig)):
+    pairs = ((FedGktConfig, GktRoundConfig), (SplitNNConfig, SplitRoundConfig), (FedAvgConfig, FedAvgRoundConfig),
+             (FedBEConfig, FedAvgRoundConfig))  # FedBE stands for the FedAvg family, whose configs extend FedAvg's
+    for server_config, round_config in pairs:
         fields = {f.name: f for f in dataclasses.fields(server_config)}
         assert fields["edge"].type in (round_config, round_config.__name__)
         copied = {f.name for f in dataclasses.fields(round_config)} & set(fields)
@@ -44,6 +49,12 @@ def test_the_flat_tables_keep_their_keys_and_read_back() -> None:
         FedGktConfig.from_dict({"edge_kd": False})
     with pytest.raises(ValueError, match=r"unknown \[splitnn\] keys: \['lr'\]"):
         SplitNNConfig.from_dict({"lr": 0.1})
+    fedavg = FedAvgConfig.from_dict({"lr": 0.01, "local_epochs": 3, "upload_codec": "raw", "download_codec": "fp16-zstd"})
+    sent = fedavg.round_config(4, {"bn.num_batches_tracked": 7})
+    assert (sent.lr, sent.local_epochs, sent.upload_codec, sent.model_version, sent.int_buffers) == (0.01, 3, "raw", 4, {"bn.num_batches_tracked": 7})
+    assert FedAvgConfig.from_dict(fedavg.to_table()) == fedavg and "model_version" not in fedavg.to_table()
+    with pytest.raises(ValueError, match=r"unknown \[fedavg\] keys: \['model_version'\]"):
+        FedAvgConfig.from_dict({"model_version": 2})  # the server's, per round
 
 
 def test_optimiser_names_are_checked_in_one_place() -> None:

@@ -43,8 +43,8 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -60,7 +60,6 @@ from ..aggregation import build_sampled_state, fit_diagonal_gaussian, sample_dir
 from ..server_step import TrainStep, normalised_images
 from .base import ServerContext, register_server_method
 from .fedavg import FedAvgConfig, FedAvgServer
-from shared_protocol.configs import config_from_table
 
 log = logging.getLogger("cloud_server.fedbe")
 
@@ -79,6 +78,8 @@ class FedBEConfig(FedAvgConfig):
     and distillation. Defaults are the paper's method (Gaussian, M = 10, SWA
     1e-3 -> 4e-4 in cycles of 25 steps) at a CPU-friendly length; the paper
     distils 20 epochs of 10K images at batch 128 and starts SWA at step 250."""
+
+    TABLE: ClassVar[str] = "fedbe"
 
     # The server's unlabeled data (see load_server_data).
     unlabeled_dataset: str = ""  # required: a fldata dataset name (usually the federation's)
@@ -146,10 +147,6 @@ class FedBEConfig(FedAvgConfig):
     @property
     def swa_models_per_round(self) -> int:
         return (self.distill_steps - self.swa_warmup_steps) // self.swa_cycle_steps
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "FedBEConfig":
-        return config_from_table(cls, raw, "fedbe")
 
 
 # --------------------------------------------------------------------------- #
@@ -331,7 +328,7 @@ class FedBEServer(FedAvgServer):
                  self.config.unlabeled_split, f", {len(validation)} for validation" if validation is not None else "", self.device)
 
     def resolved_config(self) -> dict[str, Any]:
-        return asdict(self.config)
+        return self.config.to_table()
 
     def _flops_per_sample(self) -> tuple[int, int]:
         """(training, forward) FLOPs per server-set sample, counted once."""

@@ -43,7 +43,8 @@ from _common import RESULTS, machine, write_json
 import torch
 import torch.nn.functional as F
 
-from cloud_server.server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer
+from cloud_server.server_step import DeviceSum, RowBank, TrainStep
+from models.training import make_optimizer
 from models import build_model
 from models.losses import kd_loss
 
@@ -77,7 +78,7 @@ def measure(model_name: str, batch: int, precision: str, mode: str, device: torc
         return {"measured": False, "why": "CUDA graphs need a CUDA device"}
     torch.manual_seed(0)
     model = build_model(model_name, 10).to(device).train()
-    optimizer = make_server_optimizer("adam", model.parameters(), lr=1e-3, weight_decay=5e-4, device=device)
+    optimizer = make_optimizer("adam", model.parameters(), lr=1e-3, weight_decay=5e-4, device=device)
     n = batch * 8
     bank, labels, edge_logits = _data(n, device)
     g = torch.Generator().manual_seed(1)

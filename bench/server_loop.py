@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from cloud_server.methods import ServerContext
 from cloud_server.feature_store import ArrayStaging
-from cloud_server.methods.fedgkt import FedGktServer, _Batch, _concat
+from cloud_server.feature_store import StagedBatch, gather_batches
+from cloud_server.methods.fedgkt import FedGktServer
 from models.losses import kd_loss
 from shared_protocol.methods.fedgkt import GktFeatures
 
@@ -52,7 +53,7 @@ def staged_data(samples: int, agents: int, seed: int = 0) -> dict[str, tuple]:
             labels=rng.integers(0, 10, per).astype(np.int64),
             sample_ids=np.arange(a * per, (a + 1) * per, dtype=np.int64),
         )
-        data[f"a{a}"] = _concat([_Batch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)], staging)
+        data[f"a{a}"] = gather_batches([StagedBatch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)], staging)
     return data
 
 
@@ -127,7 +128,8 @@ def compile_check(model_name: str, steps: int, warmup: int, repeats: int) -> dic
 
     from server_gpu import _data, _gkt_loss
 
-    from cloud_server.server_step import AUTO_CPU_COMPILE_MIN_STEPS, AUTO_STEP, DeviceSum, TrainStep, make_server_optimizer
+    from cloud_server.server_step import AUTO_CPU_COMPILE_MIN_STEPS, AUTO_STEP, DeviceSum, TrainStep
+    from models.training import make_optimizer
     from models import build_model
 
     # A cold compilation, as the first run on a machine pays it: an empty inductor cache.
@@ -144,7 +146,7 @@ def compile_check(model_name: str, steps: int, warmup: int, repeats: int) -> dic
     runs: dict[str, dict] = {}
     for mode in ("eager", "compiled"):
         model = copy.deepcopy(initial).train()
-        optimizer = make_server_optimizer("adam", model.parameters(), lr=1e-3, weight_decay=5e-4)
+        optimizer = make_optimizer("adam", model.parameters(), lr=1e-3, weight_decay=5e-4)
         runs[mode] = {"step": TrainStep(model, optimizer, _gkt_loss, mode, name=f"bench {mode}"), "position": 0,
                       "total": DeviceSum(cpu), "times": [], "losses": []}
 

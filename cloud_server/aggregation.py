@@ -22,11 +22,11 @@ depend on the order of the agents beyond float64 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["AggregationError", "weighted_mean"]
+__all__ = ["AggregationError", "build_sampled_state", "fit_diagonal_gaussian", "sample_dirichlet", "sample_gaussian", "weighted_mean"]
 
 
 class AggregationError(ValueError):
@@ -68,3 +68,45 @@ def weighted_mean(states: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
             total += w[k] * array.astype(np.float64)
         out[name] = (np.rint(total) if kind == "i" else total).astype(first.dtype)
     return out
+
+
+# --------------------------------------------------------------------------- #
+# Distributions over client states (FedBE's global model distribution, Eq. 5 and Eq. 7)
+# --------------------------------------------------------------------------- #
+
+
+def fit_diagonal_gaussian(
+    states: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], names: Iterable[str]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Eq. 5: ``mu = sum_i (|D_i|/|D|) w_i`` and ``Sigma_diag = sum_i (|D_i|/|D|) (w_i - mu)^2``
+    (element-wise), for the float entries ``names``. Returned as float64 (mean, variance).
+    """
+    selected = [{n: np.asarray(s[n], dtype=np.float64) for n in names} for s in states]
+    mean = weighted_mean(selected, weights)  # validates names, shapes and weights
+    squared = [{n: (s[n] - mean[n]) ** 2 for n in mean} for s in selected]
+    return mean, weighted_mean(squared, weights)
+
+
+def sample_gaussian(
+    mean: Mapping[str, np.ndarray], variance: Mapping[str, np.ndarray], rng: np.random.Generator, scale: float = 1.0
+) -> dict[str, np.ndarray]:
+    """One draw ``w ~ N(mean, scale * diag(variance))``, float64 per entry."""
+    return {n: m + np.sqrt(scale * variance[n]) * rng.standard_normal(m.shape) for n, m in mean.items()}
+
+
+def sample_dirichlet(
+    states: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], alpha: float, rng: np.random.Generator
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Eq. 7: ``gamma ~ Dir(alpha * 1)`` and ``w = sum_i gamma_i |D_i| w_i / sum_i' gamma_i' |D_i'|``.
+
+    Returns (w, gamma). Every entry (BN buffers included) is the same convex combination.
+    """
+    gamma = rng.dirichlet(np.full(len(states), alpha))  # (K,) on the simplex
+    return weighted_mean(states, gamma * np.asarray(weights, dtype=np.float64)), gamma
+
+
+def build_sampled_state(
+    template: Mapping[str, np.ndarray], sampled: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """A full state: ``sampled`` entries cast to the template's dtypes, the rest from ``template``."""
+    return {n: (np.asarray(sampled[n]).astype(a.dtype) if n in sampled else a) for n, a in template.items()}

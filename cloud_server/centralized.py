@@ -28,14 +28,15 @@ import torch.nn.functional as F
 from fldata import ArrayDataset, load_dataset, take
 from fldata.torch_data import make_loader
 from models import build_model, count_parameters, get_model_spec, training_flops_per_sample
+from models.training import LR_SCHEDULES, Batch, Trainer, accuracy, logits_of, make_lr_schedule, make_optimizer
 
 from .config import ServerConfig
 from .device_meter import DeviceMeter
 from .methods.base import RoundOutcome
 from .recorder import RunRecorder, server_info
 from .records import RunReport
-from .server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, staging_budget_bytes
-from shared_protocol.configs import config_from_table
+from .server_step import RowBank, TrainStep, normalised_images, staging_budget_bytes
+from shared_protocol.configs import check_choice, check_optimizer, config_from_table
 
 log = logging.getLogger("cloud_server.centralized")
 
@@ -66,12 +67,10 @@ class CentralizedConfig:
             raise ValueError(f"centralized.model must take images, {self.model!r} takes feature maps")
         if self.epochs_per_round < 1 or self.batch_size < 1:
             raise ValueError("centralized.epochs_per_round and batch_size must be >= 1")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"centralized.optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        check_optimizer(self.optimizer, "centralized.optimizer")
         if self.lr <= 0 or self.weight_decay < 0:
             raise ValueError("centralized.lr must be > 0 and weight_decay >= 0")
-        if self.lr_schedule not in ("none", "plateau"):
-            raise ValueError(f"centralized.lr_schedule must be 'none' or 'plateau', got {self.lr_schedule!r}")
+        check_choice(self.lr_schedule, LR_SCHEDULES, "centralized.lr_schedule")
         if self.train_samples < 0 or self.test_samples < 0:
             raise ValueError("centralized.train_samples and test_samples must be >= 0")
 
@@ -80,10 +79,6 @@ class CentralizedConfig:
         return config_from_table(cls, raw, "centralized")
 
 
-
-
-def _logits(output: object) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]  # ResNet-8: (logits, features)
 
 
 def load_union(server: ServerConfig, config: CentralizedConfig) -> tuple[ArrayDataset, ArrayDataset]:
@@ -110,13 +105,10 @@ class CentralizedTrainer:
         torch.manual_seed(server.seed)
         c = self.config
         self.model = build_model(c.model, server.num_classes, self.train_data.in_channels).to(self.device)
-        self.optimizer = make_server_optimizer(c.optimizer, self.model.parameters(), c.lr, c.momentum, c.weight_decay, self.device)
+        self.optimizer = make_optimizer(c.optimizer, self.model.parameters(), c.lr, c.momentum, c.weight_decay, self.device)
         self.step = TrainStep(self.model, self.optimizer, lambda logits, labels: F.cross_entropy(logits, labels),
                               server.server_step, name="centralized")
-        self.scheduler = (
-            torch.optim.lr_scheduler.ReduceLROnPlateau(self.optimizer, mode="min", factor=0.5, patience=2)
-            if c.lr_schedule == "plateau" else None
-        )
+        self.scheduler = make_lr_schedule(c.lr_schedule, self.optimizer)
         shape = tuple(self.train_data.images.shape[1:])  # (C, H, W)
         self.train_flops_per_sample = training_flops_per_sample(self.model, shape)
         self.augment = c.augment if c.augment is not None else server.dataset in ("cifar10", "cifar100", "cinic10")
@@ -127,7 +119,7 @@ class CentralizedTrainer:
 
     # -- training ------------------------------------------------------------------ #
 
-    def _batches(self, round_: int, epoch: int):  # -> Iterator[(images (B, C, H, W), labels (B,)) on the device]
+    def _batches(self, round_: int, epoch: int):  # -> Iterator[Batch of images (B, C, H, W), labels (B,) on the device]
         """One epoch's shuffled batches. Without augmentation the normalised images are staged
         once (on the device when they fit) and batches are gathered there by index; with it,
         the loader crops and flips on the host and each batch is copied."""
@@ -135,45 +127,34 @@ class CentralizedTrainer:
         seed = self.server.seed * 100_003 + round_ * 1000 + epoch
         if self.augment:
             for images, labels, _ids in make_loader(self.train_data, c.batch_size, shuffle=True, augment=True, seed=seed):
-                yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+                yield Batch(images.to(self.device, non_blocking=True), (labels.to(self.device, non_blocking=True),))
             return
         if self._bank is None:
-            images = torch.cat([batch for batch, _labels, _ids in make_loader(self.train_data, 1024)])  # (N, C, H, W)
-            self._bank = RowBank(images, self.device, budget_bytes=staging_budget_bytes(self.device))
+            self._bank = RowBank(normalised_images(self.train_data), self.device, budget_bytes=staging_budget_bytes(self.device))
             if self._bank.placement == "host":
                 log.info("centralized: training images stay on the host: %s", self._bank.why_host)
             self._labels = torch.from_numpy(self.train_data.labels).long().to(self.device)
         order = torch.randperm(len(self._bank), generator=torch.Generator().manual_seed(seed))
         for index in order.split(c.batch_size):  # the bank moves the index where its rows are
-            yield self._bank.gather(index), self._labels[index.to(self.device, non_blocking=True)]  # type: ignore[index]
+            yield Batch(self._bank.gather(index), (self._labels[index.to(self.device, non_blocking=True)],))  # type: ignore[index]
 
     def _train_round(self, round_: int) -> tuple[float, int]:
-        """``epochs_per_round`` epochs; (mean loss, samples). Losses are summed on the device
-        and read once, at the end of the round."""
+        """``epochs_per_round`` epochs through the shared loop; (mean loss, samples). Losses
+        are summed on the device and read once, at the end of the round."""
         c = self.config
         self.model.train()
-        total_loss, samples = DeviceSum(self.device), 0
         planned = math.ceil(len(self.train_data) / c.batch_size) * c.epochs_per_round
-        with self.device_meter.training(), self.step.session(planned_steps=planned):
-            for epoch in range(c.epochs_per_round):
-                for images, labels in self._batches(round_, epoch):
-                    n = int(labels.shape[0])
-                    total_loss.add(self.step(images, labels).loss, n)  # (B, K) logits inside
-                    samples += n
-            loss = total_loss.item() / samples  # the round's one wait for the device
-        if not math.isfinite(loss):
-            raise RuntimeError(f"centralized training diverged in round {round_}: loss {loss}")
-        return loss, samples
+        trainer = Trainer(self.step, desc=f"centralized round {round_}", progress=self.server.progress)
+        with self.device_meter.training():
+            result = trainer.run(c.epochs_per_round, lambda epoch: self._batches(round_, epoch), planned_steps=planned)
+        if not math.isfinite(result.mean_loss):
+            raise RuntimeError(f"centralized training diverged in round {round_}: loss {result.mean_loss}")
+        return result.mean_loss, result.samples
 
     @torch.no_grad()
     def _test(self) -> tuple[int, int]:
         self.model.eval()
-        correct = total = 0
-        for images, labels, _ids in make_loader(self.test_data, 512):
-            predictions = _logits(self.model(images.to(self.device))).argmax(1).cpu()  # (B,)
-            correct += int((predictions == labels).sum())
-            total += int(labels.shape[0])
-        return correct, total
+        return accuracy(lambda images: logits_of(self.model(images)), make_loader(self.test_data, 512), self.device)
 
     # -- report ---------------------------------------------------------------------- #
 

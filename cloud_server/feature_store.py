@@ -21,12 +21,16 @@ import itertools
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from shared_protocol.errors import SizeLimitError
+from shared_protocol.messages import RoundEnd
+from shared_protocol.methods.fedgkt import GktFeatures
 
 log = logging.getLogger("cloud_server.feature_store")
 
@@ -213,3 +217,104 @@ class RowSource:
         rows = index.numpy() if isinstance(index, torch.Tensor) else index
         out = self.staged.array[rows]  # a gather copies; a slice is a view of the read-only map
         return torch.from_numpy(out if out.flags.writeable else np.array(out))
+
+
+# --------------------------------------------------------------------------- #
+# one agent's uploads of a round (FedGKT's feature batches)
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class StagedBatch:
+    """One staged upload batch: its feature maps float16 in memory or in a mapped file."""
+
+    features: StagedArray  # (n, 16, H, W) float16
+    logits: np.ndarray  # (n, K)
+    labels: np.ndarray  # (n,)
+    sample_ids: np.ndarray  # (n,)
+
+
+@dataclass
+class StagedUploads:
+    """One agent's uploads of its current round."""
+
+    instance: str
+    round: int
+    train: dict[int, StagedBatch] = field(default_factory=dict)  # by seq: a resent batch replaces, never duplicates
+    test: dict[int, StagedBatch] = field(default_factory=dict)
+    samples: int = 0
+
+    def batches(self) -> list[StagedBatch]:
+        return [*self.train.values(), *self.test.values()]
+
+    def add(self, msg: GktFeatures, staging: ArrayStaging, max_samples: int, agent: str) -> None:
+        """Stage one ``GktFeatures`` upload of this round (a resent batch replaces its first copy),
+        refusing more than ``max_samples`` samples in all."""
+        batches = self.train if msg.split == "train" else self.test
+        replaced = batches.get(msg.seq)
+        samples = self.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.labels)
+        if samples > max_samples:
+            raise SizeLimitError(f"agent {agent} uploaded more than {max_samples} samples this round")
+        if replaced is not None:
+            staging.release(replaced.features)
+        # float16 now, not at training time: the bound is on what is actually held.
+        batches[msg.seq] = StagedBatch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
+        self.samples = samples
+
+    def why_unusable(self, end: RoundEnd) -> str | None:
+        """Why these uploads cannot be trained on given the agent's ``RoundEnd``, or None if they can."""
+        if not self.train:
+            return "no feature uploads"
+        if self.instance != end.instance or self.round != end.round:
+            return "uploads came from another agent process or round"
+        train_info = end.uploads.get("train", {})
+        if train_info.get("batches") != len(self.train) or train_info.get("samples") != sum(len(b.labels) for b in self.train.values()):
+            return f"incomplete upload: {len(self.train)} batches staged, agent reported {train_info}"
+        test_info = end.uploads.get("test")
+        if test_info is not None and test_info.get("batches") != len(self.test):
+            return f"incomplete test upload: {len(self.test)} batches staged, agent reported {test_info}"
+        return None
+
+
+# (features, edge logits, labels, sample ids) of one agent, rows aligned.
+AgentRows = tuple[RowSource, torch.Tensor, torch.Tensor, np.ndarray]
+
+
+def gather_batches(batches: list[StagedBatch], staging: ArrayStaging) -> AgentRows:
+    """One agent's batches as aligned rows, de-duplicated by sample id (last wins).
+
+    The features are gathered into one staged array, in memory if every batch was
+    and the bound allows, else in one mapped file; the batches' own staging is released.
+    When every batch was also staged on the training device, the gathered rows are too.
+    """
+    ids = np.concatenate([b.sample_ids for b in batches])
+    _, last = np.unique(ids[::-1], return_index=True)
+    keep = np.sort(len(ids) - 1 - last)
+    shape = (len(keep), *batches[0].features.array.shape[1:])
+    any_spilled = any(b.features.spilled for b in batches)
+    device_rows = None  # the same gather on the device, when every batch was staged there as it arrived
+    if all(b.features.device_copy is not None for b in batches):
+        copies = torch.cat([b.features.device_copy for b in batches])  # (n, 16, H, W)
+        device_rows = copies if len(keep) == len(ids) else copies[torch.from_numpy(keep).to(copies.device)]
+    for b in batches:
+        if not b.features.spilled:
+            staging.release(b.features)  # their bytes move into the gathered array below
+    gathered = staging.empty(shape, force_disk=any_spilled)
+    start = row = 0
+    for b in batches:
+        n = len(b.sample_ids)
+        rows = keep[(keep >= start) & (keep < start + n)] - start  # this batch's surviving rows
+        target = gathered.array[row : row + len(rows)]
+        if len(rows) == n:  # no duplicates (the usual case): one straight copy
+            target[...] = b.features.array
+        else:
+            np.take(b.features.array, rows, axis=0, out=target)
+        row += len(rows)
+        start += n
+        staging.release(b.features)
+    logits = torch.from_numpy(np.concatenate([b.logits for b in batches])[keep])
+    labels = torch.from_numpy(np.concatenate([b.labels for b in batches])[keep])
+    sealed = staging.seal(gathered)
+    if device_rows is not None:
+        staging.attach_device_copy(sealed, device_rows)  # the batches' device bytes were released above
+    return RowSource(sealed), logits, labels, ids[keep]

@@ -1,7 +1,8 @@
-"""The server's training step: one place for every loop that trains or distils on the server.
+"""The server's training step: the shared loop's step (:mod:`models.training`), made fast.
 
 FedGKT's server model, split learning's server half, FedBE's SWA distillation and
-centralized training all run the same inner step: forward a batch, a loss, backward,
+centralized training all run the one training loop of :mod:`models.training` with
+this module's :class:`TrainStep` as its step: forward a batch, a loss, backward,
 one optimiser step. On a GPU that step is launch-bound at the batch sizes these
 methods use (a ResNet-55 step at batch 64 is ~20 ms on an H100 although its
 arithmetic takes well under 1 ms): the card waits on Python, on kernel launches and
@@ -11,8 +12,8 @@ on every host synchronisation. This module keeps it busy:
   on the training device when they fit in a byte budget (by default a fraction of
   ``torch.cuda.mem_get_info``'s free memory), else left on the host and moved per
   batch; batches are gathered by index on the device.
-* :class:`TrainStep` -- forward + loss + backward + optimiser step in one of four
-  modes (``server_step`` in ``[server]``):
+* :class:`TrainStep` -- a :class:`models.training.Step`: forward + loss + backward +
+  optimiser step in one of four modes (``server_step`` in ``[server]``):
 
   - ``"eager"``: plain PyTorch, as every loop ran before;
   - ``"compiled"``: forward and loss through ``torch.compile`` (``mode="reduce-overhead"``,
@@ -27,10 +28,10 @@ on every host synchronisation. This module keeps it busy:
   in :attr:`TrainStep.fallback_reason`: a CPU device for ``"graph"``, a torch without
   a working ``torch.compile``, a capture or compilation error, and every batch of
   another shape than the first full one (the last partial batch of an epoch).
-* :class:`DeviceSum` -- losses (and anything else) summed on the device and read once,
-  so no step waits for the host.
-* :func:`make_server_optimizer` -- Adam (AMSGrad) or SGD as the methods configured them,
-  fused on a CUDA device where this torch has it.
+
+Losses are summed on the device (``models.training.DeviceSum``, re-exported here) by the
+loop, and the optimisers come from ``models.training.make_optimizer``, fused on a CUDA
+device where this torch has it.
 
 A step returns the loss and the logits as device tensors, detached. In ``"graph"`` and
 ``"compiled"`` modes they live in the captured graph's static memory and are
@@ -50,10 +51,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from fldata.torch_data import make_loader
+from models.training import DeviceSum, LossFn, Step, StepOutput
+
 from .config import SERVER_STEPS  # ("auto", "eager", "compiled", "graph"); re-exported
 
-__all__ = ["SERVER_STEPS", "AUTO_STEP", "AUTO_CPU_COMPILE_MIN_STEPS", "TrainStep", "StepOutput", "RowBank", "DeviceSum", "make_server_optimizer",
-           "resolve_server_step", "staging_budget_bytes", "device_free_bytes", "logits_of"]
+__all__ = ["SERVER_STEPS", "AUTO_STEP", "AUTO_CPU_COMPILE_MIN_STEPS", "TrainStep", "StepOutput", "RowBank", "DeviceSum", "banks_for_staged_rows", "normalised_images",
+           "resolve_server_step", "staging_budget_bytes", "device_free_bytes"]
 
 log = logging.getLogger("cloud_server.server_step")
 
@@ -78,47 +82,11 @@ AUTO_CPU_COMPILE_MIN_STEPS = 500
 #: when no explicit budget is given; the rest is left to activations, gradients and the graph pools.
 DEVICE_STAGING_FRACTION = 0.5
 
-LossFn = Callable[..., torch.Tensor]  # (logits (B, K), *targets) -> scalar loss
-
 
 def check_server_step(mode: str) -> str:
     if mode not in SERVER_STEPS:
         raise ValueError(f"server_step must be one of {SERVER_STEPS}, got {mode!r}")
     return mode
-
-
-def logits_of(output: object) -> torch.Tensor:
-    """The logits of a model's output (ResNet-8 returns (logits, features))."""
-    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]
-
-
-# --------------------------------------------------------------------------- #
-# optimiser
-# --------------------------------------------------------------------------- #
-
-
-def make_server_optimizer(name: str, params: Any, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                          device: torch.device | str = "cpu") -> torch.optim.Optimizer:
-    """Adam with AMSGrad or SGD with momentum, as the server's methods use them.
-
-    On a CUDA device Adam is built ``fused=True`` (one kernel for the whole update) and SGD
-    ``foreach=True``; on a CPU both are the same optimisers as before (PyTorch's defaults),
-    so CPU runs keep their numbers.
-    """
-    params = list(params)
-    cuda = torch.device(device).type == "cuda"
-    if name == "sgd":
-        extra: dict[str, Any] = {"foreach": True} if cuda else {}
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra)
-    if name == "adam":
-        if cuda:
-            try:
-                return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=True, fused=True)
-            except (RuntimeError, TypeError, ValueError) as exc:  # an older torch without fused AMSGrad
-                log.info("fused Adam not available (%s); using foreach", exc)
-                return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=True, foreach=True)
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, amsgrad=True)
-    raise ValueError(f"optimizer must be 'sgd' or 'adam', got {name!r}")
 
 
 # --------------------------------------------------------------------------- #
@@ -217,22 +185,27 @@ class RowBank:
         self._rows = None
 
 
-# --------------------------------------------------------------------------- #
-# sums on the device
-# --------------------------------------------------------------------------- #
+def normalised_images(ds: Any) -> torch.Tensor:
+    """A whole ``fldata`` dataset normalised as the agents' loaders do, as one ``(N, C, H, W)``
+    tensor on the host: held once instead of re-normalised every pass (a server set is read
+    many times a round; 1000 Fashion-MNIST images take 4 MB)."""
+    return torch.cat([images for images, _labels, _ids in make_loader(ds, 1024)])
 
 
-class DeviceSum:
-    """A running sum kept on the device; :meth:`item` reads it once (one host synchronisation)."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.total = torch.zeros((), dtype=torch.float64, device=device)
-
-    def add(self, value: torch.Tensor, weight: float = 1.0) -> None:
-        self.total += value.detach().to(torch.float64) * weight
-
-    def item(self) -> float:
-        return float(self.total)
+def banks_for_staged_rows(sources: list[Any], device: torch.device | str) -> list[RowBank]:
+    """A :class:`RowBank` per staged row source (``cloud_server.feature_store.RowSource``), in
+    order: rows staged on the device as they arrived are used there; the others are copied to
+    the device while :func:`staging_budget_bytes` lasts, else gathered on the host per batch."""
+    budget = staging_budget_bytes(device)
+    banks = []
+    for source in sources:
+        staged = source.staged
+        bank = RowBank(source, device, budget_bytes=budget, device_rows=staged.device_copy,
+                       host_array=None if staged.spilled else staged.array)
+        if budget is not None and bank.placement == "device" and staged.device_copy is None:
+            budget -= bank.nbytes
+        banks.append(bank)
+    return banks
 
 
 # --------------------------------------------------------------------------- #
@@ -256,12 +229,6 @@ def resolve_server_step(mode: str, device: torch.device | str, planned_steps: in
 
 
 @dataclass
-class StepOutput:
-    loss: torch.Tensor  # () on the device, detached
-    logits: torch.Tensor  # (B, K) on the device, detached
-
-
-@dataclass
 class _Captured:
     graph: Any  # torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]  # static input buffers: (inputs, *targets)
@@ -270,15 +237,17 @@ class _Captured:
     lrs: list[float]  # SGD bakes its (float) learning rates into the graph
 
 
-class TrainStep:
-    """One optimiser step of ``model`` on ``loss_fn(logits, *targets)``; see the module doc.
+class TrainStep(Step):
+    """:class:`models.training.Step` on ``loss_fn(logits, *targets)``, in one of the modes of
+    the module doc.
 
     ``mode``: one of :data:`SERVER_STEPS`. :meth:`step_with_input_grad` also returns
-    dLoss/dInputs (split learning's reply); such steps run eagerly. ``autocast_dtype``
-    (e.g. ``torch.bfloat16``) runs forward and loss under autocast (measured by
+    dLoss/dInputs (split learning's reply); such steps run eagerly, as does a step with a
+    ``check`` (it reads the loss before backward). ``autocast_dtype`` (e.g.
+    ``torch.bfloat16``) runs forward and loss under autocast (measured by
     bench/server_gpu.py; the methods train in float32). Use :meth:`session` around a
-    training call so the learning rates in the optimiser are plain floats again after it
-    (checkpoints, schedulers).
+    training call (the shared loop does) so the learning rates in the optimiser are plain
+    floats again after it (checkpoints, schedulers).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, mode: str = "auto", *,
@@ -286,17 +255,12 @@ class TrainStep:
                  name: str = "server") -> None:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
-        self.model = model
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.name = name
-        self.device = next(model.parameters()).device
+        super().__init__(model, optimizer, loss_fn, autocast_dtype=autocast_dtype, name=name)
         self.requested = check_server_step(mode)
         self.mode, self.fallback_reason = resolve_server_step(mode, self.device)
         if self.fallback_reason:
             log.info("%s: %s; the step runs eagerly", name, self.fallback_reason)
         self.warmup_steps = warmup_steps
-        self.autocast_dtype = autocast_dtype  # e.g. torch.bfloat16: forward and loss under autocast
         self.max_recaptures = max_recaptures
         self._full_shape: tuple | None = None  # the one shape compiled / captured
         self._seen: Counter[tuple] = Counter()
@@ -320,10 +284,10 @@ class TrainStep:
         finally:
             self._restore_float_lrs()
 
-    def __call__(self, inputs: torch.Tensor, *targets: torch.Tensor) -> StepOutput:
+    def __call__(self, inputs: torch.Tensor, *targets: torch.Tensor, check: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
         """One step on ``inputs`` (B, ...) and ``targets`` (each (B, ...)), all on the device."""
         shape = tuple((tuple(t.shape), t.dtype) for t in (inputs, *targets))
-        if self.mode != "eager":
+        if self.mode != "eager" and check is None:
             if self._full_shape is None:
                 self._full_shape = shape
             if shape == self._full_shape:
@@ -331,7 +295,7 @@ class TrainStep:
                     return self._graph_step(inputs, targets) if self.mode == "graph" else self._compiled_step(inputs, targets)
                 except (RuntimeError, OSError, ImportError, NotImplementedError) as exc:
                     self._fall_back(f"{self.mode} step failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        return self._eager_step(inputs, targets)
+        return self._eager_step(inputs, targets, check)
 
     def step_with_input_grad(self, inputs: torch.Tensor, *targets: torch.Tensor,
                              check: Callable[[torch.Tensor], None] | None = None) -> tuple[StepOutput, torch.Tensor]:
@@ -341,38 +305,15 @@ class TrainStep:
         non-finite loss without touching the model)."""
         self.model.train()
         h = inputs.detach().requires_grad_(True)
-        logits = logits_of(self.model(h))
-        loss = self.loss_fn(logits, *targets)
-        if check is not None:
-            check(loss)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.steps["eager"] += 1
-        return StepOutput(loss.detach(), logits.detach()), h.grad.detach()  # type: ignore[union-attr]
+        out = self._eager_step(h, targets, check)
+        return out, h.grad.detach()  # type: ignore[union-attr]
 
     # -- modes -------------------------------------------------------------- #
-
-    def _forward_loss(self, inputs: torch.Tensor, *targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.autocast_dtype is None:
-            logits = logits_of(self.model(inputs))  # (B, K)
-            return self.loss_fn(logits, *targets), logits
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-            logits = logits_of(self.model(inputs))
-            return self.loss_fn(logits.float(), *targets), logits
-
-    def _eager_step(self, inputs: torch.Tensor, targets: tuple[torch.Tensor, ...]) -> StepOutput:
-        loss, logits = self._forward_loss(inputs, *targets)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.steps["eager"] += 1
-        return StepOutput(loss.detach(), logits.detach())
 
     def _compiled_step(self, inputs: torch.Tensor, targets: tuple[torch.Tensor, ...]) -> StepOutput:
         if self._compiled is None:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._compiled = torch.compile(self._forward_loss, mode=mode, dynamic=False)
+            self._compiled = torch.compile(self.forward_loss, mode=mode, dynamic=False)
         mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
         if self.device.type == "cuda" and mark is not None:
             mark()  # a new iteration: the previous step's graph outputs may be overwritten
@@ -418,7 +359,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)  # backward in the graph allocates the gradients in its pool
         torch.cuda.synchronize(self.device)
         with torch.cuda.graph(graph):
-            loss, logits = self._forward_loss(static[0], *static[1:])
+            loss, logits = self.forward_loss(static[0], *static[1:])
             loss.backward()
             self.optimizer.step()
         log.info("%s: captured the training step as a CUDA graph (batch shape %s)", self.name, tuple(inputs.shape))

@@ -48,20 +48,23 @@ class RoundDeadline:
         self.trained_batches += 1
         self._trained_s += seconds
 
-    def batches(self, loader: Iterable[Batch]) -> "DeadlineBatches[Batch]":
+    def batches(self, loader: Iterable[Batch], length: int | None = None) -> "DeadlineBatches[Batch]":
         """``loader`` for the trainer, stopping at the first batch that would not fit; may be
         iterated once per epoch (every later epoch's batches are skipped too)."""
-        return DeadlineBatches(loader, self)
+        return DeadlineBatches(loader, self, length)
 
 
 class DeadlineBatches(Generic[Batch]):
     """A loader bounded by a :class:`RoundDeadline`; keeps ``len`` (progress bars)."""
 
-    def __init__(self, loader: Iterable[Batch], deadline: RoundDeadline) -> None:
+    def __init__(self, loader: Iterable[Batch], deadline: RoundDeadline, length: int | None = None) -> None:
         self.loader = loader
         self.deadline = deadline
+        self.length = length  # for a loader without len (a generator): how many batches it yields
 
     def __len__(self) -> int:
+        if self.length is not None:
+            return self.length
         return len(self.loader) if isinstance(self.loader, Sized) else 0
 
     def __iter__(self) -> Iterator[Batch]:

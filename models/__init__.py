@@ -1,4 +1,6 @@
-"""EdgeSplit model zoo: architectures, a registry by name, cost counting, weight arrays.
+"""EdgeSplit model zoo: architectures, a registry by name, cost counting, weight arrays,
+and what both sides train with: the one training loop and optimiser factory
+(:mod:`models.training`), losses, SWA and BatchNorm-statistics helpers.
 
 Depends on torch and numpy only; it never imports the protocol, data, agent or
 server packages, so both sides of a run (and a Pi) can install it alone.

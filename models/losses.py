@@ -23,3 +23,15 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     log_p_teacher = F.log_softmax(teacher_logits.detach() / temperature, dim=1)  # (B, K)
     kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(dim=1)  # (B,)
     return kl.mean() * temperature**2
+
+
+def ensemble_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """The ensemble's prediction (FedBE Eq. 4): ``p_hat = 1/M' sum_m softmax(logits_m)``; ``(M', B, K)`` logits -> ``(B, K)`` probabilities."""
+    if logits.dim() != 3 or logits.shape[0] < 1:
+        raise ValueError(f"expected (models, batch, classes) logits, got shape {tuple(logits.shape)}")
+    return F.softmax(logits.float(), dim=-1).mean(dim=0)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """``-1/B sum_j p_hat_j^T log softmax(logits_j)`` (FedBE Sec. 4's distillation loss: cross-entropy to soft targets); ``(B, K)`` each."""
+    return -(target_probs * F.log_softmax(logits, dim=-1)).sum(dim=-1).mean()

@@ -13,23 +13,96 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from .codecs import list_codecs
 from .errors import ValueRangeError
 
 T = TypeVar("T")
 
-__all__ = ["config_from_table", "round_config_from_wire"]
+__all__ = ["OPTIMIZERS", "EmbeddedRoundConfig", "check_choice", "check_codec", "check_optimizer", "config_from_table",
+           "round_config_from_wire"]
+
+#: The optimisers a config may name (``models.training.make_optimizer`` builds them, the ort
+#: backend's numpy optimisers mirror them; a test keeps the lists equal). Kept here, torch-free,
+#: so that every config -- a TOML table or a round config off the wire -- checks against one list.
+OPTIMIZERS = ("sgd", "adam")
+
+
+def check_choice(value: T, allowed: tuple[T, ...], key: str) -> T:
+    """``value`` if it is one of ``allowed``, else a ValueError naming the config ``key``."""
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def check_optimizer(name: str, key: str = "optimizer") -> str:
+    """``name`` if it is one of :data:`OPTIMIZERS`, else a ValueError naming the config ``key``."""
+    return check_choice(name, OPTIMIZERS, key)
+
+
+def check_codec(name: str, key: str = "upload_codec") -> str:
+    """``name`` if the codec registry (:mod:`shared_protocol.codecs`) has it, else a ValueError
+    naming the config ``key`` and the known codecs."""
+    known = list_codecs()
+    if name not in known:
+        raise ValueError(f"{key}: unknown codec {name!r}; known codecs: {known}")
+    return name
 
 
 def _unknown_keys(cls: type, raw: Mapping[str, Any]) -> list[str]:
     return sorted(set(raw) - {f.name for f in dataclasses.fields(cls)})
 
 
-def config_from_table(cls: type[T], raw: Mapping[str, Any], table: str) -> T:
-    """``cls(**raw)`` for the TOML table ``[table]``; unknown keys are a ValueError."""
-    unknown = _unknown_keys(cls, raw)
+@dataclasses.dataclass(frozen=True)
+class EmbeddedRoundConfig:
+    """A server config that holds the agents' round config (the one sent in ``RoundStart.config``)
+    as a field instead of copying its fields, read from one flat TOML table.
+
+    ``field``: the server config's attribute holding it; ``table_keys``: round-config field ->
+    its key in the table, where the two differ (the table also has the server's own settings,
+    so e.g. ``batch_size`` is ``edge_batch_size`` there); ``derived``: round-config fields the
+    server config sets from its own settings, never written in the table.
+    """
+
+    round_config: type
+    field: str
+    table_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    derived: tuple[str, ...] = ()
+
+    def _keys(self) -> dict[str, str]:
+        """Table key -> round-config field, for every field the table may set."""
+        names = [f.name for f in dataclasses.fields(self.round_config) if f.name not in self.derived]
+        return {self.table_keys.get(name, name): name for name in names}
+
+    def split(self, raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the server's own keys, the round config's fields) of a table."""
+        keys = self._keys()
+        own = {k: v for k, v in raw.items() if k not in keys}
+        return own, {keys[k]: v for k, v in raw.items() if k in keys}
+
+    def table_of(self, config: Any) -> dict[str, Any]:
+        """The flat table ``config`` reads back from (its resolved form in reports and checkpoints)."""
+        own = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != self.field}
+        embedded = getattr(config, self.field)
+        return {**own, **{key: getattr(embedded, name) for key, name in self._keys().items()}}
+
+
+def config_from_table(cls: type[T], raw: Mapping[str, Any], table: str, embedded: EmbeddedRoundConfig | None = None) -> T:
+    """``cls(**raw)`` for the TOML table ``[table]``; unknown keys are a ValueError. With
+    ``embedded``, the keys of the round config ``cls`` holds build that field."""
+    if embedded is None:
+        unknown = _unknown_keys(cls, raw)
+        if unknown:
+            raise ValueError(f"unknown [{table}] keys: {unknown}")
+        return cls(**raw)
+    own, wire = embedded.split(raw)
+    unknown = sorted(set(own) - {f.name for f in dataclasses.fields(cls) if f.name != embedded.field})
     if unknown:
         raise ValueError(f"unknown [{table}] keys: {unknown}")
-    return cls(**raw)
+    try:
+        round_config = embedded.round_config(**wire)
+    except ValueError as exc:
+        raise ValueError(f"[{table}]: {exc}") from None
+    return cls(**own, **{embedded.field: round_config})
 
 
 def round_config_from_wire(cls: type[T], raw: Any, what: str) -> T:

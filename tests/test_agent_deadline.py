@@ -58,3 +58,15 @@ def test_an_agent_skips_training_past_its_deadline_and_says_so(tmp_path: Path, c
     warned = [r.getMessage() for r in caplog.records if "could not finish within the round's deadline" in r.getMessage()]
     assert warned == ([f"round 1: skipped 4 of 5 training batches: they could not finish within the round's deadline (0 s); "
                        "the round_end says so"] if skipped else [])
+
+
+def test_a_generator_with_a_stated_length_counts_what_it_skipped() -> None:
+    # The onnxruntime backend trains from a batch generator, which has no len().
+    now = [0.0]
+    deadline = RoundDeadline(10.0, clock=lambda: now[0])  # 8 s for training
+    taken = []
+    for batch in deadline.batches((b for b in range(6)), length=6):
+        taken.append(batch)
+        now[0] += 3.0  # each batch takes 3 s: the third would end past 8 s
+    assert taken == [0, 1] and deadline.skipped_batches == 4
+    assert list(deadline.batches((b for b in range(6)), length=6)) == [] and deadline.skipped_batches == 10

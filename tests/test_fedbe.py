@@ -14,23 +14,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cloud_server.aggregation import weighted_mean
+from cloud_server.aggregation import fit_diagonal_gaussian, sample_dirichlet, sample_gaussian, weighted_mean
 from cloud_server.methods import ServerContext, get_server_method
-from cloud_server.methods.fedbe import (
-    FedBEConfig,
-    FedBEServer,
-    SwaAverage,
-    distill_swa,
-    ensemble_probabilities,
-    fit_diagonal_gaussian,
-    load_server_data,
-    recompute_bn_statistics,
-    sample_dirichlet,
-    sample_gaussian,
-    soft_cross_entropy,
-    swa_collects_after,
-    swa_learning_rate,
-)
+from cloud_server.methods.fedbe import FedBEConfig, FedBEServer, distill_swa, load_server_data
+from models.losses import ensemble_probabilities, soft_cross_entropy
+from models.swa import SwaAverage, recompute_bn_statistics, swa_collects_after, swa_learning_rate
 from cloud_server.report import validate_report
 from edge_agent.agent import load_agent_data
 from edge_agent.methods import get_edge_method

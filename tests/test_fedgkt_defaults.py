@@ -24,14 +24,14 @@ def test_paper_presets_are_table_10() -> None:
     non-I.I.D. SGD lr 0.005 momentum 0.9; batch 256; 1 edge epoch; 20 / 40 server epochs."""
     iid = FedGktConfig.from_dict({"preset": "paper-iid"})
     assert (iid.server_optimizer, iid.server_lr, iid.server_weight_decay) == ("adam", 0.001, 1e-4)
-    assert (iid.edge_optimizer, iid.edge_lr, iid.edge_weight_decay) == ("adam", 0.001, 1e-4)
-    assert (iid.server_batch_size, iid.edge_batch_size, iid.edge_epochs, iid.server_epochs) == (256, 256, 1, 20)
+    assert (iid.edge.edge_optimizer, iid.edge.edge_lr, iid.edge.edge_weight_decay) == ("adam", 0.001, 1e-4)
+    assert (iid.server_batch_size, iid.edge.batch_size, iid.edge.edge_epochs, iid.server_epochs) == (256, 256, 1, 20)
     noniid = FedGktConfig.from_dict({"preset": "paper-noniid"})
     assert (noniid.server_optimizer, noniid.server_lr, noniid.server_momentum) == ("sgd", 0.005, 0.9)
-    assert (noniid.edge_optimizer, noniid.edge_lr, noniid.edge_momentum) == ("sgd", 0.005, 0.9)
-    assert (noniid.server_batch_size, noniid.edge_batch_size, noniid.edge_epochs, noniid.server_epochs) == (256, 256, 1, 40)
+    assert (noniid.edge.edge_optimizer, noniid.edge.edge_lr, noniid.edge.edge_momentum) == ("sgd", 0.005, 0.9)
+    assert (noniid.server_batch_size, noniid.edge.batch_size, noniid.edge.edge_epochs, noniid.server_epochs) == (256, 256, 1, 40)
     for config in (iid, noniid):
-        assert (config.kd, config.mode, config.temperature, config.alpha) == ("bidirectional", "sync", 3.0, 1.0)
+        assert (config.kd, config.mode, config.edge.temperature, config.edge.alpha) == ("bidirectional", "sync", 3.0, 1.0)
 
 
 def test_a_preset_fills_only_what_the_table_leaves_out() -> None:
@@ -67,8 +67,8 @@ def _edge(seed: int) -> FedGktEdge:
 
 
 def _start(round_: int, weights: dict[str, np.ndarray], lr: float) -> RoundStart:
-    config = asdict(FedGktConfig(edge_optimizer="sgd", edge_lr=lr, edge_momentum=0.0, edge_weight_decay=0.0,
-                                 edge_batch_size=16, upload_batch_samples=16).round_config())
+    config = asdict(FedGktConfig.from_dict({"edge_optimizer": "sgd", "edge_lr": lr, "edge_momentum": 0.0, "edge_weight_decay": 0.0,
+                                            "edge_batch_size": 16, "upload_batch_samples": 16}).round_config())
     return RoundStart(run="u", round=round_, sender="server", method="fedgkt", config=config, deadline_s=60.0, weights=weights)
 
 

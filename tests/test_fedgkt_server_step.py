@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from cloud_server.feature_store import ArrayStaging
 from cloud_server.methods import ServerContext
 from cloud_server.methods import fedgkt
-from cloud_server.methods.fedgkt import FedGktServer, _concat
+from cloud_server.feature_store import StagedBatch, gather_batches
+from cloud_server.methods.fedgkt import FedGktServer
 from models.losses import kd_loss
 from shared_protocol.methods.fedgkt import GktServerLogits
 
@@ -86,9 +87,7 @@ def _plain_loop(server: FedGktServer) -> tuple[dict[str, dict[int, np.ndarray]],
     staging = ArrayStaging(1 << 30)
     data = {}
     for agent, batches in _uploads().items():
-        from cloud_server.methods.fedgkt import _Batch
-
-        data[agent] = _concat([_Batch(staging.stage(m.features), m.logits, m.labels, m.sample_ids) for m in batches], staging)
+        data[agent] = gather_batches([StagedBatch(staging.stage(m.features), m.logits, m.labels, m.sample_ids) for m in batches], staging)
     generator = torch.Generator().manual_seed(server.ctx.seed * 100_003 + 1)
     server.model.train()
     agents = list(data)
@@ -98,7 +97,7 @@ def _plain_loop(server: FedGktServer) -> tuple[dict[str, dict[int, np.ndarray]],
         for k, idx in server._batches(data, generator):
             features, edge_logits, labels, _ids = data[agents[k]]
             logits = server.model(features[idx].to(torch.float32))
-            loss = F.cross_entropy(logits, labels[idx]) + c.alpha * kd_loss(logits, edge_logits[idx], c.temperature)
+            loss = F.cross_entropy(logits, labels[idx]) + c.edge.alpha * kd_loss(logits, edge_logits[idx], c.edge.temperature)
             server.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             server.optimizer.step()

@@ -10,7 +10,7 @@ import torch
 
 from cloud_server.methods import ServerContext
 from cloud_server.methods.fedgkt import FedGktConfig, FedGktServer
-from edge_agent.methods.fedgkt import TeacherLogits
+from edge_agent.teacher import TeacherLogits
 from fldata import make_synthetic
 from fldata.torch_data import make_loader
 from models.losses import kd_loss

@@ -189,7 +189,7 @@ def test_threshold_schedule_follows_the_runs_rounds() -> None:
 ])
 def test_config_rejects_bad_values(bad: dict) -> None:
     with pytest.raises(ValueError):
-        FedKdConfig(**bad)
+        FedKdConfig.from_dict(bad)
 
 
 def test_config_rejects_unknown_keys() -> None:

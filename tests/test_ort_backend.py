@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from edge_agent.backends.optim import make_numpy_optimizer  # noqa: E402
 from edge_agent.backends.ort import ArtifactMeta, OrtEdgeModel  # noqa: E402
-from edge_agent.trainer import make_optimizer  # noqa: E402
+from models.training import make_optimizer  # noqa: E402
 from fldata import make_synthetic  # noqa: E402
 from fldata.numpy_data import iterate_batches  # noqa: E402
 from models import build_model, load_arrays_into, state_dict_to_arrays  # noqa: E402

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from cloud_server import server_step as ss
 from cloud_server.feature_store import ArrayStaging, RowSource
-from cloud_server.server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, resolve_server_step
+from cloud_server.server_step import DeviceSum, RowBank, TrainStep, resolve_server_step
+from models.training import make_optimizer
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -48,7 +49,7 @@ def _batches(sizes: list[int], seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
 def _run(mode: str, batches: list[tuple[torch.Tensor, ...]], optimizer: str = "adam") -> tuple[TrainStep, list[float], list[np.ndarray], nn.Module]:
     torch.manual_seed(0)
     model = Tiny()
-    opt = make_server_optimizer(optimizer, model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    opt = make_optimizer(optimizer, model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     step = TrainStep(model, opt, _loss, mode)
     losses, logits = [], []
     model.train()
@@ -79,7 +80,7 @@ def test_auto_and_graph_resolve_per_device() -> None:
 
 def test_auto_on_a_cpu_compiles_only_training_calls_long_enough_to_repay_it(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Tiny()
-    step = TrainStep(model, make_server_optimizer("adam", model.parameters(), lr=0.01), _loss, "auto")
+    step = TrainStep(model, make_optimizer("adam", model.parameters(), lr=0.01), _loss, "auto")
     with step.session(planned_steps=20):
         assert step.mode == "eager"
     with step.session(planned_steps=ss.AUTO_CPU_COMPILE_MIN_STEPS):
@@ -142,7 +143,7 @@ def test_input_gradient_step_matches_autograd_and_checks_before_updating() -> No
     torch.manual_seed(0)
     model = Tiny()
     reference = copy.deepcopy(model)
-    opt = make_server_optimizer("sgd", model.parameters(), lr=0.1)
+    opt = make_optimizer("sgd", model.parameters(), lr=0.1)
     step = TrainStep(model, opt, lambda logits, y: F.cross_entropy(logits, y), "auto")
     x, y, _ = _batches([6])[0]
     out, grad = step.step_with_input_grad(x, y)
@@ -240,12 +241,12 @@ def test_the_device_budget_is_capped_by_free_device_memory(monkeypatch: pytest.M
 
 def test_server_optimizer_is_unchanged_on_cpu() -> None:
     model = Tiny()
-    adam = make_server_optimizer("adam", model.parameters(), lr=0.001, weight_decay=5e-4)
+    adam = make_optimizer("adam", model.parameters(), lr=0.001, weight_decay=5e-4)
     assert isinstance(adam, torch.optim.Adam) and adam.defaults["amsgrad"] and not adam.defaults.get("fused")
-    sgd = make_server_optimizer("sgd", model.parameters(), lr=0.1, momentum=0.9)
+    sgd = make_optimizer("sgd", model.parameters(), lr=0.1, momentum=0.9)
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
     with pytest.raises(ValueError, match="optimizer"):
-        make_server_optimizer("lamb", model.parameters(), lr=0.1)
+        make_optimizer("lamb", model.parameters(), lr=0.1)
 
 
 # --------------------------------------------------------------------------- #
@@ -262,7 +263,7 @@ def test_captured_step_on_cuda_gives_the_eager_losses_and_logits(mode: str, opti
     def run(m: str) -> tuple[TrainStep, list[float], list[torch.Tensor]]:
         torch.manual_seed(0)
         model = Tiny().cuda().train()
-        opt = make_server_optimizer(optimizer, model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, device="cuda")
+        opt = make_optimizer(optimizer, model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, device="cuda")
         step = TrainStep(model, opt, _loss, m)
         losses, logits = [], []
         with step.session():

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
-from shared_protocol.configs import config_from_table
+from shared_protocol.configs import EmbeddedRoundConfig, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, RoundStart
 from shared_protocol.methods.fedavg import (
@@ -51,38 +51,40 @@ from .base import RoundOutcome, ServerContext, ServerMethod, register_server_met
 log = logging.getLogger("cloud_server.fedavg")
 
 
+# How a FedAvg-family table names the fields of the FedAvgRoundConfig its config holds: by
+# their own names; the global model's version and counters are the server's, per round.
+EDGE_KEYS = EmbeddedRoundConfig(FedAvgRoundConfig, "edge", derived=("model_version", "int_buffers"))
+
+
 @dataclass(frozen=True)
 class FedAvgConfig:
     """``[fedavg]``. Defaults are CPU-friendly; the paper's (Tables 10-12: Adam,
     lr 0.001, wd 1e-4, batch 64, 20 local epochs) are in ``deploy/configs/paper``."""
 
+    TABLE: ClassVar[str] = "fedavg"  # the TOML table (the FedAvg family's configs extend this one)
     model: str = "resnet56"  # resnet56 | resnet110 | resnet8 (a small full model)
-    local_epochs: int = 1
-    optimizer: str = "adam"
-    lr: float = 0.001
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    batch_size: int = 64
-    upload_codec: str = "zstd"  # zstd (lossless) | fp16-zstd | raw
+    # The agents' local training, sent as RoundStart.config: local_epochs, optimizer, lr,
+    # momentum, weight_decay, batch_size, upload_codec (zstd (lossless) | fp16-zstd | raw);
+    # all written in the table itself (EDGE_KEYS).
+    edge: FedAvgRoundConfig = field(default_factory=FedAvgRoundConfig)
     download_codec: str = "zstd"
 
     def __post_init__(self) -> None:
         if get_model_spec(self.model).input_kind != "image":
-            raise ValueError(f"fedavg.model must take images (a full model), {self.model!r} takes feature maps")
+            raise ValueError(f"{self.TABLE}.model must take images (a full model), {self.model!r} takes feature maps")
         if self.download_codec not in WEIGHT_CODECS:
-            raise ValueError(f"fedavg.download_codec must be one of {WEIGHT_CODECS}, got {self.download_codec!r}")
-        self.round_config(0, {})  # validates the agents' half
+            raise ValueError(f"{self.TABLE}.download_codec must be one of {WEIGHT_CODECS}, got {self.download_codec!r}")
 
     def round_config(self, model_version: int, int_buffers: dict[str, int]) -> FedAvgRoundConfig:
-        return FedAvgRoundConfig(
-            model_version=model_version, local_epochs=self.local_epochs, optimizer=self.optimizer, lr=self.lr,
-            momentum=self.momentum, weight_decay=self.weight_decay, batch_size=self.batch_size,
-            upload_codec=self.upload_codec, int_buffers=dict(int_buffers),
-        )
+        return replace(self.edge, model_version=model_version, int_buffers=dict(int_buffers))
+
+    def to_table(self) -> dict[str, Any]:
+        """The flat table this config reads back from (reports, checkpoints)."""
+        return EDGE_KEYS.table_of(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedAvgConfig":
-        return config_from_table(cls, raw, "fedavg")
+        return config_from_table(cls, raw, cls.TABLE, embedded=EDGE_KEYS)
 
 
 @dataclass
@@ -113,7 +115,7 @@ class FedAvgServer(ServerMethod):
     # -- configuration --------------------------------------------------------- #
 
     def resolved_config(self) -> dict[str, Any]:
-        return asdict(self.config)
+        return self.config.to_table()
 
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "model": self.config.model}
@@ -238,6 +240,9 @@ from ..local_run import LocalRunOptions  # noqa: E402
 
 
 def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
-    """The model and local epochs; one codec both ways, lossless zstd unless ``--codec``."""
-    codec = options.codec or "zstd"
-    return {"model": options.model, "local_epochs": options.edge_epochs, "upload_codec": codec, "download_codec": codec}
+    """The model and local epochs; ``--codec`` sets one codec both ways (otherwise the
+    config's default, lossless zstd)."""
+    table: dict[str, Any] = {"model": options.model, "local_epochs": options.edge_epochs}
+    if options.codec:
+        table.update(upload_codec=options.codec, download_codec=options.codec)
+    return table

@@ -6,22 +6,23 @@ upload their models with :class:`FedAvgUpdate`; the wire is FedAvg's. Only the
 server step differs. After collecting the round's client models ``w_i`` the
 server
 
-1. builds the weight average ``w_bar`` (Eq. 2, :func:`weighted_mean`);
+1. builds the weight average ``w_bar`` (Eq. 2, :func:`cloud_server.aggregation.weighted_mean`);
 2. fits a global model distribution to the client models: a diagonal Gaussian
-   (Eq. 5, :func:`fit_diagonal_gaussian`) or a Dirichlet over client mixtures
-   (Eq. 7, :func:`sample_dirichlet`), and samples ``M`` models from it;
+   (Eq. 5, :func:`cloud_server.aggregation.fit_diagonal_gaussian`) or a Dirichlet over client mixtures
+   (Eq. 7, :func:`cloud_server.aggregation.sample_dirichlet`), and samples ``M`` models from it;
 3. ensembles ``{w_bar} u {w_i} u {w^(m)}`` on its unlabeled set by the mean of
-   their softmax probabilities (Eq. 4, :func:`ensemble_probabilities`), which
+   their softmax probabilities (Eq. 4, :func:`models.losses.ensemble_probabilities`), which
    gives the pseudo-labels ``p_hat_j``;
 4. distils the ensemble into the global model with SWA, starting from
    ``w_bar``: SGD on the soft cross-entropy ``-1/J sum_j p_hat_j^T log p(y|x_j; w)``
-   with a cyclical learning rate (:func:`swa_learning_rate`), collecting the
+   with a cyclical learning rate (:func:`models.swa.swa_learning_rate`), collecting the
    weights at the end of each cycle after the warm-up and averaging them
-   (:class:`SwaAverage`).
+   (:class:`models.swa.SwaAverage`), through the shared training loop
+   (:func:`distill_swa`).
 
 BatchNorm: the running statistics of every *sampled* model, and of the SWA
 average, are recomputed on the unlabeled set (a forward pass in train mode
-with a cumulative average, :func:`recompute_bn_statistics`); a sample of BN
+with a cumulative average, :func:`models.swa.recompute_bn_statistics`); a sample of BN
 statistics from a Gaussian has no meaning (and a negative variance is
 possible). Client models keep their own statistics, ``w_bar`` the averaged ones.
 
@@ -41,24 +42,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from fldata import ArrayDataset, load_dataset, take
-from fldata.torch_data import make_loader
 from models import build_model, count_parameters, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.losses import soft_cross_entropy
+from models.swa import SwaAverage, predict_probabilities, recompute_bn_statistics, swa_collects_after, swa_learning_rate
+from models.training import Batch, Trainer, make_optimizer
 
-from ..aggregation import AggregationError, weighted_mean
-from ..server_step import TrainStep
+from ..aggregation import build_sampled_state, fit_diagonal_gaussian, sample_dirichlet, sample_gaussian, weighted_mean
+from ..server_step import TrainStep, normalised_images
 from .base import ServerContext, register_server_method
 from .fedavg import FedAvgConfig, FedAvgServer
-from shared_protocol.configs import config_from_table
 
 log = logging.getLogger("cloud_server.fedbe")
 
@@ -77,6 +78,8 @@ class FedBEConfig(FedAvgConfig):
     and distillation. Defaults are the paper's method (Gaussian, M = 10, SWA
     1e-3 -> 4e-4 in cycles of 25 steps) at a CPU-friendly length; the paper
     distils 20 epochs of 10K images at batch 128 and starts SWA at step 250."""
+
+    TABLE: ClassVar[str] = "fedbe"
 
     # The server's unlabeled data (see load_server_data).
     unlabeled_dataset: str = ""  # required: a fldata dataset name (usually the federation's)
@@ -145,10 +148,6 @@ class FedBEConfig(FedAvgConfig):
     def swa_models_per_round(self) -> int:
         return (self.distill_steps - self.swa_warmup_steps) // self.swa_cycle_steps
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "FedBEConfig":
-        return config_from_table(cls, raw, "fedbe")
-
 
 # --------------------------------------------------------------------------- #
 # The server's unlabeled (and validation) data
@@ -192,142 +191,9 @@ def load_server_data(config: FedBEConfig, seed: int) -> tuple[ArrayDataset, Arra
     return unlabeled, validation
 
 
-def _images_tensor(ds: ArrayDataset, device: torch.device) -> torch.Tensor:
-    """The whole set normalised as the agents' loaders do, as one ``(N, C, H, W)`` tensor on ``device``.
-
-    Held once instead of re-normalised every pass: the ensemble, BN statistics and
-    distillation make ~M + 10 passes per round (1000 Fashion-MNIST images: 4 MB).
-    """
-    batches = [images for images, _labels, _ids in make_loader(ds, 1024)]
-    return torch.cat(batches).to(device)
-
-
 # --------------------------------------------------------------------------- #
-# The global model distribution (Eq. 5, Eq. 7)
+# Distillation (Algorithm 1's SWA)
 # --------------------------------------------------------------------------- #
-
-
-def fit_diagonal_gaussian(
-    states: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], names: Iterable[str]
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Eq. 5: ``mu = sum_i (|D_i|/|D|) w_i`` and ``Sigma_diag = sum_i (|D_i|/|D|) (w_i - mu)^2``
-    (element-wise), for the float entries ``names``. Returned as float64 (mean, variance).
-    """
-    selected = [{n: np.asarray(s[n], dtype=np.float64) for n in names} for s in states]
-    mean = weighted_mean(selected, weights)  # validates names, shapes and weights
-    squared = [{n: (s[n] - mean[n]) ** 2 for n in mean} for s in selected]
-    return mean, weighted_mean(squared, weights)
-
-
-def sample_gaussian(
-    mean: Mapping[str, np.ndarray], variance: Mapping[str, np.ndarray], rng: np.random.Generator, scale: float = 1.0
-) -> dict[str, np.ndarray]:
-    """One draw ``w ~ N(mean, scale * diag(variance))``, float64 per entry."""
-    return {n: m + np.sqrt(scale * variance[n]) * rng.standard_normal(m.shape) for n, m in mean.items()}
-
-
-def sample_dirichlet(
-    states: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], alpha: float, rng: np.random.Generator
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Eq. 7: ``gamma ~ Dir(alpha * 1)`` and ``w = sum_i gamma_i |D_i| w_i / sum_i' gamma_i' |D_i'|``.
-
-    Returns (w, gamma). Every entry (BN buffers included) is the same convex combination.
-    """
-    gamma = rng.dirichlet(np.full(len(states), alpha))  # (K,) on the simplex
-    return weighted_mean(states, gamma * np.asarray(weights, dtype=np.float64)), gamma
-
-
-def build_sampled_state(
-    template: Mapping[str, np.ndarray], sampled: Mapping[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    """A full state: ``sampled`` entries cast to the template's dtypes, the rest from ``template``."""
-    return {n: (np.asarray(sampled[n]).astype(a.dtype) if n in sampled else a) for n, a in template.items()}
-
-
-# --------------------------------------------------------------------------- #
-# Ensemble (Eq. 4) and distillation
-# --------------------------------------------------------------------------- #
-
-
-def ensemble_probabilities(logits: torch.Tensor) -> torch.Tensor:
-    """Eq. 4: ``p_hat = 1/M' sum_m softmax(logits_m)``; ``(M', B, K)`` logits -> ``(B, K)`` probabilities."""
-    if logits.dim() != 3 or logits.shape[0] < 1:
-        raise ValueError(f"expected (models, batch, classes) logits, got shape {tuple(logits.shape)}")
-    return F.softmax(logits.float(), dim=-1).mean(dim=0)
-
-
-def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """``-1/B sum_j p_hat_j^T log softmax(logits_j)`` (Sec. 4's distillation loss); ``(B, K)`` each."""
-    return -(target_probs * F.log_softmax(logits, dim=-1)).sum(dim=-1).mean()
-
-
-def swa_learning_rate(step: int, warmup_steps: int, cycle_steps: int, lr_max: float, lr_min: float) -> float:
-    """Learning rate of distillation step ``step`` (1-based).
-
-    ``lr_max`` during the warm-up, then Izmailov et al.'s cyclical schedule (their
-    Eq. 2): in each cycle of ``cycle_steps`` steps it falls linearly from just
-    below ``lr_max`` to ``lr_min``, reached at the cycle's last step, and jumps back.
-    """
-    if step <= warmup_steps:
-        return lr_max
-    t = ((step - warmup_steps - 1) % cycle_steps + 1) / cycle_steps  # in (0, 1]
-    return (1.0 - t) * lr_max + t * lr_min
-
-
-def swa_collects_after(step: int, warmup_steps: int, cycle_steps: int) -> bool:
-    """SWA takes the weights after ``step`` (1-based): the end of every cycle after the warm-up."""
-    return step > warmup_steps and (step - warmup_steps) % cycle_steps == 0
-
-
-class SwaAverage:
-    """The running mean of collected states (SWA: ``w_swa <- (n w_swa + w) / (n + 1)``),
-    so only one extra copy is held however many models are collected.
-    Floats keep their dtype; integer entries are rounded (as in :func:`weighted_mean`)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._mean: dict[str, np.ndarray] = {}
-        self._dtypes: dict[str, np.dtype] = {}
-
-    def add(self, state: Mapping[str, np.ndarray]) -> None:
-        if self.count and set(state) != set(self._mean):
-            raise AggregationError(f"SWA: collected state has other entries than the first "
-                                   f"(missing {sorted(set(self._mean) - set(state))[:5]}, extra {sorted(set(state) - set(self._mean))[:5]})")
-        self.count += 1
-        for name, array in state.items():
-            value = np.asarray(array, dtype=np.float64)
-            if self.count == 1:
-                self._mean[name] = value.copy()
-                self._dtypes[name] = np.asarray(array).dtype
-            else:
-                if value.shape != self._mean[name].shape:
-                    raise AggregationError(f"SWA: {name!r} has shape {value.shape}, first collected {self._mean[name].shape}")
-                self._mean[name] += (value - self._mean[name]) / self.count
-
-    def average(self) -> dict[str, np.ndarray]:
-        if not self.count:
-            raise AggregationError("SWA collected no model")
-        return {n: (np.rint(m) if self._dtypes[n].kind in "iu" else m).astype(self._dtypes[n]) for n, m in self._mean.items()}
-
-
-def _logits(output: object) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]  # ResNet-8: (logits, features)
-
-
-@torch.no_grad()
-def recompute_bn_statistics(model: nn.Module, images: torch.Tensor, batch_size: int) -> None:
-    """BatchNorm running mean/var as the plain average over the batches of ``images``
-    (``torch.optim.swa_utils.update_bn``: statistics reset, ``momentum=None``, train mode)."""
-    batches = [images[i : i + batch_size] for i in range(0, images.shape[0], batch_size)]  # (B, C, H, W) each
-    torch.optim.swa_utils.update_bn(batches, model)
-
-
-@torch.no_grad()
-def predict_probabilities(model: nn.Module, images: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Softmax outputs in eval mode, ``(N, K)`` on the CPU."""
-    model.eval()
-    out = [F.softmax(_logits(model(images[i : i + batch_size])).float(), dim=-1).cpu() for i in range(0, images.shape[0], batch_size)]
-    return torch.cat(out)
 
 
 @dataclass
@@ -351,8 +217,9 @@ def distill_swa(
     fresh permutation of the set each epoch (``generator`` on the CPU). ``snapshots``,
     when given, receives a copy of every collected state (for tests).
 
-    Steps run through the shared server step (``server_step``, see
-    ``cloud_server/server_step.py``); the step losses stay on the device and are read
+    Steps run through the shared training loop (``models/training.py``) with the server
+    step (``server_step``, see ``cloud_server/server_step.py``); callbacks set the
+    cyclical rate and collect the weights. The step losses stay on the device and are read
     when the weights are collected (a host copy anyway) and at the end. A non-finite
     loss fails the distillation at its first such step, with the models collected
     before it counted, as if it had stopped there. ``trainer``: a step of ``model`` to reuse
@@ -360,7 +227,7 @@ def distill_swa(
     c = config
     n = images.shape[0]
     batch = min(c.distill_batch_size, n)
-    optimizer = torch.optim.SGD(model.parameters(), lr=c.swa_lr_max, momentum=c.distill_momentum, weight_decay=c.distill_weight_decay)
+    optimizer = make_optimizer("sgd", model.parameters(), c.swa_lr_max, c.distill_momentum, c.distill_weight_decay, images.device)
     if trainer is None:
         trainer = TrainStep(model, optimizer, soft_cross_entropy, server_step, name="fedbe distillation")
     elif trainer.model is not model:
@@ -368,13 +235,8 @@ def distill_swa(
     else:
         trainer.use_optimizer(optimizer)
     swa = SwaAverage()
-    order, position = torch.randperm(n, generator=generator), 0
     losses = torch.zeros(c.distill_steps, dtype=torch.float32, device=images.device)  # (T,) step losses, on the device
-    steps = range(1, c.distill_steps + 1)
-    if progress:
-        from tqdm.auto import tqdm
-
-        steps = tqdm(steps, desc=desc, leave=False, dynamic_ncols=True)
+    failures: list[DistillResult] = []
 
     def failure(upto: int) -> DistillResult | None:
         seen = losses[:upto].cpu()
@@ -385,27 +247,39 @@ def distill_swa(
         return DistillResult(first, swa.count, float("nan"), failed=f"distillation loss became {float(seen[first - 1])} at step {first}",
                              trainer=trainer)
 
-    model.train()
-    with trainer.session(planned_steps=c.distill_steps):
-        for step in steps:
+    def batches(_epoch: int):  # -> Iterator[Batch of images (B, C, H, W), targets (B, K)]: distill_steps of them
+        order, position = torch.randperm(n, generator=generator), 0
+        for _ in range(c.distill_steps):
             if position + batch > n:  # a new epoch: full batches only, every sample once per epoch
                 order, position = torch.randperm(n, generator=generator), 0
             index = order[position : position + batch].to(images.device)
             position += batch
-            lr = swa_learning_rate(step, c.swa_warmup_steps, c.swa_cycle_steps, c.swa_lr_max, c.swa_lr_min)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            out = trainer(images[index], targets[index])  # (B, C, H, W) images vs (B, K) targets
-            losses[step - 1] = out.loss
-            if swa_collects_after(step, c.swa_warmup_steps, c.swa_cycle_steps):
-                failed = failure(step)
-                if failed is not None:
-                    return failed
-                collected = state_dict_to_arrays(model)
-                swa.add(collected)
-                if snapshots is not None:
-                    snapshots.append(collected)
-    failed = failure(c.distill_steps)
+            yield Batch(images[index], (targets[index],))
+
+    def cyclical_lr(loop: Trainer) -> None:
+        lr = swa_learning_rate(loop.steps_done + 1, c.swa_warmup_steps, c.swa_cycle_steps, c.swa_lr_max, c.swa_lr_min)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+    def collect(loop: Trainer) -> None:
+        step = loop.steps_done
+        losses[step - 1] = loop.out.loss
+        if swa_collects_after(step, c.swa_warmup_steps, c.swa_cycle_steps):
+            failed = failure(step)
+            if failed is not None:
+                failures.append(failed)
+                loop.stop()
+                return
+            collected = state_dict_to_arrays(model)
+            swa.add(collected)
+            if snapshots is not None:
+                snapshots.append(collected)
+
+    model.train()
+    loop = Trainer(trainer, desc=desc, progress=progress)
+    loop.add_callback("on_batch_start", cyclical_lr).add_callback("on_batch_end", collect)
+    loop.run(1, batches, planned_steps=c.distill_steps)
+    failed = failures[0] if failures else failure(c.distill_steps)
     if failed is not None:
         return failed
     load_arrays_into(model, swa.average())
@@ -438,8 +312,9 @@ class FedBEServer(FedAvgServer):
             raise ValueError(f"fedbe: the unlabeled set ({self.config.unlabeled_dataset}) has {unlabeled.in_channels} "
                              f"channels, the federation's models take {ctx.in_channels}")
         self.unlabeled, self.validation = unlabeled, validation
-        self._images = _images_tensor(unlabeled, self.device)  # (J, C, H, W)
-        self._val_images = _images_tensor(validation, self.device) if validation is not None else None
+        # Held once on the device: the ensemble, BN statistics and distillation make ~M + 10 passes a round.
+        self._images = normalised_images(unlabeled).to(self.device)  # (J, C, H, W)
+        self._val_images = normalised_images(validation).to(self.device) if validation is not None else None
         # Labels only measure the round (never train): meaningful when the set has the federation's classes.
         same_task = unlabeled.num_classes == ctx.num_classes
         self._labels = torch.from_numpy(unlabeled.labels) if same_task else None
@@ -453,7 +328,7 @@ class FedBEServer(FedAvgServer):
                  self.config.unlabeled_split, f", {len(validation)} for validation" if validation is not None else "", self.device)
 
     def resolved_config(self) -> dict[str, Any]:
-        return asdict(self.config)
+        return self.config.to_table()
 
     def _flops_per_sample(self) -> tuple[int, int]:
         """(training, forward) FLOPs per server-set sample, counted once."""

@@ -18,11 +18,10 @@ sensitivity study (Sec. IV-D, Fig. 9, Table V) as explained in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from models.cost import forward_flops_per_sample
 from models.heads import linear_head
-from shared_protocol.configs import config_from_table
 from shared_protocol.messages import RoundEnd
 from shared_protocol.methods.feddistill import ROUND_CONFIG_KEY, FedDistillRoundConfig
 
@@ -48,6 +47,8 @@ class FedDistillConfig(FedAvgConfig):
     few_sample_threshold = None -- gamma = 1/|C| (paper, Sec. IV-A).
     """
 
+    TABLE: ClassVar[str] = "feddistill"
+
     alpha_t: float = 0.0
     alpha_r: float = 0.5
     alpha_f: float = 1.0
@@ -66,10 +67,6 @@ class FedDistillConfig(FedAvgConfig):
             beta_l=self.beta_l, beta_e=self.beta_e, beta_fc=self.beta_fc,
             few_sample_threshold=self.few_sample_threshold,
         )
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "FedDistillConfig":
-        return config_from_table(cls, raw, "feddistill")
 
 
 @register_server_method

@@ -35,11 +35,10 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from shared_protocol.configs import config_from_table
 from shared_protocol.messages import RoundEnd
 from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgUpdate, split_state
 from shared_protocol.methods.fedgkd import CONFIG_KEY, VARIANTS, FedGkdEvalResult, FedGkdTeachers, TeacherSpec, teacher_prefix
@@ -58,6 +57,8 @@ class FedGkdConfig(FedAvgConfig):
     Defaults are the paper's CV settings: ``gamma = 0.2`` (ResNet-8), ``M = 5``,
     vote ``lambda = 0.1`` and ``beta = 1 / M`` (``vote_temperature = 0``).
     """
+
+    TABLE: ClassVar[str] = "fedgkd"
 
     variant: str = "avg"  # avg: FedGKD (Eq. 4) | vote: FedGKD-Vote (Eq. 5)
     gamma: float = 0.2
@@ -81,10 +82,6 @@ class FedGkdConfig(FedAvgConfig):
     @property
     def beta(self) -> float:
         return self.vote_temperature or 1.0 / self.buffer_size
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "FedGkdConfig":
-        return config_from_table(cls, raw, "fedgkd")
 
 
 def vote_coefficients(losses: list[float], scale: float, temperature: float) -> list[float]:

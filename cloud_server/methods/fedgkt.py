@@ -16,12 +16,11 @@ once the round's training is done (``cloud_server/feature_store.py``).
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,15 +28,17 @@ import torch
 import torch.nn.functional as F
 
 from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.batchnorm import BnStatistics, batchnorm_layers, load_bn_statistics, measure_bn_statistics, restoring_bn_statistics
 from models.losses import kd_loss
-from shared_protocol.configs import config_from_table
-from shared_protocol.errors import ShapeMismatchError, SizeLimitError, ValueRangeError
+from models.training import LR_SCHEDULES, Batch, Trainer, make_lr_schedule, make_optimizer
+from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
+from shared_protocol.errors import ShapeMismatchError, ValueRangeError
 from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
-from ..feature_store import ArrayStaging, RowSource, StagedArray
-from ..server_step import DeviceSum, RowBank, TrainStep, make_server_optimizer, staging_budget_bytes
+from ..feature_store import AgentRows, ArrayStaging, RowSource, StagedUploads, gather_batches
+from ..server_step import DeviceSum, TrainStep, banks_for_staged_rows
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.fedgkt")
@@ -66,6 +67,10 @@ PAPER_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# How the [fedgkt] table names the fields of the GktRoundConfig that FedGktConfig holds.
+EDGE_KEYS = EmbeddedRoundConfig(GktRoundConfig, "edge", {"batch_size": "edge_batch_size"}, derived=("edge_kd",))
+
+
 @dataclass(frozen=True)
 class FedGktConfig:
     preset: str = ""  # "" (the defaults below) | "paper-iid" | "paper-noniid" (PAPER_PRESETS)
@@ -81,16 +86,11 @@ class FedGktConfig:
     server_batch_size: int = 64
     server_order: str = "shuffled"  # shuffled (batches drawn from all agents' uploads) | per_agent (Algorithm 1's walk)
     lr_schedule: str = "plateau"  # plateau | none
-    temperature: float = 3.0
-    alpha: float = 1.0
-    edge_epochs: int = 1
-    edge_optimizer: str = "adam"
-    edge_lr: float = 0.001
-    edge_momentum: float = 0.9
-    edge_weight_decay: float = 1e-4
-    edge_batch_size: int = 64
-    upload_codec: str = "fp16-zstd"
-    upload_batch_samples: int = 256
+    # The agents' half, sent as RoundStart.config: edge_epochs, edge_optimizer, edge_lr,
+    # edge_momentum, edge_weight_decay, edge_batch_size (its batch_size), temperature and
+    # alpha (the server's KD uses the same two), upload_codec, upload_batch_samples; all
+    # written in the [fedgkt] table itself (EDGE_KEYS). Its edge_kd follows ``kd``.
+    edge: GktRoundConfig = field(default_factory=GktRoundConfig)
     max_staged_samples_per_agent: int = 1_000_000
     # Float16 feature maps held in memory across all agents' staged uploads; beyond
     # this, uploads are staged in memory-mapped files in spill_dir ("": <run directory>/staged,
@@ -115,36 +115,27 @@ class FedGktConfig:
         if self.preset and self.preset not in PAPER_PRESETS:
             hint = " (Table 10 has two columns: say which)" if self.preset == "paper" else ""
             raise ValueError(f"fedgkt.preset must be '' or one of {sorted(PAPER_PRESETS)}, got {self.preset!r}{hint}")
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"fedgkt.mode must be 'sync' or 'async', got {self.mode!r}")
-        if self.kd not in KD_MODES:
-            raise ValueError(f"fedgkt.kd must be one of {KD_MODES}, got {self.kd!r}")
-        if self.server_optimizer not in ("sgd", "adam"):
-            raise ValueError(f"fedgkt.server_optimizer must be 'sgd' or 'adam', got {self.server_optimizer!r}")
-        if self.server_order not in ("shuffled", "per_agent"):
-            raise ValueError(f"fedgkt.server_order must be 'shuffled' or 'per_agent', got {self.server_order!r}")
-        if self.lr_schedule not in ("plateau", "none"):
-            raise ValueError(f"fedgkt.lr_schedule must be 'plateau' or 'none', got {self.lr_schedule!r}")
-        if self.server_epochs < 1 or self.server_batch_size < 1 or self.server_lr <= 0:
-            raise ValueError("fedgkt.server_epochs, server_batch_size must be >= 1 and server_lr > 0")
-        if self.bn_stats not in ("per_agent", "global"):
-            raise ValueError(f"fedgkt.bn_stats must be 'per_agent' or 'global', got {self.bn_stats!r}")
-        if self.bn_calibration_samples < 1:
-            raise ValueError(f"fedgkt.bn_calibration_samples must be >= 1, got {self.bn_calibration_samples}")
-        if self.edge_init not in ("shared", "per_agent"):
-            raise ValueError(f"fedgkt.edge_init must be 'shared' or 'per_agent', got {self.edge_init!r}")
+        check_choice(self.mode, ("sync", "async"), "fedgkt.mode")
+        check_choice(self.kd, KD_MODES, "fedgkt.kd")
+        check_optimizer(self.server_optimizer, "fedgkt.server_optimizer")
+        check_choice(self.server_order, ("shuffled", "per_agent"), "fedgkt.server_order")
+        check_choice(self.lr_schedule, LR_SCHEDULES, "fedgkt.lr_schedule")
+        if min(self.server_epochs, self.server_batch_size, self.bn_calibration_samples) < 1 or self.server_lr <= 0:
+            raise ValueError("fedgkt.server_epochs, server_batch_size, bn_calibration_samples must be >= 1 and server_lr > 0, "
+                             f"got {self.server_epochs}, {self.server_batch_size}, {self.bn_calibration_samples}, {self.server_lr}")
+        check_choice(self.bn_stats, ("per_agent", "global"), "fedgkt.bn_stats")
+        check_choice(self.edge_init, ("shared", "per_agent"), "fedgkt.edge_init")
         if self.staged_memory_bytes < 0:
             raise ValueError(f"fedgkt.staged_memory_bytes must be >= 0, got {self.staged_memory_bytes}")
-        self.round_config()  # validates the edge half
+        # The agents distil from the server's logits unless KD is off (S<->E and S->E both send them).
+        object.__setattr__(self, "edge", replace(self.edge, edge_kd=self.kd in ("bidirectional", "s2e")))
 
     def round_config(self) -> GktRoundConfig:
-        return GktRoundConfig(
-            edge_epochs=self.edge_epochs, edge_optimizer=self.edge_optimizer, edge_lr=self.edge_lr,
-            edge_momentum=self.edge_momentum, edge_weight_decay=self.edge_weight_decay,
-            batch_size=self.edge_batch_size, temperature=self.temperature, alpha=self.alpha,
-            edge_kd=self.kd in ("bidirectional", "s2e"), upload_codec=self.upload_codec,
-            upload_batch_samples=self.upload_batch_samples,
-        )
+        return self.edge
+
+    def to_table(self) -> dict[str, Any]:
+        """The flat ``[fedgkt]`` table this config reads back from (reports, checkpoints)."""
+        return EDGE_KEYS.table_of(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedGktConfig":
@@ -152,75 +143,7 @@ class FedGktConfig:
         preset = raw.get("preset", "")
         if preset in PAPER_PRESETS:
             raw = {**PAPER_PRESETS[preset], **raw}
-        return config_from_table(cls, raw, "fedgkt")
-
-
-@dataclass
-class _Batch:
-    """One staged upload batch: its feature maps float16 in memory or in a mapped file."""
-
-    features: StagedArray  # (n, 16, H, W) float16
-    logits: np.ndarray  # (n, K)
-    labels: np.ndarray  # (n,)
-    sample_ids: np.ndarray  # (n,)
-
-
-@dataclass
-class _Staged:
-    """One agent's uploads of its current round."""
-
-    instance: str
-    round: int
-    train: dict[int, _Batch] = field(default_factory=dict)  # by seq: a resent batch replaces, never duplicates
-    test: dict[int, _Batch] = field(default_factory=dict)
-    samples: int = 0
-
-    def batches(self) -> list[_Batch]:
-        return [*self.train.values(), *self.test.values()]
-
-
-# (features, edge logits, labels, sample ids) of one agent, rows aligned.
-AgentData = tuple[RowSource, torch.Tensor, torch.Tensor, np.ndarray]
-
-
-def _concat(batches: list[_Batch], staging: ArrayStaging) -> AgentData:
-    """One agent's batches as aligned rows, de-duplicated by sample id (last wins).
-
-    The features are gathered into one staged array, in memory if every batch was
-    and the bound allows, else in one mapped file; the batches' own staging is released.
-    When every batch was also staged on the training device, the gathered rows are too.
-    """
-    ids = np.concatenate([b.sample_ids for b in batches])
-    _, last = np.unique(ids[::-1], return_index=True)
-    keep = np.sort(len(ids) - 1 - last)
-    shape = (len(keep), *batches[0].features.array.shape[1:])
-    any_spilled = any(b.features.spilled for b in batches)
-    device_rows = None  # the same gather on the device, when every batch was staged there as it arrived
-    if all(b.features.device_copy is not None for b in batches):
-        copies = torch.cat([b.features.device_copy for b in batches])  # (n, 16, H, W)
-        device_rows = copies if len(keep) == len(ids) else copies[torch.from_numpy(keep).to(copies.device)]
-    for b in batches:
-        if not b.features.spilled:
-            staging.release(b.features)  # their bytes move into the gathered array below
-    gathered = staging.empty(shape, force_disk=any_spilled)
-    start = row = 0
-    for b in batches:
-        n = len(b.sample_ids)
-        rows = keep[(keep >= start) & (keep < start + n)] - start  # this batch's surviving rows
-        target = gathered.array[row : row + len(rows)]
-        if len(rows) == n:  # no duplicates (the usual case): one straight copy
-            target[...] = b.features.array
-        else:
-            np.take(b.features.array, rows, axis=0, out=target)
-        row += len(rows)
-        start += n
-        staging.release(b.features)
-    logits = torch.from_numpy(np.concatenate([b.logits for b in batches])[keep])
-    labels = torch.from_numpy(np.concatenate([b.labels for b in batches])[keep])
-    sealed = staging.seal(gathered)
-    if device_rows is not None:
-        staging.attach_device_copy(sealed, device_rows)  # the batches' device bytes were released above
-    return RowSource(sealed), logits, labels, ids[keep]
+        return config_from_table(cls, raw, "fedgkt", embedded=EDGE_KEYS)
 
 
 @register_server_method
@@ -237,12 +160,8 @@ class FedGktServer(ServerMethod):
         self.device = torch.device(ctx.device)
         self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
         self.optimizer = self._make_optimizer()
-        self.scheduler = (
-            torch.optim.lr_scheduler.ReduceLROnPlateau(self.optimizer, mode="min", factor=0.5, patience=2)
-            if self.config.lr_schedule == "plateau"
-            else None
-        )
-        self.staged: dict[str, _Staged] = {}
+        self.scheduler = make_lr_schedule(self.config.lr_schedule, self.optimizer)
+        self.staged: dict[str, StagedUploads] = {}
         spill_dir = self.config.spill_dir or (str(Path(ctx.out_dir) / "staged") if ctx.out_dir else None)
         # On a GPU every upload is also copied there as it arrives, while it fits (server_step.py).
         self.staging = ArrayStaging(self.config.staged_memory_bytes, spill_dir, np.float16,
@@ -260,31 +179,30 @@ class FedGktServer(ServerMethod):
             self.edge_init_weights = state_dict_to_arrays(edge)
         self.initialised_agents: set[str] = set()  # agents that finished a round (no initial weights needed)
         self.figures: dict[int, dict[str, Any]] = {}  # round -> the round's own figures (round_report)
-        self.norms = [m for m in self.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        self.norms = batchnorm_layers(self.model)
         # bn_stats = "per_agent": agent -> its BatchNorm statistics, one (mean, var) per layer.
-        self.agent_bn: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.agent_bn: dict[str, BnStatistics] = {}
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
-        return make_server_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
-                                     c.server_weight_decay, self.device)
+        return make_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum, c.server_weight_decay, self.device)
 
     def _trainer(self) -> TrainStep:
         """The shared server step (cloud_server/server_step.py) for the model and the current
         optimiser, with Eq. 6's loss: CE, plus alpha * KD(z_c -> z_s) when bidirectional."""
         if self._step is None or self._step.optimizer is not self.optimizer:
-            c = self.config
-            with_kd = c.kd == "bidirectional" and c.alpha > 0
+            alpha, temperature = self.config.edge.alpha, self.config.edge.temperature
+            with_kd = self.config.kd == "bidirectional" and alpha > 0
 
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor, edge_logits: torch.Tensor) -> torch.Tensor:
                 loss = F.cross_entropy(logits, labels)  # (B, K) vs (B,)
-                return loss + c.alpha * kd_loss(logits, edge_logits, c.temperature) if with_kd else loss
+                return loss + alpha * kd_loss(logits, edge_logits, temperature) if with_kd else loss
 
             self._step = TrainStep(self.model, self.optimizer, loss_fn, self.ctx.server_step, name="fedgkt")
         return self._step
 
     def resolved_config(self) -> dict[str, Any]:
-        return asdict(self.config)
+        return self.config.to_table()
 
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
@@ -325,7 +243,7 @@ class FedGktServer(ServerMethod):
         if self.feature_shape is None:
             return None
         per_sample = 4 * math.prod(self.feature_shape) + 4 * self.ctx.num_classes + 8 + 8
-        return int(1.02 * self.config.upload_batch_samples * per_sample) + 256 * 1024  # + header and codec framing
+        return int(1.02 * self.config.edge.upload_batch_samples * per_sample) + 256 * 1024  # + header and codec framing
 
     def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
         if isinstance(msg, GktOrtArtifactsRequest):
@@ -350,17 +268,8 @@ class FedGktServer(ServerMethod):
         if staged is None or staged.instance != msg.instance or staged.round != msg.round:
             # A new process (restart) or a new round: what the old one staged is void.
             self.discard(agent)
-            staged = self.staged[agent] = _Staged(msg.instance, msg.round)
-        batches = staged.train if msg.split == "train" else staged.test
-        replaced = batches.get(msg.seq)
-        samples = staged.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.labels)
-        if samples > self.config.max_staged_samples_per_agent:
-            raise SizeLimitError(f"agent {agent} uploaded more than {self.config.max_staged_samples_per_agent} samples this round")
-        if replaced is not None:
-            self.staging.release(replaced.features)
-        # float16 now, not at training time: the bound is on what is actually held.
-        batches[msg.seq] = _Batch(self.staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
-        staged.samples = samples
+            staged = self.staged[agent] = StagedUploads(msg.instance, msg.round)
+        staged.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
         return None
 
     def discard(self, agent: str) -> None:
@@ -385,30 +294,16 @@ class FedGktServer(ServerMethod):
                 requests.append((agent, GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=missing)))
         return requests
 
-    def _usable(self, agent: str, end: RoundEnd) -> str | None:
-        """Why ``agent``'s staged upload cannot be used, or None if it can."""
-        staged = self.staged.get(agent)
-        if staged is None or not staged.train:
-            return "no feature uploads"
-        if staged.instance != end.instance or staged.round != end.round:
-            return "uploads came from another agent process or round"
-        train_info = end.uploads.get("train", {})
-        if train_info.get("batches") != len(staged.train) or train_info.get("samples") != sum(len(b.labels) for b in staged.train.values()):
-            return f"incomplete upload: {len(staged.train)} batches staged, agent reported {train_info}"
-        test_info = end.uploads.get("test")
-        if test_info is not None and test_info.get("batches") != len(staged.test):
-            return f"incomplete test upload: {len(staged.test)} batches staged, agent reported {test_info}"
-        return None
-
     # -- the server step ----------------------------------------------------- #
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
-        data: dict[str, AgentData] = {}
-        tests: dict[str, AgentData] = {}
+        data: dict[str, AgentRows] = {}
+        tests: dict[str, AgentRows] = {}
         try:
             for agent in sorted(ends):
-                why = self._usable(agent, ends[agent])
+                staged = self.staged.get(agent)
+                why = "no feature uploads" if staged is None else staged.why_unusable(ends[agent])
                 if why is not None:
                     outcome.excluded[agent] = why
                     log.warning("round %d: not using %s's upload: %s", round_, agent, why)
@@ -416,11 +311,11 @@ class FedGktServer(ServerMethod):
                     continue
                 staged = self.staged.pop(agent)
                 try:
-                    data[agent] = _concat([staged.train[k] for k in sorted(staged.train)], self.staging)
+                    data[agent] = gather_batches([staged.train[k] for k in sorted(staged.train)], self.staging)
                     if staged.test:
-                        tests[agent] = _concat([staged.test[k] for k in sorted(staged.test)], self.staging)
+                        tests[agent] = gather_batches([staged.test[k] for k in sorted(staged.test)], self.staging)
                 finally:
-                    # Normally already released by _concat; after a failed gather (disk full) this frees the rest.
+                    # Normally already released by gather_batches; after a failed gather (disk full) this frees the rest.
                     self.staging.release_all([b.features for b in staged.batches()])
             outcome.used_agents = list(data)
             self.initialised_agents.update(data)
@@ -490,104 +385,64 @@ class FedGktServer(ServerMethod):
         self.model.train()
         agents = list(data)
         device = self.device
-        budget = staging_budget_bytes(device)
-        banks: list[RowBank] = []
-        for a in agents:
-            features = data[a][0]  # RowSource over the agent's staged (n, 16, H, W) float16 maps
-            staged = features.staged
-            bank = RowBank(features, device, budget_bytes=budget, device_rows=staged.device_copy,
-                           host_array=None if staged.spilled else staged.array)
-            if budget is not None and bank.placement == "device" and staged.device_copy is None:
-                budget -= bank.nbytes
+        banks = banks_for_staged_rows([data[a][0] for a in agents], device)  # over each agent's (n, 16, H, W) float16 maps
+        for a, bank in zip(agents, banks):
             if bank.placement == "host":
                 log.info("round %d: %s's maps stay on the host: %s", round_, a, bank.why_host)
-            banks.append(bank)
         edge_logits = [data[a][1].to(device) for a in agents]  # (n, K) each
         labels = [data[a][2].to(device) for a in agents]  # (n,) each
         z_s = [torch.zeros((len(data[a][3]), self.ctx.num_classes), dtype=torch.float32, device=device) for a in agents]
-        total_loss, train_correct, total_n = DeviceSum(device), DeviceSum(device), 0
-        steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
-        progress = None
-        if self.ctx.progress:
-            from tqdm.auto import tqdm
+        train_correct = DeviceSum(device)
 
-            progress = tqdm(total=steps, desc=f"server round {round_}", leave=False, dynamic_ncols=True)
-        step = self._trainer()
+        def batches(epoch: int):  # -> Iterator[Batch of maps (B, 16, H, W), labels (B,), edge logits (B, K)]
+            for k, idx in self._batches(data, generator):
+                index = idx.to(device, non_blocking=True)  # (B,)
+                # The host's copy of the index for maps left on the host: no wait for the device.
+                yield Batch(banks[k].gather(idx, torch.float32), (labels[k][index], edge_logits[k][index]), meta=(k, index))
+
+        def keep_last_epoch_logits(trainer: Trainer) -> None:
+            if trainer.last_epoch:
+                k, index = trainer.batch.meta
+                logits = trainer.out.logits  # (B, K)
+                z_s[k].index_copy_(0, index, logits.float())  # keyed by row: by sample id
+                train_correct.add((logits.argmax(1) == trainer.batch.targets[0]).sum())
+
+        steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
+        trainer = Trainer(self._trainer(), desc=f"server round {round_}", progress=self.ctx.progress)
+        trainer.add_callback("on_batch_end", keep_last_epoch_logits)
         try:
-            with step.session(planned_steps=steps):
-                for epoch in range(c.server_epochs):
-                    last = epoch == c.server_epochs - 1
-                    for k, idx in self._batches(data, generator):
-                        index = idx.to(device, non_blocking=True)  # (B,)
-                        y = labels[k][index]
-                        # The host's copy of the index for maps left on the host: no wait for the device.
-                        out = step(banks[k].gather(idx, torch.float32), y, edge_logits[k][index])  # (B, 16, H, W) maps
-                        if last:
-                            z_s[k].index_copy_(0, index, out.logits.float())  # (B, K), keyed by row: by sample id
-                            total_loss.add(out.loss, len(idx))
-                            train_correct.add((out.logits.argmax(1) == y).sum())
-                            total_n += len(idx)
-                        if progress is not None:
-                            progress.update(1)
-                # The call's one wait for the device: logits, loss and accuracy to the host.
-                logits_by_agent = {a: (data[a][3], z_s[k].cpu().numpy()) for k, a in enumerate(agents)}
-                loss = total_loss.item() / max(total_n, 1)
-                correct = train_correct.item()
+            result = trainer.run(c.server_epochs, batches, planned_steps=steps)
+            # The call's other reads from the device: logits and accuracy to the host.
+            logits_by_agent = {a: (data[a][3], z_s[k].cpu().numpy()) for k, a in enumerate(agents)}
+            correct = train_correct.item()
         finally:
             for bank in banks:
                 bank.release()
-            if progress is not None:
-                progress.close()
         if self.config.eval_diagnostics:
-            self.figures.setdefault(round_, {})["server_train_accuracy"] = correct / max(total_n, 1)
-        return logits_by_agent, loss
+            self.figures.setdefault(round_, {})["server_train_accuracy"] = correct / max(result.last_epoch_samples, 1)
+        return logits_by_agent, result.last_epoch_loss
 
-    @torch.no_grad()
-    def _calibrate(self, features: RowSource) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _calibrate(self, features: RowSource) -> BnStatistics:
         """BatchNorm statistics of the server model on one agent's maps (at most
         ``bn_calibration_samples``, an even spread), leaving the model as it was."""
         n = len(features)
-        take = min(n, self.config.bn_calibration_samples)
-        rows = torch.linspace(0, n - 1, take).round().long().unique()
-        saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone(), m.momentum) for m in self.norms]
-        was_training = self.model.training
-        try:
-            for m in self.norms:
-                m.reset_running_stats()
-                m.momentum = None  # a cumulative average over the agent's maps
-            self.model.train()
-            for chunk in rows.split(256):
-                self.model(features[chunk].to(self.device, torch.float32))
-            return [(m.running_mean.clone(), m.running_var.clone()) for m in self.norms]
-        finally:
-            for m, (mean, var, count, momentum) in zip(self.norms, saved):
-                m.running_mean.copy_(mean)
-                m.running_var.copy_(var)
-                m.num_batches_tracked.copy_(count)
-                m.momentum = momentum
-            self.model.train(was_training)
+        rows = torch.linspace(0, n - 1, min(n, self.config.bn_calibration_samples)).round().long().unique()
+        return measure_bn_statistics(self.model, (features[chunk].to(self.device, torch.float32) for chunk in rows.split(256)))
 
     @torch.no_grad()
-    def _evaluate(self, tests: dict[str, AgentData], per_agent: bool) -> tuple[int, int]:
+    def _evaluate(self, tests: dict[str, AgentRows], per_agent: bool) -> tuple[int, int]:
         """Accuracy of extractor (on the agents) + server model on the agents' test features;
         ``per_agent``: each agent's maps with that agent's BatchNorm statistics (``agent_bn``)."""
         self.model.eval()
         correct = total = 0
-        saved = [(m.running_mean.clone(), m.running_var.clone()) for m in self.norms] if per_agent else []
-        try:
+        with restoring_bn_statistics(self.model) as global_bn:
             for agent, (features, _edge_logits, labels, _ids) in tests.items():
                 if per_agent:
-                    for m, (mean, var) in zip(self.norms, self.agent_bn.get(agent, saved)):
-                        m.running_mean.copy_(mean)
-                        m.running_var.copy_(var)
+                    load_bn_statistics(self.model, self.agent_bn.get(agent, global_bn))
                 for start in range(0, len(labels), 512):
-                    logits = self.model(features[start : start + 512].to(self.device, torch.float32))
+                    logits = self.model(features[start : start + 512].to(self.device, torch.float32))  # (b, K)
                     correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
                     total += int(len(labels[start : start + 512]))
-        finally:
-            for m, (mean, var) in zip(self.norms, saved):
-                m.running_mean.copy_(mean)
-                m.running_var.copy_(var)
         return correct, total
 
     # -- checkpoints ---------------------------------------------------------- #
@@ -627,4 +482,4 @@ def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
     """Mode, KD direction, the server's model and epochs; feature maps fp16-zstd unless ``--codec``."""
     return {"mode": options.mode, "kd": options.kd, "server_model": options.server_model,
             "server_epochs": options.server_epochs, "edge_epochs": options.edge_epochs,
-            "upload_codec": options.codec or "fp16-zstd"}
+            **({"upload_codec": options.codec} if options.codec else {})}  # else GktRoundConfig's default

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,7 @@ import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. re
 from models import build_model, count_parameters, get_model_spec, state_dict_to_arrays, training_flops_per_sample
 from models.mentor import hidden_dim
 from shared_protocol import svd
-from shared_protocol.configs import config_from_table
+from shared_protocol.configs import EmbeddedRoundConfig, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, RoundStart
 from shared_protocol.methods.fedkd import (
@@ -70,6 +70,12 @@ log = logging.getLogger("cloud_server.fedkd")
 WEIGHTINGS = ("samples", "uniform")
 
 
+# How the [fedkd] table names the fields of the FedKdRoundConfig that FedKdConfig holds: by
+# their own names; the round's global version and threshold are the server's, per round, and
+# updates always travel SVD-factored.
+EDGE_KEYS = EmbeddedRoundConfig(FedKdRoundConfig, "edge", derived=("global_version", "threshold", "upload", "upload_codec"))
+
+
 @dataclass(frozen=True)
 class FedKdConfig:
     """``[fedkd]``. Defaults: the paper's T_start = 0.95, T_end = 0.98, ResNet-56 mentor and
@@ -87,15 +93,10 @@ class FedKdConfig:
     upload: str = "update"  # update | gradient
     gradient_lr: float = 0.1  # eta_s of the server's step in gradient mode
     weighting: str = "samples"  # samples (FedAvg) | uniform (Algorithm 1's g / N)
-    local_epochs: int = 1
-    batch_size: int = 64
-    optimizer: str = "adam"
-    mentor_lr: float = 0.001
-    mentee_lr: float = 0.001
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    hidden_loss: bool = True
-    attention_loss: bool = True
+    # The agents' local training, sent as RoundStart.config: local_epochs, batch_size, optimizer,
+    # mentor_lr, mentee_lr, momentum, weight_decay, hidden_loss, attention_loss; all written in
+    # the [fedkd] table itself (EDGE_KEYS). Its upload follows ``upload``, its threshold Eq. 9.
+    edge: FedKdRoundConfig = field(default_factory=FedKdRoundConfig)
     sync_codec: str = "zstd"  # the whole mentee, for agents that do not hold the current one
 
     def __post_init__(self) -> None:
@@ -114,7 +115,7 @@ class FedKdConfig:
             raise ValueError(f"fedkd.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if self.sync_codec not in SYNC_CODECS:
             raise ValueError(f"fedkd.sync_codec must be one of {SYNC_CODECS}, got {self.sync_codec!r}")
-        self.round_config(1, 0, run_rounds=1)  # validates the agents' half
+        object.__setattr__(self, "edge", replace(self.edge, upload=self.upload))  # the agents upload what the server takes
 
     def horizon(self, run_rounds: int) -> int:
         """The round in which T reaches T_end: ``schedule_rounds``, or the run's ``run_rounds`` if that is 0."""
@@ -130,16 +131,15 @@ class FedKdConfig:
         return svd.threshold_at(svd.round_progress(min(round_, horizon), horizon), self.threshold_start, self.threshold_end)
 
     def round_config(self, round_: int, global_version: int, run_rounds: int = 0) -> FedKdRoundConfig:
-        return FedKdRoundConfig(
-            global_version=global_version, threshold=self.threshold(round_, run_rounds), upload=self.upload,
-            local_epochs=self.local_epochs, batch_size=self.batch_size, optimizer=self.optimizer,
-            mentor_lr=self.mentor_lr, mentee_lr=self.mentee_lr, momentum=self.momentum,
-            weight_decay=self.weight_decay, hidden_loss=self.hidden_loss, attention_loss=self.attention_loss,
-        )
+        return replace(self.edge, global_version=global_version, threshold=self.threshold(round_, run_rounds))
+
+    def to_table(self) -> dict[str, Any]:
+        """The flat ``[fedkd]`` table this config reads back from (reports, checkpoints)."""
+        return EDGE_KEYS.table_of(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "FedKdConfig":
-        return config_from_table(cls, raw, "fedkd")
+        return config_from_table(cls, raw, "fedkd", embedded=EDGE_KEYS)
 
 
 @dataclass
@@ -209,7 +209,7 @@ class FedKdServer(ServerMethod):
     # -- configuration --------------------------------------------------------------- #
 
     def resolved_config(self) -> dict[str, Any]:
-        return {**asdict(self.config), "schedule_rounds": self.schedule_rounds}
+        return {**self.config.to_table(), "schedule_rounds": self.schedule_rounds}
 
     def threshold(self, round_: int) -> float:
         """This run's T(t) (Eq. 9) for ``round_``."""

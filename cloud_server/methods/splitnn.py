@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
-from shared_protocol.configs import config_from_table
+from models.training import make_optimizer
+from shared_protocol.configs import EmbeddedRoundConfig, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
 from shared_protocol.methods.splitnn import (
@@ -40,10 +41,15 @@ from shared_protocol.methods.splitnn import (
     SplitRoundConfig,
 )
 
-from ..server_step import TrainStep, make_server_optimizer
+from ..server_step import TrainStep
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.splitnn")
+
+
+# How the [splitnn] table names the fields of the SplitRoundConfig that SplitNNConfig holds.
+EDGE_KEYS = EmbeddedRoundConfig(SplitRoundConfig, "edge", {
+    "optimizer": "edge_optimizer", "lr": "edge_lr", "momentum": "edge_momentum", "weight_decay": "edge_weight_decay"})
 
 
 @dataclass(frozen=True)
@@ -54,37 +60,30 @@ class SplitNNConfig:
     server_lr: float = 0.001
     server_momentum: float = 0.9
     server_weight_decay: float = 5e-4
-    local_epochs: int = 1  # epochs over its shard in each agent's turn
-    edge_optimizer: str = "adam"
-    edge_lr: float = 0.001
-    edge_momentum: float = 0.9
-    edge_weight_decay: float = 5e-4
-    batch_size: int = 64
-    upload_codec: str = "raw"  # vanilla SL (and the paper's Eq. 12) sends fp32
-    reply_timeout_s: float = 60.0
-    reply_attempts: int = 3
-    eval_batch_samples: int = 256
+    # The agents' half, sent as RoundStart.config: local_epochs (in each agent's turn),
+    # edge_optimizer, edge_lr, edge_momentum, edge_weight_decay, batch_size, upload_codec
+    # (vanilla SL, and the paper's Eq. 12, send fp32: "raw"), reply_timeout_s,
+    # reply_attempts, eval_batch_samples; all written in the [splitnn] table itself (EDGE_KEYS).
+    edge: SplitRoundConfig = field(default_factory=SplitRoundConfig)
 
     def __post_init__(self) -> None:
         if get_model_spec(self.server_model).input_kind != "features":
             raise ValueError(f"splitnn.server_model must take feature maps, {self.server_model!r} takes images")
-        if self.server_optimizer not in ("sgd", "adam"):
-            raise ValueError(f"splitnn.server_optimizer must be 'sgd' or 'adam', got {self.server_optimizer!r}")
+        check_optimizer(self.server_optimizer, "splitnn.server_optimizer")
         if self.server_lr <= 0 or self.server_weight_decay < 0:
             raise ValueError("splitnn.server_lr must be > 0 and server_weight_decay >= 0")
         get_model_spec(self.edge_model)
-        self.round_config()  # validates the agents' half
 
     def round_config(self) -> SplitRoundConfig:
-        return SplitRoundConfig(
-            local_epochs=self.local_epochs, optimizer=self.edge_optimizer, lr=self.edge_lr, momentum=self.edge_momentum,
-            weight_decay=self.edge_weight_decay, batch_size=self.batch_size, upload_codec=self.upload_codec,
-            reply_timeout_s=self.reply_timeout_s, reply_attempts=self.reply_attempts, eval_batch_samples=self.eval_batch_samples,
-        )
+        return self.edge
+
+    def to_table(self) -> dict[str, Any]:
+        """The flat ``[splitnn]`` table this config reads back from (reports, checkpoints)."""
+        return EDGE_KEYS.table_of(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SplitNNConfig":
-        return config_from_table(cls, raw, "splitnn")
+        return config_from_table(cls, raw, "splitnn", embedded=EDGE_KEYS)
 
 
 @dataclass
@@ -129,8 +128,8 @@ class SplitNNServer(ServerMethod):
         self.feature_channels = get_model_spec(self.config.server_model).feature_channels
         self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
         c = self.config
-        self.optimizer = make_server_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
-                                               c.server_weight_decay, self.device)
+        self.optimizer = make_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
+                                        c.server_weight_decay, self.device)
         # Every batch is answered with dLoss/dActivations at once: the step runs eagerly (one
         # exchange per batch over the broker bounds it, not kernel launches).
         self.step = TrainStep(self.model, self.optimizer, lambda logits, labels: F.cross_entropy(logits, labels),
@@ -141,7 +140,7 @@ class SplitNNServer(ServerMethod):
         self.turn_order: list[tuple[int, str]] = []  # (round, agent) as turns began: for reports and tests
 
     def resolved_config(self) -> dict[str, Any]:
-        return asdict(self.config)
+        return self.config.to_table()
 
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
@@ -336,5 +335,7 @@ from ..local_run import LocalRunOptions  # noqa: E402
 
 
 def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
-    """The server's part of the model and epochs per turn; activations raw unless ``--codec``."""
-    return {"server_model": options.server_model, "local_epochs": options.edge_epochs, "upload_codec": options.codec or "raw"}
+    """The server's part of the model and epochs per turn; ``--codec`` for the activations
+    (otherwise the config's default, raw)."""
+    return {"server_model": options.server_model, "local_epochs": options.edge_epochs,
+            **({"upload_codec": options.codec} if options.codec else {})}

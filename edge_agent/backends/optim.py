@@ -2,7 +2,7 @@
 
 Same update rules, in the same float32 operation order, as ``torch.optim.SGD``
 (momentum, dampening 0, L2 weight decay) and ``torch.optim.Adam(amsgrad=True)``
-with L2 weight decay -- what :func:`edge_agent.trainer.make_optimizer` builds --
+with L2 weight decay -- what :func:`models.training.make_optimizer` builds on a CPU --
 so an ort agent and a torch agent given the same gradients take the same steps.
 onnxruntime-training's own optimizer graphs are AdamW (decoupled decay, no
 AMSGrad) and plain SGD, which would not.
@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from shared_protocol.configs import check_optimizer
 
 __all__ = ["NumpyAdam", "NumpySGD", "make_numpy_optimizer"]
 
@@ -72,8 +74,7 @@ class NumpyAdam:
 
 
 def make_numpy_optimizer(name: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0) -> NumpySGD | NumpyAdam:
-    if name == "sgd":
+    """The numpy twin of :func:`models.training.make_optimizer` for the same config names."""
+    if check_optimizer(name) == "sgd":
         return NumpySGD(lr, momentum, weight_decay)
-    if name == "adam":
-        return NumpyAdam(lr, weight_decay)
-    raise ValueError(f"optimizer must be 'sgd' or 'adam', got {name!r}")
+    return NumpyAdam(lr, weight_decay)

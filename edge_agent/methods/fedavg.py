@@ -23,12 +23,13 @@ import torch.nn.functional as F
 
 from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.training import accuracy, logits_of, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError
 from shared_protocol.messages import Message, RoundStart
 from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgEvaluate, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
 
 from ..costs import RoundMeter
-from ..trainer import Forward, LossFn, accuracy, make_optimizer, train_epochs
+from ..trainer import Forward, LossFn, train_epochs
 from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
 
 log = logging.getLogger("edge_agent.fedavg")
@@ -43,11 +44,6 @@ def _flops(name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[i
     if key not in _FLOPS_CACHE:
         _FLOPS_CACHE[key] = (training_flops_per_sample(model, shape), forward_flops_per_sample(model, shape))
     return _FLOPS_CACHE[key]
-
-
-def logits_of(output: object) -> torch.Tensor:
-    """The logits of a model's output (ResNet-8 returns ``(logits, features)``)."""
-    return output[0] if isinstance(output, tuple) else output  # type: ignore[return-value]
 
 
 @register_edge_method

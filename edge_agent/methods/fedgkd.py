@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, load_arrays_into
+from models.training import logits_of
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundStart
 from shared_protocol.methods.fedavg import FedAvgEvaluate, FedAvgRoundConfig, join_state
@@ -44,7 +45,7 @@ from shared_protocol.methods.fedgkd import CONFIG_KEY, FedGkdEvalResult, FedGkdT
 from ..costs import RoundMeter
 from ..trainer import Forward, LossFn
 from .base import EdgeContext, RoundResult, register_edge_method
-from .fedavg import FedAvgEdge, logits_of
+from .fedavg import FedAvgEdge
 
 log = logging.getLogger("edge_agent.fedgkd")
 

@@ -49,12 +49,13 @@ import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. re
 from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.mentor import HiddenOutputs, forward_with_hidden, hidden_dim
+from models.training import accuracy, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundStart
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdEvalResult, FedKdRoundConfig, FedKdUpdate, factor_state, unfactor_state
 
 from ..costs import RoundMeter
-from ..trainer import LossFn, accuracy, make_optimizer, train_epochs
+from ..trainer import LossFn, train_epochs
 from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
 
 log = logging.getLogger("edge_agent.fedkd")

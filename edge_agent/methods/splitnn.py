@@ -17,6 +17,7 @@ import torch
 
 from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.training import make_optimizer
 from shared_protocol.errors import ShapeMismatchError
 from shared_protocol.messages import Message, RoundStart
 from shared_protocol.methods.splitnn import (
@@ -29,7 +30,6 @@ from shared_protocol.methods.splitnn import (
 )
 
 from ..costs import RoundMeter
-from ..trainer import make_optimizer
 from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
 
 log = logging.getLogger("edge_agent.splitnn")

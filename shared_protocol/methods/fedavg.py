@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..configs import round_config_from_wire
+from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..messages import Message, register_message, tensor_dict
 
@@ -152,8 +152,7 @@ class FedAvgRoundConfig:
             raise ValueError(f"model_version must be >= 0, got {self.model_version}")
         if self.local_epochs < 1 or self.batch_size < 1:
             raise ValueError("local_epochs and batch_size must be >= 1")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        check_optimizer(self.optimizer)
         if self.lr <= 0 or self.weight_decay < 0 or self.momentum < 0:
             raise ValueError("lr must be > 0, weight_decay and momentum >= 0")
         if self.upload_codec not in WEIGHT_CODECS:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..configs import round_config_from_wire
+from ..configs import check_codec, check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..messages import Message, check_same_length, register_message, tensor
 
@@ -87,7 +87,10 @@ class GktRoundConfig:
     """The per-round settings the server sends agents in ``RoundStart.config``.
 
     This is the wire contract between the two sides of FedGKT; both parse it
-    with these defaults (FedML's FedGKT defaults: T = 3, alpha = 1).
+    with these defaults (FedML's FedGKT defaults: T = 3, alpha = 1), and the
+    server's ``[fedgkt]`` config holds one (``FedGktConfig.edge``) rather than
+    repeating its fields. ``upload_codec`` defaults to what :class:`GktFeatures`
+    declares for its maps, and must be a registered codec.
     """
 
     edge_epochs: int = 1
@@ -99,16 +102,16 @@ class GktRoundConfig:
     temperature: float = 3.0
     alpha: float = 1.0
     edge_kd: bool = True  # False for the "no KD" ablation
-    upload_codec: str = "fp16-zstd"
+    upload_codec: str = GktFeatures.DEFAULT_CODECS["features"]
     upload_batch_samples: int = 256
 
     def __post_init__(self) -> None:
         if self.edge_epochs < 1 or self.batch_size < 1 or self.upload_batch_samples < 1:
             raise ValueError("edge_epochs, batch_size and upload_batch_samples must be >= 1")
-        if self.edge_optimizer not in ("sgd", "adam"):
-            raise ValueError(f"edge_optimizer must be 'sgd' or 'adam', got {self.edge_optimizer!r}")
+        check_optimizer(self.edge_optimizer, "edge_optimizer")
         if self.edge_lr <= 0 or self.temperature <= 0 or self.alpha < 0:
             raise ValueError("edge_lr and temperature must be > 0 and alpha >= 0")
+        check_codec(self.upload_codec)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "GktRoundConfig":

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import svd
-from ..configs import round_config_from_wire
+from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from ..frame import DEFAULT_LIMITS
 from ..messages import Message, register_message, tensor
@@ -204,8 +204,7 @@ class FedKdRoundConfig:
             raise ValueError(f"upload must be one of {UPLOAD_KINDS}, got {self.upload!r}")
         if self.local_epochs < 1 or self.batch_size < 1:
             raise ValueError("local_epochs and batch_size must be >= 1")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        check_optimizer(self.optimizer)
         if self.mentor_lr <= 0 or self.mentee_lr <= 0 or self.momentum < 0 or self.weight_decay < 0:
             raise ValueError("mentor_lr and mentee_lr must be > 0, momentum and weight_decay >= 0")
         if self.upload_codec != "svd":

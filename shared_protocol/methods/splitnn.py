@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..configs import round_config_from_wire
+from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..messages import Message, check_same_length, register_message, tensor, tensor_dict
 
@@ -135,8 +135,7 @@ class SplitRoundConfig:
     def __post_init__(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 1 or self.eval_batch_samples < 1 or self.reply_attempts < 1:
             raise ValueError("local_epochs, batch_size, eval_batch_samples and reply_attempts must be >= 1")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        check_optimizer(self.optimizer)
         if self.lr <= 0 or self.weight_decay < 0 or self.reply_timeout_s <= 0:
             raise ValueError("lr and reply_timeout_s must be > 0, weight_decay >= 0")
         if self.upload_codec not in ACTIVATION_CODECS:

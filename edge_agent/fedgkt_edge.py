@@ -1,0 +1,186 @@
+"""FedGKT's edge protocol, once for both training backends (no torch here).
+
+What a FedGKT agent says and answers does not depend on what trains its
+ResNet-8: parse the round's :class:`GktRoundConfig`, train ``edge_epochs`` with
+``CE + alpha * KD(server logits)``, then stream eval-mode feature maps, edge
+logits, labels and sample ids batch by batch (never all maps in memory), keep
+the server logits that come back by sample id, re-extract exactly the batches a
+:class:`GktResendRequest` names, and persist model and teacher in one format.
+:class:`FedGktEdgeBase` does all of that; a backend fills in the model:
+
+* ``edge_agent/methods/fedgkt.py`` -- torch (the shared training loop);
+* ``edge_agent/backends/ort_fedgkt.py`` -- onnxruntime-training and numpy, for
+  devices without torch.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from shared_protocol.messages import Message, RoundStart
+from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
+
+from .costs import RoundMeter
+from .deadline import RoundDeadline
+from .methods.base import EdgeContext, EdgeMethod, RoundResult
+from .teacher import TeacherLogits
+
+__all__ = ["FedGktEdgeBase"]
+
+
+class FedGktEdgeBase(EdgeMethod):
+    """FedGKT's edge step without its model: the protocol, the round, local persistence."""
+
+    name = "fedgkt"
+
+    def __init__(self, ctx: EdgeContext) -> None:
+        super().__init__(ctx)
+        self.num_classes = int(ctx.settings["num_classes"])
+        self.edge_model = str(ctx.settings.get("edge_model", "resnet8"))
+        self.teacher = TeacherLogits(self.num_classes)
+        self.optimizer: Any = None
+        self._optimizer_key: tuple | None = None
+        self._last_round: tuple[RoundStart, GktRoundConfig] | None = None
+        self.train_flops_per_sample = self.forward_flops_per_sample = 0
+
+    # -- what a backend provides ---------------------------------------------- #
+
+    @abstractmethod
+    def _prepare(self, start: RoundStart, meter: RoundMeter) -> None:
+        """Make the model ready for ``start``'s round (initial weights, artifacts)."""
+
+    @abstractmethod
+    def _new_optimizer(self, cfg: GktRoundConfig) -> Any:
+        """An optimiser for ``cfg``'s edge settings (kept while they do not change)."""
+
+    @abstractmethod
+    def _train(self, start: RoundStart, cfg: GktRoundConfig, optimizer: Any, deadline: RoundDeadline) -> tuple[int, float]:
+        """``cfg.edge_epochs`` of local training against :attr:`teacher`, skipping the batches
+        that cannot finish within ``deadline``; (samples, mean loss)."""
+
+    @abstractmethod
+    def _upload_batches(self, split: str, batch_samples: int) -> Iterable[tuple[Any, np.ndarray, np.ndarray]]:
+        """``split``'s (images, labels, sample ids) in a fixed order, ``batch_samples`` at a time,
+        with the model in eval mode: a re-extracted batch must be the batch first sent."""
+
+    @abstractmethod
+    def _extract(self, images: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(feature maps (B, 16, H, W), logits (B, K)) of one upload batch, float32."""
+
+    @abstractmethod
+    def _test_accuracy(self) -> tuple[int, int]:
+        """(correct, total) of the edge model on the local test set."""
+
+    @abstractmethod
+    def _model_arrays(self) -> dict[str, np.ndarray]:
+        """The model's state as arrays ({} when there is no model yet)."""
+
+    @abstractmethod
+    def _load_model_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore :meth:`_model_arrays` (possibly {} from an agent that had no model yet)."""
+
+    def _ready(self) -> bool:
+        """Whether the model exists (to answer a resend request with)."""
+        return True
+
+    # -- downloads -------------------------------------------------------------- #
+
+    def on_message(self, msg: Message) -> bool:
+        if isinstance(msg, GktServerLogits):
+            self.teacher.update(msg.sample_ids, msg.logits)
+            return True
+        if isinstance(msg, GktResendRequest):
+            self._resend(msg)
+            return True
+        return False
+
+    def _resend(self, request: GktResendRequest) -> None:
+        """Re-extract the requested batches (the model has not changed since the upload:
+        the same deterministic order gives the same batches) and send them again."""
+        if self._last_round is None or self._last_round[0].round != request.round or not self._ready():
+            return  # not our latest round: nothing to resend
+        start, cfg = self._last_round
+        self._stream_features(request.split, start, cfg, RoundMeter(), only=set(request.seqs))
+        self.ctx.resend_round_end()
+
+    # -- the round --------------------------------------------------------------- #
+
+    def _optimizer_for(self, cfg: GktRoundConfig) -> Any:
+        key = (cfg.edge_optimizer, cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay)
+        if self.optimizer is None or key != self._optimizer_key:
+            self.optimizer = self._new_optimizer(cfg)
+            self._optimizer_key = key
+        return self.optimizer
+
+    def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
+        cfg = GktRoundConfig.from_dict(start.config)
+        self._last_round = (start, cfg)
+        self._prepare(start, meter)
+        with meter.phase("compute"):
+            samples, mean_loss = self._train(start, cfg, self._optimizer_for(cfg), meter.deadline)
+        meter.samples_trained += samples
+        meter.train_flops += self.train_flops_per_sample * samples
+        uploads = {"train": self._stream_features("train", start, cfg, meter)}
+        metrics: dict[str, Any] = {"train_loss": mean_loss, "kd_samples": len(self.teacher)}
+        if start.evaluate:
+            with meter.phase("compute"):
+                correct, total = self._test_accuracy()
+            meter.train_flops += self.forward_flops_per_sample * total
+            metrics.update(edge_correct=correct, edge_total=total, edge_accuracy=correct / total if total else None)
+            uploads["test"] = self._stream_features("test", start, cfg, meter)
+        return RoundResult(num_samples=uploads["train"]["samples"], uploads=uploads, metrics=metrics)
+
+    def _stream_features(self, split: str, start: RoundStart, cfg: GktRoundConfig, meter: RoundMeter,
+                         only: set[int] | None = None) -> dict[str, int]:
+        """Extract (eval mode) and send batch by batch; at most one batch of maps in memory."""
+        ctx = self.ctx
+        batches = samples = 0
+        for seq, (images, labels, sample_ids) in enumerate(self._upload_batches(split, cfg.upload_batch_samples)):
+            if only is not None and seq not in only:
+                continue
+            with meter.phase("compute"):
+                features, logits = self._extract(images)  # (B, 16, H, W), (B, K)
+            msg = GktFeatures(
+                run=ctx.run_id, round=start.round, sender=ctx.agent_id, split=split, seq=seq, instance=ctx.instance,
+                features=features, logits=logits,
+                labels=labels.astype(np.int64), sample_ids=sample_ids.astype(np.int64),
+            )
+            ctx.send(msg, meter, codecs={"features": cfg.upload_codec})
+            batches += 1
+            samples += len(labels)
+        if split == "train":
+            meter.train_flops += self.forward_flops_per_sample * samples
+        return {"batches": batches, "samples": samples}
+
+    @staticmethod
+    def _fill_slices(total: int, parts: Iterable[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """One upload batch's (features, logits) from ``(start, features, logits)`` slices of it,
+        computed a slice at a time (see ``EXTRACT_BATCH_SAMPLES``) into the arrays the message carries."""
+        features = logits = None
+        for start, part_features, part_logits in parts:
+            if features is None or logits is None:
+                features = np.empty((total, *part_features.shape[1:]), np.float32)
+                logits = np.empty((total, part_logits.shape[1]), np.float32)
+            features[start : start + part_features.shape[0]] = part_features
+            logits[start : start + part_features.shape[0]] = part_logits
+        if features is None or logits is None:
+            raise ValueError("an upload batch has no samples")
+        return features, logits
+
+    # -- local persistence --------------------------------------------------------- #
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        state = {f"model/{k}": v for k, v in self._model_arrays().items()}
+        state["teacher/ids"] = self.teacher.ids
+        state["teacher/logits"] = self.teacher.logits
+        return state
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self._load_model_arrays({k[6:]: v for k, v in arrays.items() if k.startswith("model/")})
+        if "teacher/ids" in arrays:
+            self.teacher = TeacherLogits(self.num_classes)
+            self.teacher.update(arrays["teacher/ids"], arrays["teacher/logits"])

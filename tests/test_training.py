@@ -1,0 +1,121 @@
+"""The one training loop (models/training.py): the edge trainer and the server loops run it.
+
+The edge trainer must train exactly as the plain per-step loop it replaced (the same
+operations in the same order: losses and weights equal bit for bit); callbacks see each
+batch and its step; a non-finite loss is refused before it touches the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from edge_agent.trainer import train_epochs
+from models.training import OPTIMIZERS, Batch, NonFiniteLossError, Step, Trainer, make_optimizer
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, 1, 6, 6)
+        features = F.relu(self.conv(x))  # (B, 4, 6, 6)
+        return self.fc(features.mean((2, 3))), features  # (B, 3), like ResNet-8's (logits, features)
+
+
+def _loader(n: int = 20, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(n, 1, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+    ids = torch.arange(n)
+    return [(images[i : i + batch], labels[i : i + batch], ids[i : i + batch]) for i in range(0, n, batch)]
+
+
+def _edge_loss(output: object, labels: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
+    logits, _features = output  # the whole output reaches the loss
+    return F.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_the_edge_trainer_trains_exactly_as_the_plain_loop(optimizer: str) -> None:
+    loader = _loader()
+    torch.manual_seed(0)
+    model = Tiny()
+    reference = Tiny()
+    reference.load_state_dict(model.state_dict())
+    result = train_epochs(model, loader, make_optimizer(optimizer, model.parameters(), 0.05, 0.9, 1e-4), _edge_loss, epochs=2)
+
+    opt = make_optimizer(optimizer, reference.parameters(), 0.05, 0.9, 1e-4)
+    total, samples = 0.0, 0
+    for _epoch in range(2):
+        for images, labels, ids in loader:
+            opt.zero_grad(set_to_none=True)
+            loss = _edge_loss(reference(images), labels, ids)
+            loss.backward()
+            opt.step()
+            total += float(loss.item()) * len(labels)
+            samples += len(labels)
+    assert (result.samples, result.steps) == (40, 6)
+    assert result.mean_loss == total / samples
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_a_non_finite_loss_is_refused_before_it_updates_the_model() -> None:
+    loader = _loader()
+    model = Tiny()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def nan_at_second_step(output: object, labels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        loss = _edge_loss(output, labels, ids)
+        return loss * float("nan") if int(ids[0]) == 8 else loss * 0.0  # step 0 changes nothing (zero gradient)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteLossError, match="edge round 3: loss is nan at step 1"):
+        train_epochs(model, loader, opt, nan_at_second_step, epochs=1, desc="edge round 3")
+    for p, q in zip(model.parameters(), before):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_callbacks_see_every_batch_and_may_stop_the_run() -> None:
+    model = Tiny()
+    step = Step(model, make_optimizer("sgd", model.parameters(), 0.01), lambda logits, y: F.cross_entropy(logits, y))
+    seen: list[tuple[str, int, int, bool]] = []
+    trainer = Trainer(step)
+    trainer.add_callback("on_batch_start", lambda t: seen.append(("start", t.epoch, t.batch.meta, t.last_epoch)))
+    trainer.add_callback("on_batch_end", lambda t: seen.append(("end", t.steps_done, t.out.logits.shape[0], t.last_epoch)))
+    trainer.add_callback("on_epoch_end", lambda t: seen.append(("epoch", t.epoch, t.steps_done, t.last_epoch)))
+
+    def batches(epoch: int):  # -> Iterator[Batch]: two batches of 4 and 2 rows
+        for i, n in enumerate((4, 2)):
+            yield Batch(torch.randn(n, 1, 6, 6), (torch.zeros(n, dtype=torch.long),), meta=i)
+
+    result = trainer.run(2, batches)
+    assert seen[:5] == [("start", 0, 0, False), ("end", 1, 4, False), ("start", 0, 1, False), ("end", 2, 2, False), ("epoch", 0, 2, False)]
+    assert seen[-1] == ("epoch", 1, 4, True)
+    assert (result.samples, result.steps, result.last_epoch_samples) == (12, 4, 6)
+    assert math.isfinite(result.mean_loss) and math.isfinite(result.last_epoch_loss)
+
+    stopper = Trainer(step).add_callback("on_batch_end", lambda t: t.stop() if t.steps_done == 3 else None)
+    assert stopper.run(5, batches).steps == 3
+    with pytest.raises(ValueError, match="on_batch_start"):
+        Trainer(step).add_callback("on_step", lambda t: None)
+    with pytest.raises(ValueError, match="check_finite"):
+        Trainer(step, check_finite="always")
+
+
+def test_one_optimiser_factory_for_every_name_the_configs_accept() -> None:
+    from shared_protocol.configs import OPTIMIZERS as CONFIG_OPTIMIZERS
+
+    assert OPTIMIZERS == CONFIG_OPTIMIZERS  # the torch-free configs validate against the same names
+    model = Tiny()
+    adam = make_optimizer("adam", model.parameters(), lr=0.001, weight_decay=5e-4)
+    assert isinstance(adam, torch.optim.Adam) and adam.defaults["amsgrad"]
+    assert isinstance(make_optimizer("sgd", model.parameters(), lr=0.1), torch.optim.SGD)
+    with pytest.raises(ValueError, match=r"optimizer must be one of \('sgd', 'adam'\), got 'lamb'"):
+        make_optimizer("lamb", model.parameters(), lr=0.1)

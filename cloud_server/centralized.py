@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fldata import ArrayDataset, load_dataset, take
+from fldata import ArrayDataset
+from fldata.subsets import seeded_subset
 from fldata.torch_data import make_loader
 from models import build_model, count_parameters, get_model_spec, training_flops_per_sample
 from models.training import LR_SCHEDULES, Batch, Trainer, accuracy, logits_of, make_lr_schedule, make_optimizer
@@ -83,13 +84,8 @@ class CentralizedConfig:
 
 def load_union(server: ServerConfig, config: CentralizedConfig) -> tuple[ArrayDataset, ArrayDataset]:
     """The seeded train / test subsets a local federation with the same settings partitions."""
-    train = load_dataset(server.dataset, "train", config.data_root, config.download)
-    test = load_dataset(server.dataset, "test", config.data_root, config.download)
-    if config.train_samples:
-        train = take(train, min(config.train_samples, len(train)), server.seed)
-    if config.test_samples:
-        test = take(test, min(config.test_samples, len(test)), server.seed)
-    return train, test
+    return seeded_subset(server.dataset, root=config.data_root, download=config.download,
+                         train_samples=config.train_samples, test_samples=config.test_samples, seed=server.seed)
 
 
 class CentralizedTrainer:

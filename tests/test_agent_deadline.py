@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cloud_server.methods import get_server_method
+from cloud_server.assemble import build_server_method
 from edge_agent.agent import EdgeAgent
 from edge_agent.deadline import RoundDeadline
 from fedhelpers import agent_config, method_server_config
@@ -44,7 +44,7 @@ def test_the_first_batch_always_runs_and_no_deadline_skips_nothing() -> None:
 def test_an_agent_skips_training_past_its_deadline_and_says_so(tmp_path: Path, caplog, deadline_s: float, skipped: int) -> None:  # type: ignore[no-untyped-def]
     caplog.set_level(logging.INFO)
     config = method_server_config(tmp_path, "fedavg", {"model": "resnet8", "batch_size": 32}, agents=1)
-    server = get_server_method("fedavg")(config.method_context("cpu"), config.method_config)
+    server = build_server_method(config, device="cpu")
     agent = EdgeAgent(agent_config("t1", 0, 1, train_samples=160, test_samples=16),  # 5 batches of 32
                       transport=InMemoryTransport(InMemoryBroker(), "agent-0"))
     agent.transport.connect()

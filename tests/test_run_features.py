@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cloud_server.assemble import build_server_method
 from cloud_server.config import ServerConfig
 from cloud_server.coordinator import Coordinator
-from cloud_server.methods import get_server_method
 from cloud_server.report import validate_report
 from shared_protocol.transport import InMemoryBroker, InMemoryTransport
 
@@ -29,7 +29,7 @@ def test_client_fraction_is_validated() -> None:
 
 def test_sampling_draws_the_fraction_reproducibly(tmp_path: Path) -> None:
     config = method_server_config(tmp_path, "fedavg", FEDAVG_SMALL, agents=5, client_fraction=0.4, min_agents=1, seed=3)
-    method = get_server_method("fedavg")(config.method_context("cpu"), config.method_config)
+    method = build_server_method(config, device="cpu")
     coord = Coordinator(config, method, InMemoryTransport(InMemoryBroker(), "server"))
     agents = [f"agent-{i}" for i in range(5)]
     draws = [coord.registry.sample(r, agents) for r in range(1, 21)]
@@ -47,7 +47,7 @@ def test_sampling_draws_the_fraction_reproducibly(tmp_path: Path) -> None:
 
 def test_sampling_is_refused_for_rounds_that_are_not_sync(tmp_path: Path) -> None:
     config = server_config(tmp_path, agents=2, client_fraction=0.5, method_config={"mode": "async"})
-    method = get_server_method("fedgkt")(config.method_context("cpu"), config.method_config)
+    method = build_server_method(config, device="cpu")
     with pytest.raises(ValueError, match="asynchronous"):
         Coordinator(config, method, InMemoryTransport(InMemoryBroker(), "server"))
 
@@ -85,7 +85,7 @@ def _initial_edge_model(index: int, seed: int) -> dict[str, np.ndarray]:
 
 def _gkt_settings() -> dict:
     config = server_config(Path("/nonexistent"), agents=2)
-    return get_server_method("fedgkt")(config.method_context("cpu"), config.method_config).welcome_settings()
+    return build_server_method(config, device="cpu").welcome_settings()
 
 
 def test_agent_models_start_from_the_run_seed() -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from fldata import ArrayDataset
 from fldata.subsets import seeded_subset
@@ -140,7 +141,7 @@ class CentralizedTrainer:
         c = self.config
         self.model.train()
         planned = math.ceil(len(self.train_data) / c.batch_size) * c.epochs_per_round
-        trainer = Trainer(self.step, desc=f"centralized round {round_}", progress=self.server.progress)
+        trainer = Trainer(self.step, desc=f"centralized round {round_}", progress=tqdm if self.server.progress else None)
         with self.device_meter.training():
             result = trainer.run(c.epochs_per_round, lambda epoch: self._batches(round_, epoch), planned_steps=planned)
         if not math.isfinite(result.mean_loss):

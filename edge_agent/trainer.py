@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from models.training import Batch, Forward, LossFn, Step, Trainer, TrainResult
 
@@ -44,4 +45,4 @@ def train_epochs(
             yield Batch(images.to(device), (labels.to(device), sample_ids))
 
     planned = len(loader) * epochs
-    return Trainer(step, desc=desc, progress=progress, check_finite="step").run(epochs, batches, planned_steps=planned)
+    return Trainer(step, desc=desc, progress=tqdm if progress else None, check_finite="step").run(epochs, batches, planned_steps=planned)

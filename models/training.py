@@ -31,7 +31,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -211,6 +211,17 @@ class TrainResult:
 
 
 Callback = Callable[["Trainer"], None]
+
+
+class ProgressBar(Protocol):
+    def update(self, n: int = 1) -> Any: ...
+
+    def close(self) -> Any: ...
+
+
+#: Makes a progress bar, called as ``progress(total=..., desc=..., leave=False, dynamic_ncols=True)``:
+#: ``tqdm.auto.tqdm`` fits. The caller passes it, so this package depends on torch and numpy only.
+ProgressFactory = Callable[..., ProgressBar]
 EVENTS = ("on_batch_start", "on_batch_end", "on_epoch_end")
 FINITE_CHECKS = ("none", "step")
 
@@ -222,7 +233,8 @@ class Trainer:
     ``steps_done`` (steps finished), ``batch`` and, after the step, ``out``.
     """
 
-    def __init__(self, step: Step, *, desc: str = "train", progress: bool = False, check_finite: str = "none") -> None:
+    def __init__(self, step: Step, *, desc: str = "train", progress: ProgressFactory | None = None,
+                 check_finite: str = "none") -> None:
         if check_finite not in FINITE_CHECKS:
             raise ValueError(f"check_finite must be one of {FINITE_CHECKS}, got {check_finite!r}")
         self.step = step
@@ -265,10 +277,8 @@ class Trainer:
         self.steps_done, self._stop = 0, False
         check = self._refuse_non_finite if self.check_finite == "step" else None
         bar = None
-        if self.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=planned_steps, desc=self.desc, leave=False, dynamic_ncols=True)
+        if self.progress is not None:
+            bar = self.progress(total=planned_steps, desc=self.desc, leave=False, dynamic_ncols=True)
         try:
             with self.step.session(planned_steps=planned_steps):
                 for epoch in range(epochs):

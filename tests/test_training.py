@@ -119,3 +119,28 @@ def test_one_optimiser_factory_for_every_name_the_configs_accept() -> None:
     assert isinstance(make_optimizer("sgd", model.parameters(), lr=0.1), torch.optim.SGD)
     with pytest.raises(ValueError, match=r"optimizer must be one of \('sgd', 'adam'\), got 'lamb'"):
         make_optimizer("lamb", model.parameters(), lr=0.1)
+
+
+def test_the_progress_bar_is_the_callers_and_counts_every_step() -> None:
+    made: list[dict] = []
+
+    class Bar:
+        def __init__(self, **kwargs: object) -> None:
+            made.append({**kwargs, "updates": 0, "closed": False})
+
+        def update(self, n: int = 1) -> None:
+            made[-1]["updates"] += n
+
+        def close(self) -> None:
+            made[-1]["closed"] = True
+
+    torch.manual_seed(0)
+    model = Tiny()
+    step = Step(model, make_optimizer("sgd", model.parameters(), 0.05, 0.0, 0.0),
+                lambda logits, labels, ids: F.cross_entropy(logits, labels))  # the default forward hands on the logits
+    batches = [Batch(images, (labels, ids)) for images, labels, ids in _loader()]  # 3 batches
+    Trainer(step, desc="bar", progress=Bar).run(2, lambda epoch: batches, planned_steps=6)
+    assert made == [{"total": 6, "desc": "bar", "leave": False, "dynamic_ncols": True, "updates": 6, "closed": True}]
+    made.clear()
+    Trainer(step, desc="quiet").run(1, lambda epoch: batches)
+    assert made == []

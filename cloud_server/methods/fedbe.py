@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from fldata import ArrayDataset, load_dataset, take
 from models import build_model, count_parameters, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
@@ -276,7 +277,7 @@ def distill_swa(
                 snapshots.append(collected)
 
     model.train()
-    loop = Trainer(trainer, desc=desc, progress=progress)
+    loop = Trainer(trainer, desc=desc, progress=tqdm if progress else None)
     loop.add_callback("on_batch_start", cyclical_lr).add_callback("on_batch_end", collect)
     loop.run(1, batches, planned_steps=c.distill_steps)
     failed = failures[0] if failures else failure(c.distill_steps)

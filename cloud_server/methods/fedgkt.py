@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.batchnorm import BnStatistics, batchnorm_layers, load_bn_statistics, measure_bn_statistics, restoring_bn_statistics
@@ -408,7 +409,7 @@ class FedGktServer(ServerMethod):
                 train_correct.add((logits.argmax(1) == trainer.batch.targets[0]).sum())
 
         steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
-        trainer = Trainer(self._trainer(), desc=f"server round {round_}", progress=self.ctx.progress)
+        trainer = Trainer(self._trainer(), desc=f"server round {round_}", progress=tqdm if self.ctx.progress else None)
         trainer.add_callback("on_batch_end", keep_last_epoch_logits)
         try:
             result = trainer.run(c.server_epochs, batches, planned_steps=steps)

@@ -142,3 +142,16 @@ def test_the_agent_switches_it_on_only_in_low_memory_mode(monkeypatch: pytest.Mo
     assert is_checkpointed(memory.lighten_model(build_model("resnet8", 10, 3)))
     stem_only = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
     assert memory.lighten_model(stem_only) is stem_only
+
+
+def test_edge_agent_low_memory_flag_switches_the_mode_on(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import edge_agent.cli as cli
+    import edge_agent.memory as memory
+
+    calls: list[bool] = []
+    monkeypatch.setattr(memory, "enable_low_memory", lambda: calls.append(True) or True)
+    missing = str(tmp_path / "missing.toml")
+    assert cli.main(["run", "--config", missing]) == 2  # the config error comes after the flag is handled
+    assert calls == []
+    assert cli.main(["run", "--low-memory", "--config", missing]) == 2
+    assert calls == [True]

@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "step_memory.json"
 BATCH = 64
-STEPS = 6  # the first is warm-up
+STEPS = 11  # the first is warm-up
 
 
 def _status_kib(field: str) -> int:
@@ -224,6 +224,18 @@ def main() -> int:
         for variant in ORT_VARIANTS:
             report["ort"].append(_run(["--worker", "ort", "--artifacts", str(artifacts), "--variant", variant], ort_env))
     report["machine"]["load_average_at_end"] = os.getloadavg()
+    # Per variant: the median over the repeats, and its ratio to the plain step's (the agent's default).
+    summary = {}
+    for checkpointed in (False, True):
+        for pinned in (False, True):
+            runs = [r for r in report["torch"] if r["checkpointed"] == checkpointed and r["malloc_mmap_threshold_pinned"] == pinned]
+            ms = sorted(r["step_ms_median"] for r in runs)
+            summary[f"checkpointed={checkpointed} pinned={pinned}"] = {
+                "step_ms_median": ms[len(ms) // 2], "peak_above_import_bytes_max": max(r["peak_above_import_bytes"] for r in runs)}
+    plain = summary["checkpointed=False pinned=False"]["step_ms_median"]
+    for entry in summary.values():
+        entry["step_time_over_default"] = round(entry["step_ms_median"] / plain, 2)
+    report["torch_summary"] = summary
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

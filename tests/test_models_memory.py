@@ -155,3 +155,28 @@ def test_edge_agent_low_memory_flag_switches_the_mode_on(monkeypatch: pytest.Mon
     assert calls == []
     assert cli.main(["run", "--low-memory", "--config", missing]) == 2
     assert calls == [True]
+
+
+def test_fedgkt_edge_model_is_checkpointed_in_low_memory_mode_and_reports_the_methods_flops(monkeypatch: pytest.MonkeyPatch) -> None:
+    import edge_agent.memory as memory
+    from edge_agent.methods.base import EdgeContext
+    from edge_agent.methods import fedgkt
+    from edge_agent.methods.fedgkt import FedGktEdge
+    from fldata import make_synthetic
+
+    data = make_synthetic(8, num_classes=10, in_channels=1, seed=0)
+
+    def edge() -> FedGktEdge:
+        # counted afresh for each (the method caches FLOPs per architecture and shape)
+        monkeypatch.setattr(fedgkt, "_FLOPS_CACHE", {})
+        ctx = EdgeContext(agent_id="a0", run_id="r", instance="i", train=data, test=data,
+                          settings={"num_classes": 10, "edge_model": "resnet8"}, send=lambda *a, **k: None)
+        return FedGktEdge(ctx)
+
+    monkeypatch.setattr(memory, "_low_memory", False)
+    plain = edge()
+    monkeypatch.setattr(memory, "_low_memory", True)
+    light = edge()
+    assert not is_checkpointed(plain.model) and is_checkpointed(light.model)
+    # the reported FLOPs are the method's (recomputation documented, not counted)
+    assert light.train_flops_per_sample == plain.train_flops_per_sample > 0

@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", required=True, help="agent TOML ([agent] and [data] tables)")
     run.add_argument("--low-memory", action="store_true",
                      help="lower peak and idle RSS: give freed activation memory back to the system and (torch backend) "
-                          "recompute each ResNet block's activations in the backward pass; same math, training steps "
-                          "about 2-3x slower on x86 (see docs/deploy.md)")
+                          "recompute each ResNet block's activations in the backward pass; same math, torch training steps "
+                          "about 3x slower on x86 (see docs/deploy.md)")
     run.add_argument("--broker", help="override the broker URL")
     run.add_argument("--agent-id", help="override the agent id")
     run.add_argument("--state-dir", help="override where local state is kept")

@@ -26,7 +26,10 @@ every sample before round 2) against a scripted server inside the same process
 (no broker: uploads are encoded and counted, then dropped). Measured per run:
 peak RSS (``VmHWM``), the runtime's own import baseline (a fresh process that
 only imports torch, or onnxruntime-training as the ort backend does) and the
-agent's peak above it, RSS after each round. Three environments: the torch
+agent's peak above it, RSS after each round. Each agent runs in the modes of ``--modes``:
+``default`` (``edge-agent run``) and ``low-memory`` (``edge-agent run
+--low-memory``: glibc's mmap threshold pinned and, on torch, checkpointed
+bottleneck blocks); entries are named ``ENV`` and ``ENV low-memory``. Three environments: the torch
 agent with the CPU-only torch build (the ``edge`` venv), the torch agent with
 the CUDA build PyPI serves on x86_64 (this venv, when its torch is one), and the
 ort agent in the lean ``edge-lite-lean`` venv (no torch installed).
@@ -35,6 +38,8 @@ ort agent in the lean ``edge-lite-lean`` venv (no torch installed).
     .venv/bin/python bench/footprint.py --reuse DIR    # keep / reuse the venvs in DIR
     .venv/bin/python bench/footprint.py --no-install   # only this venv (torch hidden for the ort run)
     .venv/bin/python bench/footprint.py --reuse DIR --only-agent   # only the agent runs, merged into the JSON
+    .venv/bin/python bench/footprint.py --no-install --only-agent --torch-cpu-dir DIR   # agents in this venv, with
+        # the CPU-only torch wheel unpacked in DIR in front of it (no pip install); --sizes 1000,16000 to be quicker
 
 Writes ``bench/results/footprint.json``.
 """

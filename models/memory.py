@@ -1,13 +1,13 @@
 """Activation checkpointing for the bottleneck ResNets: less memory per training step, same math.
 
-A ResNet-8 training step at batch 64 and 32x32 keeps about 200 MB of activations
-alive from the forward pass to the backward pass under torch, almost all of it
-inside the two bottlenecks, which run 64 channels at full resolution (each
+A ResNet-8 training step at batch 64 and 32x32 keeps 127 MB of tensors from
+the forward pass for the backward pass under torch, 118 MB of it inside the
+two bottlenecks, which run 64 channels at full resolution (each
 ``(64, 64, 32, 32)`` fp32 map is 16.8 MB). :func:`checkpoint_bottlenecks` makes
-every :class:`~models.resnet.Bottleneck` keep only its input; its inside is
-computed again, one block at a time, when the backward pass reaches it. The
-measured breakdown and the cost are in docs/deploy.md ("Memory on a small
-device").
+every :class:`~models.resnet.Bottleneck` keep only its input (26 MB kept in
+all); its inside is computed again, one block at a time, when the backward
+pass reaches it. The measured breakdown and the cost are in docs/deploy.md
+("Memory on the device") and bench/results/step_memory.json.
 
 The math is that of the plain model: the recomputation sees the same input and
 the same parameters, so outputs, losses and gradients are the same. The one
@@ -20,9 +20,9 @@ their ``num_batches_tracked`` back; in training mode BN normalises with the
 batch's own statistics either way, so the recomputed activations do not change.
 
 It costs forward work: each checkpointed block runs its forward twice per
-step. For ResNet-8 that is about 0.9 of the plain forward's FLOPs again (the
-bottlenecks hold nearly all of the model's convolutions), about +30 % on a
-training step's FLOPs (see :func:`recompute_flops_ratio`).
+step. For ResNet-8 that is most of a forward pass again (the bottlenecks hold
+nearly all of the model's convolutions): a training step's FLOPs are 1.32x the
+plain step's (:func:`recompute_flops_ratio`).
 
 Parameter and buffer names do not change (the blocks' ``forward`` is replaced
 on the instance; no wrapper module is inserted), so state dicts, weight arrays

@@ -26,7 +26,10 @@ every sample before round 2) against a scripted server inside the same process
 (no broker: uploads are encoded and counted, then dropped). Measured per run:
 peak RSS (``VmHWM``), the runtime's own import baseline (a fresh process that
 only imports torch, or onnxruntime-training as the ort backend does) and the
-agent's peak above it, RSS after each round. Three environments: the torch
+agent's peak above it, RSS after each round. Each agent runs in the modes of ``--modes``:
+``default`` (``edge-agent run``) and ``low-memory`` (``edge-agent run
+--low-memory``: glibc's mmap threshold pinned and, on torch, checkpointed
+bottleneck blocks); entries are named ``ENV`` and ``ENV low-memory``. Three environments: the torch
 agent with the CPU-only torch build (the ``edge`` venv), the torch agent with
 the CUDA build PyPI serves on x86_64 (this venv, when its torch is one), and the
 ort agent in the lean ``edge-lite-lean`` venv (no torch installed).
@@ -35,6 +38,8 @@ ort agent in the lean ``edge-lite-lean`` venv (no torch installed).
     .venv/bin/python bench/footprint.py --reuse DIR    # keep / reuse the venvs in DIR
     .venv/bin/python bench/footprint.py --no-install   # only this venv (torch hidden for the ort run)
     .venv/bin/python bench/footprint.py --reuse DIR --only-agent   # only the agent runs, merged into the JSON
+    .venv/bin/python bench/footprint.py --no-install --only-agent --torch-cpu-dir DIR   # agents in this venv, with
+        # the CPU-only torch wheel unpacked in DIR in front of it (no pip install); --sizes 1000,16000 to be quicker
 
 Writes ``bench/results/footprint.json``.
 """
@@ -199,8 +204,12 @@ def baseline_worker(backend: str) -> dict:
             "torch_loaded": "torch" in sys.modules}
 
 
-def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: int = 64, rounds: int = 1) -> dict:
-    """One agent, two FedGKT rounds, its own shard of ``samples`` Fashion-MNIST images."""
+def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: int = 64, rounds: int = 1,
+                 low_memory: bool = False) -> dict:
+    """One agent, two FedGKT rounds, its own shard of ``samples`` Fashion-MNIST images.
+
+    ``low_memory``: as ``edge-agent run --low-memory`` (malloc threshold pinned; torch:
+    checkpointed bottlenecks); otherwise as ``edge-agent run`` by default."""
     sys.path.insert(0, str(REPO))
     import collections
     import hashlib
@@ -214,9 +223,9 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
     from shared_protocol.transport import Delivery, TrafficStats, Transport
 
     rss_start = _status_kib("VmHWM") * 1024
-    from edge_agent.memory import fix_malloc_mmap_threshold
+    from edge_agent.memory import enable_low_memory
 
-    malloc_fixed = fix_malloc_mmap_threshold()  # as `edge-agent run --low-memory` does
+    malloc_fixed = enable_low_memory() if low_memory else False  # as `edge-agent run --low-memory` does
     run_id, agent_id = "footprint", "bench-agent"
 
     class ScriptedServer(Transport):
@@ -319,10 +328,22 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
         "peak_rss_bytes": _status_kib("VmHWM") * 1024,
         "torch_loaded": "torch" in sys.modules,
         "torchvision_loaded": "torchvision" in sys.modules,
+        "triton_loaded": "triton" in sys.modules,
         "malloc_mmap_threshold_fixed": malloc_fixed,
+        "mode": "low-memory" if low_memory else "default",
+        "bottlenecks_checkpointed": _checkpointed(agent),
         "seconds": round(time.perf_counter() - started, 1),
         "load_s": round(loaded_s, 2),
     }
+
+
+def _checkpointed(agent) -> bool:  # type: ignore[no-untyped-def]
+    model = getattr(agent.method, "model", None)
+    if "torch" not in sys.modules or model is None or not hasattr(model, "modules"):
+        return False
+    from models.memory import is_checkpointed
+
+    return is_checkpointed(model)
 
 
 def _artifacts_message(directory: str | None, run_id: str, round_: int):  # type: ignore[no-untyped-def]
@@ -443,7 +464,7 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
 
 
 def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: dict[str, str] | None = None,
-                   sizes: tuple[int, ...] = AGENT_SAMPLES) -> dict:
+                   sizes: tuple[int, ...] = AGENT_SAMPLES, low_memory: bool = False) -> dict:
     """The agent at each shard size in ``python``'s environment, and the runtime's own baseline."""
     env = {"EDGESPLIT_DATA_DIR": str(base / "data-cache"), **(env or {})}
     me = str(Path(__file__).resolve())
@@ -452,7 +473,7 @@ def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: 
 
     def agent_run(n: int) -> dict:
         return run_json([python, me, "--worker", "agent", "--backend", backend, "--artifacts", str(artifacts), "--samples", str(n),
-                         "--rounds", str(AGENT_ROUNDS[n])], env)
+                         "--rounds", str(AGENT_ROUNDS[n]), *(["--low-memory"] if low_memory else [])], env)
 
     with ThreadPoolExecutor(max_workers=len(sizes)) as pool:  # side by side: peak RSS is per process
         results = dict(zip(sizes, pool.map(agent_run, sizes)))
@@ -464,7 +485,7 @@ def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: 
         print(f"  {backend} {n:6d} samples: peak {run['peak_rss_bytes'] / 1e6:.0f} MB "
               f"({run['peak_above_runtime_bytes'] / 1e6:.0f} MB above the runtime's {baseline['peak_rss_bytes'] / 1e6:.0f} MB), "
               f"{run['seconds']:.0f} s", flush=True)
-    out = {"runtime_baseline": baseline, "runs": runs}
+    out = {"mode": "low-memory" if low_memory else "default", "runtime_baseline": baseline, "runs": runs}
     if len(sizes) > 1:
         first, last = runs[str(sizes[0])], runs[str(sizes[-1])]
         out["round1_peak_largest_over_smallest"] = round(last["rounds"][0]["peak_rss_bytes"] / first["rounds"][0]["peak_rss_bytes"], 3)
@@ -472,29 +493,41 @@ def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: 
     return out
 
 
-def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: dict[str, str] | None = None) -> dict:
+def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: dict[str, str] | None = None,
+                  modes: tuple[str, ...] = ("default",), sizes: tuple[int, ...] = AGENT_SAMPLES,
+                  env_vars: dict[str, dict[str, str]] | None = None) -> dict:
+    """Each environment of ``envs`` in each mode (``default``, ``low-memory``); entries are named
+    ``ENV`` (default mode) and ``ENV low-memory``."""
     out: dict = {
         "setting": {"dataset": "fashion-mnist (Debian package IDX files, 1x32x32)", "method": "fedgkt", "rounds_by_train_samples": {str(k): v for k, v in AGENT_ROUNDS.items()},
-                    "train_samples": list(AGENT_SAMPLES), "test_samples": AGENT_TEST_SAMPLES,
+                    "train_samples": list(sizes), "test_samples": AGENT_TEST_SAMPLES,
                     "round_config": "GktRoundConfig defaults: batch 64, 1 edge epoch, adam, fp16-zstd uploads of 256 samples",
                     "evaluate": "every round", "server": "scripted in the agent's process; uploads counted and dropped",
-                    "threads": 1, "runs": "all side by side (each its own process); 'seconds' are wall times on a shared 2-core machine, not timings"},
+                    "threads": 1, "runs": "all side by side (each its own process); 'seconds' are wall times on a shared 2-core machine, not timings",
+                    "modes": {"default": "edge-agent run", "low-memory": "edge-agent run --low-memory: glibc mmap threshold pinned at 1 MiB; "
+                              "torch: bottleneck blocks recompute their activations in the backward pass"}},
+        "load_average_at_start": os.getloadavg(),
         "environments": {},
     }
     # The environments run side by side (peak RSS is per process; the seconds recorded are
     # then those of a shared machine, not timings).
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(name: str) -> dict:
-        backend = "ort" if name.startswith("ort") else "torch"
-        print(f"agent footprint: {name} ({envs[name]})", flush=True)
-        # The CUDA build only at the smallest shard: it is there for its import cost, next to the CPU build.
-        sizes = AGENT_SAMPLES[:1] if name == "torch-cuda" else AGENT_SAMPLES
-        return measure_agents(envs[name], backend, artifacts, base, ort_env if backend == "ort" else None, sizes)
+    jobs = [(name, mode) for name in envs for mode in modes if not (name == "torch-cuda" and mode != "default")]
 
-    with ThreadPoolExecutor(max_workers=len(envs)) as pool:
-        results = dict(zip(envs, pool.map(one, envs)))
-    out["environments"] = results
+    def one(job: tuple[str, str]) -> dict:
+        name, mode = job
+        backend = "ort" if name.startswith("ort") else "torch"
+        print(f"agent footprint: {name} {mode} ({envs[name]})", flush=True)
+        # The CUDA build only at the smallest shard: it is there for its import cost, next to the CPU build.
+        env_sizes = sizes[:1] if name == "torch-cuda" else sizes
+        env = {**(ort_env if backend == "ort" and ort_env else {}), **(env_vars or {}).get(name, {})}
+        return measure_agents(envs[name], backend, artifacts, base, env or None, env_sizes, low_memory=mode == "low-memory")
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        results = dict(zip(jobs, pool.map(one, jobs)))
+    out["environments"] = {name if mode == "default" else f"{name} {mode}": r for (name, mode), r in results.items()}
+    out["load_average_at_end"] = os.getloadavg()  # the seconds recorded are only as quiet as the machine was
     return out
 
 
@@ -507,6 +540,11 @@ def main() -> int:
     p.add_argument("--backend", choices=("torch", "ort"), help="with --worker agent / baseline")
     p.add_argument("--samples", type=int, default=1000, help="with --worker agent: training samples in the shard")
     p.add_argument("--rounds", type=int, default=1, help="with --worker agent: FedGKT rounds")
+    p.add_argument("--low-memory", action="store_true", help="with --worker agent: as edge-agent run --low-memory")
+    p.add_argument("--modes", default="default,low-memory", help="agent modes to measure (comma-separated: default, low-memory)")
+    p.add_argument("--sizes", default=",".join(map(str, AGENT_SAMPLES)), help="agent shard sizes (comma-separated, from %(default)s)")
+    p.add_argument("--torch-cpu-dir", help="with --no-install --only-agent: a directory holding the CPU-only torch "
+                                          "(e.g. its wheel unpacked), put first on PYTHONPATH for the torch-cpu agent")
     p.add_argument("--skip-agent", action="store_true", help="keep the agent section of --out as it is")
     p.add_argument("--only-agent", action="store_true", help="only the agent runs (needs --reuse with built venvs); merged into --out")
     p.add_argument("--artifacts")
@@ -518,7 +556,7 @@ def main() -> int:
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.worker == "agent":
-        print(json.dumps(agent_worker(args.backend, args.artifacts, args.samples, args.batch_size, args.rounds)))
+        print(json.dumps(agent_worker(args.backend, args.artifacts, args.samples, args.batch_size, args.rounds, args.low_memory)))
         return 0
     if args.worker == "baseline":
         print(json.dumps(baseline_worker(args.backend)))
@@ -533,12 +571,37 @@ def main() -> int:
     export_artifacts(artifacts)
     artifacts_1ch = base / "artifacts-1ch"  # the agent runs train on Fashion-MNIST
     export_artifacts(artifacts_1ch, in_channels=1)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if set(modes) - {"default", "low-memory"}:
+        raise SystemExit(f"--modes takes default and low-memory, got {args.modes!r}")
+    sizes = tuple(int(n) for n in args.sizes.split(","))
+    if set(sizes) - set(AGENT_ROUNDS):
+        raise SystemExit(f"--sizes must come from {sorted(AGENT_ROUNDS)}, got {args.sizes!r}")
     if args.only_agent:
-        if not args.reuse:
-            raise SystemExit("--only-agent needs --reuse DIR with the venvs built")
+        if not args.reuse and not args.no_install:
+            raise SystemExit("--only-agent needs --reuse DIR with the venvs built, or --no-install")
         out = Path(args.out)
         report = json.loads(out.read_text()) if out.exists() else {}
-        report["agent"] = agent_section(_agent_envs(base), artifacts_1ch, base)
+        if args.no_install:
+            # This venv: the ort agent with torch hidden (what it imports is what the lean venv has); the torch
+            # agent with the CPU-only torch from --torch-cpu-dir in front of this venv's (CUDA) build.
+            sys.path.insert(0, str(REPO / "tests"))
+            from no_torch import write_blocker
+
+            envs = {"torch-cpu" if args.torch_cpu_dir else "torch-this-venv": sys.executable, "ort": sys.executable}
+            env_vars = {}
+            if args.torch_cpu_dir:
+                # triton comes with this venv's CUDA torch, not with the CPU build; torch.utils.flop_counter
+                # imports it where it is importable (libtriton.so alone is 70+ MB resident), so hide it.
+                no_triton = write_blocker(base / "no_triton", hidden=("triton",))
+                env_vars["torch-cpu"] = {"PYTHONPATH": f"{no_triton}{os.pathsep}{Path(args.torch_cpu_dir).resolve()}"}
+            report["agent"] = agent_section(envs, artifacts_1ch, base, ort_env={"PYTHONPATH": str(write_blocker(base / "no_torch"))},
+                                            modes=modes, sizes=sizes, env_vars=env_vars)
+            report["agent"]["setting"]["environments"] = (
+                "this venv; torch-cpu: the CPU-only torch wheel unpacked in front of it on PYTHONPATH (triton hidden, as in a "
+                "CPU-only install); ort: torch hidden")
+        else:
+            report["agent"] = agent_section(_agent_envs(base), artifacts_1ch, base, modes=modes, sizes=sizes)
         report["agent"]["machine"] = {"cpu": cpu_model(), "arch": platform.machine(), "cores": os.cpu_count()}
         _write(out, report)
         _print_agent(report["agent"])
@@ -583,9 +646,9 @@ def main() -> int:
                 report["agent"] = previous["agent"]
         elif args.no_install:
             report["agent"] = agent_section({"torch-this-venv": sys.executable, "ort-this-venv": sys.executable}, artifacts_1ch, base,
-                                            ort_env={"PYTHONPATH": str(block)})
+                                            ort_env={"PYTHONPATH": str(block)}, modes=modes, sizes=sizes)
         else:
-            report["agent"] = agent_section(_agent_envs(base), artifacts_1ch, base)
+            report["agent"] = agent_section(_agent_envs(base), artifacts_1ch, base, modes=modes, sizes=sizes)
     finally:
         if not args.reuse:
             shutil.rmtree(base, ignore_errors=True)

@@ -23,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="join a federation and train")
     run.add_argument("--config", required=True, help="agent TOML ([agent] and [data] tables)")
     run.add_argument("--low-memory", action="store_true",
-                     help="give freed activation memory back to the system (lower peak and idle RSS; training steps "
-                          "about 2x slower on x86, see edge_agent/memory.py)")
+                     help="lower peak and idle RSS: give freed activation memory back to the system and (torch backend) "
+                          "recompute each ResNet block's activations in the backward pass; same math, torch training steps "
+                          "about 3x slower on x86 (see docs/deploy.md)")
     run.add_argument("--broker", help="override the broker URL")
     run.add_argument("--agent-id", help="override the agent id")
     run.add_argument("--state-dir", help="override where local state is kept")
@@ -83,9 +84,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("run", "simulate") and args.low_memory:
-        from .memory import fix_malloc_mmap_threshold
+        from .memory import enable_low_memory
 
-        fix_malloc_mmap_threshold()  # before the first big allocation; see edge_agent.memory
+        enable_low_memory()  # before the first big allocation; see edge_agent.memory
     if args.command == "simulate":
         return cmd_simulate(args)
     if args.command == "doctor":

@@ -19,6 +19,13 @@ one thread, x86_64) took 651-702 ms with the threshold pinned against 281-313 ms
 without, in alternating runs on a shared 2-core machine. So the agent pins it
 only when asked (``edge-agent run --low-memory``): for a device where memory,
 not time, is what runs out.
+
+``--low-memory`` also makes the torch backend's edge model recompute each
+bottleneck block's activations in the backward pass instead of keeping them
+(:func:`models.memory.checkpoint_bottlenecks`: same losses, gradients and BN
+statistics; about +30 % training FLOPs). It is a process-wide mode, like the
+malloc setting it comes with: :func:`enable_low_memory` switches both on, and a
+method that builds a torch model passes it through :func:`lighten_model`.
 """
 
 from __future__ import annotations
@@ -27,11 +34,44 @@ import ctypes
 import ctypes.util
 import sys
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "fix_malloc_mmap_threshold"]
+__all__ = ["MMAP_THRESHOLD_BYTES", "enable_low_memory", "fix_malloc_mmap_threshold", "lighten_model", "low_memory_enabled"]
 
 #: Allocations from this size up are mapped and returned to the system when freed.
 MMAP_THRESHOLD_BYTES = 1024 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+# Process-wide, like the malloc threshold: the agent's config classes are not the place
+# for it (the CLI flag decides for the whole process, simulated agents included).
+_low_memory = False
+
+
+def enable_low_memory() -> bool:
+    """Switch this process to low-memory mode; True if the malloc threshold could be pinned.
+
+    Call it before the first big allocation (the CLI does, for ``--low-memory``).
+    """
+    global _low_memory
+    _low_memory = True
+    return fix_malloc_mmap_threshold()
+
+
+def low_memory_enabled() -> bool:
+    """True once :func:`enable_low_memory` has been called in this process."""
+    return _low_memory
+
+
+def lighten_model(model):  # type: ignore[no-untyped-def]
+    """``model`` with checkpointed bottleneck blocks in low-memory mode; ``model`` unchanged otherwise.
+
+    A model without bottleneck blocks is returned as it is (there is nothing
+    big to recompute in it). Imports torch only when it does something, so the
+    ort agent never pulls it in.
+    """
+    if not _low_memory:
+        return model
+    from models.memory import checkpoint_bottlenecks, has_bottlenecks
+
+    return checkpoint_bottlenecks(model) if has_bottlenecks(model) else model
 
 
 def fix_malloc_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SITECUSTOMIZE = '''\
+SITECUSTOMIZE_TEMPLATE = '''\
 import importlib.machinery
 import sys
 
-_HIDDEN = ("torch", "torchvision", "torchaudio")
+_HIDDEN = {hidden!r}
 
 
 class _PathFinderWithoutTorch(importlib.machinery.PathFinder):
@@ -30,7 +30,11 @@ sys.meta_path = [_PathFinderWithoutTorch if f is importlib.machinery.PathFinder 
 '''
 
 
-def write_blocker(directory: Path) -> Path:
+SITECUSTOMIZE = SITECUSTOMIZE_TEMPLATE.format(hidden=("torch", "torchvision", "torchaudio"))
+
+
+def write_blocker(directory: Path, hidden: tuple[str, ...] = ("torch", "torchvision", "torchaudio")) -> Path:
+    """``directory`` with a ``sitecustomize.py`` hiding the top-level packages ``hidden``."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (directory / "sitecustomize.py").write_text(SITECUSTOMIZE_TEMPLATE.format(hidden=tuple(hidden)))
     return directory

@@ -31,7 +31,6 @@ from ..memory import lighten_model
 from ..teacher import EXTRACT_BATCH_SAMPLES
 from ..trainer import LossFn, train_epochs
 from .base import EdgeContext, register_edge_method
-from ..memory import lighten_model
 
 
 _FLOPS_CACHE: dict[tuple, tuple[int, int]] = {}

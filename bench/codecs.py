@@ -104,8 +104,8 @@ DEFAULT_SEED = 0
 # |error| <= max_c / 510 <= max |x| / 510 ~ 2.0e-3.
 DOCUMENTED_REL_ERROR_BOUNDS: dict[str, float] = {"fp16-zstd": 1e-3, "u8-zstd": 1e-2}
 
-# DESIGN.md: "fp16-zstd ... about 4.6-5x smaller than fp32 on ResNet-8 feature
-# maps"; the claim checked here is the floor the design relies on.
+# The codec's design figure: fp16-zstd about 4.6-5x smaller than fp32 on ResNet-8
+# feature maps; the claim checked here is the floor the design relies on.
 CLAIM_FP16_MIN_RATIO = 4.0
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "codecs.json"
@@ -625,7 +625,7 @@ def check_claims(results: dict[str, Any]) -> dict[str, Any]:
         entry = results["features"][state].get("fp16-zstd")
         out[f"fp16_zstd_ratio_ge_{CLAIM_FP16_MIN_RATIO:g}_{state}"] = {
             "claim": f"fp16-zstd is at least {CLAIM_FP16_MIN_RATIO:g}x smaller than fp32 on {state} ResNet-8 feature maps",
-            "source": "DESIGN.md (codecs: 'about 4.6-5x smaller than fp32 on ResNet-8 feature maps')",
+            "source": "the codec's design figure: about 4.6-5x smaller than fp32 on ResNet-8 feature maps",
             "primary": state == "trained",
             "measured_ratio": entry["ratio"] if entry else None,
             "holds": bool(entry and entry["ratio"] >= CLAIM_FP16_MIN_RATIO),
@@ -662,7 +662,7 @@ def check_claims(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def design_figures(results: dict[str, Any]) -> dict[str, Any]:
-    """DESIGN.md's approximate codec figures next to what was measured (no pass/fail: they say 'about')."""
+    """The codecs' approximate design figures next to what was measured (no pass/fail: they say 'about')."""
     trained = results["features"]["trained"]
     fp16, u8 = trained.get("fp16-zstd"), trained.get("u8-zstd")
     return {

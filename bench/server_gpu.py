@@ -4,7 +4,7 @@ For ResNet-55 and ResNet-109 server models on 16x32x32 feature maps, at batch 64
 256, in float32 and under bfloat16 autocast, it times
 
 * ``bare``: a bare PyTorch loop (batches pre-made on the device, Adam, cross-entropy;
-  the loop of ../shared/gpu/reference.py), and
+  the plain reference loop a user would write first), and
 * the server step (``cloud_server/server_step.py``'s :class:`TrainStep` with FedGKT's
   CE + KD loss, batches gathered by shuffled index from rows staged on the device,
   losses summed on the device) in each mode the device can run: ``eager``,

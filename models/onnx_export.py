@@ -22,8 +22,7 @@ extra output: the agent writes them back after every step, with torch's
 semantics (momentum 0.1, unbiased batch variance), so eval-mode feature maps
 match the torch backend's.
 
-Exporter fixes onnxruntime-training 1.19.2 needs with current torch/onnx (see
-DESIGN.md, "Environment facts"): the TorchScript exporter (``dynamo=False``) in
+Exporter fixes onnxruntime-training 1.19.2 needs with current torch/onnx: the TorchScript exporter (``dynamo=False``) in
 ``TrainingMode.TRAINING`` with ``do_constant_folding=False`` (constant folding
 would fold the BN statistics away); ``ir_version`` capped at 10 (onnx 1.23 writes
 newer IR versions than ORT 1.19 loads); BN nodes of the eval model switched to

@@ -35,7 +35,7 @@ from models import registry as registry_module
 # resnet20: the small FedKD mentor (models/mentor.py).
 EXPECTED_MODELS = {"resnet8", "resnet20", "resnet55_server", "resnet109_server", "resnet56", "resnet110"}
 
-# FedML's FedGKT variants, CIFAR-10 head, 3 input channels (DESIGN.md; paper's 54x / 105x).
+# FedML's FedGKT variants, CIFAR-10 head, 3 input channels (the paper's 54x / 105x).
 # The server counts are the full models' minus the stem (conv 3*16*9 + BN 2*16 = 464).
 EXPECTED_PARAMS = {
     "resnet8": 10_586,
@@ -173,7 +173,7 @@ def test_training_flop_ratios_match_the_paper() -> None:
 
     assert flops["resnet56"] / flops["resnet8"] >= 9
     assert flops["resnet110"] / flops["resnet8"] >= 17
-    # DESIGN.md reference figures per image (fwd + bwd): 56.8 M / 522.4 M / 1003.7 M.
+    # Reference figures per image measured for this project (fwd + bwd): 56.8 M / 522.4 M / 1003.7 M.
     assert flops["resnet8"] == pytest.approx(56.8e6, rel=1e-3)
     assert flops["resnet56"] == pytest.approx(522.4e6, rel=1e-3)
     assert flops["resnet110"] == pytest.approx(1003.7e6, rel=1e-3)
@@ -351,7 +351,7 @@ def test_package_imports_only_torch_numpy_and_itself() -> None:
     # Checked statically: at runtime other tests may already have imported the
     # agent or server packages, which would hide an offending import.
     allowed = set(sys.stdlib_module_names) | {"numpy", "torch", "models"}
-    # models/onnx_export.py (the ort backend's artifacts, DESIGN.md "Layout") imports these
+    # models/onnx_export.py (the ort backend's artifacts) imports these
     # lazily, inside the export function: the rest of the package never needs them.
     allowed |= {"onnx", "onnxruntime"}
     package_dir = Path(models.__file__).parent

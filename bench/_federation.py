@@ -33,7 +33,7 @@ from cloud_server.assemble import build_server  # noqa: E402
 from cloud_server.centralized import CentralizedTrainer  # noqa: E402
 from cloud_server.config import ServerConfig  # noqa: E402
 from edge_agent.agent import EdgeAgent  # noqa: E402
-from edge_agent.config import DataConfig, EdgeConfig  # noqa: E402
+from edge_agent.config import DataConfig, EdgeConfig, MemoryConfig  # noqa: E402
 from edge_agent.simulate import shards  # noqa: E402
 from shared_protocol.hostinfo import host_info  # noqa: E402
 from shared_protocol.local_broker import LocalBroker  # noqa: E402
@@ -63,6 +63,7 @@ class RunSpec:
     rounds: int = 5
     eval_every: int = 1
     target_accuracy: float | None = None
+    memory: dict[str, Any] = field(default_factory=dict)  # every agent's [memory] settings (edge_agent.config.MemoryConfig)
 
 
 def machine() -> dict[str, Any]:
@@ -114,7 +115,7 @@ def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2) ->
         agents = []
         for i, shard in enumerate(shards(base, data.agents)):
             cfg = EdgeConfig(agent_id=f"agent-{i}", run_id=run.name, broker_url=url, progress=False, threads=threads,
-                             data=dataclasses.replace(base, agent_index=i))
+                             data=dataclasses.replace(base, agent_index=i), memory=MemoryConfig(**run.memory))
             agents.append(EdgeAgent(cfg, data=shard, compute_lock=lock))
         result: dict[str, Any] = {}
         errors: list[BaseException] = []

@@ -328,6 +328,7 @@ class EdgeAgent:
             device=self.config.device,
             progress=self.config.progress,
             seed=self.config.data.seed * 1000 + self.config.data.agent_index,
+            memory=self.config.memory,
             augment=self.config.data.augment if self.config.data.augment is not None else self.config.data.dataset in ("cifar10", "cifar100", "cinic10"),
         )
         with self._compute_lock:  # simulated agents share the process and its global RNG

@@ -12,7 +12,8 @@ from shared_protocol.logs import setup_logging
 from shared_protocol.tomlio import read_toml
 from shared_protocol.transport import TransportError
 
-from .config import EdgeConfig
+from .config import EdgeConfig, MemoryConfig
+from .memory import apply_process_memory
 
 log = logging.getLogger("edge_agent")
 
@@ -23,9 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="join a federation and train")
     run.add_argument("--config", required=True, help="agent TOML ([agent] and [data] tables)")
     run.add_argument("--low-memory", action="store_true",
-                     help="lower peak and idle RSS: give freed activation memory back to the system and (torch backend) "
-                          "recompute each ResNet block's activations in the backward pass; same math, torch training steps "
-                          "about 3x slower on x86 (see docs/deploy.md)")
+                     help="lower peak and idle RSS ([memory] preset): forward passes of at most 16 samples (training "
+                          "accumulates them into the round's batch; BatchNorm sees 16-sample batches), uploads of at most 64 "
+                          "samples, freed activation memory given back to the system; training steps about 2x slower "
+                          "(see docs/deploy.md)")
     run.add_argument("--broker", help="override the broker URL")
     run.add_argument("--agent-id", help="override the agent id")
     run.add_argument("--state-dir", help="override where local state is kept")
@@ -50,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_memory_flag(config: EdgeConfig, args: argparse.Namespace) -> EdgeConfig:
+    return dataclasses.replace(config, memory=MemoryConfig.low()) if getattr(args, "low_memory", False) else config
+
+
 def load_config(args: argparse.Namespace) -> EdgeConfig:
-    config = EdgeConfig.from_dict(read_toml(args.config))
+    config = _with_memory_flag(EdgeConfig.from_dict(read_toml(args.config)), args)
     overrides = {
         "broker_url": args.broker,
         "agent_id": args.agent_id,
@@ -69,7 +75,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .simulate import SimulationConfig, run_simulation
 
     try:
-        base = EdgeConfig.from_dict(read_toml(args.config))
+        base = _with_memory_flag(EdgeConfig.from_dict(read_toml(args.config)), args)
         if args.broker:
             base = dataclasses.replace(base, broker_url=args.broker)
         sim = SimulationConfig(base, args.agents, prefix=args.prefix)
@@ -77,16 +83,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"edge-agent: error: {exc}", file=sys.stderr)
         return 2
     setup_logging(args.log_json, name="sim ")
+    apply_process_memory(base.memory)  # before the first big allocation; see edge_agent.memory
     codes = run_simulation(sim)
     return max(codes) if codes else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("run", "simulate") and args.low_memory:
-        from .memory import enable_low_memory
-
-        enable_low_memory()  # before the first big allocation; see edge_agent.memory
     if args.command == "simulate":
         return cmd_simulate(args)
     if args.command == "doctor":
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edge-agent: error: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_json, name=f"{config.agent_id} ")
+    apply_process_memory(config.memory)  # before the first big allocation; see edge_agent.memory
     if not sys.stderr.isatty():
         config = dataclasses.replace(config, progress=False)
     from .agent import EdgeAgent

@@ -45,6 +45,51 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """How this agent trades speed for resident memory (``[memory]``; ``--low-memory``
+    takes :meth:`low`). Nothing here changes what the agent reports or sends, only
+    how it computes it; see :mod:`edge_agent.memory` for what each costs.
+
+    * ``micro_batch_samples``: the most samples any forward pass holds activations
+      for. A training batch larger than this runs as micro-batches whose gradients
+      are accumulated into one optimiser step on the round's batch (the same
+      gradient, except that BatchNorm normalises each micro-batch with its own
+      statistics: "ghost" batches); feature extraction and evaluation run in slices
+      of this size, and uploads carry at most ``upload_batch_samples_cap`` samples.
+      0: the round's batch as it is.
+    * ``checkpoint_blocks``: the torch backend's ResNet blocks recompute their
+      activations in the backward pass (exact, about 1.3x a step's FLOPs, slower).
+    * ``pin_malloc``: pin glibc's mmap threshold so freed activations go back to
+      the system (process-wide, set at start; training steps about 2x slower).
+    """
+
+    micro_batch_samples: int = 0
+    checkpoint_blocks: bool = False
+    pin_malloc: bool = False
+
+    #: The largest upload message (samples) while micro-batching: the maps of a
+    #: 256-sample upload are 16 MiB before encoding, 64 samples' 4 MiB.
+    upload_batch_samples_cap: int = 64
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_samples < 0 or self.micro_batch_samples == 1:
+            raise ValueError(f"memory.micro_batch_samples must be 0 (off) or >= 2 (BatchNorm needs two samples), "
+                             f"got {self.micro_batch_samples}")
+        if self.upload_batch_samples_cap < 1:
+            raise ValueError(f"memory.upload_batch_samples_cap must be >= 1, got {self.upload_batch_samples_cap}")
+
+    @classmethod
+    def low(cls) -> "MemoryConfig":
+        """``--low-memory``: micro-batches of 16 samples and the pinned malloc threshold
+        (measured in bench/footprint.py; accuracy cost in bench/low_memory.py)."""
+        return cls(micro_batch_samples=16, pin_malloc=True)
+
+    def upload_batch_samples(self, asked: int) -> int:
+        """Samples per upload message when the server asks for ``asked``."""
+        return min(asked, self.upload_batch_samples_cap) if self.micro_batch_samples else asked
+
+
+@dataclass(frozen=True)
 class EdgeConfig:
     agent_id: str
     run_id: str = "default"
@@ -56,6 +101,7 @@ class EdgeConfig:
     key_file: str | None = None
     chunk_size_bytes: int | None = None  # unset: 512 KiB, or what the broker's Maximum Packet Size allows
     data: DataConfig = field(default_factory=DataConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     state_dir: str | None = None  # local checkpoint (edge model, server logits); None = no persistence
     backend: str = "torch"
     threads: int = 1
@@ -96,13 +142,17 @@ class EdgeConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "EdgeConfig":
-        """From a parsed TOML document (``[agent]`` and ``[data]`` tables)."""
+        """From a parsed TOML document (``[agent]``, ``[data]`` and ``[memory]`` tables)."""
         agent = dict(raw.get("agent", {}))
         data = DataConfig(**raw.get("data", {}))
+        unknown_memory = set(raw.get("memory", {})) - set(MemoryConfig.__dataclass_fields__)
+        if unknown_memory:
+            raise ValueError(f"unknown [memory] keys: {sorted(unknown_memory)} (known: {sorted(MemoryConfig.__dataclass_fields__)})")
+        memory = MemoryConfig(**raw.get("memory", {}))
         password_file = agent.pop("password_file", None)
-        unknown = set(agent) - {f for f in cls.__dataclass_fields__ if f != "data"}
+        unknown = set(agent) - {f for f in cls.__dataclass_fields__ if f not in ("data", "memory")}
         if unknown:
             raise ValueError(f"unknown [agent] keys: {sorted(unknown)}")
         if password_file:
             agent["password"] = read_secret(password_file)
-        return cls(data=data, **agent)
+        return cls(data=data, memory=memory, **agent)

@@ -27,7 +27,7 @@ from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRou
 from .costs import RoundMeter
 from .deadline import RoundDeadline
 from .methods.base import EdgeContext, EdgeMethod, RoundResult
-from .teacher import TeacherLogits
+from .teacher import EXTRACT_BATCH_SAMPLES, TeacherLogits
 
 __all__ = ["FedGktEdgeBase"]
 
@@ -46,6 +46,9 @@ class FedGktEdgeBase(EdgeMethod):
         self._optimizer_key: tuple | None = None
         self._last_round: tuple[RoundStart, GktRoundConfig] | None = None
         self.train_flops_per_sample = self.forward_flops_per_sample = 0
+        # Samples per inference pass (extraction, evaluation): the micro-batch when the agent
+        # saves memory (eval-mode outputs do not depend on the slicing).
+        self.slice_samples = min(ctx.memory.micro_batch_samples or EXTRACT_BATCH_SAMPLES, EXTRACT_BATCH_SAMPLES)
 
     # -- what a backend provides ---------------------------------------------- #
 
@@ -139,7 +142,10 @@ class FedGktEdgeBase(EdgeMethod):
         """Extract (eval mode) and send batch by batch; at most one batch of maps in memory."""
         ctx = self.ctx
         batches = samples = 0
-        for seq, (images, labels, sample_ids) in enumerate(self._upload_batches(split, cfg.upload_batch_samples)):
+        # A memory-saving agent sends smaller messages than the server allows (the server bounds
+        # their size from above only); the same size every time, so a resend names the same batches.
+        batch_samples = ctx.memory.upload_batch_samples(cfg.upload_batch_samples)
+        for seq, (images, labels, sample_ids) in enumerate(self._upload_batches(split, batch_samples)):
             if only is not None and seq not in only:
                 continue
             with meter.phase("compute"):
@@ -159,7 +165,7 @@ class FedGktEdgeBase(EdgeMethod):
     @staticmethod
     def _fill_slices(total: int, parts: Iterable[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
         """One upload batch's (features, logits) from ``(start, features, logits)`` slices of it,
-        computed a slice at a time (see ``EXTRACT_BATCH_SAMPLES``) into the arrays the message carries."""
+        computed a slice at a time (``slice_samples``) into the arrays the message carries."""
         features = logits = None
         for start, part_features, part_logits in parts:
             if features is None or logits is None:

@@ -17,15 +17,27 @@ It is not free: every large activation is then a fresh mapping whose pages the
 kernel must fault in and zero at every step. A ResNet-8 training step (batch 64,
 one thread, x86_64) took 651-702 ms with the threshold pinned against 281-313 ms
 without, in alternating runs on a shared 2-core machine. So the agent pins it
-only when asked (``edge-agent run --low-memory``): for a device where memory,
-not time, is what runs out.
+only when asked (``[memory] pin_malloc``, part of ``edge-agent run
+--low-memory``): for a device where memory, not time, is what runs out.
 
-``--low-memory`` also makes the torch backend's edge model recompute each
-bottleneck block's activations in the backward pass instead of keeping them
-(:func:`models.memory.checkpoint_bottlenecks`: same losses, gradients and BN
-statistics; about +30 % training FLOPs). It is a process-wide mode, like the
-malloc setting it comes with: :func:`enable_low_memory` switches both on, and a
-method that builds a torch model passes it through :func:`lighten_model`.
+What ``--low-memory`` takes (:meth:`edge_agent.config.MemoryConfig.low`) and why:
+
+* micro-batches of 16 samples for every forward pass (training accumulates their
+  gradients into the round's batch; extraction and evaluation run in slices;
+  uploads carry at most 64 samples). A ResNet-8 training step keeps about 2 MB
+  of activations per sample for its backward pass, so the step's share of the
+  peak falls with the micro-batch, not the batch. BatchNorm then normalises
+  each micro-batch with its own statistics (its running statistics are updated
+  once per micro-batch with a momentum that keeps their time constant in
+  samples): the one change to the computation, whose accuracy cost
+  bench/low_memory.py measures;
+* the pinned malloc threshold above.
+
+``[memory] checkpoint_blocks`` (not in the preset) makes the torch backend's
+edge model recompute each bottleneck block's activations in the backward pass
+instead (:func:`models.memory.checkpoint_bottlenecks`: same losses, gradients
+and BN statistics; about +30 % training FLOPs, about 3x slower per step): exact
+where micro-batches are not, but it saves less.
 """
 
 from __future__ import annotations
@@ -33,41 +45,34 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from typing import TYPE_CHECKING
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "enable_low_memory", "fix_malloc_mmap_threshold", "lighten_model", "low_memory_enabled"]
+if TYPE_CHECKING:
+    from .config import MemoryConfig
+
+__all__ = ["MMAP_THRESHOLD_BYTES", "apply_process_memory", "fix_malloc_mmap_threshold", "lighten_model"]
 
 #: Allocations from this size up are mapped and returned to the system when freed.
 MMAP_THRESHOLD_BYTES = 1024 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
-# Process-wide, like the malloc threshold: the agent's config classes are not the place
-# for it (the CLI flag decides for the whole process, simulated agents included).
-_low_memory = False
 
+def apply_process_memory(memory: "MemoryConfig") -> bool:
+    """The process-wide part of ``memory`` (the malloc threshold); True if it was pinned.
 
-def enable_low_memory() -> bool:
-    """Switch this process to low-memory mode; True if the malloc threshold could be pinned.
-
-    Call it before the first big allocation (the CLI does, for ``--low-memory``).
+    Call it before the first big allocation (the CLI does, right after parsing).
     """
-    global _low_memory
-    _low_memory = True
-    return fix_malloc_mmap_threshold()
+    return fix_malloc_mmap_threshold() if memory.pin_malloc else False
 
 
-def low_memory_enabled() -> bool:
-    """True once :func:`enable_low_memory` has been called in this process."""
-    return _low_memory
-
-
-def lighten_model(model):  # type: ignore[no-untyped-def]
-    """``model`` with checkpointed bottleneck blocks in low-memory mode; ``model`` unchanged otherwise.
+def lighten_model(model, memory: "MemoryConfig"):  # type: ignore[no-untyped-def]
+    """``model`` with checkpointed bottleneck blocks if ``memory.checkpoint_blocks``; ``model`` unchanged otherwise.
 
     A model without bottleneck blocks is returned as it is (there is nothing
     big to recompute in it). Imports torch only when it does something, so the
     ort agent never pulls it in.
     """
-    if not _low_memory:
+    if not memory.checkpoint_blocks:
         return model
     from models.memory import checkpoint_bottlenecks, has_bottlenecks
 

@@ -34,11 +34,14 @@ def train_epochs(
     progress: bool = False,
     desc: str = "train",
     forward: Forward | None = None,
+    micro_batch: int | None = None,
 ) -> TrainResult:
     """``epochs`` epochs over ``loader``'s (images, labels, sample ids); the sample ids stay
-    on the host (they key the teacher's logits) and reach ``loss_fn`` as its third argument."""
+    on the host (they key the teacher's logits) and reach ``loss_fn`` as its third argument.
+    ``micro_batch``: at most this many samples per forward pass, gradients accumulated
+    into one step per batch (``[memory] micro_batch_samples``; see :class:`models.training.Step`)."""
     model.train()
-    step = Step(model, optimizer, loss_fn, forward=forward or _model_output, name=desc)
+    step = Step(model, optimizer, loss_fn, forward=forward or _model_output, name=desc, micro_batch=micro_batch)
 
     def batches(epoch: int):  # -> Iterator[Batch]
         for images, labels, sample_ids in loader:

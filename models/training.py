@@ -38,7 +38,8 @@ import torch.nn as nn
 
 __all__ = [
     "LR_SCHEDULES", "OPTIMIZERS", "Batch", "DeviceSum", "Forward", "LossFn", "NonFiniteLossError", "Step", "StepOutput",
-    "TrainResult", "Trainer", "accuracy", "logits_of", "make_lr_schedule", "make_optimizer",
+    "TrainResult", "Trainer", "accuracy", "ghost_batch_momentum", "logits_of", "make_lr_schedule", "make_optimizer",
+    "micro_batch_slices",
 ]
 
 log = logging.getLogger("models.training")
@@ -139,10 +140,25 @@ class Step:
     returns is the method's own. ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs
     forward and loss under autocast. Subclasses run the same step faster (see the
     module doc).
+
+    ``micro_batch`` (>= 2) bounds the samples one forward pass holds activations
+    for: a larger batch runs as near-equal micro-batches whose losses, weighted
+    by their share of the batch, are back-propagated one after the other into one
+    optimiser step -- the whole batch's gradient for a loss that is a mean over
+    samples, with a memory peak set by the micro-batch. BatchNorm is what
+    differs: each micro-batch is normalised with its own statistics (ghost
+    batches), and the running statistics, updated once per micro-batch, use the
+    momentum ``1 - (1 - m) ** (1 / k)`` for ``k`` micro-batches so that they
+    average over as many samples as one update with ``m`` per batch would.
+    Targets that are tensors or arrays with the batch's length are split with the
+    inputs; anything else reaches every micro-batch's loss as it is.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
-                 forward: Forward | None = None, autocast_dtype: torch.dtype | None = None, name: str = "train") -> None:
+                 forward: Forward | None = None, autocast_dtype: torch.dtype | None = None, name: str = "train",
+                 micro_batch: int | None = None) -> None:
+        if micro_batch is not None and micro_batch < 2:
+            raise ValueError(f"micro_batch must be >= 2 (BatchNorm needs two samples) or None, got {micro_batch}")
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -152,6 +168,7 @@ class Step:
         self.name = name
         self.device = next(model.parameters()).device
         self.steps: dict[str, int] = {"eager": 0}  # steps run in each mode
+        self.micro_batch = micro_batch
 
     @contextlib.contextmanager
     def session(self, planned_steps: int | None = None) -> Iterator["Step"]:
@@ -175,6 +192,8 @@ class Step:
 
     def _eager_step(self, inputs: torch.Tensor, targets: tuple[Any, ...],
                     check: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
+        if self.micro_batch is not None and inputs.shape[0] > self.micro_batch:
+            return self._accumulated_step(inputs, targets, check)
         loss, output = self.forward_loss(inputs, *targets)
         if check is not None:
             check(loss)
@@ -183,6 +202,68 @@ class Step:
         self.optimizer.step()
         self.steps["eager"] += 1
         return StepOutput(loss.detach(), output.detach() if self._output_is_logits else None)
+
+    def _accumulated_step(self, inputs: torch.Tensor, targets: tuple[Any, ...],
+                          check: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
+        """One optimiser step on ``inputs`` (B, ...) as micro-batches of at most ``micro_batch``."""
+        assert self.micro_batch is not None
+        n = inputs.shape[0]
+        parts = micro_batch_slices(n, self.micro_batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=inputs.device)
+        outputs: list[torch.Tensor] = []
+        with ghost_batch_momentum(self.model, len(parts)):
+            for part in parts:
+                loss, output = self.forward_loss(inputs[part], *(_rows(t, part, n) for t in targets))
+                if check is not None:
+                    check(loss)  # before this micro-batch's backward; nothing is applied until all passed
+                share = (part.stop - part.start) / n
+                (loss * share).backward()
+                total += loss.detach() * share
+                if self._output_is_logits:
+                    outputs.append(output.detach())
+        self.optimizer.step()
+        self.steps["eager"] += 1
+        return StepOutput(total, torch.cat(outputs) if outputs else None)
+
+
+def micro_batch_slices(n: int, micro_batch: int) -> list[slice]:
+    """``n`` rows as ``ceil(n / micro_batch)`` near-equal consecutive slices (sizes differ
+    by at most one: no tiny last micro-batch for BatchNorm to normalise)."""
+    k = -(-n // micro_batch)
+    base, extra = divmod(n, k)
+    out, start = [], 0
+    for i in range(k):
+        size = base + (1 if i < extra else 0)
+        out.append(slice(start, start + size))
+        start += size
+    return out
+
+
+def _rows(target: Any, part: slice, n: int) -> Any:
+    """``target``'s rows ``part`` if it is a per-sample tensor or array of ``n`` rows; else ``target``."""
+    shape = getattr(target, "shape", None)
+    if shape is not None and len(shape) > 0 and shape[0] == n:
+        return target[part]
+    return target
+
+
+@contextlib.contextmanager
+def ghost_batch_momentum(model: nn.Module, micro_batches: int) -> Iterator[None]:
+    """BatchNorm momenta for ``micro_batches`` running-statistics updates per optimiser
+    step: ``1 - (1 - m) ** (1 / k)`` keeps the statistics' memory, in samples, what it is
+    with one update of momentum ``m`` per step. Restored on exit."""
+    saved: list[tuple[nn.modules.batchnorm._BatchNorm, float]] = []
+    if micro_batches > 1:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is not None:
+                saved.append((module, module.momentum))
+                module.momentum = 1.0 - (1.0 - module.momentum) ** (1.0 / micro_batches)
+    try:
+        yield
+    finally:
+        for module, momentum in saved:
+            module.momentum = momentum
 
 
 # --------------------------------------------------------------------------- #

@@ -103,9 +103,9 @@ def mqtt_federation(config: ServerConfig, agent_configs: list[EdgeConfig], broke
 
 
 def write_agent_toml(path: Path, config: EdgeConfig) -> Path:
-    agent = {k: v for k, v in config.to_dict().items() if k != "data" and v is not None}
+    agent = {k: v for k, v in config.to_dict().items() if k not in ("data", "memory") and v is not None}
     data = {k: v for k, v in config.to_dict()["data"].items() if v is not None}
-    write_toml(path, {"agent": agent, "data": data})
+    write_toml(path, {"agent": agent, "data": data, "memory": config.to_dict()["memory"]})
     return path
 
 

@@ -132,33 +132,49 @@ def test_recompute_costs_forward_flops_of_the_bottlenecks() -> None:
     assert 1.2 < ratio < 1.34
 
 
-def test_the_agent_switches_it_on_only_in_low_memory_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_agent_checkpoints_only_when_its_memory_config_asks() -> None:
     import edge_agent.memory as memory
+    from edge_agent.config import MemoryConfig
 
-    monkeypatch.setattr(memory, "_low_memory", False)
-    assert not is_checkpointed(memory.lighten_model(build_model("resnet8", 10, 3)))
-    monkeypatch.setattr(memory, "fix_malloc_mmap_threshold", lambda: True)  # no process-wide malloc change in the test run
-    assert memory.enable_low_memory() is True and memory.low_memory_enabled()
-    assert is_checkpointed(memory.lighten_model(build_model("resnet8", 10, 3)))
+    assert not is_checkpointed(memory.lighten_model(build_model("resnet8", 10, 3), MemoryConfig()))
+    assert not is_checkpointed(memory.lighten_model(build_model("resnet8", 10, 3), MemoryConfig.low()))  # the preset micro-batches
+    assert is_checkpointed(memory.lighten_model(build_model("resnet8", 10, 3), MemoryConfig(checkpoint_blocks=True)))
     stem_only = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
-    assert memory.lighten_model(stem_only) is stem_only
+    assert memory.lighten_model(stem_only, MemoryConfig(checkpoint_blocks=True)) is stem_only
 
 
-def test_edge_agent_low_memory_flag_switches_the_mode_on(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_edge_agent_low_memory_flag_takes_the_preset_and_pins_malloc_before_the_agent_starts(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import edge_agent.agent as agent_module
     import edge_agent.cli as cli
     import edge_agent.memory as memory
+    from edge_agent.config import MemoryConfig
 
-    calls: list[bool] = []
-    monkeypatch.setattr(memory, "enable_low_memory", lambda: calls.append(True) or True)
-    missing = str(tmp_path / "missing.toml")
-    assert cli.main(["run", "--config", missing]) == 2  # the config error comes after the flag is handled
-    assert calls == []
-    assert cli.main(["run", "--low-memory", "--config", missing]) == 2
-    assert calls == [True]
+    pinned: list[bool] = []
+    monkeypatch.setattr(memory, "fix_malloc_mmap_threshold", lambda: pinned.append(True) or True)  # no process-wide change here
+    seen: list[MemoryConfig] = []
+
+    class Refused(agent_module.EdgeAgent):
+        def __init__(self, config, **kwargs):  # type: ignore[no-untyped-def]
+            seen.append(config.memory)
+            raise ValueError("stop here")
+
+    monkeypatch.setattr(agent_module, "EdgeAgent", Refused)
+    config = tmp_path / "agent.toml"
+    config.write_text('[agent]\nagent_id = "a0"\n')
+    assert cli.main(["run", "--config", str(config)]) == 2
+    assert seen == [MemoryConfig()] and pinned == []
+    assert cli.main(["run", "--low-memory", "--config", str(config)]) == 2
+    assert seen[-1] == MemoryConfig.low() and pinned == [True]
+    config.write_text('[agent]\nagent_id = "a0"\n[memory]\nmicro_batch_samples = 8\n')
+    assert cli.main(["run", "--config", str(config)]) == 2
+    assert seen[-1] == MemoryConfig(micro_batch_samples=8) and pinned == [True]
+    config.write_text('[agent]\nagent_id = "a0"\n[memory]\nmicro_batch = 8\n')
+    assert cli.main(["run", "--config", str(config)]) == 2  # unknown key: refused, naming the known ones
 
 
-def test_fedgkt_edge_model_is_checkpointed_in_low_memory_mode_and_reports_the_methods_flops(monkeypatch: pytest.MonkeyPatch) -> None:
-    import edge_agent.memory as memory
+def test_fedgkt_edge_model_is_checkpointed_when_asked_and_reports_the_methods_flops(monkeypatch: pytest.MonkeyPatch) -> None:
+    from edge_agent.config import MemoryConfig
     from edge_agent.methods.base import EdgeContext
     from edge_agent.methods import fedgkt
     from edge_agent.methods.fedgkt import FedGktEdge
@@ -166,17 +182,15 @@ def test_fedgkt_edge_model_is_checkpointed_in_low_memory_mode_and_reports_the_me
 
     data = make_synthetic(8, num_classes=10, in_channels=1, seed=0)
 
-    def edge() -> FedGktEdge:
+    def edge(memory_config: MemoryConfig) -> FedGktEdge:
         # counted afresh for each (the method caches FLOPs per architecture and shape)
         monkeypatch.setattr(fedgkt, "_FLOPS_CACHE", {})
         ctx = EdgeContext(agent_id="a0", run_id="r", instance="i", train=data, test=data,
-                          settings={"num_classes": 10, "edge_model": "resnet8"}, send=lambda *a, **k: None)
+                          settings={"num_classes": 10, "edge_model": "resnet8"}, send=lambda *a, **k: None, memory=memory_config)
         return FedGktEdge(ctx)
 
-    monkeypatch.setattr(memory, "_low_memory", False)
-    plain = edge()
-    monkeypatch.setattr(memory, "_low_memory", True)
-    light = edge()
+    plain = edge(MemoryConfig())
+    light = edge(MemoryConfig(checkpoint_blocks=True))
     assert not is_checkpointed(plain.model) and is_checkpointed(light.model)
     # the reported FLOPs are the method's (recomputation documented, not counted)
     assert light.train_flops_per_sample == plain.train_flops_per_sample > 0

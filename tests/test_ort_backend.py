@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from edge_agent.backends.optim import make_numpy_optimizer  # noqa: E402
 from edge_agent.backends.ort import ArtifactMeta, OrtEdgeModel  # noqa: E402
-from models.training import make_optimizer  # noqa: E402
+from models.training import Step, make_optimizer  # noqa: E402
 from fldata import make_synthetic  # noqa: E402
 from fldata.numpy_data import iterate_batches  # noqa: E402
 from models import build_model, load_arrays_into, state_dict_to_arrays  # noqa: E402
@@ -45,10 +45,12 @@ def torch_loss(logits, labels, teacher, mask, temperature, alpha):  # type: igno
     return value
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_twenty_steps_match_the_torch_backend(tmp_path: Path, optimizer: str) -> None:
+@pytest.mark.parametrize("optimizer,micro_batch", [("sgd", None), ("adam", None), ("sgd", 12), ("adam", 12)])
+def test_twenty_steps_match_the_torch_backend(tmp_path: Path, optimizer: str, micro_batch: int | None) -> None:
     """Same initial weights, same batches (CE + KD with a partial teacher mask): the ort
-    backend's losses, logits, weights (BN statistics included) and eval outputs match torch's."""
+    backend's losses, logits, weights (BN statistics included) and eval outputs match torch's.
+    With ``micro_batch`` (32-sample batches as 11 + 11 + 10) both backends accumulate
+    micro-batches the same way ([memory] micro_batch_samples)."""
     torch.manual_seed(0)
     ds = make_synthetic(640, num_classes=10, in_channels=3, seed=1)
     model = build_model("resnet8", 10, 3)
@@ -62,19 +64,18 @@ def test_twenty_steps_match_the_torch_backend(tmp_path: Path, optimizer: str) ->
     t_opt = make_optimizer(optimizer, model.parameters(), lr=LR[optimizer], momentum=0.9, weight_decay=5e-4)
     n_opt = make_numpy_optimizer(optimizer, lr=LR[optimizer], momentum=0.9, weight_decay=5e-4)
     temperature, alpha = 3.0, 0.7
+    step = Step(model, t_opt, lambda logits, labels, teacher, mask: torch_loss(logits, labels, teacher, mask, temperature, alpha),
+                micro_batch=micro_batch)
     steps = 0
     while steps < 20:
         for images, labels, ids in iterate_batches(ds, 32, shuffle=True, seed=steps):
             teacher, mask = teacher_all[ids], has_teacher[ids]
             model.train()
-            t_opt.zero_grad()
-            logits, _ = model(torch.from_numpy(images))
-            loss = torch_loss(logits, torch.from_numpy(labels), torch.from_numpy(teacher), torch.from_numpy(mask), temperature, alpha)
-            loss.backward()
-            t_opt.step()
-            o_loss, o_logits = ort_model.train_step(images, labels, teacher, mask.astype(np.float32), temperature, alpha, n_opt)
-            assert abs(o_loss - loss.item()) < TOL, (steps, o_loss, loss.item())
-            np.testing.assert_allclose(o_logits, logits.detach().numpy(), atol=WEIGHT_TOL[optimizer], err_msg=f"step {steps}")
+            out = step(torch.from_numpy(images), torch.from_numpy(labels), torch.from_numpy(teacher), torch.from_numpy(mask))
+            o_loss, o_logits = ort_model.train_step(images, labels, teacher, mask.astype(np.float32), temperature, alpha, n_opt,
+                                                    micro_batch=micro_batch)
+            assert abs(o_loss - out.loss.item()) < TOL, (steps, o_loss, out.loss.item())
+            np.testing.assert_allclose(o_logits, out.logits.numpy(), atol=WEIGHT_TOL[optimizer], err_msg=f"step {steps}")
             steps += 1
             if steps == 20:
                 break
@@ -174,6 +175,32 @@ def test_mixed_federation_in_memory(tmp_path: Path, monkeypatch) -> None:  # typ
     assert type(ort_agent.method).__name__ == "OrtFedGktEdge"
     assert len(ort_agent.method.teacher) == 80  # server logits came back for every sample
     assert ort_agent.method.train_flops_per_sample > 0
+
+
+def test_micro_batching_agents_of_both_backends_send_smaller_uploads_and_learn_the_same_round(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """[memory] micro_batch_samples on a torch and an ort agent: the rounds complete, every
+    upload message holds at most the cap's samples, and the server's logits reach every sample."""
+    from edge_agent.config import MemoryConfig
+    from shared_protocol.methods.fedgkt import GktFeatures
+
+    monkeypatch.setenv("EDGESPLIT_ORT_CACHE", str(tmp_path / "cache"))
+    cfg = server_config(tmp_path, run_id="mixed-micro")
+    memory = MemoryConfig(micro_batch_samples=16, upload_batch_samples_cap=32)
+    agents = [agent_config(cfg.run_id, 0, 2, memory=memory), agent_config(cfg.run_id, 1, 2, backend="ort", memory=memory)]
+    fed = in_memory_federation(cfg, agents)
+    sizes: dict[str, list[int]] = {"agent-0": [], "agent-1": []}
+    for agent in fed.agents:
+        def send(msg, *args, _agent=agent, _send=agent.send, **kwargs):  # type: ignore[no-untyped-def]
+            if isinstance(msg, GktFeatures) and msg.split == "train":
+                sizes[_agent.config.agent_id].append(len(msg.sample_ids))
+            return _send(msg, *args, **kwargs)
+        agent.send = send
+    report = fed.start().join()
+    _check_mixed_report(report)
+    for agent_id, seen in sizes.items():
+        assert seen == [32, 32, 16] * 2, (agent_id, seen)  # 80 samples, two rounds; the server asked for 64
+    for agent in fed.agents:
+        assert len(agent.method.teacher) == 80
 
 
 @pytest.mark.broker

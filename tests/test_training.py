@@ -7,8 +7,10 @@ batch and its step; a non-finite loss is refused before it touches the model.
 
 from __future__ import annotations
 
+import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -144,3 +146,85 @@ def test_the_progress_bar_is_the_callers_and_counts_every_step() -> None:
     made.clear()
     Trainer(step, desc="quiet").run(1, lambda epoch: batches)
     assert made == []
+
+
+# --------------------------------------------------------------------------- #
+# micro-batches ([memory] micro_batch_samples)
+# --------------------------------------------------------------------------- #
+
+
+def test_micro_batches_are_near_equal_and_cover_the_batch() -> None:
+    from models.training import micro_batch_slices
+
+    assert [(s.start, s.stop) for s in micro_batch_slices(32, 12)] == [(0, 11), (11, 22), (22, 32)]
+    assert [s.stop - s.start for s in micro_batch_slices(64, 16)] == [16] * 4
+    assert [s.stop - s.start for s in micro_batch_slices(17, 16)] == [9, 8]  # never a 1-sample BatchNorm batch
+    assert micro_batch_slices(5, 16) == [slice(0, 5)]
+    # the ort backend splits with numpy: the same sizes in the same order
+    for n, m in ((32, 12), (40, 16), (17, 16), (100, 7)):
+        k = -(-n // m)
+        assert [s.stop - s.start for s in micro_batch_slices(n, m)] == [len(p) for p in np.array_split(np.arange(n), k)]
+
+
+def test_an_accumulated_step_is_the_whole_batch_step_without_batchnorm() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 6), torch.randint(0, 3, (40,))
+    whole = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    micro = copy.deepcopy(whole)
+    sizes: list[int] = []
+    micro[0].register_forward_hook(lambda module, inputs, output: sizes.append(inputs[0].shape[0]))
+    loss = lambda logits, labels: F.cross_entropy(logits, labels)  # noqa: E731
+    out_whole = Step(whole, torch.optim.SGD(whole.parameters(), lr=0.5), loss)(x, y)
+    out_micro = Step(micro, torch.optim.SGD(micro.parameters(), lr=0.5), loss, micro_batch=16)(x, y)
+    assert sizes == [14, 13, 13]  # no forward pass saw more than 16 samples
+    assert torch.allclose(out_micro.loss, out_whole.loss, atol=1e-6)
+    assert torch.allclose(out_micro.logits, out_whole.logits, atol=1e-6)
+    for a, b in zip(whole.parameters(), micro.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_ghost_batches_normalise_each_micro_batch_and_keep_the_running_statistics_memory() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(48, 4) * 3 + 1
+    bn = nn.BatchNorm1d(4)
+    step = Step(bn, torch.optim.SGD(bn.parameters(), lr=0.0), lambda out: (out ** 2).mean(),
+                forward=lambda model, inputs: model(inputs), micro_batch=16)
+    step(x)
+    k, m = 3, 0.1
+    m_micro = 1 - (1 - m) ** (1 / k)
+    mean, var = torch.zeros(4), torch.ones(4)
+    for part in x.split(16):  # what the running statistics must be after three ghost batches
+        mean = (1 - m_micro) * mean + m_micro * part.mean(0)
+        var = (1 - m_micro) * var + m_micro * part.var(0, unbiased=True)
+    assert torch.allclose(bn.running_mean, mean, atol=1e-6) and torch.allclose(bn.running_var, var, atol=1e-5)
+    assert bn.momentum == m and int(bn.num_batches_tracked) == k  # momentum restored
+    # constant input per micro-batch, different across them: ghost batches see zero variance
+    # in each (output 0); one whole-batch normalisation would not
+    y = torch.cat([torch.full((16, 4), float(i)) for i in range(3)])
+    outs: list[torch.Tensor] = []
+    bn.register_forward_hook(lambda module, inputs, output: outs.append(output.detach()))
+    step(y)
+    assert all(torch.allclose(o, torch.zeros_like(o), atol=1e-3) for o in outs)
+
+
+def test_a_non_finite_micro_batch_refuses_the_whole_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(32, 3)
+    x[20] = float("nan")  # in the second micro-batch: the first one's backward has run
+
+    def check(loss: torch.Tensor) -> None:
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError("loss is nan")
+
+    step = Step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda logits: logits.sum(), micro_batch=16)
+    with pytest.raises(NonFiniteLossError):
+        step(x, check=check)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_micro_batch_must_hold_two_samples() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="micro_batch must be >= 2"):
+        Step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda o: o.sum(), micro_batch=1)

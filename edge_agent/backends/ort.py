@@ -180,39 +180,71 @@ class OrtEdgeModel:
         temperature: float,
         alpha: float,
         optimizer: NumpySGD | NumpyAdam,
+        micro_batch: int | None = None,
     ) -> tuple[float, np.ndarray]:
-        """One forward/backward/update; returns (loss, logits (B, K))."""
-        self.module.train()
-        for name, value in self.bn_values.items():  # the statistics as torch has them before this step
-            self.state.parameters[name] = value
-        outputs = self.module(
-            np.ascontiguousarray(images, dtype=np.float32), np.ascontiguousarray(labels, dtype=np.int64),
-            np.ascontiguousarray(teacher_logits, dtype=np.float32), np.ascontiguousarray(kd_mask, dtype=np.float32),
-            np.array(temperature, dtype=np.float32), np.array(alpha, dtype=np.float32),
-        )
-        loss, logits = float(outputs[0]), outputs[1]
-        if math.isfinite(loss):
-            grads = {name: self.state.parameters[name].grad for name in self.meta.trainable}
-            new = optimizer.step(self._params(), grads)
-            for name, value in new.items():
-                self.state.parameters[name] = value
-            self._update_bn(outputs[3:], images.shape[0] * images.shape[2] * images.shape[3])
-        self.module.lazy_reset_grad()
-        return loss, logits
+        """One forward/backward/update; returns (loss, logits (B, K)).
 
-    def _update_bn(self, updated: tuple[np.ndarray, ...], n: int) -> None:
+        ``micro_batch``: a larger batch runs as near-equal micro-batches (the torch
+        backend's split, :class:`models.training.Step`) whose gradients, weighted by
+        their share of the batch, make the one update; BatchNorm normalises each with
+        its own statistics and its running statistics take one update per
+        micro-batch at the momentum that keeps their memory in samples. Nothing is
+        applied unless every micro-batch's loss is finite.
+        """
+        n = images.shape[0]
+        k = 1 if micro_batch is None or n <= micro_batch else -(-n // micro_batch)
+        parts = np.array_split(np.arange(n), k)  # sizes differ by at most one, larger first (as torch.tensor_split)
+        self.module.train()
+        fed = dict(self.bn_values)  # the statistics as torch has them before this step
+        for name, value in fed.items():
+            self.state.parameters[name] = value
+        grads: dict[str, np.ndarray] = {}
+        bn_outputs: list[tuple[tuple[np.ndarray, ...], int]] = []
+        losses, logits_parts = [], []
+        for rows in parts:
+            part = slice(int(rows[0]), int(rows[-1]) + 1)
+            outputs = self.module(
+                np.ascontiguousarray(images[part], dtype=np.float32), np.ascontiguousarray(labels[part], dtype=np.int64),
+                np.ascontiguousarray(teacher_logits[part], dtype=np.float32), np.ascontiguousarray(kd_mask[part], dtype=np.float32),
+                np.array(temperature, dtype=np.float32), np.array(alpha, dtype=np.float32),
+            )
+            loss = float(outputs[0])
+            losses.append(loss)
+            logits_parts.append(outputs[1])
+            if not math.isfinite(loss):
+                break
+            share = np.float32(len(rows) / n)
+            for name in self.meta.trainable:
+                grad = self.state.parameters[name].grad
+                grads[name] = grad * share if name not in grads else grads[name] + grad * share
+            bn_outputs.append((tuple(outputs[3:]), len(rows) * images.shape[2] * images.shape[3]))
+            self.module.lazy_reset_grad()  # the next micro-batch's gradients start from zero
+        logits = logits_parts[0] if len(logits_parts) == 1 else np.concatenate(logits_parts)
+        self.module.lazy_reset_grad()
+        if not all(math.isfinite(v) for v in losses):
+            return next(v for v in losses if not math.isfinite(v)), logits
+        new = optimizer.step(self._params(), grads)
+        for name, value in new.items():
+            self.state.parameters[name] = value
+        momentum = 1.0 - (1.0 - BN_MOMENTUM) ** (1.0 / k)
+        for updated, count in bn_outputs:
+            self._update_bn(updated, count, fed, momentum)
+        return float(sum(v * len(rows) / n for v, rows in zip(losses, parts))), logits
+
+    def _update_bn(self, updated: tuple[np.ndarray, ...], n: int, fed: dict[str, np.ndarray], momentum: float = BN_MOMENTUM) -> None:
         """torch: running = (1 - m) running + m batch_stat, with the *unbiased* batch variance.
 
-        ORT's outputs are ``(1 - m) running + m batch_stat`` with the biased
-        variance; recover the batch statistic and redo the update as torch does.
+        ORT's outputs are ``(1 - 0.1) running + 0.1 batch_stat`` (the graph's momentum)
+        with the biased variance, computed from the statistics the step was ``fed``; recover the batch statistic and redo
+        the update as torch does, with ``momentum`` (a micro-batch's; see :meth:`train_step`).
         """
         m = np.float32(BN_MOMENTUM)
         for name, out in zip(self.meta.bn_stats, updated):
-            before = self.bn_values[name]
-            batch = (out.astype(np.float32) - (np.float32(1) - m) * before) / m
+            batch = (out.astype(np.float32) - (np.float32(1) - m) * fed[name]) / m
             if name.endswith("running_var"):
                 batch = batch * np.float32(n / max(n - 1, 1))
-            self.bn_values[name] = ((np.float32(1) - m) * before + m * batch).astype(np.float32)
+            before = self.bn_values[name]
+            self.bn_values[name] = ((np.float32(1) - np.float32(momentum)) * before + np.float32(momentum) * batch).astype(np.float32)
         for name in self.counters:
             self.counters[name] += 1
 

@@ -27,7 +27,6 @@ from ..costs import RoundMeter
 from ..deadline import RoundDeadline
 from ..fedgkt_edge import FedGktEdgeBase
 from ..methods.base import EdgeContext
-from ..teacher import EXTRACT_BATCH_SAMPLES
 from .optim import NumpyAdam, NumpySGD, make_numpy_optimizer
 from .ort import ArtifactMeta, OrtEdgeModel, ort_version
 
@@ -110,7 +109,7 @@ class OrtFedGktEdge(FedGktEdgeBase):
                 else:
                     teacher, found = np.zeros((len(ids), self.num_classes), np.float32), np.zeros(len(ids), bool)
                 loss, _ = model.train_step(images, labels, teacher, found.astype(np.float32), cfg.temperature,
-                                           cfg.alpha if use_kd else 0.0, optimizer)
+                                           cfg.alpha if use_kd else 0.0, optimizer, micro_batch=ctx.memory.micro_batch_samples or None)
                 if not math.isfinite(loss):
                     raise RuntimeError(f"{ctx.agent_id} round {start.round}: loss is {loss}")
                 samples += len(labels)
@@ -120,7 +119,7 @@ class OrtFedGktEdge(FedGktEdgeBase):
     def _test_accuracy(self) -> tuple[int, int]:
         assert self.model is not None
         correct = total = 0
-        for images, labels, _ in iterate_batches(self.ctx.test, EXTRACT_BATCH_SAMPLES, normalizer=self.normalizer):
+        for images, labels, _ in iterate_batches(self.ctx.test, self.slice_samples, normalizer=self.normalizer):
             logits, _ = self.model.forward_eval(images)
             correct += int((logits.argmax(axis=1) == labels).sum())
             total += len(labels)
@@ -135,8 +134,8 @@ class OrtFedGktEdge(FedGktEdgeBase):
         assert model is not None
 
         def slices():  # -> Iterator[(start, maps (b, 16, H, W), logits (b, K))]
-            for start in range(0, images.shape[0], EXTRACT_BATCH_SAMPLES):
-                part_logits, part = model.forward_eval(images[start : start + EXTRACT_BATCH_SAMPLES])  # (b, K), (b, 16, H, W)
+            for start in range(0, images.shape[0], self.slice_samples):
+                part_logits, part = model.forward_eval(images[start : start + self.slice_samples])  # (b, K), (b, 16, H, W)
                 yield start, part, part_logits
 
         return self._fill_slices(images.shape[0], slices())

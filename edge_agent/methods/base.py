@@ -11,6 +11,7 @@ import numpy as np
 from fldata import ArrayDataset
 from shared_protocol.messages import Message, RoundStart
 
+from ..config import MemoryConfig
 from ..costs import RoundMeter
 
 
@@ -37,6 +38,7 @@ class EdgeContext:
     progress: bool = False
     seed: int = 0
     augment: bool = False
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # how to trade speed for resident memory
 
 
 @dataclass

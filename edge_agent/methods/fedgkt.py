@@ -28,7 +28,6 @@ from ..costs import RoundMeter
 from ..deadline import RoundDeadline
 from ..fedgkt_edge import FedGktEdgeBase
 from ..memory import lighten_model
-from ..teacher import EXTRACT_BATCH_SAMPLES
 from ..trainer import LossFn, train_epochs
 from .base import EdgeContext, register_edge_method
 
@@ -53,9 +52,9 @@ class FedGktEdge(FedGktEdgeBase):
         self.trained = False  # True once this model has trained a round (or was restored)
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
         self.train_flops_per_sample, self.forward_flops_per_sample = _flops(self.edge_model, self.model, shape)
-        # After counting: the reported FLOPs are the method's; --low-memory's recomputation
+        # After counting: the reported FLOPs are the method's; [memory] checkpoint_blocks' recomputation
         # (about +30 % of a training step's FLOPs for ResNet-8) is documented, not counted.
-        self.model = lighten_model(self.model)
+        self.model = lighten_model(self.model, ctx.memory)
 
     def _prepare(self, start: RoundStart, meter: RoundMeter) -> None:
         if start.weights and not self.trained:
@@ -89,12 +88,13 @@ class FedGktEdge(FedGktEdgeBase):
         result = train_epochs(
             self.model, loader, optimizer, self.loss_fn(cfg), cfg.edge_epochs,
             device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",
+            micro_batch=ctx.memory.micro_batch_samples or None,
         )
         return result.samples, result.mean_loss
 
     def _test_accuracy(self) -> tuple[int, int]:
         self.model.eval()
-        return accuracy(lambda x: self.model(x)[0], make_loader(self.ctx.test, EXTRACT_BATCH_SAMPLES), self.ctx.device)
+        return accuracy(lambda x: self.model(x)[0], make_loader(self.ctx.test, self.slice_samples), self.ctx.device)
 
     def _upload_batches(self, split: str, batch_samples: int):  # -> Iterator[(images (B, C, H, W), labels, ids)]
         self.model.eval()
@@ -105,8 +105,8 @@ class FedGktEdge(FedGktEdgeBase):
     @torch.no_grad()
     def _extract(self, images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         def slices():  # -> Iterator[(start, maps (b, 16, H, W), logits (b, K))]
-            for start in range(0, images.shape[0], EXTRACT_BATCH_SAMPLES):
-                part = self.model.extract(images[start : start + EXTRACT_BATCH_SAMPLES].to(self.ctx.device))  # (b, 16, H, W)
+            for start in range(0, images.shape[0], self.slice_samples):
+                part = self.model.extract(images[start : start + self.slice_samples].to(self.ctx.device))  # (b, 16, H, W)
                 yield start, part.cpu().numpy(), self.model.classify(part).cpu().numpy()
 
         return self._fill_slices(images.shape[0], slices())

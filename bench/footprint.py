@@ -27,9 +27,12 @@ every sample before round 2) against a scripted server inside the same process
 peak RSS (``VmHWM``), the runtime's own import baseline (a fresh process that
 only imports torch, or onnxruntime-training as the ort backend does) and the
 agent's peak above it, RSS after each round. Each agent runs in the modes of ``--modes``:
-``default`` (``edge-agent run``) and ``low-memory`` (``edge-agent run
---low-memory``: glibc's mmap threshold pinned and, on torch, checkpointed
-bottleneck blocks); entries are named ``ENV`` and ``ENV low-memory``. Three environments: the torch
+``default`` (``edge-agent run``), ``low-memory`` (``edge-agent run
+--low-memory``: forward passes of at most 16 samples -- training accumulates
+them into the round's batch --, uploads of at most 64 samples, glibc's mmap
+threshold pinned) and ``micro-batch`` (the same without the pinned threshold:
+``[memory] micro_batch_samples = 16``); entries are named ``ENV`` and ``ENV
+MODE``. Three environments: the torch
 agent with the CPU-only torch build (the ``edge`` venv), the torch agent with
 the CUDA build PyPI serves on x86_64 (this venv, when its torch is one), and the
 ort agent in the lean ``edge-lite-lean`` venv (no torch installed).
@@ -61,6 +64,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "footprint.json"
+#: The agent's memory modes measured (see :func:`memory_for`).
+MODES = ("default", "low-memory", "micro-batch")
+
+
+def memory_for(mode: str):  # type: ignore[no-untyped-def]  # -> edge_agent.config.MemoryConfig
+    sys.path.insert(0, str(REPO))
+    from edge_agent.config import MemoryConfig
+
+    return {"default": MemoryConfig(), "low-memory": MemoryConfig.low(), "micro-batch": MemoryConfig(micro_batch_samples=16)}[mode]
+
+
 TORCH_CPU_WHEEL_GLOB = "/opt/wheels/torch-*+cpu-*.whl"  # the dev machine's local CPU wheel
 
 
@@ -205,11 +219,9 @@ def baseline_worker(backend: str) -> dict:
 
 
 def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: int = 64, rounds: int = 1,
-                 low_memory: bool = False) -> dict:
-    """One agent, two FedGKT rounds, its own shard of ``samples`` Fashion-MNIST images.
-
-    ``low_memory``: as ``edge-agent run --low-memory`` (malloc threshold pinned; torch:
-    checkpointed bottlenecks); otherwise as ``edge-agent run`` by default."""
+                 mode: str = "default") -> dict:
+    """One agent, two FedGKT rounds, its own shard of ``samples`` Fashion-MNIST images,
+    with the memory settings of ``mode`` (:data:`MODES`)."""
     sys.path.insert(0, str(REPO))
     import collections
     import hashlib
@@ -223,9 +235,10 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
     from shared_protocol.transport import Delivery, TrafficStats, Transport
 
     rss_start = _status_kib("VmHWM") * 1024
-    from edge_agent.memory import enable_low_memory
+    from edge_agent.memory import apply_process_memory
 
-    malloc_fixed = enable_low_memory() if low_memory else False  # as `edge-agent run --low-memory` does
+    memory = memory_for(mode)
+    malloc_fixed = apply_process_memory(memory)  # as `edge-agent run` does with these settings
     run_id, agent_id = "footprint", "bench-agent"
 
     class ScriptedServer(Transport):
@@ -304,6 +317,7 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
     config = EdgeConfig(
         agent_id=agent_id, run_id=run_id, backend=backend, threads=1, progress=False,
         data=DataConfig(dataset="fashion-mnist", partition="none", train_samples=samples, test_samples=AGENT_TEST_SAMPLES, seed=0),
+        memory=memory,
     )
     started = time.perf_counter()
     agent = EdgeAgent(config, transport=transport)
@@ -330,7 +344,8 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
         "torchvision_loaded": "torchvision" in sys.modules,
         "triton_loaded": "triton" in sys.modules,
         "malloc_mmap_threshold_fixed": malloc_fixed,
-        "mode": "low-memory" if low_memory else "default",
+        "mode": mode,
+        "memory": dataclasses.asdict(memory),
         "bottlenecks_checkpointed": _checkpointed(agent),
         "seconds": round(time.perf_counter() - started, 1),
         "load_s": round(loaded_s, 2),
@@ -464,7 +479,7 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
 
 
 def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: dict[str, str] | None = None,
-                   sizes: tuple[int, ...] = AGENT_SAMPLES, low_memory: bool = False) -> dict:
+                   sizes: tuple[int, ...] = AGENT_SAMPLES, mode: str = "default") -> dict:
     """The agent at each shard size in ``python``'s environment, and the runtime's own baseline."""
     env = {"EDGESPLIT_DATA_DIR": str(base / "data-cache"), **(env or {})}
     me = str(Path(__file__).resolve())
@@ -473,7 +488,7 @@ def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: 
 
     def agent_run(n: int) -> dict:
         return run_json([python, me, "--worker", "agent", "--backend", backend, "--artifacts", str(artifacts), "--samples", str(n),
-                         "--rounds", str(AGENT_ROUNDS[n]), *(["--low-memory"] if low_memory else [])], env)
+                         "--rounds", str(AGENT_ROUNDS[n]), "--mode", mode], env)
 
     with ThreadPoolExecutor(max_workers=len(sizes)) as pool:  # side by side: peak RSS is per process
         results = dict(zip(sizes, pool.map(agent_run, sizes)))
@@ -485,7 +500,7 @@ def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: 
         print(f"  {backend} {n:6d} samples: peak {run['peak_rss_bytes'] / 1e6:.0f} MB "
               f"({run['peak_above_runtime_bytes'] / 1e6:.0f} MB above the runtime's {baseline['peak_rss_bytes'] / 1e6:.0f} MB), "
               f"{run['seconds']:.0f} s", flush=True)
-    out = {"mode": "low-memory" if low_memory else "default", "runtime_baseline": baseline, "runs": runs}
+    out = {"mode": mode, "runtime_baseline": baseline, "runs": runs}
     if len(sizes) > 1:
         first, last = runs[str(sizes[0])], runs[str(sizes[-1])]
         out["round1_peak_largest_over_smallest"] = round(last["rounds"][0]["peak_rss_bytes"] / first["rounds"][0]["peak_rss_bytes"], 3)
@@ -496,16 +511,18 @@ def measure_agents(python: str, backend: str, artifacts: Path, base: Path, env: 
 def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: dict[str, str] | None = None,
                   modes: tuple[str, ...] = ("default",), sizes: tuple[int, ...] = AGENT_SAMPLES,
                   env_vars: dict[str, dict[str, str]] | None = None) -> dict:
-    """Each environment of ``envs`` in each mode (``default``, ``low-memory``); entries are named
-    ``ENV`` (default mode) and ``ENV low-memory``."""
+    """Each environment of ``envs`` in each mode of :data:`MODES`; entries are named
+    ``ENV`` (default mode) and ``ENV MODE``."""
     out: dict = {
         "setting": {"dataset": "fashion-mnist (Debian package IDX files, 1x32x32)", "method": "fedgkt", "rounds_by_train_samples": {str(k): v for k, v in AGENT_ROUNDS.items()},
                     "train_samples": list(sizes), "test_samples": AGENT_TEST_SAMPLES,
                     "round_config": "GktRoundConfig defaults: batch 64, 1 edge epoch, adam, fp16-zstd uploads of 256 samples",
                     "evaluate": "every round", "server": "scripted in the agent's process; uploads counted and dropped",
                     "threads": 1, "runs": "all side by side (each its own process); 'seconds' are wall times on a shared 2-core machine, not timings",
-                    "modes": {"default": "edge-agent run", "low-memory": "edge-agent run --low-memory: glibc mmap threshold pinned at 1 MiB; "
-                              "torch: bottleneck blocks recompute their activations in the backward pass"}},
+                    "modes": {"default": "edge-agent run",
+                              "low-memory": "edge-agent run --low-memory: forward passes of at most 16 samples (training accumulates "
+                                            "them into each batch of 64), uploads of at most 64 samples, glibc mmap threshold pinned at 1 MiB",
+                              "micro-batch": "[memory] micro_batch_samples = 16: as low-memory without the pinned threshold"}},
         "load_average_at_start": os.getloadavg(),
         "environments": {},
     }
@@ -522,7 +539,7 @@ def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: di
         # The CUDA build only at the smallest shard: it is there for its import cost, next to the CPU build.
         env_sizes = sizes[:1] if name == "torch-cuda" else sizes
         env = {**(ort_env if backend == "ort" and ort_env else {}), **(env_vars or {}).get(name, {})}
-        return measure_agents(envs[name], backend, artifacts, base, env or None, env_sizes, low_memory=mode == "low-memory")
+        return measure_agents(envs[name], backend, artifacts, base, env or None, env_sizes, mode=mode)
 
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(one, jobs)))
@@ -540,8 +557,8 @@ def main() -> int:
     p.add_argument("--backend", choices=("torch", "ort"), help="with --worker agent / baseline")
     p.add_argument("--samples", type=int, default=1000, help="with --worker agent: training samples in the shard")
     p.add_argument("--rounds", type=int, default=1, help="with --worker agent: FedGKT rounds")
-    p.add_argument("--low-memory", action="store_true", help="with --worker agent: as edge-agent run --low-memory")
-    p.add_argument("--modes", default="default,low-memory", help="agent modes to measure (comma-separated: default, low-memory)")
+    p.add_argument("--mode", choices=tuple(MODES), default="default", help="with --worker agent: its memory settings")
+    p.add_argument("--modes", default=",".join(MODES), help="agent modes to measure (comma-separated, from %(default)s)")
     p.add_argument("--sizes", default=",".join(map(str, AGENT_SAMPLES)), help="agent shard sizes (comma-separated, from %(default)s)")
     p.add_argument("--torch-cpu-dir", help="with --no-install --only-agent: a directory holding the CPU-only torch "
                                           "(e.g. its wheel unpacked), put first on PYTHONPATH for the torch-cpu agent")
@@ -556,7 +573,7 @@ def main() -> int:
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.worker == "agent":
-        print(json.dumps(agent_worker(args.backend, args.artifacts, args.samples, args.batch_size, args.rounds, args.low_memory)))
+        print(json.dumps(agent_worker(args.backend, args.artifacts, args.samples, args.batch_size, args.rounds, args.mode)))
         return 0
     if args.worker == "baseline":
         print(json.dumps(baseline_worker(args.backend)))
@@ -572,8 +589,8 @@ def main() -> int:
     artifacts_1ch = base / "artifacts-1ch"  # the agent runs train on Fashion-MNIST
     export_artifacts(artifacts_1ch, in_channels=1)
     modes = tuple(m for m in args.modes.split(",") if m)
-    if set(modes) - {"default", "low-memory"}:
-        raise SystemExit(f"--modes takes default and low-memory, got {args.modes!r}")
+    if set(modes) - set(MODES):
+        raise SystemExit(f"--modes takes {sorted(MODES)}, got {args.modes!r}")
     sizes = tuple(int(n) for n in args.sizes.split(","))
     if set(sizes) - set(AGENT_ROUNDS):
         raise SystemExit(f"--sizes must come from {sorted(AGENT_ROUNDS)}, got {args.sizes!r}")
@@ -689,6 +706,7 @@ def _agent_envs(base: Path) -> dict[str, str]:
 
 
 def _write(out: Path, report: dict) -> None:
+    report["benchmark"] = "footprint"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")

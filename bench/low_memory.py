@@ -90,6 +90,7 @@ def main() -> int:
                 runs.append(run_one(mode, seed, args.rounds, data, Path(tmp)))
                 print(f"   server {runs[-1]['accuracy']}  edges {runs[-1]['final_edge_accuracy']}  {runs[-1]['wall_s']} s", flush=True)
     write_json(Path(args.out), {
+        "benchmark": "low_memory", "generated_by": "python bench/low_memory.py",
         "machine": started,
         "setting": {"dataset": "fashion-mnist (32x32 zero-padded, 1 channel)", "agents": args.agents, "partition": args.partition,
                     "train_samples": args.train_samples, "test_samples": args.test_samples, "rounds": args.rounds,

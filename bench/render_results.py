@@ -529,6 +529,56 @@ def scale_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+#: The agent's peak-RSS targets (MB) on the footprint bench's setting, by runtime.
+PEAK_TARGET_MB = {"torch": 350, "ort": 150}
+
+
+def memory_section(footprint: dict[str, Any], accuracy: dict[str, Any] | None) -> list[str]:
+    """The agent's peak RSS by runtime, mode and shard size (footprint.json), and what
+    --low-memory's micro-batches cost in accuracy (low_memory.json)."""
+    agent = footprint["agent"]
+    sizes = [str(n) for n in agent["setting"]["train_samples"]]
+    rows = []
+    for name, env in agent["environments"].items():
+        runtime = "ort" if name.startswith("ort") else "torch"
+        peaks = [env["runs"][n]["peak_rss_bytes"] / 1e6 if n in env["runs"] else None for n in sizes]
+        measured = [p for p in peaks if p is not None]
+        meets = "yes" if measured and max(measured) <= PEAK_TARGET_MB[runtime] else "no"
+        spread = env.get("peak_largest_over_smallest")
+        rows.append([name.split(" ")[0], env["mode"], f"{env['runtime_baseline']['peak_rss_bytes'] / 1e6:.0f} MB",
+                     *(DASH if p is None else f"{p:.0f} MB" for p in peaks),
+                     DASH if spread is None else f"{spread:.2f}", f"<= {PEAK_TARGET_MB[runtime]} MB: {meets}"])
+    lines = [
+        "## The agent's memory (issue 16)", "",
+        f"From `bench/results/footprint.json` (`bench/footprint.py`), {agent['machine']['cores']} cores {agent['machine']['arch']}: "
+        "peak RSS of a whole agent process running FedGKT rounds (batch 64, evaluation every round) on its Fashion-MNIST shard, "
+        "in each memory mode: " + "; ".join(f"{k}: {v}" for k, v in agent["setting"]["modes"].items()) + ". "
+        "Largest / smallest is the peak at the largest shard over the peak at the smallest.", "",
+        *_table(["Agent", "Mode", "Runtime alone", *(f"{int(n):,} samples" for n in sizes), "Largest / smallest", "Target"], rows, right_from=2),
+        "",
+    ]
+    if accuracy is not None:
+        summary = accuracy["summary"]
+        setting = accuracy["setting"]
+        runs = [[r["mode"], r["seed"], " / ".join(_pct(a) for a in r["accuracy"]), _pct(r["final_edge_accuracy"]), f"{r['wall_s']:.0f} s"]
+                for r in accuracy["runs"]]
+        diffs = "; ".join(f"seed {d['seed']}: server {d['server_points']:+.1f}, edges {d['edge_points']:+.1f} points"
+                          for d in summary["micro_minus_default"])
+        lines += [
+            f"What the micro-batches cost in accuracy (`bench/results/low_memory.json`, `bench/low_memory.py`, measured "
+            f"{_machine_line(accuracy['machine'])}): FedGKT, Fashion-MNIST, {setting['agents']} agents, {setting['train_samples']:,} / "
+            f"{setting['test_samples']:,} samples, {setting['partition']}, {setting['rounds']} rounds, the same seeds in both modes "
+            "(each seed is the data subset's, the partition's and the models').", "",
+            *_table(["Mode", "Seed", "Server acc. by round", "Edges (final)", "Wall"], runs, right_from=2),
+            "",
+            f"Micro-batches minus default, final round: {diffs}. Means: "
+            + "; ".join(f"{mode} server {_pct(v['final_accuracy_mean'])}, edges {_pct(v['final_edge_accuracy_mean'])}"
+                        for mode, v in summary.items() if mode != "micro_minus_default") + ".",
+            "",
+        ]
+    return lines
+
+
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
                for name in ("edge_cost", "comm_cost", "accuracy", "fedgkt_ablation", "gkt_server_epochs", "transport", "server_loop", "scale")}
@@ -548,7 +598,18 @@ def render(results: Path, image_dir: Path | None = None) -> str:
     ]
     sections = (("accuracy", accuracy_section), ("fedgkt_ablation", fedgkt_ablation_section), ("gkt_server_epochs", gkt_server_epochs_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section))
+    footprint = _load(results / "footprint.json")
+    if footprint is not None and "agent" in footprint:
+        try:
+            memory = memory_section(footprint, _load(results / "low_memory.json"))
+        except KeyError as exc:
+            raise ResultsError(f"bench/results/footprint.json or low_memory.json has no field {exc}; rerun bench/footprint.py "
+                               "and bench/low_memory.py") from None
+    else:
+        memory = ["*`bench/results/footprint.json` has no agent section: run `bench/footprint.py`.*", ""]
     for name, section in sections:
+        if name == "transport":
+            lines += memory
         data = sources[name]
         if data is None:
             lines += [f"*`bench/results/{name}.json` not found: run `bench/{name}.py`.*", ""]

@@ -6,13 +6,15 @@ Measures, at batch 64 and 3x32x32 (the footprint bench's bare-step setting), one
   saved-tensor hooks, each storage counted once), per part of the model, plain and
   with checkpointed bottlenecks (``models.memory``);
 * ``torch``: a bare training step (CE + KD, Adam) in a fresh process for each of
-  {plain, checkpointed} x {glibc malloc as it is, mmap threshold pinned}: peak RSS,
+  {plain, checkpointed, micro-batches of 16 (``models.training.Step``)} x {glibc
+  malloc as it is, mmap threshold pinned}: peak RSS,
   peak above ``import torch``, file-backed RSS (code pages) before and after, median
   ms per step; the variants alternate, ``--repeats`` times, so time ratios come from
   one session;
 * ``ort``: the same step under onnxruntime-training (artifacts exported here) with
   the session options that could matter (the agent's: CPU arena off; memory patterns
-  off; graph optimisation off; the training memory optimizer's recompute settings);
+  off; graph optimisation off; the training memory optimizer's recompute settings), and
+  the agent's step in micro-batches of 16 (``micro16``; every ort variant pins the threshold);
 * ``recompute_flops_ratio``: training FLOPs with checkpointed bottlenecks / plain.
 
     .venv/bin/python bench/step_memory.py [--torch-cpu-dir DIR] [--repeats 2]
@@ -38,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "step_memory.json"
 BATCH = 64
+MICRO_BATCH = 16  # --low-memory's
 STEPS = 11  # the first is warm-up
 
 
@@ -83,7 +86,7 @@ def saved_by_block(checkpointed: bool) -> dict[str, int]:
     return out
 
 
-def torch_worker(checkpointed: bool, pinned: bool) -> dict:
+def torch_worker(checkpointed: bool, pinned: bool, micro_batch: int | None = None) -> dict:
     if pinned:
         from edge_agent.memory import fix_malloc_mmap_threshold
 
@@ -96,29 +99,29 @@ def torch_worker(checkpointed: bool, pinned: bool) -> dict:
     from models import build_model
     from models.losses import kd_loss
     from models.memory import checkpoint_bottlenecks
+    from models.training import Step
 
     torch.manual_seed(0)
     model = build_model("resnet8", 10, 3)
     if checkpointed:
         checkpoint_bottlenecks(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=5e-4, amsgrad=True)
+    step = Step(model, opt, lambda output, y, teacher: F.cross_entropy(output[0], y) + kd_loss(output[0], teacher, 3.0),
+                forward=lambda m, inputs: m(inputs), micro_batch=micro_batch)
     x, y, teacher = torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,)), torch.randn(BATCH, 10)
     times = []
     for _ in range(STEPS):
         t0 = time.perf_counter()
-        opt.zero_grad()
-        logits, _ = model(x)
-        (F.cross_entropy(logits, y) + kd_loss(logits, teacher, 3.0)).backward()
-        opt.step()
+        step(x, y, teacher)
         times.append(time.perf_counter() - t0)
     peak = _status_kib("VmHWM") * 1024
-    return {"checkpointed": checkpointed, "malloc_mmap_threshold_pinned": pinned, "torch": torch.__version__,
+    return {"checkpointed": checkpointed, "malloc_mmap_threshold_pinned": pinned, "micro_batch": micro_batch, "torch": torch.__version__,
             "triton_loaded": "triton" in sys.modules, "import_peak_rss_bytes": base, "import_rss_file_bytes": base_file,
             "peak_rss_bytes": peak, "peak_above_import_bytes": peak - base, "rss_file_after_bytes": _status_kib("RssFile") * 1024,
             "rss_after_bytes": _status_kib("VmRSS") * 1024, "step_ms_median": sorted(times[1:])[len(times[1:]) // 2] * 1000}
 
 
-ORT_VARIANTS = ("agent", "mem_pattern_off", "graph_optimization_off", "memory_optimizer_recompute")
+ORT_VARIANTS = ("agent", "mem_pattern_off", "graph_optimization_off", "memory_optimizer_recompute", "micro16")
 
 
 def ort_worker(artifacts: str, variant: str) -> dict:
@@ -156,7 +159,7 @@ def ort_worker(artifacts: str, variant: str) -> dict:
     opt, times = NumpyAdam(1e-3, weight_decay=5e-4), []
     for _ in range(STEPS):
         t0 = time.perf_counter()
-        model.train_step(x, y, teacher, np.ones(BATCH, np.float32), 3.0, 1.0, opt)
+        model.train_step(x, y, teacher, np.ones(BATCH, np.float32), 3.0, 1.0, opt, micro_batch=MICRO_BATCH if variant == "micro16" else None)
         times.append(time.perf_counter() - t0)
     peak = _status_kib("VmHWM") * 1024
     return {"variant": variant, "onnxruntime": ort_backend.ort_version(), "import_peak_rss_bytes": base,
@@ -178,6 +181,7 @@ def main() -> int:
     p.add_argument("--worker", choices=("torch", "ort"))
     p.add_argument("--checkpointed", action="store_true")
     p.add_argument("--pinned", action="store_true")
+    p.add_argument("--micro-batch", type=int)
     p.add_argument("--artifacts")
     p.add_argument("--variant", choices=ORT_VARIANTS, default="agent")
     p.add_argument("--torch-cpu-dir")
@@ -185,7 +189,7 @@ def main() -> int:
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.worker == "torch":
-        print(json.dumps(torch_worker(args.checkpointed, args.pinned)))
+        print(json.dumps(torch_worker(args.checkpointed, args.pinned, args.micro_batch)))
         return 0
     if args.worker == "ort":
         print(json.dumps(ort_worker(args.artifacts, args.variant)))
@@ -216,21 +220,25 @@ def main() -> int:
         "recompute_flops_ratio": round(recompute_flops_ratio(build_model("resnet8", 10, 3), (3, 32, 32)), 4),
         "torch": [], "ort": [],
     }
+    torch_variants = [(False, None), (True, None), (False, MICRO_BATCH)]  # (checkpointed, micro_batch)
     for _ in range(args.repeats):
-        for checkpointed in (False, True):
+        for checkpointed, micro in torch_variants:
             for pinned in (False, True):
-                flags = [*(["--checkpointed"] if checkpointed else []), *(["--pinned"] if pinned else [])]
+                flags = [*(["--checkpointed"] if checkpointed else []), *(["--pinned"] if pinned else []),
+                         *(["--micro-batch", str(micro)] if micro else [])]
                 report["torch"].append(_run(["--worker", "torch", *flags], torch_env))
         for variant in ORT_VARIANTS:
             report["ort"].append(_run(["--worker", "ort", "--artifacts", str(artifacts), "--variant", variant], ort_env))
     report["machine"]["load_average_at_end"] = os.getloadavg()
     # Per variant: the median over the repeats, and its ratio to the plain step's (the agent's default).
     summary = {}
-    for checkpointed in (False, True):
+    for checkpointed, micro in torch_variants:
         for pinned in (False, True):
-            runs = [r for r in report["torch"] if r["checkpointed"] == checkpointed and r["malloc_mmap_threshold_pinned"] == pinned]
+            runs = [r for r in report["torch"] if r["checkpointed"] == checkpointed and r["malloc_mmap_threshold_pinned"] == pinned
+                    and r.get("micro_batch") == micro]
             ms = sorted(r["step_ms_median"] for r in runs)
-            summary[f"checkpointed={checkpointed} pinned={pinned}"] = {
+            name = f"checkpointed={checkpointed} pinned={pinned}" + (f" micro_batch={micro}" if micro else "")
+            summary[name] = {
                 "step_ms_median": ms[len(ms) // 2], "peak_above_import_bytes_max": max(r["peak_above_import_bytes"] for r in runs)}
     plain = summary["checkpointed=False pinned=False"]["step_ms_median"]
     for entry in summary.values():
@@ -240,7 +248,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     for r in report["torch"]:
-        print(f"torch checkpointed={r['checkpointed']!s:5} pinned={r['malloc_mmap_threshold_pinned']!s:5} "
+        print(f"torch checkpointed={r['checkpointed']!s:5} pinned={r['malloc_mmap_threshold_pinned']!s:5} micro={r.get('micro_batch')!s:4} "
               f"peak {r['peak_rss_bytes'] / 1e6:.0f} MB ({r['peak_above_import_bytes'] / 1e6:.0f} above import)  {r['step_ms_median']:.0f} ms")
     for r in report["ort"]:
         print(f"ort {r['variant']:28s} peak {r['peak_rss_bytes'] / 1e6:.0f} MB (step {r['step_above_loaded_bytes'] / 1e6:.0f} above loaded)  "

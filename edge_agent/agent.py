@@ -205,6 +205,7 @@ class EdgeAgent:
                 methods=methods,
                 software={"edgesplit": __version__, "python": platform.python_version(), **backend_software},
                 last_round_done=self.last_round_done,
+                memory=dataclasses.asdict(self.config.memory),
             )
         )
 

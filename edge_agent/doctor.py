@@ -26,7 +26,10 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .config import MemoryConfig
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 MIN_PYTHON = (3, 10)
@@ -53,6 +56,7 @@ class DoctorOptions:
     load_data: bool = True  # load the dataset (slow for big ones) or only look at the files
     python_version: tuple[int, int, int] = field(default_factory=lambda: tuple(sys.version_info[:3]))  # type: ignore[assignment]
     importer: Callable[[str], object] = importlib.import_module
+    meminfo: Callable[[], dict[str, int]] = lambda: meminfo_bytes()  # noqa: E731  (tests give a device's figures)
 
 
 # --------------------------------------------------------------------------- #
@@ -179,6 +183,43 @@ def check_credentials(raw_agent: dict) -> tuple[Check, str | None]:
         return Check("credentials", OK, "no credentials configured (anonymous broker)"), password
     status = WARN if any("readable by other" in n or "prefer password_file" in n for n in notes) else OK
     return Check("credentials", status, "; ".join(notes)), password
+
+
+def meminfo_bytes(path: str = "/proc/meminfo") -> dict[str, int]:
+    """``MemTotal`` and ``MemAvailable`` (bytes) from ``path``; {} where there is no such file (not Linux)."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        return {}
+    return out
+
+
+def check_memory(backend: str, memory: "MemoryConfig", meminfo: dict[str, int]) -> Check:
+    """Whether the agent's measured peak (edge_agent.memory.MEASURED_PEAK_MB) fits what the device has free."""
+    from .memory import MEASURED_PEAK_MB, memory_mode
+
+    if "MemAvailable" not in meminfo:
+        return Check("memory", SKIP, "cannot read /proc/meminfo")
+    available_mb = meminfo["MemAvailable"] / 1e6
+    total_mb = meminfo.get("MemTotal", 0) / 1e6
+    mode = memory_mode(memory)
+    peak = MEASURED_PEAK_MB.get((backend, mode if mode != "custom" else "default"))
+    if peak is None:
+        return Check("memory", SKIP, f"no measured peak for the {backend} backend")
+    what = f"{available_mb:.0f} MB available of {total_mb:.0f} MB; the {backend} agent peaked at {peak} MB in {mode} mode (bench/footprint.py)"
+    if available_mb >= 1.2 * peak:
+        return Check("memory", OK, what)
+    low = MEASURED_PEAK_MB[(backend, "low-memory")]
+    if mode != "low-memory" and available_mb >= 1.2 * low:
+        return Check("memory", WARN, what, f"run with --low-memory (peaked at {low} MB; slower training steps, see docs/deploy.md)")
+    return Check("memory", WARN, what + (f"; {low} MB with --low-memory" if mode != "low-memory" else ""),
+                 "stop other services, add swap, or use a device with more memory"
+                 + ("; --backend ort is lighter (x86_64 only)" if backend == "torch" else ""))
 
 
 def check_reachable(host: str, port: int, timeout_s: float) -> Check:
@@ -393,6 +434,7 @@ def run_checks(options: DoctorOptions) -> list[Check]:
             checks.append(Check("login", SKIP, "fix TLS / credentials first"))
         else:
             checks.append(check_login(config, options.timeout_s))
+    checks.append(check_memory(config.backend, config.memory, options.meminfo()))
     checks.append(check_data(config, options.load_data))
     checks.append(check_state_dir(config.state_dir))
     return checks

@@ -50,11 +50,27 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .config import MemoryConfig
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "apply_process_memory", "fix_malloc_mmap_threshold", "lighten_model"]
+__all__ = ["MEASURED_PEAK_MB", "MMAP_THRESHOLD_BYTES", "apply_process_memory", "fix_malloc_mmap_threshold", "lighten_model", "memory_mode"]
 
 #: Allocations from this size up are mapped and returned to the system when freed.
 MMAP_THRESHOLD_BYTES = 1024 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+#: The agent's measured peak RSS in MB (FedGKT, ResNet-8, batch 64, x86_64, CPU-only torch),
+#: by (backend, memory mode): bench/results/footprint.json's largest over the shard sizes,
+#: rounded up (tests/test_memory_doctor.py keeps the two equal). ``edge-agent doctor``
+#: compares them with the device's memory.
+MEASURED_PEAK_MB = {("torch", "default"): 661, ("torch", "low-memory"): 483, ("ort", "default"): 331, ("ort", "low-memory"): 266}
+
+
+def memory_mode(memory: "MemoryConfig") -> str:
+    """``"low-memory"`` for ``--low-memory``'s settings, ``"default"`` for none, ``"custom"`` otherwise."""
+    from .config import MemoryConfig
+
+    if memory == MemoryConfig.low():
+        return "low-memory"
+    return "default" if memory == MemoryConfig() else "custom"
 
 
 def apply_process_memory(memory: "MemoryConfig") -> bool:

@@ -277,6 +277,9 @@ class Hello(Message):
     methods: list
     software: dict = field(default_factory=dict)
     last_round_done: int = -1
+    # How the agent trades speed for memory (its [memory] settings). micro_batch_samples > 0
+    # changes BatchNorm's batches, so a report says which agents trained that way.
+    memory: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.num_samples < 0 or self.cores < 0 or self.memory_bytes < 0:

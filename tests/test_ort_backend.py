@@ -201,6 +201,8 @@ def test_micro_batching_agents_of_both_backends_send_smaller_uploads_and_learn_t
         assert seen == [32, 32, 16] * 2, (agent_id, seen)  # 80 samples, two rounds; the server asked for 64
     for agent in fed.agents:
         assert len(agent.method.teacher) == 80
+    # the report says which agents trained in micro-batches (BatchNorm saw 16-sample batches)
+    assert all(report["agents"][a]["memory"]["micro_batch_samples"] == 16 for a in ("agent-0", "agent-1"))
 
 
 @pytest.mark.broker

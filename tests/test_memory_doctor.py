@@ -1,0 +1,49 @@
+"""``edge-agent doctor``'s memory check: the agent's measured peaks against the device's memory."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from edge_agent.config import MemoryConfig
+from edge_agent.doctor import FAIL, OK, SKIP, WARN, check_memory, meminfo_bytes
+from edge_agent.memory import MEASURED_PEAK_MB, memory_mode
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1_000_000
+
+
+def test_the_peaks_the_doctor_uses_are_the_footprint_bench_s() -> None:
+    agent = json.loads((ROOT / "bench" / "results" / "footprint.json").read_text())["agent"]["environments"]
+    for (backend, mode), peak_mb in MEASURED_PEAK_MB.items():
+        name = ("torch-cpu" if backend == "torch" else "ort") + ("" if mode == "default" else f" {mode}")
+        measured = max(run["peak_rss_bytes"] for run in agent[name]["runs"].values()) / MB
+        assert peak_mb == math.ceil(measured), (backend, mode, peak_mb, measured)
+
+
+def test_memory_modes_are_named_from_the_settings() -> None:
+    assert memory_mode(MemoryConfig()) == "default"
+    assert memory_mode(MemoryConfig.low()) == "low-memory"
+    assert memory_mode(MemoryConfig(micro_batch_samples=8)) == "custom"
+
+
+def test_a_device_with_room_passes_and_a_small_one_is_told_to_use_low_memory() -> None:
+    default, low = MEASURED_PEAK_MB[("torch", "default")], MEASURED_PEAK_MB[("torch", "low-memory")]
+    roomy = check_memory("torch", MemoryConfig(), {"MemTotal": 8000 * MB, "MemAvailable": 4000 * MB})
+    assert roomy.status == OK and f"{default} MB" in roomy.detail
+    between = {"MemTotal": 1000 * MB, "MemAvailable": int(1.3 * low) * MB}
+    assert int(1.3 * low) < 1.2 * default  # fits the low-memory peak only
+    told = check_memory("torch", MemoryConfig(), between)
+    assert told.status == WARN and "--low-memory" in told.fix
+    assert check_memory("torch", MemoryConfig.low(), between).status == OK
+    tiny = check_memory("torch", MemoryConfig.low(), {"MemTotal": 512 * MB, "MemAvailable": 200 * MB})
+    assert tiny.status == WARN and "ort" in tiny.fix and tiny.status != FAIL  # the agent may still run with swap
+    assert check_memory("ort", MemoryConfig(), {}).status == SKIP
+
+
+def test_meminfo_is_read_in_bytes(tmp_path: Path) -> None:
+    sample = tmp_path / "meminfo"
+    sample.write_text("MemTotal:        1918456 kB\nMemFree:          101232 kB\nMemAvailable:     812345 kB\n")
+    assert meminfo_bytes(str(sample)) == {"MemTotal": 1918456 * 1024, "MemAvailable": 812345 * 1024}
+    assert meminfo_bytes(str(tmp_path / "missing")) == {}

@@ -17,10 +17,14 @@ Typical use::
 """
 
 from models.cost import (
+    FlopsPerSample,
     LossKind,
+    NotLayerCountableError,
     count_parameters,
     flops_of,
+    flops_per_sample,
     forward_flops_per_sample,
+    layer_flops_per_sample,
     training_flops_per_sample,
 )
 from models.registry import (
@@ -63,10 +67,12 @@ __all__ = [
     "RESNET110_LAYOUT",
     "Bottleneck",
     "ConvStem",
+    "FlopsPerSample",
     "InputKind",
     "LossKind",
     "ModelBuilder",
     "ModelSpec",
+    "NotLayerCountableError",
     "ResNet",
     "ResNet8Edge",
     "ResNetTrunk",
@@ -76,8 +82,10 @@ __all__ = [
     "build_model",
     "count_parameters",
     "flops_of",
+    "flops_per_sample",
     "forward_flops_per_sample",
     "get_model_spec",
+    "layer_flops_per_sample",
     "list_models",
     "load_arrays_into",
     "register_model",

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fldata.torch_data import make_loader
-from models import WeightsMismatchError, build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models import WeightsMismatchError, build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays
 from models.training import accuracy, logits_of, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError
 from shared_protocol.messages import Message, RoundStart
@@ -42,7 +42,10 @@ def _flops(name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[i
     (counting a ResNet-56 takes seconds; simulated agents share one process)."""
     key = (name, shape, sum(p.numel() for p in model.parameters()))
     if key not in _FLOPS_CACHE:
-        _FLOPS_CACHE[key] = (training_flops_per_sample(model, shape), forward_flops_per_sample(model, shape))
+        # The layer counter, not FlopCounterMode: entering that mode would keep ~100 MiB
+        # of imports resident in the agent for the rest of its life.
+        flops = flops_per_sample(model, shape)
+        _FLOPS_CACHE[key] = (flops.training, flops.forward)
     return _FLOPS_CACHE[key]
 
 

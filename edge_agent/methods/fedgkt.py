@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fldata.torch_data import make_loader
-from models import build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models import build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays
 from models.losses import kd_loss
 from models.training import accuracy, make_optimizer
 from shared_protocol.messages import RoundStart
@@ -40,7 +40,10 @@ def _flops(name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[i
     (FLOPs depend on shapes only, and counting is slow)."""
     key = (name, shape, sum(p.numel() for p in model.parameters()))
     if key not in _FLOPS_CACHE:
-        _FLOPS_CACHE[key] = (training_flops_per_sample(model, shape), forward_flops_per_sample(model, shape))
+        # The layer counter, not FlopCounterMode: entering that mode would keep ~100 MiB
+        # of imports resident in the agent for the rest of its life.
+        flops = flops_per_sample(model, shape)
+        _FLOPS_CACHE[key] = (flops.training, flops.forward)
     return _FLOPS_CACHE[key]
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. resnet20)
 from fldata.torch_data import make_loader
-from models import WeightsMismatchError, build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models import WeightsMismatchError, build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays
 from models.mentor import HiddenOutputs, forward_with_hidden, hidden_dim
 from models.training import accuracy, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
@@ -163,7 +163,10 @@ def _flops(name: str, model: nn.Module, shape: tuple[int, ...]) -> tuple[int, in
     """(training, forward) FLOPs per sample, counted once per architecture and input shape."""
     key = (name, shape, sum(p.numel() for p in model.parameters()))
     if key not in _FLOPS_CACHE:
-        _FLOPS_CACHE[key] = (training_flops_per_sample(model, shape), forward_flops_per_sample(model, shape))
+        # The layer counter, not FlopCounterMode: entering that mode would keep ~100 MiB
+        # of imports resident in the agent for the rest of its life.
+        flops = flops_per_sample(model, shape)
+        _FLOPS_CACHE[key] = (flops.training, flops.forward)
     return _FLOPS_CACHE[key]
 
 

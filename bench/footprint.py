@@ -30,8 +30,9 @@ agent's peak above it, RSS after each round. Each agent runs in the modes of ``-
 ``default`` (``edge-agent run``), ``low-memory`` (``edge-agent run
 --low-memory``: forward passes of at most 16 samples -- training accumulates
 them into the round's batch --, uploads of at most 64 samples, glibc's mmap
-threshold pinned) and ``micro-batch`` (the same without the pinned threshold:
-``[memory] micro_batch_samples = 16``); entries are named ``ENV`` and ``ENV
+threshold pinned), ``low-memory-8`` (the same with micro-batches of 8) and
+``micro-batch`` (``--low-memory`` without the pinned threshold: ``[memory]
+micro_batch_samples = 16``); entries are named ``ENV`` and ``ENV
 MODE``. Three environments: the torch
 agent with the CPU-only torch build (the ``edge`` venv), the torch agent with
 the CUDA build PyPI serves on x86_64 (this venv, when its torch is one), and the
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import replace
 import json
 import os
 import platform
@@ -65,14 +67,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "footprint.json"
 #: The agent's memory modes measured (see :func:`memory_for`).
-MODES = ("default", "low-memory", "micro-batch")
+MODES = ("default", "low-memory", "low-memory-8", "micro-batch")
 
 
 def memory_for(mode: str):  # type: ignore[no-untyped-def]  # -> edge_agent.config.MemoryConfig
     sys.path.insert(0, str(REPO))
     from edge_agent.config import MemoryConfig
 
-    return {"default": MemoryConfig(), "low-memory": MemoryConfig.low(), "micro-batch": MemoryConfig(micro_batch_samples=16)}[mode]
+    return {"default": MemoryConfig(), "low-memory": MemoryConfig.low(), "low-memory-8": replace(MemoryConfig.low(), micro_batch_samples=8),
+            "micro-batch": MemoryConfig(micro_batch_samples=MemoryConfig.low().micro_batch_samples)}[mode]
 
 
 TORCH_CPU_WHEEL_GLOB = "/opt/wheels/torch-*+cpu-*.whl"  # the dev machine's local CPU wheel
@@ -522,6 +525,7 @@ def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: di
                     "modes": {"default": "edge-agent run",
                               "low-memory": "edge-agent run --low-memory: forward passes of at most 16 samples (training accumulates "
                                             "them into each batch of 64), uploads of at most 64 samples, glibc mmap threshold pinned at 1 MiB",
+                              "low-memory-8": "as low-memory with micro-batches of 8 ([memory] micro_batch_samples = 8, pin_malloc = true)",
                               "micro-batch": "[memory] micro_batch_samples = 16: as low-memory without the pinned threshold"}},
         "load_average_at_start": os.getloadavg(),
         "environments": {},

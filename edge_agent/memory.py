@@ -61,7 +61,7 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 #: by (backend, memory mode): bench/results/footprint.json's largest over the shard sizes,
 #: rounded up (tests/test_memory_doctor.py keeps the two equal). ``edge-agent doctor``
 #: compares them with the device's memory.
-MEASURED_PEAK_MB = {("torch", "default"): 661, ("torch", "low-memory"): 483, ("ort", "default"): 331, ("ort", "low-memory"): 266}
+MEASURED_PEAK_MB = {("torch", "default"): 644, ("torch", "low-memory"): 342, ("ort", "default"): 272, ("ort", "low-memory"): 146}
 
 
 def memory_mode(memory: "MemoryConfig") -> str:

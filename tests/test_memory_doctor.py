@@ -47,3 +47,21 @@ def test_meminfo_is_read_in_bytes(tmp_path: Path) -> None:
     sample.write_text("MemTotal:        1918456 kB\nMemFree:          101232 kB\nMemAvailable:     812345 kB\n")
     assert meminfo_bytes(str(sample)) == {"MemTotal": 1918456 * 1024, "MemAvailable": 812345 * 1024}
     assert meminfo_bytes(str(tmp_path / "missing")) == {}
+
+
+def test_the_recorded_footprint_meets_the_pi_targets_in_low_memory_mode() -> None:
+    """bench/results/footprint.json as recorded: --low-memory's peaks within the targets
+    (torch CPU build <= 350 MB, ort <= 150 MB) and no mode's peak grows by more than 20 %
+    from the smallest shard to the largest."""
+    agent = json.loads((ROOT / "bench" / "results" / "footprint.json").read_text())["agent"]
+    envs = agent["environments"]
+    assert max(r["peak_rss_bytes"] for r in envs["torch-cpu low-memory"]["runs"].values()) <= 350 * MB
+    assert max(r["peak_rss_bytes"] for r in envs["ort low-memory"]["runs"].values()) <= 150 * MB
+    sizes = sorted(int(n) for n in agent["setting"]["train_samples"])
+    assert sizes[0] <= 1000 and sizes[-1] >= 16000
+    for name, env in envs.items():
+        assert env["runs"][str(sizes[-1])]["peak_rss_bytes"] <= 1.2 * env["runs"][str(sizes[0])]["peak_rss_bytes"], name
+        assert all(r["memory"] for r in env["runs"].values())  # recorded with the settings it ran
+    assert envs["torch-cpu low-memory"]["runs"][str(sizes[0])]["memory"] == {
+        "micro_batch_samples": MemoryConfig.low().micro_batch_samples, "checkpoint_blocks": False, "pin_malloc": True,
+        "upload_batch_samples_cap": MemoryConfig.low().upload_batch_samples_cap}

@@ -228,3 +228,64 @@ def test_micro_batch_must_hold_two_samples() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="micro_batch must be >= 2"):
         Step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda o: o.sum(), micro_batch=1)
+
+
+# --------------------------------------------------------------------------- #
+# lean optimisers (the edge's: no torch._dynamo)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("weight_decay", [0.0, 5e-4])
+def test_lean_optimisers_take_torch_optims_steps(name: str, weight_decay: float) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    twin = copy.deepcopy(model)
+    reference = make_optimizer(name, model.parameters(), lr=0.01, momentum=0.9, weight_decay=weight_decay)
+    lean = make_optimizer(name, twin.parameters(), lr=0.01, momentum=0.9, weight_decay=weight_decay, lean=True)
+    assert isinstance(reference, torch.optim.Optimizer) and not isinstance(lean, torch.optim.Optimizer)
+    for step in range(20):
+        x, y = torch.randn(8, 2, 8, 8), torch.randint(0, 3, (8,))
+        for m, opt in ((model, reference), (twin, lean)):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b), (name, step)  # the same arithmetic in the same order: bit for bit
+
+
+def test_lean_optimisers_only_run_on_a_cpu() -> None:
+    with pytest.raises(ValueError, match="lean optimisers run on a CPU"):
+        make_optimizer("adam", nn.Linear(2, 2).parameters(), lr=0.1, device="cuda", lean=True)
+
+
+def test_an_edge_training_round_never_imports_torch_dynamo() -> None:
+    """torch.optim's step imports torch._dynamo (~80 MB resident); the edge's lean step and
+    FLOP count must not (checked in a fresh process, with a control that it would)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, torch\n"
+        "from models import build_model, flops_per_sample\n"
+        "from models.training import make_optimizer\n"
+        "from edge_agent.trainer import train_epochs\n"
+        "import torch.nn.functional as F\n"
+        "model = build_model('resnet8', 10, 1)\n"
+        "flops_per_sample(model, (1, 32, 32))\n"
+        "opt = make_optimizer(sys.argv[1], model.parameters(), 1e-3, lean=sys.argv[2] == 'lean')\n"
+        "batches = [(torch.randn(16, 1, 32, 32), torch.randint(0, 10, (16,)), torch.arange(16))] * 2\n"
+        "train_epochs(model, batches, opt, lambda out, y, ids: F.cross_entropy(out[0], y), 1, micro_batch=8)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+
+    def imports_dynamo(*args: str) -> bool:
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip().splitlines()[-1] == "True"
+
+    assert not imports_dynamo("adam", "lean") and not imports_dynamo("sgd", "lean")
+    assert imports_dynamo("adam", "torch")  # the control: torch.optim's step does

@@ -128,7 +128,8 @@ class FedAvgEdge(EdgeMethod):
         ctx = self.ctx
         with meter.phase("compute"):
             self._receive_global(start, cfg)
-            optimizer = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
+            optimizer = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay,
+                                       lean=ctx.device == "cpu")
             loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
             loss_fn = self.loss_fn(cfg)
             result = train_epochs(

@@ -67,7 +67,8 @@ class FedGktEdge(FedGktEdgeBase):
         self.trained = True
 
     def _new_optimizer(self, cfg: GktRoundConfig) -> torch.optim.Optimizer:
-        return make_optimizer(cfg.edge_optimizer, self.model.parameters(), cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay)
+        return make_optimizer(cfg.edge_optimizer, self.model.parameters(), cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay,
+                              lean=self.ctx.device == "cpu")
 
     def loss_fn(self, cfg: GktRoundConfig) -> LossFn:
         """Eq. 7: CE + alpha * KD(z_s -> z_c), KD only for samples with a server logit."""

@@ -75,7 +75,8 @@ class SplitNNEdge(EdgeMethod):
             raise ShapeMismatchError("round_start carries no extractor weights")
         self._load(start.weights)
         # A fresh optimiser every turn: the extractor arrives from another agent.
-        optimizer = make_optimizer(cfg.optimizer, self.extractor.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
+        optimizer = make_optimizer(cfg.optimizer, self.extractor.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay,
+                                   lean=self.ctx.device == "cpu")
         loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
         self.extractor.train()
         seq = samples = correct = 0

@@ -5,7 +5,7 @@ Measures, at batch 64 and 3x32x32 (the footprint bench's bare-step setting), one
 * ``saved_by_block``: bytes the forward pass keeps for the backward pass (autograd's
   saved-tensor hooks, each storage counted once), per part of the model, plain and
   with checkpointed bottlenecks (``models.memory``);
-* ``torch``: a bare training step (CE + KD, Adam) in a fresh process for each of
+* ``torch``: a bare training step (CE + KD, the agent's lean Adam) in a fresh process for each of
   {plain, checkpointed, micro-batches of 16 (``models.training.Step``)} x {glibc
   malloc as it is, mmap threshold pinned}: peak RSS,
   peak above ``import torch``, file-backed RSS (code pages) before and after, median
@@ -15,7 +15,12 @@ Measures, at batch 64 and 3x32x32 (the footprint bench's bare-step setting), one
   the session options that could matter (the agent's: CPU arena off; memory patterns
   off; graph optimisation off; the training memory optimizer's recompute settings), and
   the agent's step in micro-batches of 16 (``micro16``; every ort variant pins the threshold);
-* ``recompute_flops_ratio``: training FLOPs with checkpointed bottlenecks / plain.
+* ``recompute_flops_ratio``: training FLOPs with checkpointed bottlenecks / plain;
+* ``import_costs``: what the agent's one-off work adds to ``import torch`` for good, in a
+  fresh process each: counting the ResNet-8's FLOPs with ``FlopCounterMode`` or with the
+  layer counter the agents use, and three steps of ``torch.optim.Adam`` or of the lean
+  Adam they use (VmRSS and modules loaded before and after; ``--import-costs-only``
+  measures just these and merges them into the JSON).
 
     .venv/bin/python bench/step_memory.py [--torch-cpu-dir DIR] [--repeats 2]
 
@@ -99,13 +104,14 @@ def torch_worker(checkpointed: bool, pinned: bool, micro_batch: int | None = Non
     from models import build_model
     from models.losses import kd_loss
     from models.memory import checkpoint_bottlenecks
-    from models.training import Step
+    from models.training import Step, make_optimizer
 
     torch.manual_seed(0)
     model = build_model("resnet8", 10, 3)
     if checkpointed:
         checkpoint_bottlenecks(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=5e-4, amsgrad=True)
+    # The agent's optimiser: torch.optim's would import torch._dynamo (see import_costs) into every variant.
+    opt = make_optimizer("adam", model.parameters(), 1e-3, weight_decay=5e-4, lean=True)
     step = Step(model, opt, lambda output, y, teacher: F.cross_entropy(output[0], y) + kd_loss(output[0], teacher, 3.0),
                 forward=lambda m, inputs: m(inputs), micro_batch=micro_batch)
     x, y, teacher = torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,)), torch.randn(BATCH, 10)
@@ -119,6 +125,36 @@ def torch_worker(checkpointed: bool, pinned: bool, micro_batch: int | None = Non
             "triton_loaded": "triton" in sys.modules, "import_peak_rss_bytes": base, "import_rss_file_bytes": base_file,
             "peak_rss_bytes": peak, "peak_above_import_bytes": peak - base, "rss_file_after_bytes": _status_kib("RssFile") * 1024,
             "rss_after_bytes": _status_kib("VmRSS") * 1024, "step_ms_median": sorted(times[1:])[len(times[1:]) // 2] * 1000}
+
+
+IMPORT_COST_VARIANTS = ("flop_counter_mode", "layer_counter", "torch_optim_adam", "lean_adam")
+
+
+def import_cost_worker(variant: str) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from models import build_model
+    from models.cost import flops_of, layer_flops_per_sample
+    from models.training import make_optimizer
+
+    model = build_model("resnet8", 10, 1)
+    before, modules_before = _status_kib("VmRSS") * 1024, len(sys.modules)
+    if variant == "flop_counter_mode":
+        x = torch.randn(2, 1, 32, 32)
+        flops_of(lambda: model(x)[0].sum().backward())
+    elif variant == "layer_counter":
+        layer_flops_per_sample(model, (1, 32, 32))
+    else:
+        opt = make_optimizer("adam", model.parameters(), 1e-3, lean=variant == "lean_adam")
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(4, 1, 32, 32))[0].sum().backward()
+            opt.step()
+    after = _status_kib("VmRSS") * 1024
+    return {"variant": variant, "torch": torch.__version__, "rss_before_bytes": before, "rss_after_bytes": after,
+            "added_bytes": after - before, "modules_added": len(sys.modules) - modules_before,
+            "torch_dynamo_loaded": "torch._dynamo" in sys.modules, "sympy_loaded": "sympy" in sys.modules}
 
 
 ORT_VARIANTS = ("agent", "mem_pattern_off", "graph_optimization_off", "memory_optimizer_recompute", "micro16")
@@ -178,18 +214,22 @@ def _run(args: list[str], env: dict[str, str]) -> dict:
 def main() -> int:
     sys.path.insert(0, str(REPO))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=("torch", "ort"))
+    p.add_argument("--worker", choices=("torch", "ort", "import"))
     p.add_argument("--checkpointed", action="store_true")
     p.add_argument("--pinned", action="store_true")
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--artifacts")
-    p.add_argument("--variant", choices=ORT_VARIANTS, default="agent")
+    p.add_argument("--variant", choices=ORT_VARIANTS + IMPORT_COST_VARIANTS, default="agent")
+    p.add_argument("--import-costs-only", action="store_true", help="measure import_costs only, merged into --out")
     p.add_argument("--torch-cpu-dir")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.worker == "torch":
         print(json.dumps(torch_worker(args.checkpointed, args.pinned, args.micro_batch)))
+        return 0
+    if args.worker == "import":
+        print(json.dumps(import_cost_worker(args.variant)))
         return 0
     if args.worker == "ort":
         print(json.dumps(ort_worker(args.artifacts, args.variant)))
@@ -209,6 +249,15 @@ def main() -> int:
         no_triton = write_blocker(work / "no_triton", hidden=("triton",))
         torch_env = {"PYTHONPATH": os.pathsep.join([str(no_triton), str(Path(args.torch_cpu_dir).resolve()), str(REPO)])}
     ort_env = {"PYTHONPATH": os.pathsep.join([str(write_blocker(work / "no_torch")), str(REPO)])}
+    import_costs = [_run(["--worker", "import", "--variant", v], torch_env) for v in IMPORT_COST_VARIANTS]
+    if args.import_costs_only:
+        out = Path(args.out)
+        report = json.loads(out.read_text())
+        report["import_costs"] = import_costs
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        for r in import_costs:
+            print(f"{r['variant']:18s} +{r['added_bytes'] / 1e6:.0f} MB, +{r['modules_added']} modules")
+        return 0
     artifacts = work / "artifacts"
     export_artifacts(artifacts)
     report: dict = {
@@ -218,7 +267,7 @@ def main() -> int:
                      "torch": "CPU-only wheel from --torch-cpu-dir, triton hidden" if args.torch_cpu_dir else "this venv's torch"},
         "saved_by_block_bytes": {"plain": saved_by_block(False), "checkpointed": saved_by_block(True)},
         "recompute_flops_ratio": round(recompute_flops_ratio(build_model("resnet8", 10, 3), (3, 32, 32)), 4),
-        "torch": [], "ort": [],
+        "torch": [], "ort": [], "import_costs": import_costs,
     }
     torch_variants = [(False, None), (True, None), (False, MICRO_BATCH)]  # (checkpointed, micro_batch)
     for _ in range(args.repeats):

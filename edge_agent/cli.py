@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edge-agent: error: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_json, name=f"{config.agent_id} ")
-    apply_process_memory(config.memory)  # before the first big allocation; see edge_agent.memory
+    pinned = apply_process_memory(config.memory)  # before the first big allocation; see edge_agent.memory
+    if config.memory.micro_batch_samples or pinned or config.memory.checkpoint_blocks:
+        log.info("memory: micro-batches of %s samples, malloc threshold %s, checkpointed blocks %s",
+                 config.memory.micro_batch_samples or "all", "pinned" if pinned else "as glibc sets it", config.memory.checkpoint_blocks)
     if not sys.stderr.isatty():
         config = dataclasses.replace(config, progress=False)
     from .agent import EdgeAgent

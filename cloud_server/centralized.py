@@ -34,6 +34,7 @@ from models.training import LR_SCHEDULES, Batch, Trainer, accuracy, logits_of, m
 
 from .config import ServerConfig
 from .device_meter import DeviceMeter
+from .evaluation import HEADLINE, EvalModel, EvalSet, Evaluation, Evaluator
 from .methods.base import RoundOutcome
 from .recorder import RunRecorder, server_info
 from .records import RunReport
@@ -113,6 +114,9 @@ class CentralizedTrainer:
         self._bank: RowBank | None = None  # the normalised training images, staged once (no augmentation)
         self._labels: torch.Tensor | None = None
         self.out_dir = Path(server.out_dir)
+        # Scored like every federated method: the run's global test set (cloud_server/evaluation.py).
+        self.eval_set = EvalSet.load(server.eval_set_spec())
+        self.evaluator = Evaluator(self.eval_set, self.device)
 
     # -- training ------------------------------------------------------------------ #
 
@@ -149,9 +153,17 @@ class CentralizedTrainer:
         return result.mean_loss, result.samples
 
     @torch.no_grad()
-    def _test(self) -> tuple[int, int]:
+    def _evaluation(self) -> dict[str, Any]:
+        """The one evaluation: the model on the global set; "local" is the same model on the test
+        subset a federation's agents would split into their shards (one model: the union's figure)."""
         self.model.eval()
-        return accuracy(lambda images: logits_of(self.model(images)), make_loader(self.test_data, 512), self.device)
+        correct, total = accuracy(lambda images: logits_of(self.model(images)), make_loader(self.test_data, 512), self.device)
+        evaluation = Evaluation(
+            global_models={HEADLINE: {Evaluation.GLOBAL: EvalModel(lambda x: logits_of(self.model(x)))}},
+            local={HEADLINE: {"union": (correct, total)}} if total else {},
+            labels={HEADLINE: f"{self.config.model} trained on the union of the agents' data"},
+        )
+        return self.evaluator.run(evaluation)
 
     # -- report ---------------------------------------------------------------------- #
 
@@ -166,6 +178,7 @@ class CentralizedTrainer:
                            "train_flops_per_sample": self.train_flops_per_sample},
             },
             data={"dataset": self.server.dataset, "train_samples": len(self.train_data), "test_samples": len(self.test_data)},
+            eval_set=self.eval_set.describe() if self.eval_set is not None else None,
         )
 
     def _round(self, recorder: RunRecorder, round_: int) -> None:
@@ -176,11 +189,11 @@ class CentralizedTrainer:
         train_s = time.monotonic() - started
         if self.scheduler is not None:
             self.scheduler.step(loss)
-        correct, total = self._test() if round_ % s.eval_every == 0 or round_ == s.rounds else (0, 0)
-        outcome = RoundOutcome(server_loss=loss, server_train_s=train_s, correct=correct, total=total, samples=samples)
+        evaluation = self._evaluation() if round_ % s.eval_every == 0 or round_ == s.rounds else None
+        outcome = RoundOutcome(server_loss=loss, server_train_s=train_s, samples=samples)
         recorder.add_round(recorder.round_record(
             round_, "ok", participants=(), ends={}, outcomes=[outcome], started_at=started,
-            server=self.device_meter.take(), server_train_flops=self.train_flops_per_sample * samples,
+            server=self.device_meter.take(), server_train_flops=self.train_flops_per_sample * samples, evaluation=evaluation,
         ))
 
     def run(self) -> dict[str, Any]:

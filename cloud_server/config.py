@@ -15,6 +15,7 @@ from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
 
 if TYPE_CHECKING:
+    from .evaluation import EvalSetSpec
     from .methods.base import ServerContext
 
 # The modes of cloud_server/server_step.py (kept here so that reading a config never imports torch).
@@ -52,6 +53,15 @@ class ServerConfig:
     server_step: str = "auto"
     seed: int = 0
     dataset: str = "fashion-mnist"
+    # The global test set every method of a run is scored on (cloud_server/evaluation.py): a
+    # seeded, stratified subset of eval_dataset's test split ("": the run's dataset; "none":
+    # no global set, only the agents' own shards), eval_samples images (0: the whole split),
+    # drawn with eval_seed as fldata.subsets.seeded_subset draws the agents' test shares.
+    eval_dataset: str = ""
+    eval_samples: int = 0
+    eval_seed: int = 0
+    eval_root: str | None = None  # where the dataset lies (None: the loader's default place)
+    eval_download: bool = False
     num_classes: int = 10
     in_channels: int = 0  # 0: from the dataset name
     max_rejections_per_agent: int = 50
@@ -93,6 +103,8 @@ class ServerConfig:
             raise ValueError(f"min_agents ({self.min_agents}) cannot exceed expected_agents ({self.expected_agents})")
         if self.in_channels < 0:
             raise ValueError("in_channels must be >= 0")
+        if self.eval_samples < 0:
+            raise ValueError(f"server.eval_samples must be >= 0 (0: the whole test split), got {self.eval_samples}")
         if self.server_step not in SERVER_STEPS:
             raise ValueError(f"server.server_step must be one of {SERVER_STEPS}, got {self.server_step!r}")
         if self.no_agents_policy not in ("wait", "end"):
@@ -107,6 +119,12 @@ class ServerConfig:
     @property
     def resolved_in_channels(self) -> int:
         return self.in_channels or IN_CHANNELS_BY_DATASET.get(self.dataset, 3)
+
+    def eval_set_spec(self) -> "EvalSetSpec":
+        from .evaluation import EvalSetSpec
+
+        return EvalSetSpec(dataset=self.eval_dataset or self.dataset, samples=self.eval_samples, seed=self.eval_seed,
+                           root=self.eval_root, download=self.eval_download)
 
     def transport_config(self) -> TransportConfig:
         return TransportConfig(

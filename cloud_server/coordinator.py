@@ -20,6 +20,8 @@ from shared_protocol.frame import FrameLimits
 from shared_protocol.messages import (
     Discover,
     ErrorReply,
+    EvalReport,
+    EvalRequest,
     Hello,
     Message,
     RoundEnd,
@@ -36,6 +38,7 @@ from shared_protocol.transport import Transport
 
 from .agents import AgentRegistry, AgentState, RunAborted
 from .config import ServerConfig
+from .evaluation import EvalSet, Evaluator
 from .methods import ServerMethod
 from .recorder import RunCounters, RunRecorder, server_info
 from .records import RoundRecord, RunReport
@@ -72,6 +75,9 @@ class Coordinator:
             agents=self.registry.infos, rejected=lambda: self.rejected, rejected_chunks=self.transport.rejections,
             server_connection=self.transport.stats.snapshot,
         ))
+        # The global test set every evaluated round is scored on (None: the config names none).
+        self.eval_set = EvalSet.load(config.eval_set_spec())
+        self.evaluator = Evaluator(self.eval_set, method.ctx.device)
         self.scheduler = make_scheduler(method.schedule, self)
         if config.client_fraction < 1.0 and not self.scheduler.samples_agents:
             raise ValueError(f"client_fraction < 1 samples the agents of sync rounds; {method.name} runs "
@@ -109,12 +115,13 @@ class Coordinator:
         # An agent may ask for missing chunks only on its own up topic (the ACL allows no other).
         self.transport.publish(topic, encode_message(msg, codecs=codecs), reply_topic=self.topics.up(agent) if agent else None)
         after = self.transport.stats.snapshot()
-        self._account(msg.round, "down", after["payload_bytes_out"] - before["payload_bytes_out"], after["wire_bytes_out"] - before["wire_bytes_out"])
+        self._account(msg.round, "down", after["payload_bytes_out"] - before["payload_bytes_out"],
+                      after["wire_bytes_out"] - before["wire_bytes_out"], msg.for_evaluation)
 
-    def _account(self, round_: int, direction: str, payload: int, wire: int) -> None:
+    def _account(self, round_: int, direction: str, payload: int, wire: int, evaluation: bool = False) -> None:
         """Attribute a message's bytes to its round if it is open (registration, status and
-        stale rounds count outside rounds)."""
-        self.recorder.account(round_ if round_ in self.open_rounds else None, direction, payload, wire)
+        stale rounds count outside rounds); evaluation's messages to the round's evaluation."""
+        self.recorder.account(round_ if round_ in self.open_rounds else None, direction, payload, wire, evaluation)
 
     def _base(self, round_: int) -> dict[str, Any]:
         return {"run": self.config.run_id, "round": round_, "sender": SERVER_ID}
@@ -144,7 +151,7 @@ class Coordinator:
             self._account(-1, "up", len(delivery.payload), delivery.wire_bytes)
             self._reject(agent, exc.code, str(exc))
             return
-        self._account(msg.round, "up", len(delivery.payload), delivery.wire_bytes)
+        self._account(msg.round, "up", len(delivery.payload), delivery.wire_bytes, msg.for_evaluation)
         state = self.agents.get(agent)
         if state is not None and state.dropped:
             self.rejected["dropped_agent"] += 1
@@ -158,6 +165,8 @@ class Coordinator:
             self._on_hello(agent, msg)
         elif state is None:
             self._reject(agent, UnknownSenderError.code, f"{msg.TYPE} from an agent that never said hello")
+        elif msg.for_evaluation:
+            self._on_evaluation_message(agent, msg)
         elif isinstance(msg, ErrorReply):
             log.warning("agent %s reports %s: %s", agent, msg.code, msg.reason)
             if msg.code == "round_failed" and msg.round == state.round:
@@ -170,6 +179,28 @@ class Coordinator:
             self._on_upload(agent, msg)
         else:
             self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
+
+    def _on_evaluation_message(self, agent: str, msg: Message) -> None:
+        """An evaluation report, or a test activation a split method streams before it: taken
+        while the server awaits that agent's evaluation of ``msg.round`` (in async mode the
+        agent may be in its next round by then)."""
+        rnd = self.open_rounds.get(msg.round)
+        if rnd is None or agent not in rnd.eval_waiting():
+            self._reject(agent, StaleMessageError.code, f"{msg.TYPE} for round {msg.round}: no evaluation of it awaited")
+        elif isinstance(msg, EvalReport):
+            rnd.eval_reports[agent] = msg
+        elif isinstance(msg, self.method.upload_types):
+            self._on_upload(agent, msg)
+        else:
+            self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
+
+    def request_evaluation(self, rnd: OpenRound, agents: list[str], wait_s: float | None = None) -> None:
+        """Ask ``agents`` to evaluate round ``rnd`` (after its downloads went out); their
+        reports are awaited until the round's deadline, or ``wait_s`` from now."""
+        deadline = rnd.deadline_at if wait_s is None else time.monotonic() + wait_s
+        for agent in agents:
+            rnd.eval_requested[agent] = deadline
+            self._send(agent, EvalRequest(**self._base(rnd.round)))
 
     def _on_upload(self, agent: str, msg: Message) -> None:
         try:
@@ -201,7 +232,7 @@ class Coordinator:
     # -- round mechanics --------------------------------------------------------- #
 
     def _evaluate(self, round_: int) -> bool:
-        return round_ % self.config.eval_every == 0 or round_ == self.config.rounds
+        return self.method.evaluate_every_round or round_ % self.config.eval_every == 0 or round_ == self.config.rounds
 
     def _open(self, round_: int) -> OpenRound:
         if round_ not in self.open_rounds:
@@ -246,12 +277,30 @@ class Coordinator:
 
     # -- closing rounds -------------------------------------------------------------- #
 
+    def _evaluation(self, rnd: OpenRound) -> tuple[dict[str, Any], str | None]:
+        """The round's evaluation (cloud_server/evaluation.py): the method's hook says what to
+        score, the evaluator scores it on the global set; the agents' costs are added here."""
+        reports = dict(rnd.eval_reports)
+        missing = sorted(set(rnd.eval_requested) - set(reports))
+        if missing:
+            log.warning("round %d: evaluated without the evaluation reports of %s", rnd.round, ", ".join(missing))
+        evaluation = self.method.evaluation(rnd.round, reports)
+        figures = self.evaluator.run(evaluation)
+        costs = [r.costs for r in reports.values()]
+        figures.update(
+            missing=missing, figures=evaluation.figures,
+            edge_eval_flops=sum(c.flops for c in costs),
+            edge_eval_s=sum(c.compute_s + c.encode_s + c.network_s for c in costs) / len(costs) if costs else 0.0,
+        )
+        return figures, evaluation.edge
+
     def _close(self, rnd: OpenRound, status: str) -> RoundRecord:
+        evaluation, edge_label = self._evaluation(rnd) if rnd.evaluate and status == "ok" else (None, None)
         del self.open_rounds[rnd.round]
         record = self.recorder.round_record(
             rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
             started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),
-            method_figures=self.method.round_report(rnd.round),
+            method_figures=self.method.round_report(rnd.round), evaluation=evaluation, edge_label=edge_label,
         )
         self.completed_round = rnd.round
         self.recorder.add_round(record, checkpoint=self.save_checkpoint)
@@ -268,6 +317,7 @@ class Coordinator:
                 edgesplit_version=VERSION, run_id=self.config.run_id, method=self.method.name,
                 config={**self.config.to_dict(), "method_config": self.method.resolved_config()},
                 server=server_info(self.method.ctx.device), models=self.method.model_info(),
+                eval_set=self.eval_set.describe() if self.eval_set is not None else None,
             ))
         self.transport.subscribe(self.topics.up_any)
         self.transport.subscribe(self.topics.status_any)

@@ -23,8 +23,8 @@ from shared_protocol.messages import RoundEnd
 from shared_protocol.records import plain_json
 
 from .methods.base import RoundOutcome
-from .records import (AgentInfo, AgentRoundRecord, ByteCounts, RoundRecord, RoundTimes, RunReport, RunTotals,
-                      ServerDeviceRecord, ServerInfo, now_iso)
+from .records import (AgentInfo, AgentRoundRecord, ByteCounts, RoundEvaluation, RoundRecord, RoundTimes, RunReport,
+                      RunTotals, ServerDeviceRecord, ServerInfo, now_iso)
 from .report import format_summary_line, write_report
 
 __all__ = ["RunCounters", "Checkpoint", "RunRecorder", "server_info"]
@@ -63,6 +63,15 @@ class Checkpoint:
     method_state: Any
 
 
+def _agent_accuracy(scored: RoundEvaluation | None, agent: str, edge_label: str | None) -> float | None:
+    """An agent's own model (the edge models where they differ from the deployed one, else
+    the deployed one) on the global set, as the round's evaluation scored it."""
+    if scored is None:
+        return None
+    figures = scored.per_agent.get(agent, {}).get("accuracy", {})
+    return figures.get(edge_label or "model")
+
+
 class RunRecorder:
     def __init__(self, out_dir: str | Path, total_rounds: int, counters: RunCounters | None = None) -> None:
         self.out_dir = Path(out_dir)
@@ -74,6 +83,7 @@ class RunRecorder:
         self._prior_wall_s = 0.0
         self._prior_rejected_chunks: dict[str, int] = {}
         self._round_bytes: dict[int, ByteCounts] = {}
+        self._eval_bytes: dict[int, ByteCounts] = {}  # evaluation's messages, apart from training's
         self.outside_rounds = ByteCounts()  # registration, status, stale rounds
 
     @property
@@ -87,10 +97,14 @@ class RunRecorder:
 
     # -- bytes ------------------------------------------------------------------ #
 
-    def account(self, round_: int | None, direction: str, payload: int, wire: int) -> None:
-        """Attribute a message's bytes to an open round (async rounds overlap in time),
-        or, with ``round_`` None, to the bytes outside rounds."""
-        bucket = self.outside_rounds if round_ is None else self._round_bytes.setdefault(round_, ByteCounts())
+    def account(self, round_: int | None, direction: str, payload: int, wire: int, evaluation: bool = False) -> None:
+        """Attribute a message's bytes to an open round (async rounds overlap in time), to
+        that round's evaluation when the message is evaluation's, or, with ``round_`` None,
+        to the bytes outside rounds."""
+        if round_ is None:
+            bucket = self.outside_rounds
+        else:
+            bucket = (self._eval_bytes if evaluation else self._round_bytes).setdefault(round_, ByteCounts())
         bucket.add(direction, payload, wire)
 
     # -- rounds ------------------------------------------------------------------- #
@@ -107,12 +121,17 @@ class RunRecorder:
         server: ServerDeviceRecord | None,
         method_figures: Mapping[str, Any] | None = None,
         server_train_flops: int | None = None,
+        evaluation: Mapping[str, Any] | None = None,
+        edge_label: str | None = None,
     ) -> RoundRecord:
         """The record of a closed round: what the agents that finished it sent (``ends``),
-        what the method made of it (``outcomes``), and its bytes so far."""
-        correct, total = sum(o.correct for o in outcomes), sum(o.total for o in outcomes)
-        edge_correct = sum(int(e.metrics.get("edge_correct", 0) or 0) for e in ends.values())
-        edge_total = sum(int(e.metrics.get("edge_total", 0) or 0) for e in ends.values())
+        what the method made of it (``outcomes``), how it was evaluated (``evaluation``:
+        the fields of :class:`RoundEvaluation` but ``bytes``, which the recorder counted;
+        ``edge_label``: the label of the models left on the devices), and its bytes so far."""
+        eval_bytes = self._eval_bytes.pop(round_, None) or ByteCounts()
+        scored = None
+        if evaluation is not None:
+            scored = RoundEvaluation.from_json({**plain_json(dict(evaluation)), "bytes": eval_bytes.to_json()}, "evaluation")
         # A diverged (NaN) loss is reported as unknown rather than breaking the report.
         losses = [(o.server_loss, o.samples) for o in outcomes
                   if o.server_loss is not None and math.isfinite(o.server_loss) and o.samples]
@@ -128,8 +147,10 @@ class RunRecorder:
             participants=sorted(participants),
             completed=sorted(set(ends) - set(excluded)),
             missing=sorted((set(participants) - set(ends)) | set(excluded)),
-            accuracy=correct / total if total else None,
-            edge_accuracy=edge_correct / edge_total if edge_total else None,
+            accuracy=scored.accuracy.get("model") if scored else None,
+            local_accuracy=scored.local_accuracy.get("model") if scored else None,
+            edge_accuracy=scored.accuracy.get(edge_label) if scored and edge_label else None,
+            edge_local_accuracy=scored.local_accuracy.get(edge_label) if scored and edge_label else None,
             server_loss=sum(l * n for l, n in losses) / sum(n for _, n in losses) if losses else None,
             samples=sum(o.samples for o in outcomes),
             bytes=self._round_bytes.pop(round_, None) or ByteCounts(),
@@ -143,10 +164,11 @@ class RunRecorder:
                 edge_network=mean_cost("network_s"),
                 edge_idle=mean_cost("idle_s"),
             ),
-            per_agent={a: AgentRoundRecord.of(e.costs, e.metrics.get("edge_accuracy")) for a, e in sorted(ends.items())},
+            per_agent={a: AgentRoundRecord.of(e.costs, _agent_accuracy(scored, a, edge_label)) for a, e in sorted(ends.items())},
             server=server,
             excluded=excluded,
             method=plain_json(dict(method_figures or {})),
+            evaluation=scored,
         )
 
     def add_round(self, record: RoundRecord, checkpoint: Callable[[], None] | None = None) -> None:

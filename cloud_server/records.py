@@ -36,6 +36,7 @@ __all__ = [
     "RoundTimes",
     "AgentRoundRecord",
     "ServerDeviceRecord",
+    "RoundEvaluation",
     "RoundRecord",
     "RunTotals",
     "RunReport",
@@ -120,8 +121,10 @@ class RoundTimes(JsonRecord):
 
 @dataclass(frozen=True)
 class AgentRoundRecord(AgentRoundCosts):
-    """One agent's round in the report (``per_agent[id]``): the costs it sent, and the
-    accuracy of its own edge model when the round evaluated."""
+    """One agent's round in the report (``per_agent[id]``): the training costs it sent, and,
+    when the round was evaluated, the global accuracy of the model on the device (its edge
+    model where that differs from the deployed one, else its deployed model); the rest of its
+    evaluation is in the round's ``evaluation.per_agent``."""
 
     edge_accuracy: float | None = fraction()
 
@@ -146,6 +149,30 @@ class ServerDeviceRecord(JsonRecord):
 
 
 @dataclass(frozen=True)
+class RoundEvaluation(JsonRecord):
+    """How a round was evaluated (``report.rounds[i].evaluation``; cloud_server/evaluation.py).
+
+    ``accuracy[label]``: global accuracy of the label's models on the run's global test set
+    (``report.eval_set``), the mean over agents where each agent has its own model;
+    ``local_accuracy[label]``: the label's models on the agents' own test shards,
+    sample-weighted. Label ``"model"`` is the method's deployed model (the round's
+    ``accuracy`` / ``local_accuracy``); ``labels`` says what every label is. Costs here are
+    evaluation's only: the server's scoring seconds, the agents' evaluation FLOPs and
+    seconds, and the evaluation messages' bytes (requests, reports, test activations)."""
+
+    accuracy: dict[str, float] = field(default_factory=dict)
+    local_accuracy: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    per_agent: dict[str, Any] = field(default_factory=dict)  # agent -> {"accuracy", "local_accuracy": {label: acc}, "local_samples"}
+    missing: list[str] = field(default_factory=list)  # agents asked whose evaluation report did not come
+    server_eval_s: float = non_negative(0.0)
+    edge_eval_flops: int = non_negative(0)
+    edge_eval_s: float = non_negative(0.0)  # mean over the agents that answered
+    bytes: ByteCounts = field(default_factory=ByteCounts)
+    figures: dict[str, Any] = optional_section(default_factory=dict)  # the method's own evaluation figures
+
+
+@dataclass(frozen=True)
 class RoundRecord(JsonRecord):
     """One closed round (``report.rounds[i]``)."""
 
@@ -154,8 +181,15 @@ class RoundRecord(JsonRecord):
     participants: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
-    accuracy: float | None = fraction()  # the server's (or global) model on the test data; None: not evaluated
-    edge_accuracy: float | None = fraction()  # the agents' own models, sample-weighted
+    # The method's deployed model(s) on the run's global test set (the headline; the mean over
+    # agents where each has its own model); None: the round was not evaluated.
+    accuracy: float | None = fraction()
+    # The deployed model(s) on the agents' own test shards, sample-weighted.
+    local_accuracy: float | None = bounded(None, 0, 1, added_later=True)
+    # The models left on the devices where they differ from the deployed one (FedGKT's
+    # ResNet-8s): global and local accuracy, as above; None where there are none.
+    edge_accuracy: float | None = fraction()
+    edge_local_accuracy: float | None = bounded(None, 0, 1, added_later=True)
     server_loss: float | None = None
     samples: int = non_negative(0)
     # Every message of the round as the server's connection saw it (uploads in, round
@@ -169,6 +203,7 @@ class RoundRecord(JsonRecord):
     server: ServerDeviceRecord | None = optional_section()
     excluded: dict[str, str] = optional_section(default_factory=dict)  # agent -> why its upload was not used
     method: dict[str, Any] = optional_section(default_factory=dict)  # the method's own figures (round_report)
+    evaluation: RoundEvaluation | None = optional_section()  # None: not evaluated
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -183,6 +218,7 @@ class RunTotals(JsonRecord):
     rounds_completed: int = non_negative(0)
     best_accuracy: float | None = fraction()
     final_accuracy: float | None = fraction()
+    final_local_accuracy: float | None = bounded(None, 0, 1, added_later=True)
     final_edge_accuracy: float | None = fraction()
     up_payload: int = non_negative(0)
     up_wire: int = non_negative(0)
@@ -199,6 +235,9 @@ class RunTotals(JsonRecord):
     rejected_chunks_by_reason: dict[str, int] = field(default_factory=dict, metadata={"added_later": True})
     # Bytes outside any round (registration, status, stale messages).
     outside_rounds: ByteCounts = field(default_factory=ByteCounts, metadata={"added_later": True})
+    # Evaluation's bytes and agent FLOPs over the run (the columns above are training's).
+    eval_bytes: ByteCounts = field(default_factory=ByteCounts, metadata={"added_later": True})
+    edge_eval_flops: int = non_negative(0, added_later=True)
     server_connection: dict[str, Any] | None = optional_section()  # everything the server's connection carried
 
     @classmethod
@@ -214,12 +253,15 @@ class RunTotals(JsonRecord):
     ) -> "RunTotals":
         accs = [r.accuracy for r in rounds if r.accuracy is not None]
         edge_accs = [r.edge_accuracy for r in rounds if r.edge_accuracy is not None]
+        local_accs = [r.local_accuracy for r in rounds if r.local_accuracy is not None]
         wire = ByteCounts.sum(r.bytes for r in rounds)
+        evaluated = [r.evaluation for r in rounds if r.evaluation is not None]
         server_flops = [r.server_train_flops for r in rounds if r.server_train_flops is not None]
         return cls(
             rounds_completed=sum(1 for r in rounds if r.status == "ok"),
             best_accuracy=max(accs) if accs else None,
             final_accuracy=accs[-1] if accs else None,
+            final_local_accuracy=local_accs[-1] if local_accs else None,
             final_edge_accuracy=edge_accs[-1] if edge_accs else None,
             **asdict(wire),
             wire_total=wire.up_wire + wire.down_wire,
@@ -231,6 +273,8 @@ class RunTotals(JsonRecord):
             rejected_chunks=sum(rejected_chunks.values()),
             rejected_chunks_by_reason=dict(rejected_chunks),
             outside_rounds=ByteCounts(**asdict(outside_rounds)),
+            eval_bytes=ByteCounts.sum(e.bytes for e in evaluated),
+            edge_eval_flops=sum(e.edge_eval_flops for e in evaluated),
             server_connection=server_connection,
         )
 
@@ -253,6 +297,9 @@ class RunReport(JsonRecord):
     rounds: list[RoundRecord] = field(default_factory=list)
     totals: RunTotals = field(default_factory=RunTotals)
     data: dict[str, Any] | None = optional_section()  # what a run without agents trained on (centralized)
+    # The global test set every round's accuracy is measured on (cloud_server/evaluation.py):
+    # dataset, split, samples, seed, ids_sha256, images_sha256, class_counts; None: no global set.
+    eval_set: dict[str, Any] | None = optional_section()
 
     def __post_init__(self) -> None:
         super().__post_init__()

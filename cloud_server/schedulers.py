@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from shared_protocol.messages import Discover, RoundEnd
+from shared_protocol.messages import Discover, EvalReport, RoundEnd
 
 from .methods import RoundOutcome
 
@@ -47,6 +47,15 @@ class OpenRound:
     missing: set[str] = field(default_factory=set)
     outcomes: list[RoundOutcome] = field(default_factory=list)
     resend_requests: dict[str, int] = field(default_factory=dict)  # per agent: incomplete uploads asked again
+    # Evaluation (cloud_server/evaluation.py): agents asked to evaluate the round, each with the
+    # monotonic time its report is awaited until, and the reports that came.
+    eval_requested: dict[str, float] = field(default_factory=dict)
+    eval_reports: dict[str, EvalReport] = field(default_factory=dict)
+
+    def eval_waiting(self) -> list[str]:
+        """Agents asked to evaluate the round whose report has not come and is still awaited."""
+        now = time.monotonic()
+        return sorted(a for a, until in self.eval_requested.items() if a not in self.eval_reports and now < until)
 
     def waiting_for(self) -> list[str]:
         return sorted(a for a in self.participants if a not in self.done and a not in self.missing)
@@ -122,6 +131,10 @@ class RoundScheduler(ABC):
             log.info("target accuracy %.2f%% reached in round %d", 100 * target, record.round)
             return True
         return False
+
+    def evaluation_waiting(self, rnd: OpenRound) -> list[str]:
+        """Agents whose evaluation report ``rnd`` still awaits and that are still online."""
+        return [a for a in rnd.eval_waiting() if a in self.registry.agents and self.registry.agents[a].active]
 
     def deliver(self, outcome: RoundOutcome) -> None:
         """Send what the method's completed round has for the agents."""
@@ -241,7 +254,9 @@ class SyncScheduler(RoundScheduler):
             rnd.outcomes.append(outcome)
             if len(outcome.used_agents) >= quorum:
                 self.deliver(outcome)
-                self.await_evaluation(rnd, outcome)
+                if rnd.evaluate:
+                    loop.request_evaluation(rnd, sorted(rnd.done))
+                    self.await_evaluation(rnd)
                 status = "ok"
         else:
             log.warning("round %d: %d of %d agents finished, quorum is %d", round_, len(rnd.done), len(rnd.participants), quorum)
@@ -249,25 +264,11 @@ class SyncScheduler(RoundScheduler):
             self.registry.agents[agent].round = 0
         return loop._close(rnd, status)
 
-    def await_evaluation(self, rnd: OpenRound, outcome: RoundOutcome) -> None:
-        """Wait, within the round's deadline, for the agents' answers to the evaluation
-        requests the method sent with its downloads; see ``ServerMethod.evaluation_pending``."""
-        method = self.loop.method
-        while rnd.time_left_s() > 0:
-            waiting = [a for a in method.evaluation_pending(rnd.round)
-                       if a in self.registry.agents and self.registry.agents[a].active]
-            if not waiting:
-                break
+    def await_evaluation(self, rnd: OpenRound) -> None:
+        """Wait, within the round's deadline, for the evaluation reports of the agents asked."""
+        while rnd.time_left_s() > 0 and self.evaluation_waiting(rnd):
             self.loop.pump(min(1.0, rnd.time_left_s()))
             self.watch([rnd])
-        else:
-            waiting = sorted(method.evaluation_pending(rnd.round))
-            if waiting:
-                log.warning("round %d deadline passed; closing it without the evaluation answers of %s",
-                            rnd.round, ", ".join(waiting))
-        result = method.evaluation_result(rnd.round)
-        if result is not None:
-            outcome.correct, outcome.total = result
 
     def round_for_late_joiner(self, agent: str) -> int | None:
         # A late joiner takes part in the round that is open now, unless agents are sampled
@@ -345,7 +346,7 @@ class AsyncScheduler(RoundScheduler):
                         loop._start_agent_round(agent, lowest)
             while open_rounds:
                 lowest_round = open_rounds[min(open_rounds)]
-                if lowest_round.waiting_for():
+                if lowest_round.waiting_for() or self.evaluation_waiting(lowest_round):
                     break
                 used = {a for o in lowest_round.outcomes for a in o.used_agents}
                 record = loop._close(lowest_round, "ok" if len(used) >= self.quorum(lowest_round) else "failed_quorum")
@@ -358,6 +359,9 @@ class AsyncScheduler(RoundScheduler):
         outcome = self.loop.method.complete(end.round, {agent: end}, rnd.evaluate)
         self.deliver(outcome)
         rnd.outcomes.append(outcome)
+        if rnd.evaluate:
+            # Handled by the agent before its next RoundStart (same topic, in order).
+            self.loop.request_evaluation(rnd, [agent], wait_s=self.config.round_deadline_s)
         self._advance(agent, end.round)
 
     def on_missed(self, agent: str, round_: int) -> None:

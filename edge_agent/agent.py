@@ -30,6 +30,8 @@ from shared_protocol.hostinfo import host_info
 from shared_protocol.messages import (
     Discover,
     ErrorReply,
+    EvalReport,
+    EvalRequest,
     Hello,
     Message,
     RoundEnd,
@@ -41,6 +43,7 @@ from shared_protocol.messages import (
     encode_message,
 )
 from shared_protocol.methods import load_method_messages
+from shared_protocol.records import EvalCosts
 from shared_protocol.topics import Topics
 from shared_protocol.transport import MqttTransport, Transport, TransportError
 
@@ -110,6 +113,7 @@ class EdgeAgent:
         # (``request``); handled, in order, when the round is over.
         self._deferred: deque[Message] = deque()
         self._current_round = 0  # the round run_round is in, 0 between rounds
+        self._eval_s_since_round_end = 0.0  # evaluation time since the last round_end: not idle
         self.exit_code = EXIT_OK
         self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
 
@@ -291,6 +295,8 @@ class EdgeAgent:
                 self._stop.set()
         elif isinstance(msg, RoundStart):
             self._on_round_start(msg)
+        elif isinstance(msg, EvalRequest):
+            self._on_eval_request(msg)
         else:
             try:
                 handled = self.method is not None and self.method.on_message(msg)
@@ -355,7 +361,8 @@ class EdgeAgent:
             return
         meter = RoundMeter(deadline=RoundDeadline(max(0.0, msg.deadline_s)))  # a negative or NaN deadline: none left
         if self._last_round_end_at is not None:
-            meter.seconds["idle"] = time.monotonic() - self._last_round_end_at
+            meter.seconds["idle"] = max(0.0, time.monotonic() - self._last_round_end_at - self._eval_s_since_round_end)
+        self._eval_s_since_round_end = 0.0
         before = self.transport.stats.snapshot()
         started = time.monotonic()
         self._status("training")
@@ -405,6 +412,43 @@ class EdgeAgent:
             msg.round, result.num_samples, meter.seconds["compute"], costs.wire_bytes_up / 1e6,
             f", edge acc {acc:.2%}" if isinstance(acc, float) else "",
         )
+
+    def _on_eval_request(self, msg: EvalRequest) -> None:
+        """Evaluate what this agent holds for round ``msg.round`` and report it; the time,
+        FLOPs and bytes are evaluation's, not the round's (the next round's idle time
+        excludes them)."""
+        if self.method is None:
+            self._reject("not_ready", f"eval_request for round {msg.round} before a welcome")
+            return
+        started = time.monotonic()
+        meter = RoundMeter()
+        before = self.transport.stats.snapshot()
+        try:
+            with self._compute_lock:
+                answer = self.method.evaluate(msg, meter)
+            with meter.phase("network"):
+                self.transport.flush()  # the streamed test activations, before the report
+        except (ProtocolError, ValueError, RuntimeError, TransportError) as exc:
+            log.error("evaluation of round %d failed: %s", msg.round, exc)
+            self._publish(ErrorReply(**self._base(msg.round), code="eval_failed", reason=str(exc)[:500], ref_msg_id=msg.msg_id))
+            return
+        after = self.transport.stats.snapshot()
+        costs = EvalCosts(
+            flops=meter.train_flops, compute_s=meter.seconds["compute"], encode_s=meter.seconds["encode"],
+            network_s=meter.seconds["network"],
+            payload_bytes_up=after["payload_bytes_out"] - before["payload_bytes_out"],
+            wire_bytes_up=after["wire_bytes_out"] - before["wire_bytes_out"],
+            payload_bytes_down=after["payload_bytes_in"] - before["payload_bytes_in"],
+            wire_bytes_down=after["wire_bytes_in"] - before["wire_bytes_in"],
+        )
+        models = {f"{label}/{name}": array for label, arrays in answer.models.items() for name, array in arrays.items()}
+        self._publish(EvalReport(**self._base(msg.round), instance=self.instance, results=answer.results,
+                                 uploads=answer.uploads, costs=costs, models=models))
+        self._eval_s_since_round_end += time.monotonic() - started
+        model = answer.results.get("model")
+        log.info("round %d evaluated: %s%s", msg.round,
+                 f"{model['correct']} / {model['total']} local test samples right" if model else "nothing held locally",
+                 f", {sum(a.nbytes for a in models.values()) / 1e3:.0f} KB of model(s) for the global set" if models else "")
 
     def _resend_round_end(self) -> None:
         if self._last_round_end is not None:

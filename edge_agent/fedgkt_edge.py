@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from shared_protocol.messages import Message, RoundStart
+from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 
 from .costs import RoundMeter
 from .deadline import RoundDeadline
-from .methods.base import EdgeContext, EdgeMethod, RoundResult
+from .methods.base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, shard_result
 from .teacher import EXTRACT_BATCH_SAMPLES, TeacherLogits
 
 __all__ = ["FedGktEdgeBase"]
@@ -75,10 +75,6 @@ class FedGktEdgeBase(EdgeMethod):
         """(feature maps (B, 16, H, W), logits (B, K)) of one upload batch, float32."""
 
     @abstractmethod
-    def _test_accuracy(self) -> tuple[int, int]:
-        """(correct, total) of the edge model on the local test set."""
-
-    @abstractmethod
     def _model_arrays(self) -> dict[str, np.ndarray]:
         """The model's state as arrays ({} when there is no model yet)."""
 
@@ -107,7 +103,7 @@ class FedGktEdgeBase(EdgeMethod):
         if self._last_round is None or self._last_round[0].round != request.round or not self._ready():
             return  # not our latest round: nothing to resend
         start, cfg = self._last_round
-        self._stream_features(request.split, start, cfg, RoundMeter(), only=set(request.seqs))
+        self._stream_features(request.split, start.round, cfg, RoundMeter(), only=set(request.seqs))
         self.ctx.resend_round_end()
 
     # -- the round --------------------------------------------------------------- #
@@ -127,21 +123,30 @@ class FedGktEdgeBase(EdgeMethod):
             samples, mean_loss = self._train(start, cfg, self._optimizer_for(cfg), meter.deadline)
         meter.samples_trained += samples
         meter.train_flops += self.train_flops_per_sample * samples
-        uploads = {"train": self._stream_features("train", start, cfg, meter)}
+        uploads = {"train": self._stream_features("train", start.round, cfg, meter)}
         metrics: dict[str, Any] = {"train_loss": mean_loss, "kd_samples": len(self.teacher)}
-        if start.evaluate:
-            with meter.phase("compute"):
-                correct, total = self._test_accuracy()
-            meter.train_flops += self.forward_flops_per_sample * total
-            metrics.update(edge_correct=correct, edge_total=total, edge_accuracy=correct / total if total else None)
-            uploads["test"] = self._stream_features("test", start, cfg, meter)
         return RoundResult(num_samples=uploads["train"]["samples"], uploads=uploads, metrics=metrics)
 
-    def _stream_features(self, split: str, start: RoundStart, cfg: GktRoundConfig, meter: RoundMeter,
+    def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
+        """The deployed model is this extractor followed by the server's model: stream the
+        test shard's maps (the server scores them: the local figure), score the ResNet-8 on
+        them in the same pass (the model left on the device), and send the ResNet-8 itself
+        (about 42 KB) for the server to score both on the global test set."""
+        if self._last_round is None or not self._ready():
+            return EvalAnswer()  # no model trained here yet (a restarted agent): nothing to evaluate
+        _, cfg = self._last_round
+        test = self._stream_features("test", request.round, cfg, meter)
+        meter.train_flops += self.forward_flops_per_sample * test["samples"]  # forward passes only
+        correct = test.pop("correct")
+        return EvalAnswer(results={"edge": shard_result(correct, test["samples"])}, models={"edge": self._model_arrays()},
+                          uploads={"test": test})
+
+    def _stream_features(self, split: str, round_: int, cfg: GktRoundConfig, meter: RoundMeter,
                          only: set[int] | None = None) -> dict[str, int]:
-        """Extract (eval mode) and send batch by batch; at most one batch of maps in memory."""
+        """Extract (eval mode) and send batch by batch; at most one batch of maps in memory.
+        For the test split also counts the edge model's correct predictions (``correct``)."""
         ctx = self.ctx
-        batches = samples = 0
+        batches = samples = correct = 0
         # A memory-saving agent sends smaller messages than the server allows (the server bounds
         # their size from above only); the same size every time, so a resend names the same batches.
         batch_samples = ctx.memory.upload_batch_samples(cfg.upload_batch_samples)
@@ -150,8 +155,9 @@ class FedGktEdgeBase(EdgeMethod):
                 continue
             with meter.phase("compute"):
                 features, logits = self._extract(images)  # (B, 16, H, W), (B, K)
+            correct += int((logits.argmax(axis=1) == labels).sum())
             msg = GktFeatures(
-                run=ctx.run_id, round=start.round, sender=ctx.agent_id, split=split, seq=seq, instance=ctx.instance,
+                run=ctx.run_id, round=round_, sender=ctx.agent_id, split=split, seq=seq, instance=ctx.instance,
                 features=features, logits=logits,
                 labels=labels.astype(np.int64), sample_ids=sample_ids.astype(np.int64),
             )
@@ -160,7 +166,8 @@ class FedGktEdgeBase(EdgeMethod):
             samples += len(labels)
         if split == "train":
             meter.train_flops += self.forward_flops_per_sample * samples
-        return {"batches": batches, "samples": samples}
+            return {"batches": batches, "samples": samples}
+        return {"batches": batches, "samples": samples, "correct": correct}
 
     @staticmethod
     def _fill_slices(total: int, parts: Iterable[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

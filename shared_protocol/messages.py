@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import HeaderError, ShapeMismatchError, UnknownMessageTypeError, ValueRangeError
 from .frame import DEFAULT_LIMITS, FrameLimits, decode_frame, decode_tensor, encode_frame
-from .records import AgentRoundCosts, JsonRecord
+from .records import AgentRoundCosts, EvalCosts, JsonRecord
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,12 @@ class Message:
     round: int
     sender: str
     msg_id: str = field(default_factory=new_message_id)
+
+    @property
+    def for_evaluation(self) -> bool:
+        """Whether the message belongs to evaluation, not training: its bytes are metered
+        apart, so a round's cost columns stay the cost of training."""
+        return False
 
     def validate(self) -> None:
         """Cross-field checks; raise a ProtocolError subclass on failure."""
@@ -373,6 +379,73 @@ def _numbers(table: dict, prefix: str = "") -> list[tuple[str, float]]:
 
 @register_message
 @dataclass(kw_only=True)
+class EvalRequest(Message):
+    """Server -> agent, after an evaluated round: evaluate the model(s) you hold for
+    ``round`` on your own test shard, and send what the server needs to evaluate your
+    deployed model(s) on the run's global test set (cloud_server/evaluation.py).
+
+    The method's downloads of the round (the new global model, server logits...) were sent
+    before this request on the same topic. ``config`` is the method's (e.g. the global
+    model version the answer must be about)."""
+
+    TYPE: ClassVar[str] = "eval_request"
+    config: dict = field(default_factory=dict)
+
+    @property
+    def for_evaluation(self) -> bool:
+        return True
+
+
+@register_message
+@dataclass(kw_only=True)
+class EvalReport(Message):
+    """Agent -> server: the answer to an :class:`EvalRequest`.
+
+    ``results`` holds, per labelled model the agent evaluated on its own test shard
+    (``"model"``: the method's deployed model; others such as ``"edge"``, ``"mentee"``),
+    ``{"correct": int, "total": int}`` and optionally ``"loss_sum"`` (summed cross-entropy).
+    ``models`` carries, as ``LABEL/PARAM`` arrays, the agent-side model(s) the server needs
+    to score the deployed model on the global test set (FedGKT's ResNet-8, FedKD's mentor).
+    ``uploads`` says what the agent streamed for evaluation before this report (a split
+    method's test activations: batches and samples per split), ``costs`` what it cost."""
+
+    TYPE: ClassVar[str] = "eval_report"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"models": "zstd"}
+    instance: str = ""
+    results: dict = field(default_factory=dict)
+    uploads: dict = field(default_factory=dict)
+    costs: EvalCosts = record(EvalCosts)
+    models: dict = tensor_dict()
+
+    @property
+    def for_evaluation(self) -> bool:
+        return True
+
+    def validate(self) -> None:
+        for label, figures in self.results.items():
+            if not isinstance(figures, dict):
+                raise ValueRangeError(f"eval_report: results.{label} must be an object, got {type(figures).__name__}")
+            n, d = figures.get("correct"), figures.get("total")
+            if not (isinstance(n, int) and isinstance(d, int) and not isinstance(n, bool) and not isinstance(d, bool)
+                    and 0 <= n <= d):
+                raise ValueRangeError(f"eval_report: results.{label} correct={n!r} / total={d!r} must be ints with "
+                                      "0 <= correct <= total")
+            loss = figures.get("loss_sum")
+            if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))
+                                     or not math.isfinite(loss) or loss < 0):
+                raise ValueRangeError(f"eval_report: results.{label}.loss_sum = {loss!r} must be a finite number >= 0")
+        for key, value in _numbers(self.uploads):
+            if not math.isfinite(value) or value < 0:
+                raise ValueRangeError(f"eval_report: uploads.{key} = {value} must be finite and >= 0")
+        for name, array in self.models.items():
+            if "/" not in name:
+                raise ValueRangeError(f"eval_report: model array {name!r} is not named LABEL/PARAM")
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                raise ValueRangeError(f"eval_report: model array {name!r} holds non-finite values")
+
+
+@register_message
+@dataclass(kw_only=True)
 class ErrorReply(Message):
     """Either side: a message of yours was refused, and why."""
 
@@ -432,6 +505,8 @@ __all__ = [
     "Welcome",
     "RoundStart",
     "RoundEnd",
+    "EvalRequest",
+    "EvalReport",
     "ErrorReply",
     "Status",
     "Shutdown",

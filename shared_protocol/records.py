@@ -32,7 +32,7 @@ from typing import Any, TypeVar, Union
 
 from .errors import ValueRangeError
 
-__all__ = ["RecordError", "JsonRecord", "AgentRoundCosts", "bounded", "non_negative", "fraction", "optional_section",
+__all__ = ["RecordError", "JsonRecord", "AgentRoundCosts", "EvalCosts", "bounded", "non_negative", "fraction", "optional_section",
            "plain_json"]
 
 R = TypeVar("R", bound="JsonRecord")
@@ -180,3 +180,20 @@ class AgentRoundCosts(JsonRecord):
     codec_ratio: float = non_negative(1.0)  # raw tensor bytes / encoded bytes
     # training batches left out so the round could finish within RoundStart.deadline_s (0: all ran)
     skipped_batches: int = non_negative(0, added_later=True)
+
+
+@dataclass(frozen=True)
+class EvalCosts(JsonRecord):
+    """What answering one evaluation request cost on the agent (``EvalReport.costs``), kept
+    apart from the round's training costs: forward FLOPs of the evaluation passes (and of
+    the test activations a split method uploads), time by phase, and the bytes of the
+    evaluation uploads as this agent's connection saw them."""
+
+    flops: int = non_negative(0)
+    compute_s: float = non_negative(0.0)
+    encode_s: float = non_negative(0.0)
+    network_s: float = non_negative(0.0)
+    payload_bytes_up: int = non_negative(0)
+    wire_bytes_up: int = non_negative(0)
+    payload_bytes_down: int = non_negative(0)
+    wire_bytes_down: int = non_negative(0)

@@ -34,7 +34,7 @@ FAST_GKT = {
 def server_config(tmp: Path, run_id: str = "t1", agents: int = 2, rounds: int = 2, method_config: dict | None = None, **kw: Any) -> ServerConfig:
     base = dict(
         run_id=run_id, out_dir=str(tmp / "run"), expected_agents=agents, rounds=rounds, round_deadline_s=120.0,
-        registration_timeout_s=60.0, dataset="synthetic", num_classes=10, progress=False,
+        registration_timeout_s=60.0, dataset="synthetic", num_classes=10, progress=False, eval_samples=80,
         method_config={**FAST_GKT, **(method_config or {})},
     )
     base.update(kw)

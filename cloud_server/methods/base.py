@@ -10,7 +10,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shared_protocol.messages import Hello, Message, RoundEnd
+from shared_protocol.messages import EvalReport, Hello, Message, RoundEnd
+
+from ..evaluation import Evaluation
 
 
 @dataclass
@@ -42,8 +44,6 @@ class RoundOutcome:
     downloads: list[tuple[str, Message]] = field(default_factory=list)  # (agent id, message)
     server_loss: float | None = None
     server_train_s: float = 0.0
-    correct: int = 0  # server-side evaluation on the agents' test uploads
-    total: int = 0
     samples: int = 0
     used_agents: list[str] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)  # agent -> why its upload was not used
@@ -120,21 +120,17 @@ class ServerMethod(ABC):
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         """Everything needed from ``ends``' agents has arrived: do the server's step."""
 
-    def evaluation_pending(self, round_: int) -> set[str]:
-        """Agents whose evaluation answers are still awaited after ``complete``.
+    # Whether every round is evaluated whatever [server] eval_every says (a method that needs
+    # the agents' evaluation answers to run, e.g. FedGKD-Vote's validation losses).
+    evaluate_every_round: bool = False
 
-        A method whose model is evaluated on the agents (the server holds no test
-        data: FedAvg and its family evaluate the new global model on the agents'
-        test shards) sends the model with ``complete``'s downloads; in sync mode
-        the coordinator keeps the round open, handing answers to ``on_upload``,
-        until this is empty, the agents went offline, or the round deadline passed.
-        """
-        return set()
-
-    def evaluation_result(self, round_: int) -> tuple[int, int] | None:
-        """(correct, total) gathered after ``complete`` (see :meth:`evaluation_pending`);
-        None keeps ``complete``'s own figures."""
-        return None
+    @abstractmethod
+    def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
+        """The one evaluation hook (cloud_server/evaluation.py): for an evaluated round, after
+        ``complete``, its downloads and the agents' answers to the evaluation request
+        (``reports``, by agent; a split method's test activations went to ``on_upload``
+        first), the deployed model(s) to score on the global test set and the agents' local
+        figures. The evaluator scores; a method never computes a headline accuracy itself."""
 
     def round_report(self, round_: int) -> dict[str, Any]:
         """Method-specific figures of ``round_`` for the run report (small, JSON-able:

@@ -7,12 +7,12 @@ server's new global model is the sample-weighted mean
 (:func:`cloud_server.aggregation.weighted_mean`, which documents how BatchNorm
 buffers are averaged).
 
-Evaluation: the server holds no test data. In an evaluated round the new
-global model goes to the agents that finished (:class:`FedAvgEvaluate`); each
-evaluates it on its local test shard and answers with correct / total, and the
-round's accuracy is their sample-weighted sum, i.e. the accuracy of the round's
-aggregate on the union of the agents' test shards. The agents keep that model,
-so the next RoundStart names its version instead of carrying the weights again.
+Evaluation (cloud_server/evaluation.py): the deployed model is the round's
+aggregate, held here; the evaluator scores it on the run's global test set. In
+an evaluated round the new global model also goes to the agents that finished
+(:class:`FedAvgGlobalModel`), before the evaluation request, so they score it on
+their own shards (the local figure). The agents keep that model, so the next
+RoundStart names its version instead of carrying the weights again.
 
 Subclass hooks for the FedAvg family (FedGKD, FedDistill, FedBE): override
 :meth:`FedAvgServer.aggregate` (e.g. distil after averaging) and
@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models.training import logits_of
 from shared_protocol.configs import EmbeddedRoundConfig, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
-from shared_protocol.messages import Message, RoundEnd, RoundStart
+from shared_protocol.messages import EvalReport, Message, RoundEnd, RoundStart
 from shared_protocol.methods.fedavg import (
     WEIGHT_CODECS,
-    FedAvgEvalResult,
-    FedAvgEvaluate,
+    FedAvgGlobalModel,
     FedAvgRoundConfig,
     FedAvgUpdate,
     join_state,
@@ -45,6 +45,7 @@ from shared_protocol.methods.fedavg import (
 )
 
 from ..aggregation import weighted_mean
+from ..evaluation import HEADLINE, EvalModel, Evaluation
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -95,7 +96,7 @@ class _Staged(StagedUpload):
 @register_server_method
 class FedAvgServer(ServerMethod):
     name = "fedavg"
-    upload_types = (FedAvgUpdate, FedAvgEvalResult)
+    upload_types = (FedAvgUpdate,)
     config_class: type[FedAvgConfig] = FedAvgConfig
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
@@ -108,9 +109,6 @@ class FedAvgServer(ServerMethod):
         self.version = 0  # round whose aggregate global_state is (0: the initial model)
         self.staged: ModelUploadStage[_Staged] = ModelUploadStage("model upload", log)
         self.has_version: dict[str, int] = {}  # agent -> global version it confirmed holding
-        self._eval_round = 0
-        self._eval_waiting: set[str] = set()
-        self._eval_results: dict[str, tuple[int, int]] = {}
 
     # -- configuration --------------------------------------------------------- #
 
@@ -121,7 +119,7 @@ class FedAvgServer(ServerMethod):
         return {"num_classes": self.ctx.num_classes, "model": self.config.model}
 
     def download_codecs(self, msg: Message) -> dict[str, str]:
-        return {"weights": self.config.download_codec} if isinstance(msg, (RoundStart, FedAvgEvaluate)) else {}
+        return {"weights": self.config.download_codec} if isinstance(msg, (RoundStart, FedAvgGlobalModel)) else {}
 
     def extra_round_config(self, round_: int, agent: str) -> dict[str, Any]:
         """Method-specific additions to RoundStart.config (for subclasses)."""
@@ -148,12 +146,9 @@ class FedAvgServer(ServerMethod):
     # -- uploads ----------------------------------------------------------------- #
 
     def on_upload(self, agent: str, msg: Message) -> None:
-        if isinstance(msg, FedAvgUpdate):
-            self._stage_update(agent, msg)
-        elif isinstance(msg, FedAvgEvalResult):
-            self._record_evaluation(agent, msg)
-        else:
+        if not isinstance(msg, FedAvgUpdate):
             raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
+        self._stage_update(agent, msg)
 
     def _stage_update(self, agent: str, msg: FedAvgUpdate) -> None:
         if msg.model_version != self.version:
@@ -166,14 +161,6 @@ class FedAvgServer(ServerMethod):
             if array.shape != self.global_state[name].shape:
                 raise ShapeMismatchError(f"update {name!r} has shape {array.shape}, model has {self.global_state[name].shape}")
         self.staged[agent] = _Staged(msg.instance, msg.round, msg.num_samples, state)
-
-    def _record_evaluation(self, agent: str, msg: FedAvgEvalResult) -> None:
-        if msg.round != self._eval_round or agent not in self._eval_waiting:
-            raise StaleMessageError(f"evaluation of round {msg.round} not asked for")
-        if msg.model_version != self.version:
-            raise StaleMessageError(f"evaluation of global version {msg.model_version}, current is {self.version}")
-        self._eval_results[agent] = (msg.correct, msg.total)
-        self.has_version[agent] = msg.model_version
 
     def discard(self, agent: str) -> None:
         self.staged.pop(agent, None)
@@ -204,23 +191,37 @@ class FedAvgServer(ServerMethod):
         if losses:
             # No server model is trained: report the agents' mean local training loss.
             outcome.server_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses)
-        self._eval_round, self._eval_waiting, self._eval_results = round_, set(), {}
         if evaluate:
+            # The deployed model to the agents, ahead of the evaluation request (they keep it).
             floats, ints = split_state(self.global_state)
             for agent in sorted(ends):
-                msg = FedAvgEvaluate(run=self.ctx.run_id, round=round_, sender="server", model_version=self.version,
-                                     int_buffers=ints, weights=floats)
+                msg = FedAvgGlobalModel(run=self.ctx.run_id, round=round_, sender="server", model_version=self.version,
+                                        int_buffers=ints, weights=floats)
                 outcome.downloads.append((agent, msg))
-                self._eval_waiting.add(agent)
         return outcome
 
-    def evaluation_pending(self, round_: int) -> set[str]:
-        return self._eval_waiting - set(self._eval_results) if round_ == self._eval_round else set()
+    # -- evaluation ------------------------------------------------------------------- #
 
-    def evaluation_result(self, round_: int) -> tuple[int, int] | None:
-        if round_ != self._eval_round or not self._eval_results:
-            return None
-        return sum(c for c, _ in self._eval_results.values()), sum(t for _, t in self._eval_results.values())
+    def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
+        """The global model (with its averaged BatchNorm statistics) on the global set; on the
+        agents' shards, the answers about this very version."""
+        self.model.eval()
+        ev = Evaluation(
+            global_models={HEADLINE: {Evaluation.GLOBAL: EvalModel(lambda x: logits_of(self.model(x)), device="cpu")}},
+            labels={HEADLINE: f"the global {self.config.model} (sample-weighted mean of the agents' models, BatchNorm "
+                              "statistics averaged with them)"},
+        )
+        for agent, report in sorted(reports.items()):
+            figures = report.results.get(HEADLINE)
+            if figures is None:
+                continue
+            if figures.get("version") != self.version:
+                log.warning("round %d: %s evaluated global version %s, current is %d: not counted", round_, agent,
+                            figures.get("version"), self.version)
+                continue
+            self.has_version[agent] = self.version
+            ev.local.setdefault(HEADLINE, {})[agent] = (int(figures["correct"]), int(figures["total"]))
+        return ev
 
     # -- checkpoints ------------------------------------------------------------------ #
 

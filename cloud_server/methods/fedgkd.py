@@ -22,8 +22,8 @@ RoundStart (``shared_protocol.methods.fedgkd``):
 
 Validation losses: the server holds no data, so ``L_m`` is measured on the
 agents' test shards. After every vote round the new global model is evaluated
-on the agents (FedAvg's evaluation exchange, answered with
-:class:`FedGkdEvalResult` which adds the summed cross-entropy), whatever
+on the agents (the evaluation request every method answers; FedAvg's agents
+add the summed cross-entropy of the model on their shards), whatever
 ``eval_every`` says; a model nobody evaluated yet (the initial model) is
 measured by the agents at the start of the round it is the starting model of.
 ``L_m`` is the sample-weighted mean over the agents that answered.
@@ -39,11 +39,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shared_protocol.messages import RoundEnd
-from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgUpdate, split_state
-from shared_protocol.methods.fedgkd import CONFIG_KEY, VARIANTS, FedGkdEvalResult, FedGkdTeachers, TeacherSpec, teacher_prefix
+from shared_protocol.messages import EvalReport, RoundEnd
+from shared_protocol.methods.fedavg import FedAvgUpdate, split_state
+from shared_protocol.methods.fedgkd import CONFIG_KEY, VARIANTS, FedGkdTeachers, TeacherSpec, teacher_prefix
 
 from ..aggregation import weighted_mean
+from ..evaluation import HEADLINE, Evaluation
 from .base import RoundOutcome, ServerContext, register_server_method
 from .fedavg import FedAvgConfig, FedAvgServer
 
@@ -139,7 +140,7 @@ class _RoundTeachers:
 @register_server_method
 class FedGkdServer(FedAvgServer):
     name = "fedgkd"
-    upload_types = (FedAvgUpdate, FedAvgEvalResult, FedGkdEvalResult)
+    upload_types = (FedAvgUpdate,)
     config_class = FedGkdConfig
     config: FedGkdConfig
 
@@ -152,6 +153,9 @@ class FedGkdServer(FedAvgServer):
         self._given: dict[tuple[str, int], set[int]] = {}  # (agent, round) -> versions it got in that RoundStart
         self._round_teachers: dict[int, _RoundTeachers] = {}
         self._reports: dict[int, dict[str, Any]] = {}
+        # The vote weighs the next round's teachers by the new model's validation loss on the
+        # agents' shards (their evaluation reports): every round is evaluated.
+        self.evaluate_every_round = self.config.variant == "vote"
 
     # -- validation losses -------------------------------------------------------- #
 
@@ -165,10 +169,14 @@ class FedGkdServer(FedAvgServer):
         s, n = self.val_loss.get(version, (0.0, 0))
         return s / n if n else None
 
-    def _record_evaluation(self, agent: str, msg: FedAvgEvalResult) -> None:
-        super()._record_evaluation(agent, msg)
-        if isinstance(msg, FedGkdEvalResult):
-            self._add_loss(msg.model_version, msg.loss_sum, msg.total)
+    def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
+        """FedAvg's, and the validation loss of the new global model the vote needs."""
+        ev = super().evaluation(round_, reports)
+        for agent in ev.local.get(HEADLINE, {}):  # the answers about the current version
+            figures = reports[agent].results[HEADLINE]
+            if isinstance(figures.get("loss_sum"), (int, float)):
+                self._add_loss(self.version, float(figures["loss_sum"]), int(figures["total"]))
+        return ev
 
     # -- teachers ----------------------------------------------------------------------- #
 
@@ -261,8 +269,7 @@ class FedGkdServer(FedAvgServer):
             s, n = end.metrics.get("start_loss_sum"), end.metrics.get("start_loss_total")
             if isinstance(s, (int, float)) and isinstance(n, int) and not isinstance(n, bool) and s >= 0 and n > 0:
                 self._add_loss(start_version, float(s), n)
-        # The vote weighs the next round's teachers by the new model's validation loss: always ask for it.
-        outcome = super().complete(round_, ends, evaluate or self.config.variant == "vote")
+        outcome = super().complete(round_, ends, evaluate)
         if self.version == round_ and self.version != start_version:
             self.buffer.push(self.version, self.global_state)
             window = set(self.buffer.versions())

@@ -16,6 +16,7 @@ once the round's training is done (``cloud_server/feature_store.py``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -30,14 +31,16 @@ from tqdm.auto import tqdm
 
 from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.batchnorm import BnStatistics, batchnorm_layers, load_bn_statistics, measure_bn_statistics, restoring_bn_statistics
+from models.weights import WeightsMismatchError
 from models.losses import kd_loss
 from models.training import LR_SCHEDULES, Batch, Trainer, make_lr_schedule, make_optimizer
 from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, ValueRangeError
-from shared_protocol.messages import Hello, Message, RoundEnd, check_labels
+from shared_protocol.messages import EvalReport, Hello, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
+from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
 from ..feature_store import AgentRows, ArrayStaging, RowSource, StagedUploads, gather_batches
 from ..server_step import DeviceSum, TrainStep, banks_for_staged_rows
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
@@ -102,14 +105,15 @@ class FedGktConfig:
     # with an agent's first RoundStart), so all extractors begin in one feature space;
     # "per_agent": each agent draws its own initialisation.
     edge_init: str = "shared"
-    # BatchNorm statistics the server model evaluates an agent's maps with: "per_agent",
-    # recomputed on that agent's training maps (at most bn_calibration_samples of them) in
-    # each evaluation round, the statistics the training batches (one agent's maps each) were
-    # normalised with; "global", the running averages over every agent's batches.
-    bn_stats: str = "per_agent"
+    # Evaluation (cloud_server/evaluation.py) scores agent k's extractor + the server model
+    # with the server's running BatchNorm averages (the reference code's evaluation: the
+    # headline) and, labelled "personalised_bn", with agent k's own statistics, recomputed on
+    # its training maps (at most bn_calibration_samples of them), the statistics its training
+    # batches (one agent's maps each) were normalised with: in every evaluated round ("every"),
+    # in the run's last round only ("final": it doubles the server's evaluation work), or never.
+    personalised_eval: str = "every"
     bn_calibration_samples: int = 256
-    # Extra figures in report.json: the server's accuracy with the other bn_stats, and its
-    # training accuracy in the last server epoch.
+    # An extra figure in report.json: the server's training accuracy in its last epoch.
     eval_diagnostics: bool = False
 
     def __post_init__(self) -> None:
@@ -124,7 +128,7 @@ class FedGktConfig:
         if min(self.server_epochs, self.server_batch_size, self.bn_calibration_samples) < 1 or self.server_lr <= 0:
             raise ValueError("fedgkt.server_epochs, server_batch_size, bn_calibration_samples must be >= 1 and server_lr > 0, "
                              f"got {self.server_epochs}, {self.server_batch_size}, {self.bn_calibration_samples}, {self.server_lr}")
-        check_choice(self.bn_stats, ("per_agent", "global"), "fedgkt.bn_stats")
+        check_choice(self.personalised_eval, ("every", "final", "off"), "fedgkt.personalised_eval")
         check_choice(self.edge_init, ("shared", "per_agent"), "fedgkt.edge_init")
         if self.staged_memory_bytes < 0:
             raise ValueError(f"fedgkt.staged_memory_bytes must be >= 0, got {self.staged_memory_bytes}")
@@ -181,8 +185,10 @@ class FedGktServer(ServerMethod):
         self.initialised_agents: set[str] = set()  # agents that finished a round (no initial weights needed)
         self.figures: dict[int, dict[str, Any]] = {}  # round -> the round's own figures (round_report)
         self.norms = batchnorm_layers(self.model)
-        # bn_stats = "per_agent": agent -> its BatchNorm statistics, one (mean, var) per layer.
+        # agent -> its BatchNorm statistics, one (mean, var) per layer (the personalised evaluation).
         self.agent_bn: dict[str, BnStatistics] = {}
+        # agent -> its test maps of the round it was asked to evaluate (evaluation's uploads).
+        self.eval_staged: dict[str, StagedUploads] = {}
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
@@ -265,6 +271,13 @@ class FedGktServer(ServerMethod):
             self.feature_shape = shape
         elif shape != self.feature_shape:
             raise ShapeMismatchError(f"feature maps {shape}, earlier uploads were {self.feature_shape}")
+        if msg.split == "test":  # evaluation's: kept apart (in async mode the agent is in its next round by now)
+            held = self.eval_staged.get(agent)
+            if held is None or held.instance != msg.instance or held.round != msg.round:
+                self._release_eval(agent)
+                held = self.eval_staged[agent] = StagedUploads(msg.instance, msg.round)
+            held.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
+            return None
         staged = self.staged.get(agent)
         if staged is None or staged.instance != msg.instance or staged.round != msg.round:
             # A new process (restart) or a new round: what the old one staged is void.
@@ -273,7 +286,13 @@ class FedGktServer(ServerMethod):
         staged.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
         return None
 
+    def _release_eval(self, agent: str) -> None:
+        held = self.eval_staged.pop(agent, None)
+        if held is not None:
+            self.staging.release_all([b.features for b in held.batches()])
+
     def discard(self, agent: str) -> None:
+        self._release_eval(agent)
         staged = self.staged.pop(agent, None)
         if staged is not None:
             self.staging.release_all([b.features for b in staged.batches()])
@@ -300,7 +319,6 @@ class FedGktServer(ServerMethod):
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
         data: dict[str, AgentRows] = {}
-        tests: dict[str, AgentRows] = {}
         try:
             for agent in sorted(ends):
                 staged = self.staged.get(agent)
@@ -313,8 +331,6 @@ class FedGktServer(ServerMethod):
                 staged = self.staged.pop(agent)
                 try:
                     data[agent] = gather_batches([staged.train[k] for k in sorted(staged.train)], self.staging)
-                    if staged.test:
-                        tests[agent] = gather_batches([staged.test[k] for k in sorted(staged.test)], self.staging)
                 finally:
                     # Normally already released by gather_batches; after a failed gather (disk full) this frees the rest.
                     self.staging.release_all([b.features for b in staged.batches()])
@@ -335,24 +351,15 @@ class FedGktServer(ServerMethod):
                     outcome.downloads.append(
                         (agent, GktServerLogits(run=self.ctx.run_id, round=round_, sender="server", sample_ids=ids, logits=logits))
                     )
-            if tests:
-                c = self.config
-                per_agent_bn = global_bn = None
-                if c.bn_stats == "per_agent" or c.eval_diagnostics:
-                    for agent in tests:
-                        self.agent_bn[agent] = self._calibrate(data[agent][0])
-                    per_agent_bn = self._evaluate(tests, per_agent=True)
-                if c.bn_stats == "global" or c.eval_diagnostics:
-                    global_bn = self._evaluate(tests, per_agent=False)
-                outcome.correct, outcome.total = per_agent_bn if c.bn_stats == "per_agent" else global_bn
-                if c.eval_diagnostics:
-                    self.figures.setdefault(round_, {}).update(
-                        accuracy_global_bn=global_bn[0] / max(global_bn[1], 1),
-                        accuracy_per_agent_bn=per_agent_bn[0] / max(per_agent_bn[1], 1))
+            if evaluate and self._personalised(round_):
+                # The agents' own BatchNorm statistics for the personalised evaluation, from the
+                # maps they just sent (the same extractor is evaluated).
+                for agent in data:
+                    self.agent_bn[agent] = self._calibrate(data[agent][0])
             return outcome
         finally:
             # The round's training is done (or failed): its staged features, and spill files, go.
-            self.staging.release_all([d[0].staged for d in (*data.values(), *tests.values())])
+            self.staging.release_all([d[0].staged for d in data.values()])
 
     def _batches(self, data: dict[str, tuple], generator: torch.Generator) -> list[tuple[int, torch.Tensor]]:
         """One epoch's batches as (agent position, sample indices into that agent's data).
@@ -430,20 +437,81 @@ class FedGktServer(ServerMethod):
         rows = torch.linspace(0, n - 1, min(n, self.config.bn_calibration_samples)).round().long().unique()
         return measure_bn_statistics(self.model, (features[chunk].to(self.device, torch.float32) for chunk in rows.split(256)))
 
-    @torch.no_grad()
-    def _evaluate(self, tests: dict[str, AgentRows], per_agent: bool) -> tuple[int, int]:
-        """Accuracy of extractor (on the agents) + server model on the agents' test features;
-        ``per_agent``: each agent's maps with that agent's BatchNorm statistics (``agent_bn``)."""
+    # -- evaluation ------------------------------------------------------------ #
+
+    def _personalised(self, round_: int) -> bool:
+        mode = self.config.personalised_eval
+        return mode == "every" or (mode == "final" and round_ == self.ctx.rounds)
+
+    def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
+        """Agent k's deployed model is its extractor followed by the server model: on the global
+        set through the ResNet-8 it reported, on its own shard through the test maps it streamed.
+        The headline uses the server's running BatchNorm averages; ``personalised_bn`` agent k's
+        own statistics; ``edge`` is the ResNet-8 left on the device."""
+        ev = Evaluation(edge="edge", labels={
+            HEADLINE: "agent k's extractor + the server model, the server's running BatchNorm statistics (mean over agents)",
+            "personalised_bn": "agent k's extractor + the server model with agent k's own BatchNorm statistics "
+                               "(personalised; mean over agents)",
+            "edge": "agent k's ResNet-8 on its device (mean over agents)",
+        })
+        personalised = self._personalised(round_)
         self.model.eval()
+        for agent, report in sorted(reports.items()):
+            arrays = models_from_report(report, "edge")
+            if arrays:
+                edge = build_model(self.config.edge_model, self.ctx.num_classes, self.ctx.in_channels)
+                try:
+                    load_arrays_into(edge, arrays)
+                except WeightsMismatchError as exc:
+                    log.warning("round %d: %s's edge model cannot be evaluated: %s", round_, agent, exc)
+                else:
+                    edge = edge.to(self.device).eval()
+                    ev.global_models.setdefault(HEADLINE, {})[agent] = self._pipeline(edge, None)
+                    ev.global_models.setdefault("edge", {})[agent] = EvalModel(lambda x, e=edge: e(x)[0])
+                    if personalised and agent in self.agent_bn:
+                        ev.global_models.setdefault("personalised_bn", {})[agent] = self._pipeline(edge, self.agent_bn[agent])
+        ev.local = local_results(reports)  # "edge": the ResNet-8 on the agent's shard
+        for agent, held in sorted(self.eval_staged.items()):
+            if held.round != round_ or agent not in reports or not held.test:
+                continue
+            maps = gather_batches([held.test[k] for k in sorted(held.test)], self.staging)
+            try:
+                ev.local.setdefault(HEADLINE, {})[agent] = self._score_maps(maps, None)
+                if personalised and agent in self.agent_bn:
+                    ev.local.setdefault("personalised_bn", {})[agent] = self._score_maps(maps, self.agent_bn[agent])
+            finally:
+                self.staging.release(maps[0].staged)
+                del self.eval_staged[agent]
+        return ev
+
+    def _pipeline(self, edge: torch.nn.Module, bn: BnStatistics | None) -> EvalModel:
+        """Extractor + server model as one model; with ``bn``, the server's BatchNorm layers use
+        those statistics for the pass (the server's own are restored after it)."""
+        def forward(x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) images
+            return self.model(edge.extract(x))  # (B, 16, H, W) maps -> (B, K)
+
+        if bn is None:
+            return EvalModel(forward)
+
+        @contextlib.contextmanager
+        def with_agent_bn():
+            with restoring_bn_statistics(self.model):
+                load_bn_statistics(self.model, bn)
+                yield
+        return EvalModel(forward, with_agent_bn)
+
+    @torch.no_grad()
+    def _score_maps(self, maps: AgentRows, bn: BnStatistics | None) -> tuple[int, int]:
+        """(correct, total) of the server model on one agent's test maps."""
+        features, _edge_logits, labels, _ids = maps
         correct = total = 0
-        with restoring_bn_statistics(self.model) as global_bn:
-            for agent, (features, _edge_logits, labels, _ids) in tests.items():
-                if per_agent:
-                    load_bn_statistics(self.model, self.agent_bn.get(agent, global_bn))
-                for start in range(0, len(labels), 512):
-                    logits = self.model(features[start : start + 512].to(self.device, torch.float32))  # (b, K)
-                    correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
-                    total += int(len(labels[start : start + 512]))
+        with restoring_bn_statistics(self.model):
+            if bn is not None:
+                load_bn_statistics(self.model, bn)
+            for start in range(0, len(labels), 512):
+                logits = self.model(features[start : start + 512].to(self.device, torch.float32))  # (b, K)
+                correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
+                total += int(len(labels[start : start + 512]))
         return correct, total
 
     # -- checkpoints ---------------------------------------------------------- #

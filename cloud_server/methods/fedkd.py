@@ -16,10 +16,13 @@ server turns the average into the update ``-gradient_lr * g`` (Algorithm 1
 line 22 with the step taken once, on the server, so every copy takes the same
 step); BatchNorm statistics travel as their change in both modes.
 
-Accuracy in the run report: ``accuracy`` is the *global mentee* (the shared,
-federated model) on the union of the agents' test shards, measured by the
-agents after applying each evaluated round's aggregate; ``edge_accuracy`` is
-the agents' *mentors* (the model FedKD uses for inference) on the same shards.
+Evaluation (cloud_server/evaluation.py): FedKD infers with each agent's mentor
+(the paper's test phase), so the deployed model, the round's ``accuracy``, is
+the mean over agents of each agent's mentor on the global test set (the agents
+send their mentors with their evaluation reports, for that only) and
+``local_accuracy`` the mentors on their own shards; the global mentee (the
+federated model) stands beside it as ``mentee``, scored here on the global set
+and by the agents on their shards.
 
 Per round the method keeps a record (:attr:`FedKdServer.history`, also in the
 checkpoint) of the threshold, the rank of every factored tensor in every
@@ -45,23 +48,24 @@ import numpy as np
 import torch
 
 import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. resnet20)
-from models import build_model, count_parameters, get_model_spec, state_dict_to_arrays, training_flops_per_sample
-from models.mentor import hidden_dim
+from models import (WeightsMismatchError, build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays,
+                    training_flops_per_sample)
+from models.mentor import forward_with_hidden, hidden_dim
 from shared_protocol import svd
 from shared_protocol.configs import EmbeddedRoundConfig, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
-from shared_protocol.messages import Message, RoundEnd, RoundStart
+from shared_protocol.messages import EvalReport, Message, RoundEnd, RoundStart
 from shared_protocol.methods.fedkd import (
     SYNC_CODECS,
     UPLOAD_KINDS,
     FedKdAggregate,
-    FedKdEvalResult,
     FedKdRoundConfig,
     FedKdUpdate,
     factor_state,
     unfactor_state,
 )
 
+from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -163,11 +167,6 @@ def _ranks(packed: dict[str, svd.SvdTensor]) -> dict[str, int]:
     return {name: p.rank for name, p in packed.items() if p.mode == "factored"}
 
 
-def _mean_of(entries: list[dict[str, Any]], key: str) -> float | None:
-    values = [e[key] for e in entries if isinstance(e.get(key), (int, float)) and not isinstance(e.get(key), bool)]
-    return round(float(np.mean(values)), 4) if values else None
-
-
 def _eq8_rank(entry: dict[str, Any], name: str, limit: int, full: int) -> int | None:
     """Eq. 8's K of tensor ``name`` in a history entry (an upload or the aggregate): its
     rank if it went factored, else the K it reported for its dense fallback. An agent
@@ -182,7 +181,7 @@ def _eq8_rank(entry: dict[str, Any], name: str, limit: int, full: int) -> int | 
 @register_server_method
 class FedKdServer(ServerMethod):
     name = "fedkd"
-    upload_types = (FedKdUpdate, FedKdEvalResult)
+    upload_types = (FedKdUpdate,)
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
@@ -202,9 +201,6 @@ class FedKdServer(ServerMethod):
         self.staged: ModelUploadStage[_Staged] = ModelUploadStage("mentee update", log)
         self.history: list[dict[str, Any]] = []
         self._round_logs: dict[int, _RoundLog] = {}
-        self._eval_round = 0
-        self._eval_waiting: set[str] = set()
-        self._eval_results: dict[str, tuple[int, int]] = {}
 
     # -- configuration --------------------------------------------------------------- #
 
@@ -253,12 +249,9 @@ class FedKdServer(ServerMethod):
     # -- uploads ------------------------------------------------------------------------ #
 
     def on_upload(self, agent: str, msg: Message) -> None:
-        if isinstance(msg, FedKdUpdate):
-            self._stage_update(agent, msg)
-        elif isinstance(msg, FedKdEvalResult):
-            self._record_evaluation(agent, msg)
-        else:
+        if not isinstance(msg, FedKdUpdate):
             raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
+        self._stage_update(agent, msg)
 
     def _stage_update(self, agent: str, msg: FedKdUpdate) -> None:
         """Algorithm 1, lines 11-12: check and rebuild one agent's update."""
@@ -284,13 +277,6 @@ class FedKdServer(ServerMethod):
             msg.instance, msg.round, msg.num_samples, delta, _ranks(packed),
             svd_bytes=sum(p.payload_bytes for p in packed.values()), dense_bytes=sum(4 * p.dense_elements for p in packed.values()),
         )
-
-    def _record_evaluation(self, agent: str, msg: FedKdEvalResult) -> None:
-        if msg.round != self._eval_round or agent not in self._eval_waiting:
-            raise StaleMessageError(f"evaluation of round {msg.round} not asked for")
-        if msg.version != self.version:
-            raise StaleMessageError(f"evaluation of global mentee {msg.version}, current is {self.version}")
-        self._eval_results[agent] = (msg.correct, msg.total)
 
     def discard(self, agent: str) -> None:
         self.staged.pop(agent, None)
@@ -338,14 +324,11 @@ class FedKdServer(ServerMethod):
         if losses:
             # No server model is trained: report the agents' mean mentee loss (Eq. 7).
             outcome.server_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses)
-        self._eval_round, self._eval_waiting, self._eval_results = round_, set(), {}
         for agent in used:
             msg = FedKdAggregate(run=self.ctx.run_id, round=round_, sender="server", version=self.version,
-                                 base_version=base_version, threshold=threshold, evaluate=evaluate, layout=layout, factors=factors)
+                                 base_version=base_version, threshold=threshold, layout=layout, factors=factors)
             outcome.downloads.append((agent, msg))
             self.holds[agent] = self.version
-            if evaluate:
-                self._eval_waiting.add(agent)
         self.history.append(self._record(round_, round_log, used, ends, packed))
         return outcome
 
@@ -363,7 +346,7 @@ class FedKdServer(ServerMethod):
                 "svd_bytes": s.svd_bytes,
                 "dense_bytes": s.dense_bytes,
                 "frame_bytes": int(uploads.get("frame_bytes", 0)),
-                **{k: metrics[k] for k in ("mentor_accuracy", "mentee_accuracy", "mentor_loss", "mentee_loss") if k in metrics},
+                **{k: metrics[k] for k in ("mentor_loss", "mentee_loss") if k in metrics},
             }
         up_svd = sum(a["svd_bytes"] for a in agents.values())
         return {
@@ -434,19 +417,38 @@ class FedKdServer(ServerMethod):
             "saved_vs_dense_mentee": round(1.0 - bytes_["fedkd_svd"] / bytes_["dense_mentee"], 4),
             "saved_vs_fedavg_mentor": round(1.0 - bytes_["fedkd_svd"] / bytes_["fedavg_mentor"], 4),
             "sync_bytes": record["sync"]["bytes"],
-            # Evaluated rounds: the agents' own mentees before aggregation (the global mentee
-            # is the round's "accuracy", the mentors its "edge_accuracy"); a plain mean over agents.
-            "local_mentee_accuracy": _mean_of(uploads, "mentee_accuracy"),
             "ranks": ranks,
         }
 
-    def evaluation_pending(self, round_: int) -> set[str]:
-        return self._eval_waiting - set(self._eval_results) if round_ == self._eval_round else set()
+    # -- evaluation ---------------------------------------------------------------------- #
 
-    def evaluation_result(self, round_: int) -> tuple[int, int] | None:
-        if round_ != self._eval_round or not self._eval_results:
-            return None
-        return sum(c for c, _ in self._eval_results.values()), sum(t for _, t in self._eval_results.values())
+    def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
+        ev = Evaluation(labels={
+            HEADLINE: f"agent k's private mentor ({self.config.mentor_model}), the model FedKD infers with (mean over agents)",
+            "mentee": f"the global mentee ({self.config.mentee_model}), the federated model",
+        })
+        for agent, report in sorted(reports.items()):
+            arrays = models_from_report(report, HEADLINE)
+            if not arrays:
+                continue
+            mentor = build_model(self.config.mentor_model, self.ctx.num_classes, self.ctx.in_channels)
+            try:
+                load_arrays_into(mentor, arrays)
+            except WeightsMismatchError as exc:
+                log.warning("round %d: %s's mentor cannot be evaluated: %s", round_, agent, exc)
+                continue
+            mentor = mentor.to(self.ctx.device).eval()
+            ev.global_models.setdefault(HEADLINE, {})[agent] = EvalModel(lambda x, m=mentor: forward_with_hidden(m, x).logits)
+        mentee = build_model(self.config.mentee_model, self.ctx.num_classes, self.ctx.in_channels)
+        ints = {k: v for k, v in state_dict_to_arrays(mentee).items() if v.dtype.kind != "f"}
+        load_arrays_into(mentee, {**self.global_state, **ints})
+        mentee = mentee.to(self.ctx.device).eval()
+        ev.global_models["mentee"] = {Evaluation.GLOBAL: EvalModel(lambda x: forward_with_hidden(mentee, x).logits)}
+        local = local_results(reports)
+        ev.local[HEADLINE] = local.get(HEADLINE, {})
+        ev.local["mentee"] = {a: r for a, r in local.get("mentee", {}).items()
+                              if reports[a].results["mentee"].get("version") == self.version}
+        return ev
 
     # -- checkpoints -------------------------------------------------------------------- #
 

@@ -10,9 +10,12 @@ Every training batch is a real exchange over the broker: activations arrive in
 ``on_upload``, the server runs forward + backward of its part and one optimiser
 step, and answers at once with the gradient w.r.t. the activations.
 
-Evaluation: after an evaluated round the final extractor goes to the agents
-that took part; they stream their test activations and the server scores them
-with its part (the coordinator's evaluation phase).
+Evaluation (cloud_server/evaluation.py): the deployed model is the round's
+final extractor followed by the server's part, both held here: the evaluator
+scores it on the global test set. After an evaluated round the final extractor
+also goes to the agents that took part (:class:`SplitExtractor`); answering the
+evaluation request they stream their test activations, which the server's part
+scores (the local figure).
 """
 
 from __future__ import annotations
@@ -31,16 +34,16 @@ from models import build_model, count_parameters, get_model_spec, load_arrays_in
 from models.training import make_optimizer
 from shared_protocol.configs import EmbeddedRoundConfig, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
-from shared_protocol.messages import Message, RoundEnd, check_labels
+from shared_protocol.messages import EvalReport, Message, RoundEnd, check_labels
 from shared_protocol.methods.splitnn import (
     SplitActivations,
-    SplitEvalDone,
-    SplitEvaluate,
+    SplitExtractor,
     SplitExtractorWeights,
     SplitGradients,
     SplitRoundConfig,
 )
 
+from ..evaluation import HEADLINE, EvalModel, Evaluation
 from ..server_step import TrainStep
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -102,19 +105,10 @@ class _Turn:
     extractor_received: bool = False
 
 
-@dataclass
-class _Evaluation:
-    round: int = 0
-    waiting: set[str] = field(default_factory=set)
-    done: set[str] = field(default_factory=set)
-    correct: int = 0
-    total: int = 0
-
-
 @register_server_method
 class SplitNNServer(ServerMethod):
     name = "splitnn"
-    upload_types = (SplitActivations, SplitExtractorWeights, SplitEvalDone)
+    upload_types = (SplitActivations, SplitExtractorWeights)
     schedule = "sequential"  # one agent at a time carries the extractor
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
@@ -136,7 +130,7 @@ class SplitNNServer(ServerMethod):
                               ctx.server_step, name="splitnn")
         self.turn: _Turn | None = None
         self.finished: dict[str, _Turn] = {}
-        self.evaluation = _Evaluation()
+        self.test_scores: dict[str, tuple[int, int, int]] = {}  # agent -> (round, correct, total) of its test activations
         self.turn_order: list[tuple[int, str]] = []  # (round, agent) as turns began: for reports and tests
 
     def resolved_config(self) -> dict[str, Any]:
@@ -185,11 +179,6 @@ class SplitNNServer(ServerMethod):
             return None
         if isinstance(msg, SplitExtractorWeights):
             self._take_extractor(agent, msg)
-            return None
-        if isinstance(msg, SplitEvalDone):
-            if msg.round != self.evaluation.round or agent not in self.evaluation.waiting:
-                raise StaleMessageError(f"evaluation of round {msg.round} not asked for")
-            self.evaluation.done.add(agent)
             return None
         raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
 
@@ -255,19 +244,21 @@ class SplitNNServer(ServerMethod):
 
     @torch.no_grad()
     def _score_test_batch(self, agent: str, msg: SplitActivations) -> None:
-        ev = self.evaluation
-        if msg.round != ev.round or agent not in ev.waiting or agent in ev.done:
-            raise StaleMessageError(f"test activations of round {msg.round} not asked for")
+        """One batch of an agent's test activations (the coordinator passes them on only while
+        that agent's evaluation of ``msg.round`` is awaited), scored by the server's part."""
         self.model.eval()
         logits = self.model(torch.from_numpy(msg.activations).to(self.device))  # (B, K)
-        ev.correct += int((logits.argmax(1).cpu() == torch.from_numpy(msg.labels)).sum())
-        ev.total += int(msg.labels.shape[0])
+        round_, correct, total = self.test_scores.get(agent, (msg.round, 0, 0))
+        if round_ != msg.round:
+            correct = total = 0
+        self.test_scores[agent] = (msg.round, correct + int((logits.argmax(1).cpu() == torch.from_numpy(msg.labels)).sum()),
+                                   total + int(msg.labels.shape[0]))
 
     def discard(self, agent: str) -> None:
         if self.turn is not None and self.turn.agent == agent:
             self.turn = None
         self.finished.pop(agent, None)
-        self.evaluation.waiting.discard(agent)
+        self.test_scores.pop(agent, None)
 
     # -- closing the round ------------------------------------------------------------- #
 
@@ -301,21 +292,28 @@ class SplitNNServer(ServerMethod):
         if outcome.samples:
             outcome.server_loss = sum(t.loss_sum for t in turns) / outcome.samples
         self.finished.clear()
-        self.evaluation = _Evaluation(round=round_)
         if evaluate and outcome.used_agents:
             for agent in sorted(ends):
                 outcome.downloads.append(
-                    (agent, SplitEvaluate(run=self.ctx.run_id, round=round_, sender="server", weights=dict(self.extractor_state))))
-                self.evaluation.waiting.add(agent)
+                    (agent, SplitExtractor(run=self.ctx.run_id, round=round_, sender="server", weights=dict(self.extractor_state))))
         return outcome
 
-    def evaluation_pending(self, round_: int) -> set[str]:
-        ev = self.evaluation
-        return ev.waiting - ev.done if round_ == ev.round else set()
+    # -- evaluation -------------------------------------------------------------------- #
 
-    def evaluation_result(self, round_: int) -> tuple[int, int] | None:
-        ev = self.evaluation
-        return (ev.correct, ev.total) if round_ == ev.round and ev.total else None
+    def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
+        extractor = build_model(self.config.edge_model, self.ctx.num_classes, self.ctx.in_channels).extractor
+        load_arrays_into(extractor, self.extractor_state)
+        extractor = extractor.to(self.device).eval()
+        self.model.eval()
+        ev = Evaluation(
+            global_models={HEADLINE: {Evaluation.GLOBAL: EvalModel(lambda x: self.model(extractor(x)))}},
+            labels={HEADLINE: f"the round's final extractor + the server's {self.config.server_model}"},
+        )
+        for agent in sorted(reports):
+            scored = self.test_scores.pop(agent, None)
+            if scored is not None and scored[0] == round_:
+                ev.local.setdefault(HEADLINE, {})[agent] = (scored[1], scored[2])
+        return ev
 
     # -- checkpoints -------------------------------------------------------------------- #
 

@@ -34,7 +34,7 @@ REPORT_FILES: dict[str, str] = {
 
 CSV_COLUMNS: tuple[str, ...] = (
     "round", "status", "participants", "completed", "missing",
-    "accuracy", "edge_accuracy", "server_loss", "samples",
+    "accuracy", "local_accuracy", "edge_accuracy", "edge_local_accuracy", "server_loss", "samples",
     "up_payload", "up_wire", "down_payload", "down_wire", "cum_wire_mb",
     "edge_train_flops",
     "round_s", "server_train_s", "edge_compute_s", "edge_encode_s", "edge_network_s", "edge_idle_s",
@@ -53,7 +53,8 @@ def rounds_csv(rounds: Sequence[Mapping[str, Any]]) -> str:
         writer.writerow([
             r["round"], r["status"],
             ";".join(r["participants"]), ";".join(r["completed"]), ";".join(r["missing"]),
-            value(r["accuracy"]), value(r["edge_accuracy"]), value(r["server_loss"]), r["samples"],
+            value(r["accuracy"]), value(r.get("local_accuracy")), value(r["edge_accuracy"]), value(r.get("edge_local_accuracy")),
+            value(r["server_loss"]), r["samples"],
             *(r["bytes"][k] for k in BYTE_KEYS), round(float(cum_mb), 6),
             r["edge_train_flops"],
             *(t[k] for k in TIME_KEYS),

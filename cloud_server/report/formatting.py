@@ -95,16 +95,20 @@ def is_scalar(value: Any) -> bool:
 def format_summary_line(round_record: Mapping[str, Any], total_rounds: int) -> str:
     """One status line per round for the console, e.g.
 
-    ``round 3/8  acc 81.20%  edge 76.10%  up 12.4 MB  down 0.3 MB  2/2 agents  41.2 s``
+    ``round 3/8  global acc 81.20%  (local 84.00%, edge 56.10%)  up 12.4 MB  down 0.3 MB  2/2 agents  41.2 s``
 
-    Bytes are what the server's connection carried on the wire for the round.
+    ``global``: the deployed model(s) on the run's global test set (the headline); ``local``:
+    on the agents' own shards; ``edge``: the models left on the devices where they differ
+    (global set). Bytes are what the server's connection carried on the wire for the round.
     """
     acc = round_record.get("accuracy")
+    local = round_record.get("local_accuracy")
     edge = round_record.get("edge_accuracy")
     wire = round_record.get("bytes", {})
+    extra = [f"local {pct(local)}"] + ([f"edge {pct(edge)}"] if edge is not None else [])
     line = (
         f"round {round_record['round']}/{total_rounds}"
-        f"  acc {pct(acc)}  edge {pct(edge)}"
+        f"  global acc {pct(acc)}  ({', '.join(extra)})"
         f"  up {mb(wire.get('up_wire', 0), 1)} MB  down {mb(wire.get('down_wire', 0), 1)} MB"
         f"  {len(round_record.get('completed', []))}/{len(round_record.get('participants', []))} agents"
         f"  {seconds(round_record.get('time_s', {}).get('round'))} s"
@@ -126,5 +130,5 @@ def cumulative_wire_mb(rounds: Sequence[Mapping[str, Any]]) -> np.ndarray:
 
 def series(rounds: Sequence[Mapping[str, Any]], key: str) -> np.ndarray:
     """A per-round value as float64 with NaN where unknown (matplotlib leaves gaps at NaN)."""
-    return np.array([np.nan if r[key] is None else float(r[key]) for r in rounds], dtype=np.float64)
+    return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rounds], dtype=np.float64)
 

@@ -103,16 +103,36 @@ def _header_md(report: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _eval_set_line(report: Mapping[str, Any]) -> str:
+    es = report.get("eval_set")
+    if not es:
+        return "No global test set: accuracies are the agents' own shards only."
+    counts = es.get("class_counts", [])
+    balance = f"{min(counts)}-{max(counts)} per class" if counts else ""
+    return (f"Global test set: {es['samples']:,} {es['dataset']} {es['split']} images ({balance}, seed {es['seed']}, "
+            f"ids sha256 {es['ids_sha256'][:12]}), the same for every method of a run.")
+
+
 def _accuracy_md(report: Mapping[str, Any]) -> list[str]:
     totals, models = report["totals"], report["models"]
     row = [report["method"], _model_name(models["edge"]), _model_name(models["server"]), pct(totals["final_accuracy"]),
-           pct(totals["best_accuracy"]), pct(totals["final_edge_accuracy"])]
-    return [
+           pct(totals["best_accuracy"]), pct(totals.get("final_local_accuracy")), pct(totals["final_edge_accuracy"])]
+    last = next((r["evaluation"] for r in reversed(report["rounds"]) if r.get("evaluation")), None)
+    lines = [
         "## Accuracy (FedGKT Table 1 layout)", "",
-        *table(["Method", "Edge model", "Server model", "Final acc.", "Best acc.", "Edge acc."], [row], right_from=3),
-        "", "Final acc.: last evaluated round, server model on the agents' test shards. "
-        "Edge acc.: agents' own edge models, sample-weighted.", "",
+        *table(["Method", "Edge model", "Server model", "Global acc.", "Best global", "Local acc.", "Edge acc."], [row],
+               right_from=3),
+        "", _eval_set_line(report), "",
+        "Global acc.: the deployed model(s) on the global test set (the mean over agents where each agent has its own), "
+        "last evaluated round. Local acc.: the same models on the agents' own test shards, sample-weighted. "
+        "Edge acc.: the models left on the devices where they differ from the deployed one, on the global set.", "",
     ]
+    if last is not None and last.get("labels"):
+        rows = [[f"`{label}`", pct(last["accuracy"].get(label)), pct(last["local_accuracy"].get(label)), text]
+                for label, text in last["labels"].items()]
+        lines += ["Last evaluated round, every model scored:", "",
+                  *table(["Model", "Global", "Local", "What it is"], rows, right_from=1), ""]
+    return lines
 
 
 def _edge_cost_md(models: Mapping[str, Any]) -> list[str]:
@@ -175,10 +195,20 @@ def _rounds_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     if not rounds:
         return ["## Rounds", "", "No rounds yet.", ""]
     rows = [[r["round"], r["status"], f"{len(r['completed'])}/{len(r['participants'])}", pct(r["accuracy"]),
-             pct(r["edge_accuracy"]), mb(r["bytes"]["up_wire"]), mb(r["bytes"]["down_wire"]),
-             gflops(r["edge_train_flops"]), seconds(r["time_s"]["round"])] for r in rounds]
-    header = ["Round", "Status", "Agents", "Acc.", "Edge acc.", "MB up", "MB down", "Edge GFLOPs", "Round s"]
+             pct(r.get("local_accuracy")), pct(r["edge_accuracy"]), mb(r["bytes"]["up_wire"]), mb(r["bytes"]["down_wire"]),
+             gflops(r["edge_train_flops"]), seconds(r["time_s"]["round"]),
+             mb(_eval_wire(r)), seconds((r.get("evaluation") or {}).get("server_eval_s"))] for r in rounds]
+    header = ["Round", "Status", "Agents", "Global acc.", "Local acc.", "Edge acc.", "MB up", "MB down", "Edge GFLOPs",
+              "Round s", "Eval MB", "Eval s (server)"]
     return ["## Rounds", "", *table(header, rows, right_from=2), ""]
+
+
+def _eval_wire(r: Mapping[str, Any]) -> float | None:
+    ev = r.get("evaluation")
+    if not ev:
+        return None
+    b = ev["bytes"]
+    return b["up_wire"] + b["down_wire"]
 
 
 def _agents_md(report: Mapping[str, Any]) -> list[str]:
@@ -221,10 +251,11 @@ def comparison_md(reports: Sequence[Mapping[str, Any]]) -> str:
         totals, edge = report["totals"], report["models"]["edge"]
         rows.append([
             f"`{report['run_id']}`", report["method"], report["status"], totals["rounds_completed"],
-            pct(totals["final_accuracy"]), pct(totals["best_accuracy"]), pct(totals["final_edge_accuracy"]),
+            pct(totals["final_accuracy"]), pct(totals["best_accuracy"]), pct(totals.get("final_local_accuracy")),
+            pct(totals["final_edge_accuracy"]),
             gflops(None if edge is None else edge["train_flops_per_sample"]),
             mb(totals["wire_total"]), duration(totals["wall_time_s"]),
         ])
-    header = ["Run", "Method", "Status", "Rounds", "Final acc.", "Best acc.", "Edge acc.",
+    header = ["Run", "Method", "Status", "Rounds", "Global acc.", "Best global", "Local acc.", "Edge acc.",
               "Edge GFLOPs / sample", "Wire MB", "Wall time"]
     return "\n".join(table(header, rows, right_from=3)) + "\n"

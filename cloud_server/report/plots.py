@@ -7,7 +7,7 @@ stays cheap on the coordinator's start-up path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,16 +46,20 @@ def _integer_x(ax: Axes) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _accuracy_axes(ax: Axes, x: np.ndarray, server: np.ndarray, edge: np.ndarray) -> None:
-    """Server and edge accuracy (percent) against ``x``; a note if nothing was measured."""
+def _accuracy_axes(ax: Axes, x: np.ndarray, rounds: Sequence[Mapping[str, Any]]) -> None:
+    """Global accuracy (the headline), local accuracy and the edge models' global accuracy
+    (percent) against ``x``; a note if nothing was measured."""
+    server, local, edge = (series(rounds, k) for k in ("accuracy", "local_accuracy", "edge_accuracy"))
     ax.set_ylabel("test accuracy (%)")
     ax.grid(True, alpha=0.3)
-    measured = np.concatenate([server[~np.isnan(server)], edge[~np.isnan(edge)]])
+    measured = np.concatenate([v[~np.isnan(v)] for v in (server, local, edge)])
     if measured.size == 0:
         _note(ax, "no rounds yet" if x.size == 0 else "no accuracy measured yet")
         ax.set_ylim(0, 100)  # matplotlib's default 0..1 would read as fractions of a percent
         return
-    for values, label, marker in ((server, "server model (extractor + server)", "o"), (edge, "edge models (sample-weighted)", "s")):
+    for values, label, marker in ((server, "global: deployed model(s), global test set", "o"),
+                                  (local, "local: same, agents' own test shards", "^"),
+                                  (edge, "edge models on the devices, global test set", "s")):
         keep = ~np.isnan(values)
         if keep.any():
             # Only measured points: a round without evaluation is not a zero.
@@ -72,7 +76,7 @@ def _plot_accuracy_vs_round(report: Mapping[str, Any]) -> Figure:
     failed = [r["round"] for r in rounds if r["status"] != "ok"]
     for i, number in enumerate(failed):
         ax.axvspan(number - 0.5, number + 0.5, color="tab:red", alpha=0.12, label="failed quorum" if i == 0 else None)
-    _accuracy_axes(ax, x, series(rounds, "accuracy"), series(rounds, "edge_accuracy"))
+    _accuracy_axes(ax, x, rounds)
     if failed and ax.get_legend() is None:
         ax.legend(loc="lower right")
     ax.set_xlabel("round")
@@ -84,7 +88,7 @@ def _plot_accuracy_vs_round(report: Mapping[str, Any]) -> Figure:
 def _plot_accuracy_vs_wire(report: Mapping[str, Any]) -> Figure:
     rounds = report["rounds"]
     fig, (ax,) = _new_figure()
-    _accuracy_axes(ax, cumulative_wire_mb(rounds), series(rounds, "accuracy"), series(rounds, "edge_accuracy"))
+    _accuracy_axes(ax, cumulative_wire_mb(rounds), rounds)
     ax.set_xlabel("cumulative MB on the wire (up + down)")
     ax.set_title(f"{report['run_id']} ({report['method']}): accuracy vs communication")
     return fig

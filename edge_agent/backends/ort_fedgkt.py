@@ -116,15 +116,6 @@ class OrtFedGktEdge(FedGktEdgeBase):
                 total_loss += loss * len(labels)
         return samples, total_loss / samples if samples else 0.0
 
-    def _test_accuracy(self) -> tuple[int, int]:
-        assert self.model is not None
-        correct = total = 0
-        for images, labels, _ in iterate_batches(self.ctx.test, self.slice_samples, normalizer=self.normalizer):
-            logits, _ = self.model.forward_eval(images)
-            correct += int((logits.argmax(axis=1) == labels).sum())
-            total += len(labels)
-        return correct, total
-
     def _upload_batches(self, split: str, batch_samples: int):  # -> Iterator[(images (B, C, H, W), labels, ids)]
         data = self.ctx.train if split == "train" else self.ctx.test
         return iterate_batches(data, batch_samples, normalizer=self.normalizer)

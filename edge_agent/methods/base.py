@@ -9,7 +9,7 @@ from typing import Any, Callable, ClassVar
 import numpy as np
 
 from fldata import ArrayDataset
-from shared_protocol.messages import Message, RoundStart
+from shared_protocol.messages import EvalRequest, Message, RoundStart
 
 from ..config import MemoryConfig
 from ..costs import RoundMeter
@@ -48,6 +48,28 @@ class RoundResult:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class EvalAnswer:
+    """What a method's edge step answers to an evaluation request (``EvalReport``).
+
+    ``results[label]``: ``{"correct", "total"}`` (and optionally ``"loss_sum"``) of a model
+    the agent holds, on its own test shard; label ``"model"`` is the method's deployed model.
+    ``models[label]``: arrays of a model the server needs to score on the global test set.
+    ``uploads``: what was streamed for evaluation before the answer (split methods)."""
+
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    models: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    uploads: dict[str, Any] = field(default_factory=dict)
+
+
+def shard_result(correct: int, total: int, loss_sum: float | None = None, **extra: Any) -> dict[str, Any]:
+    """One ``EvalAnswer.results`` entry."""
+    out: dict[str, Any] = {"correct": int(correct), "total": int(total), **extra}
+    if loss_sum is not None:
+        out["loss_sum"] = float(loss_sum)
+    return out
+
+
 _EDGE_METHODS: dict[str, type["EdgeMethod"]] = {}
 
 
@@ -75,6 +97,13 @@ class EdgeMethod(ABC):
     @abstractmethod
     def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
         """Train, send what the method sends, and say what was done."""
+
+    @abstractmethod
+    def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
+        """Answer the server's evaluation request for ``request.round`` (after that round's
+        downloads): evaluate the deployed model(s) held here on the local test shard, and
+        return what the server needs to score them on the global set. ``meter`` counts the
+        evaluation's own FLOPs (``train_flops``: forward passes here), time and bytes."""
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """What to persist locally so a restarted agent resumes where it was."""

@@ -1,12 +1,13 @@
 """FedAvg edge step: train the full model locally, upload it with the sample count.
 
 Each round: load the global model (from ``RoundStart.weights``, or the copy
-kept from the last :class:`FedAvgEvaluate` when the RoundStart names that
+kept from the last :class:`FedAvgGlobalModel` when the RoundStart names that
 version and carries no weights), train ``local_epochs`` with a fresh optimiser
 (the global model moved; moments from another model would be stale), and
-upload the trained weights. In evaluated rounds the agent also measures its
-local model on its test shard (``edge_accuracy``), and afterwards evaluates the
-new global model the server sends (the run's ``accuracy``).
+upload the trained weights. After an evaluated round the server sends the new
+global model, then its evaluation request: the agent evaluates that model (the
+deployed one) on its test shard (the run's ``local_accuracy``; the server scores
+the same model on the global test set).
 
 The FedAvg family (FedGKD, FedDistill) subclasses :class:`FedAvgEdge` and
 overrides :meth:`FedAvgEdge.loss_fn` (and :meth:`FedAvgEdge.forward_fn` when the
@@ -23,14 +24,14 @@ import torch.nn.functional as F
 
 from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays
-from models.training import accuracy, logits_of, make_optimizer
+from models.training import logits_of, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError
-from shared_protocol.messages import Message, RoundStart
-from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgEvaluate, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
+from shared_protocol.messages import EvalRequest, Message, RoundStart
+from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
 
 from ..costs import RoundMeter
 from ..trainer import Forward, LossFn, train_epochs
-from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
+from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method, shard_result
 
 log = logging.getLogger("edge_agent.fedavg")
 
@@ -84,29 +85,37 @@ class FedAvgEdge(EdgeMethod):
             raise StaleMessageError(f"round_start names global version {cfg.model_version} without weights; this agent holds {self.global_version}")
 
     def on_message(self, msg: Message) -> bool:
-        if isinstance(msg, FedAvgEvaluate):
-            self._evaluate_global(msg)
+        if isinstance(msg, FedAvgGlobalModel):
+            state = join_state(msg.weights, msg.int_buffers)
+            self._load(state)
+            self.global_state, self.global_version = state, msg.model_version
             return True
         return False
 
-    def _evaluate_global(self, msg: FedAvgEvaluate) -> None:
-        state = join_state(msg.weights, msg.int_buffers)
-        self._load(state)
-        self.global_state, self.global_version = state, msg.model_version
-        meter = RoundMeter()
+    def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
+        """The global model this agent holds (the round's aggregate, downloaded just before the
+        request) on the test shard; ``version`` says which aggregate it was."""
+        if self.global_state is None:
+            return EvalAnswer()
+        self._load(self.global_state)
         with meter.phase("compute"):
-            correct, total = self._test_accuracy()
-        self.ctx.send(
-            FedAvgEvalResult(run=self.ctx.run_id, round=msg.round, sender=self.ctx.agent_id, instance=self.ctx.instance,
-                             model_version=msg.model_version, correct=correct, total=total),
-            meter,
-        )
-        log.info("global model %d: %d / %d test samples right", msg.model_version, correct, total)
+            correct, total, loss_sum = self._test_metrics()
+        meter.train_flops += self.forward_flops_per_sample * total
+        return EvalAnswer(results={"model": shard_result(correct, total, loss_sum, version=self.global_version)})
 
     @torch.no_grad()
-    def _test_accuracy(self) -> tuple[int, int]:
+    def _test_metrics(self) -> tuple[int, int, float]:
+        """(correct, total, summed cross-entropy) of the loaded model on the test shard."""
         self.model.eval()
-        return accuracy(lambda x: logits_of(self.model(x)), make_loader(self.ctx.test, 256), self.ctx.device)
+        correct = total = 0
+        loss_sum = 0.0
+        for images, labels, _ in make_loader(self.ctx.test, 256):
+            logits = logits_of(self.model(images.to(self.ctx.device))).float()  # (B, K)
+            labels = labels.to(logits.device)
+            loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == labels).sum())
+            total += int(labels.shape[0])
+        return correct, total, loss_sum
 
     # -- the round ------------------------------------------------------------------ #
 
@@ -139,11 +148,6 @@ class FedAvgEdge(EdgeMethod):
         meter.samples_trained += result.samples
         meter.train_flops += self.train_flops_per_sample * result.samples
         metrics: dict = {"train_loss": result.mean_loss}
-        if start.evaluate:
-            with meter.phase("compute"):
-                correct, total = self._test_accuracy()
-            meter.train_flops += self.forward_flops_per_sample * total
-            metrics.update(edge_correct=correct, edge_total=total, edge_accuracy=correct / total if total else None)
         weights, int_buffers = split_state(state_dict_to_arrays(self.model))
         update = FedAvgUpdate(
             run=ctx.run_id, round=start.round, sender=ctx.agent_id, instance=ctx.instance, num_samples=len(ctx.train),

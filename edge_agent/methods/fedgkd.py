@@ -34,13 +34,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, load_arrays_into
 from models.training import logits_of
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundStart
-from shared_protocol.methods.fedavg import FedAvgEvaluate, FedAvgRoundConfig, join_state
-from shared_protocol.methods.fedgkd import CONFIG_KEY, FedGkdEvalResult, FedGkdTeachers, TeacherSpec
+from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgRoundConfig, join_state
+from shared_protocol.methods.fedgkd import CONFIG_KEY, FedGkdTeachers, TeacherSpec
 
 from ..costs import RoundMeter
 from ..trainer import Forward, LossFn
@@ -159,39 +158,13 @@ class FedGkdEdge(FedAvgEdge):
 
         return forward
 
-    # -- evaluation (FedAvg's, plus the loss the vote needs) ---------------------------- #
-
-    @torch.no_grad()
-    def _test_metrics(self) -> tuple[int, int, float]:
-        """(correct, total, summed cross-entropy) of the local model on the test shard."""
-        self.model.eval()
-        correct = total = 0
-        loss_sum = 0.0
-        for images, labels, _ in make_loader(self.ctx.test, 256):
-            images, labels = images.to(self.ctx.device), labels.to(self.ctx.device)
-            logits = logits_of(self.model(images))
-            loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == labels).sum())
-            total += int(labels.shape[0])
-        return correct, total, loss_sum
+    # -- the global model (FedAvg's, kept for a later vote) ------------------------------ #
 
     def on_message(self, msg: Message) -> bool:
-        if not isinstance(msg, FedAvgEvaluate):
-            return super().on_message(msg)
-        state = join_state(msg.weights, msg.int_buffers)
-        self._load(state)
-        self.global_state, self.global_version = state, msg.model_version
-        self._remember(msg.model_version, state)
-        meter = RoundMeter()
-        with meter.phase("compute"):
-            correct, total, loss_sum = self._test_metrics()
-        self.ctx.send(
-            FedGkdEvalResult(run=self.ctx.run_id, round=msg.round, sender=self.ctx.agent_id, instance=self.ctx.instance,
-                             model_version=msg.model_version, correct=correct, total=total, loss_sum=loss_sum),
-            meter,
-        )
-        log.info("global model %d: %d / %d test samples right, mean loss %.4f", msg.model_version, correct, total, loss_sum / max(total, 1))
-        return True
+        handled = super().on_message(msg)
+        if handled and isinstance(msg, FedAvgGlobalModel):
+            self._remember(msg.model_version, self.global_state)  # type: ignore[arg-type]
+        return handled
 
     # -- the round ----------------------------------------------------------------------- #
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fldata.torch_data import make_loader
 from models import build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays
 from models.losses import kd_loss
-from models.training import accuracy, make_optimizer
+from models.training import make_optimizer
 from shared_protocol.messages import RoundStart
 from shared_protocol.methods.fedgkt import GktRoundConfig
 
@@ -95,10 +95,6 @@ class FedGktEdge(FedGktEdgeBase):
             micro_batch=ctx.memory.micro_batch_samples or None,
         )
         return result.samples, result.mean_loss
-
-    def _test_accuracy(self) -> tuple[int, int]:
-        self.model.eval()
-        return accuracy(lambda x: self.model(x)[0], make_loader(self.ctx.test, self.slice_samples), self.ctx.device)
 
     def _upload_batches(self, split: str, batch_samples: int):  # -> Iterator[(images (B, C, H, W), labels, ids)]
         self.model.eval()

@@ -51,12 +51,12 @@ from models import WeightsMismatchError, build_model, flops_per_sample, load_arr
 from models.mentor import HiddenOutputs, forward_with_hidden, hidden_dim
 from models.training import accuracy, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
-from shared_protocol.messages import Message, RoundStart
-from shared_protocol.methods.fedkd import FedKdAggregate, FedKdEvalResult, FedKdRoundConfig, FedKdUpdate, factor_state, unfactor_state
+from shared_protocol.messages import EvalRequest, Message, RoundStart
+from shared_protocol.methods.fedkd import FedKdAggregate, FedKdRoundConfig, FedKdUpdate, factor_state, unfactor_state
 
 from ..costs import RoundMeter
 from ..trainer import LossFn, train_epochs
-from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
+from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method, shard_result
 
 log = logging.getLogger("edge_agent.fedkd")
 
@@ -248,16 +248,21 @@ class FedKdEdge(EdgeMethod):
                 raise ValueRangeError(f"{msg.TYPE}: applying {name!r} gives non-finite values")
         self.global_state, self.global_version = new_state, msg.version
         self._load_global()
-        if msg.evaluate:
-            meter = RoundMeter()
-            with meter.phase("compute"):
-                correct, total = self._accuracy(self.mentee)
-            self.ctx.send(
-                FedKdEvalResult(run=self.ctx.run_id, round=msg.round, sender=self.ctx.agent_id, instance=self.ctx.instance,
-                                version=msg.version, correct=correct, total=total),
-                meter,
-            )
-            log.info("global mentee %d: %d / %d test samples right", msg.version, correct, total)
+
+    def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
+        """FedKD infers with the mentor (the paper's test phase): it is the deployed model, on
+        the shard here and, sent to the server, on the global set. The global mentee (the
+        federated model, with the round's aggregate applied) stands beside it."""
+        with meter.phase("compute"):
+            mentor_correct, total = self._accuracy(self.mentor)
+            results = {"model": shard_result(mentor_correct, total)}
+            meter.train_flops += self.mentor_forward_flops * total
+            if self.global_state is not None:
+                self._load_global()
+                mentee_correct, _ = self._accuracy(self.mentee)
+                meter.train_flops += self.mentee_forward_flops * total
+                results["mentee"] = shard_result(mentee_correct, total, version=self.global_version)
+        return EvalAnswer(results=results, models={"model": state_dict_to_arrays(self.mentor)})
 
     # -- the round ---------------------------------------------------------------- #
 
@@ -313,19 +318,6 @@ class FedKdEdge(EdgeMethod):
             "mentee_loss": stats["mentee_loss"] / n,
             "hidden_loss": stats["hidden_loss"] / n,
         }
-        if start.evaluate:
-            with meter.phase("compute"):
-                mentor_correct, total = self._accuracy(self.mentor)
-                mentee_correct, _ = self._accuracy(self.mentee)
-            meter.train_flops += (self.mentor_forward_flops + self.mentee_forward_flops) * total
-            # The mentor is the model used for inference (the paper's test phase): it is the
-            # agent's "edge" accuracy; the mentee here is the local one, before aggregation.
-            metrics.update(
-                edge_correct=mentor_correct, edge_total=total,
-                edge_accuracy=mentor_correct / total if total else None,
-                mentor_accuracy=mentor_correct / total if total else None,
-                mentee_accuracy=mentee_correct / total if total else None,
-            )
         uploads = self._upload(start, cfg, result.steps, meter)
         return RoundResult(num_samples=len(ctx.train), uploads=uploads, metrics={k: v for k, v in metrics.items() if v is not None})
 

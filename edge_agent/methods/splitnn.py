@@ -16,21 +16,20 @@ import numpy as np
 import torch
 
 from fldata.torch_data import make_loader
-from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models import WeightsMismatchError, build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.training import make_optimizer
 from shared_protocol.errors import ShapeMismatchError
-from shared_protocol.messages import Message, RoundStart
+from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.splitnn import (
     SplitActivations,
-    SplitEvalDone,
-    SplitEvaluate,
+    SplitExtractor,
     SplitExtractorWeights,
     SplitGradients,
     SplitRoundConfig,
 )
 
 from ..costs import RoundMeter
-from .base import EdgeContext, EdgeMethod, RoundResult, register_edge_method
+from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method
 
 log = logging.getLogger("edge_agent.splitnn")
 
@@ -59,6 +58,8 @@ class SplitNNEdge(EdgeMethod):
         self.config = SplitRoundConfig()
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
         self.train_flops_per_sample = _extractor_train_flops(self.edge_model, self.extractor, shape)
+        self.forward_flops_per_sample = flops_per_sample(self.extractor, shape).forward
+        self.final_extractor: dict[str, np.ndarray] | None = None  # the round's last extractor, for evaluation
 
     def _load(self, weights: dict[str, np.ndarray]) -> None:
         try:
@@ -114,28 +115,34 @@ class SplitNNEdge(EdgeMethod):
     # -- evaluation after the round --------------------------------------------------- #
 
     def on_message(self, msg: Message) -> bool:
-        if isinstance(msg, SplitEvaluate):
-            self._send_test_activations(msg)
+        if isinstance(msg, SplitExtractor):
+            self._load(msg.weights)
+            self.final_extractor = dict(msg.weights)
             return True
         return False
 
     @torch.no_grad()
-    def _send_test_activations(self, msg: SplitEvaluate) -> None:
-        """Stream the test shard's activations under the round's final extractor; the
-        server's head scores them (no answers), then say how many were sent."""
-        ctx, cfg, meter = self.ctx, self.config, RoundMeter()
-        self._load(msg.weights)
+    def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
+        """Stream the test shard's activations under the round's final extractor (sent just
+        before the request); the server's part scores them."""
+        if self.final_extractor is None:
+            return EvalAnswer()
+        ctx, cfg = self.ctx, self.config
+        self._load(self.final_extractor)
         self.extractor.eval()
         batches = samples = 0
         for seq, (images, labels, _ids) in enumerate(make_loader(ctx.test, cfg.eval_batch_samples)):
-            activations = self.extractor(images.to(ctx.device))  # (B, 16, H, W)
+            with meter.phase("compute"):
+                activations = self.extractor(images.to(ctx.device))  # (B, 16, H, W)
             ctx.send(
-                SplitActivations(run=ctx.run_id, round=msg.round, sender=ctx.agent_id, split="test", seq=seq, instance=ctx.instance,
-                                 activations=activations.cpu().numpy(), labels=labels.numpy().astype(np.int64)),
+                SplitActivations(run=ctx.run_id, round=request.round, sender=ctx.agent_id, split="test", seq=seq,
+                                 instance=ctx.instance, activations=activations.cpu().numpy(),
+                                 labels=labels.numpy().astype(np.int64)),
                 meter, codecs={"activations": cfg.upload_codec},
             )
             batches, samples = batches + 1, samples + int(labels.shape[0])
-        ctx.send(SplitEvalDone(run=ctx.run_id, round=msg.round, sender=ctx.agent_id, instance=ctx.instance, batches=batches, samples=samples), meter)
+        meter.train_flops += self.forward_flops_per_sample * samples
+        return EvalAnswer(uploads={"test": {"batches": batches, "samples": samples}})
 
 
 def _is_gradient_for(round_: int, seq: int):  # type: ignore[no-untyped-def]

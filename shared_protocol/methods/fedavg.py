@@ -1,7 +1,7 @@
 """FedAvg messages: model weights up (sample count attached), the global model down.
 
 The global model goes to agents in ``RoundStart.weights`` (and, after an
-evaluated round, in :class:`FedAvgEvaluate`); each agent's trained model comes
+evaluated round, in :class:`FedAvgGlobalModel`); each agent's trained model comes
 back as :class:`FedAvgUpdate`. These types carry nothing FedAvg-specific beyond
 "a model and how many samples it saw", so the FedAvg family (FedGKD,
 FedDistill, FedBE) can reuse them.
@@ -93,16 +93,15 @@ class FedAvgUpdate(Message):
 
 @register_message
 @dataclass(kw_only=True)
-class FedAvgEvaluate(Message):
+class FedAvgGlobalModel(Message):
     """Server -> agent after an evaluated round: the new global model ``model_version``.
 
-    The agent evaluates it on its local test shard, answers with
-    :class:`FedAvgEvalResult`, and keeps it: the next RoundStart then names the
-    version and carries no weights, so evaluation costs no extra download
-    except after the last round.
+    The agent keeps it, and evaluates it when the server's evaluation request follows
+    (cloud_server/evaluation.py); the next RoundStart then names the version and carries
+    no weights, so evaluation costs no extra download except after the last round.
     """
 
-    TYPE: ClassVar[str] = "fedavg.evaluate"
+    TYPE: ClassVar[str] = "fedavg.global_model"
     DEFAULT_CODECS: ClassVar[dict[str, str]] = {"weights": "zstd"}
     model_version: int
     int_buffers: dict = field(default_factory=dict)
@@ -112,29 +111,13 @@ class FedAvgEvaluate(Message):
         _check_model(self.TYPE, self.weights, self.int_buffers)
 
 
-@register_message
-@dataclass(kw_only=True)
-class FedAvgEvalResult(Message):
-    """Agent -> server: global model ``model_version`` got ``correct`` of ``total`` test samples right."""
-
-    TYPE: ClassVar[str] = "fedavg.eval_result"
-    instance: str
-    model_version: int
-    correct: int
-    total: int
-
-    def validate(self) -> None:
-        if not 0 <= self.correct <= self.total:
-            raise ValueRangeError(f"{self.TYPE}: need 0 <= correct <= total, got {self.correct} / {self.total}")
-
-
 @dataclass(frozen=True)
 class FedAvgRoundConfig:
     """``RoundStart.config`` of FedAvg: local training settings and which global model.
 
     ``model_version`` is the round whose aggregate the RoundStart's weights are
     (0: the initial model). Empty ``RoundStart.weights`` means "the version you
-    received in FedAvgEvaluate"; ``int_buffers`` are the global model's counters.
+    received in FedAvgGlobalModel"; ``int_buffers`` are the global model's counters.
     """
 
     model_version: int = 0

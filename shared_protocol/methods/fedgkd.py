@@ -20,8 +20,8 @@ global models) travel in the same RoundStart:
 
 * The rest of ``RoundStart.config`` is a :class:`FedAvgRoundConfig` unchanged.
 
-After an evaluated round agents answer FedAvg's :class:`FedAvgEvaluate` with
-:class:`FedGkdEvalResult`: FedAvg's correct / total plus the summed
+After an evaluated round agents answer the server's evaluation request
+(``EvalReport``) with FedAvg's correct / total plus ``loss_sum``, the summed
 cross-entropy of the global model on the agent's test shard, which is the
 validation loss the vote coefficients are computed from.
 """
@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ValueRangeError
-from ..messages import register_message
-from .fedavg import FedAvgEvalResult
 
 #: ``RoundStart.config`` key of the teacher description.
 CONFIG_KEY = "fedgkd"
@@ -45,21 +43,6 @@ SOURCES = ("global", "sent", "held")
 def teacher_prefix(index: int) -> str:
     """Prefix of teacher ``index``'s tensors in ``RoundStart.weights``."""
     return f"teacher{index}/"
-
-
-@register_message
-@dataclass(kw_only=True)
-class FedGkdEvalResult(FedAvgEvalResult):
-    """Agent -> server: FedAvg's evaluation answer plus ``loss_sum``, the summed
-    cross-entropy of global model ``model_version`` over the ``total`` test samples."""
-
-    TYPE: ClassVar[str] = "fedgkd.eval_result"
-    loss_sum: float
-
-    def validate(self) -> None:
-        super().validate()
-        if not math.isfinite(self.loss_sum) or self.loss_sum < 0:
-            raise ValueRangeError(f"{self.TYPE}: loss_sum must be finite and >= 0, got {self.loss_sum}")
 
 
 def _int(name: str, value: Any, minimum: int) -> int:

@@ -40,6 +40,11 @@ class GktFeatures(Message):
     labels: np.ndarray = tensor(("int64",), ndim=1)
     sample_ids: np.ndarray = tensor(("int64",), ndim=1)
 
+    @property
+    def for_evaluation(self) -> bool:
+        """Test maps are sent to answer an evaluation request (their bytes are evaluation's)."""
+        return self.split == "test"
+
     def validate(self) -> None:
         if self.split not in SPLITS:
             raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")

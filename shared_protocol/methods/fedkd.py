@@ -6,8 +6,9 @@ tensor of the mentee's state factored with the round's energy threshold T
 (:mod:`shared_protocol.svd`, Eqs. 8-9). The server answers every agent whose
 update it used with :class:`FedKdAggregate`: the averaged update, factored
 again with the same T, which the agent adds to its copy of the global mentee.
-In evaluated rounds the aggregate asks for an evaluation, and the agent answers
-with :class:`FedKdEvalResult`. Agents that do not hold the global mentee the
+Evaluation is the server's evaluation request every method answers (the agent
+scores its mentor and the new global mentee; its mentor travels for the global
+test set). Agents that do not hold the global mentee the
 round starts from (first round, missed rounds, restarts) get it whole, once,
 in ``RoundStart.weights`` (lossless ``zstd``).
 
@@ -133,16 +134,13 @@ class FedKdUpdate(Message):
 @dataclass(kw_only=True)
 class FedKdAggregate(Message):
     """Server -> agent: the aggregated mentee update that turns global mentee
-    ``base_version`` into ``version``, SVD-factored with ``threshold``. With
-    ``evaluate`` the agent measures the new global mentee on its test shard and
-    answers with :class:`FedKdEvalResult`."""
+    ``base_version`` into ``version``, SVD-factored with ``threshold``."""
 
     TYPE: ClassVar[str] = "fedkd.aggregate"
     DEFAULT_CODECS: ClassVar[dict[str, str]] = {"factors": "raw"}
     version: int
     base_version: int
     threshold: float
-    evaluate: bool = False
     layout: list
     factors: np.ndarray = tensor(("float32",), ndim=1)
 
@@ -155,22 +153,6 @@ class FedKdAggregate(Message):
         if not self.layout:
             raise ShapeMismatchError(f"{self.TYPE}: no tensors")
         unfactor_state(self.TYPE, self.layout, self.factors)
-
-
-@register_message
-@dataclass(kw_only=True)
-class FedKdEvalResult(Message):
-    """Agent -> server: global mentee ``version`` got ``correct`` of ``total`` test samples right."""
-
-    TYPE: ClassVar[str] = "fedkd.eval_result"
-    instance: str
-    version: int
-    correct: int
-    total: int
-
-    def validate(self) -> None:
-        if not 0 <= self.correct <= self.total:
-            raise ValueRangeError(f"{self.TYPE}: need 0 <= correct <= total, got {self.correct} / {self.total}")
 
 
 @dataclass(frozen=True)

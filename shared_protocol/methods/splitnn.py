@@ -5,9 +5,9 @@ An agent's turn: RoundStart carries the extractor weights the previous agent
 left (agents take turns and pass the extractor on, through the server); then,
 batch by batch, :class:`SplitActivations` up and :class:`SplitGradients` back
 before the next batch; at the end :class:`SplitExtractorWeights` up. After an
-evaluated round the server sends the final extractor (:class:`SplitEvaluate`);
-each agent streams its test activations (``split = "test"``, no answers) and
-says :class:`SplitEvalDone`.
+evaluated round the server sends the final extractor (:class:`SplitExtractor`);
+answering the evaluation request every method answers (``EvalReport``), each
+agent first streams its test activations (``split = "test"``, no answers).
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ class SplitActivations(Message):
     instance: str
     activations: np.ndarray = tensor(("float32",), ndim=4)
     labels: np.ndarray = tensor(("int64",), ndim=1)
+
+    @property
+    def for_evaluation(self) -> bool:
+        """Test activations answer an evaluation request (their bytes are evaluation's)."""
+        return self.split == "test"
 
     def validate(self) -> None:
         if self.split not in SPLITS:
@@ -89,32 +94,18 @@ class SplitExtractorWeights(Message):
 
 @register_message
 @dataclass(kw_only=True)
-class SplitEvaluate(Message):
-    """Server -> agent after an evaluated round: the round's final extractor; send
-    your test activations with it."""
+class SplitExtractor(Message):
+    """Server -> agent after an evaluated round: the round's final extractor, ahead of the
+    evaluation request: the agent streams its test activations under it (the server's part
+    scores them)."""
 
-    TYPE: ClassVar[str] = "splitnn.evaluate"
+    TYPE: ClassVar[str] = "splitnn.final_extractor"
     DEFAULT_CODECS: ClassVar[dict[str, str]] = {"weights": "zstd"}
     weights: dict = tensor_dict()
 
     def validate(self) -> None:
         if not self.weights:
             raise ShapeMismatchError(f"{self.TYPE}: no weights")
-
-
-@register_message
-@dataclass(kw_only=True)
-class SplitEvalDone(Message):
-    """Agent -> server: all ``batches`` test batches (``samples`` samples) are sent."""
-
-    TYPE: ClassVar[str] = "splitnn.eval_done"
-    instance: str
-    batches: int
-    samples: int
-
-    def validate(self) -> None:
-        if self.batches < 0 or self.samples < 0:
-            raise ValueRangeError(f"{self.TYPE}: counts must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -153,8 +144,7 @@ __all__ = [
     "ACTIVATION_CODECS",
     "SPLITS",
     "SplitActivations",
-    "SplitEvalDone",
-    "SplitEvaluate",
+    "SplitExtractor",
     "SplitExtractorWeights",
     "SplitGradients",
     "SplitRoundConfig",

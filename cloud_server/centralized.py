@@ -35,6 +35,7 @@ from models.training import LR_SCHEDULES, Batch, Trainer, accuracy, logits_of, m
 from .config import ServerConfig
 from .device_meter import DeviceMeter
 from .evaluation import HEADLINE, EvalModel, EvalSet, Evaluation, Evaluator
+from .records import RoundEvaluation
 from .methods.base import RoundOutcome
 from .recorder import RunRecorder, server_info
 from .records import RunReport
@@ -153,7 +154,7 @@ class CentralizedTrainer:
         return result.mean_loss, result.samples
 
     @torch.no_grad()
-    def _evaluation(self) -> dict[str, Any]:
+    def _evaluation(self) -> RoundEvaluation:
         """The one evaluation: the model on the global set; "local" is the same model on the test
         subset a federation's agents would split into their shards (one model: the union's figure)."""
         self.model.eval()

@@ -9,6 +9,7 @@ message (``pump``). Methods only configure rounds and consume uploads (see
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -41,7 +42,7 @@ from .config import ServerConfig
 from .evaluation import EvalSet, Evaluator
 from .methods import ServerMethod
 from .recorder import RunCounters, RunRecorder, server_info
-from .records import RoundRecord, RunReport
+from .records import RoundEvaluation, RoundRecord, RunReport
 from .schedulers import OpenRound, make_scheduler
 
 log = logging.getLogger("cloud_server")
@@ -277,7 +278,7 @@ class Coordinator:
 
     # -- closing rounds -------------------------------------------------------------- #
 
-    def _evaluation(self, rnd: OpenRound) -> tuple[dict[str, Any], str | None]:
+    def _evaluation(self, rnd: OpenRound) -> tuple[RoundEvaluation, str | None]:
         """The round's evaluation (cloud_server/evaluation.py): the method's hook says what to
         score, the evaluator scores it on the global set; the agents' costs are added here."""
         reports = dict(rnd.eval_reports)
@@ -285,14 +286,12 @@ class Coordinator:
         if missing:
             log.warning("round %d: evaluated without the evaluation reports of %s", rnd.round, ", ".join(missing))
         evaluation = self.method.evaluation(rnd.round, reports)
-        figures = self.evaluator.run(evaluation)
         costs = [r.costs for r in reports.values()]
-        figures.update(
-            missing=missing, figures=evaluation.figures,
-            edge_eval_flops=sum(c.flops for c in costs),
+        scored = dataclasses.replace(
+            self.evaluator.run(evaluation), missing=missing, edge_eval_flops=sum(c.flops for c in costs),
             edge_eval_s=sum(c.compute_s + c.encode_s + c.network_s for c in costs) / len(costs) if costs else 0.0,
         )
-        return figures, evaluation.edge
+        return scored, evaluation.edge
 
     def _close(self, rnd: OpenRound, status: str) -> RoundRecord:
         evaluation, edge_label = self._evaluation(rnd) if rnd.evaluate and status == "ok" else (None, None)

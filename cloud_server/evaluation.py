@@ -47,6 +47,8 @@ from fldata.datasets import load_dataset, take
 from fldata.torch_data import TorchArrayDataset
 from shared_protocol.messages import EvalReport
 
+from .records import RoundEvaluation
+
 log = logging.getLogger("cloud_server.evaluation")
 
 __all__ = [
@@ -198,9 +200,9 @@ class Evaluator:
                 total += int(labels.shape[0])
         return correct, total
 
-    def run(self, evaluation: Evaluation) -> dict[str, Any]:
-        """The round's evaluation figures (the fields of ``RoundEvaluation`` the evaluator owns):
-        accuracy / local_accuracy per label, per agent, the server's evaluation seconds."""
+    def run(self, evaluation: Evaluation) -> RoundEvaluation:
+        """The round's evaluation figures: accuracy / local_accuracy per label, per agent, the
+        server's scoring seconds (the agents' costs and the bytes are added by the caller)."""
         started = time.perf_counter()
         per_agent: dict[str, dict[str, Any]] = {}
         accuracy: dict[str, float] = {}
@@ -226,5 +228,5 @@ class Evaluator:
                 if t:
                     entry.setdefault("local_accuracy", {})[label] = c / t
                 entry["local_samples"] = max(int(entry.get("local_samples", 0)), t)
-        return {"accuracy": accuracy, "local_accuracy": local, "labels": dict(evaluation.labels),
-                "per_agent": per_agent, "server_eval_s": time.perf_counter() - started}
+        return RoundEvaluation(accuracy=accuracy, local_accuracy=local, labels=dict(evaluation.labels), per_agent=per_agent,
+                               server_eval_s=time.perf_counter() - started, figures=dict(evaluation.figures))

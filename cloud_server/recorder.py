@@ -8,6 +8,7 @@ agents, hands it its rounds the same way, so both write the same report.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -121,17 +122,15 @@ class RunRecorder:
         server: ServerDeviceRecord | None,
         method_figures: Mapping[str, Any] | None = None,
         server_train_flops: int | None = None,
-        evaluation: Mapping[str, Any] | None = None,
+        evaluation: RoundEvaluation | None = None,
         edge_label: str | None = None,
     ) -> RoundRecord:
         """The record of a closed round: what the agents that finished it sent (``ends``),
-        what the method made of it (``outcomes``), how it was evaluated (``evaluation``:
-        the fields of :class:`RoundEvaluation` but ``bytes``, which the recorder counted;
-        ``edge_label``: the label of the models left on the devices), and its bytes so far."""
+        what the method made of it (``outcomes``), how it was evaluated (``evaluation``, whose
+        bytes are the evaluation messages the recorder counted; ``edge_label``: the label of
+        the models left on the devices), and its bytes so far."""
         eval_bytes = self._eval_bytes.pop(round_, None) or ByteCounts()
-        scored = None
-        if evaluation is not None:
-            scored = RoundEvaluation.from_json({**plain_json(dict(evaluation)), "bytes": eval_bytes.to_json()}, "evaluation")
+        scored = None if evaluation is None else dataclasses.replace(evaluation, bytes=eval_bytes)
         # A diverged (NaN) loss is reported as unknown rather than breaking the report.
         losses = [(o.server_loss, o.samples) for o in outcomes
                   if o.server_loss is not None and math.isfinite(o.server_loss) and o.samples]

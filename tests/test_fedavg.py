@@ -17,7 +17,8 @@ from cloud_server.report import validate_report
 from models import build_model, state_dict_to_arrays
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError
 from shared_protocol.messages import RoundEnd, decode_message, encode_message
-from shared_protocol.methods.fedavg import FedAvgEvalResult, FedAvgEvaluate, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
+from shared_protocol.messages import EvalReport
+from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
 
 from fedhelpers import agent_config, distinct_resnet8_state, in_memory_federation, method_server_config, mqtt_federation
 
@@ -108,12 +109,19 @@ def test_server_aggregate_is_the_weighted_mean_of_the_uploads() -> None:
         np.testing.assert_allclose(server.global_state[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
     # The global model itself holds the aggregate (what the next RoundStart sends).
     np.testing.assert_allclose(state_dict_to_arrays(server.model)["classifier.fc.weight"], expected["classifier.fc.weight"], rtol=1e-6)
-    # Evaluated round: the new model goes to both agents; their answers make the accuracy.
-    assert [(a, type(m)) for a, m in outcome.downloads] == [("agent-0", FedAvgEvaluate), ("agent-1", FedAvgEvaluate)]
-    assert server.evaluation_pending(1) == {"agent-0", "agent-1"}
-    server.on_upload("agent-0", FedAvgEvalResult(run="u", round=1, sender="agent-0", instance="agent-0-i", model_version=1, correct=3, total=10))
-    server.on_upload("agent-1", FedAvgEvalResult(run="u", round=1, sender="agent-1", instance="agent-1-i", model_version=1, correct=9, total=30))
-    assert server.evaluation_pending(1) == set() and server.evaluation_result(1) == (12, 40)
+    # Evaluated round: the new model goes to both agents (ahead of the evaluation request).
+    assert [(a, type(m)) for a, m in outcome.downloads] == [("agent-0", FedAvgGlobalModel), ("agent-1", FedAvgGlobalModel)]
+
+    def report(agent: str, version: int, correct: int, total: int) -> EvalReport:
+        return EvalReport(run="u", round=1, sender=agent, instance=f"{agent}-i",
+                          results={"model": {"correct": correct, "total": total, "version": version}})
+
+    # The evaluation: the global model (scored on the global set by the evaluator) and the
+    # agents' answers about this very version; an answer about another version is not counted.
+    ev = server.evaluation(1, {"agent-0": report("agent-0", 1, 3, 10), "agent-1": report("agent-1", 1, 9, 30),
+                               "agent-2": report("agent-2", 0, 5, 5)})
+    assert ev.local == {"model": {"agent-0": (3, 10), "agent-1": (9, 30)}}
+    assert list(ev.global_models["model"]) == ["global"]
     # Agents that evaluated version 1 hold it: round 2's RoundStart carries no weights for them.
     config, weights = server.round_config(2, "agent-0", evaluate=True)
     assert weights == {} and FedAvgRoundConfig.from_dict(config).model_version == 1
@@ -144,7 +152,7 @@ def test_configs_validate() -> None:
     with pytest.raises(ValueError, match="unknown"):
         FedAvgConfig.from_dict({"modle": "resnet8"})
     assert FedAvgServer(CTX, {"model": "resnet8", "download_codec": "fp16-zstd"}).download_codecs(
-        FedAvgEvaluate(run="u", round=1, sender="server", model_version=1, weights={"w": np.zeros(2, np.float32)})) == {"weights": "fp16-zstd"}
+        FedAvgGlobalModel(run="u", round=1, sender="server", model_version=1, weights={"w": np.zeros(2, np.float32)})) == {"weights": "fp16-zstd"}
 
 
 def test_fp16_weights_both_ways_in_memory(tmp_path: Path) -> None:
@@ -174,9 +182,11 @@ def test_two_agents_two_rounds_over_mosquitto(mosquitto, tmp_path: Path) -> None
     for record in (first, second):
         assert record["status"] == "ok" and record["completed"] == ["agent-0", "agent-1"]
         assert record["samples"] == 160
-        # The accuracy is the new global model's, on both agents' test shards (40 + 40 samples).
+        # Global: the new global model on the global set (80 images); local: on both agents'
+        # test shards (40 + 40 samples).
         assert record["accuracy"] is not None and round(record["accuracy"] * 80) == record["accuracy"] * 80
-        assert record["edge_accuracy"] is not None
+        assert record["local_accuracy"] is not None and round(record["local_accuracy"] * 80) == record["local_accuracy"] * 80
+        assert record["edge_accuracy"] is None  # the deployed model is the one on the devices
         assert record["bytes"]["up_payload"] > 2 * params  # two models up, zstd of fp32
     # Round 1 sends the initial model in RoundStart and the aggregate for evaluation; round 2's
     # RoundStart carries no weights (the agents kept the evaluated model): about half the bytes down.

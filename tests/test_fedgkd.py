@@ -22,8 +22,9 @@ from fldata import make_synthetic
 from models import build_model, state_dict_to_arrays
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import RoundEnd, RoundStart, decode_message, encode_message
-from shared_protocol.methods.fedavg import FedAvgEvaluate, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
-from shared_protocol.methods.fedgkd import CONFIG_KEY, FedGkdEvalResult, FedGkdTeachers
+from shared_protocol.messages import EvalReport, EvalRequest
+from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
+from shared_protocol.methods.fedgkd import CONFIG_KEY, FedGkdTeachers
 
 from fedhelpers import agent_config, distinct_resnet8_state, in_memory_federation, method_server_config, mqtt_federation
 
@@ -140,7 +141,7 @@ def test_config_validates() -> None:
         FedGkdTeachers.from_dict({"variant": "avg", "buffer_size": 2, "teachers": [{"source": "sent", "coefficient": -1, "versions": [1, 0]}]})
     with pytest.raises(ValueRangeError, match="unknown keys"):
         FedGkdTeachers.from_dict({"variant": "avg", "buffer_size": 2, "teachers": [], "extra": 1})
-    bad = FedGkdEvalResult(run="u", round=1, sender="a", instance="i", model_version=1, correct=1, total=2, loss_sum=-1.0)
+    bad = EvalReport(run="u", round=1, sender="a", instance="i", results={"model": {"correct": 1, "total": 2, "loss_sum": -1.0}})
     with pytest.raises(ValueRangeError, match="loss_sum"):
         bad.validate()
 
@@ -171,9 +172,10 @@ def _run_server_round(server: FedGkdServer, round_: int, agents: dict[str, tuple
         server.on_upload(agent, _update(agent, state, n, server.version, round_))
     outcome = server.complete(round_, {a: _end(a, n, round_, **end_metrics) for a, (_, n) in agents.items()}, evaluate=True)
     assert outcome.used_agents == sorted(agents)
-    for agent, (loss_sum, total) in (eval_losses or {}).items():
-        server.on_upload(agent, FedGkdEvalResult(run="u", round=round_, sender=agent, instance=f"{agent}-i", model_version=round_,
-                                                 correct=0, total=total, loss_sum=loss_sum))
+    reports = {agent: EvalReport(run="u", round=round_, sender=agent, instance=f"{agent}-i",
+                                 results={"model": {"correct": 0, "total": total, "loss_sum": loss_sum, "version": round_}})
+               for agent, (loss_sum, total) in (eval_losses or {}).items()}
+    server.evaluation(round_, reports)
 
 
 def test_avg_server_sends_the_buffer_average_as_one_extra_model() -> None:
@@ -234,9 +236,8 @@ def test_vote_server_weighs_teachers_by_validation_loss_and_resends_only_what_is
     report = server.round_report(2)
     assert report["teacher_versions"] == [[1], [0]] and report["teacher_val_losses"] == [1.0, 2.0]
     assert report["teachers_global"] == 3 and report["teachers_held"] == 1 and report["teachers_sent"] == 2
-    # The vote always asks for the new model's evaluation (its loss weighs the next round).
-    _run_server_round(server, 2, {"agent-9": (_state(3), 10)})
-    assert server.evaluation_pending(2) == {"agent-9"}
+    # The vote needs every new model's evaluation (its loss weighs the next round): every round is evaluated.
+    assert server.evaluate_every_round and not FedGkdServer(CTX, {"model": "resnet8"}).evaluate_every_round
 
 
 def test_vote_leaves_out_models_nobody_scored() -> None:
@@ -295,11 +296,14 @@ def test_edge_trains_with_its_teachers_and_refuses_to_train_without() -> None:
     assert isinstance(update, FedAvgUpdate) and update.model_version == 0
     server.on_upload("agent-0", decode_message(encode_message(update)))
     server.complete(1, {"agent-0": _end("agent-0", 24, 1, start_loss_sum=result.metrics["start_loss_sum"], start_loss_total=24)}, evaluate=True)
-    floats, ints = split_state(server.global_state)  # what FedAvgEvaluate carries to the agent
-    assert edge.on_message(FedAvgEvaluate(run="u", round=1, sender="server", model_version=1, int_buffers=ints, weights=floats))
-    answer = sent[-1]
-    assert isinstance(answer, FedGkdEvalResult) and answer.total == 24 and answer.loss_sum > 0
-    server.on_upload("agent-0", decode_message(encode_message(answer)))
+    floats, ints = split_state(server.global_state)  # what FedAvgGlobalModel carries to the agent
+    assert edge.on_message(FedAvgGlobalModel(run="u", round=1, sender="server", model_version=1, int_buffers=ints, weights=floats))
+    answer = edge.evaluate(EvalRequest(run="u", round=1, sender="server"), RoundMeter())
+    figures = answer.results["model"]
+    assert figures["total"] == 24 and figures["loss_sum"] > 0 and figures["version"] == 1
+    report = EvalReport(run="u", round=1, sender="agent-0", instance="agent-0-i", results=answer.results)
+    server.evaluation(1, {"agent-0": decode_message(encode_message(report))})  # type: ignore[dict-item]
+    assert server.mean_val_loss(1) == pytest.approx(figures["loss_sum"] / 24)
     # Round 2: w1 is the global model and w0 a held teacher; the agent kept both.
     start2 = _start(server, 2)
     assert [t.source for t in _teachers_of(start2.config).teachers] == ["global", "held"]

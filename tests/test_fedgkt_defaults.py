@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict
 
 import numpy as np
@@ -14,7 +15,7 @@ from edge_agent.costs import RoundMeter
 from edge_agent.methods.base import EdgeContext
 from edge_agent.methods.fedgkt import FedGktEdge
 from fldata import make_synthetic
-from shared_protocol.messages import RoundEnd, RoundStart
+from shared_protocol.messages import EvalReport, RoundEnd, RoundStart
 
 CTX = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=5)
 
@@ -139,28 +140,36 @@ def _upload(agent_seed: int, n: int, split: str, scale: float, shift: float) -> 
     )
 
 
-def _round_end(train: int, test: int) -> RoundEnd:
-    return RoundEnd(run="u", round=1, sender="x", num_samples=train, instance="i1",
-                    uploads={"train": {"batches": 1, "samples": train}, "test": {"batches": 1, "samples": test}})
+def _round_end(train: int) -> RoundEnd:
+    return RoundEnd(run="u", round=1, sender="x", num_samples=train, instance="i1", uploads={"train": {"batches": 1, "samples": train}})
 
 
-def test_each_agent_is_evaluated_with_its_own_batchnorm_statistics() -> None:
+def _report(agent: str) -> EvalReport:
+    return EvalReport(run="u", round=1, sender=agent, instance="i1", uploads={"test": {"batches": 1, "samples": 12}})
+
+
+def test_each_agent_is_evaluated_with_the_servers_and_its_own_batchnorm_statistics() -> None:
     """Two agents whose extractors speak different "feature languages" (maps of different scale):
-    with bn_stats = "per_agent" each agent's test maps meet the statistics of its own training maps."""
-    server = FedGktServer(CTX, {"server_batch_size": 8, "bn_stats": "per_agent", "eval_diagnostics": True})
+    the headline scores each agent's test maps with the server's running statistics; the
+    personalised figure with the statistics of that agent's own training maps."""
+    server = FedGktServer(CTX, {"server_batch_size": 8, "eval_diagnostics": True})
     looks = {"a": (1.0, 0.0), "b": (6.0, 3.0)}
     uploads = {agent: (_upload(k, 24, "train", *looks[agent]), _upload(10 + k, 12, "test", *looks[agent])) for k, agent in enumerate(looks)}
-    for agent, (train, test) in uploads.items():
+    for agent, (train, _test) in uploads.items():
         server.on_upload(agent, train)
-        server.on_upload(agent, test)
     first = server.norms[0]
+    server.complete(1, {agent: _round_end(24) for agent in looks}, evaluate=True)
+    assert set(server.agent_bn) == {"a", "b"}
+    for agent, (_train, test) in uploads.items():
+        server.on_upload(agent, test)  # the evaluation's upload, after the round's step
     seen: list[torch.Tensor] = []
     handle = first.register_forward_pre_hook(lambda m, _x: seen.append(m.running_mean.clone()) if not m.training else None)
     try:
-        outcome = server.complete(1, {agent: _round_end(24, 12) for agent in looks}, evaluate=True)
+        ev = server.evaluation(1, {agent: _report(agent) for agent in looks})
     finally:
         handle.remove()
-    assert outcome.total == 24 and set(server.agent_bn) == {"a", "b"}
+    assert ev.local["model"] == {"a": (ev.local["model"]["a"][0], 12), "b": (ev.local["model"]["b"][0], 12)}
+    assert set(ev.local["personalised_bn"]) == {"a", "b"} and server.eval_staged == {}
     # The statistics are each agent's own: an independent cumulative average over its training maps.
     for agent, (train, _test) in uploads.items():
         reference = FedGktServer(CTX, {"server_batch_size": 8})
@@ -175,24 +184,28 @@ def test_each_agent_is_evaluated_with_its_own_batchnorm_statistics() -> None:
             torch.testing.assert_close(mean, m.running_mean, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(var, m.running_var, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(server.agent_bn["a"][0][0], server.agent_bn["b"][0][0])
-    # Evaluation passes: a's and b's own statistics, in that order, then the global ones for both.
-    per_agent, global_ = seen[: len(seen) // 2], seen[len(seen) // 2 :]
-    torch.testing.assert_close(per_agent[0], server.agent_bn["a"][0][0])
-    torch.testing.assert_close(per_agent[-1], server.agent_bn["b"][0][0])
-    # The model's own running statistics are untouched by calibration and per-agent evaluation.
-    assert all(torch.equal(g, first.running_mean) for g in global_)
-    figures = server.round_report(1)
-    assert set(figures) >= {"accuracy_global_bn", "accuracy_per_agent_bn", "server_train_accuracy"}
-    assert outcome.correct / outcome.total == figures["accuracy_per_agent_bn"]
+    # Evaluation passes, per agent: the server's running statistics, then the agent's own.
+    assert len(seen) == 4
+    torch.testing.assert_close(seen[0], first.running_mean)
+    torch.testing.assert_close(seen[1], server.agent_bn["a"][0][0])
+    torch.testing.assert_close(seen[2], first.running_mean)
+    torch.testing.assert_close(seen[3], server.agent_bn["b"][0][0])
+    assert "server_train_accuracy" in server.round_report(1)
     # They are kept in the checkpoint.
     restored = FedGktServer(CTX, {"server_batch_size": 8})
     restored.load_state(server.state())
     torch.testing.assert_close(restored.agent_bn["b"][3][1], server.agent_bn["b"][3][1])
 
 
-def test_global_batchnorm_statistics_evaluate_with_the_running_averages() -> None:
-    server = FedGktServer(CTX, {"server_batch_size": 8, "bn_stats": "global"})
+def test_without_the_personalised_evaluation_nothing_is_calibrated() -> None:
+    server = FedGktServer(CTX, {"server_batch_size": 8, "personalised_eval": "off"})
     server.on_upload("a", _upload(0, 16, "train", 1.0, 0.0))
+    server.complete(1, {"a": _round_end(16)}, evaluate=True)
     server.on_upload("a", _upload(1, 8, "test", 1.0, 0.0))
-    outcome = server.complete(1, {"a": _round_end(16, 8)}, evaluate=True)
-    assert outcome.total == 8 and server.agent_bn == {}  # nothing calibrated without the diagnostics
+    ev = server.evaluation(1, {"a": _report("a")})
+    assert set(ev.local) == {"model"} and ev.local["model"]["a"][1] == 8 and server.agent_bn == {}
+    final = FedGktServer(dataclasses.replace(CTX, rounds=3), {"personalised_eval": "final"})
+    assert not final._personalised(2) and final._personalised(3)
+
+
+# nothing calibrated without the diagnostics

@@ -9,7 +9,7 @@ import pytest
 
 from cloud_server.methods.base import RoundOutcome
 from cloud_server.recorder import RunCounters, RunRecorder
-from cloud_server.records import AgentInfo, ByteCounts, RoundRecord, RunReport, ServerInfo
+from cloud_server.records import AgentInfo, ByteCounts, RoundEvaluation, RoundRecord, RunReport, ServerInfo
 from cloud_server.report import load_report, validate_report
 from shared_protocol import errors
 from shared_protocol.messages import RoundEnd, decode_message, encode_message
@@ -127,27 +127,37 @@ def test_recorder_builds_rounds_from_round_ends_and_writes_a_valid_report(tmp_pa
     recorder.account(1, "up", 100, 120)
     recorder.account(1, "down", 10, 15)
     recorder.account(None, "up", 7, 9)  # outside any round
-    ends = {"b": _end("b", _costs(compute_s=4.0), edge_correct=3, edge_total=4, edge_accuracy=0.75),
-            "a": _end("a", _costs(), edge_correct=1, edge_total=4, edge_accuracy=0.25)}
-    outcome = RoundOutcome(server_loss=0.5, correct=6, total=8, samples=80, server_train_s=1.5, excluded={"b": "stale"})
+    recorder.account(1, "up", 40, 50, evaluation=True)  # an evaluation report: apart from the round's bytes
+    ends = {"b": _end("b", _costs(compute_s=4.0)), "a": _end("a", _costs())}
+    outcome = RoundOutcome(server_loss=0.5, samples=80, server_train_s=1.5, excluded={"b": "stale"})
+    evaluation = RoundEvaluation(accuracy={"model": 0.75, "edge": 0.5}, local_accuracy={"model": 0.8, "edge": 0.6},
+                                 labels={"model": "deployed", "edge": "on the device"},
+                                 per_agent={"b": {"accuracy": {"model": 0.7, "edge": 0.75}}}, server_eval_s=0.5,
+                                 edge_eval_flops=123, edge_eval_s=0.25)
     checkpoints: list[int] = []
     record = recorder.round_record(1, "ok", participants={"a", "b", "c"}, ends=ends, outcomes=[outcome],
-                                   started_at=0.0, server=None, method_figures={"note": 1})
+                                   started_at=0.0, server=None, method_figures={"note": 1}, evaluation=evaluation,
+                                   edge_label="edge")
     recorder.add_round(record, checkpoint=lambda: checkpoints.append(len(recorder.report.rounds)))
 
     assert (record.completed, record.missing, record.excluded) == (["a"], ["b", "c"], {"b": "stale"})
     assert record.accuracy == 0.75 and record.edge_accuracy == 0.5 and record.server_loss == 0.5
+    assert record.local_accuracy == 0.8 and record.edge_local_accuracy == 0.6
     assert record.bytes == ByteCounts(up_payload=100, up_wire=120, down_payload=10, down_wire=15)
+    assert record.evaluation is not None and record.evaluation.bytes == ByteCounts(up_payload=40, up_wire=50)
+    assert record.evaluation.edge_eval_flops == 123
     assert record.time_s.edge_compute == 3.0 and record.time_s.server_train == 1.5
     assert record.edge_train_flops == 8000 and list(record.per_agent) == ["a", "b"]
     assert record.per_agent["b"].edge_accuracy == 0.75 and record.per_agent["b"].compute_s == 4.0
+    assert record.per_agent["a"].edge_accuracy is None  # not scored
     assert checkpoints == [1]  # checkpointed with the round in it, before the files
-    assert "round 1/2  acc 75.00%" in capsys.readouterr().out
+    assert "round 1/2  global acc 75.00%  (local 80.00%, edge 50.00%)" in capsys.readouterr().out
 
     on_disk = load_report(tmp_path)
     assert on_disk == recorder.report.to_json()
     totals = on_disk["totals"]
     assert totals["up_wire"] == 120 and totals["outside_rounds"]["up_wire"] == 9
+    assert totals["eval_bytes"]["up_wire"] == 50 and totals["final_local_accuracy"] == 0.8
     assert totals["rejected_by_reason"] == rejected and totals["rejected_chunks"] == 1
     assert on_disk["agents"]["b"]["cores"] == 2 and on_disk["rounds"][0]["method"] == {"note": 1}
     assert RunReport.from_json(on_disk) == recorder.report

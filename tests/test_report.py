@@ -60,7 +60,8 @@ def make_report(
         records.append({
             "round": i, "status": "failed_quorum" if failed else "ok",
             "participants": ["pi-1", "pi-2"], "completed": completed, "missing": ["pi-2"] if failed else [],
-            "accuracy": acc, "edge_accuracy": None if acc is None else 0.7 + i / 100,
+            "accuracy": acc, "local_accuracy": None if acc is None else acc + 0.05,
+            "edge_accuracy": None if acc is None else 0.7 + i / 100, "edge_local_accuracy": None,
             "server_loss": None if failed else 1.0 / i,
             "samples": sum(agents[a]["num_samples"] for a in completed),
             "bytes": {"up_payload": 10_000_000 * i, "up_wire": 10_200_000 * i, "down_payload": 80_000, "down_wire": 82_000},
@@ -308,11 +309,11 @@ def test_format_summary_line() -> None:
     rounds = make_report()["rounds"]
 
     assert format_summary_line(rounds[2], 8) == (
-        "round 3/8  acc 81.23%  edge 73.00%  up 30.6 MB  down 0.1 MB  2/2 agents  23.0 s"
+        "round 3/8  global acc 81.23%  (local 86.23%, edge 73.00%)  up 30.6 MB  down 0.1 MB  2/2 agents  23.0 s"
     )
     assert format_summary_line(rounds[1], 8).endswith("1/2 agents  22.0 s  [failed_quorum]")
-    rounds[0]["accuracy"] = rounds[0]["edge_accuracy"] = None
-    assert "acc —  edge —" in format_summary_line(rounds[0], 8)
+    rounds[0]["accuracy"] = rounds[0]["local_accuracy"] = rounds[0]["edge_accuracy"] = None
+    assert "global acc —  (local —)" in format_summary_line(rounds[0], 8)  # no edge models: no edge figure
 
 
 def test_compare_runs_lists_both_runs(tmp_path: Path) -> None:

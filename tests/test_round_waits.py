@@ -14,6 +14,7 @@ from typing import Callable
 
 import pytest
 
+from cloud_server.evaluation import Evaluation
 from cloud_server.coordinator import Coordinator
 from cloud_server.methods import RoundOutcome, ServerContext, ServerMethod
 from cloud_server.report import validate_report
@@ -184,7 +185,6 @@ class _TurnsThenEvaluation(ServerMethod):
 
     def __init__(self, ctx: ServerContext) -> None:
         super().__init__(ctx, {})
-        self.evaluating: set[str] = set()
 
     def resolved_config(self) -> dict:
         return {}
@@ -196,11 +196,10 @@ class _TurnsThenEvaluation(ServerMethod):
         return {}, {}
 
     def complete(self, round_: int, ends: dict, evaluate: bool) -> RoundOutcome:
-        self.evaluating = set(ends)  # it asked the agents to evaluate the new model
         return RoundOutcome(samples=8 * len(ends), used_agents=sorted(ends))
 
-    def evaluation_pending(self, round_: int) -> set[str]:
-        return set(self.evaluating)
+    def evaluation(self, round_: int, reports: dict) -> Evaluation:
+        return Evaluation()  # nothing to score: the coordinator's wait for the reports is under test
 
     def model_info(self) -> dict:
         return {"edge": None, "server": None}
@@ -238,4 +237,4 @@ def test_a_sequential_round_with_evaluation_ends_within_one_deadline(tmp_path: P
     assert 0.0 < starts["agent-1"][0].deadline_s < deadline_s  # what is left of the round, not a deadline of its own
     messages = [r.getMessage() for r in caplog.records]
     assert "round 1 deadline passed before agent agent-2's turn" in messages
-    assert "round 1 deadline passed; closing it without the evaluation answers of agent-0" in messages
+    assert "round 1: evaluated without the evaluation reports of agent-0" in messages

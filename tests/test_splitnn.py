@@ -25,7 +25,8 @@ from fldata import make_synthetic
 from models import build_model, load_arrays_into
 from shared_protocol.errors import StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, RoundStart, decode_message, encode_message
-from shared_protocol.methods.splitnn import SplitActivations, SplitEvaluate, SplitExtractorWeights, SplitGradients
+from shared_protocol.messages import EvalReport, EvalRequest
+from shared_protocol.methods.splitnn import SplitActivations, SplitExtractor, SplitExtractorWeights, SplitGradients
 
 from fedhelpers import agent_config, in_memory_federation, method_server_config, mqtt_federation
 
@@ -113,14 +114,18 @@ def test_a_turn_end_to_end_with_retry_and_evaluation() -> None:
     end = RoundEnd(run="u", round=1, sender="agent-0", num_samples=40, instance="i0", uploads=result.uploads)
     outcome = server.complete(1, {"agent-0": end}, evaluate=True)
     assert outcome.used_agents == ["agent-0"] and outcome.samples == 40 and outcome.server_loss is not None
-    (agent, evaluate), = outcome.downloads
-    assert isinstance(evaluate, SplitEvaluate) and server.evaluation_pending(1) == {"agent-0"}
+    (agent, final), = outcome.downloads
+    assert isinstance(final, SplitExtractor)  # the round's final extractor, ahead of the evaluation request
     sent.clear()
-    assert edge.on_message(_wire(evaluate))
-    assert [m.split for m in sent if isinstance(m, SplitActivations)] == ["test"]
-    assert server.evaluation_pending(1) == set()
-    correct, total = server.evaluation_result(1)  # type: ignore[misc]
+    assert edge.on_message(_wire(final))
+    answer = edge.evaluate(EvalRequest(run="u", round=1, sender="server"), RoundMeter())
+    assert [m.split for m in sent] == ["test"] and answer.uploads == {"test": {"batches": 1, "samples": 40}}
+    for msg in sent:
+        server.on_upload("agent-0", _wire(msg))
+    ev = server.evaluation(1, {"agent-0": EvalReport(run="u", round=1, sender="agent-0", uploads=answer.uploads)})
+    correct, total = ev.local["model"]["agent-0"]
     assert total == 40 and 0 <= correct <= 40
+    assert list(ev.global_models["model"]) == ["global"]  # the final extractor + the server's part, both held here
 
 
 def test_only_the_agent_whose_turn_it_is_may_send() -> None:
@@ -158,8 +163,10 @@ def test_two_agents_take_turns_two_rounds_over_mosquitto(mosquitto, tmp_path: Pa
         # Every training sample's activation went up and its gradient came down (Eq. 12), plus the
         # test activations of the evaluation; the same accounting as every method.
         assert record["bytes"]["down_payload"] > 96 * feature_bytes
-        assert record["bytes"]["up_payload"] > (96 + 48) * feature_bytes
-        assert record["bytes"]["up_payload"] < 1.05 * (96 + 48) * feature_bytes + 200_000
+        # The test activations are evaluation's bytes, apart from training's.
+        assert record["bytes"]["up_payload"] > 96 * feature_bytes
+        assert record["bytes"]["up_payload"] < 1.05 * 96 * feature_bytes + 200_000
+        assert record["evaluation"]["bytes"]["up_payload"] > 48 * feature_bytes
         for agent in ("agent-0", "agent-1"):
             assert record["per_agent"][agent]["network_s"] > 0  # waiting for gradients
     assert report["models"]["edge"]["name"] == "resnet8-extractor"

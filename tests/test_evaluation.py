@@ -1,0 +1,175 @@
+"""One evaluation for every method (cloud_server/evaluation.py): every registered method
+reports a global and a local accuracy through the same path, on the same global test set;
+FedGKT scores every agent's pipeline on the whole balanced set, whatever its shard holds;
+evaluation's bytes and FLOPs are kept apart from training's; bad evaluation reports are
+refused without stopping anything."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import cloud_server.methods as server_methods
+from cloud_server.centralized import CentralizedTrainer
+from cloud_server.evaluation import EvalModel, EvalSet, EvalSetSpec, Evaluation, Evaluator
+from cloud_server.report import validate_report
+from edge_agent.agent import EdgeAgent
+from fldata import load_agent_subset
+from fldata.subsets import AgentDataSpec
+from shared_protocol.errors import ValueRangeError
+from shared_protocol.messages import EvalReport, decode_message, encode_message
+from shared_protocol.records import EvalCosts
+from shared_protocol.transport import InMemoryBroker, InMemoryTransport
+
+from fedhelpers import FAST_GKT, Federation, agent_config, in_memory_federation, make_server, server_config
+
+# Each method at its smallest: ResNet-8 wherever the method lets the model be chosen.
+SMALL: dict[str, dict[str, Any]] = {
+    "fedgkt": FAST_GKT,
+    "fedavg": {"model": "resnet8", "batch_size": 32},
+    "fedgkd": {"model": "resnet8", "batch_size": 32},
+    "feddistill": {"model": "resnet8", "batch_size": 32},
+    "fedbe": {"model": "resnet8", "batch_size": 32, "unlabeled_dataset": "synthetic", "agent_train_samples": 160,
+              "unlabeled_samples": 64, "sampled_models": 2, "distill_steps": 6, "distill_batch_size": 16,
+              "swa_warmup_steps": 2, "swa_cycle_steps": 2},
+    "fedkd": {"mentor_model": "resnet20", "mentee_model": "resnet8", "batch_size": 32},
+    "splitnn": {"batch_size": 32},
+}
+
+
+def _run(tmp: Path, method: str, rounds: int = 2, **kw: Any) -> dict[str, Any]:
+    cfg = dataclasses.replace(server_config(tmp / method, run_id=f"ev-{method}", rounds=rounds, **kw), method=method,
+                              method_config=dict(SMALL[method]))
+    fed = in_memory_federation(cfg, [agent_config(cfg.run_id, i, 2) for i in range(2)]).start()
+    return fed.join(timeout_s=600)
+
+
+def test_every_method_is_evaluated_the_same_way(tmp_path: Path) -> None:
+    assert set(SMALL) == set(server_methods.KNOWN_METHODS), "a new method needs its small settings here"
+    eval_sets = {}
+    for method in sorted(SMALL):
+        report = _run(tmp_path, method)
+        validate_report(report)
+        assert report["status"] == "finished", method
+        eval_sets[method] = report["eval_set"]
+        for record in report["rounds"]:
+            assert record["status"] == "ok", method
+            ev = record["evaluation"]
+            assert record["accuracy"] is not None and record["accuracy"] == ev["accuracy"]["model"], method
+            assert record["local_accuracy"] is not None and record["local_accuracy"] == ev["local_accuracy"]["model"], method
+            assert "model" in ev["labels"], method
+            assert ev["missing"] == [], method
+            # Evaluation's messages are counted apart from the round's training bytes.
+            assert ev["bytes"]["down_payload"] > 0, method  # the evaluation requests at least
+            assert ev["bytes"]["up_payload"] > 0, method  # and the reports
+    # One global test set: the same images, in the same order, for every method of these runs.
+    first = eval_sets["fedavg"]
+    assert first["samples"] == 80 and len(first["class_counts"]) == 10
+    for method, es in eval_sets.items():
+        assert es == first, method
+    # Centralized training is scored on the same images too.
+    central = server_config(tmp_path / "central", run_id="ev-central", rounds=1)
+    central = dataclasses.replace(central, method="centralized", method_config={
+        "model": "resnet8", "train_samples": 160, "test_samples": 80, "batch_size": 32})
+    report = CentralizedTrainer(central).run()
+    assert report["eval_set"] == first
+    assert report["rounds"][0]["accuracy"] is not None and report["rounds"][0]["local_accuracy"] is not None
+
+
+def test_fedgkt_scores_every_agent_on_the_whole_balanced_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent whose shard holds one class is still scored on all ten (the global figure),
+    with the edge model it sent; its local figure is its own one-class shard."""
+    cfg = server_config(tmp_path, run_id="ev-oneclass", rounds=1)
+    spec = AgentDataSpec("synthetic", "iid", num_agents=2, seed=0, train_samples=320, test_samples=160)
+    shards = [load_agent_subset(spec, i) for i in range(2)]
+    train0, test0 = shards[0]
+    only = 3
+    shards[0] = (train0.subset(np.flatnonzero(train0.labels == only)), test0.subset(np.flatnonzero(test0.labels == only)))
+    assert set(shards[0][1].labels.tolist()) == {only}
+
+    scored: list[tuple[int, list[int]]] = []
+    original = Evaluator.score
+
+    def spy(self: Evaluator, model: EvalModel) -> tuple[int, int]:
+        correct, total = original(self, model)
+        labels = np.concatenate([y.numpy() for _, y in self._global_batches()])
+        scored.append((total, np.bincount(labels, minlength=10).tolist()))
+        return correct, total
+
+    monkeypatch.setattr(Evaluator, "score", spy)
+    broker = InMemoryBroker()
+    coordinator = make_server(cfg, InMemoryTransport(broker, "server"))
+    agents = [EdgeAgent(agent_config(cfg.run_id, i, 2), transport=InMemoryTransport(broker, f"agent-{i}"), data=shards[i])
+              for i in range(2)]
+    report = Federation(coordinator, agents).start().join()
+    assert report["status"] == "finished"
+    ev = report["rounds"][0]["evaluation"]
+    # 2 agents x (pipeline with the server's statistics, with the agent's own, its ResNet-8): 6 passes,
+    # each over the whole global set, every class present in equal numbers.
+    assert len(scored) == 6
+    for total, counts in scored:
+        assert total == 80 and counts == [8] * 10
+    one_class = ev["per_agent"]["agent-0"]
+    assert set(one_class["accuracy"]) == {"model", "personalised_bn", "edge"}
+    assert one_class["local_samples"] == len(shards[0][1])
+    # The round's figure is the plain mean of the two agents' global figures.
+    per_agent = [ev["per_agent"][a]["accuracy"]["model"] for a in ("agent-0", "agent-1")]
+    assert report["rounds"][0]["accuracy"] == pytest.approx(sum(per_agent) / 2)
+    assert report["rounds"][0]["edge_accuracy"] == pytest.approx(
+        sum(ev["per_agent"][a]["accuracy"]["edge"] for a in ("agent-0", "agent-1")) / 2)
+
+
+def test_evaluation_costs_are_not_training_costs(tmp_path: Path) -> None:
+    """The same FedGKT run evaluated every round and never (eval_every larger than the run,
+    but the last round is always evaluated): training bytes of round 1 do not change."""
+    every = _run(tmp_path / "every", "fedgkt", rounds=2)
+    rare = _run(tmp_path / "rare", "fedgkt", rounds=2, eval_every=5)
+    assert rare["rounds"][0]["accuracy"] is None and "evaluation" not in rare["rounds"][0]
+    assert every["rounds"][0]["bytes"]["up_payload"] == pytest.approx(rare["rounds"][0]["bytes"]["up_payload"], rel=0.02)
+    ev = every["rounds"][0]["evaluation"]
+    # The test maps went up as evaluation (80 samples x 16 x 32 x 32 fp16, compressed at most ~10x).
+    assert ev["bytes"]["up_payload"] > 80 * 16 * 32 * 32 * 2 / 10
+    assert ev["edge_eval_flops"] > 0
+    assert every["totals"]["eval_bytes"]["up_payload"] >= ev["bytes"]["up_payload"]
+
+
+def test_eval_report_validation() -> None:
+    def report(**kw: Any) -> EvalReport:
+        base = dict(run="r", round=1, sender="a", instance="i", costs=EvalCosts())
+        return EvalReport(**{**base, **kw})
+
+    ok = report(results={"model": {"correct": 3, "total": 4, "loss_sum": 1.5}}, models={"edge/w": np.ones(3, np.float32)})
+    back = decode_message(encode_message(ok))
+    assert isinstance(back, EvalReport) and back.results == ok.results and np.array_equal(back.models["edge/w"], np.ones(3))
+    bad = [
+        report(results={"model": {"correct": 5, "total": 4}}),
+        report(results={"model": {"correct": True, "total": 4}}),
+        report(results={"model": {"correct": 1, "total": 4, "loss_sum": -1.0}}),
+        report(results={"model": 3}),
+        report(models={"w": np.ones(3, np.float32)}),
+        report(models={"edge/w": np.array([1.0, np.nan], np.float32)}),
+    ]
+    for msg in bad:
+        with pytest.raises(ValueRangeError):
+            decode_message(encode_message(msg))
+
+
+def test_evaluator_means_over_agents_and_weights_local_by_samples() -> None:
+    eval_set = EvalSet.load(EvalSetSpec("synthetic", samples=40, seed=0))
+    assert eval_set is not None and len(eval_set) == 40
+
+    def constant(k: int) -> EvalModel:
+        return EvalModel(lambda x: torch.nn.functional.one_hot(torch.full((x.shape[0],), k), 10).float())
+
+    ev = Evaluation(global_models={"model": {"a": constant(0), "b": constant(1)}},
+                    local={"model": {"a": (1, 4), "b": (30, 36)}})
+    figures = Evaluator(eval_set).run(ev)
+    assert figures["accuracy"]["model"] == pytest.approx(0.1)  # 4 of 40 per class, either constant
+    assert figures["local_accuracy"]["model"] == pytest.approx(31 / 40)  # sample-weighted, not a mean of 0.25 and 0.83
+    assert figures["per_agent"]["b"]["local_accuracy"]["model"] == pytest.approx(30 / 36)
+    assert Evaluator(None).run(ev)["accuracy"] == {}  # no global set: local figures only

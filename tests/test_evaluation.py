@@ -169,7 +169,7 @@ def test_evaluator_means_over_agents_and_weights_local_by_samples() -> None:
     ev = Evaluation(global_models={"model": {"a": constant(0), "b": constant(1)}},
                     local={"model": {"a": (1, 4), "b": (30, 36)}})
     figures = Evaluator(eval_set).run(ev)
-    assert figures["accuracy"]["model"] == pytest.approx(0.1)  # 4 of 40 per class, either constant
-    assert figures["local_accuracy"]["model"] == pytest.approx(31 / 40)  # sample-weighted, not a mean of 0.25 and 0.83
-    assert figures["per_agent"]["b"]["local_accuracy"]["model"] == pytest.approx(30 / 36)
-    assert Evaluator(None).run(ev)["accuracy"] == {}  # no global set: local figures only
+    assert figures.accuracy["model"] == pytest.approx(0.1)  # 4 of 40 per class, either constant
+    assert figures.local_accuracy["model"] == pytest.approx(31 / 40)  # sample-weighted, not a mean of 0.25 and 0.83
+    assert figures.per_agent["b"]["local_accuracy"]["model"] == pytest.approx(30 / 36)
+    assert Evaluator(None).run(ev).accuracy == {}  # no global set: local figures only

@@ -58,7 +58,7 @@ class SplitNNEdge(EdgeMethod):
         self.config = SplitRoundConfig()
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
         self.train_flops_per_sample = _extractor_train_flops(self.edge_model, self.extractor, shape)
-        self.forward_flops_per_sample = flops_per_sample(self.extractor, shape).forward
+        self.forward_flops_per_sample = flops_per_sample(self.extractor, shape, loss="sum").forward
         self.final_extractor: dict[str, np.ndarray] | None = None  # the round's last extractor, for evaluation
 
     def _load(self, weights: dict[str, np.ndarray]) -> None:

@@ -596,6 +596,7 @@ def fedgkt_ablation_section(data: dict[str, Any]) -> list[str]:
         "extractor + server model on the agents' test maps as the run reported it; the two BN columns are the last round's "
         "accuracy of the same server model with the running BatchNorm averages over all agents (global) and with each "
         "agent's own statistics (per agent), whatever the run used; Δ is the final server accuracy minus its base's, in points.", "",
+        _eval_set_line(data), "",
         *_table(["Variant", "Partition", "Change", "Server acc. by round", "Edges (final)", "Global BN", "Per-agent BN", "Δ"], rows, right_from=3),
         "",
         *_ablation_conclusion(runs),
@@ -655,6 +656,7 @@ def gkt_server_epochs_section(data: dict[str, Any]) -> list[str]:
         *([] if any("bn_stats" in (r.get("method_config") or {}) for r in runs) else [
             "These runs predate FedGKT's shared initialisation and per-agent BatchNorm statistics (see above) and do not "
             "record their config: their accuracies are not comparable with Table 1's FedGKT rows, only with each other.", ""]),
+        _eval_set_line(data), "",
         *_table(["Server epochs", "Server acc. final (best)", "Agents' ResNet-8", "Server acc. by round", "Server training s",
                  "Run"], rows, right_from=1),
         "",

@@ -258,3 +258,32 @@ def test_old_single_seed_accuracies_are_not_on_the_page() -> None:
         communication = page[page.index("## Communication"):page.index("## Edge compute")]
         assert "Final acc." not in communication and "Rounds to target" not in communication
         assert "awaits re-measurement under the new evaluation" in communication
+
+
+def test_the_other_methods_and_table2_render_beside_table1(tmp_path: Path) -> None:
+    acc, methods, render = load("accuracy"), load("methods"), load("render_results")
+    results = {}
+    for table, key, run in methods.runs(3, 4000):
+        for seed in (0, 1, 2):
+            report = synthetic_report(run.method, [0.1, 0.4, 0.5 + seed / 100], seed)
+            if run.method == "fedkd":  # the mentors are the headline; the shared mentee is labelled
+                for r in report["rounds"]:
+                    r["evaluation"]["global"]["mentee"] = 0.30
+                    r["evaluation"]["labels"]["mentee"] = "the shared mentee"
+            results[acc.run_key(run.name, seed)] = {**acc.summarize(table, key, run, seed, report), "run_wall_time_s": 60.0}
+    doc = {"benchmark": "methods", "generated_by": "bench/methods.py", "machine": MACHINE,
+           "scale": {"seeds": [0, 1, 2], "partitions": acc.PARTITIONS, "ablation_partition": "dirichlet:0.5", "wall_time_min": 54.0},
+           "eval_set": EVAL_SET, "eval_set_same_for_every_run": True, "budget": acc.budget(3240.0, 250, True, True),
+           "cells": acc.cells(results), "runs": results}
+    (tmp_path / "accuracy.json").write_text(json.dumps(synthetic_accuracy()))
+    (tmp_path / "methods.json").write_text(json.dumps(doc))
+    page = render.render(tmp_path)
+    other = page[page.index("### Other methods"):page.index("### Table 3")]
+    fedbe = next(line for line in other.splitlines() if line.startswith("| FedBE (ResNet-56)"))
+    assert "51.0 ± 1.0%" in fedbe and "61.0 ± 1.0%" in fedbe
+    mentee = next(line for line in other.splitlines() if line.startswith("| FedKD (shared mentee"))
+    assert "30.0 ± 0.0%" in mentee
+    assert "the same 1,000 balanced Fashion-MNIST test images for every method and seed, seeds 0, 1, 2" in other
+    none = next(line for line in other.splitlines() if line.startswith("| None"))
+    both = next(line for line in other.splitlines() if line.startswith("| S<->E (Table 1's FedGKT)"))
+    assert "51.0 ± 1.0%" in none and "65.0 ± 5.0%" in both  # S<->E is Table 1's fedgkt-noniid cell

@@ -84,11 +84,15 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _server_config(run: RunSpec, data: DataSpec, out: Path, broker_url: str) -> ServerConfig:
+    # Every method of a run is scored on the same balanced held-out set: a seeded stratified
+    # subset of the test split as large as the data's test subset (servers that predate the
+    # field score on the agents' test shards instead).
+    evaluation = {"eval_samples": data.test_samples} if "eval_samples" in ServerConfig.__dataclass_fields__ else {}
     return ServerConfig(
         run_id=run.name, method=run.method, broker_url=broker_url, out_dir=str(out), expected_agents=data.agents,
         rounds=run.rounds, round_deadline_s=1800.0, registration_timeout_s=120.0, min_agents=1, min_fraction=0.5,
         eval_every=run.eval_every, target_accuracy=run.target_accuracy, dataset=data.dataset, seed=data.seed,
-        progress=False, method_config=dict(run.method_config),
+        progress=False, method_config=dict(run.method_config), **evaluation,
     )
 
 
@@ -170,13 +174,19 @@ def quiet_logs() -> None:
 
 
 def round_series(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per round: accuracy, wire and payload bytes (server's connection), cumulative wire bytes."""
+    """Per round: accuracies (global on the balanced evaluation set, local on the agents' own
+    test shards, and the edge models' where they differ from the deployed one; absent from
+    reports that predate them), wire and payload bytes (server's connection, training), cumulative
+    wire bytes, and the evaluation's own figures by label."""
     out, cumulative = [], 0
     for r in report["rounds"]:
         wire = r["bytes"]["up_wire"] + r["bytes"]["down_wire"]
         cumulative += wire
+        evaluation = r.get("evaluation") or {}
         out.append({
-            "round": r["round"], "status": r["status"], "accuracy": r["accuracy"], "edge_accuracy": r["edge_accuracy"],
+            "round": r["round"], "status": r["status"], "accuracy": r["accuracy"], "local_accuracy": r.get("local_accuracy"),
+            "edge_accuracy": r["edge_accuracy"], "edge_local_accuracy": r.get("edge_local_accuracy"),
+            "evaluation": {k: evaluation[k] for k in ("global", "local") if k in evaluation},
             "up_wire": r["bytes"]["up_wire"], "down_wire": r["bytes"]["down_wire"],
             "up_payload": r["bytes"]["up_payload"], "down_payload": r["bytes"]["down_payload"],
             "wire": wire, "cumulative_wire": cumulative, "edge_train_flops": r["edge_train_flops"],

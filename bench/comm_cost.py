@@ -24,12 +24,13 @@ here, since "bytes to reach the target" needs an accuracy every round), the
 frame headers and the MQTT framing. Writes ``bench/results/comm_cost.json``;
 ``bench/render_results.py`` turns it into the table in ``docs/results.md``.
 
-The default setting is ``bench/accuracy.py``'s full scale and its IID
-partition (8 agents, the same data subset, rounds, batch and optimiser), with
-FedGKT and FedAvg configured exactly as there: at that scale both reach the
-target accuracies, and ``--reuse-runs`` takes the accuracy benchmark's
-``fedgkt-iid`` and ``fedavg-resnet56-iid`` reports (same spec, same data)
-instead of training them again.
+The default setting is ``bench/accuracy.py``'s full scale, its IID
+partition and its first seed (4 agents, the same data subset, rounds, batch
+and optimiser), with FedGKT and FedAvg configured exactly as there, and
+``--reuse-runs`` takes the accuracy benchmark's ``fedgkt-iid`` and
+``fedavg-resnet56-iid`` reports of seed 0 (same spec, same data) instead of
+training them again. Accuracies are the reports' global accuracy (the
+balanced evaluation set, ``eval_set`` in the JSON); the bytes are training's.
 
     python bench/comm_cost.py --reuse-runs          # the default scale; reuse finished runs of the same spec
     python bench/comm_cost.py --agents 8 --train-samples 8000 --rounds 20 --target 0.85
@@ -158,11 +159,11 @@ def accuracy_bench_report(run: RunSpec, data: DataSpec, accuracy_dir: Path) -> P
     """Where bench/accuracy.py left its run of this spec on this data, if it made one
     (its summary.json says the partition)."""
     keys = [key for key, spec in PARTITIONS.items() if spec == data.partition]
-    if data.agents != AGENTS or data.seed != 0 or data.dataset != "fashion-mnist" or not keys:
+    if data.agents != AGENTS or data.dataset != "fashion-mnist" or not keys:
         return None
-    for _table, key, spec in accuracy_runs(run.rounds, keys[0], data.train_samples):
+    for _table, key, spec in accuracy_runs(run.rounds):
         if key == keys[0] and spec.method == run.method and spec.method_config == run.method_config and spec.eval_every == run.eval_every:
-            found = recorded_run(accuracy_dir, data.train_samples, data.test_samples, run.rounds, spec.name)
+            found = recorded_run(accuracy_dir, data.train_samples, data.test_samples, run.rounds, spec.name, data.seed)
             if found is not None and found[1]["partition"] == key:
                 return found[0]
     return None
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-samples", type=int, default=full.train_samples)
     parser.add_argument("--test-samples", type=int, default=full.test_samples)
     parser.add_argument("--rounds", type=int, default=full.rounds)
+    parser.add_argument("--seed", type=int, default=0, help="the data's and the models' seed (bench/accuracy.py's seeds)")
     parser.add_argument("--batch-size", type=int, default=BATCH)
     parser.add_argument("--target", type=float, nargs="+", default=[0.3, 0.25, 0.2],
                         help="target test accuracies for 'bytes to reach the target' (the first is the headline; the "
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="bench/accuracy.py's --run-dir")
     args = parser.parse_args(argv)
     quiet_logs()
-    data = DataSpec(args.dataset, args.partition, args.agents, args.train_samples, args.test_samples)
+    data = DataSpec(args.dataset, args.partition, args.agents, args.train_samples, args.test_samples, seed=args.seed)
     started = time.monotonic()
     results: dict[str, Any] = {}
     reused: dict[str, str] = {}
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         if report is None:
             report = run_federation(run, data, args.run_dir / run.name)
             write_json(args.run_dir / run.name / "data.json", dataclasses.asdict(data))
-        results[run.name] = {**summarize(run, report, data, args.target), "started_at": report["started_at"]}
+        results[run.name] = {**summarize(run, report, data, args.target), "started_at": report["started_at"],
+                             "eval_set": report.get("eval_set")}
     elapsed = time.monotonic() - started
     training_s = sum(r["measured"]["wall_time_s"] for r in results.values())
     fm = FEATURE_CHANNELS * IMAGE_SIZE * IMAGE_SIZE * FP32_BYTES
@@ -218,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
                        "FedAvg(ResNet-56), same data and partition, next to the paper's Eqs. 12-13.",
         "scale": {
             "dataset": data.dataset, "partition": data.partition, "agents": data.agents, "train_samples": data.train_samples,
-            "test_samples": data.test_samples, "rounds": args.rounds, "batch_size": args.batch_size, "target_accuracy": args.target[0],
+            "test_samples": data.test_samples, "rounds": args.rounds, "batch_size": args.batch_size, "seed": data.seed,
+            "target_accuracy": args.target[0],
             "targets": args.target,
             "evaluation": "every round (test-set uploads / evaluation downloads are in the measured bytes)",
             "wall_time_s": training_s, "script_wall_time_s": elapsed,
-            "note": "a CPU-scale run (bench/accuracy.py's data when run with its defaults); the paper's CIFAR-10 setup "
+            "note": "a CPU-scale run (bench/accuracy.py's data and first seed when run with its defaults); the paper's CIFAR-10 setup "
                     "has 50,000 samples and 16 agents",
         },
         "sizes": {"feature_map_bytes_fp32": fm, "gradient_bytes_fp32": fm, "soft_labels_bytes": 10 * FP32_BYTES},
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "paper_fig5_check": paper_check(),
         "machine": {**machine(), "runs_started_utc": min(r["started_at"] for r in results.values()) if results else None},
         "reused_runs": reused,  # run -> the directory whose report was taken (--reuse-runs) instead of training again
+        # The balanced set every run's accuracy was scored on (None from servers that predate it).
+        "eval_set": next((r["eval_set"] for r in results.values() if r.get("eval_set")), None),
         "runs": results,
         "generated_by": "bench/comm_cost.py",
     })

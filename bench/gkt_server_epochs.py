@@ -8,7 +8,7 @@ round's feature maps once, while every agent's extractor -- its own "feature
 language" -- keeps changing under it, and the server's accuracy trails what
 its own agents' ResNet-8 reach. This benchmark asks whether more server epochs
 per round close that gap, and what they cost on the server: the accuracy
-benchmark's FedGKT IID run (same data, seeds, rounds, edge training and
+benchmark's FedGKT IID run of seed 0 (same data, rounds, edge training and
 uploads), with only the server's epochs per round changed. The edges'
 compute and the bytes on the wire do not depend on it.
 
@@ -34,8 +34,8 @@ def spec(epochs: int, rounds: int) -> RunSpec:
 
 
 def accuracy_bench_run(run: RunSpec, data: DataSpec, accuracy_dir: Path) -> dict[str, Any] | None:
-    """bench/accuracy.py's fedgkt-iid report when it is this spec on this data (1 server epoch)."""
-    found = recorded_run(accuracy_dir, data.train_samples, data.test_samples, run.rounds, "fedgkt-iid")
+    """bench/accuracy.py's fedgkt-iid report of this seed when it is this spec on this data (1 server epoch)."""
+    found = recorded_run(accuracy_dir, data.train_samples, data.test_samples, run.rounds, "fedgkt-iid", data.seed)
     return None if found is None else reusable(found[0], run, data)
 
 
@@ -44,7 +44,7 @@ def summarize(epochs: int, report: dict[str, Any]) -> dict[str, Any]:
     rounds = report["rounds"]
     server_s = [r["time_s"].get("server_train") for r in rounds]
     return {
-        "server_epochs": epochs, "status": report["status"],
+        "server_epochs": epochs, "status": report["status"], "eval_set": report.get("eval_set"),
         "final_accuracy": totals["final_accuracy"], "best_accuracy": totals["best_accuracy"],
         "final_edge_accuracy": totals["final_edge_accuracy"],
         "accuracy_by_round": [r["accuracy"] for r in rounds], "edge_accuracy_by_round": [r["edge_accuracy"] for r in rounds],
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                        "round changed: server accuracy vs its agents' and the server's training time.",
         "scale": {**key, "dataset": data.dataset, "partition": data.partition, "agents": data.agents,
                   "paper_server_epochs": {"iid": 20, "noniid": 40}},
+        # The balanced set the accuracies were scored on (None from servers that predate it).
+        "eval_set": next((r["eval_set"] for r in results.values() if r.get("eval_set")), None),
         "machine": machine(),
         "runs": results,
         "generated_by": "bench/gkt_server_epochs.py",

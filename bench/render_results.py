@@ -6,11 +6,19 @@ The tables are generated, never typed: rerun a benchmark, then this script.
   parameters, training FLOPs and CPU time of ResNet-8 vs ResNet-56/110;
 * ``comm_cost.json`` (``bench/comm_cost.py``): Fig. 5 / Eqs. 12-13 -- measured
   bytes on the wire per round and to a target accuracy, next to the formulas;
-* ``accuracy.json`` (``bench/accuracy.py``): Tables 1-3 at reduced scale;
+* ``accuracy.json`` (``bench/accuracy.py``): Table 1 at reduced scale, mean ±
+  sd over seeds, every accuracy on one balanced test set;
+* ``methods.json`` (``bench/methods.py``): the other methods and Table 2 on
+  Table 1's setting; ``fedgkt_async.json`` (``bench/fedgkt_async.py``): Table 3
+  on ``make demo``'s setting;
 * ``gkt_server_epochs.json`` (``bench/gkt_server_epochs.py``): FedGKT's server
   epochs per round at that scale;
 * ``fedgkt_ablation.json`` (``bench/fedgkt_ablation.py``): why FedGKT's server
-  trailed its edges, one factor at a time;
+  trailed its edges, one factor at a time.
+
+Accuracy figures are rendered only from JSONs scored on the balanced
+evaluation set (they carry ``eval_set``); an older JSON gets one line saying
+that it awaits re-measurement, and the page quotes none of its accuracies.
 * ``transport.json``, ``server_loop.json``, ``scale.json`` (``bench/transport.py``,
   ``bench/server_loop.py``, ``bench/scale.py``): issue 9's speed and scale figures.
 
@@ -21,11 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT / "bench") not in sys.path:
+    sys.path.append(str(REPO_ROOT / "bench"))  # appended: bench/codecs.py must never shadow the standard library's
+
+from _stats import DIFFERENCE_RULE, comparison  # noqa: E402
 DASH = "—"
 
 
@@ -89,6 +102,10 @@ def edge_cost_section(data: dict[str, Any]) -> list[str]:
 
 
 def comm_cost_section(data: dict[str, Any]) -> list[str]:
+    """Bytes per round against the formulas; the accuracy figures (final accuracy, bytes to a
+    target accuracy, the codecs' accuracy) only from a JSON scored on the balanced evaluation set."""
+    if not _new_format(data):
+        return _comm_cost_bytes_only(data)
     scale = data["scale"]
     runs = data["runs"]
     rows = []
@@ -116,7 +133,7 @@ def comm_cost_section(data: dict[str, Any]) -> list[str]:
         f"Target accuracy {_pct(scale['target_accuracy'])}. {scale['note'][0].upper()}{scale['note'][1:]}."
         + (f" Runs taken from recorded reports of the same spec and data (`--reuse-runs`): "
            f"{', '.join(f'{name} ({where})' for name, where in data['reused_runs'].items())}."
-           if data.get("reused_runs") else ""), "",
+           if data.get("reused_runs") else "") + f" Accuracy: global, one seed. {_eval_set_line(data)}", "",
         *_table(["Run", "Upload codec", "Final acc.", "Wire MB / round", "Formula MB / round", "Measured ÷ formula",
                  "Rounds to target", "Wire MB to target", "Formula MB to target", "Wire MB total"], rows, right_from=2),
         "",
@@ -144,6 +161,44 @@ def comm_cost_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _comm_cost_paper_lines(data: dict[str, Any]) -> list[str]:
+    check = data["paper_fig5_check"]
+    formulas = sorted({r["analytic"]["formula"] for r in data["runs"].values()})
+    return [
+        "Measured = MQTT packets through the server's connection, both directions, every message of the round "
+        "(uploads, answers, RoundStart, evaluation traffic, frame headers). Formulas, for the same sizes "
+        f"(fp32 feature map {data['sizes']['feature_map_bytes_fp32']:,} B, soft labels {data['sizes']['soft_labels_bytes']} B):",
+        "",
+        *[f"- {f}" for f in formulas],
+        "",
+        f"The paper's Fig. 5 (ResNet-56, CIFAR-10: SL {check['sl_gb']} GB, FedGKT {check['fedgkt_gb']} GB) implies, with "
+        f"these formulas and 50,000 samples, {check['implied_sl_epochs_if_gb_is_1e9']:.1f} SL epochs and "
+        f"{check['implied_fedgkt_rounds_if_gb_is_1e9']:.1f} FedGKT rounds (GB = 10^9 B; "
+        f"{check['implied_sl_epochs_if_gb_is_2pow30']:.1f} and {check['implied_fedgkt_rounds_if_gb_is_2pow30']:.1f} for GiB): "
+        "the same count for both, so its 2× gap is (map + gradient) ÷ (map + soft labels), not fewer rounds to converge.",
+        "",
+    ]
+
+
+def _comm_cost_bytes_only(data: dict[str, Any]) -> list[str]:
+    """The communication section of a JSON that predates the balanced evaluation set: its bytes, none of its accuracies."""
+    scale = data["scale"]
+    rows = [[f"`{name}`", r["codec"], _mb(r["measured"]["wire_per_round_bytes"]), _mb(r["analytic"]["per_round_bytes"]),
+             f"{r['analytic']['measured_over_analytic']:.2f}", _mb(r["measured"]["wire_total_bytes"])]
+            for name, r in data["runs"].items()]
+    return [
+        "## Communication (the paper's Fig. 5, Eqs. 12-13)", "",
+        f"From `bench/results/comm_cost.json` (`bench/comm_cost.py`), measured {_machine_line(data['machine'])}. "
+        f"Scale: {scale['dataset']}, {scale['partition']}, {scale['agents']} agents, {scale['train_samples']:,} training / "
+        f"{scale['test_samples']:,} test samples, {scale['rounds']} rounds, batch {scale['batch_size']}; evaluation {scale['evaluation']}.", "",
+        *_table(["Run", "Upload codec", "Wire MB / round", "Formula MB / round", "Measured ÷ formula", "Wire MB total"], rows, right_from=2),
+        "",
+        *_awaits("comm_cost", "bench/comm_cost.py --reuse-runs", "Its accuracy figures (final accuracy, rounds and bytes to "
+                 "each target accuracy, the upload codecs' effect on accuracy)"),
+        *_comm_cost_paper_lines(data),
+    ]
+
+
 def _codec_accuracy(runs: dict[str, Any]) -> list[str]:
     """What the upload codec did to FedGKT's accuracy, in this run's numbers."""
     gkt = {r["codec"]: r for r in runs.values() if r["method"] == "fedgkt"}
@@ -166,108 +221,183 @@ def _codec_accuracy(runs: dict[str, Any]) -> list[str]:
     ]
 
 
-# Table 1's federated rows: (label, run-name prefix); a run is "<prefix>-iid" / "<prefix>-noniid".
-TABLE1_FEDERATED = (
-    ("FedGKT (ResNet-8 + ResNet-55)", "fedgkt"),
-    ("FedAvg (ResNet-56)", "fedavg-resnet56"),
-    ("FedGKD (ResNet-56)", "fedgkd-resnet56"),
-    ("FedDistill (ResNet-56)", "feddistill-resnet56"),
-    ("FedBE (ResNet-56)", "fedbe-resnet56"),
-    ("FedKD (mentee ResNet-8; mentor ResNet-56)", "fedkd"),
-)
+# Table 1's rows are cells of bench/accuracy.py (run names; "-iid" / "-noniid" per partition).
+#: FedAvg's global accuracy after round 2, in every seed, that shows it has left chance (bench/accuracy.py's ROUND2_FLOOR).
+ROUND2_FLOOR = 0.30
+PARTITION_LABELS = (("iid", "IID"), ("noniid", "Dirichlet(0.5)"))
 
 
-def _acc_cell(runs: dict[str, Any], name: str) -> str:
-    r = runs.get(name)
-    if r is None:
+def _awaits(name: str, script: str, what: str) -> list[str]:
+    """The one line that stands in for a section whose JSON predates the balanced evaluation set."""
+    return [f"*{what}: awaits re-measurement under the new evaluation. `bench/results/{name}.json` predates the balanced "
+            f"evaluation set (it has no `eval_set`); its single-seed accuracies were measured on the agents' label-skewed "
+            f"test shards and are not shown. Run `{script}`.*", ""]
+
+
+def _new_format(data: dict[str, Any] | None) -> bool:
+    """Whether a results JSON was scored on the balanced evaluation set (it names it)."""
+    return bool(data) and data.get("eval_set") is not None  # type: ignore[union-attr]
+
+
+def _pm(s: dict[str, Any] | None, scale: float = 100.0, digits: int = 1, unit: str = "%") -> str:
+    """A mean ± sd cell (sd over seeds, n - 1); a dash without a mean, the mean alone with one seed."""
+    if not s or s.get("mean") is None:
         return DASH
-    return f"{_pct(r['final_accuracy'])} ({_pct(r['best_accuracy'])})"
+    if s.get("sd") is None:
+        return f"{scale * s['mean']:.{digits}f}{unit} (n = {s.get('n', 1)})"
+    return f"{scale * s['mean']:.{digits}f} ± {scale * s['sd']:.{digits}f}{unit}"
 
 
-def _gkt_vs_fedavg(runs: dict[str, Any]) -> list[str]:
-    """The paper's claim in this run's numbers: accuracy, edge compute and bytes of FedGKT vs FedAvg."""
-    lines = []
-    for key, label in (("iid", "IID"), ("noniid", "non-IID")):
-        gkt, avg = runs.get(f"fedgkt-{key}"), runs.get(f"fedavg-resnet56-{key}")
-        if not gkt or not avg or not gkt["edge_train_flops_total"] or not avg["wire_total_bytes"]:
-            continue
-        lines.append(
-            f"{label}: FedGKT {_pct(gkt['final_accuracy'])} (its agents' ResNet-8 {_pct(gkt['final_edge_accuracy'])}) vs FedAvg "
-            f"{_pct(avg['final_accuracy'])}; FedAvg's agents used {avg['edge_train_flops_total'] / gkt['edge_train_flops_total']:.1f}× "
-            f"FedGKT's training FLOPs, and FedGKT moved {gkt['wire_total_bytes'] / avg['wire_total_bytes']:.2f}× FedAvg's bytes.")
-    return [*lines, ""] if lines else []
+def _label_cell(cell: dict[str, Any] | None, where: str, label: str) -> dict[str, Any] | None:
+    return None if cell is None else ((cell.get("final_evaluation") or {}).get(where) or {}).get(label)
+
+
+def _seeds_text(seeds: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in seeds)
+
+
+def _eval_set_line(data: dict[str, Any], seeds: Sequence[int] | None = None) -> str:
+    """The test set every accuracy of a JSON was scored on, as its caption names it."""
+    es = data["eval_set"]
+    counts = es.get("class_counts") or []
+    per_class = (f"{counts[0]:,} per class" if counts and len(set(counts)) == 1
+                 else "class counts " + " / ".join(str(c) for c in counts) if counts else "balanced")
+    dataset = {"fashion-mnist": "Fashion-MNIST"}.get(es.get("dataset", ""), es.get("dataset", "?"))
+    every = "for every method and seed" if data.get("eval_set_same_for_every_run", True) else "**not** for every run (see the JSON)"
+    seed_text = f", seeds {_seeds_text(seeds)}" if seeds else ""
+    return (f"Every accuracy is scored on the same {es['samples']:,} balanced {dataset} {es.get('split', 'test')} images {every}"
+            f"{seed_text} ({per_class}; drawn with seed {es.get('seed', '?')}; ids sha256 `{str(es.get('ids_sha256', '?'))[:12]}`).")
+
+
+def _rule_line() -> str:
+    return f"Cells are mean ± sd over the seeds (sample sd, n − 1). The rule: {DIFFERENCE_RULE}."
+
+
+def _verdict(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+    c = comparison(a, b)
+    if c["mean_difference"] is None:
+        return DASH
+    sd = DASH if c["combined_sd"] is None else f"{100 * c['combined_sd']:.1f}"
+    said = {True: "differ", False: "do not differ", None: "too few seeds to say"}[c["differ"]]
+    return f"{100 * c['mean_difference']:+.1f} points (sds combined {sd}): {said}"
+
+
+def _budget_line(data: dict[str, Any]) -> str:
+    b = data["budget"]
+    return (f"The {len(data['runs'])} runs took {b['wall_time_min']:.1f} min in all "
+            f"({data['scale'].get('wall_time_is', 'the sum of the runs wall times')}), against a budget of {b['minutes']:.0f} min "
+            f"on 2 cores: **{b['verdict']}**.")
+
+
+TABLE1_BN = {
+    "fedgkt": "the server's running statistics",
+    "fedgkt-personalised": "each agent's own statistics (personalised)",
+    "fedgkt-edge": "each agent's ResNet-8, its own statistics",
+    "fedavg": "the global model's averaged statistics",
+    "centralized": "the model's own running statistics",
+}
 
 
 def accuracy_section(data: dict[str, Any]) -> list[str]:
-    scale = data["scale"]
-    runs = data["runs"]
-    abl = next((k for k, v in scale["partitions"].items() if v == scale["ablation_partition"]), "noniid")
-    federated = [(label, prefix) for label, prefix in TABLE1_FEDERATED if f"{prefix}-iid" in runs or f"{prefix}-noniid" in runs]
-    table1 = [[label, _acc_cell(runs, f"{prefix}-iid"), _acc_cell(runs, f"{prefix}-noniid")] for label, prefix in federated] + [
-        ["Centralized (ResNet-56)", _acc_cell(runs, "centralized-resnet56"), DASH],
-        ["Centralized (ResNet-8)", _acc_cell(runs, "centralized-resnet8"), DASH],
-    ]
-    costs = [
-        [label, key, _pct(r["final_accuracy"]), f"{r['edge_train_flops_total'] / 1e12:.2f}", _mb(r["wire_total_bytes"]),
-         f"{r['run_wall_time_s'] / 60:.1f}"]
-        for label, prefix in federated for key in ("iid", "noniid") if (r := runs.get(f"{prefix}-{key}")) is not None
-    ]
-    table2 = [[label, _acc_cell(runs, name)] for label, name in (
-        ("None", f"fedgkt-kd-none-{abl}"), ("S->E", f"fedgkt-kd-s2e-{abl}"), ("S<->E", f"fedgkt-{abl}"))]
-    table3 = [[label, _acc_cell(runs, name)] for label, name in (("Sync", f"fedgkt-{abl}"), ("Async", f"fedgkt-async-{abl}"))]
-    timing = f"This run took {scale['wall_time_min']:.1f} min (scale `{scale['name']}`, planned for {scale['budget_minutes_on_2_cores']:.0f} min on 2 cores)"
-    if "wall_time_is" in scale:
-        timing = (f"The runs took {scale['wall_time_min']:.1f} min in all ({scale['wall_time_is']}; scale `{scale['name']}`, "
-                  f"planned for {scale['budget_minutes_on_2_cores']:.0f} min on 2 idle cores; each run's load average is in the JSON)")
-    if scale.get("within_budget") is not None:
-        timing += f": {'within' if scale['within_budget'] else 'OVER'} the budget"
-    paper = data["paper"]["table1_cifar10_resnet56"]
-    steps = scale["train_samples"] / scale["agents"] / scale["batch_size"]
-    fedavg_final = [r["final_accuracy"] for k in ("iid", "noniid") if (r := runs.get(f"fedavg-resnet56-{k}")) and r["final_accuracy"] is not None]
-    few_steps = (
-        [f"At this scale a FedAvg agent takes about {steps:.0f} optimiser steps per round. After so few steps "
-         "ResNet-56's BatchNorm running statistics, used in evaluation, are far from the data, and a model that "
-         "predicts a single class scores 10% on the balanced test set. The scale checks the pipeline end to end; "
-         "the comparison needs the full scale or the paper's.", ""]
-        if fedavg_final and min(fedavg_final) <= 0.12 else []
-    )
-    quick_line = []
-    if (quick := data.get("quick")) is not None:
+    """Table 1 (mean ± sd over seeds) from bench/accuracy.py's JSON, or the line that it awaits re-measurement."""
+    head = ["## Accuracy (the paper's Tables 1-3, reduced scale)", ""]
+    if not _new_format(data):
+        return head + _awaits("accuracy", "bench/accuracy.py", "Table 1 (FedGKT vs FedAvg vs centralized)")
+    scale, cells = data["scale"], data["cells"]
+    seeds = scale["seeds"]
+    quick_line: list[str] = []
+    if (quick := data.get("quick")) is not None and _new_format(quick):
         q = quick["scale"]
         quick_line = [
             f"The pipeline check `{quick['generated_by']}` (`bench/results/accuracy-quick.json`: {q['train_samples']:,} / "
-            f"{q['test_samples']:,} samples, {q['rounds']} rounds, FedBE's server work cut down; accuracies near chance by "
-            f"design) ran {len(quick['runs'])} of the same runs in {q['wall_time_min']:.1f} min "
-            f"(budget {q['budget_minutes_on_2_cores']:.0f} min), {quick['machine']['date_utc']}.", ""]
+            f"{q['test_samples']:,} samples, {q['rounds']} rounds, seeds {_seeds_text(q['seeds'])}; accuracies near chance by "
+            f"design) ran {len(quick['runs'])} runs in {q['wall_time_min']:.1f} min (budget "
+            f"{q['budget_minutes_on_2_cores']:.0f} min: {quick['budget']['verdict']}), {quick['machine']['date_utc']}.", ""]
     incomplete = [] if scale.get("complete", True) else [
-        "**Incomplete:** not every run of the benchmark is in this JSON yet (a dash marks the missing ones).", ""]
+        "**Incomplete:** not every run and seed of the benchmark is in this JSON yet (a dash marks the missing cells).", ""]
+
+    def row(label: str, bn: str, read: Any, central: str | None = None) -> list[str]:
+        out = [label, bn]
+        for key, _ in PARTITION_LABELS:
+            cell = cells.get(central) if central else cells.get(f"{read[0]}-{key}")
+            # Centralized training has no agents: one run serves both partitions, with no local accuracy.
+            out += [_pm(read[1](cell) if cell else None), DASH if central else _pm(read[2](cell) if cell else None)]
+        return out
+
+    headline = (lambda c: c["final_accuracy"], lambda c: c["final_local_accuracy"])
+    rows = [row("FedGKT (ResNet-8 + ResNet-55)", TABLE1_BN["fedgkt"], ("fedgkt", *headline))]
+    if any(_label_cell(cells.get(f"fedgkt-{k}"), "global", "personalised_bn") for k, _ in PARTITION_LABELS):
+        rows.append(row("FedGKT, personalised BN (not the headline)", TABLE1_BN["fedgkt-personalised"],
+                        ("fedgkt", lambda c: _label_cell(c, "global", "personalised_bn"), lambda c: _label_cell(c, "local", "personalised_bn"))))
+    rows.append(row("FedGKT's agents' ResNet-8", TABLE1_BN["fedgkt-edge"],
+                    ("fedgkt", lambda c: c["final_edge_accuracy"], lambda c: c["final_edge_local_accuracy"])))
+    rows.append(row("FedAvg (ResNet-56)", TABLE1_BN["fedavg"], ("fedavg-resnet56", *headline)))
+    for model, label in (("resnet56", "Centralized (ResNet-56)"), ("resnet8", "Centralized (ResNet-8)")):
+        rows.append(row(label, TABLE1_BN["centralized"], (None, *headline), central=f"centralized-{model}"))
+    header = ["Method", "BatchNorm statistics"] + [f"{label} {kind}" for _, label in PARTITION_LABELS for kind in ("global", "local")]
+
+    order = [f"{prefix}-{key}" for key, _ in PARTITION_LABELS for prefix in ("fedgkt", "fedavg-resnet56")]
+    order += ["centralized-resnet56", "centralized-resnet8"]
+    cost_rows = []
+    for name, cell in sorted(cells.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])):
+        cost_rows.append([f"`{name}`", _pm(cell["accuracy_round2"]), _pm(cell["edge_tflops"], 1.0, 2, ""),
+                          _pm(cell["wire_mb"], 1.0, 1, ""), _pm(cell["wall_min"], 1.0, 1, "")])
+    compare = []
+    for key, label in PARTITION_LABELS:
+        gkt, avg = cells.get(f"fedgkt-{key}"), cells.get(f"fedavg-resnet56-{key}")
+        if gkt and avg:
+            compare.append(f"- {label}: FedGKT − FedAvg, global {_verdict(gkt['final_accuracy'], avg['final_accuracy'])}; local "
+                           f"{_verdict(gkt['final_local_accuracy'], avg['final_local_accuracy'])}.")
+    round2, lowest = [], []
+    for key, label in PARTITION_LABELS:
+        if (avg := cells.get(f"fedavg-resnet56-{key}")) is not None and avg["accuracy_round2"]["values"]:
+            values = avg["accuracy_round2"]["values"]
+            round2.append(f"{label} {' / '.join(_pct(v) for v in values)}")
+            lowest.append(min(values))
+    met = "met" if lowest and min(lowest) >= ROUND2_FLOOR else "**not met**"
+    floor = [f"FedAvg's global accuracy after round 2, seed by seed: {'; '.join(round2)}. The setting is chosen so that "
+             f"FedAvg leaves chance by round 2, at least {100 * ROUND2_FLOOR:.0f}% in every seed: {met}.", ""] if round2 else []
+    per_seed = []
+    for key, r in sorted(data["runs"].items(), key=lambda kv: (kv[1]["name"], kv[1]["seed"])):
+        per_seed.append([f"`{r['name']}`", str(r["seed"]), " / ".join(_pct(x["accuracy"]) for x in r["rounds"]),
+                         " / ".join(_pct(x.get("local_accuracy")) for x in r["rounds"])])
+    paper = data["paper"]["table1_cifar10_resnet56"]
     return [
-        "## Accuracy (the paper's Tables 1-3, reduced scale)", "",
+        *head,
         f"From `bench/results/accuracy.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
-        f"Fashion-MNIST, {scale['agents']} agents, {scale['train_samples']:,} training / {scale['test_samples']:,} test samples, "
-        f"{scale['rounds']} rounds of {scale['passes_over_the_data_per_round']} pass over the data, {scale['optimizer']}, batch "
-        f"{scale['batch_size']}, seeds fixed. {timing}. Cells: final accuracy after the last round (best round in brackets). "
-        f"Accuracy is: {scale['accuracy_is']}.", "",
+        f"Fashion-MNIST, {scale['agents']} agents, {scale['train_samples']:,} training images "
+        f"({scale['train_samples'] // scale['agents']:,} per agent) and {scale['test_samples']:,} test images, {scale['rounds']} rounds "
+        f"of {scale['passes_over_the_data_per_round']} pass over the data, {scale['optimizer']}, batch {scale['batch_size']}; "
+        f"seeds {_seeds_text(seeds)}, each the data subset's, the partition's, the models' initialisation's and the shuffling's. "
+        f"{_budget_line(data)}", "",
         *quick_line,
         *incomplete,
-        "### Table 1: FedGKT vs FedAvg (and its family) vs centralized", "",
-        *_table(["Method", "IID", f"non-IID ({scale['partitions']['noniid']})"], table1),
+        "### Table 1: FedGKT vs FedAvg vs centralized", "",
+        f"{_eval_set_line(data, seeds)} **Global** accuracy: the deployed model(s) on that set after the last round; "
+        "**local**: each agent's deployed model on its own test shard (its share of the test subset, following its "
+        "training labels), sample-weighted. The BatchNorm statistics of every number: FedGKT's headline row is each "
+        "agent's extractor followed by the server model with the **server's running statistics** (accumulated over every "
+        "agent's batches), the mean over the agents; the row labelled *personalised BN* is the same model with **each "
+        "agent's own statistics** and is not the headline; FedGKT's agents' ResNet-8 use their own. FedAvg's global model "
+        "carries **BatchNorm statistics averaged over the agents** like every other weight: FedAvg gets no per-agent "
+        "BatchNorm statistics, so it has no personalised row. Centralized training sees the union of the agents' data "
+        "with the model's own running statistics (one run per seed, the same in both columns; no agents, so no local "
+        "accuracy). "
+        f"{_rule_line()}", "",
+        *_table(header, rows, right_from=2),
         "",
-        "What each federated run of Table 1 cost: edge training FLOPs summed over agents and rounds (forward + "
-        "backward, evaluation forwards included), bytes on the wire through the server's MQTT connection (both "
-        "directions, every message), and the run's wall time on this machine.", "",
-        *_table(["Method", "Partition", "Final acc.", "Edge TFLOPs", "Wire MB", "Wall min"], costs, right_from=2),
+        *([ "By the rule:", "", *compare, ""] if compare else []),
+        *floor,
+        "What each cell cost (training only; evaluation's costs are in the JSON apart): global accuracy after round 2, edge "
+        "training FLOPs summed over agents and rounds (forward + backward), bytes on the wire through the server's MQTT "
+        "connection (both directions, every training message) and the run's wall time on this machine, mean ± sd over seeds.", "",
+        *_table(["Run", "Global after round 2", "Edge TFLOPs", "Wire MB", "Wall min"], cost_rows),
         "",
-        *_gkt_vs_fedavg(runs),
-        f"Paper (CIFAR-10, ResNet-56, 200 rounds): FedGKT {paper['fedgkt']['iid']} / {paper['fedgkt']['noniid']}, FedAvg "
+        f"Paper (CIFAR-10, ResNet-56, 200 rounds, one seed): FedGKT {paper['fedgkt']['iid']} / {paper['fedgkt']['noniid']}, FedAvg "
         f"{paper['fedavg']['iid']} / {paper['fedavg']['noniid']}, centralized ResNet-56 {paper['centralized-resnet56']}, "
         f"ResNet-8 {paper['centralized-resnet8']}.", "",
-        *few_steps,
-        f"### Table 2: knowledge transfer ({scale['ablation_partition']})", "",
-        *_table(["KD", "Accuracy"], table2),
-        "",
-        f"### Table 3: synchronous vs asynchronous ({scale['ablation_partition']})", "",
-        *_table(["Mode", "Accuracy"], table3),
+        "Every seed's accuracy by round (global / local, the same sets as above):", "",
+        *_table(["Run", "Seed", "Global by round", "Local by round"], per_seed, right_from=2),
         "",
     ]
 
@@ -275,26 +405,42 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
 def _cumulative(series: Sequence[dict[str, Any]], key: str) -> list[float]:
     out, total = [], 0.0
     for r in series:
-        total += r[key]
+        total += r[key] or 0
         out.append(total)
     return out
 
 
+def _mean_series(runs: Sequence[dict[str, Any]], key: str) -> list[float]:
+    """Per round, the mean over seeds of a cumulative figure."""
+    series = [_cumulative(r["rounds"], key) for r in runs]
+    length = min(len(s) for s in series)
+    return [sum(s[i] for s in series) / len(series) for i in range(length)]
+
+
 def cost_curves(data: dict[str, Any], image_dir: Path | None) -> list[str]:
-    """Accuracy against what it cost, FedGKT vs FedAvg: cumulative edge training FLOPs and
-    cumulative wire bytes per round (a table, and two plots when ``image_dir`` is given)."""
-    runs = data["runs"]
-    pairs = [(f"{label} {key}", runs[f"{prefix}-{key}"]) for key in ("iid", "noniid")
-             for label, prefix in (("FedGKT", "fedgkt"), ("FedAvg (ResNet-56)", "fedavg-resnet56")) if f"{prefix}-{key}" in runs]
+    """Accuracy against what it cost, FedGKT vs FedAvg: mean ± sd over seeds of the global
+    accuracy per round, against the mean cumulative edge training FLOPs and wire bytes
+    (a table, and two plots when ``image_dir`` is given)."""
+    if not _new_format(data):
+        return []
+    cells = data["cells"]
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for r in data["runs"].values():
+        by_name.setdefault(r["name"], []).append(r)
+    pairs = [(f"{label} {plabel}", f"{prefix}-{key}") for key, plabel in PARTITION_LABELS
+             for label, prefix in (("FedGKT", "fedgkt"), ("FedAvg (ResNet-56)", "fedavg-resnet56")) if f"{prefix}-{key}" in cells]
     if not pairs:
         return []
     rows = []
-    for label, r in pairs:
-        flops = _cumulative(r["rounds"], "edge_train_flops")
-        for x, f in zip(r["rounds"], flops):
-            rows.append([label, str(x["round"]), _pct(x["accuracy"]), f"{f / 1e12:.2f}", _mb(x["cumulative_wire"])])
-    plots = (("accuracy_vs_edge_flops.png", "edge_train_flops", 1e12, "cumulative edge training TFLOPs (all agents)"),
-             ("accuracy_vs_wire_mb.png", "wire", 1e6, "cumulative MB on the wire (server's connection)"))
+    curves = []
+    for label, name in pairs:
+        flops, wire = _mean_series(by_name[name], "edge_train_flops"), _mean_series(by_name[name], "wire")
+        accuracy = cells[name]["accuracy_by_round"][:len(flops)]
+        curves.append((label, flops, wire, accuracy))
+        for i, (f, w, a) in enumerate(zip(flops, wire, accuracy)):
+            rows.append([label, str(i + 1), _pm(a), f"{f / 1e12:.2f}", _mb(w)])
+    plots = (("accuracy_vs_edge_flops.png", 1, 1e12, "cumulative edge training TFLOPs (all agents, mean over seeds)"),
+             ("accuracy_vs_wire_mb.png", 2, 1e6, "cumulative MB on the wire (server's connection, mean over seeds)"))
     images = [f"![{name}](img/{name})" for name, *_ in plots]
     if image_dir is not None:  # the page always links them; the files are written when rendering to disk
         import matplotlib
@@ -303,14 +449,15 @@ def cost_curves(data: dict[str, Any], image_dir: Path | None) -> list[str]:
         import matplotlib.pyplot as plt
 
         image_dir.mkdir(parents=True, exist_ok=True)
-        for name, key, scale, xlabel in plots:
+        for name, index, scale, xlabel in plots:
             fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-            for label, r in pairs:
-                xs = [v / scale for v in _cumulative(r["rounds"], key)]
-                ys = [100 * (x["accuracy"] or 0.0) for x in r["rounds"]]
-                ax.plot(xs, ys, marker="o", linestyle="--" if label.endswith("noniid") else "-", label=label)
+            for curve in curves:
+                label, xs = curve[0], [v / scale for v in curve[index]]
+                acc = curve[3]
+                ax.errorbar(xs, [100 * (a["mean"] or 0.0) for a in acc], yerr=[100 * (a["sd"] or 0.0) for a in acc], marker="o",
+                            capsize=3, linestyle="--" if "Dirichlet" in label else "-", label=label)
             ax.set_xlabel(xlabel)
-            ax.set_ylabel("test accuracy (%)")
+            ax.set_ylabel("global test accuracy (%), mean ± sd")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
             fig.tight_layout()
@@ -318,15 +465,113 @@ def cost_curves(data: dict[str, Any], image_dir: Path | None) -> list[str]:
             plt.close(fig)
     return [
         "### What each point of accuracy cost: FedGKT vs FedAvg", "",
-        "The same runs as Table 1, round by round: accuracy against the edge training FLOPs spent so far (all agents) and "
-        "the bytes moved so far through the server's MQTT connection.", "",
+        "The same runs as Table 1, round by round: global accuracy (mean ± sd over seeds) against the edge training FLOPs "
+        "spent so far (all agents) and the bytes moved so far through the server's MQTT connection (means over seeds).", "",
         *images, "",
-        *_table(["Run", "Round", "Accuracy", "Edge TFLOPs so far", "Wire MB so far"], rows, right_from=1),
+        *_table(["Run", "Round", "Global accuracy", "Edge TFLOPs so far", "Wire MB so far"], rows, right_from=1),
         "",
     ]
 
 
+METHOD_ROWS = (
+    ("FedGKD (ResNet-56)", "fedgkd-resnet56", "model", "the global model's averaged statistics"),
+    ("FedDistill (ResNet-56)", "feddistill-resnet56", "model", "the global model's averaged statistics"),
+    ("FedBE (ResNet-56)", "fedbe-resnet56", "model", "the distilled global model's averaged statistics"),
+    ("FedKD (mentors, ResNet-56)", "fedkd", "model", "each agent's mentor, its own statistics"),
+    ("FedKD (shared mentee, ResNet-8; not the headline)", "fedkd", "mentee", "the mentee's averaged statistics"),
+)
+
+
+def methods_section(data: dict[str, Any] | None, accuracy: dict[str, Any] | None) -> list[str]:
+    """Table 2 (FedGKT's KD ablation) and the other methods on Table 1's setting (bench/methods.py)."""
+    if data is None:
+        return ["### Table 2 and the other methods", "", "*`bench/results/methods.json` not found: run `bench/methods.py` "
+                "(FedGKD, FedDistill, FedBE, FedKD and FedGKT's KD ablation on Table 1's setting; not part of Table 1's budget).*", ""]
+    if not _new_format(data):
+        return ["### Table 2 and the other methods", "", *_awaits("methods", "bench/methods.py", "Table 2 and the other methods")]
+    scale, cells = data["scale"], data["cells"]
+    table1 = accuracy["cells"] if _new_format(accuracy) else {}  # type: ignore[index]
+
+    def read(cell: dict[str, Any] | None, where: str, label: str) -> dict[str, Any] | None:
+        if cell is None:
+            return None
+        if label == "model":
+            return cell["final_accuracy"] if where == "global" else cell["final_local_accuracy"]
+        return _label_cell(cell, where, label)
+
+    rows = []
+    for label, prefix, which, bn in METHOD_ROWS:
+        cols = [_pm(read(cells.get(f"{prefix}-{key}"), where, which)) for key, _ in PARTITION_LABELS for where in ("global", "local")]
+        if any(c != DASH for c in cols):
+            rows.append([label, bn, *cols])
+    abl = next((k for k, v in scale["partitions"].items() if v == scale["ablation_partition"]), "noniid")
+    kd_rows = [[label, _pm((cell or {}).get("final_accuracy")), _pm((cell or {}).get("final_local_accuracy"))]
+               for label, cell in (("None", cells.get(f"fedgkt-kd-none-{abl}")), ("S->E", cells.get(f"fedgkt-kd-s2e-{abl}")),
+                                   ("S<->E (Table 1's FedGKT)", table1.get(f"fedgkt-{abl}")))]
+    header = ["Method", "BatchNorm statistics"] + [f"{label} {kind}" for _, label in PARTITION_LABELS for kind in ("global", "local")]
+    return [
+        "### Other methods on Table 1's setting", "",
+        f"From `bench/results/methods.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}: Table 1's "
+        f"data, agents, rounds, batch and optimiser, seeds {_seeds_text(scale['seeds'])}. {_eval_set_line(data, scale['seeds'])} "
+        f"{_rule_line()} {_budget_line(data)}", "",
+        *_table(header, rows, right_from=2),
+        "",
+        f"### Table 2: knowledge transfer ({scale['ablation_partition']})", "",
+        "FedGKT with no KD, with the server's knowledge to the edges only (S->E), and both ways (S<->E, Table 1's run). "
+        "Global accuracy with the server's running BatchNorm statistics, as Table 1's headline.", "",
+        *_table(["KD", "Global", "Local"], kd_rows),
+        "",
+    ]
+
+
+def async_section(data: dict[str, Any] | None) -> list[str]:
+    """Table 3: FedGKT sync vs async on make demo's setting (bench/fedgkt_async.py)."""
+    head = ["### Table 3: synchronous vs asynchronous FedGKT", ""]
+    if data is None:
+        return head + ["*`bench/results/fedgkt_async.json` not found: run `bench/fedgkt_async.py` (FedGKT sync vs async on "
+                       "`make demo`'s setting, 3 seeds).*", ""]
+    if not _new_format(data):
+        return head + _awaits("fedgkt_async", "bench/fedgkt_async.py", "Table 3")
+    s, cells, idle, targets = data["setting"], data["cells"], data["idle_share"], data["targets"]
+    seeds = data["scale"]["seeds"]
+    rows = []
+    for mode in ("sync", "async"):
+        cell = cells.get(f"fedgkt-{mode}")
+        if cell is None:
+            continue
+        rows.append([mode, _pm(cell["final_accuracy"]), _pm(_label_cell(cell, "global", "personalised_bn")),
+                     _pm(cell["final_local_accuracy"]), _pm(cell["final_edge_accuracy"]), _pm(idle.get(mode)),
+                     _pm(cell["wall_min"], 1.0, 1, "")])
+    gap = targets.get("async_minus_sync") or {}
+    lines = []
+    if gap.get("points") is not None:
+        met = "met" if gap["within_target"] else "**not met**"
+        lines.append(f"Async − sync, global accuracy: {_verdict(cells['fedgkt-async']['final_accuracy'], cells['fedgkt-sync']['final_accuracy'])}. "
+                     f"Target, async within {targets['max_gap_points']:.0f} points of sync (mean over seeds): {met}.")
+    if "async_idle_share_within_target" in targets:
+        met = "met" if targets["async_idle_share_within_target"] else "**not met**"
+        lines.append(f"The agents' idle share in async: {_pm(idle.get('async'))}; target at most "
+                     f"{100 * targets['max_idle_share']:.0f}%: {met}.")
+    return [
+        *head,
+        f"From `bench/results/fedgkt_async.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
+        f"`make demo`'s run: `edgesplit local` with one server process and {s['agents']} agent processes (one torch thread "
+        f"each) on 2 cores, Fashion-MNIST, {s['train_samples']:,} training / {s['test_samples']:,} test images, "
+        f"{s['partition']}, {s['rounds']} rounds, FedGKT's defaults; seeds {_seeds_text(seeds)}. {_budget_line(data)}", "",
+        f"{_eval_set_line(data, seeds)} Global accuracy: each agent's extractor + the server model with the **server's running "
+        "BatchNorm statistics**, mean over agents (the headline); *personalised BN*: the same with each agent's own "
+        "statistics (labelled, not the headline); local: on each agent's own test shard; edges: the agents' ResNet-8. "
+        f"Idle share: {data['scale']['idle_share_is']}. {_rule_line()}", "",
+        *_table(["Mode", "Global", "Global, personalised BN", "Local", "Edges (ResNet-8), global", "Agents' idle share", "Wall min"], rows),
+        "",
+        *([" ".join(lines), ""] if lines else []),
+    ]
+
+
 def fedgkt_ablation_section(data: dict[str, Any]) -> list[str]:
+    if not _new_format(data):
+        return ["### Why FedGKT's server trailed its edges: one factor at a time", "",
+                *_awaits("fedgkt_ablation", "bench/fedgkt_ablation.py", "The one-factor-at-a-time ablation")]
     scale = data["scale"]
     runs = data["runs"]
     variants = data["variants"]
@@ -351,6 +596,7 @@ def fedgkt_ablation_section(data: dict[str, Any]) -> list[str]:
         "extractor + server model on the agents' test maps as the run reported it; the two BN columns are the last round's "
         "accuracy of the same server model with the running BatchNorm averages over all agents (global) and with each "
         "agent's own statistics (per agent), whatever the run used; Δ is the final server accuracy minus its base's, in points.", "",
+        _eval_set_line(data), "",
         *_table(["Variant", "Partition", "Change", "Server acc. by round", "Edges (final)", "Global BN", "Per-agent BN", "Δ"], rows, right_from=3),
         "",
         *_ablation_conclusion(runs),
@@ -391,6 +637,9 @@ def _step_cost_line(cost: dict[str, Any] | None) -> list[str]:
 
 
 def gkt_server_epochs_section(data: dict[str, Any]) -> list[str]:
+    if not _new_format(data):
+        return ["### FedGKT's server epochs per round", "",
+                *_awaits("gkt_server_epochs", "bench/gkt_server_epochs.py", "The server-epochs sweep")]
     scale = data["scale"]
     runs = sorted(data["runs"].values(), key=lambda r: r["server_epochs"])
     rows = [[str(r["server_epochs"]), f"{_pct(r['final_accuracy'])} ({_pct(r['best_accuracy'])})", _pct(r["final_edge_accuracy"]),
@@ -407,6 +656,7 @@ def gkt_server_epochs_section(data: dict[str, Any]) -> list[str]:
         *([] if any("bn_stats" in (r.get("method_config") or {}) for r in runs) else [
             "These runs predate FedGKT's shared initialisation and per-agent BatchNorm statistics (see above) and do not "
             "record their config: their accuracies are not comparable with Table 1's FedGKT rows, only with each other.", ""]),
+        _eval_set_line(data), "",
         *_table(["Server epochs", "Server acc. final (best)", "Agents' ResNet-8", "Server acc. by round", "Server training s",
                  "Run"], rows, right_from=1),
         "",
@@ -582,7 +832,8 @@ def memory_section(footprint: dict[str, Any], accuracy: dict[str, Any] | None) -
 
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("edge_cost", "comm_cost", "accuracy", "fedgkt_ablation", "gkt_server_epochs", "transport", "server_loop", "scale")}
+               for name in ("edge_cost", "comm_cost", "accuracy", "methods", "fedgkt_async", "fedgkt_ablation", "gkt_server_epochs",
+                            "transport", "server_loop", "scale")}
     quick = _load(results / "accuracy-quick.json")
     if sources["accuracy"] is not None and quick is not None:
         sources["accuracy"] = {**sources["accuracy"], "quick": quick}
@@ -597,7 +848,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "these are the same comparisons, made here.",
         "",
     ]
-    sections = (("accuracy", accuracy_section), ("fedgkt_ablation", fedgkt_ablation_section), ("gkt_server_epochs", gkt_server_epochs_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
+    sections = (("accuracy", accuracy_section), ("fedgkt_async", async_section), ("fedgkt_ablation", fedgkt_ablation_section), ("gkt_server_epochs", gkt_server_epochs_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section))
     footprint = _load(results / "footprint.json")
     if footprint is not None and "agent" in footprint:
@@ -612,6 +863,9 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         if name == "transport":
             lines += memory
         data = sources[name]
+        if data is None and name == "fedgkt_async":
+            lines += async_section(None)
+            continue
         if data is None:
             lines += [f"*`bench/results/{name}.json` not found: run `bench/{name}.py`.*", ""]
             continue
@@ -619,6 +873,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
             lines += section(data)
             if name == "accuracy":
                 lines += cost_curves(data, image_dir)
+                lines += methods_section(sources["methods"], data)
         except KeyError as exc:
             raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun bench/{name}.py") from None
     return "\n".join(lines)

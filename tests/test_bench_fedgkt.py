@@ -63,12 +63,21 @@ def test_the_recorded_ablation_shows_the_two_causes() -> None:
 
 def test_the_recorded_fedgkt_runs_meet_the_targets() -> None:
     """IID: the server model ends at least as good as its agents' ResNet-8 and within 2 points
-    of FedAvg (ResNet-56) or above, with no drop of more than 5 points after round 2."""
-    runs = _recorded("accuracy")["runs"]
-    gkt, avg = runs["fedgkt-iid"], runs["fedavg-resnet56-iid"]
-    assert gkt["method_config"]["edge_init"] == "shared" and gkt["method_config"]["bn_stats"] == "per_agent"
-    assert gkt["final_accuracy"] >= gkt["final_edge_accuracy"]
-    assert gkt["final_accuracy"] >= avg["final_accuracy"] - 0.02
-    accuracies = [r["accuracy"] for r in gkt["rounds"]]
-    assert len(accuracies) == len(avg["rounds"])  # the same rounds
+    of FedAvg (ResNet-56) or above, with no drop of more than 5 points after round 2. From the
+    single-seed runs of an accuracy.json that predates seeds, or from the means over seeds."""
+    data = _recorded("accuracy")
+    if data.get("eval_set") is None:
+        runs = data["runs"]
+        gkt, avg = runs["fedgkt-iid"], runs["fedavg-resnet56-iid"]
+        assert gkt["method_config"]["edge_init"] == "shared" and gkt["method_config"]["bn_stats"] == "per_agent"
+        final, edge, baseline = gkt["final_accuracy"], gkt["final_edge_accuracy"], avg["final_accuracy"]
+        accuracies = [r["accuracy"] for r in gkt["rounds"]]
+        assert len(accuracies) == len(avg["rounds"])  # the same rounds
+    else:
+        gkt, avg = data["cells"]["fedgkt-iid"], data["cells"]["fedavg-resnet56-iid"]
+        final, edge, baseline = gkt["final_accuracy"]["mean"], gkt["final_edge_accuracy"]["mean"], avg["final_accuracy"]["mean"]
+        accuracies = [r["mean"] for r in gkt["accuracy_by_round"]]
+        assert len(accuracies) == len(avg["accuracy_by_round"])  # the same rounds
+    assert final >= edge
+    assert final >= baseline - 0.02
     assert all(later >= earlier - 0.05 for earlier, later in zip(accuracies[1:], accuracies[2:]))

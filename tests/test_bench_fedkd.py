@@ -1,4 +1,4 @@
-"""bench/fedkd.py without training: its setting is bench/accuracy.py's, it reads FedKD's figures
+"""bench/fedkd.py without training: its setting is the baselines' as it was measured, it reads FedKD's figures
 from report.json (rounds[*].method), and it compares with the baselines' FedAvg run only on the
 same data. The recorded bench/results/fedkd.json has communication and accuracy."""
 
@@ -36,16 +36,22 @@ def _figures(threshold: float, up: float, down: float, sync: int) -> dict[str, A
 
 
 def test_setting_is_the_baselines(bench) -> None:  # type: ignore[no-untyped-def]
+    """The baselines' setting as fedkd.json was measured with it (pinned in bench/fedkd.py since
+    bench/accuracy.py moved to 4 agents and seeds), with bench/accuracy.py's batch and partitions."""
     accuracy = load("accuracy")
     runs = bench.plan(quick=False, learning_run=True)
-    quick = accuracy.SCALES["quick"]
     assert [r.key for r in runs] == ["iid", "noniid", "learning-iid"]
+    recorded = json.loads((RESULTS / "fedkd.json").read_text())["runs"]
+    for run in runs:
+        setting = recorded[run.key]["setting"]
+        assert (run.train_samples, run.test_samples, run.rounds, bench.AGENTS) == (
+            setting["train_samples"], setting["test_samples"], setting["rounds"], setting["agents"])
     for run in runs[:2]:
-        assert (run.train_samples, run.test_samples, run.rounds) == (quick.train_samples, quick.test_samples, quick.rounds)
+        assert (run.train_samples, run.test_samples, run.rounds) == tuple(bench.QUICK.values())
         assert run.mentor == "resnet56" and accuracy.PARTITIONS[run.partition] in ("iid", "dirichlet:0.5")
         assert run.method_config()["batch_size"] == accuracy.BATCH
         assert "schedule_rounds" not in run.method_config()  # Eq. 9 follows the run's rounds
-    assert runs[2].train_samples == accuracy.SCALES["full"].train_samples
+    assert runs[2].train_samples == bench.LEARNING["train_samples"]
     assert [r.key for r in bench.plan(quick=True, learning_run=True)] == ["iid"]
 
 

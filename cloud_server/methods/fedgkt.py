@@ -111,7 +111,7 @@ class FedGktConfig:
     # its training maps (at most bn_calibration_samples of them), the statistics its training
     # batches (one agent's maps each) were normalised with: in every evaluated round ("every"),
     # in the run's last round only ("final": it doubles the server's evaluation work), or never.
-    personalised_eval: str = "every"
+    personalised_eval: str = "final"
     bn_calibration_samples: int = 256
     # An extra figure in report.json: the server's training accuracy in its last epoch.
     eval_diagnostics: bool = False

@@ -128,10 +128,10 @@ def _accuracy_md(report: Mapping[str, Any]) -> list[str]:
         "Edge acc.: the models left on the devices where they differ from the deployed one, on the global set.", "",
     ]
     if last is not None and last.get("labels"):
-        rows = [[f"`{label}`", pct(last["accuracy"].get(label)), pct(last["local_accuracy"].get(label)), text]
+        rows = [[f"`{label}`", text, pct(last["accuracy"].get(label)), pct(last["local_accuracy"].get(label))]
                 for label, text in last["labels"].items()]
         lines += ["Last evaluated round, every model scored:", "",
-                  *table(["Model", "Global", "Local", "What it is"], rows, right_from=1), ""]
+                  *table(["Model", "What it is", "Global", "Local"], rows, right_from=2), ""]
     return lines
 
 

@@ -152,7 +152,7 @@ def test_each_agent_is_evaluated_with_the_servers_and_its_own_batchnorm_statisti
     """Two agents whose extractors speak different "feature languages" (maps of different scale):
     the headline scores each agent's test maps with the server's running statistics; the
     personalised figure with the statistics of that agent's own training maps."""
-    server = FedGktServer(CTX, {"server_batch_size": 8, "eval_diagnostics": True})
+    server = FedGktServer(CTX, {"server_batch_size": 8, "eval_diagnostics": True, "personalised_eval": "every"})
     looks = {"a": (1.0, 0.0), "b": (6.0, 3.0)}
     uploads = {agent: (_upload(k, 24, "train", *looks[agent]), _upload(10 + k, 12, "test", *looks[agent])) for k, agent in enumerate(looks)}
     for agent, (train, _test) in uploads.items():

@@ -163,7 +163,10 @@ class RoundScheduler(ABC):
         """While rounds are open: nudge participants whose round_end got lost, and log at least
         once a minute who the server still waits for and why."""
         loop, now = self.loop, time.monotonic()
-        for rnd in rounds:
+        # Messages already received but not handled yet (the server was busy, e.g. training on
+        # another agent's upload in async mode) may hold the round_end: no agent is nudged then.
+        caught_up = loop.transport.backlog() == 0
+        for rnd in rounds if caught_up else ():
             for agent in rnd.waiting_for():
                 if self.registry.to_nudge(agent, loop.NUDGE_AFTER_S):
                     log.warning("agent %s said it finished round %d %.0f s ago but its round_end has not arrived; "

@@ -305,6 +305,10 @@ class Transport(ABC):
         """(incomplete transfers, bytes of them held) from topic ``source`` now."""
         return 0, 0
 
+    def backlog(self) -> int:
+        """Complete inbound messages received and not yet taken by ``receive``."""
+        return 0
+
 
 # --------------------------------------------------------------------------- #
 # MQTT
@@ -777,6 +781,9 @@ class MqttTransport(Transport):
         with self._reasm_lock:
             return len(self._reassembler.open_transfers(source)), self._reassembler.held_by(source)
 
+    def backlog(self) -> int:
+        return self._inbox.qsize()
+
 
 # --------------------------------------------------------------------------- #
 # In memory
@@ -878,6 +885,9 @@ class InMemoryTransport(Transport):
             return self._inbox.get(timeout=timeout_s)
         except queue.Empty:
             return None
+
+    def backlog(self) -> int:
+        return self._inbox.qsize()
 
 
 def make_transport(config: TransportConfig) -> MqttTransport:

@@ -238,3 +238,33 @@ def test_a_sequential_round_with_evaluation_ends_within_one_deadline(tmp_path: P
     messages = [r.getMessage() for r in caplog.records]
     assert "round 1 deadline passed before agent agent-2's turn" in messages
     assert "round 1: evaluated without the evaluation reports of agent-0" in messages
+
+
+def test_no_agent_is_nudged_while_received_messages_wait(tmp_path: Path) -> None:
+    """In async mode the server trains on one agent's upload for longer than NUDGE_AFTER_S
+    while another agent's round_end, already received, waits in its inbox behind its 'idle'
+    status. That agent is not asked to redo its round: nobody is nudged until the server has
+    taken every message it received."""
+    from shared_protocol.messages import Hello
+    from shared_protocol.transport import Delivery
+
+    broker = InMemoryBroker()
+    cfg = server_config(tmp_path, run_id="busy", agents=1, rounds=1)
+    coordinator = make_server(cfg, InMemoryTransport(broker, "server"))
+    hello = Hello(run="busy", round=0, sender="agent-0", cpu_model="x", arch="x86_64", cores=1, memory_bytes=1,
+                  backend="torch", num_samples=8, class_counts=[8], methods=["fedgkt"])
+    state = coordinator.registry.join("agent-0", hello)
+    rnd = coordinator._open(1)
+    rnd.participants.add("agent-0")
+    coordinator.registry.assign("agent-0", 1)
+    long_ago = time.monotonic() - 10 * Coordinator.NUDGE_AFTER_S
+    state.assigned_at, state.status, state.status_at, state.last_heard_at = long_ago - 1, "idle", long_ago, long_ago
+    sent: list[object] = []
+    coordinator._send = lambda agent, msg: sent.append(msg)  # type: ignore[method-assign]
+    coordinator.transport._inbox.put(Delivery("edgesplit/v1/busy/up/agent-0", b"x", "t", 1, time.time()))  # type: ignore[attr-defined]
+    assert coordinator.transport.backlog() == 1
+    coordinator.scheduler.watch([rnd])
+    assert sent == []  # its round_end may be the message waiting
+    coordinator.transport.receive(0.1)
+    coordinator.scheduler.watch([rnd])
+    assert [type(m).__name__ for m in sent] == ["Discover"]  # caught up and still nothing: asked again

@@ -32,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
 from cloud_server.assemble import build_server  # noqa: E402
 from cloud_server.centralized import CentralizedTrainer  # noqa: E402
 from cloud_server.config import ServerConfig  # noqa: E402
-from edge_agent.agent import EdgeAgent  # noqa: E402
+from edge_agent.agent import EdgeAgent, agent_data_spec  # noqa: E402
 from edge_agent.config import DataConfig, EdgeConfig, MemoryConfig  # noqa: E402
 from edge_agent.simulate import shards  # noqa: E402
 from shared_protocol.hostinfo import host_info  # noqa: E402
@@ -104,8 +104,16 @@ def run_centralized(run: RunSpec, data: DataSpec, out: Path) -> dict[str, Any]:
     return CentralizedTrainer(config).run()
 
 
-def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2) -> dict[str, Any]:
-    """One run over a fresh broker; returns the run report (also written to ``out``)."""
+def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2, test_share: str = "own",
+                   on_done: Any = None) -> dict[str, Any]:
+    """One run over a fresh broker; returns the run report (also written to ``out``).
+
+    ``test_share = "balanced"``: every agent's test share is the whole seeded test subset
+    (label-balanced) instead of its partition's share, training shares unchanged; the run's
+    accuracies are then those of each agent's pipeline on the balanced set. ``on_done(agents)``,
+    if given, is called with the stopped :class:`EdgeAgent` instances (e.g. to keep their models)."""
+    if test_share not in ("own", "balanced"):
+        raise ValueError(f"test_share must be 'own' or 'balanced', got {test_share!r}")
     if run.method == "centralized":
         return run_centralized(run, data, out)
     broker = LocalBroker(out / "broker").start()
@@ -117,7 +125,11 @@ def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2) ->
                           train_samples=data.train_samples, test_samples=data.test_samples)
         lock = threading.Lock()
         agents = []
-        for i, shard in enumerate(shards(base, data.agents)):
+        agent_shards = shards(base, data.agents)
+        if test_share == "balanced":
+            whole_test = agent_data_spec(base).subset()[1]
+            agent_shards = [(train, whole_test) for train, _test in agent_shards]
+        for i, shard in enumerate(agent_shards):
             cfg = EdgeConfig(agent_id=f"agent-{i}", run_id=run.name, broker_url=url, progress=False, threads=threads,
                              data=dataclasses.replace(base, agent_index=i), memory=MemoryConfig(**run.memory))
             agents.append(EdgeAgent(cfg, data=shard, compute_lock=lock))
@@ -140,6 +152,8 @@ def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2) ->
             a.stop()
         for t in workers:
             t.join(30)
+        if on_done is not None and not errors:
+            on_done(agents)
         if errors:
             raise errors[0]
         return result

@@ -55,9 +55,9 @@ def tiny_server_model(monkeypatch: pytest.MonkeyPatch) -> None:
 CONFIG = {"server_batch_size": 8, "server_epochs": 2, "lr_schedule": "none", "server_lr": 0.01}
 
 
-def _server(server_step: str = "auto") -> FedGktServer:
+def _server(server_step: str = "auto", **config: object) -> FedGktServer:
     ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0, server_step=server_step)
-    return FedGktServer(ctx, dict(CONFIG))
+    return FedGktServer(ctx, {**CONFIG, **config})
 
 
 def _uploads() -> dict[str, list]:
@@ -94,17 +94,22 @@ def _plain_loop(server: FedGktServer) -> tuple[dict[str, dict[int, np.ndarray]],
     z_s = [np.zeros((len(data[a][3]), 10), np.float32) for a in agents]
     total, n_total = 0.0, 0
     for epoch in range(c.server_epochs):
-        for k, idx in server._batches(data, generator):
-            features, edge_logits, labels, _ids = data[agents[k]]
-            logits = server.model(features[idx].to(torch.float32))
-            loss = F.cross_entropy(logits, labels[idx]) + c.edge.alpha * kd_loss(logits, edge_logits[idx], c.edge.temperature)
+        for plan in server._batches(data, generator):  # [(agent position, rows)], one piece per agent in the batch
+            features = torch.cat([data[agents[k]][0][idx].to(torch.float32) for k, idx in plan])
+            edge_logits = torch.cat([data[agents[k]][1][idx] for k, idx in plan])
+            labels = torch.cat([data[agents[k]][2][idx] for k, idx in plan])
+            logits = server.model(features)
+            loss = F.cross_entropy(logits, labels) + c.edge.alpha * kd_loss(logits, edge_logits, c.edge.temperature)
             server.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             server.optimizer.step()
             if epoch == c.server_epochs - 1:
-                z_s[k][idx.numpy()] = logits.detach().cpu().numpy()
-                total += float(loss.item()) * len(idx)
-                n_total += len(idx)
+                start = 0
+                for k, idx in plan:
+                    z_s[k][idx.numpy()] = logits[start : start + len(idx)].detach().cpu().numpy()
+                    start += len(idx)
+                total += float(loss.item()) * len(labels)
+                n_total += len(labels)
     return ({a: {int(i): row for i, row in zip(data[a][3], z_s[k])} for k, a in enumerate(agents)}, total / n_total)
 
 
@@ -121,6 +126,16 @@ def test_the_shared_step_gives_the_plain_loops_losses_and_sample_keyed_logits(ti
     logits, loss = _run(fast)
     assert fast._trainer().steps["eager"] == 2 * (3 + 2)  # 2 epochs of ceil(20/8) + ceil(13/8) batches
     plain_logits, plain_loss = _plain_loop(_server("eager"))
+    assert math.isclose(loss, plain_loss, rel_tol=1e-6)
+    _assert_same(logits, plain_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_mixed_batches_give_the_plain_loops_losses_and_sample_keyed_logits(tiny_server_model: None) -> None:
+    """server_order = "mixed": batches of rows from several agents; each row's z_s goes back to its agent by id."""
+    fast = _server("eager", server_order="mixed")
+    logits, loss = _run(fast)
+    assert fast._trainer().steps["eager"] == 2 * 5  # 2 epochs of ceil(33/8) batches over the union
+    plain_logits, plain_loss = _plain_loop(_server("eager", server_order="mixed"))
     assert math.isclose(loss, plain_loss, rel_tol=1e-6)
     _assert_same(logits, plain_logits, rtol=1e-6, atol=1e-6)
 

@@ -48,6 +48,7 @@ from .base import RoundOutcome, ServerContext, ServerMethod, register_server_met
 log = logging.getLogger("cloud_server.fedgkt")
 
 KD_MODES = ("bidirectional", "s2e", "none")
+SERVER_ORDERS = ("shuffled", "per_agent", "mixed")
 
 # The paper's hyper-parameters, Table 10 (CIFAR-10; Tables 11 and 12 give the same for
 # CIFAR-100 and CINIC-10): one optimiser row for FedGKT, used on both sides; batch 256;
@@ -123,7 +124,7 @@ class FedGktConfig:
         check_choice(self.mode, ("sync", "async"), "fedgkt.mode")
         check_choice(self.kd, KD_MODES, "fedgkt.kd")
         check_optimizer(self.server_optimizer, "fedgkt.server_optimizer")
-        check_choice(self.server_order, ("shuffled", "per_agent"), "fedgkt.server_order")
+        check_choice(self.server_order, SERVER_ORDERS, "fedgkt.server_order")
         check_choice(self.lr_schedule, LR_SCHEDULES, "fedgkt.lr_schedule")
         if min(self.server_epochs, self.server_batch_size, self.bn_calibration_samples) < 1 or self.server_lr <= 0:
             raise ValueError("fedgkt.server_epochs, server_batch_size, bn_calibration_samples must be >= 1 and server_lr > 0, "
@@ -361,24 +362,34 @@ class FedGktServer(ServerMethod):
             # The round's training is done (or failed): its staged features, and spill files, go.
             self.staging.release_all([d[0].staged for d in data.values()])
 
-    def _batches(self, data: dict[str, tuple], generator: torch.Generator) -> list[tuple[int, torch.Tensor]]:
-        """One epoch's batches as (agent position, sample indices into that agent's data).
+    def _batches(self, data: dict[str, tuple], generator: torch.Generator) -> list[list[tuple[int, torch.Tensor]]]:
+        """One epoch's batches, each a list of (agent position, sample indices into that
+        agent's data) pieces.
 
         Eq. 8 sums the loss over all agents' samples; Algorithm 1 walks it agent by
-        agent. ``server_order = "per_agent"`` keeps that walk; the default
-        ``"shuffled"`` draws batches from the union, which keeps the server from
-        forgetting earlier agents' feature maps within an epoch (each agent's
-        extractor speaks its own "feature language") and keeps BatchNorm's
-        running statistics representative of all agents.
+        agent. ``server_order = "per_agent"`` keeps that walk; ``"shuffled"`` shuffles
+        the order of the per-agent batches (each batch still one agent's maps), which keeps
+        the server from forgetting earlier agents' feature maps within an epoch;
+        ``"mixed"`` draws every batch from the union of all agents' maps, so no batch (and
+        no BatchNorm batch statistic) belongs to one agent.
         """
         c = self.config
+        sizes = [len(d[3]) for d in data.values()]
+        if c.server_order == "mixed":
+            agent_of = torch.cat([torch.full((n,), k, dtype=torch.long) for k, n in enumerate(sizes)])  # (N,)
+            row_of = torch.cat([torch.arange(n) for n in sizes])  # (N,)
+            plans = []
+            for chunk in torch.randperm(len(agent_of), generator=generator).split(c.server_batch_size):
+                pieces = [(k, row_of[chunk[agent_of[chunk] == k]]) for k in range(len(sizes))]
+                plans.append([(k, rows) for k, rows in pieces if len(rows)])
+            return plans
         per_agent = [
-            [(k, chunk) for chunk in torch.randperm(len(d[3]), generator=generator).split(c.server_batch_size)]
-            for k, d in enumerate(data.values())
+            [[(k, chunk)] for chunk in torch.randperm(n, generator=generator).split(c.server_batch_size)]
+            for k, n in enumerate(sizes)
         ]
-        if c.server_order == "per_agent":
-            return [b for batches in per_agent for b in batches]
         flat = [b for batches in per_agent for b in batches]
+        if c.server_order == "per_agent":
+            return flat
         order = torch.randperm(len(flat), generator=generator).tolist()
         return [flat[i] for i in order]
 
@@ -403,16 +414,27 @@ class FedGktServer(ServerMethod):
         train_correct = DeviceSum(device)
 
         def batches(epoch: int):  # -> Iterator[Batch of maps (B, 16, H, W), labels (B,), edge logits (B, K)]
-            for k, idx in self._batches(data, generator):
-                index = idx.to(device, non_blocking=True)  # (B,)
-                # The host's copy of the index for maps left on the host: no wait for the device.
-                yield Batch(banks[k].gather(idx, torch.float32), (labels[k][index], edge_logits[k][index]), meta=(k, index))
+            for plan in self._batches(data, generator):
+                # (agent position, rows on the device); the host's copy of the rows gathers maps
+                # left on the host without waiting for the device.
+                pieces = [(k, idx, idx.to(device, non_blocking=True)) for k, idx in plan]
+                if len(pieces) == 1:
+                    (k, idx, index), = pieces
+                    yield Batch(banks[k].gather(idx, torch.float32), (labels[k][index], edge_logits[k][index]),
+                                meta=[(k, index)])
+                    continue
+                yield Batch(torch.cat([banks[k].gather(idx, torch.float32) for k, idx, _ in pieces]),
+                            (torch.cat([labels[k][index] for k, _, index in pieces]),
+                             torch.cat([edge_logits[k][index] for k, _, index in pieces])),
+                            meta=[(k, index) for k, _, index in pieces])
 
         def keep_last_epoch_logits(trainer: Trainer) -> None:
             if trainer.last_epoch:
-                k, index = trainer.batch.meta
                 logits = trainer.out.logits  # (B, K)
-                z_s[k].index_copy_(0, index, logits.float())  # keyed by row: by sample id
+                start = 0
+                for k, index in trainer.batch.meta:  # the batch's rows are its pieces', in order
+                    z_s[k].index_copy_(0, index, logits[start : start + len(index)].float())  # keyed by row: by sample id
+                    start += len(index)
                 train_correct.add((logits.argmax(1) == trainer.batch.targets[0]).sum())
 
         steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs

@@ -123,8 +123,6 @@ def comm_cost_section(data: dict[str, Any]) -> list[str]:
         for hit in r.get("to_targets", []):
             cells.append(DASH if hit["rounds"] is None else f"{_mb(hit['wire_bytes'])} (r{hit['rounds']}; formula {_mb(hit['analytic_bytes'])})")
         target_rows.append([f"`{name}`", *cells])
-    check = data["paper_fig5_check"]
-    formulas = sorted({r["analytic"]["formula"] for r in runs.values()})
     return [
         "## Communication (the paper's Fig. 5, Eqs. 12-13)", "",
         f"From `bench/results/comm_cost.json` (`bench/comm_cost.py`), measured {_machine_line(data['machine'])}. "
@@ -141,22 +139,11 @@ def comm_cost_section(data: dict[str, Any]) -> list[str]:
         "",
         *_table(["Run", *[f"to {_pct(t)}" for t in targets]], target_rows),
         "",
-        *([] if all("bn_stats" in r["method_config"] for r in runs.values() if r["method"] == "fedgkt") else [
+        *([] if all("personalised_eval" in r["method_config"] for r in runs.values() if r["method"] == "fedgkt") else [
             "The FedGKT runs here predate its shared initialisation and per-agent BatchNorm statistics (see the ablation "
             "above): their bytes per round are today's (plus about 42 KB per agent once, for the initial weights), but "
             "their rounds to each target are the old defaults' (today's, round by round: the cost table under Table 1).", ""]),
-        "Measured = MQTT packets through the server's connection, both directions, every message of the round "
-        "(uploads, answers, RoundStart, evaluation traffic, frame headers). Formulas, for the same sizes "
-        f"(fp32 feature map {data['sizes']['feature_map_bytes_fp32']:,} B, soft labels {data['sizes']['soft_labels_bytes']} B):",
-        "",
-        *[f"- {f}" for f in formulas],
-        "",
-        f"The paper's Fig. 5 (ResNet-56, CIFAR-10: SL {check['sl_gb']} GB, FedGKT {check['fedgkt_gb']} GB) implies, with "
-        f"these formulas and 50,000 samples, {check['implied_sl_epochs_if_gb_is_1e9']:.1f} SL epochs and "
-        f"{check['implied_fedgkt_rounds_if_gb_is_1e9']:.1f} FedGKT rounds (GB = 10^9 B; "
-        f"{check['implied_sl_epochs_if_gb_is_2pow30']:.1f} and {check['implied_fedgkt_rounds_if_gb_is_2pow30']:.1f} for GiB): "
-        "the same count for both, so its 2× gap is (map + gradient) ÷ (map + soft labels), not fewer rounds to converge.",
-        "",
+        *_comm_cost_paper_lines(data),
         *_codec_accuracy(runs),
     ]
 

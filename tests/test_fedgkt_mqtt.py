@@ -78,7 +78,9 @@ def test_two_agents_two_rounds_over_mosquitto(mosquitto, tmp_path: Path, mode: s
     for name in ("rounds.csv", "summary.md", "accuracy_vs_round.png", "accuracy_vs_wire_mb.png"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     # Bytes on the wire in the report agree with what an independent client saw.
-    reported = on_disk["totals"]["wire_total"]
+    # (training's and evaluation's: the report keeps them apart).
+    evaluation = on_disk["totals"]["eval_bytes"]
+    reported = on_disk["totals"]["wire_total"] + evaluation["up_wire"] + evaluation["down_wire"]
     assert reported == pytest.approx(observer.wire_bytes, rel=0.05)
     assert report["totals"]["edge_train_flops"] > 0
 

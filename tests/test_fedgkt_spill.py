@@ -13,7 +13,7 @@ import torch
 from cloud_server.feature_store import ArrayStaging
 from cloud_server.methods import ServerContext
 from cloud_server.methods.fedgkt import FedGktConfig, FedGktServer
-from shared_protocol.messages import RoundEnd
+from shared_protocol.messages import EvalReport, RoundEnd
 from shared_protocol.methods.fedgkt import GktFeatures
 
 CTX = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
@@ -34,7 +34,7 @@ def _batch(agent: int, split: str, seq: int, ids: np.ndarray, salt: int = 0) -> 
 
 def _uploads() -> dict[str, list[GktFeatures]]:
     """Two agents, three train batches each (one sent twice, as a resend; one overlapping
-    the others' sample ids), one test batch."""
+    the others' sample ids), one test batch (evaluation's, sent after the round's step)."""
     out = {}
     for a in range(2):
         base = 100 * a
@@ -50,7 +50,7 @@ def _uploads() -> dict[str, list[GktFeatures]]:
 
 def _end(agent: str) -> RoundEnd:
     return RoundEnd(run="u", round=1, sender=agent, num_samples=18, instance=f"i{agent[1:]}",
-                    uploads={"train": {"batches": 3, "samples": 18}, "test": {"batches": 1, "samples": 6}})
+                    uploads={"train": {"batches": 3, "samples": 18}})
 
 
 def _run(config: dict, spill_dir: Path, rounds: int = 2) -> tuple[FedGktServer, list, list[list[Path]]]:
@@ -58,11 +58,20 @@ def _run(config: dict, spill_dir: Path, rounds: int = 2) -> tuple[FedGktServer, 
     server = FedGktServer(CTX, {"server_batch_size": 6, "spill_dir": str(spill_dir), **config})
     outcomes, files_while_staged = [], []
     for _ in range(rounds):
-        for agent, batches in _uploads().items():
+        uploads = _uploads()
+        for agent, batches in uploads.items():
             for msg in batches:
-                server.on_upload(agent, msg)
+                if msg.split == "train":
+                    server.on_upload(agent, msg)
         files_while_staged.append(sorted(spill_dir.glob("*.npy")) if spill_dir.exists() else [])
-        outcomes.append(server.complete(1, {a: _end(a) for a in ("a0", "a1")}, evaluate=True))
+        outcome = server.complete(1, {a: _end(a) for a in ("a0", "a1")}, evaluate=True)
+        for agent, batches in uploads.items():  # the evaluation's test maps, staged the same way
+            for msg in batches:
+                if msg.split == "test":
+                    server.on_upload(agent, msg)
+        ev = server.evaluation(1, {a: EvalReport(run="u", round=1, sender=a, instance=f"i{a[1:]}") for a in ("a0", "a1")})
+        outcome.local = ev.local["model"]  # type: ignore[attr-defined]
+        outcomes.append(outcome)
     return server, outcomes, files_while_staged
 
 
@@ -80,13 +89,13 @@ def test_spilled_features_train_to_the_same_result_and_are_deleted(tmp_path: Pat
     assert all(len(f) >= 1 for f in files) and spilled.staging.files_written >= 4
     if bound:
         assert spilled.staging.peak_in_memory_bytes <= bound
-    # ... and once the round is trained, none is left.
+    # ... and once the round is trained and evaluated, none is left.
     assert list((tmp_path / "spill").glob("*")) == [] and spilled.staging.files == []
     assert spilled.staging.in_memory_bytes == 0 and spilled.staging.spilled_bytes == 0
     for want, have in zip(expected, got):
         assert have.used_agents == want.used_agents == ["a0", "a1"]
-        assert (have.correct, have.total, have.samples) == (want.correct, want.total, want.samples)
-        assert want.total == 12 and want.samples == 2 * 12  # 18 uploaded per agent, 6 of them twice
+        assert (have.local, have.samples) == (want.local, want.samples)
+        assert sum(t for _, t in want.local.values()) == 12 and want.samples == 2 * 12  # 18 uploaded per agent, 6 of them twice
         assert have.server_loss == want.server_loss
         for (agent_w, msg_w), (agent_h, msg_h) in zip(want.downloads, have.downloads):
             assert agent_w == agent_h

@@ -209,3 +209,18 @@ def test_without_the_personalised_evaluation_nothing_is_calibrated() -> None:
 
 
 # nothing calibrated without the diagnostics
+
+
+def test_an_agents_next_round_keeps_its_test_maps_of_the_last() -> None:
+    """Async: an agent streams its test maps of round 1, then starts round 2 and uploads its
+    training maps before round 1's record closes; round 1's evaluation still has the maps."""
+    server = FedGktServer(CTX, {"server_batch_size": 8, "personalised_eval": "off"})
+    server.on_upload("a", _upload(0, 16, "train", 1.0, 0.0))
+    server.complete(1, {"a": _round_end(16)}, evaluate=True)
+    server.on_upload("a", _upload(1, 8, "test", 1.0, 0.0))
+    next_round = _upload(2, 16, "train", 1.0, 0.0)
+    next_round.round = 2
+    server.on_upload("a", next_round)
+    ev = server.evaluation(1, {"a": _report("a")})
+    assert ev.local["model"]["a"][1] == 8
+    assert set(server.staged) == {"a"} and server.staged["a"].round == 2  # round 2's maps are still staged

@@ -272,31 +272,26 @@ class FedGktServer(ServerMethod):
             self.feature_shape = shape
         elif shape != self.feature_shape:
             raise ShapeMismatchError(f"feature maps {shape}, earlier uploads were {self.feature_shape}")
-        if msg.split == "test":  # evaluation's: kept apart (in async mode the agent is in its next round by now)
-            held = self.eval_staged.get(agent)
-            if held is None or held.instance != msg.instance or held.round != msg.round:
-                self._release_eval(agent)
-                held = self.eval_staged[agent] = StagedUploads(msg.instance, msg.round)
-            held.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
-            return None
-        staged = self.staged.get(agent)
-        if staged is None or staged.instance != msg.instance or staged.round != msg.round:
-            # A new process (restart) or a new round: what the old one staged is void.
-            self.discard(agent)
-            staged = self.staged[agent] = StagedUploads(msg.instance, msg.round)
-        staged.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
+        # Test maps are evaluation's: kept apart (in async mode the agent is in its next round by
+        # the time they arrive, and its next round's training maps must not void them).
+        if any(h.instance != msg.instance for h in (self.staged.get(agent), self.eval_staged.get(agent)) if h is not None):
+            self.discard(agent)  # a new process (restart): everything its predecessor staged is void
+        store = self.eval_staged if msg.split == "test" else self.staged
+        held = store.get(agent)
+        if held is None or held.round != msg.round:
+            self._release(store, agent)  # a new round: this kind's earlier uploads are void
+            held = store[agent] = StagedUploads(msg.instance, msg.round)
+        held.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
         return None
 
-    def _release_eval(self, agent: str) -> None:
-        held = self.eval_staged.pop(agent, None)
+    def _release(self, store: dict[str, StagedUploads], agent: str) -> None:
+        held = store.pop(agent, None)
         if held is not None:
             self.staging.release_all([b.features for b in held.batches()])
 
     def discard(self, agent: str) -> None:
-        self._release_eval(agent)
-        staged = self.staged.pop(agent, None)
-        if staged is not None:
-            self.staging.release_all([b.features for b in staged.batches()])
+        self._release(self.eval_staged, agent)
+        self._release(self.staged, agent)
 
     def check_round_end(self, agent: str, end: RoundEnd) -> list[tuple[str, Message]]:
         """Batches the agent says it sent but that never arrived (e.g. lost with a

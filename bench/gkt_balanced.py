@@ -16,7 +16,12 @@ on a label-balanced set:
     python bench/gkt_balanced.py --variant base --seed 0 --out runs-gkt/base-s0
     python bench/gkt_balanced.py --variant base --set kd=s2e --seed 0 --out runs-gkt/s2e-s0
 
-Writes ``summary.json`` next to the run's ``report.json`` in ``--out``.
+Writes ``summary.json`` next to the run's ``report.json`` in ``--out``;
+
+    python bench/gkt_balanced.py --collect runs-gkt
+
+gathers every ``*/summary.json`` under a folder into ``bench/results/gkt_balanced.json``
+and prints the table (docs/methods/fedgkt.md, "Non-IID agents and the balanced test set").
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _federation import DataSpec, RunSpec, machine, quiet_logs, run_federation, write_json
+from _federation import RESULTS, DataSpec, RunSpec, machine, quiet_logs, run_federation, write_json
 
 
 def parse_value(text: str) -> Any:
@@ -53,8 +58,24 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             "total_round_s": sum(times), "rounds": rounds}
 
 
+def collect(folder: Path) -> None:
+    runs = []
+    for path in sorted(folder.glob("*/summary.json")):
+        s = json.loads(path.read_text())
+        s.pop("machine", None)
+        runs.append({"run": path.parent.name, **s})
+    write_json(RESULTS / "gkt_balanced.json", {"what": __doc__.split("\n\n")[0], "runs": runs})
+    print(f"{'run':28} {'seed':>4} {'global':>7} {'per-agent':>9} {'edge':>6} {'train':>6} {'round s':>8}  test share")
+    for r in runs:
+        f = r["final"]
+        pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
+        print(f"{r['run']:28} {r['seed']:>4} {pct(f.get('accuracy_global_bn')):>7} {pct(f.get('accuracy_per_agent_bn')):>9} "
+              f"{pct(f.get('edge_accuracy')):>6} {pct(f.get('server_train_accuracy')):>6} {r['mean_round_s']:>8.1f}  {r['test_share']}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--collect", type=Path, help="gather the runs under this folder into bench/results/gkt_balanced.json")
     p.add_argument("--variant", default="base", help="a label for the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=6)
@@ -65,8 +86,13 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=1, help="evaluation rounds (the last round always evaluates)")
     p.add_argument("--test-share", choices=("own", "balanced"), default="balanced")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a [fedgkt] key (JSON value or string)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if args.collect:
+        collect(args.collect)
+        return
+    if args.out is None:
+        p.error("--out is required")
     quiet_logs()
     config: dict[str, Any] = {"eval_diagnostics": True}
     for item in args.set:

@@ -81,10 +81,24 @@ def main() -> None:
     train = [images_of(tr) for tr, _ in agent_shards]
     pooled_x = torch.cat([x for x, _ in train])
     rows = []
-    for k, (tx, ty) in enumerate(train):
+    edges = []
+    for k, (tx, _ty) in enumerate(train):
         prefix = f"agent-{k}/model/"
         edge = build_model("resnet8", num_classes, tx.shape[1])
         load_arrays_into(edge, {key[len(prefix):]: edges_npz[key] for key in edges_npz.files if key.startswith(prefix)})
+        edges.append(edge)
+    # Every agent's training maps through its own extractor: what the server trained on.
+    pooled_maps = torch.cat([extract(e, tx) for e, (tx, _) in zip(edges, train)])
+    pooled_y = torch.cat([ty for _, ty in train])
+    # ... resampled so that every class weighs the same (rows drawn with replacement).
+    g = torch.Generator().manual_seed(0)
+    weights = (1.0 / torch.bincount(pooled_y, minlength=num_classes).float())[pooled_y]
+    balanced_rows = torch.multinomial(weights, len(pooled_y), replacement=True, generator=g)
+    calibrations = {}
+    for name, maps in (("pooled_train_bn", pooled_maps), ("pooled_balanced_bn", pooled_maps[balanced_rows])):
+        calibrations[name] = measure_bn_statistics(server, (maps[i : i + 256] for i in range(0, len(maps), 256)))
+    for k, (tx, ty) in enumerate(train):
+        edge = edges[k]
         mix = torch.bincount(ty, minlength=num_classes).float() / len(ty)
         held = mix >= 0.05
         test_maps, train_maps = extract(edge, test_x), extract(edge, tx)
@@ -105,6 +119,10 @@ def main() -> None:
             with restoring_bn_statistics(server):
                 load_bn_statistics(server, measure_bn_statistics(server, (maps[i : i + 256] for i in range(0, len(maps), 256))))
                 row[name] = float((predict(server, test_maps) == test_y).float().mean())
+        for name, stats in calibrations.items():
+            with restoring_bn_statistics(server):
+                load_bn_statistics(server, stats)
+                row[name] = float((predict(server, test_maps) == test_y).float().mean())
         # The stem's BatchNorm running statistics on every agent's images instead of this agent's.
         stem = edge.extractor if hasattr(edge, "extractor") else None
         if stem is not None:
@@ -114,7 +132,7 @@ def main() -> None:
                 row["stem_bn_pooled"] = float((predict(server, extract(edge, test_x)) == test_y).float().mean())
         rows.append(row)
         print(json.dumps({k2: v for k2, v in row.items() if k2 not in ("label_mix", "pred_hist")}), flush=True)
-    keys = ("global", "per_agent", "test_bn", "stem_bn_pooled", "train_global", "global_held_classes", "global_other_classes",
+    keys = ("global", "per_agent", "test_bn", "pooled_train_bn", "pooled_balanced_bn", "stem_bn_pooled", "train_global", "global_held_classes", "global_other_classes",
             "prior_tv", "uniform_tv")
     means = {key: float(np.mean([r[key] for r in rows if r.get(key) is not None])) for key in keys}
     print("MEAN", json.dumps({k2: round(v, 4) for k2, v in means.items()}))

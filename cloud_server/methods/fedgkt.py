@@ -86,7 +86,7 @@ class FedGktConfig:
     server_momentum: float = 0.9
     server_weight_decay: float = 1e-4  # Table 10 (I.I.D.)
     server_batch_size: int = 64
-    server_order: str = "shuffled"  # shuffled (batches drawn from all agents' uploads) | per_agent (Algorithm 1's walk)
+    server_order: str = "shuffled"  # shuffled (one agent's maps per batch, batches in random order) | per_agent (Algorithm 1's walk) | mixed
     lr_schedule: str = "plateau"  # plateau | none
     # The agents' half, sent as RoundStart.config: edge_epochs, edge_optimizer, edge_lr,
     # edge_momentum, edge_weight_decay, edge_batch_size (its batch_size), temperature and
@@ -252,7 +252,8 @@ class FedGktServer(ServerMethod):
             if self._ort is None:
                 from ..ort_artifacts import OrtArtifactServer
 
-                self._ort = OrtArtifactServer(self.ctx.run_id, self.config.edge_model, self.ctx.num_classes, self.ctx.seed)
+                self._ort = OrtArtifactServer(self.ctx.run_id, self.config.edge_model, self.ctx.num_classes, self.ctx.seed,
+                                              train_extractor=self.config.edge.train_extractor)
             return [(agent, self._ort.reply(msg))]
         if not isinstance(msg, GktFeatures):
             raise ValueRangeError(f"fedgkt does not take {msg.TYPE} uploads")
@@ -362,9 +363,12 @@ class FedGktServer(ServerMethod):
         Eq. 8 sums the loss over all agents' samples; Algorithm 1 walks it agent by
         agent. ``server_order = "per_agent"`` keeps that walk; ``"shuffled"`` shuffles
         the order of the per-agent batches (each batch still one agent's maps), which keeps
-        the server from forgetting earlier agents' feature maps within an epoch;
-        ``"mixed"`` draws every batch from the union of all agents' maps, so no batch (and
-        no BatchNorm batch statistic) belongs to one agent.
+        the server from forgetting earlier agents' feature maps within an epoch; the
+        default ``"mixed"`` draws every batch from the union of all agents' maps, so no
+        batch, and no BatchNorm batch statistic, belongs to one agent: with label-skewed
+        agents, one-agent batches let the server tell the agents apart by their batch
+        statistics and learn each one's label mix, and the running statistics it is evaluated
+        with fit none of them (docs/methods/fedgkt.md).
         """
         c = self.config
         sizes = [len(d[3]) for d in data.values()]

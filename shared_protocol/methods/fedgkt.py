@@ -102,6 +102,9 @@ class GktRoundConfig:
     temperature: float = 3.0
     alpha: float = 1.0
     edge_kd: bool = True  # False for the "no KD" ablation
+    # False: the extractor (conv stem, its BatchNorm statistics included) keeps the weights the
+    # agent started from; only the classifier trains. True: Algorithm 1 line 22, the whole ResNet-8.
+    train_extractor: bool = True
     upload_codec: str = GktFeatures.DEFAULT_CODECS["features"]
     upload_batch_samples: int = 256
 

@@ -48,7 +48,7 @@ def test_a_frozen_extractor_keeps_its_weights_and_batchnorm_statistics(train_ext
 
 
 def test_train_extractor_travels_in_the_round_config() -> None:
-    assert FedGktConfig().edge.train_extractor is True  # Algorithm 1 line 22 trains all of W^(k)
+    assert FedGktConfig().edge.train_extractor is False  # the default; the paper presets set true
     config = FedGktConfig.from_dict({"train_extractor": False})
     assert config.to_table()["train_extractor"] is False
     assert GktRoundConfig.from_dict(asdict(config.round_config())).train_extractor is False

@@ -42,7 +42,9 @@ from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_lo
 from accuracy import AGENTS, GKT_SYNC, PARTITIONS, SCALES
 
 # The defaults before this benchmark, as bench/accuracy.py ran them (batch 32 at this scale).
+# server_order and train_extractor: as they were then (later defaults: "mixed", false).
 OLD = {**GKT_SYNC, "edge_init": "per_agent", "server_weight_decay": 5e-4, "edge_weight_decay": 5e-4,
+       "server_order": "shuffled", "train_extractor": True,
        "lr_schedule": "plateau", "eval_diagnostics": True}
 
 # (name, base, change, what it tests). Each changes one thing from its base.

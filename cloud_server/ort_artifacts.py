@@ -17,14 +17,17 @@ import torch
 
 from models import build_model, forward_flops_per_sample, training_flops_per_sample
 from shared_protocol.messages import ErrorReply, Message
+from shared_protocol.methods.fedgkt import GktRoundConfig
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifacts, GktOrtArtifactsRequest, artifacts_sha256
 
 log = logging.getLogger("cloud_server.ort")
 
 
 class OrtArtifactServer:
-    def __init__(self, run_id: str, edge_model: str, num_classes: int, seed: int = 0) -> None:
+    def __init__(self, run_id: str, edge_model: str, num_classes: int, seed: int = 0,
+                 train_extractor: bool = GktRoundConfig.train_extractor) -> None:
         self.run_id = run_id
+        self.train_extractor = train_extractor  # fedgkt.train_extractor: False freezes the extractor in the training graph
         self.edge_model = edge_model
         self.num_classes = num_classes
         self.seed = seed
@@ -58,7 +61,7 @@ class OrtArtifactServer:
             model = build_model(self.edge_model, self.num_classes, in_channels)
         shape = (in_channels, image_size, image_size)
         try:
-            artifacts = export_edge_artifacts(model, self.num_classes, in_channels, image_size)
+            artifacts = export_edge_artifacts(model, self.num_classes, in_channels, image_size, train_extractor=self.train_extractor)
         except OrtExportError as exc:
             log.error("cannot generate ort artifacts: %s", exc)
             return ErrorReply(run=self.run_id, round=0, sender="server", code="ort_unavailable", reason=str(exc)[:500])

@@ -109,7 +109,7 @@ class FedGktEdgeBase(EdgeMethod):
     # -- the round --------------------------------------------------------------- #
 
     def _optimizer_for(self, cfg: GktRoundConfig) -> Any:
-        key = (cfg.edge_optimizer, cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay)
+        key = (cfg.edge_optimizer, cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay, cfg.train_extractor)
         if self.optimizer is None or key != self._optimizer_key:
             self.optimizer = self._new_optimizer(cfg)
             self._optimizer_key = key

@@ -35,12 +35,16 @@ def train_epochs(
     desc: str = "train",
     forward: Forward | None = None,
     micro_batch: int | None = None,
+    frozen: nn.Module | None = None,
 ) -> TrainResult:
     """``epochs`` epochs over ``loader``'s (images, labels, sample ids); the sample ids stay
     on the host (they key the teacher's logits) and reach ``loss_fn`` as its third argument.
     ``micro_batch``: at most this many samples per forward pass, gradients accumulated
-    into one step per batch (``[memory] micro_batch_samples``; see :class:`models.training.Step`)."""
+    into one step per batch (``[memory] micro_batch_samples``; see :class:`models.training.Step`).
+    ``frozen``: a part of ``model`` kept in eval mode (BatchNorm uses and keeps its running statistics)."""
     model.train()
+    if frozen is not None:
+        frozen.eval()
     step = Step(model, optimizer, loss_fn, forward=forward or _model_output, name=desc, micro_batch=micro_batch)
 
     def batches(epoch: int):  # -> Iterator[Batch]

@@ -73,6 +73,8 @@ LOSS_INPUTS = {
 }
 #: Suffix of the training graph outputs that carry a BN node's updated running statistic.
 BN_UPDATED_SUFFIX = "__updated"
+#: State-dict prefix of the edge model's extractor (``SplitResNet.extractor``).
+EXTRACTOR_PREFIX = "extractor."
 
 
 class OrtExportError(RuntimeError):
@@ -219,15 +221,49 @@ def _eval_fix(onnx, blob: bytes, bn_outputs: set[str]) -> bytes:  # type: ignore
     return model.SerializeToString()
 
 
+def _freeze_batchnorms(model, prefix: str) -> None:  # type: ignore[no-untyped-def]
+    """BatchNorm layers whose parameters start with ``prefix`` become the inference-mode
+    formula in plain ops, ``(x - running_mean) / sqrt(running_var + eps) * weight + bias``:
+    onnxruntime-training turns every BatchNormalization node of a training graph into a
+    training-mode one (batch statistics), whatever its ``training_mode``."""
+    from onnx import TensorProto, helper
+
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.initializer.append(helper.make_tensor("gkt_bn_axes", TensorProto.INT64, [2], [1, 2]))
+    for node in nodes:
+        if node.op_type != "BatchNormalization" or not node.input[1].startswith(prefix):
+            model.graph.node.append(node)
+            continue
+        x, weight, bias, mean, var = node.input
+        eps = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"), 1e-5)
+        tag = f"gkt_frozen_{weight}"
+        model.graph.initializer.append(helper.make_tensor(f"{tag}_eps", TensorProto.FLOAT, [], [eps]))
+        add = lambda op, ins, out: model.graph.node.append(helper.make_node(op, ins, [out], name=out))  # noqa: E731
+        for name, source in (("w", weight), ("b", bias), ("m", mean), ("v", var)):
+            add("Unsqueeze", [source, "gkt_bn_axes"], f"{tag}_{name}")  # (C,) -> (C, 1, 1)
+        add("Add", [f"{tag}_v", f"{tag}_eps"], f"{tag}_ve")
+        add("Sqrt", [f"{tag}_ve"], f"{tag}_sd")
+        add("Sub", [x, f"{tag}_m"], f"{tag}_xc")
+        add("Div", [f"{tag}_xc", f"{tag}_sd"], f"{tag}_xn")
+        add("Mul", [f"{tag}_xn", f"{tag}_w"], f"{tag}_xs")
+        add("Add", [f"{tag}_xs", f"{tag}_b"], node.output[0])  # the layer's own output name
+
+
 def export_edge_artifacts(
     model: nn.Module | str,
     num_classes: int,
     in_channels: int,
     image_size: int = 32,
+    train_extractor: bool = True,
 ) -> OrtArtifacts:
     """Generate the ort training artifacts for an edge model (``forward(x) -> (logits, features)``).
 
     ``model`` is a module (its current weights become the checkpoint) or a registry name.
+    ``train_extractor = False`` (FedGKT's ``fedgkt.train_extractor``): the extractor's
+    parameters are frozen and its BatchNorm runs in inference mode in the training graph too
+    (its running statistics neither used from the batch nor updated), as the torch backend
+    trains with the extractor in eval mode.
     """
     onnx, artifacts, onnxblock = _require_onnx()
     if isinstance(model, str):
@@ -249,6 +285,9 @@ def export_edge_artifacts(
 
     bn_stats: list[str] = []
     bn_updated: list[str] = []
+    frozen_prefix = EXTRACTOR_PREFIX if not train_extractor else None
+    if frozen_prefix:
+        _freeze_batchnorms(base, frozen_prefix)
     for node in base.graph.node:
         if node.op_type == "BatchNormalization" and len(node.output) == 3:
             for state_name, position in ((node.input[3], 1), (node.input[4], 2)):
@@ -256,7 +295,8 @@ def export_edge_artifacts(
                 node.output[position] = updated
                 bn_stats.append(state_name)
                 bn_updated.append(updated)
-    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    trainable = [name for name, p in model.named_parameters()
+                 if p.requires_grad and not (frozen_prefix and name.startswith(frozen_prefix))]
     frozen = sorted(initializers - set(trainable))
 
     import onnxruntime

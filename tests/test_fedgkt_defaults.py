@@ -33,6 +33,19 @@ def test_paper_presets_are_table_10() -> None:
     assert (noniid.server_batch_size, noniid.edge.batch_size, noniid.edge.edge_epochs, noniid.server_epochs) == (256, 256, 1, 40)
     for config in (iid, noniid):
         assert (config.kd, config.mode, config.edge.temperature, config.edge.alpha) == ("bidirectional", "sync", 3.0, 1.0)
+        # Algorithm 1: agent-by-agent server batches, the whole ResNet-8 trains (line 22), the
+        # server model evaluated with its running BatchNorm statistics.
+        assert (config.server_order, config.edge.train_extractor) == ("per_agent", True)
+
+
+def test_the_defaults_depart_from_algorithm_1_for_non_iid_agents() -> None:
+    """docs/methods/fedgkt.md ("Non-IID agents and the balanced test set"): batches from all
+    agents' maps, the extractors frozen at the shared initialisation, global BatchNorm statistics;
+    the KD direction stays the paper's."""
+    config = FedGktConfig()
+    assert (config.server_order, config.edge.train_extractor) == ("mixed", False)
+    assert (config.kd, config.edge_init) == ("bidirectional", "shared")
+    assert asdict(config.round_config())["train_extractor"] is False  # what the agents receive
 
 
 def test_a_preset_fills_only_what_the_table_leaves_out() -> None:

@@ -52,7 +52,8 @@ def tiny_server_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fedgkt, "build_model", build)
 
 
-CONFIG = {"server_batch_size": 8, "server_epochs": 2, "lr_schedule": "none", "server_lr": 0.01}
+# One agent's maps per batch (the step counts below assume it); the mixed order has its own test.
+CONFIG = {"server_batch_size": 8, "server_epochs": 2, "lr_schedule": "none", "server_lr": 0.01, "server_order": "shuffled"}
 
 
 def _server(server_step: str = "auto", **config: object) -> FedGktServer:

@@ -45,23 +45,30 @@ def torch_loss(logits, labels, teacher, mask, temperature, alpha):  # type: igno
     return value
 
 
-@pytest.mark.parametrize("optimizer,micro_batch", [("sgd", None), ("adam", None), ("sgd", 12), ("adam", 12)])
-def test_twenty_steps_match_the_torch_backend(tmp_path: Path, optimizer: str, micro_batch: int | None) -> None:
+@pytest.mark.parametrize("optimizer,micro_batch,train_extractor", [
+    ("sgd", None, True), ("adam", None, True), ("sgd", 12, True), ("adam", 12, True), ("sgd", None, False), ("adam", 12, False)])
+def test_twenty_steps_match_the_torch_backend(tmp_path: Path, optimizer: str, micro_batch: int | None, train_extractor: bool) -> None:
     """Same initial weights, same batches (CE + KD with a partial teacher mask): the ort
     backend's losses, logits, weights (BN statistics included) and eval outputs match torch's.
     With ``micro_batch`` (32-sample batches as 11 + 11 + 10) both backends accumulate
-    micro-batches the same way ([memory] micro_batch_samples)."""
+    micro-batches the same way ([memory] micro_batch_samples). ``train_extractor = False``
+    (fedgkt.train_extractor): torch trains the classifier with the extractor frozen in eval
+    mode; the ort artifacts freeze it the same way, and its state stays the initial one."""
     torch.manual_seed(0)
     ds = make_synthetic(640, num_classes=10, in_channels=3, seed=1)
     model = build_model("resnet8", 10, 3)
-    artifacts = export_edge_artifacts(copy.deepcopy(model), 10, 3)
+    initial_stem = {k: v.clone() for k, v in model.extractor.state_dict().items()}
+    artifacts = export_edge_artifacts(copy.deepcopy(model), 10, 3, train_extractor=train_extractor)
     ort_model = OrtEdgeModel(artifacts.write(tmp_path / "art"), meta_of(artifacts))
     assert set(ort_model.arrays()) == set(state_dict_to_arrays(model))  # one weights format
 
     rng = np.random.default_rng(0)
     teacher_all = rng.normal(size=(len(ds), 10)).astype(np.float32) * 3
     has_teacher = rng.random(len(ds)) < 0.6  # some samples have no server logit yet
-    t_opt = make_optimizer(optimizer, model.parameters(), lr=LR[optimizer], momentum=0.9, weight_decay=5e-4)
+    if not train_extractor:
+        model.extractor.requires_grad_(False)
+    params = model.parameters() if train_extractor else model.classifier.parameters()
+    t_opt = make_optimizer(optimizer, params, lr=LR[optimizer], momentum=0.9, weight_decay=5e-4)
     n_opt = make_numpy_optimizer(optimizer, lr=LR[optimizer], momentum=0.9, weight_decay=5e-4)
     temperature, alpha = 3.0, 0.7
     step = Step(model, t_opt, lambda logits, labels, teacher, mask: torch_loss(logits, labels, teacher, mask, temperature, alpha),
@@ -71,6 +78,8 @@ def test_twenty_steps_match_the_torch_backend(tmp_path: Path, optimizer: str, mi
         for images, labels, ids in iterate_batches(ds, 32, shuffle=True, seed=steps):
             teacher, mask = teacher_all[ids], has_teacher[ids]
             model.train()
+            if not train_extractor:
+                model.extractor.eval()
             out = step(torch.from_numpy(images), torch.from_numpy(labels), torch.from_numpy(teacher), torch.from_numpy(mask))
             o_loss, o_logits = ort_model.train_step(images, labels, teacher, mask.astype(np.float32), temperature, alpha, n_opt,
                                                     micro_batch=micro_batch)
@@ -84,6 +93,10 @@ def test_twenty_steps_match_the_torch_backend(tmp_path: Path, optimizer: str, mi
     for name, value in theirs.items():
         assert ours[name].dtype.kind == value.dtype.kind, name
         np.testing.assert_allclose(ours[name], value, atol=WEIGHT_TOL[optimizer], err_msg=name)
+    if not train_extractor:
+        for name, value in initial_stem.items():
+            np.testing.assert_array_equal(ours[f"extractor.{name}"], value.numpy(), err_msg=name)
+            assert torch.equal(model.extractor.state_dict()[name], value), name
 
     model.eval()
     images, _, _ = next(iterate_batches(ds, 64))

@@ -163,6 +163,10 @@ class OrtEdgeModel:
         self.state = api.CheckpointState.load_checkpoint(str(d / "checkpoint"))
         self.module = api.Module(str(d / "training_model.onnx"), self.state, str(d / "eval_model.onnx"), session_options=options)
         self.counters = {name: 0 for name in meta.bn_counters}
+        # Layers whose statistics the training graph updates count their batches (a BatchNorm
+        # frozen in inference mode, e.g. a frozen extractor's, does not, as in torch's eval mode).
+        updated = {name.rsplit(".", 1)[0] for name in meta.bn_stats}
+        self._counted = [name for name in meta.bn_counters if name.rsplit(".", 1)[0] in updated]
         # Our copy of the BN statistics: ORT's training kernel may write into the frozen buffers.
         self.bn_values = {name: np.array(self.state.parameters[name].data, dtype=np.float32) for name in meta.bn_stats}
 
@@ -245,7 +249,7 @@ class OrtEdgeModel:
                 batch = batch * np.float32(n / max(n - 1, 1))
             before = self.bn_values[name]
             self.bn_values[name] = ((np.float32(1) - np.float32(momentum)) * before + np.float32(momentum) * batch).astype(np.float32)
-        for name in self.counters:
+        for name in self._counted:
             self.counters[name] += 1
 
     # -- inference ------------------------------------------------------------ #

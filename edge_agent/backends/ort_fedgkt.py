@@ -96,6 +96,10 @@ class OrtFedGktEdge(FedGktEdgeBase):
                deadline: RoundDeadline) -> tuple[int, float]:
         model, ctx = self.model, self.ctx
         assert model is not None  # _prepare made it
+        trains_extractor = any(name.startswith("extractor.") for name in model.meta.trainable)
+        if trains_extractor != cfg.train_extractor:
+            raise RuntimeError(f"the server's ort artifacts {'train' if trains_extractor else 'freeze'} the extractor, "
+                               f"its round config says train_extractor = {cfg.train_extractor}")
         use_kd = cfg.edge_kd and cfg.alpha > 0 and len(self.teacher) > 0
         samples = 0
         total_loss = 0.0

@@ -67,7 +67,11 @@ class FedGktEdge(FedGktEdgeBase):
         self.trained = True
 
     def _new_optimizer(self, cfg: GktRoundConfig) -> torch.optim.Optimizer:
-        return make_optimizer(cfg.edge_optimizer, self.model.parameters(), cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay,
+        # train_extractor = False: the extractor's parameters take no gradient and no update.
+        for p in self.model.extractor.parameters():
+            p.requires_grad_(cfg.train_extractor)
+        params = self.model.parameters() if cfg.train_extractor else self.model.classifier.parameters()
+        return make_optimizer(cfg.edge_optimizer, params, cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay,
                               lean=self.ctx.device == "cpu")
 
     def loss_fn(self, cfg: GktRoundConfig) -> LossFn:
@@ -93,6 +97,8 @@ class FedGktEdge(FedGktEdgeBase):
             self.model, loader, optimizer, self.loss_fn(cfg), cfg.edge_epochs,
             device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",
             micro_batch=ctx.memory.micro_batch_samples or None,
+            # A frozen extractor stays in eval mode: its BatchNorm statistics do not move either.
+            frozen=None if cfg.train_extractor else self.model.extractor,
         )
         return result.samples, result.mean_loss
 

@@ -107,6 +107,11 @@ class GktRoundConfig:
     temperature: float = 3.0
     alpha: float = 1.0
     edge_kd: bool = True  # False for the "no KD" ablation
+    # False (default): the extractor (conv stem, its BatchNorm statistics included) keeps the
+    # weights the agent started from (the server's shared initialisation) and only the classifier
+    # trains, so every agent's maps stay in one feature space; True: Algorithm 1 line 22, the
+    # whole ResNet-8 trains (the paper presets). See docs/methods/fedgkt.md.
+    train_extractor: bool = False
     upload_codec: str = GktFeatures.DEFAULT_CODECS["features"]
     upload_batch_samples: int = 256
 

@@ -147,6 +147,20 @@ def test_the_budget_check_says_over_budget() -> None:
     assert not short["scale"]["complete"] and short["budget"]["verdict"].startswith("incomplete")
 
 
+def test_runs_made_at_the_same_time_count_once_in_the_budget() -> None:
+    """Two invocations running at once: the benchmark's wall time is the union of the runs'
+    intervals, not their sum; without finish times (older summaries) it is the sum."""
+    acc = load("accuracy")
+    runs = {"a": {"run_wall_time_s": 100.0, "finished_at": 1100.0},   # [1000, 1100]
+            "b": {"run_wall_time_s": 100.0, "finished_at": 1150.0},   # [1050, 1150]: overlaps a
+            "c": {"run_wall_time_s": 50.0, "finished_at": 2050.0}}    # [2000, 2050]: after a gap
+    total, what = acc.elapsed_s(runs)
+    assert total == pytest.approx(200.0) and "union" in what
+    serial = {"a": {"run_wall_time_s": 100.0, "finished_at": 1100.0}, "b": {"run_wall_time_s": 100.0, "finished_at": 1200.0}}
+    assert acc.elapsed_s(serial) == (pytest.approx(200.0), "the sum of the runs' wall times")
+    assert acc.elapsed_s({**runs, "d": {"run_wall_time_s": 10.0}})[0] == pytest.approx(260.0)
+
+
 def test_table1_setting_is_four_agents_three_seeds_within_150_minutes() -> None:
     acc = load("accuracy")
     full = acc.SCALES["full"]

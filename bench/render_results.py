@@ -256,6 +256,22 @@ def _eval_set_line(data: dict[str, Any], seeds: Sequence[int] | None = None) -> 
             f"{seed_text} ({per_class}; drawn with seed {es.get('seed', '?')}; ids sha256 `{str(es.get('ids_sha256', '?'))[:12]}`).")
 
 
+def _gkt_config_line(data: dict[str, Any]) -> str:
+    """How the JSON's FedGKT runs were set where EdgeSplit's defaults depart from Algorithm 1."""
+    configs = {(r["method_config"].get("server_order"), r["method_config"].get("train_extractor"))
+               for r in data["runs"].values() if r.get("method") == "fedgkt" and r.get("method_config")}
+    if not configs:
+        return ""
+    if len(configs) > 1:
+        return "FedGKT's runs do **not** share one server batch order and extractor setting (see the JSON). "
+    (order, train_extractor), = configs
+    if (order, train_extractor) == ("per_agent", True):
+        return "FedGKT runs Algorithm 1 as the paper does (agent-by-agent server batches, trained extractors). "
+    return (f"FedGKT runs with `server_order = \"{order}\"` and `train_extractor = {str(train_extractor).lower()}`, "
+            "where Algorithm 1 walks the agents' maps agent by agent and trains every extractor "
+            "([why, measured](methods/fedgkt.md#non-iid-agents-and-the-balanced-test-set)). ")
+
+
 def _rule_line() -> str:
     return f"Cells are mean ± sd over the seeds (sample sd, n − 1). The rule: {DIFFERENCE_RULE}."
 
@@ -370,14 +386,17 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
         "BatchNorm statistics, so it has no personalised row. Centralized training sees the union of the agents' data "
         "with the model's own running statistics (one run per seed, the same in both columns; no agents, so no local "
         "accuracy). "
-        f"{_rule_line()}", "",
+        f"{_gkt_config_line(data)}{_rule_line()}", "",
         *_table(header, rows, right_from=2),
         "",
         *([ "By the rule:", "", *compare, ""] if compare else []),
         *floor,
         "What each cell cost (training only; evaluation's costs are in the JSON apart): global accuracy after round 2, edge "
         "training FLOPs summed over agents and rounds (forward + backward), bytes on the wire through the server's MQTT "
-        "connection (both directions, every training message) and the run's wall time on this machine, mean ± sd over seeds.", "",
+        "connection (both directions, every training message) and the run's wall time on this machine, mean ± sd over seeds."
+        + (" Runs were made at the same time as others (two invocations on the 2 cores): each run's wall time includes the "
+           "other's load, so compare wall times within this table only (the load average after each run is in the JSON)."
+           if "union" in scale.get("wall_time_is", "") else ""), "",
         *_table(["Run", "Global after round 2", "Edge TFLOPs", "Wire MB", "Wall min"], cost_rows),
         "",
         f"Paper (CIFAR-10, ResNet-56, 200 rounds, one seed): FedGKT {paper['fedgkt']['iid']} / {paper['fedgkt']['noniid']}, FedAvg "

@@ -69,8 +69,8 @@ def synthetic_report(method: str, accuracies: list[float], seed: int, wall_s: fl
             "per_agent": {f"agent-{k}": {"idle_s": 1.0 * k, "round_s": 9.0} for k in range(4)},
         })
     return {
-        "status": "finished", "config": {"method_config": {"seed": seed}}, "models": {"edge": {"params": 1}},
-        "eval_set": EVAL_SET,
+        "status": "finished", "models": {"edge": {"params": 1}}, "eval_set": EVAL_SET,
+        "config": {"method_config": {"seed": seed, **({"server_order": "mixed", "train_extractor": False} if gkt else {})}},
         "totals": {"final_accuracy": accuracies[-1], "best_accuracy": max(accuracies), "final_local_accuracy": accuracies[-1] + 0.10,
                    "final_edge_accuracy": accuracies[-1] - 0.05 if gkt else None,
                    "edge_train_flops": sum(r["edge_train_flops"] for r in rounds), "wire_total": 3_200_000 * len(rounds),
@@ -238,6 +238,8 @@ def test_the_page_renders_mean_and_sd_cells_and_names_the_test_set_and_the_batch
     assert "100 per class" in table1
     assert "server's running statistics" in table1 and "each agent's own statistics" in table1
     assert "FedAvg gets no per-agent BatchNorm statistics" in table1
+    # FedGKT's departure from Algorithm 1, from the runs' own configs.
+    assert '`server_order = "mixed"` and `train_extractor = false`, where Algorithm 1 walks' in table1
     assert render.DIFFERENCE_RULE in table1
     assert "IID: FedGKT − FedAvg, global +10.0 points (sds combined 4.0): differ" in table1
     assert "Dirichlet(0.5): FedGKT − FedAvg, global +3.0 points (sds combined 9.0): do not differ" in table1

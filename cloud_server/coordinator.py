@@ -296,6 +296,7 @@ class Coordinator:
     def _close(self, rnd: OpenRound, status: str) -> RoundRecord:
         evaluation, edge_label = self._evaluation(rnd) if rnd.evaluate and status == "ok" else (None, None)
         del self.open_rounds[rnd.round]
+        self.method.end_round(rnd.round)
         record = self.recorder.round_record(
             rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
             started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),

@@ -171,3 +171,44 @@ def test_lost_batches_are_requested_again_and_replaced_by_seq() -> None:
     # Uploads of another process are not completed by asking: they are void.
     server.on_upload("a", _features(3, 8, np.arange(8), instance="i2"))
     assert server.check_round_end("a", _end([a, b], instance="i1")) == []
+
+
+def test_the_lr_schedule_steps_once_per_round_with_the_rounds_loss_also_in_async_mode(monkeypatch) -> None:
+    """Async calls complete() once per arrival, each on one agent's maps. The plateau schedule
+    (patience 2) steps once per closed round with the round's sample-weighted loss: two agents
+    whose losses differ (1.0 and 0.1, the same every round) give a flat round loss (0.55), so
+    three rounds halve nothing; stepped per arrival, the easy agent's 0.1 would count the other
+    agent's arrivals as bad epochs and halve the rate within three rounds."""
+    ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
+    server = FedGktServer(ctx, {"mode": "async", "lr_schedule": "plateau", "server_lr": 0.001})
+    loss_of = {"a": 1.0, "b": 0.1}
+    trained: list[str] = []
+
+    def fake_train(data, round_):
+        (agent,) = data  # async: one agent's maps per call
+        trained.append(agent)
+        return {}, loss_of[agent]
+
+    monkeypatch.setattr(server, "_train", fake_train)
+    for round_ in (1, 2, 3):
+        for seed, agent in enumerate(("a", "b")):
+            up = _features(seed, 4, np.arange(4) + 10 * seed, round_=round_)
+            server.on_upload(agent, up)
+            server.complete(round_, {agent: _end([up], round_=round_)}, evaluate=False)
+        assert server.scheduler.last_epoch == round_ - 1  # not stepped by the arrivals
+        server.end_round(round_)
+        assert server.scheduler.last_epoch == round_
+    assert trained == ["a", "b"] * 3
+    assert server.optimizer.param_groups[0]["lr"] == pytest.approx(0.001)
+    # The same losses stepped per arrival (what async did before) halve the rate by then.
+    reference = torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.001),
+                                                           mode="min", factor=0.5, patience=2)
+    for _ in range(3):
+        for agent in ("a", "b"):
+            reference.step(loss_of[agent])
+    assert reference.optimizer.param_groups[0]["lr"] < 0.001
+    # A round's pending losses survive a checkpoint.
+    server.round_losses = {4: [(0.5, 4)]}
+    other = FedGktServer(ctx, {"mode": "async"})
+    other.load_state(server.state())
+    assert other.round_losses == {4: [(0.5, 4)]}

@@ -132,6 +132,11 @@ class ServerMethod(ABC):
         first), the deployed model(s) to score on the global test set and the agents' local
         figures. The evaluator scores; a method never computes a headline accuracy itself."""
 
+    def end_round(self, round_: int) -> None:
+        """``round_`` closed (after its evaluation, before its record and checkpoint): per-round
+        bookkeeping that must not run per arrival, e.g. a learning-rate schedule stepped with the
+        round's loss (async calls :meth:`complete` once per agent). Default: nothing."""
+
     def round_report(self, round_: int) -> dict[str, Any]:
         """Method-specific figures of ``round_`` for the run report (small, JSON-able:
         scalars, short lists, small dicts), stored as the round record's ``"method"``.

@@ -194,6 +194,8 @@ class FedGktServer(ServerMethod):
             self.edge_init_weights = state_dict_to_arrays(edge)
         self.initialised_agents: set[str] = set()  # agents that finished a round (no initial weights needed)
         self.figures: dict[int, dict[str, Any]] = {}  # round -> the round's own figures (round_report)
+        # round -> (server loss, samples) of each training call of the round, until it closes (end_round).
+        self.round_losses: dict[int, list[tuple[float, int]]] = {}
         self.norms = batchnorm_layers(self.model)
         # agent -> its BatchNorm statistics, one (mean, var) per layer (the personalised evaluation).
         self.agent_bn: dict[str, BnStatistics] = {}
@@ -230,6 +232,17 @@ class FedGktServer(ServerMethod):
         # has already trained ignores them.
         weights = self.edge_init_weights if agent not in self.initialised_agents else {}
         return asdict(self.config.round_config()), dict(weights)
+
+    def end_round(self, round_: int) -> None:
+        """Step the lr schedule once per round with the round's sample-weighted server loss. In
+        sync mode that is the one ``complete``'s loss; in async mode each agent's arrival trains
+        on its own (label-skewed) maps, and stepping per arrival would count ``patience`` in
+        arrivals and compare one agent's loss with another's (an easy agent's low loss would halve
+        the rate at almost every later arrival)."""
+        losses = self.round_losses.pop(round_, [])
+        samples = sum(n for _, n in losses)
+        if self.scheduler is not None and samples > 0:
+            self.scheduler.step(sum(loss * n for loss, n in losses) / samples)
 
     def round_report(self, round_: int) -> dict[str, Any]:
         return self.figures.pop(round_, {})
@@ -350,8 +363,8 @@ class FedGktServer(ServerMethod):
             outcome.server_train_s = time.perf_counter() - started
             outcome.server_loss = loss
             outcome.samples = sum(len(d[3]) for d in data.values())
-            if self.scheduler is not None and math.isfinite(loss):
-                self.scheduler.step(loss)
+            if math.isfinite(loss):  # the schedule steps once per round, when it closes (end_round)
+                self.round_losses.setdefault(round_, []).append((loss, outcome.samples))
             if self.config.kd != "none":
                 for agent, (ids, logits) in logits_by_agent.items():
                     outcome.downloads.append(
@@ -553,6 +566,8 @@ class FedGktServer(ServerMethod):
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "feature_shape": list(self.feature_shape) if self.feature_shape else None,
             "initialised_agents": sorted(self.initialised_agents),
+            # Async: rounds still open when the checkpoint is taken (a later round's arrivals trained).
+            "round_losses": {str(r): [[loss, n] for loss, n in v] for r, v in self.round_losses.items()},
             "agent_bn": {agent: {f"{i}/{part}": t.cpu().numpy() for i, pair in enumerate(stats) for part, t in zip(("mean", "var"), pair)}
                          for agent, stats in self.agent_bn.items()},
         }
@@ -565,6 +580,7 @@ class FedGktServer(ServerMethod):
             self.scheduler.load_state_dict(state["scheduler"])
         self.feature_shape = tuple(state["feature_shape"]) if state.get("feature_shape") else None
         self.initialised_agents = set(state.get("initialised_agents", []))
+        self.round_losses = {int(r): [(float(loss), int(n)) for loss, n in v] for r, v in (state.get("round_losses") or {}).items()}
         self.agent_bn = {
             agent: [(torch.as_tensor(arrays[f"{i}/mean"]).to(self.device), torch.as_tensor(arrays[f"{i}/var"]).to(self.device))
                     for i in range(len(self.norms))]

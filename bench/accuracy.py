@@ -323,8 +323,8 @@ def elapsed_s(results: dict[str, Any]) -> tuple[float, str]:
         end = max(end, b)
     total += end - start
     overlapped = total < sum(r["run_wall_time_s"] for r in results.values()) - 1.0
-    return total, ("the time during which runs were going (the union of their intervals; runs made at the same time, "
-                   "each slower for it, counted once)" if overlapped else "the sum of the runs' wall times")
+    return total, ("the time during which runs were going, the union of their intervals: runs made at the same time, "
+                   "each slower for it, counted once" if overlapped else "the sum of the runs' wall times")
 
 
 def _cell_line(name: str, cell: dict[str, Any]) -> str:

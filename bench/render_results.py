@@ -394,8 +394,8 @@ def accuracy_section(data: dict[str, Any]) -> list[str]:
         "What each cell cost (training only; evaluation's costs are in the JSON apart): global accuracy after round 2, edge "
         "training FLOPs summed over agents and rounds (forward + backward), bytes on the wire through the server's MQTT "
         "connection (both directions, every training message) and the run's wall time on this machine, mean ± sd over seeds."
-        + (" Runs were made at the same time as others (two invocations on the 2 cores): each run's wall time includes the "
-           "other's load, so compare wall times within this table only (the load average after each run is in the JSON)."
+        + (" Runs were made at the same time as others (several invocations sharing the 2 cores): each run's wall time "
+           "includes the others' load, so compare wall times within this table only (the load average after each run is in the JSON)."
            if "union" in scale.get("wall_time_is", "") else ""), "",
         *_table(["Run", "Global after round 2", "Edge TFLOPs", "Wire MB", "Wall min"], cost_rows),
         "",

@@ -442,8 +442,13 @@ class EdgeAgent:
             wire_bytes_down=after["wire_bytes_in"] - before["wire_bytes_in"],
         )
         models = {f"{label}/{name}": array for label, arrays in answer.models.items() for name, array in arrays.items()}
-        self._publish(EvalReport(**self._base(msg.round), instance=self.instance, results=answer.results,
-                                 uploads=answer.uploads, costs=costs, models=models))
+        try:
+            self._publish(EvalReport(**self._base(msg.round), instance=self.instance, results=answer.results,
+                                     uploads=answer.uploads, costs=costs, models=models))
+        except ProtocolError as exc:  # e.g. a model that is no longer finite: the server hears why, the agent goes on
+            log.error("evaluation report of round %d cannot be sent: %s", msg.round, exc)
+            self._publish(ErrorReply(**self._base(msg.round), code="eval_failed", reason=str(exc)[:500], ref_msg_id=msg.msg_id))
+            return
         self._eval_s_since_round_end += time.monotonic() - started
         model = answer.results.get("model")
         log.info("round %d evaluated: %s%s", msg.round,

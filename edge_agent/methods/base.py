@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -63,9 +65,11 @@ class EvalAnswer:
 
 
 def shard_result(correct: int, total: int, loss_sum: float | None = None, **extra: Any) -> dict[str, Any]:
-    """One ``EvalAnswer.results`` entry."""
+    """One ``EvalAnswer.results`` entry. A loss that is not a finite number (a model whose
+    logits overflow) is left out: the counts still say what the model scored, and the wire
+    refuses NaN."""
     out: dict[str, Any] = {"correct": int(correct), "total": int(total), **extra}
-    if loss_sum is not None:
+    if loss_sum is not None and math.isfinite(loss_sum):
         out["loss_sum"] = float(loss_sum)
     return out
 

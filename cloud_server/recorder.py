@@ -51,6 +51,7 @@ class RunCounters:
     rejected: Callable[[], Mapping[str, int]] = _no_counts  # messages, by reason
     rejected_chunks: Callable[[], Mapping[str, int]] = _no_counts  # chunks, by code, since this process started
     server_connection: Callable[[], dict[str, Any] | None] = lambda: None
+    refused: Callable[[], list[dict[str, str]]] = list  # agents refused at join: agent, code, reason
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class RunRecorder:
         # Carried over from the checkpoint of a resumed run.
         self._prior_wall_s = 0.0
         self._prior_rejected_chunks: dict[str, int] = {}
+        self._prior_refused: list[dict[str, str]] = []
         self._round_bytes: dict[int, ByteCounts] = {}
         self._eval_bytes: dict[int, ByteCounts] = {}  # evaluation's messages, apart from training's
         self.outside_rounds = ByteCounts()  # registration, status, stale rounds
@@ -185,6 +187,7 @@ class RunRecorder:
         """Bring the agents and the totals up to date."""
         report = self.report
         report.agents = self.counters.agents()
+        report.refused_agents = self._prior_refused + [r for r in self.counters.refused() if r not in self._prior_refused]
         chunks = dict(self._prior_rejected_chunks)
         for code, n in self.counters.rejected_chunks().items():
             chunks[code] = chunks.get(code, 0) + n
@@ -251,5 +254,6 @@ class RunRecorder:
         self._report.status = "running"
         self._prior_wall_s = self._report.totals.wall_time_s
         self._prior_rejected_chunks = dict(self._report.totals.rejected_chunks_by_reason)
+        self._prior_refused = list(self._report.refused_agents)
         return Checkpoint(round=int(state["round"]), config=state["config"], method_config=state["method_config"],
                           rejected=dict(state["rejected"]), method_state=load_state(self.checkpoint_dir, "method"))

@@ -293,6 +293,9 @@ class RunReport(JsonRecord):
     status: str = "running"  # one of RUN_STATUSES
     server: ServerInfo
     agents: dict[str, AgentInfo] = field(default_factory=dict)
+    # Agents the server refused at join ({"agent", "code", "reason"}): not in the allow-list,
+    # or data that does not fit the run (code "data_mismatch", naming both shapes).
+    refused_agents: list[dict[str, str]] = field(default_factory=list, metadata={"added_later": True})
     models: dict[str, Any]  # "edge" / "server": name, params, train_flops_per_sample (or None)
     rounds: list[RoundRecord] = field(default_factory=list)
     totals: RunTotals = field(default_factory=RunTotals)

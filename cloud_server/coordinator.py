@@ -43,7 +43,7 @@ from .config import ServerConfig
 from .evaluation import EvalSet, Evaluator
 from .methods import ServerMethod
 from .recorder import RunCounters, RunRecorder, server_info
-from .records import RoundEvaluation, RoundRecord, RunReport
+from .records import RoundEvaluation, RoundRecord, RunReport, now_iso
 from .schedulers import OpenRound, make_scheduler
 
 log = logging.getLogger("cloud_server")
@@ -107,6 +107,7 @@ class Coordinator:
             log.warning("resuming with a different method config than the checkpoint's")
         self.method.load_state(saved.method_state)
         self.completed_round, self.rejected = saved.round, Counter(saved.rejected)
+        self.report.resumed.append({"after_round": self.completed_round, "at": now_iso()})
         log.info("resumed from checkpoint after round %d", self.completed_round)
 
     # -- messaging -------------------------------------------------------------- #

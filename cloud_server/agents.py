@@ -65,19 +65,76 @@ class AgentRegistry:
         self.count_rejection = count_rejection  # the run's record counts rejected messages by reason
         self.topics = Topics(config.run_id)
         self.agents: dict[str, AgentState] = {}
+        # The run's data contract: one input as the model sees it (channels, height, width).
+        # Channels are what the server's models are built for; height and width come from
+        # [server] image_size, or the first agent that tells them fixes them.
+        known = config.known_image_size
+        self.input_hw: tuple[int, int] | None = known[0] if known else None
+        self.input_hw_source = known[1] if known else ""
+        # Agents refused at join, in order: what the report lists (agent, code, reason).
+        self.refused: list[dict[str, str]] = []
         self._rejections_unlogged: dict[str, Counter[str]] = {}  # per sender, since the last summary
         self._rejections_logged_at = time.monotonic()
 
     # -- joining ------------------------------------------------------------------ #
 
-    def refusal(self, agent: str, hello: Hello) -> str | None:
-        """Why ``agent`` may not join (None: it may)."""
+    def refusal(self, agent: str, hello: Hello) -> tuple[str, str] | None:
+        """Why ``agent`` may not join, as (code, reason); None: it may."""
         if self.config.allow_list and agent not in self.config.allow_list:
             self.count_rejection(UnknownSenderError.code)
             log.warning("refusing agent %s: not in the allow-list", agent)
-            return "agent id not in the server's allow-list"
+            return self._refuse(agent, "not_allowed", "agent id not in the server's allow-list")
         if self.method.name not in hello.methods:
-            return f"agent does not implement {self.method.name}"
+            return self._refuse(agent, "method", f"agent does not implement {self.method.name}")
+        mismatch = self.data_mismatch(agent, hello)
+        if mismatch is not None:
+            return self._refuse(agent, "data_mismatch", mismatch)
+        return None
+
+    def _refuse(self, agent: str, code: str, reason: str) -> tuple[str, str]:
+        entry = {"agent": agent, "code": code, "reason": reason}
+        if entry not in self.refused:  # an agent that says hello again is listed once
+            self.refused.append(entry)
+            if code == "data_mismatch":
+                log.error("refusing agent %s: %s", agent, reason)
+        return code, reason
+
+    def run_input_shape(self) -> tuple[int, int, int] | None:
+        """The run's (channels, height, width), once the height and width are known."""
+        return None if self.input_hw is None else (self.config.resolved_in_channels, *self.input_hw)
+
+    def data_mismatch(self, agent: str, hello: Hello) -> str | None:
+        """How the agent's data breaks the run's contract, naming both sides and the setting
+        to change; None when it fits (or the agent does not say: an older agent)."""
+        run_classes = self.config.num_classes
+        if hello.num_classes and hello.num_classes != run_classes:
+            return (f"this agent's data has {hello.num_classes} classes, the run has {run_classes} ([server] num_classes): "
+                    f"every device needs the same {run_classes} class folders (an empty folder for a class it has no images of), "
+                    f"or set [server] num_classes = {hello.num_classes} on the server if the run really has {hello.num_classes} classes")
+        if not hello.input_shape:
+            return None
+        channels, height, width = (int(d) for d in hello.input_shape)
+        run_channels = self.config.resolved_in_channels
+        shown = f"(channels, height, width) = ({channels}, {height}, {width})"
+        if channels != run_channels:
+            run = self.run_input_shape()
+            run_shown = f"({run_channels}, {run[1]}, {run[2]})" if run else f"({run_channels}, *, *)"
+            return (f"this agent's images are {shown}, the run's are {run_shown} ({run_channels} channels from "
+                    f"{self.config.in_channels_source}): convert this device's images to {run_channels} channel(s) "
+                    f"({'RGB' if run_channels == 3 else 'grayscale'}), or set [server] in_channels = {channels} on the server")
+        if self.input_hw is None:
+            self.input_hw = (height, width)
+            self.input_hw_source = f"agent {agent}, the first to join"
+            log.info("input images of this run: (channels, height, width) = (%d, %d, %d), fixed by agent %s (the first to "
+                     "join; set [server] image_size = [%d, %d] to fix it in the config); agents with other sizes are refused",
+                     run_channels, height, width, agent, height, width)
+            return None
+        if (height, width) != self.input_hw:
+            h, w = self.input_hw
+            return (f"this agent's images are {shown}, the run's are ({run_channels}, {h}, {w}) (from {self.input_hw_source}): "
+                    f"resize this device's images to {w}x{h} (width x height; 28x28 is padded to 32x32), or, if "
+                    f"{width}x{height} is right for the whole run, set [server] image_size = [{height}, {width}] on the server "
+                    f"and resize the other devices' images")
         return None
 
     def join(self, agent: str, hello: Hello) -> AgentState:

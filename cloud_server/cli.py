@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint in the run directory")
     run.add_argument("--resume-if-checkpoint", action="store_true",
                      help="continue from the run directory's checkpoint when there is one, else start (for systemd restarts)")
+    run.add_argument("--force", action="store_true",
+                     help="start a new run in a run directory that holds one (its report and checkpoint are replaced)")
     run.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     report = sub.add_parser("report", help="re-render report.json, rounds.csv, plots and summary.md of a run")
@@ -55,12 +59,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = load_config(args)
     setup_logging(config.log_json, name="server ")
+    run_dir = Path(config.out_dir)
+    checkpoint = run_dir / "checkpoint" / "coordinator.json"
+    resume = args.resume or (args.resume_if_checkpoint and checkpoint.exists())
+    if not resume and (held := _run_held_in(run_dir)) is not None:
+        if not args.force:
+            print(f"cloud-server: error: {run_dir} already holds {held}: --resume to continue it, --force to start a new "
+                  f"run there (its report and checkpoint are replaced), or --out DIR for another directory", file=sys.stderr)
+            return 2
+        log.warning("--force: starting a new run in %s, which held %s; its report and checkpoint are replaced", run_dir, held)
+        shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
     coordinator = build_server(config, progress=config.progress and sys.stderr.isatty())
     method = coordinator.method
     log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,
              method.schedule, config.rounds, method.ctx.device, config.out_dir)
     try:
-        resume = args.resume or (args.resume_if_checkpoint and (coordinator.recorder.checkpoint_dir / "coordinator.json").exists())
         report = coordinator.run(resume=resume)
     except (RunAborted, TransportError, FileNotFoundError) as exc:
         log.error("%s", exc)
@@ -74,6 +87,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def _run_held_in(run_dir: Path) -> str | None:
+    """What run ``run_dir`` holds ("run X (finished, 3 rounds)"), or None if it holds none."""
+    report, checkpoint = run_dir / "report.json", run_dir / "checkpoint" / "coordinator.json"
+    if report.exists():
+        try:
+            held = json.loads(report.read_text())
+            return f"run {held.get('run_id', '?')!r} ({held.get('status', '?')}, {len(held.get('rounds', []))} round(s) in report.json)"
+        except (OSError, ValueError):
+            return "a report.json"
+    return "a checkpoint" if checkpoint.exists() else None
 
 
 def cmd_report(args: argparse.Namespace) -> int:

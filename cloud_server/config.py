@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 SERVER_STEPS = ("auto", "eager", "compiled", "graph")
 
 IN_CHANNELS_BY_DATASET = {"fashion-mnist": 1, "mnist": 1}
+# (height, width) of the inputs of the datasets whose size is known (28x28 is padded to 32x32).
+IMAGE_SIZE_BY_DATASET = {"fashion-mnist": (32, 32), "mnist": (32, 32), "cifar10": (32, 32), "cifar100": (32, 32), "cinic10": (32, 32)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class ServerConfig:
     eval_download: bool = False
     num_classes: int = 10
     in_channels: int = 0  # 0: from the dataset name
+    # The agents' input images, [height, width] as the model sees them (28x28 folders are
+    # padded to 32x32). Empty: the first agent to join fixes it (the log says so); an agent
+    # whose input_shape differs from the run's is refused at join (Hello.input_shape).
+    image_size: tuple[int, ...] = ()
     max_rejections_per_agent: int = 50
     # What the server does when no agent is left to start a round with: "wait" up to
     # registration_timeout_s for one to (re)join, then end the run; "end" ends it at once.
@@ -103,6 +109,8 @@ class ServerConfig:
             raise ValueError(f"min_agents ({self.min_agents}) cannot exceed expected_agents ({self.expected_agents})")
         if self.in_channels < 0:
             raise ValueError("in_channels must be >= 0")
+        if self.image_size and (len(self.image_size) != 2 or not all(isinstance(d, int) and d >= 1 for d in self.image_size)):
+            raise ValueError(f"server.image_size must be [height, width] in pixels (e.g. [32, 32]), or left out; got {list(self.image_size)!r}")
         if self.eval_samples < 0:
             raise ValueError(f"server.eval_samples must be >= 0 (0: the whole test split), got {self.eval_samples}")
         if self.server_step not in SERVER_STEPS:
@@ -119,6 +127,25 @@ class ServerConfig:
     @property
     def resolved_in_channels(self) -> int:
         return self.in_channels or IN_CHANNELS_BY_DATASET.get(self.dataset, 3)
+
+    @property
+    def known_image_size(self) -> tuple[tuple[int, int], str] | None:
+        """The run's input (height, width) and where it comes from, when the config fixes it:
+        [server] image_size, else the size of a named dataset; None: the first agent fixes it."""
+        if self.image_size:
+            return (int(self.image_size[0]), int(self.image_size[1])), "[server] image_size"
+        if self.dataset in IMAGE_SIZE_BY_DATASET:
+            return IMAGE_SIZE_BY_DATASET[self.dataset], f"[server] dataset = {self.dataset!r}; set [server] image_size for other images"
+        return None
+
+    @property
+    def in_channels_source(self) -> str:
+        """Where :attr:`resolved_in_channels` comes from, for the log and refusals."""
+        if self.in_channels:
+            return "[server] in_channels"
+        if self.dataset in IN_CHANNELS_BY_DATASET:
+            return f"[server] dataset = {self.dataset!r}"
+        return f"the default for [server] dataset = {self.dataset!r}; set [server] in_channels"
 
     def eval_set_spec(self) -> "EvalSetSpec":
         from .evaluation import EvalSetSpec
@@ -151,6 +178,7 @@ class ServerConfig:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["allow_list"] = list(self.allow_list)
+        out["image_size"] = list(self.image_size)
         if out.get("password"):
             out["password"] = "***"
         out["broker_url"] = redact_url(self.broker_url)
@@ -168,6 +196,9 @@ class ServerConfig:
             server["password"] = read_secret(password_file)
         if "allow_list" in server:
             server["allow_list"] = tuple(server["allow_list"])
+        if "image_size" in server:
+            size = server["image_size"]
+            server["image_size"] = (size, size) if isinstance(size, int) else tuple(size)
         method = server.get("method", "fedgkt")
         server.setdefault("method_config", dict(raw.get(method, {})))
         return cls(**server)

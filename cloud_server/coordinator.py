@@ -10,6 +10,7 @@ message (``pump``). Methods only configure rounds and consume uploads (see
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections import Counter
@@ -42,7 +43,7 @@ from .config import ServerConfig
 from .evaluation import EvalSet, Evaluator
 from .methods import ServerMethod
 from .recorder import RunCounters, RunRecorder, server_info
-from .records import RoundEvaluation, RoundRecord, RunReport
+from .records import RoundEvaluation, RoundRecord, RunReport, now_iso
 from .schedulers import OpenRound, make_scheduler
 
 log = logging.getLogger("cloud_server")
@@ -74,6 +75,7 @@ class Coordinator:
         self.stopping = False  # no new rounds or turns are started (a stop condition was met)
         self.recorder = RunRecorder(self.out_dir, config.rounds, RunCounters(
             agents=self.registry.infos, rejected=lambda: self.rejected, rejected_chunks=self.transport.rejections,
+            refused=lambda: self.registry.refused,
             server_connection=self.transport.stats.snapshot,
         ))
         # The global test set every evaluated round is scored on (None: the config names none).
@@ -105,6 +107,7 @@ class Coordinator:
             log.warning("resuming with a different method config than the checkpoint's")
         self.method.load_state(saved.method_state)
         self.completed_round, self.rejected = saved.round, Counter(saved.rejected)
+        self.report.resumed.append({"after_round": self.completed_round, "at": now_iso()})
         log.info("resumed from checkpoint after round %d", self.completed_round)
 
     # -- messaging -------------------------------------------------------------- #
@@ -215,7 +218,8 @@ class Coordinator:
     def _on_hello(self, agent: str, hello: Hello) -> None:
         refusal = self.registry.refusal(agent, hello)
         if refusal is not None:
-            self._send(agent, Welcome(**self._base(0), accepted=False, reason=refusal))
+            code, reason = refusal
+            self._send(agent, Welcome(**self._base(0), accepted=False, code=code, reason=reason))
             return
         state = self.registry.join(agent, hello)
         if state.dropped:
@@ -308,10 +312,27 @@ class Coordinator:
 
     # -- the run ------------------------------------------------------------------- #
 
+    def _finished_on_disk(self) -> dict[str, Any] | None:
+        """The run directory's report when the run it holds is over (all rounds done, or it
+        stopped at its target accuracy): a resume has nothing to do then."""
+        path = self.out_dir / "report.json"
+        if not path.exists():
+            return None
+        on_disk = json.loads(path.read_text())
+        over = on_disk.get("status") == "stopped_target" or (
+            on_disk.get("status") == "finished" and self.completed_round >= self.config.rounds)
+        return on_disk if over else None
+
     def run(self, resume: bool = False) -> dict[str, Any]:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self.load_checkpoint()
+            finished = self._finished_on_disk()
+            if finished is not None:
+                log.info("run %s in %s is already over (%s after round %d of %d): nothing to resume; to train more "
+                         "rounds, resume with a larger --rounds, or start a new run with another --out",
+                         self.config.run_id, self.out_dir, finished.get("status"), self.completed_round, self.config.rounds)
+                return finished
         else:
             self.recorder.begin(RunReport(
                 edgesplit_version=VERSION, run_id=self.config.run_id, method=self.method.name,
@@ -319,6 +340,11 @@ class Coordinator:
                 server=server_info(self.method.ctx.device), models=self.method.model_info(),
                 eval_set=self.eval_set.describe() if self.eval_set is not None else None,
             ))
+        run_shape = self.registry.run_input_shape()
+        log.info("data contract: inputs (channels, height, width) = (%d, %s, %s), %d classes; channels from %s, size %s",
+                 self.config.resolved_in_channels, *(run_shape[1:] if run_shape else ("?", "?")), self.config.num_classes,
+                 self.config.in_channels_source,
+                 f"from {self.registry.input_hw_source}" if run_shape else "fixed by the first agent to join ([server] image_size not set)")
         self.transport.subscribe(self.topics.up_any)
         self.transport.subscribe(self.topics.status_any)
         self.transport.connect()

@@ -9,6 +9,8 @@ agents, hands it its rounds the same way, so both write the same report.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
 import os
 import shutil
@@ -27,6 +29,8 @@ from .methods.base import RoundOutcome
 from .records import (AgentInfo, AgentRoundRecord, ByteCounts, RoundEvaluation, RoundRecord, RoundTimes, RunReport,
                       RunTotals, ServerDeviceRecord, ServerInfo, now_iso)
 from .report import format_summary_line, write_report
+
+log = logging.getLogger("cloud_server")
 
 __all__ = ["RunCounters", "Checkpoint", "RunRecorder", "server_info"]
 
@@ -51,6 +55,7 @@ class RunCounters:
     rejected: Callable[[], Mapping[str, int]] = _no_counts  # messages, by reason
     rejected_chunks: Callable[[], Mapping[str, int]] = _no_counts  # chunks, by code, since this process started
     server_connection: Callable[[], dict[str, Any] | None] = lambda: None
+    refused: Callable[[], list[dict[str, str]]] = list  # agents refused at join: agent, code, reason
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class RunRecorder:
         # Carried over from the checkpoint of a resumed run.
         self._prior_wall_s = 0.0
         self._prior_rejected_chunks: dict[str, int] = {}
+        self._prior_refused: list[dict[str, str]] = []
         self._round_bytes: dict[int, ByteCounts] = {}
         self._eval_bytes: dict[int, ByteCounts] = {}  # evaluation's messages, apart from training's
         self.outside_rounds = ByteCounts()  # registration, status, stale rounds
@@ -185,6 +191,7 @@ class RunRecorder:
         """Bring the agents and the totals up to date."""
         report = self.report
         report.agents = self.counters.agents()
+        report.refused_agents = self._prior_refused + [r for r in self.counters.refused() if r not in self._prior_refused]
         chunks = dict(self._prior_rejected_chunks)
         for code, n in self.counters.rejected_chunks().items():
             chunks[code] = chunks.get(code, 0) + n
@@ -250,6 +257,18 @@ class RunRecorder:
         self._report = RunReport.from_json(state["report"], "checkpoint report")
         self._report.status = "running"
         self._prior_wall_s = self._report.totals.wall_time_s
+        # report.json is written after the checkpoint, and at the end of the run: the later
+        # wall time, so that the time after the last checkpoint (a run's closing) is not lost.
+        on_disk = self.out_dir / "report.json"
+        if on_disk.exists():
+            try:
+                written = json.loads(on_disk.read_text())
+                if written.get("run_id") == self._report.run_id and len(written.get("rounds", [])) == len(self._report.rounds):
+                    self._prior_wall_s = max(self._prior_wall_s, float(written.get("totals", {}).get("wall_time_s", 0.0)))
+            except (OSError, ValueError, TypeError, AttributeError) as exc:
+                log.warning("could not read the wall time of %s (%s); using the checkpoint's", on_disk, exc)
+        self._report.totals = dataclasses.replace(self._report.totals, wall_time_s=self._prior_wall_s)
         self._prior_rejected_chunks = dict(self._report.totals.rejected_chunks_by_reason)
+        self._prior_refused = list(self._report.refused_agents)
         return Checkpoint(round=int(state["round"]), config=state["config"], method_config=state["method_config"],
                           rejected=dict(state["rejected"]), method_state=load_state(self.checkpoint_dir, "method"))

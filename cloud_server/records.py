@@ -293,6 +293,13 @@ class RunReport(JsonRecord):
     status: str = "running"  # one of RUN_STATUSES
     server: ServerInfo
     agents: dict[str, AgentInfo] = field(default_factory=dict)
+    # Agents the server refused at join ({"agent", "code", "reason"}): not in the allow-list,
+    # or data that does not fit the run (code "data_mismatch", naming both shapes).
+    refused_agents: list[dict[str, str]] = field(default_factory=list, metadata={"added_later": True})
+    # Each time the server resumed this run from its checkpoint: {"after_round": N, "at": ISO time}.
+    # totals.wall_time_s adds the processes' times; the time between the last checkpoint and a
+    # crash is not in it.
+    resumed: list[dict[str, Any]] = field(default_factory=list, metadata={"added_later": True})
     models: dict[str, Any]  # "edge" / "server": name, params, train_flops_per_sample (or None)
     rounds: list[RoundRecord] = field(default_factory=list)
     totals: RunTotals = field(default_factory=RunTotals)

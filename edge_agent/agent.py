@@ -57,7 +57,11 @@ from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
 log = logging.getLogger("edge_agent")
 
 SERVER_ID = "server"
-EXIT_OK, EXIT_REFUSED = 0, 3
+# Exit codes (edge-agent.service restarts on any other failure, never on these two):
+# 2: a configuration error on this device (bad config, unreadable data, data that does not fit
+# the run, wrong credentials): restarting cannot help until someone fixes it;
+# 3: refused by the server (not in its allow-list, a method it lacks).
+EXIT_OK, EXIT_CONFIG, EXIT_REFUSED = 0, 2, 3
 
 
 class RequestTimeoutError(RuntimeError):
@@ -115,6 +119,8 @@ class EdgeAgent:
         self._current_round = 0  # the round run_round is in, 0 between rounds
         self._eval_s_since_round_end = 0.0  # evaluation time since the last round_end: not idle
         self.exit_code = EXIT_OK
+        self._rounds_started: set[int] = set()  # rounds this process began (a repeat is logged with its reason)
+        self.config_path = ""  # the TOML the config came from, named in error messages (set by the CLI)
         self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
 
     # -- plumbing ----------------------------------------------------------- #
@@ -210,6 +216,8 @@ class EdgeAgent:
                 software={"edgesplit": __version__, "python": platform.python_version(), **backend_software},
                 last_round_done=self.last_round_done,
                 memory=dataclasses.asdict(self.config.memory),
+                input_shape=[int(d) for d in self.train.images.shape[1:]],  # (C, H, W) as the model sees it
+                num_classes=int(self.train.num_classes),
             )
         )
 
@@ -308,14 +316,20 @@ class EdgeAgent:
 
     def _on_welcome(self, msg: Welcome) -> None:
         if not msg.accepted:
-            log.error("server refused this agent: %s", msg.reason)
-            self.exit_code = EXIT_REFUSED
+            if msg.code == "data_mismatch":
+                log.error("server refused this agent: its data does not fit the run: %s (data: %s, [data] in %s)",
+                          msg.reason, self.config.data.root or self.config.data.dataset, self.config_path or "the config")
+                self.exit_code = EXIT_CONFIG
+            else:
+                log.error("server refused this agent: %s", msg.reason)
+                self.exit_code = EXIT_REFUSED
             self._stop.set()
             return
         num_classes = int(msg.settings.get("num_classes", 0))
         if num_classes and int(self.train.labels.max()) >= num_classes:
-            log.error("local labels go up to %d but the run has %d classes", int(self.train.labels.max()), num_classes)
-            self.exit_code = EXIT_REFUSED
+            log.error("local labels go up to %d but the run has %d classes: this device's data has more classes "
+                      "(class folders) than the run's [server] num_classes", int(self.train.labels.max()), num_classes)
+            self.exit_code = EXIT_CONFIG
             self._stop.set()
             return
         if self.method is not None and self.settings == msg.settings and self.method.name == msg.method:
@@ -359,6 +373,14 @@ class EdgeAgent:
             self._publish(ErrorReply(**self._base(msg.round), code="not_ready", reason="no welcome received yet", ref_msg_id=msg.msg_id))
             self.hello()
             return
+        if msg.round <= self.last_round_done:
+            log.warning("round %d again: this agent finished it already (its round_end may not have reached the server, "
+                        "or the server restarted from a checkpoint before that round); the server asks for it again, "
+                        "so it is redone", msg.round)
+        elif msg.round in self._rounds_started:
+            log.warning("round %d again: the server sent its round_start once more (it saw this agent reconnect or "
+                        "restart mid-round and lost its part of the round); starting the round over", msg.round)
+        self._rounds_started.add(msg.round)
         meter = RoundMeter(deadline=RoundDeadline(max(0.0, msg.deadline_s)))  # a negative or NaN deadline: none left
         if self._last_round_end_at is not None:
             meter.seconds["idle"] = max(0.0, time.monotonic() - self._last_round_end_at - self._eval_s_since_round_end)

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from shared_protocol.logs import setup_logging
 from shared_protocol.tomlio import read_toml
@@ -16,6 +17,10 @@ from .config import EdgeConfig, MemoryConfig
 from .memory import apply_process_memory
 
 log = logging.getLogger("edge_agent")
+
+# Exit codes: 2 a configuration error (not retried by edge-agent.service: see
+# edge_agent.agent), 3 refused by the server, 1 the broker could not be reached (retried).
+EXIT_UNREACHABLE, EXIT_CONFIG = 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--backend", choices=("torch", "ort"), help="check this backend instead of the config's")
     doctor.add_argument("--timeout", type=float, default=5.0, help="seconds per network check (default: %(default)s)")
     doctor.add_argument("--no-load-data", action="store_true", help="only look at the data directory, do not load the dataset")
+    doctor.add_argument("--data-root", help="check this data directory instead of [data] root (as run's --data-root)")
+    doctor.add_argument("--state-dir", help="check this state directory instead of [agent] state_dir (as run's --state-dir)")
     sim = sub.add_parser("simulate", help="many agents in one process (each its own MQTT client), for scale tests")
     sim.add_argument("--config", required=True, help="agent TOML; [data] is partitioned across the simulated agents")
     sim.add_argument("--agents", type=int, required=True)
@@ -57,7 +64,7 @@ def _with_memory_flag(config: EdgeConfig, args: argparse.Namespace) -> EdgeConfi
 
 
 def load_config(args: argparse.Namespace) -> EdgeConfig:
-    config = _with_memory_flag(EdgeConfig.from_dict(read_toml(args.config)), args)
+    config = _with_memory_flag(EdgeConfig.from_dict(read_toml(args.config), base_dir=Path(args.config).resolve().parent), args)
     overrides = {
         "broker_url": args.broker,
         "agent_id": args.agent_id,
@@ -96,12 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         from .doctor import DoctorOptions
         from .doctor import main as doctor_main
 
-        return doctor_main(DoctorOptions(args.config, args.backend, args.timeout, load_data=not args.no_load_data))
+        return doctor_main(DoctorOptions(args.config, args.backend, args.timeout, load_data=not args.no_load_data,
+                                         data_root=args.data_root, state_dir=args.state_dir))
     try:
         config = load_config(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"edge-agent: error: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, FileNotFoundError, PermissionError) as exc:
+        print(f"edge-agent: error: {exc}\n  -> fix {args.config} (edge-agent doctor --config {args.config} checks it; "
+              f"keys in docs/configuration.md)", file=sys.stderr)
+        return EXIT_CONFIG
     setup_logging(config.log_json, name=f"{config.agent_id} ")
     pinned = apply_process_memory(config.memory)  # before the first big allocation; see edge_agent.memory
     if config.memory.micro_batch_samples or pinned or config.memory.checkpoint_blocks:
@@ -110,20 +119,41 @@ def main(argv: list[str] | None = None) -> int:
     if not sys.stderr.isatty():
         config = dataclasses.replace(config, progress=False)
     from .agent import EdgeAgent
+    from .doctor import data_fix
 
     try:
         agent = EdgeAgent(config)
-    except (ValueError, FileNotFoundError) as exc:
-        log.error("%s", exc)
-        return 2
+    except (ValueError, OSError) as exc:  # OSError: FileNotFoundError, PermissionError, unreadable files
+        log.error("cannot load this device's data ([data] in %s): %s", args.config, exc)
+        log.error("  -> %s; edge-agent doctor --config %s checks the data", data_fix(exc), args.config)
+        return EXIT_CONFIG
+    agent.config_path = args.config
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     try:
         return agent.run()
     except TransportError as exc:
-        log.error("%s", exc)
-        return 2
+        return explain_connect_failure(config, args.config, exc)
     except KeyboardInterrupt:
         return 130
+
+
+def explain_connect_failure(config: EdgeConfig, config_path: str, exc: TransportError) -> int:
+    """Log why the broker connection failed and what to change, as doctor would say it, and
+    return the exit code: a configuration error (TLS, CA, password) is not retried by the
+    systemd unit; an unreachable broker is (it may come back)."""
+    from .doctor import connection_checks
+
+    log.error("%s", exc)
+    failed = [c for c in connection_checks(config) if c.failed]
+    for check in failed:
+        log.error("%s: %s", check.name, check.detail)
+        if check.fix:
+            log.error("  -> %s (in %s; edge-agent doctor --config %s checks it)", check.fix, config_path, config_path)
+    if any(c.name in ("tls", "login") for c in failed):
+        return EXIT_CONFIG
+    if not failed:
+        log.error("  -> the broker answers now: a passing failure; start the agent again")
+    return EXIT_UNREACHABLE
 
 
 if __name__ == "__main__":

@@ -7,12 +7,33 @@ them with every round, so one federation cannot run with mismatched settings.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
+
+
+#: [agent] keys naming files that a relative path finds next to the config file.
+CREDENTIAL_PATH_KEYS = ("password_file", "ca_file", "cert_file", "key_file")
+
+
+def resolve_credential_paths(agent: dict[str, Any], base_dir: str | Path | None) -> dict[str, Any]:
+    """``agent`` with each relative credential path (``password_file``, ``ca_file``, ...)
+    joined to ``base_dir``: a device bundle from ``edgesplit keys init`` says
+    ``password_file = "agent.password"`` and works wherever its three files are installed
+    together (``/etc/edgesplit``, or the bundle's own directory)."""
+    if base_dir is None:
+        return agent
+    out = dict(agent)
+    for key in CREDENTIAL_PATH_KEYS:
+        value = out.get(key)
+        if isinstance(value, str) and value and not Path(os.path.expanduser(value)).is_absolute():
+            out[key] = str(Path(base_dir) / value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -141,9 +162,11 @@ class EdgeConfig:
         return out
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "EdgeConfig":
-        """From a parsed TOML document (``[agent]``, ``[data]`` and ``[memory]`` tables)."""
-        agent = dict(raw.get("agent", {}))
+    def from_dict(cls, raw: dict[str, Any], base_dir: str | Path | None = None) -> "EdgeConfig":
+        """From a parsed TOML document (``[agent]``, ``[data]`` and ``[memory]`` tables);
+        relative credential paths are taken relative to ``base_dir`` (the config file's
+        directory) when given: see :func:`resolve_credential_paths`."""
+        agent = resolve_credential_paths(dict(raw.get("agent", {})), base_dir)
         data = DataConfig(**raw.get("data", {}))
         unknown_memory = set(raw.get("memory", {})) - set(MemoryConfig.__dataclass_fields__)
         if unknown_memory:

@@ -57,6 +57,8 @@ class DoctorOptions:
     python_version: tuple[int, int, int] = field(default_factory=lambda: tuple(sys.version_info[:3]))  # type: ignore[assignment]
     importer: Callable[[str], object] = importlib.import_module
     meminfo: Callable[[], dict[str, int]] = lambda: meminfo_bytes()  # noqa: E731  (tests give a device's figures)
+    data_root: str | None = None  # as edge-agent run's --data-root
+    state_dir: str | None = None  # as edge-agent run's --state-dir
 
 
 # --------------------------------------------------------------------------- #
@@ -280,9 +282,13 @@ def check_tls(host: str, port: int, tls: bool, ca_file: str | None, cert: tuple[
         if "hostname" in str(exc).lower() or "ip address mismatch" in str(exc).lower():
             return Check("tls", FAIL, f"the broker's certificate is not valid for {host!r} ({exc.verify_message})",
                          f"use the host name the certificate was made for in broker_url, or regenerate it with --host {host}")
-        return Check("tls", FAIL, f"the broker's certificate is not signed by the CA in ca_file ({exc.verify_message})",
-                     "copy the ca.crt that signed the broker's certificate (from edgesplit keys init) to ca_file"
-                     if ca_file else "set ca_file to the deployment's ca.crt")
+        if not ca_file:
+            return Check("tls", FAIL, f"certificate verify failed: the broker's certificate is not signed by a CA this device "
+                                      f"trusts ({exc.verify_message}), and [agent] sets no ca_file",
+                         "set ca_file = \"/etc/edgesplit/ca.crt\" in [agent]: the deployment's ca.crt (from edgesplit keys init)")
+        return Check("tls", FAIL, f"certificate verify failed: the broker's certificate is not signed by the CA in ca_file "
+                                  f"{ca_file} ({exc.verify_message})",
+                     "copy the ca.crt that signed the broker's certificate (from edgesplit keys init) to ca_file")
     except ssl.SSLError as exc:
         reason = exc.reason or str(exc)
         if reason in ("WRONG_VERSION_NUMBER", "UNEXPECTED_EOF_WHILE_READING", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG") or "EOF" in str(exc):
@@ -335,6 +341,15 @@ class EdgeConfigLike:  # for type hints only (EdgeConfig, without importing it a
         ...
 
 
+def data_fix(exc: BaseException) -> str:
+    """What to do about data that does not load (doctor and ``edge-agent run`` say the same)."""
+    from fldata.datasets import ImageFolderError
+
+    if isinstance(exc, ImageFolderError):
+        return "fix the file(s) named above in this device's image folder ([data] root), then run doctor again"
+    return "fix [data] in the config (docs/configuration.md)"
+
+
 def check_data(config: "EdgeConfigLike", load: bool) -> Check:
     from fldata import load_dataset
 
@@ -355,11 +370,13 @@ def check_data(config: "EdgeConfigLike", load: bool) -> Check:
         return Check("data", OK, f"{d.dataset} at {d.root or 'the default location'} (not loaded: --no-load-data)")
     try:
         train = load_dataset(d.dataset, "train", d.root, d.download)
+        if d.dataset == "imagefolder" and d.root and (Path(os.path.expanduser(d.root)) / "test").is_dir():
+            load_dataset(d.dataset, "test", d.root, d.download)  # the whole folder: a bad test image stops a run too
     except FileNotFoundError as exc:
         return Check("data", FAIL, f"the {d.dataset} training data is not there: {exc}",
                      "put the data in place (docs/deploy.md, 'Data on the device') or fix data.root")
     except (ValueError, OSError, ImportError) as exc:
-        return Check("data", FAIL, f"cannot load {d.dataset} data: {exc}", "fix [data] in the config (docs/configuration.md)")
+        return Check("data", FAIL, f"cannot load {d.dataset} data: {exc}", data_fix(exc))
     if len(train) == 0:
         return Check("data", FAIL, f"{d.dataset} at {d.root} has no training samples", "add images")
     counts = train.class_counts()
@@ -396,7 +413,10 @@ def run_checks(options: DoctorOptions) -> list[Check]:
     except (ValueError, PermissionError) as exc:
         checks.append(Check("config", FAIL, f"cannot read {options.config_path}: {exc}", "fix the TOML syntax or its permissions"))
         return checks
-    raw_agent = dict(raw.get("agent", {}))
+    from .config import resolve_credential_paths
+
+    # Relative credential paths are relative to the config file, as edge-agent run reads them.
+    raw_agent = resolve_credential_paths(dict(raw.get("agent", {})), Path(options.config_path).resolve().parent)
     backend = options.backend or str(raw_agent.get("backend", "torch"))
     checks.append(check_backend(backend, options.importer))
     cred, password = check_credentials(raw_agent)
@@ -411,6 +431,10 @@ def run_checks(options: DoctorOptions) -> list[Check]:
         agent["backend"] = backend
         config_doc["agent"] = agent
         config = EdgeConfig.from_dict(config_doc)
+        if options.data_root:
+            config = replace(config, data=replace(config.data, root=options.data_root))
+        if options.state_dir:
+            config = replace(config, state_dir=options.state_dir)
     except (ValueError, TypeError) as exc:
         checks.append(Check("config", FAIL, f"{options.config_path} is not a valid agent config: {exc}",
                             "see docs/configuration.md for the [agent] and [data] keys"))
@@ -438,6 +462,22 @@ def run_checks(options: DoctorOptions) -> list[Check]:
     checks.append(check_data(config, options.load_data))
     checks.append(check_state_dir(config.state_dir))
     return checks
+
+
+def connection_checks(config: "EdgeConfigLike", timeout_s: float = 5.0) -> list[Check]:
+    """Doctor's network checks for ``config`` (broker reachable, TLS, login), stopping at the
+    first failure: what ``edge-agent run`` prints when it cannot connect, with the fix."""
+    from shared_protocol.transport import BrokerAddress
+
+    address = BrokerAddress.parse(config.broker_url)  # type: ignore[attr-defined]
+    reach = check_reachable(address.host, address.port, timeout_s)
+    if reach.failed:
+        return [reach]
+    cert = (config.cert_file, config.key_file) if config.cert_file and config.key_file else None  # type: ignore[attr-defined]
+    tls = check_tls(address.host, address.port, address.tls, config.ca_file, cert, timeout_s)  # type: ignore[attr-defined]
+    if tls.failed:
+        return [reach, tls]
+    return [reach, tls, check_login(config, timeout_s)]
 
 
 def render(checks: list[Check]) -> str:

@@ -61,6 +61,7 @@ __all__ = [
     "SPLIT_ID_OFFSETS",
     "ArrayDataset",
     "DownloadError",
+    "ImageFolderError",
     "compute_stats",
     "dataset_stats",
     "default_data_root",
@@ -641,6 +642,28 @@ def _load_cifar(
     )
 
 
+class ImageFolderError(ValueError):
+    """An image folder that cannot be used as it is; the message names the file and the fix."""
+
+
+def _unreadable(path: Path, exc: BaseException) -> ImageFolderError:
+    return ImageFolderError(
+        f"{path} is not a readable image ({type(exc).__name__}: {exc}): the file is corrupt, truncated or not "
+        f"an image; delete it or replace it with a good copy, then start again"
+    )
+
+
+@contextmanager
+def _open_image(image_module, path: Path) -> Iterator:  # type: ignore[no-untyped-def]
+    """``Image.open(path)``, with an unreadable file named and its fix given (never a bare PIL traceback)."""
+    try:
+        im = image_module.open(path)
+    except (OSError, ValueError, SyntaxError) as exc:  # PIL.UnidentifiedImageError is an OSError
+        raise _unreadable(path, exc) from exc
+    with im:
+        yield im
+
+
 def _load_image_folder(directory: Path, name: str, id_offset: int) -> ArrayDataset:
     """Read ``directory/<class>/<image>``; classes are the sorted folder names."""
     _require_module("PIL", f"loading {name} image folders")
@@ -667,15 +690,17 @@ def _load_image_folder(directory: Path, name: str, id_offset: int) -> ArrayDatas
     # one size for the whole folder; we never resize silently.
     modes: set[str] = set()
     size: tuple[int, int] | None = None
+    first: Path | None = None
     for path in files:
-        with Image.open(path) as im:
+        with _open_image(Image, path) as im:
             modes.add(im.mode)
             if size is None:
-                size = im.size
+                size, first = im.size, path
             elif im.size != size:
-                raise ValueError(
+                raise ImageFolderError(
                     f"image folder {directory} mixes image sizes: {path} is {im.size[0]}x{im.size[1]}, "
-                    f"earlier images are {size[0]}x{size[1]}; resize them first"
+                    f"{first} and the images before it are {size[0]}x{size[1]}; every image of a device (and of the run) "
+                    f"must have one size: resize {path} (or the others) first"
                 )
     if size is None:  # unreachable: files is non-empty; narrows the type for checkers
         raise FileNotFoundError(f"no images under {directory}")
@@ -684,8 +709,11 @@ def _load_image_folder(directory: Path, name: str, id_offset: int) -> ArrayDatas
     width, height = size
     images = np.empty((len(files), channels, height, width), dtype=np.uint8)
     for i, path in enumerate(files):
-        with Image.open(path) as im:
-            arr = np.asarray(im.convert(mode), dtype=np.uint8)
+        with _open_image(Image, path) as im:
+            try:
+                arr = np.asarray(im.convert(mode), dtype=np.uint8)
+            except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt pixel data
+                raise _unreadable(path, exc) from exc
         images[i] = arr[None, :, :] if channels == 1 else arr.transpose(2, 0, 1)  # HWC -> CHW
     images = _pad_28_to_32(images)
     return ArrayDataset(

@@ -286,12 +286,22 @@ class Hello(Message):
     # How the agent trades speed for memory (its [memory] settings). micro_batch_samples > 0
     # changes BatchNorm's batches, so a report says which agents trained that way.
     memory: dict = field(default_factory=dict)
+    # The data contract (checked by the server at join, before any work): the shape of one
+    # training input as the model sees it, [channels, height, width], and the number of
+    # classes of the agent's dataset. Empty / 0: not told (an agent from before they existed).
+    input_shape: list = field(default_factory=list)
+    num_classes: int = 0
 
     def validate(self) -> None:
         if self.num_samples < 0 or self.cores < 0 or self.memory_bytes < 0:
             raise ValueRangeError("hello: counts must be non-negative")
         if not all(isinstance(c, int) and c >= 0 for c in self.class_counts):
             raise ValueRangeError("hello: class_counts must be non-negative ints")
+        if self.input_shape and (len(self.input_shape) != 3
+                                 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in self.input_shape)):
+            raise ValueRangeError(f"hello: input_shape must be [channels, height, width] of positive ints, got {self.input_shape!r}")
+        if self.num_classes < 0:
+            raise ValueRangeError(f"hello: num_classes must be >= 0, got {self.num_classes}")
 
 
 @register_message
@@ -302,6 +312,9 @@ class Welcome(Message):
     TYPE: ClassVar[str] = "welcome"
     accepted: bool
     reason: str = ""
+    # Why, as a code an agent acts on: "data_mismatch" (the agent's data does not fit the
+    # run: a configuration error on the device, not retried), "not_allowed", "method".
+    code: str = ""
     method: str = ""
     settings: dict = field(default_factory=dict)
 

@@ -59,3 +59,35 @@ def test_numpy_batches_shuffle_and_augment_deterministically() -> None:
     assert sorted(ids.tolist()) == sorted(ds.sample_ids.tolist()) and ids.tolist() != ds.sample_ids.tolist()
     with pytest.raises(ValueError):
         Normalizer([0.5], [0.0])
+
+
+def test_image_folders_per_device_load_as_the_shards_they_came_from(tmp_path: Path) -> None:
+    from fldata.export import class_folder_names, export_image_folders
+
+    devices = export_image_folders("synthetic", tmp_path, "dirichlet:0.5", num_agents=2, seed=1, train_samples=80,
+                                   test_samples=40, names=("pi-a", "pi-b"))
+    assert [d.name for d in devices] == ["pi-a", "pi-b"]
+    from fldata.subsets import AgentDataSpec, load_agent_subset
+
+    for index, device in enumerate(devices):
+        expected, _ = load_agent_subset(AgentDataSpec("synthetic", "dirichlet:0.5", 2, 1, None, train_samples=80, test_samples=40), index)
+        loaded = load_dataset("imagefolder", "train", device)
+        assert loaded.num_classes == expected.num_classes == 10  # every class folder, empty or not
+        # Same images with the same labels (the folder orders them by class, then file name).
+        np.testing.assert_array_equal(np.sort(loaded.labels), np.sort(expected.labels))
+        assert sorted(map(bytes, loaded.images)) == sorted(map(bytes, expected.images))
+        assert len(load_dataset("imagefolder", "test", device)) > 0
+    meta = __import__("json").loads((tmp_path / "classes.json").read_text())
+    assert [c["index"] for c in meta["classes"]] == list(range(10))
+    names = class_folder_names(("T-shirt/top", "Trouser", "Ankle boot"), 3)
+    assert names == ["0_T-shirt_top", "1_Trouser", "2_Ankle_boot"] and names == sorted(names)
+    assert class_folder_names(tuple(f"c{i}" for i in range(12)), 12)[10] == "10_c10"
+    assert sorted(class_folder_names(tuple("b" * (12 - i) for i in range(12)), 12)) == class_folder_names(tuple("b" * (12 - i) for i in range(12)), 12)
+
+
+def test_export_cli_image_folders(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["--dataset", "synthetic", "--format", "imagefolder", "--agents", "2", "--index", "1", "--train-samples", "40",
+                 "--test-samples", "20", "--out", str(tmp_path / "one")]) == 0
+    assert (tmp_path / "one" / "train").is_dir() and (tmp_path / "one" / "classes.json").exists()
+    assert main(["--dataset", "synthetic", "--format", "imagefolder", "--agents", "2", "--names", "x", "--out", str(tmp_path / "b")]) == 2
+    assert "--names" in capsys.readouterr().err

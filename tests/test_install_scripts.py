@@ -157,3 +157,23 @@ def test_units_verify_with_systemd_analyze_when_available(tmp_path: Path) -> Non
         # Only syntax errors count: binaries and users of the target system do not exist here.
         bad = [line for line in result.stderr.splitlines() if "Unknown key" in line or "Invalid" in line or "Failed to parse" in line]
         assert not bad, bad
+
+
+def test_edge_plan_installs_a_keys_init_bundle_as_it_is(tmp_path: Path) -> None:
+    bundle = tmp_path / "pi-1"
+    bundle.mkdir()
+    for name in ("agent.toml", "agent.password", "ca.crt"):
+        (bundle / name).write_text("x\n")
+    out = plan(EDGE, "--arch", "aarch64", "--bundle", str(bundle)).stdout
+    assert f"-g edgesplit {bundle}/agent.toml /etc/edgesplit/agent.toml" in out
+    assert f"{bundle}/agent.password /etc/edgesplit/agent.password" in out and f"{bundle}/ca.crt /etc/edgesplit/ca.crt" in out
+    (bundle / "ca.crt").unlink()
+    missing = plan(EDGE, "--bundle", str(bundle))
+    assert missing.returncode == 1 and "ca.crt is missing" in missing.stderr
+    whole = plan(EDGE, "--root", str(tmp_path))
+    assert whole.returncode == 1 and "--config-only" in whole.stderr
+
+
+def test_edge_unit_does_not_restart_a_configuration_error() -> None:
+    service = unit(ROOT / "deploy" / "edge" / "edge-agent.service")["Service"]
+    assert set(service["RestartPreventExitStatus"].split()) == {"2", "3"}

@@ -8,6 +8,7 @@
 #   sudo deploy/edge/install.sh                         # torch backend
 #   sudo deploy/edge/install.sh --backend ort           # torch-free (x86_64 only)
 #   deploy/edge/install.sh --dry-run                    # print the plan, change nothing
+#   sudo deploy/edge/install.sh --bundle pi-1/          # the device bundle from `edgesplit keys init`
 #   sudo deploy/edge/install.sh --config agent.toml --password-file pi-1.password --ca-file ca.crt
 #   sudo deploy/edge/install.sh --torch-build cuda      # x86_64: PyPI's CUDA torch instead of the CPU-only one
 #
@@ -42,6 +43,8 @@ REINSTALL_TORCH=0
 CONFIG_FILE=""
 PASSWORD_FILE=""
 CA_FILE=""
+ROOT=""
+CONFIG_ONLY=0
 
 usage() {
   sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
@@ -62,6 +65,11 @@ options:
   --config FILE          agent TOML to install as ${CONF_DIR}/agent.toml
   --password-file FILE   the agent's broker password, installed as ${CONF_DIR}/agent.password
   --ca-file FILE         the deployment's CA certificate, installed as ${CONF_DIR}/ca.crt
+  --bundle DIR           a device bundle from \`edgesplit keys init\` (bundles/<id>/): its agent.toml,
+                         agent.password and ca.crt, installed as they are (same as the three options above)
+  --root DIR             install config, credentials and state directories under DIR instead of /
+                         (DIR/etc/edgesplit, DIR/var/lib/edgesplit): for trying a bundle out, and for tests
+  --config-only          only the config, credentials and directories (steps 3 and 7): no apt, venv or unit
   --no-service           do not install or start the systemd unit
 USAGE
 }
@@ -93,6 +101,14 @@ while [ $# -gt 0 ]; do
     --config) CONFIG_FILE="${2:?--config needs a file}"; shift ;;
     --password-file) PASSWORD_FILE="${2:?--password-file needs a file}"; shift ;;
     --ca-file) CA_FILE="${2:?--ca-file needs a file}"; shift ;;
+    --bundle)
+      BUNDLE="${2:?--bundle needs a directory}"; shift
+      for f in agent.toml agent.password ca.crt; do
+        [ -f "${BUNDLE}/${f}" ] || die "--bundle ${BUNDLE}: ${f} is missing; a bundle is bundles/<id>/ from edgesplit keys init (agent.toml, agent.password, ca.crt)"
+      done
+      CONFIG_FILE="${BUNDLE}/agent.toml"; PASSWORD_FILE="${BUNDLE}/agent.password"; CA_FILE="${BUNDLE}/ca.crt" ;;
+    --root) ROOT="${2:?--root needs a directory}"; shift ;;
+    --config-only) CONFIG_ONLY=1; INSTALL_SERVICE=0 ;;
     --no-service) INSTALL_SERVICE=0 ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown option $1" ;;
@@ -117,8 +133,24 @@ fi
 if [ -z "${TORCH_SPEC}" ]; then
   if [ "${ARCH}" = "aarch64" ]; then TORCH_SPEC="${PI_TORCH_SPEC}"; else TORCH_SPEC="${X86_TORCH_SPEC}"; fi
 fi
-if [ "${DRY_RUN}" -eq 0 ] && [ "$(id -u)" -ne 0 ]; then
-  die "run as root (sudo), or with --dry-run to see the plan"
+if [ -n "${ROOT}" ] && [ "${CONFIG_ONLY}" -eq 0 ]; then
+  die "--root DIR goes with --config-only (the venv and the systemd unit are the machine's, not DIR's)"
+fi
+if [ -n "${ROOT}" ]; then
+  ROOT="$(cd "${ROOT}" && pwd)" || die "--root ${ROOT} must be an existing directory"
+  CONF_DIR="${ROOT}${CONF_DIR}"
+  STATE_DIR="${ROOT}${STATE_DIR}"
+fi
+if [ "${DRY_RUN}" -eq 0 ] && [ "$(id -u)" -ne 0 ] && { [ "${CONFIG_ONLY}" -eq 0 ] || [ -z "${ROOT}" ]; }; then
+  die "run as root (sudo), or with --dry-run to see the plan (--config-only --root DIR needs no root)"
+fi
+# Owner flags for what step 7 installs: the service user's group reads the config and password.
+# Without root (--config-only --root) or without that user yet, the files stay the caller's.
+OWN_CONF=(-o root -g "${SERVICE_USER}")
+OWN_STATE=(-o "${SERVICE_USER}" -g "${SERVICE_USER}")
+if [ "${DRY_RUN}" -eq 0 ] && { [ "$(id -u)" -ne 0 ] || { [ "${CONFIG_ONLY}" -eq 1 ] && ! id -u "${SERVICE_USER}" >/dev/null 2>&1; }; }; then
+  OWN_CONF=()
+  OWN_STATE=()
 fi
 
 VENV="${PREFIX}/venv"
@@ -135,6 +167,9 @@ if [ -r /etc/os-release ]; then
   esac
 fi
 
+if [ "${CONFIG_ONLY}" -eq 1 ]; then
+  say "--config-only: config, credentials and directories under ${ROOT:-/} only"
+else
 say "1. system packages (python3-venv, ca-certificates; mosquitto-clients for debugging)"
 run apt-get update -qq
 run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-pip ca-certificates mosquitto-clients
@@ -147,14 +182,19 @@ else
   echo "    ${PYTHON} -c 'assert sys.version_info >= (3, 10)'"
 fi
 
-say "3. service user ${SERVICE_USER} and directories"
-if [ "${DRY_RUN}" -eq 1 ] || ! id -u "${SERVICE_USER}" >/dev/null 2>&1; then
-  run useradd --system --home-dir "${STATE_DIR}" --shell /usr/sbin/nologin "${SERVICE_USER}"
 fi
-run install -d -m 0755 "${PREFIX}"
-run install -d -m 0750 -o root -g "${SERVICE_USER}" "${CONF_DIR}"
-run install -d -m 0750 -o "${SERVICE_USER}" -g "${SERVICE_USER}" "${STATE_DIR}" "${STATE_DIR}/data" "${STATE_DIR}/state"
 
+say "3. service user ${SERVICE_USER} and directories"
+if [ "${CONFIG_ONLY}" -eq 0 ]; then
+  if [ "${DRY_RUN}" -eq 1 ] || ! id -u "${SERVICE_USER}" >/dev/null 2>&1; then
+    run useradd --system --home-dir "${STATE_DIR}" --shell /usr/sbin/nologin "${SERVICE_USER}"
+  fi
+  run install -d -m 0755 "${PREFIX}"
+fi
+run install -d -m 0750 "${OWN_CONF[@]}" "${CONF_DIR}"
+run install -d -m 0750 "${OWN_STATE[@]}" "${STATE_DIR}" "${STATE_DIR}/data" "${STATE_DIR}/state"
+
+if [ "${CONFIG_ONLY}" -eq 0 ]; then
 say "4. venv ${VENV}"
 run "${PYTHON}" -m venv "${VENV}"
 run "${PIP}" install -q --upgrade pip setuptools wheel
@@ -194,18 +234,32 @@ else
   run "${PIP}" install -q --no-deps "${SOURCE}"
 fi
 
+fi
+
+# The config names its password and CA relative to itself (agent.password, ca.crt: a bundle
+# from edgesplit keys init) or as absolute /etc/edgesplit paths: both find the files installed here.
 say "7. config and credentials in ${CONF_DIR} (readable by ${SERVICE_USER}, not by others)"
 if [ -n "${CONFIG_FILE}" ]; then
-  run install -m 0640 -o root -g "${SERVICE_USER}" "${CONFIG_FILE}" "${CONF_DIR}/agent.toml"
+  run install -m 0640 "${OWN_CONF[@]}" "${CONFIG_FILE}" "${CONF_DIR}/agent.toml"
 elif [ "${DRY_RUN}" -eq 1 ] || [ ! -e "${CONF_DIR}/agent.toml" ]; then
-  run install -m 0640 -o root -g "${SERVICE_USER}" "${SCRIPT_DIR}/agent.toml.example" "${CONF_DIR}/agent.toml"
+  run install -m 0640 "${OWN_CONF[@]}" "${SCRIPT_DIR}/agent.toml.example" "${CONF_DIR}/agent.toml"
   echo "    edit ${CONF_DIR}/agent.toml: agent_id, broker_url, [data]"
 fi
 if [ -n "${PASSWORD_FILE}" ]; then
-  run install -m 0640 -o root -g "${SERVICE_USER}" "${PASSWORD_FILE}" "${CONF_DIR}/agent.password"
+  # Group-readable for the service user; the caller's alone where there is none (--config-only --root).
+  if [ "${#OWN_CONF[@]}" -gt 0 ]; then pw_mode=0640; else pw_mode=0600; fi
+  run install -m "${pw_mode}" "${OWN_CONF[@]}" "${PASSWORD_FILE}" "${CONF_DIR}/agent.password"
 fi
 if [ -n "${CA_FILE}" ]; then
-  run install -m 0644 -o root -g root "${CA_FILE}" "${CONF_DIR}/ca.crt"
+  if [ "${#OWN_CONF[@]}" -gt 0 ]; then
+    run install -m 0644 -o root -g root "${CA_FILE}" "${CONF_DIR}/ca.crt"
+  else
+    run install -m 0644 "${CA_FILE}" "${CONF_DIR}/ca.crt"
+  fi
+fi
+if [ "${CONFIG_ONLY}" -eq 1 ]; then
+  say "installed: ${CONF_DIR}/agent.toml; check it with: edge-agent doctor --config ${CONF_DIR}/agent.toml"
+  exit 0
 fi
 
 if [ "${INSTALL_SERVICE}" -eq 1 ]; then

@@ -161,9 +161,8 @@ fi
 say "done. Next:"
 cat <<NEXT
     - move ${KEYS_DIR}/ca.key off this machine (it signs broker certificates)
-    - give each device its files: ${KEYS_DIR}/configs/agent-<id>.toml, secrets/<id>.password, ca.crt
-      and run on it: sudo deploy/edge/install.sh --config agent-<id>.toml --password-file <id>.password --ca-file ca.crt
-    - edit ${CONF_DIR}/server.toml ([server] rounds, dataset, expected_agents; [fedgkt]) and start:
+    - give each device its bundle: ${KEYS_DIR}/bundles/<id>/ (agent.toml, agent.password, ca.crt); on the device: sudo deploy/edge/install.sh --bundle <id>/
+    - edit ${CONF_DIR}/server.toml ([server] rounds, expected_agents, the devices' in_channels / image_size / num_classes; [fedgkt]) and start:
       sudo systemctl start cloud-server; journalctl -u cloud-server -f
     - open TCP ${PORT} to the devices (and nothing else of the broker)
 NEXT

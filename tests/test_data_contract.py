@@ -1,0 +1,88 @@
+"""The data contract is checked at join, before any work: an agent's hello carries its
+input shape and class count, the server refuses a mismatching agent naming both shapes
+and the setting to change, the agent exits with the configuration-error code, and the
+other agents' rounds complete (in memory here; over TLS mosquitto in test_deploy_e2e.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fldata import make_synthetic
+from cloud_server.report import validate_report
+from edge_agent.agent import EXIT_CONFIG, EXIT_OK, EdgeAgent
+from shared_protocol.messages import Hello, Welcome, decode_message, encode_message
+from shared_protocol.topics import Topics
+from shared_protocol.transport import InMemoryBroker, InMemoryTransport
+
+from fedhelpers import agent_config, make_server, server_config
+
+
+def _hello(agent: str, run: str, **kw: object) -> Hello:
+    return Hello(run=run, round=0, sender=agent, cpu_model="x", arch="x", cores=1, memory_bytes=1, backend="torch",
+                 num_samples=1, class_counts=[1], methods=["fedgkt"], **kw)  # type: ignore[arg-type]
+
+
+def _answer(tmp_path: Path, hellos: list[Hello], **server_kw: object) -> list[Welcome]:
+    """The server's welcome to each hello, in order."""
+    run = hellos[0].run
+    broker = InMemoryBroker()
+    coordinator = make_server(server_config(tmp_path, run_id=run, agents=2, **server_kw), InMemoryTransport(broker, "server"))
+    coordinator.transport.subscribe(Topics(run).up_any)
+    coordinator.transport.connect()
+    replies = []
+    for hello in hellos:
+        client = InMemoryTransport(broker, hello.sender)
+        client.subscribe(Topics(run).down(hello.sender))
+        client.connect()
+        client.publish(Topics(run).up(hello.sender), encode_message(hello))
+        coordinator.pump(1.0)
+        reply = decode_message(client.receive(1.0).payload)
+        assert isinstance(reply, Welcome)
+        replies.append(reply)
+    return replies
+
+
+def test_first_agent_fixes_the_size_and_a_different_size_is_refused_naming_both(tmp_path: Path) -> None:
+    first, second, old = _answer(tmp_path, [
+        _hello("a", "c1", input_shape=[3, 32, 32], num_classes=10),
+        _hello("b", "c1", input_shape=[3, 48, 48], num_classes=10),
+        _hello("c", "c1"),  # an agent from before the contract: nothing to check
+    ])
+    assert first.accepted and old.accepted
+    assert not second.accepted and second.code == "data_mismatch"
+    assert "(3, 48, 48)" in second.reason and "(3, 32, 32)" in second.reason
+    assert "agent a" in second.reason and "image_size" in second.reason
+
+
+def test_the_configured_size_wins_over_the_first_agent(tmp_path: Path) -> None:
+    (first,) = _answer(tmp_path, [_hello("a", "c2", input_shape=[3, 32, 32], num_classes=10)], image_size=(48, 48))
+    assert not first.accepted and "(3, 48, 48)" in first.reason and "[server] image_size" in first.reason
+
+
+def test_channels_and_classes_name_their_server_keys(tmp_path: Path) -> None:
+    gray, classes = _answer(tmp_path, [
+        _hello("a", "c3", input_shape=[1, 32, 32], num_classes=10),
+        _hello("b", "c3", input_shape=[3, 32, 32], num_classes=9),
+    ])
+    assert not gray.accepted and "in_channels = 1" in gray.reason and "(1, 32, 32)" in gray.reason
+    assert not classes.accepted and "9 classes" in classes.reason and "num_classes" in classes.reason
+
+
+def test_mis_sized_agent_is_refused_at_join_and_the_others_finish(tmp_path: Path) -> None:
+    cfg = server_config(tmp_path, run_id="c4", agents=2, rounds=1, min_agents=1, registration_timeout_s=20, image_size=(32, 32))
+    broker = InMemoryBroker()
+    coordinator = make_server(cfg, InMemoryTransport(broker, "server"))
+    good = EdgeAgent(agent_config("c4", 0, 2), transport=InMemoryTransport(broker, "agent-0"))
+    big = make_synthetic(64, in_channels=3, size=48, seed=1)
+    bad_data = (big, make_synthetic(16, in_channels=3, size=48, seed=2, split="test"))
+    bad = EdgeAgent(agent_config("c4", 1, 2), transport=InMemoryTransport(broker, "agent-1"), data=bad_data)
+    from fedhelpers import Federation
+
+    report = Federation(coordinator, [good, bad]).start().join(240)
+    validate_report(report)
+    assert report["status"] == "finished" and report["rounds"][0]["completed"] == ["agent-0"]
+    assert [r["agent"] for r in report["refused_agents"]] == ["agent-1"]
+    assert report["refused_agents"][0]["code"] == "data_mismatch"
+    assert "(3, 48, 48)" in report["refused_agents"][0]["reason"]
+    assert bad.exit_code == EXIT_CONFIG and good.exit_code == EXIT_OK
+    assert bad.rounds_done == []

@@ -1,0 +1,66 @@
+"""Restarts say what happens: a resume of a run that is over says so and exits without
+waiting for agents; a run directory that holds a run is not reused silently; the key
+tool's --agents / --agent-ids confusion is answered with a pointer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shared_protocol.transport import InMemoryBroker, InMemoryTransport
+
+from fedhelpers import agent_config, child_pythonpath, in_memory_federation, make_server, server_config, write_server_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)  # generous: a loaded 2-core machine
+
+
+@pytest.mark.slow
+def test_resume_of_a_finished_run_says_so_and_returns_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = server_config(tmp_path, run_id="over", rounds=1, registration_timeout_s=60)
+    first = in_memory_federation(cfg, [agent_config(cfg.run_id, i, 2) for i in range(2)]).start().join(240)
+    assert first["status"] == "finished"
+    again = make_server(cfg, InMemoryTransport(InMemoryBroker(), "server"))
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="cloud_server"):
+        report = again.run(resume=True)
+    assert time.monotonic() - started < 20  # not the 60 s registration wait
+    assert report["status"] == "finished" and len(report["rounds"]) == 1
+    assert "already over" in caplog.text and "nothing to resume" in caplog.text
+    # With more rounds to go the resume goes on, and the report says where it resumed.
+    more = make_server(replace(cfg, rounds=2), InMemoryTransport(InMemoryBroker(), "server"))
+    more.load_checkpoint()
+    assert more.report.resumed[-1]["after_round"] == 1 and more._finished_on_disk() is None
+    assert more.report.totals.wall_time_s == first["totals"]["wall_time_s"]  # carried over, not restarted at 0
+
+
+def test_a_run_directory_holding_a_run_is_refused_without_resume_or_force(tmp_path: Path) -> None:
+    cfg = server_config(tmp_path, run_id="held", broker_url="mqtt://127.0.0.1:9", registration_timeout_s=1)
+    path = write_server_toml(tmp_path / "server.toml", cfg)
+    run_dir = Path(cfg.out_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "report.json").write_text('{"run_id": "held", "status": "finished", "rounds": [{}, {}]}')
+    refused = _cli("cloud_server.cli", "run", "--config", str(path), "--no-progress", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "already holds run 'held' (finished, 2 round(s)" in refused.stderr
+    assert "--resume" in refused.stderr and "--force" in refused.stderr
+    forced = _cli("cloud_server.cli", "run", "--config", str(path), "--no-progress", "--force", cwd=tmp_path)
+    assert "already holds" not in forced.stderr and "--force: starting a new run" in forced.stderr
+    assert "127.0.0.1:9" in forced.stderr  # it went on, to the (absent) broker
+
+
+def test_keys_init_agents_with_ids_points_at_agent_ids(tmp_path: Path) -> None:
+    result = _cli("cloud_server.launcher", "keys", "init", "--agents", "pi-1,pi-2", "--out", str(tmp_path / "k"), cwd=ROOT)
+    assert result.returncode == 2
+    assert "--agent-ids pi-1,pi-2" in result.stderr and "takes a number" in result.stderr

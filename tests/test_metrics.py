@@ -1,0 +1,310 @@
+"""The live view: the server's and the agents' Prometheus endpoints scraped during and after
+a 2-agent, 2-round run over a real mosquitto and parsed with prometheus_client's text
+parser; the endpoint's refusal of a non-loopback bind without credentials, and basic auth
+over TLS with them; and nothing of it imported when it is off."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cloud_server.config import ServerConfig
+from edge_agent.agent import EdgeAgent
+from edge_agent.config import EdgeConfig
+from shared_protocol.metrics_endpoint import MetricsAddress, MetricsEndpointConfig
+from shared_protocol.transport import MqttTransport
+
+from fedhelpers import ROOT, agent_config, child_pythonpath, make_server, server_config, write_agent_toml, write_server_toml
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> Samples:
+    """Every sample of a /metrics page, keyed by (sample name, labels)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The one sample named ``name`` whose labels include ``labels``."""
+    hits = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert len(hits) == 1, f"{name}{labels}: {len(hits)} samples"
+    return hits[0]
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class HeldFederation:
+    """A server and two agents in threads over a real broker, every endpoint on a free
+    loopback port. The agents share a compute lock the test holds at first: they block in
+    their welcome, so round 1 stays open (with both agents as participants) until the test
+    has looked at it, whatever the machine's speed."""
+
+    def __init__(self, tmp_path: Path, broker_url: str, run_id: str) -> None:
+        cfg = replace(server_config(tmp_path, run_id=run_id, rounds=2), broker_url=broker_url, metrics_address="127.0.0.1:0")
+        self.server = make_server(cfg, MqttTransport(replace(cfg.transport_config(), connect_timeout_s=10)))
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.agents = [EdgeAgent(replace(agent_config(run_id, i, 2, broker_url=broker_url), metrics_address="127.0.0.1:0"),
+                                 compute_lock=self.lock) for i in range(2)]
+        self.result: dict = {}
+        self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> "HeldFederation":
+        def serve() -> None:
+            try:
+                self.result.update(self.server.run())
+            except BaseException as exc:  # re-raised by join()
+                self.errors.append(exc)
+
+        self.threads = [threading.Thread(target=serve, daemon=True)]
+        self.threads += [threading.Thread(target=a.run, daemon=True) for a in self.agents]
+        for t in self.threads:
+            t.start()
+        wait_for(lambda: self.server.metrics.url is not None and all(a.metrics.url for a in self.agents), 60, "the endpoints")
+        return self
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def join(self, timeout_s: float = 400) -> dict:
+        self.threads[0].join(timeout_s)
+        assert not self.threads[0].is_alive(), "server did not finish in time"
+        if self.errors:
+            raise self.errors[0]
+        return self.result
+
+    def close(self) -> None:
+        if self.lock.locked():
+            self.lock.release()
+        for a in self.agents:
+            a.stop()
+        for t in self.threads[1:]:
+            t.join(30)
+        self.server.close_metrics()
+        for a in self.agents:
+            a.close_metrics()
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_server_and_agent_metrics_during_and_after_a_run(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fed = HeldFederation(tmp_path, mosquitto.url, "metrics").start()
+    try:
+        url = fed.server.metrics.url + "metrics"
+        run = {"run": "metrics", "method": "fedgkt"}
+        # During: round 1 is open, both agents are its participants, none is done yet.
+        wait_for(lambda: value(scrape(url), "edgesplit_round_in_progress", **run) == 1, 120, "round 1 to open")
+        during = scrape(url)
+        assert value(during, "edgesplit_round_agents", round_state="participants", **run) == 2
+        assert value(during, "edgesplit_round_agents", round_state="done", **run) == 0
+        assert 0 < value(during, "edgesplit_round_deadline_remaining_seconds", **run) <= 120
+        assert value(during, "edgesplit_agents", agent_state="registered", **run) == 2
+        assert value(during, "edgesplit_agent_online", agent="agent-1", **run) == 1
+        assert value(during, "edgesplit_rounds_planned", **run) == 2
+        assert total(during, "edgesplit_rounds_total") == 0
+        assert value(during, "edgesplit_run_info", status="running", **run) == 1
+        agent_during = scrape(fed.agents[0].metrics.url)
+        assert value(agent_during, "edgesplit_edge_connected", agent="agent-0", run="metrics") == 1
+        assert value(agent_during, "edgesplit_edge_reconnects_total", agent="agent-0") == 0
+        fed.release()
+        # Agents' endpoints between rounds 1 and 2 show round 1's costs.
+        wait_for(lambda: total(scrape(fed.agents[1].metrics.url), "edgesplit_edge_rounds_total") >= 1, 300, "agent-1's round 1")
+        report = fed.join()
+        after = scrape(url)
+        agent_after = [scrape(a.metrics.url) for a in fed.agents]
+        page = urllib.request.urlopen(fed.server.metrics.url, timeout=10).read().decode()
+        status = json.loads(urllib.request.urlopen(fed.server.metrics.url + "status.json", timeout=10).read())
+    finally:
+        fed.close()
+    on_disk = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert on_disk["status"] == "finished" and report["status"] == "finished"
+    totals = on_disk["totals"]
+    # Rounds and their outcome, duration, progress.
+    assert value(after, "edgesplit_rounds_total", status="ok", **run) == 2
+    assert value(after, "edgesplit_round_duration_seconds_count", **run) == 2
+    assert value(after, "edgesplit_round_duration_seconds_sum", **run) == pytest.approx(
+        sum(r["time_s"]["round"] for r in on_disk["rounds"]), rel=1e-6)
+    assert value(after, "edgesplit_round_completed", **run) == 2
+    assert value(after, "edgesplit_round_in_progress", **run) == 0
+    assert value(after, "edgesplit_run_info", status="finished", **run) == 1
+    # Bytes per agent and direction add up to report.json's totals, training's and evaluation's.
+    for direction in ("up", "down"):
+        for kind in ("wire", "payload"):
+            assert total(after, f"edgesplit_{kind}_bytes_total", direction=direction, traffic="round") == totals[f"{direction}_{kind}"]
+            assert total(after, f"edgesplit_{kind}_bytes_total", direction=direction, traffic="evaluation") == \
+                totals["eval_bytes"][f"{direction}_{kind}"]
+        assert total(after, "edgesplit_wire_bytes_total", direction=direction, traffic="round", agent="agent-0") > 0
+    assert total(after, "edgesplit_wire_bytes_total", traffic="round", agent="unregistered") == 0
+    # Accuracy of the last evaluated round, labelled by scope and model.
+    last = on_disk["rounds"][-1]
+    assert value(after, "edgesplit_evaluated_round", **run) == 2
+    assert value(after, "edgesplit_accuracy_ratio", scope="global", model="model", **run) == pytest.approx(last["accuracy"])
+    assert value(after, "edgesplit_accuracy_ratio", scope="local", model="model", **run) == pytest.approx(last["local_accuracy"])
+    # Per-agent last-round costs as the server received them.
+    for agent in ("agent-0", "agent-1"):
+        costs = last["per_agent"][agent]
+        assert value(after, "edgesplit_agent_last_round", agent=agent, **run) == 2
+        assert value(after, "edgesplit_agent_last_round_train_flops", agent=agent, **run) == costs["train_flops"]
+        assert value(after, "edgesplit_agent_last_round_peak_rss_bytes", agent=agent, **run) == costs["peak_rss_bytes"]
+        assert value(after, "edgesplit_agent_last_round_phase_seconds", agent=agent, phase="idle", **run) == pytest.approx(costs["idle_s"])
+        assert value(after, "edgesplit_agent_train_flops_total", agent=agent, **run) == sum(
+            r["per_agent"][agent]["train_flops"] for r in on_disk["rounds"])
+    assert total(after, "edgesplit_rejected_messages_total") == totals["rejected_messages"]
+    assert value(after, "process_resident_memory_bytes") > 0
+    # Each agent's own endpoint: its round costs, as it sent them in its round_end.
+    for agent, samples in zip(("agent-0", "agent-1"), agent_after):
+        costs = last["per_agent"][agent]
+        labels = {"run": "metrics", "agent": agent, "method": "fedgkt"}
+        assert value(samples, "edgesplit_edge_rounds_total", **labels) == 2
+        assert value(samples, "edgesplit_edge_last_round", **labels) == 2
+        assert value(samples, "edgesplit_edge_last_round_train_flops", **labels) == costs["train_flops"]
+        assert value(samples, "edgesplit_edge_last_round_samples", **labels) == costs["samples"]
+        assert value(samples, "edgesplit_edge_last_round_peak_rss_bytes", **labels) == costs["peak_rss_bytes"]
+        for phase in ("compute", "encode", "network", "idle"):
+            assert value(samples, "edgesplit_edge_last_round_phase_seconds", phase=phase, **labels) == pytest.approx(costs[f"{phase}_s"])
+        assert value(samples, "edgesplit_edge_last_round_wire_bytes", direction="up", **labels) == costs["wire_bytes_up"]
+        assert value(samples, "edgesplit_edge_phase_seconds_total", phase="compute", **labels) > costs["compute_s"]
+        assert value(samples, "edgesplit_edge_wire_bytes_total", direction="up", agent=agent) > 0
+    # The status page and its JSON name every agent.
+    assert 'id="agents"' in page and 'data-agent="agent-0"' in page and 'data-agent="agent-1"' in page
+    assert status["completed_round"] == 2 and sorted(status["agents"]) == ["agent-0", "agent-1"]
+    assert [p["round"] for p in status["history"]] == [1, 2]
+
+
+# -- binding ------------------------------------------------------------------------------ #
+
+
+def test_non_loopback_bind_is_refused_without_credentials(tmp_path: Path) -> None:
+    for address in ("0.0.0.0:9464", "192.0.2.7:9464", "[::]:9464", "metrics.example.org:9464"):
+        with pytest.raises(ValueError, match=r"\[server\] metrics_address .* is not a loopback address.*metrics_password_file"):
+            ServerConfig(metrics_address=address)
+        with pytest.raises(ValueError, match=r"\[agent\] metrics_password_file, metrics_cert_file, metrics_key_file"):
+            EdgeConfig(agent_id="a", metrics_address=address)
+    with pytest.raises(ValueError, match="metrics_cert_file, metrics_key_file"):  # a password alone is not enough
+        ServerConfig(metrics_address="0.0.0.0:9464", metrics_password_file="pw")
+    for address in ("127.0.0.1:9464", "localhost:0", "[::1]:9464", "127.0.0.2:1"):
+        assert ServerConfig(metrics_address=address).metrics_endpoint() is not None
+    assert ServerConfig().metrics_endpoint() is None
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        MetricsAddress.parse("9464")
+    # The command line says the same and starts nothing.
+    toml = write_server_toml(tmp_path / "server.toml", server_config(tmp_path))
+    result = subprocess.run([sys.executable, "-m", "cloud_server.cli", "run", "--config", str(toml), "--metrics", "0.0.0.0:0"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=child_pythonpath()))
+    assert result.returncode == 2 and "metrics_password_file" in result.stderr and "127.0.0.1:0" in result.stderr, result.stderr
+    agent_toml = write_agent_toml(tmp_path / "agent.toml", agent_config("t1", 0, 1))
+    result = subprocess.run([sys.executable, "-m", "edge_agent.cli", "run", "--config", str(agent_toml), "--metrics", "0.0.0.0:0"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=child_pythonpath()))
+    assert result.returncode == 2 and "[agent] metrics_password_file" in result.stderr, result.stderr
+
+
+def test_non_loopback_bind_with_credentials_serves_tls_and_basic_auth(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl on PATH (apt-get install openssl) to make a test certificate")
+    from prometheus_client import CollectorRegistry, Counter
+
+    from shared_protocol.metrics_http import MetricsServer
+
+    cert, key, password = tmp_path / "m.crt", tmp_path / "m.key", tmp_path / "m.password"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    password.write_text("s3cret\n")
+    registry = CollectorRegistry()
+    Counter("edgesplit_probe", "A probe.", registry=registry).inc(3)
+    endpoint = MetricsEndpointConfig(MetricsAddress("0.0.0.0", 0), password_file=str(password), cert_file=str(cert),
+                                     key_file=str(key))
+    server = MetricsServer(endpoint, registry).start()
+    context = ssl.create_default_context(cafile=str(cert))
+    url = f"https://127.0.0.1:{server.port}/metrics"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=10, context=context)
+        assert refused.value.code == 401
+        wrong = urllib.request.Request(url, headers={"Authorization": "Basic " + base64.b64encode(b"edgesplit:nope").decode()})
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(wrong, timeout=10, context=context)
+        right = urllib.request.Request(url, headers={"Authorization": "Basic " + base64.b64encode(b"edgesplit:s3cret").decode()})
+        text = urllib.request.urlopen(right, timeout=10, context=context).read().decode()
+        assert "edgesplit_probe_total 3.0" in text
+        with pytest.raises(OSError):  # plain HTTP to the TLS port (URLError or a reset connection)
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10)
+    finally:
+        server.close()
+
+
+def test_a_port_in_use_names_the_key_to_change() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from shared_protocol.metrics_endpoint import MetricsEndpointError
+    from shared_protocol.metrics_http import MetricsServer
+
+    first = MetricsServer(MetricsEndpointConfig(MetricsAddress("127.0.0.1", 0)), CollectorRegistry()).start()
+    try:
+        with pytest.raises(MetricsEndpointError, match=r"--metrics or \[server\] metrics_address"):
+            MetricsServer(MetricsEndpointConfig(MetricsAddress("127.0.0.1", first.port)), CollectorRegistry()).start()
+    finally:
+        first.close()
+
+
+# -- off ---------------------------------------------------------------------------------- #
+
+_OFF_SCRIPT = textwrap.dedent("""
+    import sys
+    from dataclasses import replace
+    from pathlib import Path
+    from fedhelpers import agent_config, in_memory_federation, server_config
+    on = sys.argv[2] == "on"
+    cfg = server_config(Path(sys.argv[1]), run_id="off", agents=1, rounds=1,
+                        metrics_address="127.0.0.1:0" if on else None)
+    agents = [replace(agent_config("off", 0, 1), metrics_address="127.0.0.1:0" if on else None)]
+    fed = in_memory_federation(cfg, agents)
+    if not on:  # a whole run, every hook passed
+        assert fed.start().join(300)["status"] == "finished"
+    loaded = sorted(m for m in sys.modules if m.startswith("prometheus_client") or m in (
+        "cloud_server.metrics", "cloud_server.status_page", "edge_agent.metrics", "shared_protocol.metrics_http"))
+    print("LOADED", ",".join(loaded))
+""")
+
+
+@pytest.mark.parametrize("switch", ["off", "on"])
+def test_metrics_code_is_imported_only_when_on(tmp_path: Path, switch: str) -> None:
+    result = subprocess.run([sys.executable, "-c", _OFF_SCRIPT, str(tmp_path), switch], capture_output=True, text=True,
+                            timeout=400, cwd=ROOT, env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT / "tests"), OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = [line for line in result.stdout.splitlines() if line.startswith("LOADED")][-1].split(" ", 1)[1]
+    if switch == "off":
+        assert loaded == "", loaded
+    else:  # the check sees the modules when they are loaded
+        for module in ("cloud_server.metrics", "edge_agent.metrics", "shared_protocol.metrics_http", "prometheus_client"):
+            assert module in loaded.split(","), loaded

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-APT_PACKAGES := mosquitto mosquitto-clients dataset-fashion-mnist shellcheck
+APT_PACKAGES := mosquitto mosquitto-clients dataset-fashion-mnist shellcheck chromium
 # torch/torchvision pinned to the pair that lies on disk on the dev machine;
 # override on other machines (e.g. TORCH_SPEC="torch torchvision").
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1

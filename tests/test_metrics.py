@@ -218,3 +218,59 @@ def test_metrics_code_is_imported_only_when_on(tmp_path: Path, switch: str) -> N
     else:  # the check sees the modules when they are loaded
         for module in ("cloud_server.metrics", "edge_agent.metrics", "shared_protocol.metrics_http", "prometheus_client"):
             assert module in loaded.split(","), loaded
+
+
+# -- edgesplit local --metrics ----------------------------------------------------------- #
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_edgesplit_local_metrics_prints_the_page_and_every_endpoint_answers(tmp_path: Path) -> None:
+    import queue
+    import re
+    import threading
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cloud_server.launcher", "local", "--agents", "2", "--rounds", "2", "--dataset", "synthetic",
+         "--partition", "iid", "--train-samples", "320", "--test-samples", "64", "--out", str(out), "--run-id", "cli-metrics",
+         "--metrics"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONPATH=child_pythonpath()),
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    seen: list[str] = []
+    scraped: dict[str, dict] = {}
+    try:
+        deadline = time.monotonic() + 500
+        banner = None
+        while banner is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+            banner = seen[-1] if seen[-1].startswith("edgesplit: status page on ") else None
+        assert banner is not None, "".join(seen)
+        urls = re.findall(r"(http://127\.0\.0\.1:\d+/)(?:metrics)?", banner)
+        page, agent_urls = urls[0], [u + "metrics" for u in re.findall(r"agent-\d (http://127\.0\.0\.1:\d+/)metrics", banner)]
+        assert len(agent_urls) == 2 and len(set(urls)) == 3, banner
+        # Scrape each endpoint while the run goes (agents serve theirs once their data is loaded).
+        while len(scraped) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            for url in (page + "metrics", *agent_urls):
+                if url not in scraped:
+                    try:
+                        scraped[url] = scrape(url, timeout_s=5)
+                    except OSError:
+                        pass
+            time.sleep(0.3)
+        assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert len(scraped) == 3, (sorted(scraped), "".join(seen)[-2000:])
+    assert value(scraped[page + "metrics"], "edgesplit_run_info", run="cli-metrics", method="fedgkt") == 1
+    for i, url in enumerate(agent_urls):
+        assert value(scraped[url], "edgesplit_edge_reconnects_total", run="cli-metrics", agent=f"agent-{i}") == 0
+    assert json.loads((out / "report.json").read_text())["status"] == "finished"

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_protocol.errors import ProtocolError, StaleMessageError, UnknownSenderError
 from shared_protocol.frame import FrameLimits
@@ -44,6 +44,9 @@ from .methods import ServerMethod
 from .recorder import RunCounters, RunRecorder, server_info
 from .records import RoundEvaluation, RoundRecord, RunReport
 from .schedulers import OpenRound, make_scheduler
+
+if TYPE_CHECKING:  # imported for real only when metrics are on
+    from .metrics import ServerMetrics
 
 log = logging.getLogger("cloud_server")
 
@@ -86,7 +89,7 @@ class Coordinator:
         load_method_messages(method.name)
         # The live view (cloud_server/metrics.py): imported only when configured.
         endpoint = config.metrics_endpoint()
-        self.metrics: Any = None
+        self.metrics: ServerMetrics | None = None
         if endpoint is not None:
             endpoint.require_client_library()
             from .metrics import ServerMetrics

@@ -64,8 +64,21 @@ class OpenRoundView:
     done: int
     missing: int
     waiting_for: tuple[str, ...]
-    open_s: float
-    deadline_left_s: float | None  # None: no round-wide deadline (async)
+    started_at: float  # time.monotonic(): the times below are read when asked, so a snapshot
+    deadline_at: float  # taken before a long server step still counts down (inf: no deadline)
+
+    @property
+    def open_s(self) -> float:
+        return time.monotonic() - self.started_at
+
+    @property
+    def deadline_left_s(self) -> float | None:
+        """None: no round-wide deadline (async)."""
+        return self.deadline_at - time.monotonic() if math.isfinite(self.deadline_at) else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "participants": self.participants, "done": self.done, "missing": self.missing,
+                "waiting_for": list(self.waiting_for), "open_s": self.open_s, "deadline_left_s": self.deadline_left_s}
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,7 @@ class LiveState:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        out["open_rounds"] = [r.to_json() for r in self.open_rounds]
         out["round_in_progress"] = self.round_in_progress
         return out
 
@@ -234,7 +248,6 @@ class ServerMetrics:
 
     def _build_state(self) -> LiveState:
         loop = self.loop
-        now = time.monotonic()
         agents = {}
         for agent_id, s in sorted(loop.registry.agents.items()):
             last_round, costs = self._costs.get(agent_id, (0, {}))
@@ -245,7 +258,7 @@ class ServerMetrics:
             )
         open_rounds = tuple(
             OpenRoundView(rnd.round, len(rnd.participants), len(rnd.done), len(rnd.missing), tuple(rnd.waiting_for()),
-                          now - rnd.started_at, rnd.deadline_at - now if math.isfinite(rnd.deadline_at) else None)
+                          rnd.started_at, rnd.deadline_at)
             for _, rnd in sorted(loop.open_rounds.items())
         )
         report = loop.recorder._report

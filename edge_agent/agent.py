@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from .costs import RoundMeter, peak_rss_bytes
 from .deadline import RoundDeadline
 from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
+
+if TYPE_CHECKING:  # imported for real only when metrics are on
+    from .metrics import AgentMetrics
 
 log = logging.getLogger("edge_agent")
 
@@ -118,7 +121,7 @@ class EdgeAgent:
         self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
         # This agent's Prometheus metrics (edge_agent/metrics.py): imported only when configured.
         endpoint = config.metrics_endpoint()
-        self.metrics: Any = None
+        self.metrics: AgentMetrics | None = None
         if endpoint is not None:
             endpoint.require_client_library()
             from .metrics import AgentMetrics

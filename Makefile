@@ -4,7 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-APT_PACKAGES := mosquitto mosquitto-clients dataset-fashion-mnist shellcheck
+APT_PACKAGES := mosquitto mosquitto-clients dataset-fashion-mnist
+# What only the tests need: shell-script linting, and a headless browser for the status page
+# (its test skips, saying why, where chromium cannot be installed).
+TEST_APT_PACKAGES := shellcheck
+TEST_APT_OPTIONAL := chromium
 # torch/torchvision pinned to the pair that lies on disk on the dev machine;
 # override on other machines (e.g. TORCH_SPEC="torch torchvision").
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
@@ -26,6 +30,8 @@ system-deps:
 	@bash deploy/ensure_system_deps.sh $(APT_PACKAGES)
 
 test: venv system-deps
+	@bash deploy/ensure_system_deps.sh $(TEST_APT_PACKAGES)
+	@bash deploy/ensure_system_deps.sh $(TEST_APT_OPTIONAL) || echo "$(TEST_APT_OPTIONAL) not installed: the tests that need it skip and say why"
 	$(PY) -m pytest -q tests
 
 demo: venv system-deps

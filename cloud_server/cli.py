@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start a new run in a run directory that holds one (its report and checkpoint are replaced)")
     run.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--metrics", metavar="HOST:PORT",
+                     help="serve Prometheus metrics (/metrics) and the status page (/) there ([server] metrics_address; "
+                          "off by default; an address other than loopback needs metrics_password_file, metrics_cert_file and "
+                          "metrics_key_file)")
     report = sub.add_parser("report", help="re-render report.json, rounds.csv, plots and summary.md of a run")
     report.add_argument("run_dir")
     return parser
@@ -50,11 +54,16 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         "rounds": args.rounds,
         "log_json": True if args.log_json else None,
         "progress": False if args.no_progress else None,
+        "metrics_address": args.metrics,
     }
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import time
+
+    from shared_protocol.metrics_endpoint import MetricsEndpointError
+
     from .coordinator import RunAborted
 
     config = load_config(args)
@@ -75,9 +84,14 @@ def cmd_run(args: argparse.Namespace) -> int:
              method.schedule, config.rounds, method.ctx.device, config.out_dir)
     try:
         report = coordinator.run(resume=resume)
-    except (RunAborted, TransportError, FileNotFoundError) as exc:
+        if coordinator.metrics is not None and config.metrics_linger_s > 0:
+            log.info("serving the final metrics for %.0f s more (metrics_linger_s)", config.metrics_linger_s)
+            time.sleep(config.metrics_linger_s)
+    except (RunAborted, TransportError, FileNotFoundError, MetricsEndpointError) as exc:
         log.error("%s", exc)
         return 2
+    finally:
+        coordinator.close_metrics()
     totals = report["totals"]
     acc = totals.get("final_accuracy")
     print(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shared_protocol.metrics_endpoint import MetricsEndpointConfig
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
@@ -83,6 +84,16 @@ class ServerConfig:
     client_fraction: float = 1.0
     log_json: bool = False
     progress: bool = True
+    # The live view (cloud_server/metrics.py): Prometheus /metrics and the status page at /,
+    # served on HOST:PORT (None: off, nothing of it imported). Any address but loopback needs
+    # basic auth (metrics_password_file, user metrics_username) and TLS (metrics_cert_file,
+    # metrics_key_file); metrics_linger_s keeps serving the final figures after the run.
+    metrics_address: str | None = None
+    metrics_username: str = "edgesplit"
+    metrics_password_file: str | None = None
+    metrics_cert_file: str | None = None
+    metrics_key_file: str | None = None
+    metrics_linger_s: float = 0.0
     method_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -122,7 +133,15 @@ class ServerConfig:
                 f"need 0 < unexpected_sender_max_bytes ({self.unexpected_sender_max_bytes}) <= "
                 f"unexpected_senders_total_bytes ({self.unexpected_senders_total_bytes})"
             )
+        if self.metrics_linger_s < 0:
+            raise ValueError(f"server.metrics_linger_s must be >= 0, got {self.metrics_linger_s}")
         self.transport_config()  # chunk size, credentials in the URL
+        self.metrics_endpoint()  # a non-loopback address without credentials is refused here
+
+    def metrics_endpoint(self) -> MetricsEndpointConfig | None:
+        """Where the metrics and the status page are served (None: metrics off)."""
+        return MetricsEndpointConfig.of("server", self.metrics_address, self.metrics_username, self.metrics_password_file,
+                                        self.metrics_cert_file, self.metrics_key_file)
 
     @property
     def resolved_in_channels(self) -> int:

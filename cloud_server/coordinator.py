@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_protocol.errors import ProtocolError, StaleMessageError, UnknownSenderError
 from shared_protocol.frame import FrameLimits
@@ -45,6 +45,9 @@ from .methods import ServerMethod
 from .recorder import RunCounters, RunRecorder, server_info
 from .records import RoundEvaluation, RoundRecord, RunReport, now_iso
 from .schedulers import OpenRound, make_scheduler
+
+if TYPE_CHECKING:  # imported for real only when metrics are on
+    from .metrics import ServerMetrics
 
 log = logging.getLogger("cloud_server")
 
@@ -86,6 +89,14 @@ class Coordinator:
             raise ValueError(f"client_fraction < 1 samples the agents of sync rounds; {method.name} runs "
                              f"{self.scheduler.description} rounds")
         load_method_messages(method.name)
+        # The live view (cloud_server/metrics.py): imported only when configured.
+        endpoint = config.metrics_endpoint()
+        self.metrics: ServerMetrics | None = None
+        if endpoint is not None:
+            endpoint.require_client_library()
+            from .metrics import ServerMetrics
+
+            self.metrics = ServerMetrics(self, endpoint)
 
     @property
     def agents(self) -> dict[str, AgentState]:
@@ -120,12 +131,17 @@ class Coordinator:
         self.transport.publish(topic, encode_message(msg, codecs=codecs), reply_topic=self.topics.up(agent) if agent else None)
         after = self.transport.stats.snapshot()
         self._account(msg.round, "down", after["payload_bytes_out"] - before["payload_bytes_out"],
-                      after["wire_bytes_out"] - before["wire_bytes_out"], msg.for_evaluation)
+                      after["wire_bytes_out"] - before["wire_bytes_out"], msg.for_evaluation, agent or "all")
 
-    def _account(self, round_: int, direction: str, payload: int, wire: int, evaluation: bool = False) -> None:
+    def _account(self, round_: int, direction: str, payload: int, wire: int, evaluation: bool = False,
+                 agent: str | None = None) -> None:
         """Attribute a message's bytes to its round if it is open (registration, status and
         stale rounds count outside rounds); evaluation's messages to the round's evaluation."""
-        self.recorder.account(round_ if round_ in self.open_rounds else None, direction, payload, wire, evaluation)
+        in_round = round_ in self.open_rounds
+        self.recorder.account(round_ if in_round else None, direction, payload, wire, evaluation)
+        if self.metrics is not None:
+            traffic = ("evaluation" if evaluation else "round") if in_round else "outside"
+            self.metrics.on_bytes(agent, direction, traffic, payload, wire)
 
     def _base(self, round_: int) -> dict[str, Any]:
         return {"run": self.config.run_id, "round": round_, "sender": SERVER_ID}
@@ -136,6 +152,11 @@ class Coordinator:
 
     def pump(self, timeout_s: float) -> None:
         """Receive and handle at most one inbound message."""
+        self._pump(timeout_s)
+        if self.metrics is not None:
+            self.metrics.refresh()
+
+    def _pump(self, timeout_s: float) -> None:
         delivery = self.transport.receive(timeout_s=max(0.0, timeout_s))
         if delivery is None:
             return
@@ -143,7 +164,7 @@ class Coordinator:
         try:
             msg = decode_message(delivery.payload, self.limits)
         except ProtocolError as exc:
-            self._account(-1, "up", len(delivery.payload), delivery.wire_bytes)
+            self._account(-1, "up", len(delivery.payload), delivery.wire_bytes, agent=agent)
             self._reject(agent, exc.code, str(exc), names_sender=False)
             return
         try:
@@ -152,10 +173,10 @@ class Coordinator:
             if agent is None or msg.sender != agent:
                 raise UnknownSenderError(f"sender {msg.sender!r} published on {delivery.topic}")
         except ProtocolError as exc:
-            self._account(-1, "up", len(delivery.payload), delivery.wire_bytes)
+            self._account(-1, "up", len(delivery.payload), delivery.wire_bytes, agent=agent)
             self._reject(agent, exc.code, str(exc))
             return
-        self._account(msg.round, "up", len(delivery.payload), delivery.wire_bytes, msg.for_evaluation)
+        self._account(msg.round, "up", len(delivery.payload), delivery.wire_bytes, msg.for_evaluation, agent)
         state = self.agents.get(agent)
         if state is not None and state.dropped:
             self.rejected["dropped_agent"] += 1
@@ -278,6 +299,8 @@ class Coordinator:
                         end.costs.skipped_batches, end.round)
         rnd.done[agent] = end
         self.agents[agent].instance = end.instance
+        if self.metrics is not None:
+            self.metrics.on_round_end(agent, end)
         self.scheduler.on_round_end(rnd, agent, end)
 
     # -- closing rounds -------------------------------------------------------------- #
@@ -308,6 +331,8 @@ class Coordinator:
         )
         self.completed_round = rnd.round
         self.recorder.add_round(record, checkpoint=self.save_checkpoint)
+        if self.metrics is not None:
+            self.metrics.on_round_closed(record)
         return record
 
     # -- the run ------------------------------------------------------------------- #
@@ -345,6 +370,8 @@ class Coordinator:
                  self.config.resolved_in_channels, *(run_shape[1:] if run_shape else ("?", "?")), self.config.num_classes,
                  self.config.in_channels_source,
                  f"from {self.registry.input_hw_source}" if run_shape else "fixed by the first agent to join ([server] image_size not set)")
+        if self.metrics is not None and self.metrics.url is None:
+            log.info("status page on %s (Prometheus metrics at /metrics)", self.metrics.start())
         self.transport.subscribe(self.topics.up_any)
         self.transport.subscribe(self.topics.status_any)
         self.transport.connect()
@@ -363,6 +390,8 @@ class Coordinator:
             raise
         finally:
             self.recorder.finish()
+            if self.metrics is not None:
+                self.metrics.refresh(force=True)
             try:
                 self._send(None, Shutdown(**self._base(self.completed_round), reason=self.report.status))
             except (OSError, RuntimeError) as exc:
@@ -370,3 +399,7 @@ class Coordinator:
             self.transport.close()
         return self.report.to_json()
 
+    def close_metrics(self) -> None:
+        """Stop serving the metrics and the status page (they outlive ``run`` until this)."""
+        if self.metrics is not None:
+            self.metrics.close()

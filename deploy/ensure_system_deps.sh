@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the Debian packages EdgeSplit needs (broker, clients, offline dataset)
+# Install the Debian packages EdgeSplit needs (broker, clients, offline dataset; for the tests
+# shellcheck and headless chromium, which opens the status page)
 # when they are missing. As root we install them; otherwise we say exactly what to run.
 set -euo pipefail
 missing=()

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from .costs import RoundMeter, peak_rss_bytes
 from .deadline import RoundDeadline
 from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
+
+if TYPE_CHECKING:  # imported for real only when metrics are on
+    from .metrics import AgentMetrics
 
 log = logging.getLogger("edge_agent")
 
@@ -122,6 +125,14 @@ class EdgeAgent:
         self._rounds_started: set[int] = set()  # rounds this process began (a repeat is logged with its reason)
         self.config_path = ""  # the TOML the config came from, named in error messages (set by the CLI)
         self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
+        # This agent's Prometheus metrics (edge_agent/metrics.py): imported only when configured.
+        endpoint = config.metrics_endpoint()
+        self.metrics: AgentMetrics | None = None
+        if endpoint is not None:
+            endpoint.require_client_library()
+            from .metrics import AgentMetrics
+
+            self.metrics = AgentMetrics(self, endpoint)
 
     # -- plumbing ----------------------------------------------------------- #
 
@@ -136,6 +147,8 @@ class EdgeAgent:
 
     def _status(self, state: str) -> None:
         self._publish(Status(**self._base(), state=state), retain=True, topic=self.topics.status(self.config.agent_id))
+        if self.metrics is not None:
+            self.metrics.on_state(state)
 
     def send(self, msg: Message, meter: RoundMeter, codecs: dict[str, str] | None = None) -> None:
         """Encode and publish a method's upload, metering time and bytes."""
@@ -231,6 +244,8 @@ class EdgeAgent:
         else:
             os.environ.setdefault("EDGESPLIT_ORT_THREADS", str(self.config.threads))
         me = self.config.agent_id
+        if self.metrics is not None and self.metrics.url is None:
+            log.info("metrics on %s", self.metrics.start())
         offline = encode_message(Status(**self._base(), state="offline"))
         self.transport.set_will(self.topics.status(me), offline)
         if isinstance(self.transport, MqttTransport):
@@ -272,6 +287,8 @@ class EdgeAgent:
 
     def _reject(self, reason: str, detail: str, ref: str = "", round_: int = 0) -> None:
         self.rejected[reason] += 1
+        if self.metrics is not None:
+            self.metrics.on_rejected(reason)
         log.warning("rejected message (%s): %s", reason, detail)
 
     def _decode(self, blob: bytes) -> Message | None:
@@ -423,6 +440,8 @@ class EdgeAgent:
             **self._base(msg.round), num_samples=result.num_samples, instance=self.instance, uploads=result.uploads, costs=costs, metrics=result.metrics
         )
         self._publish(self._last_round_end)
+        if self.metrics is not None:
+            self.metrics.on_round(msg.round, msg.method, costs)
         self.last_round_done = msg.round
         self.rounds_done.append(msg.round)
         self._last_round_end_at = time.monotonic()
@@ -476,6 +495,11 @@ class EdgeAgent:
         log.info("round %d evaluated: %s%s", msg.round,
                  f"{model['correct']} / {model['total']} local test samples right" if model else "nothing held locally",
                  f", {sum(a.nbytes for a in models.values()) / 1e3:.0f} KB of model(s) for the global set" if models else "")
+
+    def close_metrics(self) -> None:
+        """Stop serving this agent's metrics (they outlive ``run`` until this)."""
+        if self.metrics is not None:
+            self.metrics.close()
 
     def _resend_round_end(self) -> None:
         if self._last_round_end is not None:

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--data-root", help="override [data] root: the directory holding the dataset")
     run.add_argument("--download", action="store_true",
                      help="allow downloading the dataset if it is not on disk ([data] download = true; off by default)")
+    run.add_argument("--metrics", metavar="HOST:PORT",
+                     help="serve this agent's Prometheus metrics there ([agent] metrics_address; off by default; an address "
+                          "other than loopback needs metrics_password_file, metrics_cert_file and metrics_key_file)")
     doctor = sub.add_parser("doctor", help="check this device: Python, backend, broker, TLS, credentials, data")
     doctor.add_argument("--config", default="/etc/edgesplit/agent.toml", help="agent TOML (default: %(default)s)")
     doctor.add_argument("--backend", choices=("torch", "ort"), help="check this backend instead of the config's")
@@ -72,6 +75,7 @@ def load_config(args: argparse.Namespace) -> EdgeConfig:
         "log_json": True if args.log_json else None,
         "progress": False if args.no_progress else None,
         "backend": args.backend,
+        "metrics_address": getattr(args, "metrics", None),
     }
     data_overrides = {"root": args.data_root, "download": True if args.download else None}
     data = dataclasses.replace(config.data, **{k: v for k, v in data_overrides.items() if v is not None})
@@ -129,12 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     agent.config_path = args.config
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    from shared_protocol.metrics_endpoint import MetricsEndpointError
+
     try:
         return agent.run()
     except TransportError as exc:
         return explain_connect_failure(config, args.config, exc)
+    except MetricsEndpointError as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
+    finally:
+        agent.close_metrics()
 
 
 def explain_connect_failure(config: EdgeConfig, config_path: str, exc: TransportError) -> int:

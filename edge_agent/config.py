@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared_protocol.metrics_endpoint import MetricsEndpointConfig
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
@@ -130,6 +131,14 @@ class EdgeConfig:
     progress: bool = True
     log_json: bool = False
     exit_on_shutdown: bool = True
+    # Prometheus /metrics of this agent (edge_agent/metrics.py) on HOST:PORT (None: off, nothing
+    # of it imported). Any address but loopback needs basic auth (metrics_password_file, user
+    # metrics_username) and TLS (metrics_cert_file, metrics_key_file).
+    metrics_address: str | None = None
+    metrics_username: str = "edgesplit"
+    metrics_password_file: str | None = None
+    metrics_cert_file: str | None = None
+    metrics_key_file: str | None = None
 
     def __post_init__(self) -> None:
         check_name("agent id", self.agent_id)
@@ -140,6 +149,12 @@ class EdgeConfig:
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self.transport_config()  # chunk size, credentials in the URL
+        self.metrics_endpoint()  # a non-loopback address without credentials is refused here
+
+    def metrics_endpoint(self) -> MetricsEndpointConfig | None:
+        """Where this agent's metrics are served (None: metrics off)."""
+        return MetricsEndpointConfig.of("agent", self.metrics_address, self.metrics_username, self.metrics_password_file,
+                                        self.metrics_cert_file, self.metrics_key_file)
 
     def transport_config(self) -> TransportConfig:
         return TransportConfig(

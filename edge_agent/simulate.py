@@ -52,6 +52,7 @@ def build_agents(sim: SimulationConfig) -> list[EdgeAgent]:
             data=dataclasses.replace(data, agent_index=i),
             progress=False,
             threads=1,
+            metrics_address=None,  # one port cannot serve many agents; the server's metrics show each of them
         )
         agents.append(EdgeAgent(cfg, data=shard, compute_lock=lock))
     return agents

@@ -200,7 +200,10 @@ def round_series(report: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({
             "round": r["round"], "status": r["status"], "accuracy": r["accuracy"], "local_accuracy": r.get("local_accuracy"),
             "edge_accuracy": r["edge_accuracy"], "edge_local_accuracy": r.get("edge_local_accuracy"),
-            "evaluation": {k: evaluation[k] for k in ("global", "local") if k in evaluation},
+            # The record's per-label accuracies (cloud_server/records.py: "accuracy" on the global
+            # set, "local_accuracy" on the shards), named here by where they were measured.
+            "evaluation": {mine: evaluation[theirs] for mine, theirs in (("global", "accuracy"), ("local", "local_accuracy"))
+                           if theirs in evaluation},
             "up_wire": r["bytes"]["up_wire"], "down_wire": r["bytes"]["down_wire"],
             "up_payload": r["bytes"]["up_payload"], "down_payload": r["bytes"]["down_payload"],
             "wire": wire, "cumulative_wire": cumulative, "edge_train_flops": r["edge_train_flops"],

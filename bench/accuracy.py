@@ -299,11 +299,20 @@ def previous_runs(out: Path, run_dir: Path, key: dict[str, Any]) -> dict[str, An
         previous = json.loads(out.read_text())
         if {k: previous.get("scale", {}).get(k) for k in key} == key:
             found.update(previous["runs"])
+    specs = {run.name: (table, partition, run) for table, partition, run in runs(key["rounds"])}
     for path in sorted(run_dir.glob("*/summary.json")):
         summary = json.loads(path.read_text())
-        if summary.get("scale") == key:
-            # A summary written before runs recorded when they finished: it was written then.
-            found[path.parent.name] = {"finished_at": path.stat().st_mtime, **summary["run"]}
+        if summary.get("scale") != key:
+            continue
+        # A summary written before runs recorded when they finished: it was written then.
+        run = {"finished_at": path.stat().st_mtime, **summary["run"]}
+        report_path = path.parent / "report.json"
+        if report_path.exists() and run.get("name") in specs:
+            # Summarised again from the run's report, so a corrected summary applies to runs
+            # already made; what only the run itself measured (its wall time, load) is kept.
+            table, partition, spec = specs[run["name"]]
+            run.update(summarize(table, partition, spec, run["seed"], json.loads(report_path.read_text())))
+        found[path.parent.name] = run
     return found
 
 

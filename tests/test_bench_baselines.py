@@ -121,6 +121,10 @@ def test_accuracy_runs_end_to_end(tmp_path: Path) -> None:
     assert data["scale"]["name"] == "custom" and data["scale"]["agents"] == 4 and data["scale"]["seeds"] == [0]
     for run in data["runs"].values():
         assert run["final_accuracy"] is not None and len(run["rounds"]) == 1
+    # The evaluation's figures by label, read from the run's real record: FedGKT's headline, its
+    # personalised BatchNorm variant (the last round's) and the edges.
+    final = data["runs"]["fedgkt-iid-seed0"]["final_evaluation"]
+    assert {"model", "personalised_bn", "edge"} <= set(final["global"]) and {"model", "edge"} <= set(final["local"])
     assert data["cells"]["fedgkt-iid"]["n"] == 1 and not data["scale"]["complete"]
     # Each run left its summary; --merge keeps them next to the runs made now (an interrupted
     # benchmark resumes, invocations may run side by side), keyed by name and seed, and only

@@ -61,7 +61,7 @@ def synthetic_report(method: str, accuracies: list[float], seed: int, wall_s: fl
         rounds.append({
             "round": i, "status": "ok", "accuracy": acc, "local_accuracy": local,
             "edge_accuracy": acc - 0.05 if gkt else None, "edge_local_accuracy": local - 0.02 if gkt else None,
-            "evaluation": {"global": glob, "local": loc, "labels": labels, "per_agent": {}, "server_eval_s": 2.0,
+            "evaluation": {"accuracy": glob, "local_accuracy": loc, "labels": labels, "per_agent": {}, "server_eval_s": 2.0,
                            "edge_eval_flops": 1_000, "edge_eval_s": 1.0,
                            "bytes": {"up_payload": 10, "up_wire": 20, "down_payload": 30, "down_wire": 40}},
             "bytes": {"up_payload": 1_000_000, "up_wire": 1_100_000, "down_payload": 2_000_000, "down_wire": 2_100_000},
@@ -290,7 +290,7 @@ def test_the_other_methods_and_table2_render_beside_table1(tmp_path: Path) -> No
             report = synthetic_report(run.method, [0.1, 0.4, 0.5 + seed / 100], seed)
             if run.method == "fedkd":  # the mentors are the headline; the shared mentee is labelled
                 for r in report["rounds"]:
-                    r["evaluation"]["global"]["mentee"] = 0.30
+                    r["evaluation"]["accuracy"]["mentee"] = 0.30
                     r["evaluation"]["labels"]["mentee"] = "the shared mentee"
             results[acc.run_key(run.name, seed)] = {**acc.summarize(table, key, run, seed, report), "run_wall_time_s": 60.0}
     doc = {"benchmark": "methods", "generated_by": "bench/methods.py", "machine": MACHINE,

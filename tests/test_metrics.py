@@ -192,7 +192,8 @@ def test_a_port_in_use_names_the_key_to_change() -> None:
 
 _OFF_SCRIPT = textwrap.dedent("""
     import sys
-        from pathlib import Path
+    from dataclasses import replace
+    from pathlib import Path
     from fedhelpers import agent_config, in_memory_federation, server_config
     on = sys.argv[2] == "on"
     cfg = server_config(Path(sys.argv[1]), run_id="off", agents=1, rounds=1,

@@ -18,6 +18,7 @@ from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
 if TYPE_CHECKING:
     from .evaluation import EvalSetSpec
     from .methods.base import ServerContext
+    from .robust import RobustnessConfig
 
 # The modes of cloud_server/server_step.py (kept here so that reading a config never imports torch).
 SERVER_STEPS = ("auto", "eager", "compiled", "graph")
@@ -82,6 +83,22 @@ class ServerConfig:
     # Client sampling (FedAvg's C): each sync round takes this fraction of the online
     # agents (at least min_agents), drawn with a generator seeded by (seed, round).
     client_fraction: float = 1.0
+    # Robustness to a bad device (cloud_server/robust.py, docs/configuration.md): the
+    # weight-sharing methods' aggregation rule, update clipping, plausibility checks,
+    # the server's training guard and quarantine.
+    aggregation: str = "mean"  # mean | trimmed_mean | median | krum | multi_krum
+    aggregation_tolerate: float = 0  # bad agents tolerated: a count (>= 1) or a fraction (< 0.5)
+    clip_update_norm: float = 0.0  # 0: off
+    plausibility_checks: bool = True
+    plausible_global_ratio: float = 10.0
+    plausible_peer_ratio: float = 5.0
+    plausible_mad: float = 6.0
+    feature_abs_limit: float = 1.0e4
+    logit_abs_limit: float = 1.0e4
+    quarantine_after: int = 3  # 0: no quarantine
+    quarantine_release: str = "plausible"  # plausible | never
+    server_grad_clip_norm: float = 0.0  # 0: off
+    server_loss_skip_factor: float = 0.0  # 0: off
     log_json: bool = False
     progress: bool = True
     # The live view (cloud_server/metrics.py): Prometheus /metrics and the status page at /,
@@ -137,11 +154,25 @@ class ServerConfig:
             raise ValueError(f"server.metrics_linger_s must be >= 0, got {self.metrics_linger_s}")
         self.transport_config()  # chunk size, credentials in the URL
         self.metrics_endpoint()  # a non-loopback address without credentials is refused here
+        self.robustness_config()  # the rule's bound against expected_agents, the thresholds
 
     def metrics_endpoint(self) -> MetricsEndpointConfig | None:
         """Where the metrics and the status page are served (None: metrics off)."""
         return MetricsEndpointConfig.of("server", self.metrics_address, self.metrics_username, self.metrics_password_file,
                                         self.metrics_cert_file, self.metrics_key_file)
+
+    def robustness_config(self) -> "RobustnessConfig":
+        from .robust import RobustnessConfig
+
+        return RobustnessConfig(
+            aggregation=self.aggregation, aggregation_tolerate=self.aggregation_tolerate,
+            clip_update_norm=self.clip_update_norm, plausibility_checks=self.plausibility_checks,
+            plausible_global_ratio=self.plausible_global_ratio, plausible_peer_ratio=self.plausible_peer_ratio,
+            plausible_mad=self.plausible_mad, feature_abs_limit=self.feature_abs_limit,
+            logit_abs_limit=self.logit_abs_limit, quarantine_after=self.quarantine_after,
+            quarantine_release=self.quarantine_release, server_grad_clip_norm=self.server_grad_clip_norm,
+            server_loss_skip_factor=self.server_loss_skip_factor, expected_agents=self.expected_agents,
+        )
 
     @property
     def resolved_in_channels(self) -> int:
@@ -192,7 +223,7 @@ class ServerConfig:
 
         return ServerContext(run_id=self.run_id, num_classes=self.num_classes, in_channels=self.resolved_in_channels,
                              device=device, seed=self.seed, progress=progress, rounds=self.rounds,
-                             out_dir=self.out_dir, server_step=self.server_step)
+                             out_dir=self.out_dir, server_step=self.server_step, robustness=self.robustness_config())
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

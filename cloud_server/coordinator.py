@@ -44,6 +44,7 @@ from .evaluation import EvalSet, Evaluator
 from .methods import ServerMethod
 from .recorder import RunCounters, RunRecorder, server_info
 from .records import RoundEvaluation, RoundRecord, RunReport, now_iso
+from .robust import ImplausibleUploadError
 from .schedulers import OpenRound, make_scheduler
 
 if TYPE_CHECKING:  # imported for real only when metrics are on
@@ -88,6 +89,17 @@ class Coordinator:
         if config.client_fraction < 1.0 and not self.scheduler.samples_agents:
             raise ValueError(f"client_fraction < 1 samples the agents of sync rounds; {method.name} runs "
                              f"{self.scheduler.description} rounds")
+        robustness = config.robustness_config()
+        if not method.aggregates_weights and (robustness.aggregation != "mean" or robustness.clip_update_norm):
+            raise ValueError(
+                f"server.aggregation = {robustness.aggregation!r} / server.clip_update_norm = {robustness.clip_update_norm!r} "
+                f"apply to the methods that aggregate weights (fedavg, fedgkd, feddistill, fedbe, fedkd); {method.name} does "
+                "not: leave them at 'mean' / 0 (its uploads are still checked for plausibility)")
+        # The method's context carries the [server] robustness settings and the ledger the
+        # round records read (a method made outside the coordinator may have the defaults).
+        method.ctx.robustness = robustness
+        method.ctx.ledger.cfg = robustness
+        self.ledger = method.ctx.ledger
         load_method_messages(method.name)
         # The live view (cloud_server/metrics.py): imported only when configured.
         endpoint = config.metrics_endpoint()
@@ -110,7 +122,8 @@ class Coordinator:
 
     def save_checkpoint(self) -> None:
         self.recorder.save_checkpoint(self.method.state(), round_=self.completed_round, config=self.config.to_dict(),
-                                      method_config=self.method.resolved_config(), rejected=self.rejected)
+                                      method_config=self.method.resolved_config(), rejected=self.rejected,
+                                      robustness=self.ledger.state())
 
     def load_checkpoint(self) -> None:
         saved = self.recorder.load_checkpoint()
@@ -119,6 +132,7 @@ class Coordinator:
         self.method.load_state(saved.method_state)
         self.completed_round, self.rejected = saved.round, Counter(saved.rejected)
         self.report.resumed.append({"after_round": self.completed_round, "at": now_iso()})
+        self.ledger.load_state(saved.robustness)
         log.info("resumed from checkpoint after round %d", self.completed_round)
 
     # -- messaging -------------------------------------------------------------- #
@@ -230,6 +244,12 @@ class Coordinator:
     def _on_upload(self, agent: str, msg: Message) -> None:
         try:
             replies = self.method.on_upload(agent, msg)
+        except ImplausibleUploadError as exc:
+            # Well-formed, but its numbers cannot be honest: refused and attributed to the agent in
+            # the round record; it does not count toward dropping the agent (quarantine decides).
+            self.rejected[exc.reason] += 1
+            self.ledger.refuse(msg.round, agent, exc.reason, exc.detail)
+            return
         except ProtocolError as exc:
             self._reject(agent, exc.code, str(exc))
             return
@@ -324,10 +344,13 @@ class Coordinator:
         evaluation, edge_label = self._evaluation(rnd) if rnd.evaluate and status == "ok" else (None, None)
         del self.open_rounds[rnd.round]
         self.method.end_round(rnd.round)
+        self.ledger.close_round(rnd.round, sorted(rnd.done))
+        robustness, warnings = self.ledger.take(rnd.round)
         record = self.recorder.round_record(
             rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
             started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),
             method_figures=self.method.round_report(rnd.round), evaluation=evaluation, edge_label=edge_label,
+            robustness=robustness, warnings=warnings,
         )
         self.completed_round = rnd.round
         self.recorder.add_round(record, checkpoint=self.save_checkpoint)

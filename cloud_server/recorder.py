@@ -67,6 +67,7 @@ class Checkpoint:
     method_config: dict[str, Any]
     rejected: dict[str, int]
     method_state: Any
+    robustness: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _agent_accuracy(scored: RoundEvaluation | None, agent: str, edge_label: str | None) -> float | None:
@@ -130,6 +131,8 @@ class RunRecorder:
         server_train_flops: int | None = None,
         evaluation: RoundEvaluation | None = None,
         edge_label: str | None = None,
+        robustness: Mapping[str, Any] | None = None,
+        warnings: Sequence[str] = (),
     ) -> RoundRecord:
         """The record of a closed round: what the agents that finished it sent (``ends``),
         what the method made of it (``outcomes``), how it was evaluated (``evaluation``, whose
@@ -174,6 +177,8 @@ class RunRecorder:
             excluded=excluded,
             method=plain_json(dict(method_figures or {})),
             evaluation=scored,
+            robustness=plain_json(dict(robustness or {})),
+            warnings=list(warnings),
         )
 
     def add_round(self, record: RoundRecord, checkpoint: Callable[[], None] | None = None) -> None:
@@ -225,7 +230,8 @@ class RunRecorder:
         return self.out_dir / "checkpoint"
 
     def save_checkpoint(self, method_state: Any, *, round_: int, config: dict[str, Any],
-                        method_config: dict[str, Any], rejected: Mapping[str, int]) -> None:
+                        method_config: dict[str, Any], rejected: Mapping[str, int],
+                        robustness: Mapping[str, Any] | None = None) -> None:
         from models.state_io import save_state
 
         staging = self.out_dir / "checkpoint.new"
@@ -235,6 +241,7 @@ class RunRecorder:
         save_state(staging, "coordinator", {
             "round": round_, "config": config, "method_config": method_config,
             "report": self.report.to_json(), "rejected": dict(rejected),
+            "robustness_json": json.dumps(plain_json(dict(robustness or {}))),  # the quarantine's state
         })
         # Swap directories so a crash mid-save leaves the previous checkpoint intact.
         old = self.out_dir / "checkpoint.old"
@@ -271,4 +278,5 @@ class RunRecorder:
         self._prior_rejected_chunks = dict(self._report.totals.rejected_chunks_by_reason)
         self._prior_refused = list(self._report.refused_agents)
         return Checkpoint(round=int(state["round"]), config=state["config"], method_config=state["method_config"],
-                          rejected=dict(state["rejected"]), method_state=load_state(self.checkpoint_dir, "method"))
+                          rejected=dict(state["rejected"]), method_state=load_state(self.checkpoint_dir, "method"),
+                          robustness=json.loads(state.get("robustness_json", "{}")))

@@ -204,6 +204,13 @@ class RoundRecord(JsonRecord):
     excluded: dict[str, str] = optional_section(default_factory=dict)  # agent -> why its upload was not used
     method: dict[str, Any] = optional_section(default_factory=dict)  # the method's own figures (round_report)
     evaluation: RoundEvaluation | None = optional_section()  # None: not evaluated
+    # Robustness to a bad device (cloud_server/robust.py): per agent, the uploads refused as
+    # implausible by reason ({"count", "detail"}: the first figure and threshold), clipped
+    # updates, server steps skipped on its data; the aggregation rule when not the mean;
+    # quarantine. Empty: nothing happened.
+    robustness: dict[str, Any] = optional_section(default_factory=dict)
+    # What an "ok" round's reader must know: refusals, clips, skipped steps, a rule's fallback.
+    warnings: list[str] = optional_section(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,7 +11,9 @@ shape of minGPT's trainer. A caller gives it
   callbacks need to know about the rows in ``meta``);
 * callbacks for what it does besides training: ``on_batch_start`` (e.g. a learning
   rate schedule), ``on_batch_end`` (collecting logits by sample, SWA snapshots,
-  logging), ``on_epoch_end``. A callback may call :meth:`Trainer.stop`.
+  logging), ``on_epoch_end``. A callback may call :meth:`Trainer.stop`. A ``guard``
+  (loss -> None) may raise :class:`StepSkipped` after the forward pass: the step is not
+  taken and ``on_batch_skipped`` fires (a server that must not be blown up by one batch).
 
 Losses are summed on the step's device and read once at the end, so a GPU step
 never waits for the host. ``check_finite="step"`` reads each loss before its
@@ -37,7 +39,7 @@ import torch
 import torch.nn as nn
 
 __all__ = [
-    "LR_SCHEDULES", "OPTIMIZERS", "Batch", "DeviceSum", "Forward", "LeanAdam", "LeanSGD", "LossFn", "NonFiniteLossError", "Step", "StepOutput",
+    "LR_SCHEDULES", "OPTIMIZERS", "Batch", "DeviceSum", "Forward", "LeanAdam", "LeanSGD", "LossFn", "NonFiniteLossError", "Step", "StepOutput", "StepSkipped",
     "TrainResult", "Trainer", "accuracy", "ghost_batch_momentum", "logits_of", "make_lr_schedule", "make_optimizer",
     "micro_batch_slices",
 ]
@@ -247,6 +249,18 @@ class Step:
         self.device = next(model.parameters()).device
         self.steps: dict[str, int] = {"eager": 0}  # steps run in each mode
         self.micro_batch = micro_batch
+        # > 0: eager steps clip the gradient's global L2 norm to this before the optimiser
+        # step (a server's guard against one batch of wild inputs); clipped counts them.
+        self.max_grad_norm = 0.0
+        self.clipped = 0
+        self.last_grad_norm: float | None = None
+
+    def _clip_gradients(self) -> None:
+        if self.max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            self.last_grad_norm = norm
+            if norm > self.max_grad_norm:
+                self.clipped += 1
 
     @contextlib.contextmanager
     def session(self, planned_steps: int | None = None) -> Iterator["Step"]:
@@ -277,6 +291,7 @@ class Step:
             check(loss)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        self._clip_gradients()
         self.optimizer.step()
         self.steps["eager"] += 1
         return StepOutput(loss.detach(), output.detach() if self._output_is_logits else None)
@@ -300,6 +315,7 @@ class Step:
                 total += loss.detach() * share
                 if self._output_is_logits:
                     outputs.append(output.detach())
+        self._clip_gradients()
         self.optimizer.step()
         self.steps["eager"] += 1
         return StepOutput(total, torch.cat(outputs) if outputs else None)
@@ -381,7 +397,13 @@ class ProgressBar(Protocol):
 #: Makes a progress bar, called as ``progress(total=..., desc=..., leave=False, dynamic_ncols=True)``:
 #: ``tqdm.auto.tqdm`` fits. The caller passes it, so this package depends on torch and numpy only.
 ProgressFactory = Callable[..., ProgressBar]
-EVENTS = ("on_batch_start", "on_batch_end", "on_epoch_end")
+EVENTS = ("on_batch_start", "on_batch_end", "on_batch_skipped", "on_epoch_end")
+
+
+class StepSkipped(Exception):
+    """Raised by a trainer's ``guard`` (after the forward pass, before backward) to skip a
+    step whose loss it does not trust: the model's parameters are left as they were, the
+    batch's loss is not counted, ``on_batch_skipped`` fires and the loop goes on."""
 FINITE_CHECKS = ("none", "step")
 
 
@@ -393,13 +415,16 @@ class Trainer:
     """
 
     def __init__(self, step: Step, *, desc: str = "train", progress: ProgressFactory | None = None,
-                 check_finite: str = "none") -> None:
+                 check_finite: str = "none", guard: Callable[[torch.Tensor], None] | None = None) -> None:
         if check_finite not in FINITE_CHECKS:
             raise ValueError(f"check_finite must be one of {FINITE_CHECKS}, got {check_finite!r}")
         self.step = step
         self.desc = desc
         self.progress = progress
         self.check_finite = check_finite
+        self.guard = guard  # guard(loss) may raise StepSkipped (runs every step eagerly)
+        self.skipped = 0
+        self.skip_reason = ""
         self.callbacks: dict[str, list[Callback]] = {event: [] for event in EVENTS}
         self.epoch = 0
         self.last_epoch = False
@@ -435,6 +460,14 @@ class Trainer:
         samples = last_samples = 0
         self.steps_done, self._stop = 0, False
         check = self._refuse_non_finite if self.check_finite == "step" else None
+        if self.guard is not None:
+            guard, finite = self.guard, check
+
+            def check(loss: torch.Tensor) -> None:
+                if finite is not None:
+                    finite(loss)
+                guard(loss)
+        self.skipped = 0
         bar = None
         if self.progress is not None:
             bar = self.progress(total=planned_steps, desc=self.desc, leave=False, dynamic_ncols=True)
@@ -445,7 +478,15 @@ class Trainer:
                     for batch in batches(epoch):
                         self.batch = batch
                         self._fire("on_batch_start")
-                        self.out = self.step(batch.inputs, *batch.targets, check=check)
+                        try:
+                            self.out = self.step(batch.inputs, *batch.targets, check=check)
+                        except StepSkipped as exc:
+                            self.skipped += 1
+                            self.skip_reason = str(exc)
+                            self._fire("on_batch_skipped")
+                            if bar is not None:
+                                bar.update(1)
+                            continue
                         n = batch.size
                         total.add(self.out.loss, n)
                         samples += n

@@ -29,8 +29,18 @@ class ServerContext:
     # The device's figures per round (name, training seconds, peak memory, utilisation): methods wrap
     # their server-side training in device_meter.training(); the coordinator takes them as a round closes.
     device_meter: Any = None  # cloud_server.device_meter.DeviceMeter, made from ``device`` when not given
+    # Robustness to a bad device (cloud_server/robust.py): the [server] settings, and the ledger of
+    # refusals, clips, skipped steps and quarantine that methods and the coordinator write.
+    robustness: Any = None  # cloud_server.robust.RobustnessConfig; default: the defaults
+    ledger: Any = None  # cloud_server.robust.RobustnessLedger, made from ``robustness`` when not given
 
     def __post_init__(self) -> None:
+        from ..robust import RobustnessConfig, RobustnessLedger
+
+        if self.robustness is None:
+            self.robustness = RobustnessConfig()
+        if self.ledger is None:
+            self.ledger = RobustnessLedger(self.robustness)
         if self.device_meter is None:
             from ..device_meter import DeviceMeter  # imports torch: only when a context is made
 
@@ -66,6 +76,9 @@ def registered_server_methods() -> dict[str, type["ServerMethod"]]:
 class ServerMethod(ABC):
     name: ClassVar[str]
     upload_types: ClassVar[tuple[type[Message], ...]] = ()
+    # Whether the method aggregates the agents' weights or updates (and so honours
+    # [server] aggregation and clip_update_norm, cloud_server/robust.py).
+    aggregates_weights: ClassVar[bool] = False
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         self.ctx = ctx

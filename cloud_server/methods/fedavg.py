@@ -45,6 +45,7 @@ from shared_protocol.methods.fedavg import (
 )
 
 from ..aggregation import weighted_mean
+from ..robust import implausible_norms, robust_state_aggregate
 from ..evaluation import HEADLINE, EvalModel, Evaluation
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
@@ -97,6 +98,7 @@ class _Staged(StagedUpload):
 class FedAvgServer(ServerMethod):
     name = "fedavg"
     upload_types = (FedAvgUpdate,)
+    aggregates_weights = True
     config_class: type[FedAvgConfig] = FedAvgConfig
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
@@ -109,6 +111,7 @@ class FedAvgServer(ServerMethod):
         self.version = 0  # round whose aggregate global_state is (0: the initial model)
         self.staged: ModelUploadStage[_Staged] = ModelUploadStage("model upload", log)
         self.has_version: dict[str, int] = {}  # agent -> global version it confirmed holding
+        self._aggregating: list[str] = []  # the agents whose states aggregate() is averaging (in order)
 
     # -- configuration --------------------------------------------------------- #
 
@@ -170,17 +173,59 @@ class FedAvgServer(ServerMethod):
     # -- the server step ------------------------------------------------------------ #
 
     def aggregate(self, round_: int, states: list[dict[str, np.ndarray]], num_samples: list[int]) -> dict[str, np.ndarray]:
-        """The new global state from the agents' states (FedAvg: the sample-weighted mean)."""
-        return weighted_mean(states, num_samples)
+        """The new global state from the agents' states (FedAvg: the sample-weighted mean, or
+        the run's robust rule: :meth:`average`)."""
+        return self.average(round_, states, num_samples)
+
+    def average(self, round_: int, states: list[dict[str, np.ndarray]], num_samples: list[int]) -> dict[str, np.ndarray]:
+        """``[server] aggregation`` over the agents' states (cloud_server/robust.py): the
+        sample-weighted mean by default, exactly as before; a robust rule or clipping works on
+        the updates (state - global) and its figures go to the round's robustness record."""
+        cfg = self.ctx.robustness
+        if cfg.plain_mean:
+            return weighted_mean(states, num_samples)
+        new_state, figures = robust_state_aggregate(self.global_state, states, num_samples, cfg)
+        agents = self._aggregating or [f"#{k}" for k in range(len(states))]
+        for row, norm in figures.pop("clipped"):
+            self.ctx.ledger.clip(round_, agents[row], "update_norm",
+                                 f"update norm {norm:.4g} clipped to {cfg.clip_update_norm:g}")
+        figures["used"] = [agents[k] for k in figures["used"]]
+        self.ctx.ledger.aggregation(round_, figures)
+        return new_state
+
+    def screen(self, round_: int, used: dict[str, _Staged], excluded: dict[str, str]) -> dict[str, _Staged]:
+        """Plausibility and quarantine (cloud_server/robust.py): each update's norm against the
+        global model's and the other agents' this round; an implausible one is refused (to the
+        ledger, and ``excluded`` with its reason), a quarantined agent's is judged but not used."""
+        cfg, ledger = self.ctx.robustness, self.ctx.ledger
+        if cfg.plausibility_checks and used:
+            floats = [n for n, a in self.global_state.items() if a.dtype.kind == "f"]
+            base = {n: self.global_state[n].astype(np.float64) for n in floats}
+            reference = float(np.sqrt(sum(float(np.sum(b * b)) for b in base.values())))
+            norms = {a: float(np.sqrt(sum(float(np.sum((s.state[n].astype(np.float64) - base[n]) ** 2)) for n in floats)))
+                     for a, s in used.items()}
+            for agent, (reason, detail) in implausible_norms(norms, reference, cfg).items():
+                ledger.refuse(round_, agent, reason, detail)
+                excluded[agent] = f"{reason}: {detail}"
+                used.pop(agent)
+        for agent in [a for a in used if ledger.is_quarantined(a)]:
+            excluded[agent] = ledger.exclude_quarantined(round_, agent)
+            used.pop(agent)
+        return used
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
         used, outcome.excluded = self.staged.take_usable(round_, ends)
+        used = self.screen(round_, used, outcome.excluded)
         outcome.used_agents = list(used)
         if not used:
             return outcome
         started = time.perf_counter()
-        new_state = self.aggregate(round_, [s.state for s in used.values()], [s.num_samples for s in used.values()])
+        self._aggregating = list(used)
+        try:
+            new_state = self.aggregate(round_, [s.state for s in used.values()], [s.num_samples for s in used.values()])
+        finally:
+            self._aggregating = []
         load_arrays_into(self.model, new_state)  # checks names, shapes and finiteness
         self.global_state = new_state
         self.version = round_

@@ -57,7 +57,7 @@ from models.losses import soft_cross_entropy
 from models.swa import SwaAverage, predict_probabilities, recompute_bn_statistics, swa_collects_after, swa_learning_rate
 from models.training import Batch, Trainer, make_optimizer
 
-from ..aggregation import build_sampled_state, fit_diagonal_gaussian, sample_dirichlet, sample_gaussian, weighted_mean
+from ..aggregation import build_sampled_state, fit_diagonal_gaussian, sample_dirichlet, sample_gaussian
 from ..server_step import TrainStep, normalised_images
 from .base import ServerContext, register_server_method
 from .fedavg import FedAvgConfig, FedAvgServer
@@ -381,7 +381,7 @@ class FedBEServer(FedAvgServer):
         c = self.config
         timing: dict[str, float] = {}
         started = time.perf_counter()
-        average = weighted_mean(states, num_samples)  # w_bar, Eq. 2
+        average = self.average(round_, states, num_samples)  # w_bar, Eq. 2 ([server] aggregation)
         sampled, posterior_info = self._sample_states(round_, states, num_samples, average)
         timing["posterior"] = time.perf_counter() - started
 

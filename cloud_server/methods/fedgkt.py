@@ -33,7 +33,7 @@ from models import build_model, count_parameters, load_arrays_into, state_dict_t
 from models.batchnorm import BnStatistics, batchnorm_layers, load_bn_statistics, measure_bn_statistics, restoring_bn_statistics
 from models.weights import WeightsMismatchError
 from models.losses import kd_loss
-from models.training import LR_SCHEDULES, Batch, Trainer, make_lr_schedule, make_optimizer
+from models.training import LR_SCHEDULES, Batch, StepSkipped, Trainer, make_lr_schedule, make_optimizer
 from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, ValueRangeError
 from shared_protocol.messages import EvalReport, Hello, Message, RoundEnd, check_labels
@@ -42,6 +42,7 @@ from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
 from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
 from ..feature_store import AgentRows, ArrayStaging, RowSource, StagedUploads, gather_batches
+from ..robust import MAD_TO_SD, ImplausibleUploadError
 from ..server_step import DeviceSum, TrainStep, banks_for_staged_rows
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -201,6 +202,13 @@ class FedGktServer(ServerMethod):
         self.agent_bn: dict[str, BnStatistics] = {}
         # agent -> its test maps of the round it was asked to evaluate (evaluation's uploads).
         self.eval_staged: dict[str, StagedUploads] = {}
+        # Plausibility (cloud_server/robust.py): agent -> (instance, round, {(split, seq)}) of the
+        # batches refused at the door (held as arrived: not asked for again), and per agent
+        # its round's training maps' per-channel sums of squares, element counts and the
+        # logits' sum of squares and count, for the comparison with the other agents.
+        self.refused_seqs: dict[str, tuple[str, int, set[tuple[str, int]]]] = {}
+        self.upload_stats: dict[str, tuple[str, int, np.ndarray, int, float, int]] = {}
+        self.recent_losses: list[float] = []  # the server steps' last losses (the guard's running range)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
@@ -295,6 +303,16 @@ class FedGktServer(ServerMethod):
             self.feature_shape = shape
         elif shape != self.feature_shape:
             raise ShapeMismatchError(f"feature maps {shape}, earlier uploads were {self.feature_shape}")
+        if self.ctx.robustness.plausibility_checks:
+            try:
+                self._check_plausible(agent, msg)
+            except ImplausibleUploadError:
+                instance, round_, seqs = self.refused_seqs.get(agent, (msg.instance, msg.round, set()))
+                if (instance, round_) != (msg.instance, msg.round):
+                    seqs = set()
+                seqs.add((msg.split, msg.seq))
+                self.refused_seqs[agent] = (msg.instance, msg.round, seqs)
+                raise
         # Test maps are evaluation's: kept apart (in async mode the agent is in its next round by
         # the time they arrive, and its next round's training maps must not void them).
         if any(h.instance != msg.instance for h in (self.staged.get(agent), self.eval_staged.get(agent)) if h is not None):
@@ -306,6 +324,92 @@ class FedGktServer(ServerMethod):
             held = store[agent] = StagedUploads(msg.instance, msg.round)
         held.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
         return None
+
+    def _check_plausible(self, agent: str, msg: GktFeatures) -> None:
+        """At the door: maps and logits within the range a ResNet-8 extractor and classifier
+        produce (``[server] feature_abs_limit`` / ``logit_abs_limit``; honest ones stay orders
+        of magnitude below), refused as ``out_of_range`` with the figure; then the batch's
+        per-channel statistics are added to the agent's round (compared with the other agents'
+        when the round completes)."""
+        cfg = self.ctx.robustness
+        features = np.asarray(msg.features, dtype=np.float32)  # (N, C, H, W)
+        peak = float(np.max(np.abs(features))) if features.size else 0.0
+        if not peak <= cfg.feature_abs_limit:
+            raise ImplausibleUploadError("out_of_range", f"{msg.split} feature maps reach |H| = {peak:.4g}, above "
+                                                         f"server.feature_abs_limit = {cfg.feature_abs_limit:g}")
+        peak = float(np.max(np.abs(msg.logits))) if msg.logits.size else 0.0
+        if not peak <= cfg.logit_abs_limit:
+            raise ImplausibleUploadError("out_of_range", f"{msg.split} edge logits reach |z| = {peak:.4g}, above "
+                                                         f"server.logit_abs_limit = {cfg.logit_abs_limit:g}")
+        if msg.split != "train":
+            return
+        held = self.upload_stats.get(agent)
+        channels = features.shape[1]
+        if held is None or held[:2] != (msg.instance, msg.round):
+            held = (msg.instance, msg.round, np.zeros(channels), 0, 0.0, 0)
+        f64 = features.astype(np.float64)
+        sumsq = held[2] + np.einsum("nchw,nchw->c", f64, f64)  # (C,)
+        logits = np.asarray(msg.logits, dtype=np.float64)
+        self.upload_stats[agent] = (msg.instance, msg.round, sumsq, held[3] + features.size // max(channels, 1),
+                                    held[4] + float(np.sum(logits * logits)), held[5] + logits.size)
+
+    def _implausible_statistics(self, round_: int, agents: list[str]) -> dict[str, str]:
+        """Agent -> detail, for agents (three or more) whose maps' RMS in some channel, or
+        whose logits' RMS, is far above the other agents' (above ``plausible_peer_ratio`` x their
+        median and median + ``plausible_mad`` x 1.4826 MAD, and the channel above
+        ``plausible_peer_ratio`` x the median channel's RMS of all agents: a channel dead for the
+        others is not a yardstick)."""
+        cfg = self.ctx.robustness
+        stats = {a: self.upload_stats[a] for a in agents if a in self.upload_stats and self.upload_stats[a][1] == round_}
+        if len(stats) < 3:
+            return {}
+        names = sorted(stats)
+        rms = np.stack([np.sqrt(stats[a][2] / max(stats[a][3], 1)) for a in names])  # (A, C)
+        logit_rms = np.array([math.sqrt(stats[a][4] / max(stats[a][5], 1)) for a in names])  # (A,)
+        floor = cfg.plausible_peer_ratio * float(np.median(rms))
+        out: dict[str, str] = {}
+        for i, agent in enumerate(names):
+            others = np.delete(rms, i, axis=0)  # (A - 1, C)
+            med = np.median(others, axis=0)
+            mad = np.median(np.abs(others - med), axis=0)
+            limit = np.maximum.reduce([cfg.plausible_peer_ratio * med, med + cfg.plausible_mad * MAD_TO_SD * mad,
+                                       np.full_like(med, floor)])
+            over = np.nonzero(~(rms[i] <= limit))[0]
+            if len(over):
+                c = int(over[np.argmax(rms[i][over] / limit[over])])
+                out[agent] = (f"feature maps' RMS in channel {c} is {rms[i, c]:.4g}, the other agents' median "
+                              f"{med[c]:.4g} (limit {limit[c]:.4g}); {len(over)} of {rms.shape[1]} channels over")
+                continue
+            lo = np.delete(logit_rms, i)
+            lmed = float(np.median(lo))
+            lmad = float(np.median(np.abs(lo - lmed)))
+            llimit = max(cfg.plausible_peer_ratio * lmed, lmed + cfg.plausible_mad * MAD_TO_SD * lmad)
+            if not logit_rms[i] <= llimit:
+                out[agent] = (f"edge logits' RMS {logit_rms[i]:.4g}, the other agents' median {lmed:.4g} "
+                              f"(limit {llimit:.4g})")
+        return out
+
+    def _screen(self, round_: int, ends: dict[str, RoundEnd]) -> dict[str, str]:
+        """Agent -> why its round's maps are not used: a batch refused at the door, statistics
+        far from the other agents', or quarantine (cloud_server/robust.py)."""
+        ledger = self.ctx.ledger
+        out: dict[str, str] = {}
+        for agent in sorted(ends):
+            refused = self.refused_seqs.get(agent)
+            if refused is not None and refused[:2] == (ends[agent].instance, ends[agent].round):
+                out[agent] = f"{len(refused[2])} upload(s) refused as implausible (robustness.refused)"
+        if self.ctx.robustness.plausibility_checks:
+            for agent, detail in self._implausible_statistics(round_, [a for a in sorted(ends) if a not in out]).items():
+                ledger.refuse(round_, agent, "implausible_statistics", detail)
+                out[agent] = f"implausible_statistics: {detail}"
+        for agent in sorted(ends):
+            if agent not in out and ledger.is_quarantined(agent):
+                out[agent] = ledger.exclude_quarantined(round_, agent)
+        for agent in ends:
+            self.upload_stats.pop(agent, None)
+            if agent in self.refused_seqs and self.refused_seqs[agent][1] <= round_:
+                self.refused_seqs.pop(agent)
+        return out
 
     def _release(self, store: dict[str, StagedUploads], agent: str) -> None:
         held = store.pop(agent, None)
@@ -323,11 +427,14 @@ class FedGktServer(ServerMethod):
         if staged is not None and (staged.instance != end.instance or staged.round != end.round):
             return []  # another process's uploads: nothing to complete
         requests: list[tuple[str, Message]] = []
+        refused = self.refused_seqs.get(agent)
+        refused_seqs = refused[2] if refused is not None and refused[:2] == (end.instance, end.round) else set()
         for split in ("train", "test"):
             info = end.uploads.get(split)
             if not isinstance(info, dict) or not isinstance(info.get("batches"), int):
                 continue
             have = set() if staged is None else set(staged.train if split == "train" else staged.test)
+            have |= {seq for s, seq in refused_seqs if s == split}  # arrived, refused: not asked for again
             missing = sorted(set(range(info["batches"])) - have)
             if missing:
                 requests.append((agent, GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=missing)))
@@ -338,10 +445,11 @@ class FedGktServer(ServerMethod):
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
         data: dict[str, AgentRows] = {}
+        implausible = self._screen(round_, ends)
         try:
             for agent in sorted(ends):
                 staged = self.staged.get(agent)
-                why = "no feature uploads" if staged is None else staged.why_unusable(ends[agent])
+                why = implausible.get(agent) or ("no feature uploads" if staged is None else staged.why_unusable(ends[agent]))
                 if why is not None:
                     outcome.excluded[agent] = why
                     log.warning("round %d: not using %s's upload: %s", round_, agent, why)
@@ -459,8 +567,14 @@ class FedGktServer(ServerMethod):
                 train_correct.add((logits.argmax(1) == trainer.batch.targets[0]).sum())
 
         steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
-        trainer = Trainer(self._trainer(), desc=f"server round {round_}", progress=tqdm if self.ctx.progress else None)
+        step = self._trainer()
+        guard = self._guard(round_, agents, step)
+        trainer = Trainer(step, desc=f"server round {round_}", progress=tqdm if self.ctx.progress else None,
+                          guard=guard[0] if guard else None)
         trainer.add_callback("on_batch_end", keep_last_epoch_logits)
+        if guard:
+            trainer.add_callback("on_batch_start", guard[1])
+            trainer.add_callback("on_batch_skipped", guard[2])
         try:
             result = trainer.run(c.server_epochs, batches, planned_steps=steps)
             # The call's other reads from the device: logits and accuracy to the host.
@@ -469,9 +583,61 @@ class FedGktServer(ServerMethod):
         finally:
             for bank in banks:
                 bank.release()
+        if guard:
+            step.max_grad_norm = 0.0
+            if step.clipped:
+                self.figures.setdefault(round_, {})["server_steps_clipped"] = step.clipped
+            if trainer.skipped:
+                self.figures.setdefault(round_, {})["server_steps_skipped"] = trainer.skipped
         if self.config.eval_diagnostics:
             self.figures.setdefault(round_, {})["server_train_accuracy"] = correct / max(result.last_epoch_samples, 1)
         return logits_by_agent, result.last_epoch_loss
+
+    def _guard(self, round_: int, agents: list[str], step: TrainStep):
+        """The server step's guard (``[server] server_grad_clip_norm``, ``server_loss_skip_factor``;
+        None when both are off): (guard(loss), on_batch_start, on_batch_skipped). Gradients are
+        clipped to the norm; a step whose loss is not finite, or above the factor x the median of
+        the last 50 steps' losses (after 10), is skipped, the BatchNorm statistics its forward
+        pass moved are put back, and the skip is attributed to the agent whose maps in the batch
+        were the largest. Every guarded step runs eagerly (the loss is read before backward)."""
+        cfg = self.ctx.robustness
+        if not (cfg.server_grad_clip_norm or cfg.server_loss_skip_factor):
+            return None
+        step.max_grad_norm, step.clipped = float(cfg.server_grad_clip_norm), 0
+        recent = self.recent_losses
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        buffers = [b for m in self.norms for b in (m.running_mean, m.running_var) if b is not None]
+        why: list[str] = [""]
+
+        def guard(loss: torch.Tensor) -> None:
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                why[0] = f"loss {value}"
+                raise StepSkipped(why[0])
+            if cfg.server_loss_skip_factor and len(recent) >= 10:
+                limit = cfg.server_loss_skip_factor * float(np.median(recent))
+                if value > limit:
+                    why[0] = f"loss {value:.4g} > {cfg.server_loss_skip_factor:g} x the running median ({limit:.4g})"
+                    raise StepSkipped(why[0])
+            recent.append(value)
+            del recent[:-50]
+
+        def snapshot(trainer: Trainer) -> None:
+            saved[:] = [(b, b.detach().clone()) for b in buffers]
+
+        def skipped(trainer: Trainer) -> None:
+            with torch.no_grad():
+                for b, copy in saved:
+                    b.copy_(copy)
+            batch, start, worst, culprit = trainer.batch, 0, -1.0, agents[0]
+            for k, index in batch.meta:
+                peak = float(batch.inputs[start : start + len(index)].abs().max())
+                start += len(index)
+                if peak > worst:
+                    worst, culprit = peak, agents[k]
+            self.ctx.ledger.skip_step(round_, culprit, why[0])
+
+        return guard, snapshot, skipped
 
     def _calibrate(self, features: RowSource) -> BnStatistics:
         """BatchNorm statistics of the server model on one agent's maps (at most

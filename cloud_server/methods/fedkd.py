@@ -66,6 +66,7 @@ from shared_protocol.methods.fedkd import (
 )
 
 from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
+from ..robust import ImplausibleUploadError, aggregate_vectors, choose_rule, clip_rows, implausible_norms
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -178,10 +179,33 @@ def _eq8_rank(entry: dict[str, Any], name: str, limit: int, full: int) -> int | 
     return k if isinstance(k, int) and not isinstance(k, bool) and limit < k <= full else None
 
 
+# How far an honest float32 factorisation strays from orthonormal factors and from
+# ||U diag(S) V||_F = ||S||_2 (measured: about 1e-6; numpy's SVD of float64, sent as float32).
+FACTOR_TOLERANCE = 1e-2
+
+
+def _check_factors(name: str, p: svd.SvdTensor) -> None:
+    """Refuse factors that no SVD produces: U's and V's rows/columns orthonormal (their
+    squared Frobenius norms equal the rank K), S non-negative, and the rebuilt tensor's
+    norm ``||S||_2`` (a huge S is the norm check's, at the round's close)."""
+    u, s, v = (np.asarray(a, dtype=np.float64) for a in p.factors())
+    k = p.rank
+    with np.errstate(over="ignore", invalid="ignore"):
+        u2, v2 = float(np.sum(u * u)), float(np.sum(v * v))
+    for label, sq in (("U", u2), ("V", v2)):
+        if not abs(sq - k) <= FACTOR_TOLERANCE * k:
+            raise ImplausibleUploadError(
+                "implausible_factors", f"{name!r}: ||{label}||_F^2 = {sq:.4g}, an SVD's orthonormal factors of rank {k} "
+                                       f"give {k} (tolerance {FACTOR_TOLERANCE:g} x {k})")
+    if np.any(s < 0):
+        raise ImplausibleUploadError("implausible_factors", f"{name!r}: negative singular values (min {float(s.min()):.4g})")
+
+
 @register_server_method
 class FedKdServer(ServerMethod):
     name = "fedkd"
     upload_types = (FedKdUpdate,)
+    aggregates_weights = True
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
@@ -270,6 +294,8 @@ class FedKdServer(ServerMethod):
         for name, p in packed.items():
             if p.shape != self.global_state[name].shape:
                 raise ShapeMismatchError(f"update {name!r} has shape {list(p.shape)}, mentee has {list(self.global_state[name].shape)}")
+            if p.mode == "factored" and self.ctx.robustness.plausibility_checks:
+                _check_factors(name, p)
             delta[name] = p.reconstruct()
             if not np.isfinite(delta[name]).all():
                 raise ValueRangeError(f"update {name!r} rebuilds to non-finite values")
@@ -285,12 +311,35 @@ class FedKdServer(ServerMethod):
 
     # -- the server step ------------------------------------------------------------------ #
 
-    def aggregate(self, staged: list[_Staged]) -> dict[str, np.ndarray]:
+    def aggregate(self, staged: list[_Staged], round_: int = 0, agents: list[str] | None = None) -> dict[str, np.ndarray]:
         """Algorithm 1, lines 13-16: the (weighted) mean of the rebuilt updates, as the
-        update to add (gradient mode: one step of -gradient_lr along the mean gradient)."""
+        update to add (gradient mode: one step of -gradient_lr along the mean gradient); or
+        ``[server] aggregation``'s robust rule over them, after ``clip_update_norm``
+        (cloud_server/robust.py)."""
         weights = np.asarray([s.num_samples if self.config.weighting == "samples" else 1 for s in staged], dtype=np.float64)
         weights /= weights.sum()
+        cfg = self.ctx.robustness
         out: dict[str, np.ndarray] = {}
+        if not cfg.plain_mean:
+            names = list(self.global_state)
+            vectors = np.stack([np.concatenate([s.delta[n].astype(np.float64).ravel() for n in names]) for s in staged])  # (K, D)
+            who = agents or [f"#{k}" for k in range(len(staged))]
+            vectors, clipped = clip_rows(vectors, cfg.clip_update_norm)
+            for row, norm in clipped:
+                self.ctx.ledger.clip(round_, who[row], "update_norm", f"update norm {norm:.4g} clipped to {cfg.clip_update_norm:g}")
+            choice = choose_rule(cfg.aggregation, len(staged), cfg.aggregation_tolerate)
+            mean, used = aggregate_vectors(vectors, weights, choice.rule, choice.f)
+            self.ctx.ledger.aggregation(round_, {"rule": choice.rule, "f": choice.f, "fallback": choice.fallback,
+                                                 "used": [who[k] for k in used]})
+            start = 0
+            for name in names:
+                size = self.global_state[name].size
+                total = mean[start : start + size].reshape(self.global_state[name].shape)
+                start += size
+                if self.config.upload == "gradient" and name in self.param_names:
+                    total = total * -self.config.gradient_lr
+                out[name] = total.astype(np.float32)
+            return out
         for name in self.global_state:
             total = np.zeros(self.global_state[name].shape, dtype=np.float64)
             for w, s in zip(weights, staged):
@@ -300,9 +349,31 @@ class FedKdServer(ServerMethod):
             out[name] = total.astype(np.float32)
         return out
 
+    def screen(self, round_: int, used: dict[str, _Staged], excluded: dict[str, str]) -> dict[str, _Staged]:
+        """Plausibility and quarantine (cloud_server/robust.py): each rebuilt update's norm
+        against the global mentee's and the other agents' this round (an update's, not a
+        gradient's, is compared with the mentee); implausible ones refused, quarantined
+        agents' judged but not used."""
+        cfg, ledger = self.ctx.robustness, self.ctx.ledger
+        if cfg.plausibility_checks and used:
+            reference = 0.0
+            if self.config.upload != "gradient":
+                reference = float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in self.global_state.values())))
+            norms = {a: float(np.sqrt(sum(float(np.sum(d.astype(np.float64) ** 2)) for d in s.delta.values())))
+                     for a, s in used.items()}
+            for agent, (reason, detail) in implausible_norms(norms, reference, cfg).items():
+                ledger.refuse(round_, agent, reason, detail)
+                excluded[agent] = f"{reason}: {detail}"
+                used.pop(agent)
+        for agent in [a for a in used if ledger.is_quarantined(a)]:
+            excluded[agent] = ledger.exclude_quarantined(round_, agent)
+            used.pop(agent)
+        return used
+
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
         used, outcome.excluded = self.staged.take_usable(round_, ends)
+        used = self.screen(round_, used, outcome.excluded)
         for agent in outcome.excluded:
             self.holds.pop(agent, None)  # it gets no aggregate this round
         outcome.used_agents = list(used)
@@ -311,7 +382,7 @@ class FedKdServer(ServerMethod):
             return outcome
         started = time.perf_counter()
         threshold = round_log.threshold
-        mean_update = self.aggregate(list(used.values()))
+        mean_update = self.aggregate(list(used.values()), round_, list(used))
         # Lines 17-19: factor the aggregate with the same T; add exactly what the agents will add.
         layout, factors, packed = factor_state(mean_update, threshold)
         base_version = self.version

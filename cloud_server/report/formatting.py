@@ -115,6 +115,18 @@ def format_summary_line(round_record: Mapping[str, Any], total_rounds: int) -> s
     )
     if round_record.get("status", "ok") != "ok":
         line += f"  [{round_record['status']}]"
+    robustness = round_record.get("robustness") or {}
+    notes = []
+    if robustness.get("refused"):
+        notes.append(f"refused {', '.join(robustness['refused'])}")
+    if robustness.get("clipped"):
+        notes.append(f"clipped {', '.join(robustness['clipped'])}")
+    if robustness.get("skipped_steps"):
+        notes.append(f"skipped steps {', '.join(robustness['skipped_steps'])}")
+    if robustness.get("quarantine_excluded"):
+        notes.append(f"quarantined {', '.join(robustness['quarantine_excluded'])}")
+    if notes or round_record.get("warnings"):
+        line += f"  [warning: {'; '.join(notes) or round_record['warnings'][0]}]"
     return line
 
 

@@ -194,7 +194,8 @@ def _outside_and_rejected(totals: Mapping[str, Any]) -> list[str]:
 def _rounds_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     if not rounds:
         return ["## Rounds", "", "No rounds yet.", ""]
-    rows = [[r["round"], r["status"], f"{len(r['completed'])}/{len(r['participants'])}", pct(r["accuracy"]),
+    rows = [[r["round"], r["status"] + (" (warning)" if r.get("warnings") else ""),
+             f"{len(r['completed'])}/{len(r['participants'])}", pct(r["accuracy"]),
              pct(r.get("local_accuracy")), pct(r["edge_accuracy"]), mb(r["bytes"]["up_wire"]), mb(r["bytes"]["down_wire"]),
              gflops(r["edge_train_flops"]), seconds(r["time_s"]["round"]),
              mb(_eval_wire(r)), seconds((r.get("evaluation") or {}).get("server_eval_s"))] for r in rounds]
@@ -228,6 +229,46 @@ def _agents_md(report: Mapping[str, Any]) -> list[str]:
     return [f"## Agents in round {last['round']}", "", *table(header, rows, right_from=2), ""]
 
 
+def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The rounds' ``robustness`` entries (cloud_server/robust.py): per round and agent, the
+    uploads refused as implausible (by reason, with the first figure and threshold), clipped
+    updates, skipped server steps, quarantine; empty when no round has any."""
+    marked = [r for r in rounds if r.get("robustness") or r.get("warnings")]
+    if not marked:
+        return []
+    rows = []
+    for r in marked:
+        rb = r.get("robustness") or {}
+        agents = sorted(set(rb.get("refused", {})) | set(rb.get("clipped", {})) | set(rb.get("skipped_steps", {}))
+                        | set(rb.get("quarantine_excluded", [])))
+        for agent in agents:
+            refused = rb.get("refused", {}).get(agent, {})
+            rows.append([
+                r["round"], agent,
+                "; ".join(f"{why} x{v['count']}: {v['detail']}" for why, v in sorted(refused.items())) or DASH,
+                ", ".join(f"{w} x{n}" for w, n in sorted(rb.get("clipped", {}).get(agent, {}).items())) or DASH,
+                rb.get("skipped_steps", {}).get(agent, 0) or DASH,
+                "yes" if agent in rb.get("quarantine_excluded", []) else DASH,
+            ])
+    lines = ["## Robustness: refused and clipped uploads", ""]
+    if rows:
+        lines += table(["Round", "Agent", "Refused (reason x count: first figure)", "Clipped", "Skipped server steps",
+                        "Quarantined"], rows)
+        lines.append("")
+    events = [e for r in marked for e in (r.get("robustness") or {}).get("quarantine_events", [])]
+    for e in events:
+        lines.append(f"- round {e['round']}: {e['agent']} {e['event']} ({e['why']})")
+    fallbacks = [(r["round"], r["robustness"]["aggregation"]) for r in marked
+                 if (r.get("robustness") or {}).get("aggregation", {}).get("fallback")]
+    for rnd, agg in fallbacks:
+        lines.append(f"- round {rnd}: aggregation {agg['fallback']}")
+    if events or fallbacks:
+        lines.append("")
+    lines += ["Refused uploads were not used; the round went on with the other agents "
+              "(`robustness` and `warnings` in each round of report.json).", ""]
+    return lines
+
+
 def summary_md(report: Mapping[str, Any]) -> str:
     """``summary.md`` of a (valid) report."""
     rounds = report["rounds"]
@@ -237,6 +278,7 @@ def summary_md(report: Mapping[str, Any]) -> str:
         _edge_cost_md(report["models"]),
         _communication_md(rounds, report["totals"]),
         _rounds_md(rounds),
+        _robustness_md(rounds),
         _server_device_md(rounds),
         _method_figures_md(rounds),
         _agents_md(report),

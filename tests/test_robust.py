@@ -1,0 +1,338 @@
+"""Robustness to a bad device (cloud_server/robust.py): the aggregation rules against hand
+computations, the configuration bounds, plausibility checks, the ledger and quarantine, the
+server step's guard, and what the report shows. No broker: tests/test_robust_mqtt.py runs
+the federations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cloud_server.config import ServerConfig
+from cloud_server.methods import ServerContext
+from cloud_server.methods.fedavg import FedAvgServer
+from cloud_server.methods.fedgkt import FedGktServer
+from cloud_server.methods.fedkd import _check_factors
+from cloud_server.records import RoundRecord
+from cloud_server.report import format_summary_line
+from cloud_server.report.markdown import _robustness_md
+from cloud_server.robust import (
+    ImplausibleUploadError,
+    RobustnessConfig,
+    RobustnessLedger,
+    aggregate_vectors,
+    choose_rule,
+    clip_rows,
+    implausible_norms,
+    krum_scores,
+    robust_state_aggregate,
+    tolerated,
+)
+from models.training import Step, StepSkipped, Trainer, Batch
+from shared_protocol import svd
+from shared_protocol.messages import RoundEnd, decode_message, encode_message
+from shared_protocol.methods.fedavg import FedAvgUpdate, split_state
+from shared_protocol.methods.fedgkt import GktFeatures
+
+from fedhelpers import distinct_resnet8_state
+
+ONES = [1.0] * 5
+POINTS = np.array([[0.0], [1.0], [2.0], [3.0], [100.0]])  # (5, 1): four honest, one far away
+
+
+# -- the rules, by hand --------------------------------------------------------------------- #
+
+
+def test_mean_is_sample_weighted() -> None:
+    agg, used = aggregate_vectors(np.array([[0.0, 2.0], [4.0, 6.0]]), [1, 3], "mean", 0)
+    np.testing.assert_allclose(agg, [3.0, 5.0])  # (1*0 + 3*4)/4, (1*2 + 3*6)/4
+    assert used == [0, 1]
+
+
+def test_median_and_trimmed_mean_by_hand() -> None:
+    np.testing.assert_allclose(aggregate_vectors(POINTS, ONES, "median", 1)[0], [2.0])
+    # f = 1: drop 0 and 100, mean of 1, 2, 3.
+    np.testing.assert_allclose(aggregate_vectors(POINTS, ONES, "trimmed_mean", 1)[0], [2.0])
+    # Coordinate-wise, unweighted; an even count takes the mean of the two middle values.
+    v = np.array([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [100.0, -5.0]])
+    np.testing.assert_allclose(aggregate_vectors(v, [1, 1, 1, 100], "median", 1)[0], [2.5, 15.0])
+    np.testing.assert_allclose(aggregate_vectors(v, [1, 1, 1, 1], "trimmed_mean", 1)[0], [2.5, 15.0])
+    # Ties: equal values are kept or dropped alike.
+    np.testing.assert_allclose(aggregate_vectors(np.array([[1.0], [1.0], [1.0], [9.0]]), [1] * 4, "trimmed_mean", 1)[0], [1.0])
+
+
+def test_krum_and_multi_krum_by_hand() -> None:
+    # n = 5, f = 1: each score sums the 5 - 1 - 2 = 2 smallest squared distances.
+    # 0: 1 + 4 = 5; 1: 1 + 1 = 2; 2: 1 + 1 = 2; 3: 1 + 4 = 5; 100: 97^2 + 98^2 = 19013.
+    np.testing.assert_allclose(krum_scores(POINTS, 1), [5.0, 2.0, 2.0, 5.0, 19013.0])
+    agg, used = aggregate_vectors(POINTS, ONES, "krum", 1)
+    assert used == [1] and agg.tolist() == [1.0]  # a tie (1 and 2) goes to the first in agent order
+    agg, used = aggregate_vectors(POINTS, ONES, "multi_krum", 1)
+    assert used == [0, 1, 2, 3]  # m = n - f = 4 best scores
+    np.testing.assert_allclose(agg, [1.5])
+    agg, _ = aggregate_vectors(POINTS, [1, 1, 1, 5, 1], "multi_krum", 1)  # sample-weighted over the chosen
+    np.testing.assert_allclose(agg, [(0 + 1 + 2 + 15) / 8])
+
+
+@pytest.mark.parametrize("rule", ["mean", "median", "krum", "multi_krum"])
+def test_a_single_agent_is_its_own_aggregate(rule: str) -> None:
+    choice = choose_rule(rule, 1, 0)
+    agg, used = aggregate_vectors(np.array([[3.0, -1.0]]), [7], choice.rule, choice.f)
+    assert agg.tolist() == [3.0, -1.0] and used == [0]
+
+
+def test_clip_rows_by_hand() -> None:
+    rows, clipped = clip_rows(np.array([[3.0, 4.0], [0.3, 0.4]]), 1.0)
+    np.testing.assert_allclose(rows, [[0.6, 0.8], [0.3, 0.4]])
+    assert clipped == [(0, 5.0)]
+    same, none = clip_rows(np.array([[3.0, 4.0]]), 0.0)  # 0: off
+    assert same.tolist() == [[3.0, 4.0]] and none == []
+
+
+# -- the bounds: refused configurations, round-time fallback ------------------------------ #
+
+
+def test_tolerated_count_or_fraction() -> None:
+    assert tolerated(10, 2) == 2 and tolerated(10, 0.25) == 2 and tolerated(3, 0.25) == 0 and tolerated(4, 0.25) == 1
+
+
+@pytest.mark.parametrize("rule, tolerate, agents, ok", [
+    ("krum", 1, 4, False),  # n <= 2f + 2
+    ("krum", 1, 5, True),
+    ("multi_krum", 2, 6, False),
+    ("multi_krum", 0.2, 5, True),  # f = 1
+    ("median", 2, 4, False),  # needs 2f + 1
+    ("median", 2, 5, True),
+    ("trimmed_mean", 1, 2, False),
+    ("trimmed_mean", 1, 3, True),
+    ("trimmed_mean", 0, 5, False),  # trims nothing: say so
+    ("mean", 0.5, 5, False),  # a fraction must stay below a half
+    ("median", 1.5, 5, False),  # a count is an integer
+])
+def test_configurations_the_rule_cannot_honour_are_refused(rule: str, tolerate: float, agents: int, ok: bool) -> None:
+    if ok:
+        RobustnessConfig(aggregation=rule, aggregation_tolerate=tolerate, expected_agents=agents)
+        return
+    with pytest.raises(ValueError, match="server.aggregation"):
+        RobustnessConfig(aggregation=rule, aggregation_tolerate=tolerate, expected_agents=agents)
+
+
+def test_the_server_config_refuses_krum_with_too_few_agents_naming_the_keys() -> None:
+    with pytest.raises(ValueError, match=r"aggregation = 'krum'.*aggregation_tolerate.*expected_agents is 3"):
+        ServerConfig(aggregation="krum", aggregation_tolerate=1, expected_agents=3)
+    with pytest.raises(ValueError, match="unknown"):
+        ServerConfig.from_dict({"server": {"agregation": "median"}})
+    assert ServerConfig.from_dict({"server": {"aggregation": "krum", "aggregation_tolerate": 1, "expected_agents": 5}}).aggregation == "krum"
+
+
+def test_a_round_below_the_bound_falls_back_to_the_median_and_says_so() -> None:
+    assert choose_rule("krum", 5, 1).fallback == ""
+    choice = choose_rule("krum", 4, 1)  # an agent dropped out
+    assert choice.rule == "median" and "krum with f = 1 needs 5" in choice.fallback
+    assert choose_rule("trimmed_mean", 2, 1).rule == "median"
+    assert "fewer than f = 2" in choose_rule("median", 4, 2).fallback  # the median still runs, flagged
+
+
+# -- robust aggregation of model states (the FedAvg family) -------------------------------- #
+
+
+def _ctx(**robust) -> ServerContext:
+    cfg = RobustnessConfig(**robust)
+    return ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0, robustness=cfg)
+
+
+def _update(agent: str, state: dict[str, np.ndarray], n: int) -> FedAvgUpdate:
+    weights, ints = split_state(state)
+    msg = FedAvgUpdate(run="u", round=1, sender=agent, instance=f"{agent}-i", num_samples=n, model_version=0,
+                       int_buffers=ints, weights=weights)
+    return decode_message(encode_message(msg))  # type: ignore[return-value]
+
+
+def _end(agent: str, n: int, round_: int = 1) -> RoundEnd:
+    return RoundEnd(run="u", round=round_, sender=agent, num_samples=n, instance=f"{agent}-i", metrics={"train_loss": 1.0})
+
+
+def test_median_of_states_is_the_coordinate_median_and_recorded() -> None:
+    server = FedAvgServer(_ctx(aggregation="median", expected_agents=3), {"model": "resnet8"})
+    states = [distinct_resnet8_state(s) for s in (1, 2, 3)]
+    for k, s in enumerate(states):
+        server.on_upload(f"agent-{k}", _update(f"agent-{k}", s, 10 * (k + 1)))
+    outcome = server.complete(1, {f"agent-{k}": _end(f"agent-{k}", 10 * (k + 1)) for k in range(3)}, evaluate=False)
+    assert outcome.used_agents == ["agent-0", "agent-1", "agent-2"]
+    for name, first in states[0].items():
+        if first.dtype.kind == "f":
+            np.testing.assert_allclose(server.global_state[name], np.median(np.stack([s[name] for s in states]), axis=0),
+                                       rtol=1e-5, atol=1e-5, err_msg=name)
+    section, warnings = server.ctx.ledger.take(1)
+    assert section["aggregation"]["rule"] == "median" and section["aggregation"]["used"] == ["agent-0", "agent-1", "agent-2"]
+
+
+def test_robust_state_aggregate_clips_updates_and_keeps_counters() -> None:
+    glob = {"w": np.zeros(2, np.float32), "n": np.asarray(4, np.int64)}
+    states = [{"w": np.array([3.0, 4.0], np.float32), "n": np.asarray(10, np.int64)},
+              {"w": np.array([0.0, 0.0], np.float32), "n": np.asarray(20, np.int64)}]
+    new, figures = robust_state_aggregate(glob, states, [1, 1], RobustnessConfig(clip_update_norm=1.0))
+    np.testing.assert_allclose(new["w"], [0.3, 0.4], rtol=1e-6)  # mean of (0.6, 0.8) and 0
+    assert int(new["n"]) == 15 and new["n"].dtype == np.int64 and figures["clipped"] == [(0, 5.0)]
+
+
+# -- plausibility ----------------------------------------------------------------------------- #
+
+
+def test_implausible_norms_against_the_global_model_and_the_peers() -> None:
+    cfg = RobustnessConfig()
+    refused = implausible_norms({"a": 1.0, "b": 1.2, "c": 1000.0}, 10.0, cfg)
+    assert list(refused) == ["c"] and refused["c"][0] == "implausible_norm" and "1000" in refused["c"][1]
+    assert implausible_norms({"a": 1.0, "b": 1.1, "c": 1.3}, 10.0, cfg) == {}
+    # No global reference (0): the peers alone, with three or more agents.
+    assert list(implausible_norms({"a": 1.0, "b": 1.2, "c": 50.0, "d": 0.9}, 0.0, cfg)) == ["c"]
+    assert implausible_norms({"a": 1.0, "b": 50.0}, 0.0, cfg) == {}  # two agents: no majority to compare with
+    assert implausible_norms({"a": 1.0, "b": 1.0, "c": 3.0}, 10.0, cfg) == {}  # 3x an honest peer is fine
+
+
+def test_fedavg_refuses_a_scaled_update_and_averages_the_honest_ones() -> None:
+    server = FedAvgServer(_ctx(), {"model": "resnet8"})  # default: the mean, checks on
+    honest = [distinct_resnet8_state(s) for s in (1, 2)]
+    bad = {k: (v * 1000).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in distinct_resnet8_state(3).items()}
+    for k, s in enumerate([*honest, bad]):
+        server.on_upload(f"agent-{k}", _update(f"agent-{k}", s, 10))
+    outcome = server.complete(1, {f"agent-{k}": _end(f"agent-{k}", 10) for k in range(3)}, evaluate=False)
+    assert outcome.used_agents == ["agent-0", "agent-1"] and outcome.excluded["agent-2"].startswith("implausible_norm")
+    for name, first in honest[0].items():
+        if first.dtype.kind == "f":
+            np.testing.assert_allclose(server.global_state[name], (honest[0][name] + honest[1][name]) / 2, rtol=1e-5, atol=1e-6)
+    section, warnings = server.ctx.ledger.take(1)
+    assert section["refused"]["agent-2"]["implausible_norm"]["count"] == 1
+    assert any("agent-2" in w for w in warnings)
+
+
+def test_svd_factors_that_no_svd_produces_are_refused() -> None:
+    rng = np.random.default_rng(0)
+    packed = svd.factorize(rng.normal(size=(16, 8)).astype(np.float32) @ rng.normal(size=(8, 72)).astype(np.float32), 0.9)
+    assert packed.mode == "factored"
+    _check_factors("w", packed)  # honest factors pass
+    bad = svd.SvdTensor(packed.shape, packed.mode, packed.rank, np.full_like(packed.values, 1e10))
+    with pytest.raises(ImplausibleUploadError, match="implausible_factors.*U"):
+        _check_factors("w", bad)
+
+
+def _gkt_features(agent: str, seed: int, scale: float = 1.0, logit_scale: float = 1.0, seq: int = 0) -> GktFeatures:
+    rng = np.random.default_rng(seed)
+    return GktFeatures(run="u", round=1, sender=agent, split="train", seq=seq, instance=f"{agent}-i",
+                       features=(np.maximum(rng.normal(size=(8, 16, 8, 8)), 0) * scale).astype(np.float32),
+                       logits=(rng.normal(size=(8, 10)) * logit_scale).astype(np.float32),
+                       labels=rng.integers(0, 10, 8).astype(np.int64), sample_ids=np.arange(8, dtype=np.int64) + 100 * seed)
+
+
+def _gkt_end(agent: str) -> RoundEnd:
+    return RoundEnd(run="u", round=1, sender=agent, num_samples=8, instance=f"{agent}-i",
+                    uploads={"train": {"batches": 1, "samples": 8}})
+
+
+def test_fedgkt_refuses_out_of_range_maps_and_logits_at_the_door_and_wild_statistics_at_the_close() -> None:
+    server = FedGktServer(_ctx(), {"server_batch_size": 8})
+    with pytest.raises(ImplausibleUploadError, match="out_of_range.*feature maps reach"):
+        server.on_upload("bad", _gkt_features("bad", 9, scale=6e4))
+    with pytest.raises(ImplausibleUploadError, match="out_of_range.*logits"):
+        server.on_upload("bad", _gkt_features("bad", 9, logit_scale=1e30))
+    # Refused batches arrived: they are not asked for again.
+    assert server.check_round_end("bad", _gkt_end("bad")) == []
+    for k in range(3):
+        server.on_upload(f"a{k}", _gkt_features(f"a{k}", k))
+    server.on_upload("loud", _gkt_features("loud", 7, scale=300.0))  # in range, but 300x everyone else
+    ends = {a: _gkt_end(a) for a in ("a0", "a1", "a2", "loud", "bad")}
+    outcome = server.complete(1, ends, evaluate=False)
+    assert outcome.used_agents == ["a0", "a1", "a2"]
+    assert "implausible_statistics" in outcome.excluded["loud"] and "refused" in outcome.excluded["bad"]
+    assert server.ctx.ledger.take(1)[0]["refused"]["loud"]["implausible_statistics"]["count"] == 1
+
+
+# -- the ledger and quarantine --------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("release", ["plausible", "never"])
+def test_quarantine_after_k_refused_rounds_and_release(release: str) -> None:
+    ledger = RobustnessLedger(RobustnessConfig(quarantine_after=2, quarantine_release=release))
+    for round_ in (1, 2):
+        ledger.refuse(round_, "bad", "out_of_range", "|H| = 6e4")
+        ledger.close_round(round_, ["good", "bad"])
+        section, warnings = ledger.take(round_)
+        assert section["refused"]["bad"]["out_of_range"]["detail"] == "|H| = 6e4"
+    assert ledger.is_quarantined("bad") and not ledger.is_quarantined("good")
+    assert section["quarantine_events"][0]["event"] == "quarantined" and section["quarantined"]["bad"]["since"] == 3
+    assert "quarantined" in ledger.exclude_quarantined(3, "bad")
+    ledger.close_round(3, ["good", "bad"])  # round 3: nothing refused
+    section, warnings = ledger.take(3)
+    assert section["quarantine_excluded"] == ["bad"] and any("quarantined" in w for w in warnings)
+    assert ledger.is_quarantined("bad") == (release == "never")
+    # Checkpointed and restored.
+    again = RobustnessLedger(ledger.cfg)
+    again.load_state(ledger.state())
+    assert again.is_quarantined("bad") == (release == "never") and again.streaks == ledger.streaks
+
+
+def test_one_refused_round_does_not_quarantine_and_a_plausible_one_resets_the_streak() -> None:
+    ledger = RobustnessLedger(RobustnessConfig(quarantine_after=2))
+    for round_, refused in ((1, True), (2, False), (3, True)):
+        if refused:
+            ledger.refuse(round_, "x", "implausible_norm", "big")
+        ledger.close_round(round_, ["x"])
+    assert not ledger.is_quarantined("x") and ledger.streaks["x"] == 1
+    off = RobustnessLedger(RobustnessConfig(quarantine_after=0))
+    for round_ in range(1, 6):
+        off.refuse(round_, "x", "implausible_norm", "big")
+        off.close_round(round_, ["x"])
+    assert not off.is_quarantined("x")
+
+
+# -- the server step's guard --------------------------------------------------------------------- #
+
+
+def test_a_guarded_step_is_skipped_without_touching_the_model_and_gradients_are_clipped() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    step = Step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy)
+    step.max_grad_norm = 1e-3
+    x = torch.randn(6, 4)
+    y = torch.randint(0, 3, (6,))
+    seen: list[int] = []
+
+    def guard(loss: torch.Tensor) -> None:
+        if len(seen) == 1:
+            raise StepSkipped("the second batch")
+        seen.append(1)
+
+    trainer = Trainer(step, guard=guard)
+    skipped: list[str] = []
+    trainer.add_callback("on_batch_skipped", lambda t: skipped.append(t.skip_reason))
+    before = [p.detach().clone() for p in model.parameters()]
+    wild = Batch(x * 1e6, (y,))
+    result = trainer.run(1, lambda epoch: [Batch(x, (y,)), wild])
+    assert skipped == ["the second batch"] and trainer.skipped == 1 and result.steps == 1 and result.samples == 6
+    moved = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    assert float(moved) <= 0.1 * 1e-3 + 1e-7  # lr x the clipped norm: the first step only, clipped
+    assert step.clipped == 1
+
+
+# -- the report --------------------------------------------------------------------------------------- #
+
+
+def test_the_round_record_console_line_and_summary_show_refusals() -> None:
+    ledger = RobustnessLedger(RobustnessConfig())
+    ledger.refuse(2, "agent-2", "out_of_range", "feature maps reach |H| = 6e+04, above server.feature_abs_limit = 1e+04")
+    ledger.refuse(2, "agent-2", "out_of_range", "again")
+    ledger.clip(2, "agent-1", "update_norm")
+    ledger.close_round(2, ["agent-0", "agent-1", "agent-2"])
+    section, warnings = ledger.take(2)
+    record = RoundRecord(round=2, status="ok", participants=["agent-0", "agent-1", "agent-2"], completed=["agent-0", "agent-1"],
+                         missing=["agent-2"], robustness=section, warnings=warnings).to_json()
+    back = RoundRecord.from_json(record, "round")
+    assert back.robustness["refused"]["agent-2"]["out_of_range"]["count"] == 2
+    line = format_summary_line(record, 3)
+    assert "[warning: refused agent-2; clipped agent-1]" in line
+    md = "\n".join(_robustness_md([record]))
+    assert "## Robustness" in md and "out_of_range x2" in md and "6e+04" in md
+    clean = RoundRecord(round=1, status="ok").to_json()
+    assert "robustness" not in clean and "warning" not in format_summary_line(clean, 3)
+    assert _robustness_md([clean]) == []

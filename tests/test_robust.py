@@ -5,6 +5,8 @@ the federations."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -336,3 +338,51 @@ def test_the_round_record_console_line_and_summary_show_refusals() -> None:
     clean = RoundRecord(round=1, status="ok").to_json()
     assert "robustness" not in clean and "warning" not in format_summary_line(clean, 3)
     assert _robustness_md([clean]) == []
+
+
+# -- wiring: the coordinator, the round-time fallback, FedGKT's guarded step ------------------- #
+
+
+def test_a_method_that_does_not_aggregate_weights_refuses_a_robust_rule(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from shared_protocol.transport import InMemoryBroker, InMemoryTransport
+
+    from fedhelpers import make_server, server_config
+
+    cfg = dataclasses.replace(server_config(tmp_path, agents=3), aggregation="median")
+    with pytest.raises(ValueError, match="server.aggregation = 'median'.*fedgkt does not"):
+        make_server(cfg, InMemoryTransport(InMemoryBroker(), "server"))
+
+
+def test_fedavg_krum_with_an_agent_short_falls_back_to_the_median_and_warns() -> None:
+    server = FedAvgServer(_ctx(aggregation="krum", aggregation_tolerate=1, expected_agents=5), {"model": "resnet8"})
+    states = [distinct_resnet8_state(s) for s in (1, 2, 3, 4)]  # 4 of the 5 expected: krum with f = 1 needs 5
+    for k, s in enumerate(states):
+        server.on_upload(f"agent-{k}", _update(f"agent-{k}", s, 10))
+    server.complete(1, {f"agent-{k}": _end(f"agent-{k}", 10) for k in range(4)}, evaluate=False)
+    name = "classifier.fc.weight"
+    np.testing.assert_allclose(server.global_state[name], np.median(np.stack([s[name] for s in states]), axis=0), rtol=1e-5, atol=1e-6)
+    section, warnings = server.ctx.ledger.take(1)
+    assert section["aggregation"]["rule"] == "median" and "krum with f = 1 needs 5" in section["aggregation"]["fallback"]
+    assert any("the median instead" in w for w in warnings)
+
+
+def test_fedgkt_guarded_server_step_skips_a_non_finite_batch_and_names_the_agent() -> None:
+    server = FedGktServer(_ctx(plausibility_checks=False, server_grad_clip_norm=1.0),
+                          {"server_batch_size": 8, "server_order": "per_agent"})
+    honest = _gkt_features("a0", 0)
+    wild = _gkt_features("bad", 1, scale=1e30)  # staged as float16: inf, so the loss is not finite
+    server.on_upload("a0", honest)
+    server.on_upload("bad", wild)
+    outcome = server.complete(1, {"a0": _gkt_end("a0"), "bad": _gkt_end("bad")}, evaluate=False)
+    assert outcome.used_agents == ["a0", "bad"]
+    assert all(torch.isfinite(p).all() for p in server.model.parameters())
+    assert all(torch.isfinite(b).all() for m in server.norms for b in (m.running_mean, m.running_var))
+    section, warnings = server.ctx.ledger.take(1)
+    assert section["skipped_steps"] == {"bad": 1}
+    assert server.round_report(1)["server_steps_skipped"] == 1
+    # Unguarded (the default, the paper's step), the same batch poisons the model.
+    plain = FedGktServer(_ctx(plausibility_checks=False), {"server_batch_size": 8, "server_order": "per_agent"})
+    plain.on_upload("a0", honest)
+    plain.on_upload("bad", wild)
+    plain.complete(1, {"a0": _gkt_end("a0"), "bad": _gkt_end("bad")}, evaluate=False)
+    assert not all(torch.isfinite(p).all() for p in plain.model.parameters())

@@ -386,3 +386,21 @@ def test_fedgkt_guarded_server_step_skips_a_non_finite_batch_and_names_the_agent
     plain.on_upload("bad", wild)
     plain.complete(1, {"a0": _gkt_end("a0"), "bad": _gkt_end("bad")}, evaluate=False)
     assert not all(torch.isfinite(p).all() for p in plain.model.parameters())
+
+
+def test_a_quarantined_agent_is_judged_but_not_used_until_released() -> None:
+    server = FedAvgServer(_ctx(quarantine_after=1), {"model": "resnet8"})
+    ledger = server.ctx.ledger
+    ledger.refuse(1, "agent-2", "implausible_norm", "update norm 1e5 > 300")
+    ledger.close_round(1, ["agent-0", "agent-1", "agent-2"])
+    ledger.take(1)
+    assert ledger.is_quarantined("agent-2")
+    states = [distinct_resnet8_state(s) for s in (1, 2, 3)]
+    for k, s in enumerate(states):  # round 2: agent-2's update is plausible now
+        server.on_upload(f"agent-{k}", _update(f"agent-{k}", s, 10))
+    outcome = server.complete(1, {f"agent-{k}": _end(f"agent-{k}", 10) for k in range(3)}, evaluate=False)
+    assert outcome.used_agents == ["agent-0", "agent-1"] and "quarantined since round 2" in outcome.excluded["agent-2"]
+    ledger.close_round(1, ["agent-0", "agent-1", "agent-2"])
+    section, _ = ledger.take(1)
+    assert section["quarantine_excluded"] == ["agent-2"] and section["quarantine_events"][-1]["event"] == "released"
+    assert not ledger.is_quarantined("agent-2")  # used again from the next round

@@ -253,7 +253,7 @@ def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = ["## Robustness: refused and clipped uploads", ""]
     if rows:
         lines += table(["Round", "Agent", "Refused (reason x count: first figure)", "Clipped", "Skipped server steps",
-                        "Quarantined"], rows)
+                        "Quarantined"], rows, right_from=4)
         lines.append("")
     events = [e for r in marked for e in (r.get("robustness") or {}).get("quarantine_events", [])]
     for e in events:

@@ -356,14 +356,32 @@ def _local_centralized(args: argparse.Namespace, run_id: str, out: Path) -> int:
     return code
 
 
+#: What an `edgesplit local` run writes in its directory (replaced when the directory is reused).
+_RUN_DIRS = ("agent-state", "checkpoint", "logs", "configs", "broker")
+_RUN_FILES = ("report.json", "rounds.csv", "summary.md", "*.png")
+
+
+def clear_previous_run(out: Path) -> bool:
+    """Remove a previous run's files from ``out`` (True if there was one). `edgesplit local`
+    always starts afresh (`cloud-server run --resume` continues a run): an old agent's log or
+    plot left beside a new report would be read as this run's. Other files are left alone."""
+    if not ((out / "report.json").exists() or (out / "checkpoint").exists()):
+        return False
+    for name in _RUN_DIRS:
+        shutil.rmtree(out / name, ignore_errors=True)
+    for pattern in _RUN_FILES:
+        for path in out.glob(pattern):
+            path.unlink()
+    return True
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.rounds < 1:
         raise SystemExit("edgesplit: --agents and --rounds must be >= 1")
     run_id = args.run_id or f"{args.method}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(args.out or f"runs/{run_id}").resolve()
-    if (out / "report.json").exists():
-        shutil.rmtree(out / "agent-state", ignore_errors=True)
-        shutil.rmtree(out / "checkpoint", ignore_errors=True)
+    if clear_previous_run(out):
+        print(f"edgesplit: {out} held a previous run; replaced", file=sys.stderr)
     if args.method == "centralized":
         if args.metrics is not None:
             print("edgesplit: error: --metrics watches a federation (server and agents); a centralized run has neither",

@@ -273,15 +273,16 @@ class EdgeAgent:
                     continue
                 self._handle(delivery.payload)
         finally:
-            if self.exit_code == EXIT_OK:
-                try:
-                    # Not waiting for the broker's acknowledgement: with the broker gone that
-                    # wait would last publish_timeout_s and a stopped agent would not exit.
-                    # Sent before close()'s DISCONNECT, in order, to a broker that is there.
-                    self.transport.publish(self.topics.status(me), encode_message(Status(**self._base(), state="offline")),
-                                           retain=True, wait=False)
-                except (OSError, RuntimeError) as exc:
-                    log.warning("could not publish offline status: %s", exc)
+            # Every way out, a refusal (data mismatch, a refused agent) included: the retained
+            # status must not go on saying "online" for an agent that has exited.
+            try:
+                # Not waiting for the broker's acknowledgement: with the broker gone that
+                # wait would last publish_timeout_s and a stopped agent would not exit.
+                # Sent before close()'s DISCONNECT, in order, to a broker that is there.
+                self.transport.publish(self.topics.status(me), encode_message(Status(**self._base(), state="offline")),
+                                       retain=True, wait=False)
+            except (OSError, RuntimeError) as exc:
+                log.warning("could not publish offline status: %s", exc)
             self.transport.close()
         return self.exit_code
 

@@ -39,11 +39,20 @@ def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_edgesplit_local_runs_a_federation_of_processes(tmp_path: Path) -> None:
     out = tmp_path / "run"
+    # The directory holds a previous, larger run: its files are replaced, not mixed with this run's.
+    (out / "logs").mkdir(parents=True)
+    (out / "checkpoint").mkdir()
+    (out / "logs" / "agent-7.log").write_text("an old run's agent\n")
+    (out / "checkpoint" / "coordinator.json").write_text("{}")
+    (out / "report.json").write_text("{}")
+    (out / "notes.txt").write_text("the user's own file\n")
     result = run(
         "cloud_server.launcher", "local", "--agents", "2", "--rounds", "2", "--dataset", "synthetic", "--partition", "iid",
         "--train-samples", "128", "--test-samples", "64", "--out", str(out), "--run-id", "cli-smoke",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "held a previous run; replaced" in result.stderr
+    assert not (out / "logs" / "agent-7.log").exists() and (out / "notes.txt").exists()
     assert "round 1/2" in result.stdout and "round 2/2" in result.stdout
     assert "# EdgeSplit run `cli-smoke`" in result.stdout  # the summary is printed
     report = json.loads((out / "report.json").read_text())

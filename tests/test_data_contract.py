@@ -10,7 +10,7 @@ from pathlib import Path
 from fldata import make_synthetic
 from cloud_server.report import validate_report
 from edge_agent.agent import EXIT_CONFIG, EXIT_OK, EdgeAgent
-from shared_protocol.messages import Hello, Welcome, decode_message, encode_message
+from shared_protocol.messages import Hello, Status, Welcome, decode_message, encode_message
 from shared_protocol.topics import Topics
 from shared_protocol.transport import InMemoryBroker, InMemoryTransport
 
@@ -86,3 +86,7 @@ def test_mis_sized_agent_is_refused_at_join_and_the_others_finish(tmp_path: Path
     assert "(3, 48, 48)" in report["refused_agents"][0]["reason"]
     assert bad.exit_code == EXIT_CONFIG and good.exit_code == EXIT_OK
     assert bad.rounds_done == []
+    # The refused agent has exited: its retained status says so (a dashboard must not show it online).
+    retained = dict(broker.retained_matching(Topics("c4").status("agent-1")))
+    status = decode_message(retained[Topics("c4").status("agent-1")])
+    assert isinstance(status, Status) and status.state == "offline"

@@ -184,8 +184,8 @@ def test_the_lr_schedule_steps_once_per_round_with_the_rounds_loss_also_in_async
     loss_of = {"a": 1.0, "b": 0.1}
     trained: list[str] = []
 
-    def fake_train(data, round_):
-        (agent,) = data  # async: one agent's maps per call
+    def fake_train(data, round_, fresh=None):
+        (agent,) = data if fresh is None else fresh  # async: one agent's new maps per call (others replayed)
         trained.append(agent)
         return {}, loss_of[agent]
 
@@ -212,3 +212,61 @@ def test_the_lr_schedule_steps_once_per_round_with_the_rounds_loss_also_in_async
     other = FedGktServer(ctx, {"mode": "async"})
     other.load_state(server.state())
     assert other.round_losses == {4: [(0.5, 4)]}
+
+
+def _arrive(server: FedGktServer, agent: str, seed: int, ids: np.ndarray, round_: int):
+    up = _features(seed, len(ids), ids, round_=round_)
+    server.on_upload(agent, up)
+    return up, server.complete(round_, {agent: _end([up], round_=round_)}, evaluate=False)
+
+
+def test_async_replay_trains_each_arrival_on_the_union_and_answers_the_arriving_agent(monkeypatch) -> None:
+    """Async: agent b's arrival trains on batches drawn from b's new maps and a's latest maps
+    (kept by the server), as many samples an epoch as b sent; only b gets logits, those of the
+    trained model with its running BatchNorm averages; a's newer upload replaces its older
+    maps in the staging. Without replay, b's arrival trains on b's maps alone."""
+    ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
+    server = FedGktServer(ctx, {"mode": "async", "server_batch_size": 4, "server_epochs": 2, "lr_schedule": "none"})
+    drawn: list[list[tuple[str, int]]] = []
+    batches = server._batches
+
+    def spy(data, generator):
+        plans = batches(data, generator)
+        names = list(data)
+        drawn.append([(names[k], int(r)) for plan in plans for k, rows in plan for r in rows])
+        return plans
+
+    monkeypatch.setattr(server, "_batches", spy)
+    _, first = _arrive(server, "a", 1, np.arange(16), 1)
+    assert [a for a, _ in first.downloads] == ["a"] and len(drawn) == 2  # alone: 2 epochs over a's 16 maps
+    assert sorted(r for a, r in drawn[0]) == list(range(16))
+    held = server.staging.in_memory_bytes
+    drawn.clear()
+    up_b, second = _arrive(server, "b", 2, np.arange(100, 108), 1)
+    (agent, msg), = second.downloads
+    assert agent == "b" and sorted(msg.sample_ids) == list(range(100, 108)) and second.samples == 8
+    # Each epoch's plan covers a's and b's 24 maps; the epoch trains on its first 2 batches (8 samples).
+    assert len(drawn) == 2 and all({a for a, _ in d} == {"a", "b"} and len(d) == 24 for d in drawn)
+    server.model.eval()
+    with torch.no_grad():
+        expected = server.model(torch.from_numpy(up_b.features.astype(np.float16).astype(np.float32)))
+    order = np.argsort(msg.sample_ids)
+    np.testing.assert_allclose(msg.logits[order], expected.numpy()[np.argsort(up_b.sample_ids)], rtol=1e-4, atol=1e-4)
+    assert set(server.replay) == {"a", "b"}
+    # a's next upload replaces its held maps: the staging holds one upload per agent.
+    _arrive(server, "a", 3, np.arange(16), 2)
+    assert server.staging.in_memory_bytes == held + 8 * 16 * 32 * 32 * 2
+
+    plain = FedGktServer(ctx, {"mode": "async", "async_replay": False, "server_batch_size": 4, "server_epochs": 1})
+    seen: list[set[str]] = []
+    monkeypatch.setattr(plain, "_batches", lambda data, g: (seen.append(set(data)), FedGktServer._batches(plain, data, g))[1])
+    _arrive(plain, "a", 1, np.arange(16), 1)
+    _arrive(plain, "b", 2, np.arange(100, 108), 1)
+    assert seen == [{"a"}, {"b"}] and plain.replay == {} and plain.staging.in_memory_bytes == 0
+
+
+def test_async_replay_refuses_the_per_agent_walk() -> None:
+    with pytest.raises(ValueError, match="async_replay"):
+        FedGktConfig.from_dict({"mode": "async", "server_order": "per_agent"})
+    FedGktConfig.from_dict({"mode": "async", "server_order": "per_agent", "async_replay": False})
+    assert FedGktConfig.from_dict({"preset": "paper-noniid", "mode": "async"}).async_replay is False

@@ -62,7 +62,7 @@ SERVER_ORDERS = ("shuffled", "per_agent", "mixed")
 # agent (one agent's maps per batch) and every agent trains its whole ResNet-8 (line 22, W^(k) =
 # extractor + classifier). The evaluation is the same either way (the server model's running
 # BatchNorm statistics, as the reference code evaluates).
-ALGORITHM_1: dict[str, Any] = {"server_order": "per_agent", "train_extractor": True}
+ALGORITHM_1: dict[str, Any] = {"server_order": "per_agent", "train_extractor": True, "async_replay": False}
 
 PAPER_PRESETS: dict[str, dict[str, Any]] = {
     "paper-iid": {
@@ -100,6 +100,12 @@ class FedGktConfig:
     # mixed: every batch drawn from the union of all agents' maps; shuffled: one agent's maps per
     # batch, the agents' batches in random order; per_agent: Algorithm 1's walk, agent by agent.
     server_order: str = "mixed"
+    # Async mode: each arrival's training draws its batches (server_order over the union) from
+    # the arriving agent's new maps and the other agents' latest maps, which the server keeps,
+    # as many samples an epoch as the arriving agent sent; the arriving agent's logits come from
+    # the trained model (running BatchNorm averages) afterwards. Off: an arrival trains on that
+    # one agent's label-skewed maps alone (docs/methods/fedgkt.md, "Asynchronous training").
+    async_replay: bool = True
     lr_schedule: str = "plateau"  # plateau | none
     # The agents' half, sent as RoundStart.config: edge_epochs, edge_optimizer, edge_lr,
     # edge_momentum, edge_weight_decay, edge_batch_size (its batch_size), temperature and
@@ -136,6 +142,10 @@ class FedGktConfig:
         check_optimizer(self.server_optimizer, "fedgkt.server_optimizer")
         check_choice(self.server_order, SERVER_ORDERS, "fedgkt.server_order")
         check_choice(self.lr_schedule, LR_SCHEDULES, "fedgkt.lr_schedule")
+        if self.mode == "async" and self.async_replay and self.server_order == "per_agent":
+            raise ValueError("fedgkt.async_replay draws each arrival's batches from the union of the agents' maps; "
+                             "server_order = 'per_agent' walks them agent by agent and would train on the first "
+                             "agents' alone: set server_order = 'mixed' (or 'shuffled'), or async_replay = false")
         if min(self.server_epochs, self.server_batch_size, self.bn_calibration_samples) < 1 or self.server_lr <= 0:
             raise ValueError("fedgkt.server_epochs, server_batch_size, bn_calibration_samples must be >= 1 and server_lr > 0, "
                              f"got {self.server_epochs}, {self.server_batch_size}, {self.bn_calibration_samples}, {self.server_lr}")
@@ -202,6 +212,9 @@ class FedGktServer(ServerMethod):
         self.agent_bn: dict[str, BnStatistics] = {}
         # agent -> its test maps of the round it was asked to evaluate (evaluation's uploads).
         self.eval_staged: dict[str, StagedUploads] = {}
+        # Async replay: agent -> its latest training maps (held in the staging, not checkpointed:
+        # a resumed server replays what arrives after the resume).
+        self.replay: dict[str, AgentRows] = {}
         # Plausibility (cloud_server/robust.py): agent -> (instance, round, {(split, seq)}) of the
         # batches refused at the door (held as arrived: not asked for again), and per agent
         # its round's training maps' per-channel sums of squares, element counts and the
@@ -465,9 +478,10 @@ class FedGktServer(ServerMethod):
             self.initialised_agents.update(data)
             if not data:
                 return outcome
+            replayed = self._replayed(data)
             started = time.perf_counter()
             with self.ctx.device_meter.training():
-                logits_by_agent, loss = self._train(data, round_)
+                logits_by_agent, loss = self._train({**data, **replayed}, round_, fresh=list(data) if replayed else None)
             outcome.server_train_s = time.perf_counter() - started
             outcome.server_loss = loss
             outcome.samples = sum(len(d[3]) for d in data.values())
@@ -483,10 +497,27 @@ class FedGktServer(ServerMethod):
                 # maps they just sent (the same extractor is evaluated).
                 for agent in data:
                     self.agent_bn[agent] = self._calibrate(data[agent][0])
+            if self._replaying:
+                for agent, rows in data.items():  # kept for the other agents' arrivals; the agent's older maps go
+                    old = self.replay.pop(agent, None)
+                    if old is not None:
+                        self.staging.release(old[0].staged)
+                    self.replay[agent] = rows
+                data = {}
             return outcome
         finally:
             # The round's training is done (or failed): its staged features, and spill files, go.
             self.staging.release_all([d[0].staged for d in data.values()])
+
+    @property
+    def _replaying(self) -> bool:
+        return self.config.mode == "async" and self.config.async_replay
+
+    def _replayed(self, fresh: dict[str, AgentRows]) -> dict[str, AgentRows]:
+        """The other agents' latest maps to train with beside ``fresh`` (async replay; {} otherwise)."""
+        if not self._replaying:
+            return {}
+        return {a: rows for a, rows in sorted(self.replay.items()) if a not in fresh}
 
     def _batches(self, data: dict[str, tuple], generator: torch.Generator) -> list[list[tuple[int, torch.Tensor]]]:
         """One epoch's batches, each a list of (agent position, sample indices into that
@@ -522,8 +553,15 @@ class FedGktServer(ServerMethod):
         order = torch.randperm(len(flat), generator=generator).tolist()
         return [flat[i] for i in order]
 
-    def _train(self, data: dict[str, tuple], round_: int) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
+    def _train(self, data: dict[str, tuple], round_: int,
+               fresh: list[str] | None = None) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
         """Algorithm 1 lines 6-12: E_s epochs over the agents' uploads; z_s from the last epoch.
+
+        ``fresh`` (async replay): the agents whose maps just arrived; the others in ``data`` are
+        replayed. Each epoch then takes as many samples as the fresh agents sent, drawn from all
+        of ``data`` (so over a round every map is drawn about as often as in a sync round), and
+        z_s, for the fresh agents only, comes from the trained model with its running BatchNorm
+        averages (not every fresh map is drawn in the last epoch).
 
         Through the shared server step: each agent's maps on the device when they fit (staged
         there as they arrived, or copied now), batches gathered by index there; z_s, the loss
@@ -542,8 +580,10 @@ class FedGktServer(ServerMethod):
         z_s = [torch.zeros((len(data[a][3]), self.ctx.num_classes), dtype=torch.float32, device=device) for a in agents]
         train_correct = DeviceSum(device)
 
+        per_epoch = None if fresh is None else math.ceil(sum(len(data[a][3]) for a in fresh) / c.server_batch_size)
+
         def batches(epoch: int):  # -> Iterator[Batch of maps (B, 16, H, W), labels (B,), edge logits (B, K)]
-            for plan in self._batches(data, generator):
+            for plan in self._batches(data, generator)[:per_epoch]:
                 # (agent position, rows on the device); the host's copy of the rows gathers maps
                 # left on the host without waiting for the device.
                 pieces = [(k, idx, idx.to(device, non_blocking=True)) for k, idx in plan]
@@ -562,11 +602,15 @@ class FedGktServer(ServerMethod):
                 logits = trainer.out.logits  # (B, K)
                 start = 0
                 for k, index in trainer.batch.meta:  # the batch's rows are its pieces', in order
-                    z_s[k].index_copy_(0, index, logits[start : start + len(index)].float())  # keyed by row: by sample id
+                    if fresh is None:
+                        z_s[k].index_copy_(0, index, logits[start : start + len(index)].float())  # keyed by row: by sample id
                     start += len(index)
                 train_correct.add((logits.argmax(1) == trainer.batch.targets[0]).sum())
 
-        steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
+        if per_epoch is None:
+            steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
+        else:
+            steps = per_epoch * c.server_epochs
         step = self._trainer()
         guard = self._guard(round_, agents, step)
         trainer = Trainer(step, desc=f"server round {round_}", progress=tqdm if self.ctx.progress else None,
@@ -577,8 +621,16 @@ class FedGktServer(ServerMethod):
             trainer.add_callback("on_batch_skipped", guard[2])
         try:
             result = trainer.run(c.server_epochs, batches, planned_steps=steps)
+            if fresh is not None:
+                self.model.eval()
+                with torch.no_grad():
+                    for k, a in enumerate(agents):
+                        if a in fresh:
+                            for rows in torch.arange(len(data[a][3])).split(512):
+                                z_s[k][rows.to(device)] = self.model(banks[k].gather(rows, torch.float32)).float()  # (b, K)
+                self.model.train()
             # The call's other reads from the device: logits and accuracy to the host.
-            logits_by_agent = {a: (data[a][3], z_s[k].cpu().numpy()) for k, a in enumerate(agents)}
+            logits_by_agent = {a: (data[a][3], z_s[k].cpu().numpy()) for k, a in enumerate(agents) if fresh is None or a in fresh}
             correct = train_correct.item()
         finally:
             for bank in banks:

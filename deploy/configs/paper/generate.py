@@ -67,7 +67,7 @@ def fedgkt_table(model: str, split: str) -> dict[str, Any]:
         "edge_epochs": h["edge_epochs"], "edge_optimizer": h["optimizer"], "edge_lr": h["lr"], "edge_momentum": h["momentum"],
         "edge_weight_decay": h["weight_decay"], "edge_batch_size": h["batch_size"], "upload_codec": "fp16-zstd",
         # Algorithm 1 where EdgeSplit's defaults depart from it (cloud_server/methods/fedgkt.py ALGORITHM_1).
-        "server_order": "per_agent", "train_extractor": True,
+        "server_order": "per_agent", "train_extractor": True, "async_replay": False,
     }
 
 

@@ -48,18 +48,28 @@ DEMO = {"method": "fedgkt", "agents": 4, "rounds": 6, "train_samples": 3000, "te
         "dataset": "fashion-mnist", "partition": "dirichlet:0.5"}
 QUICK = {**DEMO, "rounds": 2, "train_samples": 400, "test_samples": 200}
 MODES = ("sync", "async")
+#: The runs of the table: name -> (--mode, extra --set options). ``async-noreplay`` is the
+#: ablation: async as the reference code runs it, each arrival training on its agent's maps alone.
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "sync": ("sync", []),
+    "async": ("async", []),
+    "async-noreplay": ("async", ["fedgkt.async_replay=false"]),
+}
 BUDGET_MINUTES = {"demo": 60, "quick": 10}
 #: The targets: async within this many points of sync (mean over seeds), and the agents' idle share in async.
 MAX_GAP_POINTS = 2.0
 MAX_IDLE_SHARE = 0.20
 
 
-def command(setting: dict[str, Any], mode: str, seed: int, out: Path, eval_samples: bool) -> list[str]:
+def command(setting: dict[str, Any], variant: str, seed: int, out: Path, eval_samples: bool) -> list[str]:
     """The ``edgesplit local`` command line of one run (make demo's, plus mode, seed and run directory)."""
+    mode, extra = VARIANTS[variant]
     cmd = [sys.executable, "-m", "cloud_server.launcher", "local", "--method", setting["method"], "--agents", str(setting["agents"]),
            "--rounds", str(setting["rounds"]), "--train-samples", str(setting["train_samples"]),
            "--test-samples", str(setting["test_samples"]), "--dataset", setting["dataset"], "--partition", setting["partition"],
-           "--mode", mode, "--seed", str(seed), "--run-id", run_key(f"fedgkt-{mode}", seed), "--out", str(out)]
+           "--mode", mode, "--seed", str(seed), "--run-id", run_key(f"fedgkt-{variant}", seed), "--out", str(out)]
+    for option in extra:
+        cmd += ["--set", option]
     if eval_samples:  # the balanced evaluation set as large as the test subset, as bench/accuracy.py scores
         cmd += ["--set", f"server.eval_samples={setting['test_samples']}"]
     return cmd
@@ -101,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a pipeline check at 400 / 200 images, 2 rounds")
     parser.add_argument("--seeds", type=parse_seeds, default=list(SEEDS), help="comma-separated seeds (default 0,1,2)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=list(VARIANTS), default=list(MODES),
+                        help="the runs to make (default: sync async; async-noreplay is the ablation)")
+    parser.add_argument("--collect", action="store_true",
+                        help="make no runs: rebuild the JSON from the run directories' report.json")
     parser.add_argument("--merge", action="store_true", help="keep the runs recorded before in --out (same setting)")
     parser.add_argument("--out", type=Path, help="default: bench/results/fedgkt_async.json (--quick: fedgkt_async-quick.json)")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "fedgkt_async")
@@ -119,30 +132,41 @@ def main(argv: list[str] | None = None) -> int:
             results.update(previous["runs"])
     root = args.run_dir / "{}-{}x-{}-{}-{}".format(scale_name, setting["agents"], setting["train_samples"], setting["test_samples"], setting["rounds"])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    for seed in args.seeds:
-        for mode in args.modes:
-            name = f"fedgkt-{mode}"
+    def record(variant: str, seed: int, report: dict[str, Any], wall: float, load: list[float] | None) -> None:
+        name = f"fedgkt-{variant}"
+        mode, extra = VARIANTS[variant]
+        run = RunSpec(name, "fedgkt", {"mode": mode, **dict(o.split(".", 1)[1].split("=", 1) for o in extra)}, setting["rounds"])
+        results[run_key(name, seed)] = {**summarize("table3", "noniid", run, seed, report), "mode": mode, "variant": variant,
+                                        "idle_share": idle_share(report), "run_wall_time_s": wall, "load_average_after": load}
+
+    if args.collect:
+        for variant in VARIANTS:
+            for seed in args.seeds:
+                path = root / run_key(f"fedgkt-{variant}", seed) / "report.json"
+                if path.exists():
+                    report = json.loads(path.read_text())
+                    if report.get("status") == "finished":
+                        record(variant, seed, report, float(report["totals"]["wall_time_s"]), None)
+    for seed in [] if args.collect else args.seeds:
+        for variant in args.modes:
+            name = f"fedgkt-{variant}"
             out = root / run_key(name, seed)
             print(f"== {name} seed {seed}", flush=True)
             started = time.monotonic()
-            done = subprocess.run(command(setting, mode, seed, out, eval_samples), cwd=REPO_ROOT, env=env,
+            done = subprocess.run(command(setting, variant, seed, out, eval_samples), cwd=REPO_ROOT, env=env,
                                   stdout=subprocess.DEVNULL, check=False)
             wall = time.monotonic() - started
             if done.returncode != 0 or not (out / "report.json").exists():
                 print(f"   failed (exit {done.returncode}); logs in {out / 'logs'}", flush=True)
                 continue
-            report = json.loads((out / "report.json").read_text())
-            run = RunSpec(name, "fedgkt", {"mode": mode}, setting["rounds"])
-            results[run_key(name, seed)] = {**summarize("table3", "noniid", run, seed, report), "mode": mode,
-                                            "idle_share": idle_share(report), "run_wall_time_s": wall,
-                                            "load_average_after": list(os.getloadavg())}
+            record(variant, seed, json.loads((out / "report.json").read_text()), wall, list(os.getloadavg()))
     if not results:
         parser.error("no runs made or recorded")
     seeds_recorded = sorted({r["seed"] for r in results.values()})
     complete = {run_key(f"fedgkt-{m}", s) for m in MODES for s in seeds_recorded} <= set(results) and len(seeds_recorded) >= len(SEEDS)
     elapsed = sum(r["run_wall_time_s"] for r in results.values())
     cell_table = cells(results)
-    idle = {mode: mean_sd(r["idle_share"]["mean"] for r in results.values() if r["mode"] == mode) for mode in MODES}
+    idle = {v: mean_sd(r["idle_share"]["mean"] for r in results.values() if r.get("variant", r["mode"]) == v) for v in VARIANTS}
     eval_set, same_set = eval_set_of(results)
     write_json(args.out, {
         "benchmark": "fedgkt_async",
@@ -166,11 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         "runs": results,
         "generated_by": "bench/fedgkt_async.py" + (" --quick" if args.quick else "") + (" (runs merged with --merge)" if args.merge else ""),
     })
-    for mode in MODES:
+    for mode in VARIANTS:
         cell = cell_table.get(f"fedgkt-{mode}")
         if cell and cell["final_accuracy"]["mean"] is not None:
             share = idle[mode]["mean"]
-            print(f"{mode:5s} global {100 * cell['final_accuracy']['mean']:.1f}% (n={cell['n']}), idle share "
+            print(f"{mode:14s} global {100 * cell['final_accuracy']['mean']:.1f}% (n={cell['n']}), idle share "
                   f"{'-' if share is None else f'{100 * share:.1f}%'}", flush=True)
     print(f"total {elapsed / 60:.1f} min", flush=True)
     return 0

@@ -541,11 +541,14 @@ def async_section(data: dict[str, Any] | None) -> list[str]:
     s, cells, idle, targets = data["setting"], data["cells"], data["idle_share"], data["targets"]
     seeds = data["scale"]["seeds"]
     rows = []
-    for mode in ("sync", "async"):
+    shown = {"sync": "sync", "async": "async", "async-noreplay": "async, no replay (ablation: each arrival trains on its agent's maps alone)"}
+    for mode, label in shown.items():
         cell = cells.get(f"fedgkt-{mode}")
         if cell is None:
             continue
-        rows.append([mode, _pm(cell["final_accuracy"]), _pm(_label_cell(cell, "global", "personalised_bn")),
+        if cell["n"] < len(seeds):
+            label += f" ({cell['n']} seed{'s' if cell['n'] > 1 else ''}: {_seeds_text(cell['seeds'])})"
+        rows.append([label, _pm(cell["final_accuracy"]), _pm(_label_cell(cell, "global", "personalised_bn")),
                      _pm(cell["final_local_accuracy"]), _pm(cell["final_edge_accuracy"]), _pm(idle.get(mode)),
                      _pm(cell["wall_min"], 1.0, 1, "")])
     gap = targets.get("async_minus_sync") or {}

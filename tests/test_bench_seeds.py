@@ -198,20 +198,25 @@ def test_async_idle_share_and_targets() -> None:
     assert cmd[cmd.index("--partition") + 1] == "dirichlet:0.5" and "server.eval_samples=1000" in cmd
     for flag, value in (("--agents", "4"), ("--train-samples", "3000"), ("--test-samples", "1000"), ("--rounds", "6")):
         assert cmd[cmd.index(flag) + 1] == value  # make demo's
+    assert "fedgkt.async_replay=false" not in cmd
+    ablation = bench.command(bench.DEMO, "async-noreplay", 0, Path("/tmp/x"), eval_samples=True)
+    assert ablation[ablation.index("--mode") + 1] == "async" and "fedgkt.async_replay=false" in ablation
+    assert ablation[ablation.index("--run-id") + 1] == "fedgkt-async-noreplay-seed0"
 
 
 def _synthetic_async() -> dict[str, Any]:
     bench, acc = load("fedgkt_async"), load("accuracy")
     results = {}
-    for mode, finals in (("sync", [0.70, 0.72, 0.74]), ("async", [0.69, 0.70, 0.74])):
+    for variant, finals in (("sync", [0.70, 0.72, 0.74]), ("async", [0.69, 0.70, 0.74]), ("async-noreplay", [0.39, 0.53])):
         for seed, final in enumerate(finals):
             report = synthetic_report("fedgkt", [0.1, final - 0.05, final], seed)
-            run = acc.RunSpec(f"fedgkt-{mode}", "fedgkt", {"mode": mode}, 3)
-            results[acc.run_key(run.name, seed)] = {**acc.summarize("table3", "noniid", run, seed, report), "mode": mode,
-                                                    "idle_share": bench.idle_share(report), "run_wall_time_s": 400.0}
+            run = acc.RunSpec(f"fedgkt-{variant}", "fedgkt", {"mode": variant[:5]}, 3)
+            results[acc.run_key(run.name, seed)] = {**acc.summarize("table3", "noniid", run, seed, report), "mode": variant[:5],
+                                                    "variant": variant, "idle_share": bench.idle_share(report),
+                                                    "run_wall_time_s": 400.0}
     cells = acc.cells(results)
     stats = load("_stats")
-    idle = {m: stats.mean_sd(r["idle_share"]["mean"] for r in results.values() if r["mode"] == m) for m in ("sync", "async")}
+    idle = {v: stats.mean_sd(r["idle_share"]["mean"] for r in results.values() if r["variant"] == v) for v in bench.VARIANTS}
     return {"benchmark": "fedgkt_async", "setting": bench.DEMO, "generated_by": "bench/fedgkt_async.py", "machine": MACHINE,
             "scale": {"name": "demo", **bench.DEMO, "seeds": [0, 1, 2], "complete": True, "wall_time_min": 40.0,
                       "idle_share_is": "idle over the agent's span"},
@@ -252,6 +257,8 @@ def test_the_page_renders_mean_and_sd_cells_and_names_the_test_set_and_the_batch
     sync_row = next(line for line in table3.splitlines() if line.startswith("| sync"))
     assert "72.0 ± 2.0%" in sync_row
     assert "Target, async within 2 points of sync (mean over seeds): met" in table3
+    ablation = next(line for line in table3.splitlines() if line.startswith("| async, no replay"))
+    assert "(2 seeds: 0, 1)" in ablation and "46.0 ± 9.9%" in ablation
     assert "the same 1,000 balanced Fashion-MNIST test images for every method and seed, seeds 0, 1, 2" in table3
     assert "awaits re-measurement" not in page[:page.index("### Table 3")]
 

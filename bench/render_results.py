@@ -250,8 +250,11 @@ def _eval_set_line(data: dict[str, Any], seeds: Sequence[int] | None = None) -> 
     per_class = (f"{counts[0]:,} per class" if counts and len(set(counts)) == 1
                  else "class counts " + " / ".join(str(c) for c in counts) if counts else "balanced")
     dataset = {"fashion-mnist": "Fashion-MNIST"}.get(es.get("dataset", ""), es.get("dataset", "?"))
-    every = "for every method and seed" if data.get("eval_set_same_for_every_run", True) else "**not** for every run (see the JSON)"
     seed_text = f", seeds {_seeds_text(seeds)}" if seeds else ""
+    if not data.get("eval_set_same_for_every_run", True) and data.get("eval_set_same_within_each_seed"):
+        return (f"Every accuracy is scored on {es['samples']:,} balanced {dataset} {es.get('split', 'test')} images drawn "
+                f"with the run's seed: the same images for every run of a seed{seed_text} ({per_class}).")
+    every = "for every method and seed" if data.get("eval_set_same_for_every_run", True) else "**not** for every run (see the JSON)"
     return (f"Every accuracy is scored on the same {es['samples']:,} balanced {dataset} {es.get('split', 'test')} images {every}"
             f"{seed_text} ({per_class}; drawn with seed {es.get('seed', '?')}; ids sha256 `{str(es.get('ids_sha256', '?'))[:12]}`).")
 
@@ -287,7 +290,10 @@ def _verdict(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
 
 def _budget_line(data: dict[str, Any]) -> str:
     b = data["budget"]
-    return (f"The {len(data['runs'])} runs took {b['wall_time_min']:.1f} min in all "
+    n = data["scale"].get("runs_in_budget", len(data["runs"]))
+    extra = data["scale"].get("ablation_wall_time_min")
+    aside = f"; the ablation's runs took {extra:.1f} min more" if extra else ""
+    return (f"The {n} runs took {b['wall_time_min']:.1f} min in all{aside} "
             f"({data['scale'].get('wall_time_is', 'the sum of the runs wall times')}), against a budget of {b['minutes']:.0f} min "
             f"on 2 cores: **{b['verdict']}**.")
 
@@ -574,6 +580,8 @@ def async_section(data: dict[str, Any] | None) -> list[str]:
         *_table(["Mode", "Global", "Global, personalised BN", "Local", "Edges (ResNet-8), global", "Agents' idle share", "Wall min"], rows),
         "",
         *([" ".join(lines), ""] if lines else []),
+        "Why async without replay fell behind, what replay costs, and what bounds the agents' idle share on a CPU "
+        "server: [FedGKT notes](methods/fedgkt.md#asynchronous-training).", "",
     ]
 
 

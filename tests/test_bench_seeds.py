@@ -257,6 +257,11 @@ def test_the_page_renders_mean_and_sd_cells_and_names_the_test_set_and_the_batch
     sync_row = next(line for line in table3.splitlines() if line.startswith("| sync"))
     assert "72.0 ± 2.0%" in sync_row
     assert "Target, async within 2 points of sync (mean over seeds): met" in table3
+    assert "methods/fedgkt.md#asynchronous-training" in table3
+    # edgesplit local draws the set with each run's seed: said so when sync and async of a seed share it.
+    per_seed = {**_synthetic_async(), "eval_set_same_for_every_run": False, "eval_set_same_within_each_seed": True}
+    assert "drawn with the run's seed: the same images for every run of a seed" in render._eval_set_line(per_seed, [0, 1, 2])
+    assert "**not** for every run" in render._eval_set_line({**per_seed, "eval_set_same_within_each_seed": False})
     ablation = next(line for line in table3.splitlines() if line.startswith("| async, no replay"))
     assert "(2 seeds: 0, 1)" in ablation and "46.0 ± 9.9%" in ablation
     assert "the same 1,000 balanced Fashion-MNIST test images for every method and seed, seeds 0, 1, 2" in table3

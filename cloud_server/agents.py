@@ -11,7 +11,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from shared_protocol.chunking import SenderLimits
 from shared_protocol.errors import UnknownSenderError
@@ -98,6 +98,18 @@ class AgentRegistry:
             if code == "data_mismatch":
                 log.error("refusing agent %s: %s", agent, reason)
         return code, reason
+
+    def contract_state(self) -> dict[str, Any]:
+        """What the checkpoint keeps of the data contract: the image size once fixed, and by what."""
+        return {} if self.input_hw is None else {"input_hw": list(self.input_hw), "input_hw_source": self.input_hw_source}
+
+    def load_contract_state(self, state: dict[str, Any]) -> None:
+        """A resumed run keeps the image size its first agent fixed (a size from the config is
+        the config's: it was checked against the agents then)."""
+        if self.input_hw is None and state.get("input_hw"):
+            height, width = (int(d) for d in state["input_hw"])
+            self.input_hw = (height, width)
+            self.input_hw_source = str(state.get("input_hw_source") or "the checkpoint")
 
     def run_input_shape(self) -> tuple[int, int, int] | None:
         """The run's (channels, height, width), once the height and width are known."""

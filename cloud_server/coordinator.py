@@ -123,7 +123,7 @@ class Coordinator:
     def save_checkpoint(self) -> None:
         self.recorder.save_checkpoint(self.method.state(), round_=self.completed_round, config=self.config.to_dict(),
                                       method_config=self.method.resolved_config(), rejected=self.rejected,
-                                      robustness=self.ledger.state())
+                                      robustness=self.ledger.state(), contract=self.registry.contract_state())
 
     def load_checkpoint(self) -> None:
         saved = self.recorder.load_checkpoint()
@@ -133,6 +133,7 @@ class Coordinator:
         self.completed_round, self.rejected = saved.round, Counter(saved.rejected)
         self.report.resumed.append({"after_round": self.completed_round, "at": now_iso()})
         self.ledger.load_state(saved.robustness)
+        self.registry.load_contract_state(saved.contract)
         log.info("resumed from checkpoint after round %d", self.completed_round)
 
     # -- messaging -------------------------------------------------------------- #

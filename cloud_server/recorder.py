@@ -68,6 +68,8 @@ class Checkpoint:
     rejected: dict[str, int]
     method_state: Any
     robustness: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The run's data contract as it stood: {"input_hw": [h, w], "input_hw_source": "..."} once fixed.
+    contract: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _agent_accuracy(scored: RoundEvaluation | None, agent: str, edge_label: str | None) -> float | None:
@@ -231,7 +233,7 @@ class RunRecorder:
 
     def save_checkpoint(self, method_state: Any, *, round_: int, config: dict[str, Any],
                         method_config: dict[str, Any], rejected: Mapping[str, int],
-                        robustness: Mapping[str, Any] | None = None) -> None:
+                        robustness: Mapping[str, Any] | None = None, contract: Mapping[str, Any] | None = None) -> None:
         from models.state_io import save_state
 
         staging = self.out_dir / "checkpoint.new"
@@ -242,6 +244,7 @@ class RunRecorder:
             "round": round_, "config": config, "method_config": method_config,
             "report": self.report.to_json(), "rejected": dict(rejected),
             "robustness_json": json.dumps(plain_json(dict(robustness or {}))),  # the quarantine's state
+            "contract_json": json.dumps(plain_json(dict(contract or {}))),  # the image size the first agent fixed
         })
         # Swap directories so a crash mid-save leaves the previous checkpoint intact.
         old = self.out_dir / "checkpoint.old"
@@ -279,4 +282,5 @@ class RunRecorder:
         self._prior_refused = list(self._report.refused_agents)
         return Checkpoint(round=int(state["round"]), config=state["config"], method_config=state["method_config"],
                           rejected=dict(state["rejected"]), method_state=load_state(self.checkpoint_dir, "method"),
-                          robustness=json.loads(state.get("robustness_json", "{}")))
+                          robustness=json.loads(state.get("robustness_json", "{}")),
+                          contract=json.loads(state.get("contract_json", "{}")))

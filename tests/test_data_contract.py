@@ -54,6 +54,25 @@ def test_first_agent_fixes_the_size_and_a_different_size_is_refused_naming_both(
     assert "agent a" in second.reason and "image_size" in second.reason
 
 
+def test_the_size_the_first_agent_fixed_survives_a_server_restart(tmp_path: Path) -> None:
+    """The checkpoint keeps the contract: after a resume, an agent with another size is still
+    refused, naming the agent that fixed it, although none has said hello since."""
+    from fedhelpers import Federation
+
+    cfg = server_config(tmp_path, run_id="c5", agents=1, rounds=1, min_agents=1, eval_samples=16)
+    broker = InMemoryBroker()
+    first = make_server(cfg, InMemoryTransport(broker, "server"))
+    agent = EdgeAgent(agent_config("c5", 0, 1, train_samples=32, test_samples=16), transport=InMemoryTransport(broker, "agent-0"))
+    assert Federation(first, [agent]).start().join(240)["status"] == "finished"
+    assert first.registry.input_hw == (32, 32) and "agent-0" in first.registry.input_hw_source
+    resumed = make_server(cfg, InMemoryTransport(broker, "server2"))
+    resumed.load_checkpoint()
+    reason = resumed.registry.data_mismatch("b", _hello("b", "c5", input_shape=[3, 48, 48], num_classes=10))
+    assert reason is not None and "(3, 32, 32)" in reason and "agent agent-0, the first to join" in reason
+    fresh = make_server(server_config(tmp_path / "other", run_id="c5", agents=2), InMemoryTransport(broker, "server3"))
+    assert fresh.registry.data_mismatch("b", _hello("b", "c5", input_shape=[3, 48, 48], num_classes=10)) is None
+
+
 def test_the_configured_size_wins_over_the_first_agent(tmp_path: Path) -> None:
     (first,) = _answer(tmp_path, [_hello("a", "c2", input_shape=[3, 32, 32], num_classes=10)], image_size=(48, 48))
     assert not first.accepted and "(3, 48, 48)" in first.reason and "[server] image_size" in first.reason

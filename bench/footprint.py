@@ -235,7 +235,7 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
 
     from edge_agent.agent import EdgeAgent
     from edge_agent.config import DataConfig, EdgeConfig
-    from shared_protocol.messages import RoundStart, Shutdown, Welcome, encode_message, peek_header
+    from shared_protocol.messages import RoundStart, Shutdown, Welcome, decode_message, encode_message, peek_header
     from shared_protocol.methods.fedgkt import GktRoundConfig, GktServerLogits
     from shared_protocol.transport import Delivery, TrafficStats, Transport
 
@@ -299,7 +299,9 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
             elif kind == "fedgkt.ort_artifacts_request":
                 self._send(_artifacts_message(artifacts, run_id, self.round))
             elif kind == "round_end":
-                self.marks.append({"round": self.round, "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+                # The agent's own per-round peak (it resets VmHWM as it takes it, so VmHWM here is not the round's).
+                end = decode_message(blob)
+                self.marks.append({"round": self.round, "peak_rss_bytes": end.costs.peak_rss_bytes,
                                    "rss_bytes": _status_kib("VmRSS") * 1024})
                 if self.round < rounds:
                     rng = np.random.default_rng(self.round)
@@ -344,7 +346,7 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
         "payload_bytes_up": transport.stats.snapshot()["payload_bytes_out"],
         "rss_at_start_bytes": rss_start,
         "peak_rss_after_load_bytes": rss_loaded,
-        "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+        "peak_rss_bytes": max([_status_kib("VmHWM") * 1024] + [m["peak_rss_bytes"] for m in transport.marks]),
         "torch_loaded": "torch" in sys.modules,
         "torchvision_loaded": "torchvision" in sys.modules,
         "triton_loaded": "triton" in sys.modules,

@@ -461,12 +461,22 @@ def export_artifacts(directory: Path, in_channels: int = 3) -> None:
     from models import build_model
     from models.onnx_export import export_edge_artifacts
 
+    from shared_protocol.methods.fedgkt import GktRoundConfig
+
     torch.manual_seed(0)
-    artifacts = export_edge_artifacts(build_model("resnet8", 10, in_channels), 10, in_channels)
-    artifacts.write(directory)
+    # As the server generates them for the round config the bench sends (GktRoundConfig's defaults).
+    artifacts = export_edge_artifacts(build_model("resnet8", 10, in_channels), 10, in_channels,
+                                      train_extractor=GktRoundConfig.train_extractor)
+    # Written aside and moved in file by file: another bench process may be serving these files.
+    staging = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+    artifacts.write(staging)
     meta = {"trainable": list(artifacts.trainable), "bn_stats": list(artifacts.bn_stats), "bn_counters": list(artifacts.bn_counters),
             "state_names": list(artifacts.state_names), "input_shape": list(artifacts.input_shape), "num_classes": artifacts.num_classes}
-    (directory / "meta.json").write_text(json.dumps(meta))
+    (staging / "meta.json").write_text(json.dumps(meta))
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in staging.iterdir():
+        os.replace(f, directory / f.name)
+    staging.rmdir()
 
 
 def run_worker(python: str, backend: str, artifacts: Path, args: argparse.Namespace, env: dict[str, str] | None = None) -> dict:
@@ -739,7 +749,7 @@ def long_run(args: argparse.Namespace, base: Path, artifacts: Path) -> int:
     else:
         envs = {"torch-cpu": (str(build_env("edge", base)[0] / "bin" / "python"), {}),
                 "ort": (str(build_env("edge-lite-lean", base)[0] / "bin" / "python"), {})}
-    jobs = [(env, mode, n) for env, mode in pairs for n in sizes]
+    jobs = [(env, mode, n) for n in sizes for env, mode in pairs]  # the small shards first: they finish first
     unknown = sorted({env for env, _, _ in jobs} - set(envs))
     if unknown:
         raise SystemExit(f"--long-jobs names environments {unknown}; this invocation has {sorted(envs)}")

@@ -107,6 +107,21 @@ def _status_bytes(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
+def rss_by_mapping(top: int = 8) -> dict[str, int]:
+    """Resident bytes by what is mapped (a file's path, ``[heap]``, ``[anon]`` for anonymous
+    mappings), the ``top`` largest: what is resident besides malloc's heap."""
+    sizes: dict[str, int] = {}
+    name = "[anon]"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=6)
+            if len(first) >= 5 and "-" in first[0] and ":" not in first[0]:
+                name = first[5].strip() if len(first) > 5 else "[anon]"
+            elif line.startswith("Rss:"):
+                sizes[name] = sizes.get(name, 0) + int(line.split()[1]) * 1024
+    return dict(sorted(sizes.items(), key=lambda kv: -kv[1])[:top])
+
+
 def agent_objects(agent) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """What the agent holds that could grow with rounds."""
     out: dict[str, Any] = {"deferred_messages": len(agent._deferred), "rounds_started": len(agent._rounds_started)}
@@ -117,7 +132,7 @@ def agent_objects(agent) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     out["inbox_messages"] = transport.backlog()
     if hasattr(transport, "_sent"):
         out["resend_cache_blobs"] = len(transport._sent)
-        out["resend_cache_bytes"] = int(transport._sent_bytes)
+        out["resend_cache_bytes"] = int(transport._sent.bytes)
     reassembler = getattr(transport, "_reassembler", None)
     if reassembler is not None:
         out["reassembly_held_bytes"] = int(reassembler.held_bytes)
@@ -151,7 +166,7 @@ def long_worker(backend: str, artifacts: str | None, samples: int, rounds: int, 
     agent = EdgeAgent(config)
     scratch = Path(marks_path).with_suffix(".malloc_info.xml")
     marks = open(marks_path, "a")
-    baseline: list[Any] = []  # round 3's tracemalloc snapshot
+    baseline = Path(marks_path).with_suffix(".round3.tracemalloc")  # on disk: kept in memory it would be part of what is measured
     evaluate = agent._on_eval_request
 
     def on_eval_request(msg):  # type: ignore[no-untyped-def]
@@ -163,6 +178,9 @@ def long_worker(backend: str, artifacts: str | None, samples: int, rounds: int, 
             "peak_is_per_round": agent._round_peak.per_round,
             "eval_peak_rss_bytes": _status_bytes("VmHWM"),
             "rss_bytes": _status_bytes("VmRSS"),
+            "rss_anon_bytes": _status_bytes("RssAnon"),
+            "rss_file_bytes": _status_bytes("RssFile"),
+            "rss_by_mapping": rss_by_mapping() if probe else None,
             "mallinfo2": mallinfo2(),
             "malloc_arenas": malloc_arenas(scratch),
             "threads": threading.active_count(),
@@ -172,13 +190,14 @@ def long_worker(backend: str, artifacts: str | None, samples: int, rounds: int, 
         if probe:
             gc.collect()
             mark["tracemalloc_bytes"] = tracemalloc.get_traced_memory()[0]
-            snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
             if msg.round == 3:
-                baseline.append(snapshot)
-            elif baseline:
+                tracemalloc.take_snapshot().dump(str(baseline))
+            elif msg.round == rounds and baseline.exists():
+                no_tracemalloc = [tracemalloc.Filter(False, tracemalloc.__file__)]
+                snapshot = tracemalloc.take_snapshot().filter_traces(no_tracemalloc)
                 mark["tracemalloc_growth_since_round_3"] = [
                     {"where": str(stat.traceback), "bytes": stat.size_diff, "blocks": stat.count_diff}
-                    for stat in snapshot.compare_to(baseline[0], "lineno")[:8]]
+                    for stat in snapshot.compare_to(tracemalloc.Snapshot.load(str(baseline)).filter_traces(no_tracemalloc), "lineno")[:8]]
         marks.write(json.dumps(mark) + "\n")
         marks.flush()
 

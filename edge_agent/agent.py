@@ -52,6 +52,7 @@ from . import __version__
 from .config import DataConfig, EdgeConfig
 from .costs import RoundMeter, RoundPeakRss
 from .deadline import RoundDeadline
+from .memory import trim_malloc
 from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
 
@@ -403,6 +404,11 @@ class EdgeAgent:
             log.warning("round %d again: the server sent its round_start once more (it saw this agent reconnect or "
                         "restart mid-round and lost its part of the round); starting the round over", msg.round)
         self._rounds_started.add(msg.round)
+        # What the transport kept for resends belongs to rounds that are over: the server asks for
+        # a missing chunk only while the transfer is open, and it sent this round_start after
+        # closing the previous round and its evaluation. Kept, those blobs would pile up round
+        # after round up to the cache's bound (64 MiB: bench/results/footprint.json, long_run).
+        self.transport.drop_resend_cache()
         meter = RoundMeter(deadline=RoundDeadline(max(0.0, msg.deadline_s)))  # a negative or NaN deadline: none left
         if self._last_round_end_at is not None:
             meter.seconds["idle"] = max(0.0, time.monotonic() - self._last_round_end_at - self._eval_s_since_round_end)
@@ -453,6 +459,7 @@ class EdgeAgent:
         self._last_round_end_at = time.monotonic()
         self._save_local_state()
         self._status("idle")
+        trim_malloc()  # the round's freed heap back to the system (see edge_agent/memory.py)
         acc = result.metrics.get("edge_accuracy")
         log.info(
             "round %d done: %d samples, %.1f s compute, %.2f MB up%s",
@@ -507,6 +514,7 @@ class EdgeAgent:
             self._publish(ErrorReply(**self._base(msg.round), code="eval_failed", reason=str(exc)[:500], ref_msg_id=msg.msg_id))
             return
         self._eval_s_since_round_end += time.monotonic() - started
+        trim_malloc()
         model = answer.results.get("model")
         log.info("round %d evaluated: %s%s", msg.round,
                  f"{model['correct']} / {model['total']} local test samples right" if model else "nothing held locally",

@@ -95,6 +95,29 @@ def lighten_model(model, memory: "MemoryConfig"):  # type: ignore[no-untyped-def
     return checkpoint_bottlenecks(model) if has_bottlenecks(model) else model
 
 
+def _glibc():  # type: ignore[no-untyped-def]
+    """The C library where it is glibc on Linux (None elsewhere: macOS, musl manage memory their own way)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018  (glibc only)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def trim_malloc() -> bool:
+    """Give the free pages inside every malloc arena back to the system (glibc's ``malloc_trim(0)``);
+    True if it released any, False where there was nothing to release or the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes = (ctypes.c_size_t,)
+    libc.malloc_trim.restype = ctypes.c_int
+    return bool(libc.malloc_trim(0))
+
+
 def fix_malloc_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Pin glibc's mmap threshold at ``threshold_bytes``; True if it was set.
 

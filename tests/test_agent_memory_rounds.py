@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import mmap
 import threading
 import tracemalloc
 
@@ -174,10 +175,14 @@ def test_a_round_peak_is_the_rounds_own_not_the_process_lifetime_maximum() -> No
     if not meter.per_round:
         pytest.skip("this system cannot reset the peak RSS (/proc/self/clear_refs)")
     meter.take()
-    big = np.ones(64 * 1024 * 1024 // 8)  # 64 MiB, touched
-    first = meter.take()
-    del big
-    second = meter.take()
+    # 64 MiB of fresh pages, touched (a mapping of its own: malloc could serve an array from
+    # memory that is resident already), then given back.
+    big = mmap.mmap(-1, 64 * 1024 * 1024)
+    np.frombuffer(big, np.uint8)[::4096] = 1
+    first = meter.take()  # the window that held it
+    big.close()
+    meter.take()  # the window in which it went (it began with the mapping resident)
+    second = meter.take()  # a window without it
     assert first - second > 48 * 1024 * 1024, (first, second)
 
 

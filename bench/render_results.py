@@ -870,12 +870,17 @@ def long_run_section(footprint: dict[str, Any], image_dir: Path | None) -> list[
         import matplotlib.pyplot as plt
 
         image_dir.mkdir(parents=True, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=100)
-        for run in runs:
+        fig, ax = plt.subplots(figsize=(9.6, 4.8), dpi=100)
+        colours = {key: f"C{i}" for i, key in enumerate(sorted({(r["env"], r["mode"]) for r in runs}))}
+        before = sorted((footprint.get("long_run_before_fix") or {}).get("runs", {}).values(),
+                        key=lambda r: (r["env"], r["mode"], r["train_samples"]))
+        smallest = min(r["train_samples"] for r in runs)
+        for run, when in [(r, "before the fix") for r in before] + [(r, "") for r in runs]:
             rounds = [m["round"] for m in run["rounds"]]
-            ax.plot(rounds, [m["peak_rss_bytes"] / 1e6 for m in run["rounds"]], marker=".",
-                    linestyle="-" if run["train_samples"] == min(r["train_samples"] for r in runs) else "--",
-                    label=f"{run['env']} {run['mode']}, {run['train_samples']:,} samples")
+            style = ":" if when else ("-" if run["train_samples"] == smallest else "--")
+            ax.plot(rounds, [m["peak_rss_bytes"] / 1e6 for m in run["rounds"]], marker="." if not when else None, linestyle=style,
+                    color=colours.get((run["env"], run["mode"]), "grey"), alpha=0.6 if when else 1.0,
+                    label=f"{run['env']} {run['mode']}, {run['train_samples']:,} samples" + (f", {when}" if when else ""))
         for runtime, target in PEAK_TARGET_MB.items():
             ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
             ax.annotate(f"{runtime} --low-memory target", (1, target), fontsize=7, color="grey", va="bottom")
@@ -883,7 +888,7 @@ def long_run_section(footprint: dict[str, Any], image_dir: Path | None) -> list[
         ax.set_ylabel("the round's own peak RSS (MB)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout()
         fig.savefig(image_dir / RSS_PLOT)
         plt.close(fig)
@@ -896,6 +901,8 @@ def long_run_section(footprint: dict[str, Any], image_dir: Path | None) -> list[
         "(the most it held since the previous round ended). Modes: "
         + "; ".join(f"{k}: {v}" for k, v in setting["modes"].items()) + ".", "",
         f"![the agent's peak RSS per round](img/{RSS_PLOT})", "",
+        *([f"Dotted: the same bench before the fix ({footprint['long_run_before_fix']['note']})." , ""]
+          if footprint.get("long_run_before_fix") else []),
         *_table(["Agent", "Mode", "Samples", "Rounds", "Round 1", "Round 3", "Last round", "Highest after round 3 / round 3",
                  "Highest", "Within the Pi target"], rows, right_from=2),
         "",

@@ -200,3 +200,30 @@ def test_the_agent_warns_when_its_round_peak_grows_three_rounds_in_a_row(caplog:
     assert warnings == ["round 7: peak RSS grew 3 rounds in a row (rounds 4-7: 339 -> 352 -> 367 -> 378 MB, +39 MB): memory is "
                         "not flat over rounds (a leak, a filling cache or a fragmenting heap); see docs/deploy.md#memory-on-the-device"]
     assert [r for r, _ in agent._rising_peaks] == [4, 5, 6, 7]
+
+
+def test_the_resend_cache_keeps_the_latest_blobs_within_its_bound_and_empties_on_demand() -> None:
+    cache = ResendCache(max_bytes=2500)
+    blobs = [ChunkedBlob(bytes([i]) * 1000) for i in range(4)]
+    for blob in blobs:
+        cache.remember("t", blob)
+    assert len(cache) == 2 and cache.bytes == 2000  # the two latest
+    assert cache.get(blobs[0].transfer_id) is None and cache.get(blobs[3].transfer_id) == ("t", blobs[3])
+    cache.remember("t", ChunkedBlob(b"x" * 3000))  # larger than the bound: never kept
+    assert len(cache) == 2
+    cache.clear()
+    assert len(cache) == 0 and cache.bytes == 0 and cache.get(blobs[3].transfer_id) is None
+
+
+def test_the_agent_empties_its_transports_resend_cache_at_every_round_start() -> None:
+    """The agent under the long-run test above did; here without tracemalloc, the calls counted."""
+    drops: list[int] = []
+
+    class Counting(CachesSentBlobs):
+        def drop_resend_cache(self) -> None:
+            drops.append(len(self.resend_cache))
+            super().drop_resend_cache()
+
+    _, _, ends = _run_agent(Counting, rounds=3)
+    # At round 1 it holds the hello and status messages; then each previous round's uploads too.
+    assert len(ends) == 3 and len(drops) == 3 and all(n > drops[0] + 2 for n in drops[1:]), drops

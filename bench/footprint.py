@@ -64,6 +64,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import footprint_long  # noqa: E402  (bench/, next to this script)
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "footprint.json"
 #: The agent's memory modes measured (see :func:`memory_for`).
@@ -233,7 +235,7 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
 
     from edge_agent.agent import EdgeAgent
     from edge_agent.config import DataConfig, EdgeConfig
-    from shared_protocol.messages import RoundStart, Shutdown, Welcome, encode_message, peek_header
+    from shared_protocol.messages import RoundStart, Shutdown, Welcome, decode_message, encode_message, peek_header
     from shared_protocol.methods.fedgkt import GktRoundConfig, GktServerLogits
     from shared_protocol.transport import Delivery, TrafficStats, Transport
 
@@ -297,7 +299,9 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
             elif kind == "fedgkt.ort_artifacts_request":
                 self._send(_artifacts_message(artifacts, run_id, self.round))
             elif kind == "round_end":
-                self.marks.append({"round": self.round, "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+                # The agent's own per-round peak (it resets VmHWM as it takes it, so VmHWM here is not the round's).
+                end = decode_message(blob)
+                self.marks.append({"round": self.round, "peak_rss_bytes": end.costs.peak_rss_bytes,
                                    "rss_bytes": _status_kib("VmRSS") * 1024})
                 if self.round < rounds:
                     rng = np.random.default_rng(self.round)
@@ -342,7 +346,7 @@ def agent_worker(backend: str, artifacts: str | None, samples: int, batch_size: 
         "payload_bytes_up": transport.stats.snapshot()["payload_bytes_out"],
         "rss_at_start_bytes": rss_start,
         "peak_rss_after_load_bytes": rss_loaded,
-        "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+        "peak_rss_bytes": max([_status_kib("VmHWM") * 1024] + [m["peak_rss_bytes"] for m in transport.marks]),
         "torch_loaded": "torch" in sys.modules,
         "torchvision_loaded": "torchvision" in sys.modules,
         "triton_loaded": "triton" in sys.modules,
@@ -457,12 +461,22 @@ def export_artifacts(directory: Path, in_channels: int = 3) -> None:
     from models import build_model
     from models.onnx_export import export_edge_artifacts
 
+    from shared_protocol.methods.fedgkt import GktRoundConfig
+
     torch.manual_seed(0)
-    artifacts = export_edge_artifacts(build_model("resnet8", 10, in_channels), 10, in_channels)
-    artifacts.write(directory)
+    # As the server generates them for the round config the bench sends (GktRoundConfig's defaults).
+    artifacts = export_edge_artifacts(build_model("resnet8", 10, in_channels), 10, in_channels,
+                                      train_extractor=GktRoundConfig.train_extractor)
+    # Written aside and moved in file by file: another bench process may be serving these files.
+    staging = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+    artifacts.write(staging)
     meta = {"trainable": list(artifacts.trainable), "bn_stats": list(artifacts.bn_stats), "bn_counters": list(artifacts.bn_counters),
             "state_names": list(artifacts.state_names), "input_shape": list(artifacts.input_shape), "num_classes": artifacts.num_classes}
-    (directory / "meta.json").write_text(json.dumps(meta))
+    (staging / "meta.json").write_text(json.dumps(meta))
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in staging.iterdir():
+        os.replace(f, directory / f.name)
+    staging.rmdir()
 
 
 def run_worker(python: str, backend: str, artifacts: Path, args: argparse.Namespace, env: dict[str, str] | None = None) -> dict:
@@ -557,7 +571,7 @@ def main() -> int:
     from shared_protocol.hostinfo import cpu_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=("torch", "ort", "agent", "baseline"))
+    p.add_argument("--worker", choices=("torch", "ort", "agent", "baseline", "agent-long"))
     p.add_argument("--backend", choices=("torch", "ort"), help="with --worker agent / baseline")
     p.add_argument("--samples", type=int, default=1000, help="with --worker agent: training samples in the shard")
     p.add_argument("--rounds", type=int, default=1, help="with --worker agent: FedGKT rounds")
@@ -575,7 +589,24 @@ def main() -> int:
     p.add_argument("--reuse", help="directory for the venvs (kept; reused when complete)")
     p.add_argument("--no-install", action="store_true", help="measure in this venv only (torch hidden for the ort run)")
     p.add_argument("--out", default=str(RESULTS))
+    long = p.add_argument_group("long run (bench/footprint_long.py): per-round peak RSS over tens of rounds, over MQTT")
+    long.add_argument("--long-run", action="store_true", help="measure the long runs missing from --out's long_run section")
+    long.add_argument("--long-rounds", type=int, default=footprint_long.LONG_ROUNDS, help="rounds per long run (default %(default)s)")
+    long.add_argument("--long-sizes", default=",".join(map(str, footprint_long.LONG_SIZES)), help="shard sizes (default %(default)s)")
+    long.add_argument("--long-jobs", default=",".join(f"{e}:{m}" for e, m in footprint_long.LONG_JOBS),
+                      help="ENV:MODE pairs (ENV: torch-cpu, ort, torch-this-venv; default %(default)s)")
+    long.add_argument("--parallel", type=int, default=2, help="long-run agents side by side (peak RSS is per process)")
+    long.add_argument("--redo", action="store_true", help="measure long runs again that --out already has")
+    long.add_argument("--collect", action="store_true", help="only write the rounds of unfinished long runs (complete: false)")
+    long.add_argument("--probe", action="store_true", help="tracemalloc in the agent (slower): what grows, by line")
+    long.add_argument("--broker", help="with --worker agent-long: the broker URL")
+    long.add_argument("--run-id", help="with --worker agent-long: the run id")
+    long.add_argument("--marks", help="with --worker agent-long: where to append a JSON line per round")
     args = p.parse_args()
+    if args.worker == "agent-long":
+        print(json.dumps(footprint_long.long_worker(args.backend, args.artifacts, args.samples, args.rounds, args.mode, args.broker,
+                                                    args.run_id, args.marks, args.probe, args.batch_size)))
+        return 0
     if args.worker == "agent":
         print(json.dumps(agent_worker(args.backend, args.artifacts, args.samples, args.batch_size, args.rounds, args.mode)))
         return 0
@@ -592,6 +623,8 @@ def main() -> int:
     export_artifacts(artifacts)
     artifacts_1ch = base / "artifacts-1ch"  # the agent runs train on Fashion-MNIST
     export_artifacts(artifacts_1ch, in_channels=1)
+    if args.long_run or args.collect:
+        return long_run(args, base, artifacts_1ch)
     modes = tuple(m for m in args.modes.split(",") if m)
     if set(modes) - set(MODES):
         raise SystemExit(f"--modes takes {sorted(MODES)}, got {args.modes!r}")
@@ -692,6 +725,100 @@ def main() -> int:
               f"train {run['train_ms_per_batch_median']:.1f} ms/batch  eval {run['eval_ms_per_batch_median']:.1f} ms/batch")
     print(f"wrote {out}")
     return 0
+
+
+def long_run(args: argparse.Namespace, base: Path, artifacts: Path) -> int:
+    """The long runs of ``--long-jobs`` x ``--long-sizes`` that ``--out`` lacks, side by side, each
+    merged into ``--out``'s ``long_run`` section as it finishes (see bench/footprint_long.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+    import threading
+
+    from shared_protocol.hostinfo import cpu_model
+    from shared_protocol.local_broker import LocalBroker
+
+    out = Path(args.out)
+    sizes = tuple(int(n) for n in args.long_sizes.split(","))
+    pairs = [tuple(j.split(":", 1)) for j in args.long_jobs.split(",") if j]
+    if any(len(pair) != 2 or pair[1] not in MODES for pair in pairs):
+        raise SystemExit(f"--long-jobs takes ENV:MODE pairs with MODE from {MODES}, got {args.long_jobs!r}")
+    if args.no_install:
+        sys.path.insert(0, str(REPO / "tests"))
+        from no_torch import write_blocker
+
+        envs = {"torch-this-venv": (sys.executable, {}), "ort": (sys.executable, {"PYTHONPATH": str(write_blocker(base / "no_torch"))})}
+    else:
+        envs = {"torch-cpu": (str(build_env("edge", base)[0] / "bin" / "python"), {}),
+                "ort": (str(build_env("edge-lite-lean", base)[0] / "bin" / "python"), {})}
+    jobs = [(env, mode, n) for n in sizes for env, mode in pairs]  # the small shards first: they finish first
+    unknown = sorted({env for env, _, _ in jobs} - set(envs))
+    if unknown:
+        raise SystemExit(f"--long-jobs names environments {unknown}; this invocation has {sorted(envs)}")
+    data_env = {"EDGESPLIT_DATA_DIR": str(base / "data-cache")}
+    os.environ.update(data_env)  # the scripted server loads the same shard (its sample ids)
+    lock = threading.Lock()
+
+    def update(change) -> None:  # type: ignore[no-untyped-def]
+        with lock:
+            report = json.loads(out.read_text()) if out.exists() else {}
+            section = report.setdefault("long_run", {"runs": {}})
+            change(section)
+            section["setting"] = {
+                "dataset": "fashion-mnist (Debian package IDX files, 1x32x32)", "method": "fedgkt", "rounds": args.long_rounds,
+                "train_samples": list(sizes), "test_samples": footprint_long.TEST_SAMPLES,
+                "round_config": "GktRoundConfig defaults: batch 64, 1 edge epoch, adam, fp16-zstd uploads of 256 samples",
+                "transport": "the agent's MqttTransport through a local mosquitto; a scripted FedGKT server in the bench's "
+                             "process sends welcome, round_start, server logits for every sample and eval_request each round",
+                "evaluate": "every round (test shard streamed and scored)", "threads": 1,
+                "peak_rss_bytes": "the agent's own per-round figure from its RoundEnd (VmHWM since the previous round "
+                                  "ended, reset through /proc/self/clear_refs)",
+                "modes": {m: d for m, d in MODE_DESCRIPTIONS.items() if any(m == pm for _, pm in pairs)}}
+            section["machine"] = {"cpu": cpu_model(), "arch": platform.machine(), "cores": os.cpu_count()}
+            _write(out, report)
+
+    if args.collect:
+        update(lambda section: footprint_long.collect_partial(base, section, jobs))
+        print(f"collected unfinished long runs into {out}")
+        return 0
+    done = json.loads(out.read_text()).get("long_run", {}).get("runs", {}) if out.exists() else {}
+    todo = [j for j in jobs if args.redo or not (done.get(footprint_long.job_name(*j), {}).get("complete")
+                                                   and len(done[footprint_long.job_name(*j)]["rounds"]) >= args.long_rounds)]
+    print(f"long runs: {len(jobs) - len(todo)} of {len(jobs)} already in {out}; measuring {[footprint_long.job_name(*j) for j in todo]}",
+          flush=True)
+    baselines = {env: run_json([envs[env][0], str(Path(__file__).resolve()), "--worker", "baseline", "--backend",
+                                "ort" if env == "ort" else "torch"], {**data_env, **envs[env][1]}) for env in {j[0] for j in jobs}}
+
+    def environments(section: dict) -> None:
+        section.setdefault("environments", {}).update({env: {"runtime_baseline": b} for env, b in baselines.items()})
+
+    update(environments)
+    broker = LocalBroker(base / "broker").start()
+    try:
+        def one(job: tuple[str, str, int]) -> None:
+            env, mode, n = job
+            print(f"long run {footprint_long.job_name(*job)}: {args.long_rounds} rounds", flush=True)
+            result = footprint_long.run_job(envs[env][0], env, "ort" if env == "ort" else "torch", mode, n, args.long_rounds, broker.url,
+                                            base, artifacts, {**data_env, **envs[env][1]}, args.probe)
+            summary = result["summary"]
+            print(f"long run {footprint_long.job_name(*job)}: round-3 peak {summary['round3_peak_rss_bytes'] / 1e6:.0f} MB, "
+                  f"round {summary['last_round']} {summary['last_peak_rss_bytes'] / 1e6:.0f} MB, max after round 3 "
+                  f"x{summary['max_after_round3_over_round3']}", flush=True)
+            update(lambda section: section["runs"].__setitem__(footprint_long.job_name(*job), result))
+
+        with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+            for future in [pool.submit(one, job) for job in todo]:
+                future.result()
+    finally:
+        broker.stop()
+    return 0
+
+
+MODE_DESCRIPTIONS = {
+    "default": "edge-agent run",
+    "low-memory": "edge-agent run --low-memory: forward passes of at most 16 samples (training accumulates them into each batch "
+                  "of 64), uploads of at most 64 samples, glibc mmap threshold pinned at 1 MiB",
+    "low-memory-8": "as low-memory with micro-batches of 8 ([memory] micro_batch_samples = 8, pin_malloc = true)",
+    "micro-batch": "[memory] micro_batch_samples = 16: as low-memory without the pinned threshold",
+}
 
 
 def _agent_envs(base: Path) -> dict[str, str]:

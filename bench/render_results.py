@@ -847,6 +847,79 @@ def memory_section(footprint: dict[str, Any], accuracy: dict[str, Any] | None) -
     return lines
 
 
+RSS_PLOT = "agent_rss_per_round.png"
+
+
+def long_run_section(footprint: dict[str, Any], image_dir: Path | None) -> list[str]:
+    """The agent's per-round peak RSS over a long run (footprint.json's ``long_run``): a plot of
+    every run, round by round, and round 3 against the last and the highest later round."""
+    long = footprint.get("long_run")
+    if not long or not long.get("runs"):
+        return ["### The agent's memory over a long run (issue 26)", "",
+                "*`bench/results/footprint.json` has no long_run section: run `bench/footprint.py --long-run`.*", ""]
+    setting = long["setting"]
+    runs = sorted(long["runs"].values(), key=lambda r: (r["env"], r["mode"], r["train_samples"]))
+    rows = []
+    for run in runs:
+        summary = run["summary"]
+        runtime = "ort" if run["env"].startswith("ort") else "torch"
+        peaks = [m["peak_rss_bytes"] for m in run["rounds"]]
+        target = PEAK_TARGET_MB[runtime] if run["mode"] == "low-memory" else None
+        r3 = summary.get("round3_peak_rss_bytes")
+        rows.append([
+            run["env"], run["mode"], f"{run['train_samples']:,}",
+            f"{len(peaks)}" + ("" if run.get("complete") else " (unfinished)"),
+            _mb(peaks[0]), _mb(r3), _mb(summary.get("last_peak_rss_bytes")),
+            DASH if summary.get("max_after_round3_over_round3") is None else f"{summary['max_after_round3_over_round3']:.3f}",
+            _mb(summary.get("max_peak_rss_bytes")),
+            DASH if target is None else ("yes" if max(peaks) <= target * 1e6 else "no") + f" (<= {target} MB)",
+        ])
+    if image_dir is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        image_dir.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(9.6, 4.8), dpi=100)
+        colours = {key: f"C{i}" for i, key in enumerate(sorted({(r["env"], r["mode"]) for r in runs}))}
+        before = sorted((footprint.get("long_run_before_fix") or {}).get("runs", {}).values(),
+                        key=lambda r: (r["env"], r["mode"], r["train_samples"]))
+        smallest = min(r["train_samples"] for r in runs)
+        for run, when in [(r, "before the fix") for r in before] + [(r, "") for r in runs]:
+            rounds = [m["round"] for m in run["rounds"]]
+            style = ":" if when else ("-" if run["train_samples"] == smallest else "--")
+            ax.plot(rounds, [m["peak_rss_bytes"] / 1e6 for m in run["rounds"]], marker="." if not when else None, linestyle=style,
+                    color=colours.get((run["env"], run["mode"]), "grey"), alpha=0.6 if when else 1.0,
+                    label=f"{run['env']} {run['mode']}, {run['train_samples']:,} samples" + (f", {when}" if when else ""))
+        for runtime, target in PEAK_TARGET_MB.items():
+            ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
+            ax.annotate(f"{runtime} --low-memory target", (1, target), fontsize=7, color="grey", va="bottom")
+        ax.set_xlabel("round")
+        ax.set_ylabel("the round's own peak RSS (MB)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.tight_layout()
+        fig.savefig(image_dir / RSS_PLOT)
+        plt.close(fig)
+    return [
+        "### The agent's memory over a long run (issue 26)", "",
+        f"From `bench/results/footprint.json` (`long_run`, `bench/footprint.py --long-run`), {long['machine']['cores']} cores "
+        f"{long['machine']['arch']}: each agent a whole process talking MQTT through a local mosquitto to a scripted FedGKT "
+        f"server (round start, feature uploads, server logits for every sample, an evaluation, every round), "
+        f"{setting['rounds']} rounds; the peak is the one the agent reports for each round in its `RoundEnd` "
+        "(the most it held since the previous round ended). Modes: "
+        + "; ".join(f"{k}: {v}" for k, v in setting["modes"].items()) + ".", "",
+        f"![the agent's peak RSS per round](img/{RSS_PLOT})", "",
+        *([f"Dotted: the same bench before the fix ({footprint['long_run_before_fix']['note']})." , ""]
+          if footprint.get("long_run_before_fix") else []),
+        *_table(["Agent", "Mode", "Samples", "Rounds", "Round 1", "Round 3", "Last round", "Highest after round 3 / round 3",
+                 "Highest", "Within the Pi target"], rows, right_from=2),
+        "",
+    ]
+
+
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
                for name in ("edge_cost", "comm_cost", "accuracy", "methods", "fedgkt_async", "fedgkt_ablation", "gkt_server_epochs",
@@ -870,7 +943,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
     footprint = _load(results / "footprint.json")
     if footprint is not None and "agent" in footprint:
         try:
-            memory = memory_section(footprint, _load(results / "low_memory.json"))
+            memory = memory_section(footprint, _load(results / "low_memory.json")) + long_run_section(footprint, image_dir)
         except KeyError as exc:
             raise ResultsError(f"bench/results/footprint.json or low_memory.json has no field {exc}; rerun bench/footprint.py "
                                "and bench/low_memory.py") from None

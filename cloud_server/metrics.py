@@ -153,7 +153,7 @@ class ServerMetrics:
         self.last_round_s = Gauge("edgesplit_agent_last_round_seconds", "An agent's last finished round: wall time.", agent, registry=r)
         self.last_flops = Gauge("edgesplit_agent_last_round_train_flops", "An agent's last finished round: training FLOPs.",
                                 agent, registry=r)
-        self.last_rss = Gauge("edgesplit_agent_last_round_peak_rss_bytes", "An agent's last finished round: its process's peak RSS.",
+        self.last_rss = Gauge("edgesplit_agent_last_round_peak_rss_bytes", "An agent's last finished round: its own peak RSS (since the round before ended).",
                               agent, registry=r)
         self.last_round = Gauge("edgesplit_agent_last_round", "The round an agent's last_round_* figures are from.", agent, registry=r)
         self.server_train = Counter("edgesplit_server_train_seconds", "Seconds the server spent training.", base, registry=r)

@@ -27,7 +27,7 @@ from shared_protocol.records import plain_json
 
 from .methods.base import RoundOutcome
 from .records import (AgentInfo, AgentRoundRecord, ByteCounts, RoundEvaluation, RoundRecord, RoundTimes, RunReport,
-                      RunTotals, ServerDeviceRecord, ServerInfo, now_iso)
+                      RunTotals, ServerDeviceRecord, ServerInfo, memory_growth_warnings, now_iso)
 from .report import format_summary_line, write_report
 
 log = logging.getLogger("cloud_server")
@@ -187,6 +187,9 @@ class RunRecorder:
         """Append a closed round, then checkpoint (when given) and write the report files."""
         self.report.rounds.append(record)
         self.refresh()
+        for warning in self.report.memory_warnings:
+            if warning["last_round"] == record.round:
+                log.warning("%s", warning["message"])
         if checkpoint is not None:
             checkpoint()  # before the report: a report that shows round r implies a checkpoint of r
         self._write_files()
@@ -202,6 +205,7 @@ class RunRecorder:
         chunks = dict(self._prior_rejected_chunks)
         for code, n in self.counters.rejected_chunks().items():
             chunks[code] = chunks.get(code, 0) + n
+        report.memory_warnings = memory_growth_warnings(report.rounds)
         report.totals = RunTotals.of(
             report.rounds,
             wall_time_s=time.monotonic() - self._started + self._prior_wall_s,

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from shared_protocol.memory_growth import PEAK_GROWTH_ROUNDS, growth_message, rising_run_start
 from shared_protocol.messages import Hello
 from shared_protocol.records import (
     AgentRoundCosts,
@@ -40,6 +41,7 @@ __all__ = [
     "RoundRecord",
     "RunTotals",
     "RunReport",
+    "memory_growth_warnings",
     "now_iso",
 ]
 
@@ -307,6 +309,9 @@ class RunReport(JsonRecord):
     # totals.wall_time_s adds the processes' times; the time between the last checkpoint and a
     # crash is not in it.
     resumed: list[dict[str, Any]] = field(default_factory=list, metadata={"added_later": True})
+    # Agents whose per-round peak RSS grew several rounds in a row (shared_protocol.memory_growth),
+    # one entry per such run of rounds: {"agent", "first_round", "last_round", "peak_rss_bytes": [...], "message"}.
+    memory_warnings: list[dict[str, Any]] = field(default_factory=list, metadata={"added_later": True})
     models: dict[str, Any]  # "edge" / "server": name, params, train_flops_per_sample (or None)
     rounds: list[RoundRecord] = field(default_factory=list)
     totals: RunTotals = field(default_factory=RunTotals)
@@ -319,3 +324,28 @@ class RunReport(JsonRecord):
         super().__post_init__()
         if self.status not in RUN_STATUSES:
             raise RecordError(f"run status must be one of {sorted(RUN_STATUSES)}, got {self.status!r}")
+
+
+def memory_growth_warnings(rounds: Sequence[RoundRecord]) -> list[dict[str, Any]]:
+    """Every run of rounds over which an agent's reported peak RSS grew
+    :data:`~shared_protocol.memory_growth.PEAK_GROWTH_ROUNDS` times or more in a row,
+    over the rounds it finished, oldest first (the agent logs the same warning)."""
+    by_agent: dict[str, list[tuple[int, int]]] = {}
+    for record in rounds:
+        for agent, costs in record.per_agent.items():
+            by_agent.setdefault(agent, []).append((record.round, costs.peak_rss_bytes))
+    warnings: list[dict[str, Any]] = []
+    for agent, series in sorted(by_agent.items()):
+        peaks = [p for _, p in series]
+        end = len(series)
+        found = []
+        while end > 1:  # each maximal run of growth, from the latest back
+            start = rising_run_start(peaks[:end])
+            if end - 1 - start >= PEAK_GROWTH_ROUNDS:
+                run = series[start:end]
+                found.append({"agent": agent, "first_round": run[0][0], "last_round": run[-1][0],
+                              "peak_rss_bytes": [p for _, p in run],
+                              "message": f"agent {agent}: " + growth_message([r for r, _ in run], [p for _, p in run])})
+            end = start if start < end - 1 else end - 1
+        warnings.extend(reversed(found))
+    return warnings

@@ -27,6 +27,7 @@ from fldata import AgentDataSpec, ArrayDataset, load_agent_subset
 from shared_protocol.errors import ProtocolError, UnknownSenderError, StaleMessageError
 from shared_protocol.frame import FrameLimits
 from shared_protocol.hostinfo import host_info
+from shared_protocol.memory_growth import growing_since, growth_message, rising_run_start
 from shared_protocol.messages import (
     Discover,
     ErrorReply,
@@ -49,8 +50,9 @@ from shared_protocol.transport import MqttTransport, Transport, TransportError
 
 from . import __version__
 from .config import DataConfig, EdgeConfig
-from .costs import RoundMeter, peak_rss_bytes
+from .costs import RoundMeter, RoundPeakRss
 from .deadline import RoundDeadline
+from .memory import trim_malloc
 from .backends import describe_backend, get_backend_method
 from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
 
@@ -125,6 +127,10 @@ class EdgeAgent:
         self._rounds_started: set[int] = set()  # rounds this process began (a repeat is logged with its reason)
         self.config_path = ""  # the TOML the config came from, named in error messages (set by the CLI)
         self.limits = FrameLimits(max_body_bytes=256 * 1024 * 1024)
+        # Each round reports its own peak RSS; simulated agents sharing a process report the
+        # process's lifetime peak instead (one agent's reset would cut into another's round).
+        self._round_peak = RoundPeakRss(per_round=compute_lock is None)
+        self._rising_peaks: list[tuple[int, int]] = []  # (round, peak RSS) of the rounds whose peak kept growing
         # This agent's Prometheus metrics (edge_agent/metrics.py): imported only when configured.
         endpoint = config.metrics_endpoint()
         self.metrics: AgentMetrics | None = None
@@ -399,6 +405,11 @@ class EdgeAgent:
             log.warning("round %d again: the server sent its round_start once more (it saw this agent reconnect or "
                         "restart mid-round and lost its part of the round); starting the round over", msg.round)
         self._rounds_started.add(msg.round)
+        # What the transport kept for resends belongs to rounds that are over: the server asks for
+        # a missing chunk only while the transfer is open, and it sent this round_start after
+        # closing the previous round and its evaluation. Kept, those blobs would pile up round
+        # after round up to the cache's bound (64 MiB: bench/results/footprint.json, long_run).
+        self.transport.drop_resend_cache()
         meter = RoundMeter(deadline=RoundDeadline(max(0.0, msg.deadline_s)))  # a negative or NaN deadline: none left
         if self._last_round_end_at is not None:
             meter.seconds["idle"] = max(0.0, time.monotonic() - self._last_round_end_at - self._eval_s_since_round_end)
@@ -430,7 +441,7 @@ class EdgeAgent:
             return
         after = self.transport.stats.snapshot()
         costs = meter.costs(
-            round_s=time.monotonic() - started, peak_rss_bytes=peak_rss_bytes(), before=before, after=after,
+            round_s=time.monotonic() - started, peak_rss_bytes=self._round_peak.take(), before=before, after=after,
             codec=str(msg.config.get("upload_codec", "")),
         )
         if meter.deadline.skipped_batches:
@@ -441,6 +452,7 @@ class EdgeAgent:
             **self._base(msg.round), num_samples=result.num_samples, instance=self.instance, uploads=result.uploads, costs=costs, metrics=result.metrics
         )
         self._publish(self._last_round_end)
+        self._watch_peak(msg.round, costs.peak_rss_bytes)
         if self.metrics is not None:
             self.metrics.on_round(msg.round, msg.method, costs)
         self.last_round_done = msg.round
@@ -448,12 +460,23 @@ class EdgeAgent:
         self._last_round_end_at = time.monotonic()
         self._save_local_state()
         self._status("idle")
+        trim_malloc()  # the round's freed heap back to the system (see edge_agent/memory.py)
         acc = result.metrics.get("edge_accuracy")
         log.info(
             "round %d done: %d samples, %.1f s compute, %.2f MB up%s",
             msg.round, result.num_samples, meter.seconds["compute"], costs.wire_bytes_up / 1e6,
             f", edge acc {acc:.2%}" if isinstance(acc, float) else "",
         )
+
+    def _watch_peak(self, round_: int, peak_bytes: int) -> None:
+        """Warn when this agent's per-round peak RSS has grown several rounds in a row
+        (:mod:`shared_protocol.memory_growth`); the server's report says so too."""
+        self._rising_peaks.append((round_, peak_bytes))
+        peaks = [p for _, p in self._rising_peaks]
+        self._rising_peaks = self._rising_peaks[rising_run_start(peaks):]  # only the run still growing
+        if growing_since([p for _, p in self._rising_peaks]) is not None:
+            log.warning("round %d: %s", round_, growth_message([r for r, _ in self._rising_peaks],
+                                                                 [p for _, p in self._rising_peaks]))
 
     def _on_eval_request(self, msg: EvalRequest) -> None:
         """Evaluate what this agent holds for round ``msg.round`` and report it; the time,
@@ -492,6 +515,7 @@ class EdgeAgent:
             self._publish(ErrorReply(**self._base(msg.round), code="eval_failed", reason=str(exc)[:500], ref_msg_id=msg.msg_id))
             return
         self._eval_s_since_round_end += time.monotonic() - started
+        trim_malloc()
         model = answer.results.get("model")
         log.info("round %d evaluated: %s%s", msg.round,
                  f"{model['correct']} / {model['total']} local test samples right" if model else "nothing held locally",

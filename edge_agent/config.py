@@ -66,6 +66,11 @@ class DataConfig:
             raise ValueError("data.train_samples and data.test_samples must be >= 0")
 
 
+#: ``--low-memory``'s resend cache: at 64 MiB (the transport's default) a Pi agent's cache alone
+#: would be a fifth of its budget.
+LOW_MEMORY_RESEND_CACHE_BYTES = 8 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class MemoryConfig:
     """How this agent trades speed for resident memory (``[memory]``; ``--low-memory``
@@ -83,6 +88,11 @@ class MemoryConfig:
       activations in the backward pass (exact, about 1.3x a step's FLOPs, slower).
     * ``pin_malloc``: pin glibc's mmap threshold so freed activations go back to
       the system (process-wide, set at start; training steps about 2x slower).
+    * ``resend_cache_bytes``: the most the MQTT transport keeps of the round's uploads
+      for answering the server's requests for lost chunks (emptied at every round
+      start). A lost chunk of an upload no longer kept is recovered by the method
+      (FedGKT extracts the batch again, ``GktResendRequest``), at the cost of the
+      extraction.
     """
 
     micro_batch_samples: int = 0
@@ -92,6 +102,7 @@ class MemoryConfig:
     #: The largest upload message (samples) while micro-batching: the maps of a
     #: 256-sample upload are 16 MiB before encoding, 64 samples' 4 MiB.
     upload_batch_samples_cap: int = 64
+    resend_cache_bytes: int = TransportConfig.resend_cache_bytes
 
     def __post_init__(self) -> None:
         if self.micro_batch_samples < 0 or self.micro_batch_samples == 1:
@@ -99,12 +110,15 @@ class MemoryConfig:
                              f"got {self.micro_batch_samples}")
         if self.upload_batch_samples_cap < 1:
             raise ValueError(f"memory.upload_batch_samples_cap must be >= 1, got {self.upload_batch_samples_cap}")
+        if self.resend_cache_bytes < 0:
+            raise ValueError(f"memory.resend_cache_bytes must be >= 0, got {self.resend_cache_bytes}")
 
     @classmethod
     def low(cls) -> "MemoryConfig":
-        """``--low-memory``: micro-batches of 16 samples and the pinned malloc threshold
-        (measured in bench/footprint.py; accuracy cost in bench/low_memory.py)."""
-        return cls(micro_batch_samples=16, pin_malloc=True)
+        """``--low-memory``: micro-batches of 16 samples, the pinned malloc threshold and a
+        resend cache of 8 MiB (a few uploads of 64 samples), not 64 (measured in
+        bench/footprint.py; accuracy cost in bench/low_memory.py)."""
+        return cls(micro_batch_samples=16, pin_malloc=True, resend_cache_bytes=LOW_MEMORY_RESEND_CACHE_BYTES)
 
     def upload_batch_samples(self, asked: int) -> int:
         """Samples per upload message when the server asks for ``asked``."""
@@ -166,6 +180,7 @@ class EdgeConfig:
             cert_file=self.cert_file,
             key_file=self.key_file,
             chunk_size_bytes=self.chunk_size_bytes,
+            resend_cache_bytes=self.memory.resend_cache_bytes,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -27,6 +27,56 @@ def peak_rss_bytes() -> int:
     return int(peak if platform.system() == "Darwin" else peak * 1024)
 
 
+def _status_bytes(field: str) -> int | None:
+    """A ``/proc/self/status`` memory figure (``VmHWM``, ``VmRSS``) in bytes; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Set this process's peak RSS (``VmHWM``) back to its current RSS (Linux >= 4.0); True if it was."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class RoundPeakRss:
+    """Each round's own peak RSS: the most this process held since the previous :meth:`take`.
+
+    ``ru_maxrss`` is the process's lifetime maximum: once the first rounds set it, a later
+    round that holds more shows only as a new record and one that holds less not at all, so
+    growth over a run hides behind it. Linux keeps the same high-water mark as ``VmHWM`` and
+    lets a process reset it (``/proc/self/clear_refs``, value 5): :meth:`take` reads it and
+    resets it, so each reading covers one round's cycle (its training and uploads, and the
+    downloads and evaluation since the previous round ended). Where that is not possible (not
+    Linux, or ``per_round`` False: several simulated agents share the process), the readings
+    are the lifetime peak (:attr:`per_round` is False).
+    """
+
+    def __init__(self, per_round: bool = True) -> None:
+        self.per_round = per_round and _status_bytes("VmHWM") is not None and _reset_peak_rss()
+
+    def take(self) -> int:
+        """The peak since the previous call (or since construction), in bytes; starts the next window."""
+        if not self.per_round:
+            return peak_rss_bytes()
+        peak = _status_bytes("VmHWM")
+        if peak is None:  # /proc went away under us: keep reporting, as the lifetime figure
+            self.per_round = False
+            return peak_rss_bytes()
+        _reset_peak_rss()
+        return peak
+
+
 @dataclass
 class RoundMeter:
     """Accumulates one round's costs."""

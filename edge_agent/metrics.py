@@ -53,7 +53,7 @@ class AgentMetrics:
                                   "its round_end).", round_labels, registry=r)
         self.last_flops = Gauge("edgesplit_edge_last_round_train_flops", "The last round's training FLOPs.", round_labels, registry=r)
         self.last_samples = Gauge("edgesplit_edge_last_round_samples", "Samples trained in the last round.", round_labels, registry=r)
-        self.last_rss = Gauge("edgesplit_edge_last_round_peak_rss_bytes", "The process's peak RSS at the end of the last round.",
+        self.last_rss = Gauge("edgesplit_edge_last_round_peak_rss_bytes", "The last finished round's own peak RSS (since the round before ended).",
                               round_labels, registry=r)
         self.last_bytes = Gauge("edgesplit_edge_last_round_wire_bytes", "The last round's MQTT packet bytes, up (to the server) "
                                 "or down.", [*round_labels, "direction"], registry=r)

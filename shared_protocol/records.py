@@ -171,6 +171,8 @@ class AgentRoundCosts(JsonRecord):
     network_s: float = non_negative(0.0)
     idle_s: float = non_negative(0.0)
     round_s: float = non_negative(0.0, added_later=True)
+    # The round's own peak: the most the agent process held since its previous round ended (the
+    # process's lifetime peak on systems that cannot reset it; edge_agent.costs.RoundPeakRss).
     peak_rss_bytes: int = non_negative(0)
     payload_bytes_up: int = non_negative(0)
     wire_bytes_up: int = non_negative(0)

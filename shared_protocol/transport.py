@@ -309,10 +309,49 @@ class Transport(ABC):
         """Complete inbound messages received and not yet taken by ``receive``."""
         return 0
 
+    def drop_resend_cache(self) -> None:
+        """Forget every blob kept for answering resend requests (the MQTT transport keeps the
+        latest ``resend_cache_bytes`` of them): for a caller that knows none of them can be
+        asked for any more."""
+
 
 # --------------------------------------------------------------------------- #
 # MQTT
 # --------------------------------------------------------------------------- #
+
+
+class ResendCache:
+    """Sent blobs by transfer id, for answering a receiver's resend request (chunks are re-cut
+    from the blob on demand): the latest ``max_bytes`` of them, a blob larger than that never.
+    Holds references to the blobs, not copies."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._blobs: OrderedDict[str, tuple[str, ChunkedBlob]] = OrderedDict()  # transfer id -> (topic, blob)
+        self.bytes = 0
+        self._lock = threading.Lock()  # the network thread reads while the publishing thread adds
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def remember(self, topic: str, chunks: ChunkedBlob) -> None:
+        if chunks.total_bytes > self.max_bytes:
+            return
+        with self._lock:
+            self._blobs[chunks.transfer_id] = (topic, chunks)
+            self.bytes += chunks.total_bytes
+            while self.bytes > self.max_bytes:
+                _, (_, old) = self._blobs.popitem(last=False)
+                self.bytes -= old.total_bytes
+
+    def get(self, transfer_id: str) -> tuple[str, ChunkedBlob] | None:
+        with self._lock:
+            return self._blobs.get(transfer_id)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blobs.clear()
+            self.bytes = 0
 
 
 class MqttTransport(Transport):
@@ -368,9 +407,7 @@ class MqttTransport(Transport):
         self._closed = False
         self._publish_lock = threading.Lock()  # one blob at a time keeps the window meaningful
         self._inbound_wire: dict[tuple[str, str], int] = {}
-        # transfer id -> (topic, blob), for answering resend requests: chunks are re-cut on demand.
-        self._sent: OrderedDict[str, tuple[str, ChunkedBlob]] = OrderedDict()
-        self._sent_bytes = 0
+        self._sent = ResendCache(config.resend_cache_bytes)
         self._reply_topic: str | None = None
         self._reasm_lock = threading.Lock()  # network thread and housekeeping thread
         self._housekeeper = threading.Thread(target=self._housekeeping, name=f"{self.client_id}-housekeeping", daemon=True)
@@ -690,7 +727,7 @@ class MqttTransport(Transport):
         deadline = time.monotonic() + self.config.publish_timeout_s
         wire_total = 0
         with self._publish_lock:
-            self._remember_sent(topic, chunks)
+            self._sent.remember(topic, chunks)
             for seq in range(len(chunks)):
                 payload = chunks.chunk(seq)  # hashes the blob as it goes: the digest rides on the last chunk
                 info = self._client.publish(topic, payload, qos=1, retain=retain)
@@ -745,15 +782,9 @@ class MqttTransport(Transport):
                 )
             self._ack_cond.wait(min(remaining, 1.0))
 
-    def _remember_sent(self, topic: str, chunks: ChunkedBlob) -> None:
-        # Holds a reference to the blob, not a copy of its chunks.
-        if chunks.total_bytes > self.config.resend_cache_bytes:
-            return
-        self._sent[chunks.transfer_id] = (topic, chunks)
-        self._sent_bytes += chunks.total_bytes
-        while self._sent_bytes > self.config.resend_cache_bytes:
-            _, (_, old) = self._sent.popitem(last=False)
-            self._sent_bytes -= old.total_bytes
+    def drop_resend_cache(self) -> None:
+        with self._publish_lock:
+            self._sent.clear()
 
     def receive(self, timeout_s: float | None = None) -> Delivery | None:
         try:

@@ -226,7 +226,12 @@ def _agents_md(report: Mapping[str, Any]) -> list[str]:
         rows.append([agent_id, cpu, cost["samples"], *(f"{cost[f'{phase}_s']:.2f}" for phase in EDGE_PHASES),
                      mb(cost["peak_rss_bytes"])])
     header = ["Agent", "CPU", "Samples", "Compute s", "Encode s", "Network s", "Idle s", "Peak RSS MB"]
-    return [f"## Agents in round {last['round']}", "", *table(header, rows, right_from=2), ""]
+    # Each round's own peak (the agent resets its high-water mark every round): a peak that keeps
+    # growing is named here, as the agent's log names it.
+    warnings = [f"**Memory warning**: {w['message']}" for w in report.get("memory_warnings") or []
+                if isinstance(w, dict) and isinstance(w.get("message"), str)]
+    return [f"## Agents in round {last['round']}", "", *table(header, rows, right_from=2), "",
+            *(line for w in warnings for line in (w, ""))]
 
 
 def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -26,6 +26,7 @@ from _common import REPO_ROOT, RESULTS, machine, write_json
 
 from cloud_server.assemble import build_server
 from cloud_server.config import ServerConfig
+from edge_agent.costs import reset_peak_rss
 from shared_protocol.local_broker import LocalBroker, free_port
 from shared_protocol.tomlio import write_toml
 
@@ -44,16 +45,6 @@ def _status_bytes(pid: int | str, key: str) -> int:
 def vm_hwm_bytes(pid: int | str) -> int:
     """Peak resident memory of a process (since start or the last reset)."""
     return _status_bytes(pid, "VmHWM")
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS (Linux >= 4.0); False if not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, dataset: str, work: Path) -> dict:

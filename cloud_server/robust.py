@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -293,6 +293,24 @@ def implausible_norms(norms: Mapping[str, float], reference_norm: float, cfg: Ro
                 out[agent] = ("implausible_norm", f"{what} norm {norm:.4g} > {limit:.4g} (the other agents' median "
                                                   f"{med:.4g}, MAD {mad:.4g})")
     return out
+
+
+def screen_uploads(round_: int, used: dict[str, Any], excluded: dict[str, str], cfg: RobustnessConfig,
+                   ledger: "RobustnessLedger", measure: Callable[[], tuple[dict[str, float], float]]) -> dict[str, Any]:
+    """Plausibility and quarantine for a weight-sharing method's usable uploads (agent ->
+    upload): ``measure()`` gives each agent's update norm and the reference norm (0: none);
+    an implausible update is refused (to the ledger, and ``excluded`` with its reason), a
+    quarantined agent's is judged but not used. Returns ``used`` without them."""
+    if cfg.plausibility_checks and used:
+        norms, reference = measure()
+        for agent, (reason, detail) in implausible_norms(norms, reference, cfg).items():
+            ledger.refuse(round_, agent, reason, detail)
+            excluded[agent] = f"{reason}: {detail}"
+            used.pop(agent)
+    for agent in [a for a in used if ledger.is_quarantined(a)]:
+        excluded[agent] = ledger.exclude_quarantined(round_, agent)
+        used.pop(agent)
+    return used
 
 
 def flatten(state: Mapping[str, np.ndarray], names: Sequence[str]) -> np.ndarray:

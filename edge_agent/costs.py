@@ -39,7 +39,7 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """Set this process's peak RSS (``VmHWM``) back to its current RSS (Linux >= 4.0); True if it was."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -63,7 +63,7 @@ class RoundPeakRss:
     """
 
     def __init__(self, per_round: bool = True) -> None:
-        self.per_round = per_round and _status_bytes("VmHWM") is not None and _reset_peak_rss()
+        self.per_round = per_round and _status_bytes("VmHWM") is not None and reset_peak_rss()
 
     def take(self) -> int:
         """The peak since the previous call (or since construction), in bytes; starts the next window."""
@@ -73,7 +73,7 @@ class RoundPeakRss:
         if peak is None:  # /proc went away under us: keep reporting, as the lifetime figure
             self.per_round = False
             return peak_rss_bytes()
-        _reset_peak_rss()
+        reset_peak_rss()
         return peak
 
 

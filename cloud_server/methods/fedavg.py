@@ -45,7 +45,7 @@ from shared_protocol.methods.fedavg import (
 )
 
 from ..aggregation import weighted_mean
-from ..robust import implausible_norms, robust_state_aggregate
+from ..robust import robust_state_aggregate, screen_uploads
 from ..evaluation import HEADLINE, EvalModel, Evaluation
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
@@ -197,21 +197,15 @@ class FedAvgServer(ServerMethod):
         """Plausibility and quarantine (cloud_server/robust.py): each update's norm against the
         global model's and the other agents' this round; an implausible one is refused (to the
         ledger, and ``excluded`` with its reason), a quarantined agent's is judged but not used."""
-        cfg, ledger = self.ctx.robustness, self.ctx.ledger
-        if cfg.plausibility_checks and used:
+        def measure() -> tuple[dict[str, float], float]:
             floats = [n for n, a in self.global_state.items() if a.dtype.kind == "f"]
             base = {n: self.global_state[n].astype(np.float64) for n in floats}
             reference = float(np.sqrt(sum(float(np.sum(b * b)) for b in base.values())))
             norms = {a: float(np.sqrt(sum(float(np.sum((s.state[n].astype(np.float64) - base[n]) ** 2)) for n in floats)))
                      for a, s in used.items()}
-            for agent, (reason, detail) in implausible_norms(norms, reference, cfg).items():
-                ledger.refuse(round_, agent, reason, detail)
-                excluded[agent] = f"{reason}: {detail}"
-                used.pop(agent)
-        for agent in [a for a in used if ledger.is_quarantined(a)]:
-            excluded[agent] = ledger.exclude_quarantined(round_, agent)
-            used.pop(agent)
-        return used
+            return norms, reference
+
+        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure)
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()

@@ -66,7 +66,7 @@ from shared_protocol.methods.fedkd import (
 )
 
 from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
-from ..robust import ImplausibleUploadError, aggregate_vectors, choose_rule, clip_rows, implausible_norms
+from ..robust import ImplausibleUploadError, aggregate_vectors, choose_rule, clip_rows, screen_uploads
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -354,21 +354,15 @@ class FedKdServer(ServerMethod):
         against the global mentee's and the other agents' this round (an update's, not a
         gradient's, is compared with the mentee); implausible ones refused, quarantined
         agents' judged but not used."""
-        cfg, ledger = self.ctx.robustness, self.ctx.ledger
-        if cfg.plausibility_checks and used:
+        def measure() -> tuple[dict[str, float], float]:
             reference = 0.0
             if self.config.upload != "gradient":
                 reference = float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in self.global_state.values())))
             norms = {a: float(np.sqrt(sum(float(np.sum(d.astype(np.float64) ** 2)) for d in s.delta.values())))
                      for a, s in used.items()}
-            for agent, (reason, detail) in implausible_norms(norms, reference, cfg).items():
-                ledger.refuse(round_, agent, reason, detail)
-                excluded[agent] = f"{reason}: {detail}"
-                used.pop(agent)
-        for agent in [a for a in used if ledger.is_quarantined(a)]:
-            excluded[agent] = ledger.exclude_quarantined(round_, agent)
-            used.pop(agent)
-        return used
+            return norms, reference
+
+        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure)
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()

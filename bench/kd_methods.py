@@ -94,10 +94,10 @@ class Scale:
 
 
 SCALES = {
-    "full": Scale("full", "fashion-mnist", agents=20, client_fraction=0.2, train_samples=2000, test_samples=1000, rounds=20,
-                  eval_every=2, local_epochs=2, partitions=tuple(PARTITIONS), seeds=SEEDS, budget_minutes=150,
-                  fedbe_server={"unlabeled_samples": 200, "validation_samples": 0, "distill_steps": 40, "distill_batch_size": 32,
-                                "swa_warmup_steps": 20, "swa_cycle_steps": 10}),
+    "full": Scale("full", "fashion-mnist", agents=20, client_fraction=0.2, train_samples=2000, test_samples=1000, rounds=15,
+                  eval_every=3, local_epochs=2, partitions=tuple(PARTITIONS), seeds=SEEDS, budget_minutes=150,
+                  fedbe_server={"unlabeled_samples": 64, "validation_samples": 0, "distill_steps": 16, "distill_batch_size": 32,
+                                "swa_warmup_steps": 8, "swa_cycle_steps": 4}),
     # The pipeline check the test suite runs: synthetic data, every method, two seeds (so that
     # every cell has an sd and every verdict is computed), one partition.
     "quick": Scale("quick", "synthetic", agents=4, client_fraction=0.5, train_samples=96, test_samples=40, rounds=2,
@@ -196,20 +196,29 @@ CLAIMS = (
           "the stored text is the paper's Methods section: no experimental setting", fewer_bytes=True),
 )
 
-VERDICTS = ("holds", "within noise", "fails", "too few seeds")
+VERDICTS = ("holds", "within noise", "fails", "at chance", "too few seeds")
+NUM_CLASSES = 10  # Fashion-MNIST's and the synthetic set's
+#: Both means below chance + this: no verdict ("at chance"), whatever the sds (three seeds all at
+#: exactly 10 % have sd 0, and any difference would otherwise "differ").
+CHANCE_MARGIN = 0.05
 
 
 def verdict(method: Mapping[str, Any] | None, baseline: Mapping[str, Any] | None, kind: str,
-            method_bytes: Mapping[str, Any] | None = None, baseline_bytes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+            method_bytes: Mapping[str, Any] | None = None, baseline_bytes: Mapping[str, Any] | None = None,
+            chance: float | None = None) -> dict[str, Any]:
     """The verdict on a claim from two ``mean_sd`` summaries (the method's, its baseline's), by
     the difference rule of ``bench/_stats.py``. ``kind`` "above": holds when the method is above
     by more than the sds combined, fails when below by more than that, within noise otherwise.
     "not_below": holds unless below by more than the sds combined. With bytes given, a claim of
-    fewer bytes fails when the method's mean wire bytes are not below the baseline's."""
+    fewer bytes fails when the method's mean wire bytes are not below the baseline's. With
+    ``chance`` given, two means both below ``chance + CHANCE_MARGIN`` get no verdict ("at chance")."""
     if kind not in ("above", "not_below"):
         raise ValueError(f"kind must be 'above' or 'not_below', got {kind!r}")
     c = comparison(method, baseline)
-    if c["differ"] is None:
+    means = [(x or {}).get("mean") for x in (method, baseline)]
+    if chance is not None and all(m is not None and m < chance + CHANCE_MARGIN for m in means):
+        said = "at chance"
+    elif c["differ"] is None:
         said = "too few seeds"
     elif c["differ"] and c["mean_difference"] < 0:
         said = "fails"
@@ -354,7 +363,7 @@ def claims(cell_table: Mapping[str, Any], partitions: Sequence[str]) -> list[dic
             if mine is None or base is None:
                 continue
             judged = verdict(mine["final_accuracy"], base["final_accuracy"], c.kind,
-                             *((mine["wire_mb"], base["wire_mb"]) if c.fewer_bytes else ()))
+                             *((mine["wire_mb"], base["wire_mb"]) if c.fewer_bytes else (None, None)), chance=1 / NUM_CLASSES)
             rows.append({"method": c.method, "label": METHODS[c.method][1], "baseline": c.baseline,
                          "baseline_label": METHODS[c.baseline][1], "partition": key, "kind": c.kind, "claim": c.claim,
                          "source": c.source, "paper_regime": c.regime, "figure": "final global accuracy",
@@ -507,6 +516,7 @@ def document(results: dict[str, Any], scale: Scale, planned_seeds: Sequence[int]
         "difference_rule": DIFFERENCE_RULE,
         "verdict_rule": {"above": "holds: above the baseline by more than the two sds combined; fails: below by more than that; "
                                   "within noise: otherwise",
+                         "at_chance": f"no verdict when both means are below chance (1/{NUM_CLASSES}) + {CHANCE_MARGIN}",
                          "not_below": "holds unless below the baseline by more than the two sds combined (and, for a claim of "
                                       "fewer bytes, only with fewer mean wire bytes)"},
         "claims": rows,
@@ -532,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="run only these runs (e.g. fedgkd-dir0.1), every seed of --seeds")
     parser.add_argument("--collect", action="store_true", help="run nothing: write the JSON from the runs recorded before")
     parser.add_argument("--merge", action="store_true", help="also keep the runs of this scale recorded before")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the runs whose summary.json is already in --run-dir (implies --merge): an interrupted grid goes on")
     parser.add_argument("--out", type=Path, help="default: bench/results/kd_methods.json (--quick: in --run-dir)")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "kd_methods")
     args = parser.parse_args(argv)
@@ -551,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, name, run in runs:
             if args.collect or (args.only and run.name not in args.only):
                 continue
+            if args.resume and (run_root / run_key(run.name, seed) / "summary.json").exists():
+                continue
             data = DataSpec(scale.dataset, PARTITIONS[key], scale.agents, scale.train_samples, scale.test_samples, seed=seed)
             load_before = list(os.getloadavg())
             print(f"== {run.name} seed {seed} ({data.partition}, {scale.agents} agents, C = {scale.client_fraction}, "
@@ -567,13 +581,13 @@ def main(argv: list[str] | None = None) -> int:
             write_json(run_root / run_key(run.name, seed) / "summary.json", {"scale": scale.key(), "run": done})
             print(f"   global {done['final_accuracy']}, local {done['final_local_accuracy']}, "
                   f"{done['run_wall_time_s']:.0f} s", flush=True)
-    if args.merge or args.collect:
+    if args.merge or args.collect or args.resume:
         results = {**previous_runs(args.out, run_root, scale), **results}
     if not results:
         parser.error("no runs made or recorded for this scale")
-    doc = document(results, scale, None if args.merge or args.collect else seeds,
-                   "bench/kd_methods.py" + (" --quick" if args.quick else "")
-                   + (" (runs merged with --merge / --collect)" if args.merge or args.collect else ""))
+    merged = args.merge or args.collect or args.resume
+    doc = document(results, scale, None if merged else seeds, "bench/kd_methods.py" + (" --quick" if args.quick else "")
+                   + (" (runs merged with --merge / --collect / --resume)" if merged else ""))
     write_json(args.out, doc)
     for row in doc["claims"]:
         m, b = row["method_accuracy"], row["baseline_accuracy"]

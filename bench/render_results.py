@@ -532,7 +532,8 @@ def methods_section(data: dict[str, Any] | None, accuracy: dict[str, Any] | None
 
 KD_PARTITIONS = (("iid", "IID"), ("dir0.5", "Dirichlet(0.5)"), ("dir0.1", "Dirichlet(0.1)"))
 KD_DATASETS = {"fashion-mnist": "Fashion-MNIST (32x32 zero-padded, 1 channel)", "synthetic": "synthetic data"}
-KD_VERDICTS = {"holds": "**holds**", "fails": "**fails**", "within noise": "within noise", "too few seeds": "too few seeds"}
+KD_VERDICTS = {"holds": "**holds**", "fails": "**fails**", "within noise": "within noise", "too few seeds": "too few seeds",
+               "at chance": "no verdict: both at chance"}
 
 
 def _kd_plots(data: dict[str, Any], image_dir: Path) -> None:
@@ -691,7 +692,8 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
         f"test shards, sample-weighted. {_rule_line()} The verdict: for a claim of *above* FedAvg, **holds** when the method's "
         "mean is above by more than the two sds combined, **fails** when below by more than that, *within noise* otherwise; "
         "for FedKD's *comparable accuracy at fewer bytes*, **holds** unless its mentors are below FedAvg(ResNet-20) by more "
-        "than the two sds combined or its wire bytes are not fewer.", "",
+        "than the two sds combined or its wire bytes are not fewer. No verdict where both means are within 5 points of chance "
+        "(10 %).", "",
         "### The claim table", "",
         *_table(["Method", "Paper's claim", "Paper's evidence and regime", "Here", "Baseline (mean ± sd)", "Method (mean ± sd)",
                  "Difference, points (sds combined)", "Verdict"], claim_rows, right_from=4),

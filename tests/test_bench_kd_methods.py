@@ -40,6 +40,10 @@ def test_verdict_holds_within_noise_fails_by_the_difference_rule() -> None:
     fewer = kd.verdict(s(0.60, 0.02), fedavg, "not_below", s(1.0, 0.0), s(20.0, 0.0))
     assert fewer["verdict"] == "holds" and fewer["bytes_fraction"] == pytest.approx(0.05)
     assert kd.verdict(s(0.60, 0.02), fedavg, "not_below", s(30.0, 0.0), s(20.0, 0.0))["verdict"] == "fails"
+    # Both at chance (10 classes): no verdict, even when three seeds at exactly 10 % have sd 0.
+    assert kd.verdict(s(0.104, 0.0), s(0.10, 0.0), "above", chance=0.1)["verdict"] == "at chance"
+    assert kd.verdict(s(0.104, 0.0), s(0.10, 0.0), "above")["verdict"] == "holds"  # what the rule alone would say
+    assert kd.verdict(s(0.30, 0.01), s(0.10, 0.0), "above", chance=0.1)["verdict"] == "holds"
     # One seed: no sd, no verdict either way.
     assert kd.verdict({"mean": 0.9, "sd": None, "n": 1}, fedavg, "above")["verdict"] == "too few seeds"
     with pytest.raises(ValueError):
@@ -146,7 +150,7 @@ def test_quick_mode_runs_every_method_with_two_seeds_in_under_a_minute(tmp_path:
         mine, base = data["cells"][f"{row['method']}-{row['partition']}"], data["cells"][f"{row['baseline']}-{row['partition']}"]
         assert row["method_accuracy"] == mine["final_accuracy"] and row["baseline_accuracy"] == base["final_accuracy"]
         again = kd.verdict(mine["final_accuracy"], base["final_accuracy"], row["kind"],
-                           *((mine["wire_mb"], base["wire_mb"]) if row["method"] == "fedkd" else ()))
+                           *((mine["wire_mb"], base["wire_mb"]) if row["method"] == "fedkd" else (None, None)), chance=0.1)
         assert row["verdict"] == again["verdict"] in kd.VERDICTS
     assert data["budget"]["projected"]["minutes"] > 0 and data["budget"]["complete"]
     # --collect writes the same runs from their summaries.

@@ -64,6 +64,7 @@ class RunSpec:
     eval_every: int = 1
     target_accuracy: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # every agent's [memory] settings (edge_agent.config.MemoryConfig)
+    server: dict[str, Any] = field(default_factory=dict)  # [server] keys set for this run (e.g. client_fraction)
 
 
 def machine() -> dict[str, Any]:
@@ -88,12 +89,13 @@ def _server_config(run: RunSpec, data: DataSpec, out: Path, broker_url: str) -> 
     # subset of the test split as large as the data's test subset (servers that predate the
     # field score on the agents' test shards instead).
     evaluation = {"eval_samples": data.test_samples} if "eval_samples" in ServerConfig.__dataclass_fields__ else {}
-    return ServerConfig(
+    settings: dict[str, Any] = dict(
         run_id=run.name, method=run.method, broker_url=broker_url, out_dir=str(out), expected_agents=data.agents,
         rounds=run.rounds, round_deadline_s=1800.0, registration_timeout_s=120.0, min_agents=1, min_fraction=0.5,
         eval_every=run.eval_every, target_accuracy=run.target_accuracy, dataset=data.dataset, seed=data.seed,
         progress=False, method_config=dict(run.method_config), **evaluation,
     )
+    return ServerConfig(**{**settings, **run.server})
 
 
 def run_centralized(run: RunSpec, data: DataSpec, out: Path) -> dict[str, Any]:
@@ -176,6 +178,7 @@ def reusable(report_path: Path, run: RunSpec, data: DataSpec) -> dict[str, Any] 
         report["status"] == "finished" and config["method"] == run.method and config["rounds"] == run.rounds
         and config["dataset"] == data.dataset and config["seed"] == data.seed and config["expected_agents"] == data.agents
         and config["eval_every"] == run.eval_every
+        and all(config.get(k) == v for k, v in run.server.items())
         and all(config["method_config"].get(k) == v for k, v in run.method_config.items())
         and sum(a["num_samples"] for a in report["agents"].values()) == data.train_samples
         and len(report["rounds"]) == run.rounds

@@ -185,6 +185,17 @@ def test_image_folder_and_cinic_layout(tmp_path: Path) -> None:
         load_dataset("cinic10", "valid", root=tmp_path)
 
 
+def test_the_synthetic_splits_are_made_once_and_shared_read_only() -> None:
+    # Every agent of a simulation, the server's evaluation set and FedBE's unlabeled pool load
+    # the same split: it is made once per process, and nobody can change it for the others.
+    train = load_dataset("synthetic", "train")
+    assert load_dataset("synthetic", "train") is train and len(train) == 5000
+    assert np.array_equal(train.images[:50], make_synthetic(50, split="train").images)
+    with pytest.raises(ValueError, match="read-only"):
+        train.images[0, 0, 0, 0] = 0
+    assert train.subset(np.arange(10)).images.flags.writeable  # a subset is the caller's own copy
+
+
 def test_synthetic_is_deterministic_and_seeded() -> None:
     a = make_synthetic(200, seed=1)
     b = make_synthetic(200, seed=1)

@@ -1,0 +1,603 @@
+"""The knowledge-distillation methods against their papers' claims (issue 24): FedGKD,
+FedGKD-Vote, FedDistill, FedBE and FedKD vs FedAvg in the papers' regime -- many agents,
+a fraction of them per round, Dirichlet skew, tens of rounds, a ResNet-8/20-sized model --
+at a size 2 CPU cores can run, every cell with seeds.
+
+REGIME_AND_BUDGET
+
+The claims (each row of the claim table; ``CLAIMS``) and where they are printed:
+
+* FedGKD (Yao et al., Sec. 5.2, Table 3: CIFAR-10, ResNet-8 with GroupNorm, 20 clients,
+  C = 0.2, 100 rounds, 3 trials): above FedAvg at Dir(0.5) 77.15 vs 75.15 and Dir(0.1) 72.27 vs
+  69.22, the gain largest at the strongest skew ("FedGKD shows the superiority when the data
+  heterogeneity increases"); Table 5 (ResNet-8, Dir(0.5), C = 0.1-0.4) the same at every C.
+* FedGKD-Vote (the same Table 3, buffer M = 5): 77.44 vs 75.15 and 72.99 vs 69.22.
+* FedDistill (Song et al., Sec. IV-B, Table II: CIFAR-10, SimpleCNN, 100 clients, 10 % per
+  round, 100 rounds, 3 seeds): above FedAvg at Dir(0.1) 47.78 vs 35.37, Dir(0.3) 56.72 vs 49.68,
+  Dir(0.5) 58.88 vs 55.6; Table III: FedAvg's final accuracy in 18 / 25 / 43 rounds instead of 100
+  (the JSON's ``rounds_to_fedavg_final``).
+* FedBE (Chen & Chao, Sec. 5.2, Table 1: CIFAR-10, 10 clients all in every round, Dir(0.1),
+  40 rounds, ResNet-20 74.4 -> 78.2; Sec. 5.3, Table 5: 100 clients, 10 per round, Tiny-ImageNet,
+  ResNet-20, i.i.d. 32.4 -> 35.4, non-i.i.d. (Step) 27.5 -> 32.4): above FedAvg, i.i.d. and not.
+* FedKD (Wu et al.): accuracy comparable to FedAvg of the large model at a fraction of its
+  bytes, inference with each client's mentor. The stored paper text
+  (``/work/shared/papers/fedkd-communication-efficient-kd.txt``) is its Methods section only:
+  its "Complexity analysis" says "FedKD is much more communication-efficient than the standard
+  FedAvg method" (communication O(R |Theta_s| / rho) vs O(R |Theta_t|)); the accuracy half of the
+  claim is issue 24's summary of the paper's results, which that text does not hold. Here: the
+  mentors' global accuracy (the deployed model) against FedAvg of a mentor-sized model
+  (ResNet-20), and FedKD's wire bytes against that run's.
+
+A verdict (``verdict``) is computed from the numbers with ``bench/_stats.py``'s difference
+rule: for an "above FedAvg" claim, *holds* when the method's mean is above FedAvg's by more
+than the two sds combined, *fails* when it is below by more than that, *within noise*
+otherwise; for a "not below" claim (FedKD) *holds* unless it is below by more than the two sds
+combined (and, with ``fewer_bytes``, only if its mean wire bytes are below the baseline's).
+
+    python bench/kd_methods.py --quick                     # synthetic data, every method, 2 seeds (< 1 minute; the test suite runs it)
+    python bench/kd_methods.py                             # the full grid: 7 runs x 3 partitions x 3 seeds
+    python bench/kd_methods.py --only fedavg-dir0.1 fedgkd-dir0.1 --seeds 0 --merge
+    python bench/kd_methods.py --collect                   # write the JSON from the runs recorded so far
+
+Writes ``bench/results/kd_methods.json`` (``--quick``: ``runs/bench/kd_methods/kd_methods-quick.json``):
+the scale, the budget (stated, projected and kept), the runs (per seed, per round), the cells
+(mean ± sd over seeds), the claims with their verdicts, FedKD's mentors next to its mentee and
+its bytes-to-accuracy curve against FedAvg(ResNet-20). Every finished run leaves a
+``summary.json`` next to its report; ``--merge`` / ``--collect`` take the runs of the same scale
+recorded before (invocations may run side by side, an interrupted grid resumes).
+``bench/render_results.py`` puts the claim table and the cells into ``docs/results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_logs, round_series, run_federation, write_json
+from _stats import DIFFERENCE_RULE, comparison, mean_sd
+from accuracy import budget, elapsed_s, eval_set_of, parse_seeds, run_key
+
+# In the order the grid runs them: the strongest skew (every claim's headline) first.
+PARTITIONS = {"dir0.1": "dirichlet:0.1", "dir0.5": "dirichlet:0.5", "iid": "iid"}
+PARTITION_LABELS = {"iid": "IID", "dir0.5": "Dirichlet(0.5)", "dir0.1": "Dirichlet(0.1)"}
+SEEDS = (0, 1, 2)
+BATCH = 32  # the papers' 64 (FedGKD Sec. 5.1, FedDistill Table I) halved: twice the steps on 100-image shards
+
+
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    dataset: str
+    agents: int
+    client_fraction: float  # [server] client_fraction: the agents drawn per round (FedGKD's C)
+    train_samples: int  # all agents together (a seeded subset of the training split)
+    test_samples: int  # the balanced evaluation set (and the union of the agents' test shards)
+    rounds: int
+    eval_every: int
+    local_epochs: int
+    partitions: tuple[str, ...]
+    seeds: tuple[int, ...]
+    budget_minutes: float  # all runs of all seeds, on 2 CPU cores
+    fedbe_server: dict[str, int] = field(default_factory=dict)  # FedBE's server work per round, sized for the scale
+
+    def key(self) -> dict[str, Any]:
+        """What a run is recorded under: runs of another key are never merged with these."""
+        return {k: v for k, v in asdict(self).items() if k not in ("seeds", "budget_minutes", "partitions")}
+
+
+SCALES = {
+    "full": Scale("full", "fashion-mnist", agents=20, client_fraction=0.2, train_samples=2000, test_samples=1000, rounds=15,
+                  eval_every=3, local_epochs=2, partitions=tuple(PARTITIONS), seeds=SEEDS, budget_minutes=150,
+                  fedbe_server={"unlabeled_samples": 64, "validation_samples": 0, "distill_steps": 16, "distill_batch_size": 32,
+                                "swa_warmup_steps": 8, "swa_cycle_steps": 4}),
+    # The pipeline check the test suite runs: synthetic data, every method, two seeds (so that
+    # every cell has an sd and every verdict is computed), one partition.
+    "quick": Scale("quick", "synthetic", agents=4, client_fraction=0.5, train_samples=96, test_samples=40, rounds=2,
+                   eval_every=1, local_epochs=1, partitions=("dir0.1",), seeds=(0, 1), budget_minutes=1,
+                   fedbe_server={"unlabeled_samples": 24, "validation_samples": 0, "distill_steps": 4, "distill_batch_size": 8,
+                                 "swa_warmup_steps": 2, "swa_cycle_steps": 1}),
+}
+
+# The local training every method shares, so that the methods differ in what each adds to
+# FedAvg and nothing else: FedGKD's (Sec. 5.1, "Implementation Details": SGD, "we tune the
+# learning rate in {0.1, 0.05, 0.01} for FedAvg and set the learning rate as 0.05, weight decay
+# is set 1e-5, momentum is 0.9", "B=64"), but batch 32 (BATCH). FedDistill's Table I / Sec. IV-A
+# is the same but lr 0.01 (SimpleCNN); FedBE's Sec. 5.1 / B.2 lr 0.01 decayed by 10 at 30 % and
+# 60 % of the rounds, batch 40, weight decay searched in [1e-3, 1e-4]. Local epochs: the papers'
+# 20 (FedGKD, FedBE) and 10 (FedDistill) do not fit 2 cores; the scale sets them (the budget above).
+LOCAL = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-5, "batch_size": BATCH}
+MODEL = "resnet8"  # FedGKD's CIFAR model (Sec. 5.1, Table 5)
+MENTOR = "resnet20"  # FedKD's mentor here; FedBE's Table 1/5 model; FedAvg of it is FedKD's baseline
+
+#: The runs of one partition and seed, by name: (method, label, what the run is).
+METHODS: dict[str, tuple[str, str]] = {
+    "fedavg": ("fedavg", "FedAvg (ResNet-8)"),
+    "fedgkd": ("fedgkd", "FedGKD (ResNet-8, M = 5)"),
+    "fedgkd-vote": ("fedgkd", "FedGKD-Vote (ResNet-8, M = 5)"),
+    "feddistill": ("feddistill", "FedDistill (ResNet-8)"),
+    "fedbe": ("fedbe", "FedBE (ResNet-8)"),
+    "fedkd": ("fedkd", "FedKD (ResNet-20 mentors, ResNet-8 mentee)"),
+    "fedavg-resnet20": ("fedavg", "FedAvg (ResNet-20, FedKD's mentor size)"),
+}
+
+
+def method_config(name: str, scale: Scale) -> dict[str, Any]:
+    """A run's [method] table: the shared local training plus what the method sets. The
+    methods' own keys are left at their defaults (cloud_server/methods/*.py), which the run
+    report records resolved (``config.method_config``)."""
+    local = {**LOCAL, "local_epochs": scale.local_epochs}
+    if name == "fedkd":
+        return {"mentor_model": MENTOR, "mentee_model": MODEL, "local_epochs": scale.local_epochs, "batch_size": BATCH,
+                "optimizer": LOCAL["optimizer"], "mentor_lr": LOCAL["lr"], "mentee_lr": LOCAL["lr"],
+                "momentum": LOCAL["momentum"], "weight_decay": LOCAL["weight_decay"]}
+    config: dict[str, Any] = {"model": MENTOR if name == "fedavg-resnet20" else MODEL, **local}
+    if name == "fedgkd-vote":
+        config["variant"] = "vote"
+    if name == "fedbe":
+        # The server's unlabeled set is the training split minus the subset the agents take.
+        config.update(scale.fedbe_server, unlabeled_dataset=scale.dataset, agent_train_samples=scale.train_samples)
+    return config
+
+
+def plan(scale: Scale) -> list[tuple[str, str, RunSpec]]:
+    """(partition key, method name, run) for one seed: every method on every partition."""
+    return [(key, name, RunSpec(f"{name}-{key}", METHODS[name][0], method_config(name, scale), scale.rounds,
+                                eval_every=scale.eval_every, server={"client_fraction": scale.client_fraction}))
+            for key in scale.partitions for name in METHODS]
+
+
+# -- the claims ------------------------------------------------------------------------------------ #
+
+
+@dataclass(frozen=True)
+class Claim:
+    method: str  # a name of METHODS
+    baseline: str  # the name of the run it is compared with
+    partitions: tuple[str, ...]  # where the paper claims it
+    kind: str  # "above": the method's mean above the baseline's | "not_below": not below it
+    claim: str
+    source: str  # the paper's table / section
+    regime: str  # the paper's setting of that table
+    fewer_bytes: bool = False  # the claim also says: fewer wire bytes than the baseline
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("above", "not_below"):
+            raise ValueError(f"Claim.kind must be 'above' or 'not_below', got {self.kind!r}")
+
+
+CLAIMS = (
+    Claim("fedgkd", "fedavg", ("dir0.5", "dir0.1"), "above",
+          "above FedAvg under non-IID data, the largest gain at the strongest skew",
+          "FedGKD Table 3 (Dir 0.5: 77.15 vs 75.15; Dir 0.1: 72.27 vs 69.22), Table 5",
+          "CIFAR-10, ResNet-8 (GroupNorm), 20 clients, C = 0.2, 100 rounds, 20 local epochs"),
+    Claim("fedgkd-vote", "fedavg", ("dir0.5", "dir0.1"), "above",
+          "above FedAvg under non-IID data (buffer M = 5)",
+          "FedGKD Table 3 (Dir 0.5: 77.44 vs 75.15; Dir 0.1: 72.99 vs 69.22)",
+          "CIFAR-10, ResNet-8 (GroupNorm), 20 clients, C = 0.2, 100 rounds, 20 local epochs"),
+    Claim("feddistill", "fedavg", ("dir0.5", "dir0.1"), "above",
+          "above FedAvg under Dir(α), α ∈ {0.1, 0.3, 0.5}; FedAvg's final accuracy in fewer rounds",
+          "FedDistill Table II (Dir 0.1: 47.78 vs 35.37; Dir 0.5: 58.88 vs 55.6), Table III",
+          "CIFAR-10, SimpleCNN, 100 clients, 10 % per round, 100 rounds, 10 local epochs"),
+    Claim("fedbe", "fedavg", ("iid", "dir0.5", "dir0.1"), "above",
+          "above FedAvg, i.i.d. and non-i.i.d., with partial participation",
+          "FedBE Table 1 (Dir 0.1, ResNet-20: 78.2 vs 74.4), Table 5 (i.i.d. 35.4 vs 32.4)",
+          "CIFAR-10, 10 clients, 40 rounds (Table 1); Tiny-ImageNet, 100 clients, 10 per round (Table 5); 20 local epochs"),
+    Claim("fedkd", "fedavg-resnet20", ("iid", "dir0.5", "dir0.1"), "not_below",
+          "accuracy of the mentors comparable to FedAvg of the large model, at a fraction of its bytes",
+          "FedKD 'Complexity analysis' (communication O(R|Θs|/ρ) vs O(R|Θt|)); the accuracy half: issue 24",
+          "the stored text is the paper's Methods section: no experimental setting", fewer_bytes=True),
+)
+
+VERDICTS = ("holds", "within noise", "fails", "at chance", "too few seeds")
+NUM_CLASSES = 10  # Fashion-MNIST's and the synthetic set's
+#: Both means below chance + this: no verdict ("at chance"), whatever the sds (three seeds all at
+#: exactly 10 % have sd 0, and any difference would otherwise "differ").
+CHANCE_MARGIN = 0.05
+
+
+def verdict(method: Mapping[str, Any] | None, baseline: Mapping[str, Any] | None, kind: str,
+            method_bytes: Mapping[str, Any] | None = None, baseline_bytes: Mapping[str, Any] | None = None,
+            chance: float | None = None) -> dict[str, Any]:
+    """The verdict on a claim from two ``mean_sd`` summaries (the method's, its baseline's), by
+    the difference rule of ``bench/_stats.py``. ``kind`` "above": holds when the method is above
+    by more than the sds combined, fails when below by more than that, within noise otherwise.
+    "not_below": holds unless below by more than the sds combined. With bytes given, a claim of
+    fewer bytes fails when the method's mean wire bytes are not below the baseline's. With
+    ``chance`` given, two means both below ``chance + CHANCE_MARGIN`` get no verdict ("at chance")."""
+    if kind not in ("above", "not_below"):
+        raise ValueError(f"kind must be 'above' or 'not_below', got {kind!r}")
+    c = comparison(method, baseline)
+    means = [(x or {}).get("mean") for x in (method, baseline)]
+    if chance is not None and all(m is not None and m < chance + CHANCE_MARGIN for m in means):
+        said = "at chance"
+    elif c["differ"] is None:
+        said = "too few seeds"
+    elif c["differ"] and c["mean_difference"] < 0:
+        said = "fails"
+    elif c["differ"] or kind == "not_below":
+        said = "holds"
+    else:
+        said = "within noise"
+    out: dict[str, Any] = {**c, "verdict": said}
+    if method_bytes is not None or baseline_bytes is not None:
+        mine, theirs = (method_bytes or {}).get("mean"), (baseline_bytes or {}).get("mean")
+        fraction = mine / theirs if mine is not None and theirs else None
+        out["bytes_fraction"] = fraction
+        if said == "holds" and (fraction is None or fraction >= 1.0):
+            out["verdict"] = "fails"
+    return out
+
+
+# -- one run --------------------------------------------------------------------------------------- #
+
+
+def _last(series: Sequence[dict[str, Any]], read: Any) -> Any:
+    values = [read(r) for r in series]
+    values = [v for v in values if v is not None]
+    return values[-1] if values else None
+
+
+def summarize(partition: str, name: str, run: RunSpec, seed: int, report: dict[str, Any]) -> dict[str, Any]:
+    """One seed of one cell: final accuracies (every label the evaluation scored), costs, and
+    the round series (global and local accuracy by label, wire bytes, FLOPs)."""
+    totals = report["totals"]
+    series = round_series(report)
+    rounds = []
+    for r, record in zip(series, report["rounds"]):
+        figures = record.get("method") or {}
+        rounds.append({
+            "round": r["round"], "status": r["status"], "accuracy": r["accuracy"], "local_accuracy": r["local_accuracy"],
+            "by_label": r["evaluation"], "wire": r["wire"], "cumulative_wire": r["cumulative_wire"],
+            "edge_train_flops": r["edge_train_flops"], "round_s": r["round_s"], "participants": len(record.get("participants", [])),
+            "server_flops": figures.get("server_flops"),
+        })
+    labels = _last(report["rounds"], lambda r: (r.get("evaluation") or {}).get("labels"))
+    server_flops = [r["server_flops"] for r in rounds if r["server_flops"] is not None]
+    return {
+        "partition": partition, "name": run.name, "method_name": name, "method": run.method, "seed": seed, "status": report["status"],
+        "method_config": report["config"]["method_config"], "client_fraction": report["config"].get("client_fraction"),
+        "final_accuracy": totals["final_accuracy"], "final_local_accuracy": totals.get("final_local_accuracy"),
+        "best_accuracy": totals.get("best_accuracy"),
+        "final_by_label": {"global": _last(rounds, lambda r: r["by_label"].get("global")) or {},
+                           "local": _last(rounds, lambda r: r["by_label"].get("local")) or {}, "labels": labels or {}},
+        "models": report["models"],
+        "edge_train_flops_total": totals["edge_train_flops"], "wire_total_bytes": totals["wire_total"],
+        "server_flops_total": sum(server_flops) if server_flops else None,
+        "wall_time_s": totals["wall_time_s"], "eval_set": report.get("eval_set"),
+        "rounds": rounds,
+    }
+
+
+# -- cells, claims, FedKD ---------------------------------------------------------------------------- #
+
+CELL_FIGURES: tuple[tuple[str, Any], ...] = (
+    ("final_accuracy", lambda r: r["final_accuracy"]),
+    ("final_local_accuracy", lambda r: r.get("final_local_accuracy")),
+    ("best_accuracy", lambda r: r.get("best_accuracy")),
+    ("edge_tflops", lambda r: r["edge_train_flops_total"] / 1e12),
+    ("wire_mb", lambda r: r["wire_total_bytes"] / 1e6),
+    ("server_tflops", lambda r: None if r.get("server_flops_total") is None else r["server_flops_total"] / 1e12),
+    ("wall_min", lambda r: r["run_wall_time_s"] / 60 if r.get("run_wall_time_s") is not None else None),
+    ("cpu_min", lambda r: r["run_cpu_s"] / 60 if r.get("run_cpu_s") is not None else None),
+)
+
+
+def _by_round(seeds: Sequence[dict[str, Any]], read: Any) -> list[dict[str, Any]]:
+    """Per round, ``mean_sd`` over the seeds of ``read(round)`` (None where not evaluated)."""
+    length = max(len(r["rounds"]) for r in seeds)
+    return [{"round": i + 1, **mean_sd(read(r["rounds"][i]) if i < len(r["rounds"]) else None for r in seeds)} for i in range(length)]
+
+
+def cells(results: Mapping[str, Any]) -> dict[str, Any]:
+    """Mean ± sd over seeds of every figure of every cell (run name), of every evaluation label's
+    final accuracy, and of the accuracy (global, local, every label) and wire bytes by round."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for r in results.values():
+        by_name.setdefault(r["name"], []).append(r)
+    out: dict[str, Any] = {}
+    for run_name, seeds in sorted(by_name.items()):
+        seeds = sorted(seeds, key=lambda r: r["seed"])
+        cell: dict[str, Any] = {"partition": seeds[0]["partition"], "method_name": seeds[0]["method_name"], "method": seeds[0]["method"],
+                                "seeds": [r["seed"] for r in seeds], "n": len(seeds)}
+        for figure, read in CELL_FIGURES:
+            cell[figure] = mean_sd(read(r) for r in seeds)
+        labels = sorted({label for r in seeds for where in ("global", "local") for label in r["final_by_label"][where]})
+        cell["final_by_label"] = {where: {label: mean_sd(r["final_by_label"][where].get(label) for r in seeds) for label in labels}
+                                  for where in ("global", "local")}
+        cell["labels"] = {k: v for r in seeds for k, v in (r["final_by_label"].get("labels") or {}).items()}
+        cell["accuracy_by_round"] = _by_round(seeds, lambda x: x["accuracy"])
+        cell["local_accuracy_by_round"] = _by_round(seeds, lambda x: x["local_accuracy"])
+        cell["label_accuracy_by_round"] = {
+            where: {label: _by_round(seeds, lambda x, w=where, lb=label: (x["by_label"].get(w) or {}).get(lb)) for label in labels}
+            for where in ("global", "local")}
+        cell["cumulative_wire_mb_by_round"] = [
+            None if s["mean"] is None else s["mean"] / 1e6 for s in _by_round(seeds, lambda x: x["cumulative_wire"])]
+        out[run_name] = cell
+    return out
+
+
+def first_round_reaching(curve: Sequence[Mapping[str, Any]], target: float | None) -> int | None:
+    """The first round whose mean (over seeds) reaches ``target``; None if none does."""
+    if target is None:
+        return None
+    return next((int(p["round"]) for p in curve if p.get("mean") is not None and p["mean"] >= target), None)
+
+
+def versus_fedavg(cell_table: Mapping[str, Any], partitions: Sequence[str]) -> dict[str, Any]:
+    """Every method minus FedAvg(ResNet-8), per partition, global and local (the difference rule),
+    and the first round at which its mean curve reaches FedAvg's final mean (FedDistill Table III)."""
+    out: dict[str, Any] = {}
+    for name in METHODS:
+        if name == "fedavg":
+            continue
+        for key in partitions:
+            mine, avg = cell_table.get(f"{name}-{key}"), cell_table.get(f"fedavg-{key}")
+            if mine is None or avg is None:
+                continue
+            out.setdefault(name, {})[key] = {
+                "global": comparison(mine["final_accuracy"], avg["final_accuracy"]),
+                "local": comparison(mine["final_local_accuracy"], avg["final_local_accuracy"]),
+                "fedavg_final_mean": avg["final_accuracy"]["mean"],
+                "rounds_to_fedavg_final": first_round_reaching(mine["accuracy_by_round"], avg["final_accuracy"]["mean"]),
+                "fedavg_rounds": len(avg["accuracy_by_round"]),
+            }
+    return out
+
+
+def claims(cell_table: Mapping[str, Any], partitions: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per claim and partition where both cells exist: the figures and the verdict."""
+    rows = []
+    for c in CLAIMS:
+        for key in c.partitions:
+            if key not in partitions:
+                continue
+            mine, base = cell_table.get(f"{c.method}-{key}"), cell_table.get(f"{c.baseline}-{key}")
+            if mine is None or base is None:
+                continue
+            judged = verdict(mine["final_accuracy"], base["final_accuracy"], c.kind,
+                             *((mine["wire_mb"], base["wire_mb"]) if c.fewer_bytes else (None, None)), chance=1 / NUM_CLASSES)
+            rows.append({"method": c.method, "label": METHODS[c.method][1], "baseline": c.baseline,
+                         "baseline_label": METHODS[c.baseline][1], "partition": key, "kind": c.kind, "claim": c.claim,
+                         "source": c.source, "paper_regime": c.regime, "figure": "final global accuracy",
+                         "method_accuracy": mine["final_accuracy"], "baseline_accuracy": base["final_accuracy"], **judged})
+    return rows
+
+
+def fedkd_view(cell_table: Mapping[str, Any], partitions: Sequence[str]) -> dict[str, Any]:
+    """FedKD as its paper evaluates it: the mentors (each agent's, the model it infers with) on
+    the global set and on their own shards next to the global mentee; and accuracy against
+    cumulative wire bytes, with FedAvg of the mentor-sized model and of the mentee-sized one."""
+    out: dict[str, Any] = {}
+    for key in partitions:
+        kd = cell_table.get(f"fedkd-{key}")
+        if kd is None:
+            continue
+        big, small = cell_table.get(f"fedavg-resnet20-{key}"), cell_table.get(f"fedavg-{key}")
+        entry: dict[str, Any] = {
+            "mentors_global": kd["final_accuracy"], "mentors_local": kd["final_local_accuracy"],
+            "mentee_global": kd["final_by_label"]["global"].get("mentee"), "mentee_local": kd["final_by_label"]["local"].get("mentee"),
+            "fedkd_wire_mb": kd["wire_mb"],
+            "fedavg_resnet20_global": None if big is None else big["final_accuracy"],
+            "fedavg_resnet20_wire_mb": None if big is None else big["wire_mb"],
+            "fedavg_resnet8_global": None if small is None else small["final_accuracy"],
+            "fedavg_resnet8_wire_mb": None if small is None else small["wire_mb"],
+        }
+        target = None if big is None else big["final_accuracy"]["mean"]
+        curves = {"fedkd mentors": (kd, kd["accuracy_by_round"]),
+                  "fedkd mentee": (kd, kd["label_accuracy_by_round"]["global"].get("mentee") or [])}
+        if big is not None:
+            curves["fedavg resnet20"] = (big, big["accuracy_by_round"])
+        if small is not None:
+            curves["fedavg resnet8"] = (small, small["accuracy_by_round"])
+        entry["curves"] = {}
+        entry["wire_mb_to_fedavg_resnet20_final"] = {}
+        for label, (cell, curve) in curves.items():
+            points = [{"round": p["round"], "cumulative_wire_mb": w, "accuracy": p["mean"], "sd": p["sd"]}
+                      for p, w in zip(curve, cell["cumulative_wire_mb_by_round"]) if p["mean"] is not None]
+            entry["curves"][label] = points
+            reached = first_round_reaching(curve, target)
+            entry["wire_mb_to_fedavg_resnet20_final"][label] = (
+                None if reached is None else {"round": reached, "wire_mb": cell["cumulative_wire_mb_by_round"][reached - 1]})
+        out[key] = entry
+    return out
+
+
+def gains(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per method, its mean gain over the baseline by partition (FedGKD: largest at the strongest skew?)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for r in rows:
+        out.setdefault(r["method"], {})[r["partition"]] = r["mean_difference"]
+    return out
+
+
+# -- the budget ------------------------------------------------------------------------------------ #
+
+#: Seconds one run took in the pilot (one seed, Dirichlet(0.1), every round; PILOT_NOTE).
+PILOT_S: dict[str, float] = {}
+PILOT_NOTE = "not measured yet"
+
+
+def projection(results: Mapping[str, Any], scale: Scale) -> dict[str, Any]:
+    """Minutes the whole grid takes: per cell, the mean wall time of its recorded seeds (else the
+    pilot's seconds of its method) times the scale's seeds, summed."""
+    walls: dict[str, list[float]] = {}
+    for r in results.values():
+        if r.get("run_wall_time_s") is not None:
+            walls.setdefault(r["name"], []).append(float(r["run_wall_time_s"]))
+    total_s, from_pilot, missing = 0.0, [], []
+    for key, name, run in plan(scale):
+        if run.name in walls:
+            total_s += sum(walls[run.name]) / len(walls[run.name]) * len(scale.seeds)
+        elif name in PILOT_S:
+            total_s += PILOT_S[name] * len(scale.seeds)
+            from_pilot.append(run.name)
+        else:
+            missing.append(run.name)
+    return {"minutes": total_s / 60, "cells_from_pilot": from_pilot, "cells_unknown": missing,
+            "pilot_s_per_run": dict(PILOT_S), "pilot": PILOT_NOTE}
+
+
+# -- recording, merging ---------------------------------------------------------------------------- #
+
+
+def scale_folder(run_dir: Path, scale: Scale) -> Path:
+    k = scale.key()
+    return run_dir / "{name}-{agents}x-C{client_fraction}-{train_samples}-{test_samples}-r{rounds}-e{local_epochs}".format(**k)
+
+
+def previous_runs(out: Path, run_root: Path, scale: Scale) -> dict[str, Any]:
+    """Runs of this scale recorded before, in ``out`` and in the runs' ``summary.json`` (the
+    newer wins; each summarised again from its report, keeping what only the run measured)."""
+    found: dict[str, Any] = {}
+    if out.exists():
+        previous = json.loads(out.read_text())
+        if previous.get("scale", {}).get("key") == scale.key():
+            found.update(previous["runs"])
+    specs = {run.name: (key, name, run) for key, name, run in plan(scale)}
+    for path in sorted(run_root.glob("*/summary.json")):
+        summary = json.loads(path.read_text())
+        if summary.get("scale") != scale.key():
+            continue
+        run = dict(summary["run"])
+        report_path = path.parent / "report.json"
+        if report_path.exists() and run.get("name") in specs:
+            key, name, spec = specs[run["name"]]
+            run.update(summarize(key, name, spec, run["seed"], json.loads(report_path.read_text())))
+        found[path.parent.name] = run
+    return found
+
+
+def document(results: dict[str, Any], scale: Scale, planned_seeds: Sequence[int] | None, generated_by: str) -> dict[str, Any]:
+    seeds = sorted({r["seed"] for r in results.values()})
+    names = {run.name for _, _, run in plan(scale)}
+    wanted = planned_seeds if planned_seeds is not None else scale.seeds
+    complete = {run_key(n, s) for n in names for s in wanted} <= set(results) and len(seeds) >= len(scale.seeds)
+    elapsed, elapsed_is = elapsed_s(results)
+    cell_table = cells(results)
+    rows = claims(cell_table, scale.partitions)
+    eval_set, same_set = eval_set_of(results)
+    check = budget(elapsed, scale.budget_minutes, complete, True)
+    return {
+        "benchmark": "kd_methods",
+        "description": "FedGKD, FedGKD-Vote, FedDistill, FedBE and FedKD against their papers' claims vs FedAvg, in the papers' "
+                       "regime sized for 2 CPU cores (many agents, partial participation, Dirichlet 0.1 / 0.5 and IID, tens of "
+                       "rounds, ResNet-8 / ResNet-20), mean ± sd over seeds.",
+        "scale": {
+            "key": scale.key(), "name": scale.name, "dataset": scale.dataset, "agents": scale.agents,
+            "client_fraction": scale.client_fraction, "agents_per_round": max(1, math.ceil(scale.client_fraction * scale.agents)),  # cloud_server/agents.py
+            "train_samples": scale.train_samples, "train_samples_per_agent": scale.train_samples / scale.agents,
+            "test_samples": scale.test_samples, "rounds": scale.rounds, "eval_every": scale.eval_every,
+            "local_epochs": scale.local_epochs, "local_training": {**LOCAL, "local_epochs": scale.local_epochs},
+            "model": MODEL, "mentor": MENTOR, "partitions": {k: PARTITIONS[k] for k in scale.partitions},
+            "methods": {name: {"method": m, "label": label, "method_config": method_config(name, scale)}
+                        for name, (m, label) in METHODS.items()},
+            "seeds": seeds, "planned_seeds": list(scale.seeds), "seed_drives": "the data subset, the partition, every model's initialisation, the client sampling "
+                                          "and the shuffling",
+            "complete": complete,
+            "accuracy_is": {
+                "global": "the deployed model(s) on the balanced evaluation set (eval_set), after the last round: the global "
+                          "model (FedAvg, FedGKD, FedDistill, FedBE); FedKD: each agent's mentor, the mean over the round's "
+                          "agents (the mentee beside it, labelled)",
+                "local": "each of the round's agents' deployed model on its own test shard, sample-weighted (with partial "
+                         "participation: the last evaluated round's agents only)",
+            },
+        },
+        "eval_set": eval_set,
+        "eval_set_same_for_every_run": same_set,
+        "budget": {**check, "projected": projection(results, scale), "wall_time_is": elapsed_is},
+        "difference_rule": DIFFERENCE_RULE,
+        "verdict_rule": {"above": "holds: above the baseline by more than the two sds combined; fails: below by more than that; "
+                                  "within noise: otherwise",
+                         "at_chance": f"no verdict when both means are below chance (1/{NUM_CLASSES}) + {CHANCE_MARGIN}",
+                         "not_below": "holds unless below the baseline by more than the two sds combined (and, for a claim of "
+                                      "fewer bytes, only with fewer mean wire bytes)"},
+        "claims": rows,
+        "gains_over_baseline": gains(rows),
+        "versus_fedavg": versus_fedavg(cell_table, scale.partitions),
+        "fedkd": fedkd_view(cell_table, scale.partitions),
+        "cells": cell_table,
+        "machine": machine(),
+        "runs": results,
+        "generated_by": generated_by,
+    }
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="synthetic data, every method, 2 seeds: the pipeline check (< 1 min)")
+    parser.add_argument("--seeds", type=parse_seeds, help="comma-separated seeds (default: the scale's, 0,1,2)")
+    parser.add_argument("--only", nargs="*", help="run only these runs (e.g. fedgkd-dir0.1), every seed of --seeds")
+    parser.add_argument("--collect", action="store_true", help="run nothing: write the JSON from the runs recorded before")
+    parser.add_argument("--merge", action="store_true", help="also keep the runs of this scale recorded before")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the runs whose summary.json is already in --run-dir (implies --merge): an interrupted grid goes on")
+    parser.add_argument("--out", type=Path, help="default: bench/results/kd_methods.json (--quick: in --run-dir)")
+    parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "kd_methods")
+    args = parser.parse_args(argv)
+    quiet_logs()
+    scale = SCALES["quick" if args.quick else "full"]
+    if args.out is None:
+        args.out = args.run_dir / "kd_methods-quick.json" if args.quick else RESULTS / "kd_methods.json"
+    seeds = args.seeds if args.seeds is not None else list(scale.seeds)
+    runs = plan(scale)
+    names = {run.name for _, _, run in runs}
+    unknown = sorted(set(args.only or ()) - names)
+    if unknown:
+        parser.error(f"--only: no runs named {unknown}; the runs are {sorted(names)}")
+    run_root = scale_folder(args.run_dir, scale)
+    results: dict[str, Any] = {}
+    for seed in seeds:
+        for key, name, run in runs:
+            if args.collect or (args.only and run.name not in args.only):
+                continue
+            if args.resume and (run_root / run_key(run.name, seed) / "summary.json").exists():
+                continue
+            data = DataSpec(scale.dataset, PARTITIONS[key], scale.agents, scale.train_samples, scale.test_samples, seed=seed)
+            load_before = list(os.getloadavg())
+            print(f"== {run.name} seed {seed} ({data.partition}, {scale.agents} agents, C = {scale.client_fraction}, "
+                  f"{scale.rounds} rounds)", flush=True)
+            started, cpu_started = time.monotonic(), _cpu_s()
+            report = run_federation(run, data, run_root / run_key(run.name, seed))
+            # CPU seconds of this process (server, agents) beside the wall time: on a machine shared
+            # with other jobs the wall time grows with their load, the CPU time much less.
+            done = {**summarize(key, name, run, seed, report), "run_wall_time_s": time.monotonic() - started,
+                    "run_cpu_s": _cpu_s() - cpu_started, "finished_at": time.time(),
+                    "load_average_before": load_before, "load_average_after": list(os.getloadavg())}
+            results[run_key(run.name, seed)] = done
+            # Kept next to its report: an interrupted grid (or another invocation with --merge) keeps it.
+            write_json(run_root / run_key(run.name, seed) / "summary.json", {"scale": scale.key(), "run": done})
+            print(f"   global {done['final_accuracy']}, local {done['final_local_accuracy']}, "
+                  f"{done['run_wall_time_s']:.0f} s", flush=True)
+    if args.merge or args.collect or args.resume:
+        results = {**previous_runs(args.out, run_root, scale), **results}
+    if not results:
+        parser.error("no runs made or recorded for this scale")
+    merged = args.merge or args.collect or args.resume
+    doc = document(results, scale, None if merged else seeds, "bench/kd_methods.py" + (" --quick" if args.quick else "")
+                   + (" (runs merged with --merge / --collect / --resume)" if merged else ""))
+    write_json(args.out, doc)
+    for row in doc["claims"]:
+        m, b = row["method_accuracy"], row["baseline_accuracy"]
+        print(f"{row['method']:12s} {row['partition']:7s} {100 * (m['mean'] or 0):5.1f} vs {row['baseline']} "
+              f"{100 * (b['mean'] or 0):5.1f}: {row['verdict']}")
+    check = doc["budget"]
+    print(f"total {check['wall_time_min']:.1f} min for {len(results)} runs; projected {check['projected']['minutes']:.0f} min for "
+          f"the grid: {check['verdict']} of {scale.budget_minutes:.0f} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

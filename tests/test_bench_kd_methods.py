@@ -1,0 +1,173 @@
+"""bench/kd_methods.py (issue 24): the verdict on a paper's claim from hand-made numbers, the
+claim table computed from the cells, the quick mode end to end on synthetic data (every method,
+two seeds, a real broker), and what bench/render_results.py makes of the JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_bench_baselines import RESULTS, load
+
+
+def s(mean: float, sd: float, n: int = 3) -> dict[str, Any]:
+    return {"mean": mean, "sd": sd, "n": n, "values": []}
+
+
+def test_verdict_holds_within_noise_fails_by_the_difference_rule() -> None:
+    kd = load("kd_methods")
+    fedavg = s(0.60, 0.02)
+    # Above by 0.05 > 0.02 + 0.02: holds.
+    assert kd.verdict(s(0.65, 0.02), fedavg, "above")["verdict"] == "holds"
+    # Above by 0.03 < 0.02 + 0.02: within noise; below by 0.03 likewise.
+    assert kd.verdict(s(0.63, 0.02), fedavg, "above")["verdict"] == "within noise"
+    assert kd.verdict(s(0.57, 0.02), fedavg, "above")["verdict"] == "within noise"
+    # Exactly the two sds apart is no difference (bench/_stats.py's own example).
+    assert kd.verdict(s(0.60, 0.03), s(0.55, 0.02), "above")["verdict"] == "within noise"
+    # Below by 0.10 > 0.04: fails, with the figures behind it.
+    low = kd.verdict(s(0.50, 0.02), fedavg, "above")
+    assert low["verdict"] == "fails" and low["mean_difference"] == pytest.approx(-0.10) and low["combined_sd"] == pytest.approx(0.04)
+    # A wide spread turns the same means into noise.
+    assert kd.verdict(s(0.65, 0.04), s(0.60, 0.03), "above")["verdict"] == "within noise"
+    # "Not below" (FedKD: comparable accuracy): within noise holds, clearly below fails.
+    assert kd.verdict(s(0.58, 0.02), fedavg, "not_below")["verdict"] == "holds"
+    assert kd.verdict(s(0.50, 0.02), fedavg, "not_below")["verdict"] == "fails"
+    # ... and at fewer bytes only: the same accuracy with more bytes fails.
+    fewer = kd.verdict(s(0.60, 0.02), fedavg, "not_below", s(1.0, 0.0), s(20.0, 0.0))
+    assert fewer["verdict"] == "holds" and fewer["bytes_fraction"] == pytest.approx(0.05)
+    assert kd.verdict(s(0.60, 0.02), fedavg, "not_below", s(30.0, 0.0), s(20.0, 0.0))["verdict"] == "fails"
+    # Both at chance (10 classes): no verdict, even when three seeds at exactly 10 % have sd 0.
+    assert kd.verdict(s(0.104, 0.0), s(0.10, 0.0), "above", chance=0.1)["verdict"] == "at chance"
+    assert kd.verdict(s(0.104, 0.0), s(0.10, 0.0), "above")["verdict"] == "holds"  # what the rule alone would say
+    assert kd.verdict(s(0.30, 0.01), s(0.10, 0.0), "above", chance=0.1)["verdict"] == "holds"
+    # One seed: no sd, no verdict either way.
+    assert kd.verdict({"mean": 0.9, "sd": None, "n": 1}, fedavg, "above")["verdict"] == "too few seeds"
+    with pytest.raises(ValueError):
+        kd.verdict(fedavg, fedavg, "better")
+
+
+def summary(kd: Any, name: str, partition: str, seed: int, accuracies: list[float], wire_mb: float = 10.0,
+            mentee: float | None = None) -> dict[str, Any]:
+    """A run as bench/kd_methods.py summarises it (what cells() reads)."""
+    rounds = []
+    for i, acc in enumerate(accuracies, 1):
+        glob = {"model": acc} | ({"mentee": mentee} if mentee is not None else {})
+        rounds.append({"round": i, "status": "ok", "accuracy": acc, "local_accuracy": acc + 0.1,
+                       "by_label": {"global": glob, "local": {k: v + 0.1 for k, v in glob.items()}},
+                       "wire": wire_mb * 1e6 / len(accuracies), "cumulative_wire": wire_mb * 1e6 * i / len(accuracies),
+                       "edge_train_flops": 10**12, "round_s": 1.0, "participants": 4, "server_flops": None})
+    return {"partition": partition, "name": f"{name}-{partition}", "method_name": name, "method": kd.METHODS[name][0],
+            "seed": seed, "status": "finished", "final_accuracy": accuracies[-1], "final_local_accuracy": accuracies[-1] + 0.1,
+            "best_accuracy": max(accuracies), "final_by_label": {**rounds[-1]["by_label"], "labels": {}},
+            "edge_train_flops_total": 10**12 * len(accuracies), "wire_total_bytes": wire_mb * 1e6, "server_flops_total": None,
+            "run_wall_time_s": 60.0, "finished_at": 1000.0 * (seed + 1), "rounds": rounds}
+
+
+def test_the_claim_table_is_computed_from_the_cells() -> None:
+    kd = load("kd_methods")
+    runs = {}
+    finals = {  # name -> final accuracy per seed at Dirichlet(0.1)
+        "fedavg": [0.50, 0.52, 0.54], "fedgkd": [0.60, 0.62, 0.64], "fedgkd-vote": [0.51, 0.53, 0.55],
+        "feddistill": [0.40, 0.42, 0.44], "fedbe": [0.58, 0.60, 0.62], "fedavg-resnet20": [0.55, 0.57, 0.59],
+        "fedkd": [0.54, 0.56, 0.58],
+    }
+    for name, values in finals.items():
+        for seed, final in enumerate(values):
+            wire = 1.0 if name == "fedkd" else 20.0
+            runs[f"{name}-dir0.1-seed{seed}"] = summary(kd, name, "dir0.1", seed, [0.2, final], wire, 0.3 if name == "fedkd" else None)
+    cells = kd.cells(runs)
+    assert cells["fedgkd-dir0.1"]["final_accuracy"]["mean"] == pytest.approx(0.62)
+    assert cells["fedgkd-dir0.1"]["final_accuracy"]["sd"] == pytest.approx(0.02)
+    rows = {r["method"]: r for r in kd.claims(cells, ["dir0.1"])}
+    assert set(rows) == {"fedgkd", "fedgkd-vote", "feddistill", "fedbe", "fedkd"}
+    assert rows["fedgkd"]["verdict"] == "holds" and rows["fedgkd"]["mean_difference"] == pytest.approx(0.10)
+    assert rows["fedgkd-vote"]["verdict"] == "within noise"
+    assert rows["feddistill"]["verdict"] == "fails"
+    assert rows["fedbe"]["verdict"] == "holds"
+    assert rows["fedkd"]["baseline"] == "fedavg-resnet20" and rows["fedkd"]["verdict"] == "holds"
+    assert rows["fedkd"]["bytes_fraction"] == pytest.approx(0.05)
+    # The same table with FedDistill's numbers raised: its verdict follows the numbers.
+    for seed in range(3):
+        runs[f"feddistill-dir0.1-seed{seed}"] = summary(kd, "feddistill", "dir0.1", seed, [0.2, 0.70 + 0.02 * seed])
+    assert {r["method"]: r for r in kd.claims(kd.cells(runs), ["dir0.1"])}["feddistill"]["verdict"] == "holds"
+    # Rounds to FedAvg's final accuracy (FedDistill's Table III measure), and FedKD's bytes-to-accuracy view.
+    versus = kd.versus_fedavg(kd.cells(runs), ["dir0.1"])
+    assert versus["fedgkd"]["dir0.1"]["rounds_to_fedavg_final"] == 2 and versus["fedgkd"]["dir0.1"]["global"]["differ"] is True
+    view = kd.fedkd_view(cells, ["dir0.1"])["dir0.1"]
+    assert view["mentee_global"]["mean"] == pytest.approx(0.3) and view["mentors_global"]["mean"] == pytest.approx(0.56)
+    assert view["wire_mb_to_fedavg_resnet20_final"]["fedkd mentors"] is None  # 0.56 < FedAvg(ResNet-20)'s 0.57
+    assert view["wire_mb_to_fedavg_resnet20_final"]["fedavg resnet20"] == {"round": 2, "wire_mb": pytest.approx(20.0)}
+
+
+def test_the_page_renders_the_claim_table_from_the_json(tmp_path: Path) -> None:
+    kd, render = load("kd_methods"), load("render_results")
+    runs = {}
+    for name in kd.METHODS:
+        for seed in range(3):
+            runs[f"{name}-dir0.1-seed{seed}"] = summary(kd, name, "dir0.1", seed, [0.2, 0.5 + 0.01 * seed + (0.1 if name == "fedgkd" else 0)],
+                                                         mentee=0.3 if name == "fedkd" else None)
+    doc = kd.document(runs, kd.SCALES["full"], None, "bench/kd_methods.py (test)")
+    doc["eval_set"] = {"dataset": "fashion-mnist", "split": "test", "samples": 1000, "seed": 0, "ids_sha256": "ab" * 32,
+                       "class_counts": [100] * 10}
+    text = "\n".join(render.kd_methods_section(doc))
+    assert "## The KD methods against their papers' claims (issue 24)" in text
+    assert "**Incomplete:**" in text  # only Dirichlet(0.1) was recorded
+    fedgkd = next(r for r in doc["claims"] if r["method"] == "fedgkd" and r["partition"] == "dir0.1")
+    assert fedgkd["verdict"] == "holds"
+    line = next(l for l in text.splitlines() if l.startswith("| FedGKD (ResNet-8, M = 5) | above FedAvg"))
+    assert "Dirichlet(0.1)" in line and "61.0 ± 1.0%" in line and "51.0 ± 1.0%" in line and "+10.0 (2.0)" in line and "**holds**" in line
+    assert "FedKD's global mentee" in text and "MB to FedAvg(ResNet-20)'s final" in text
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+def test_quick_mode_runs_every_method_with_two_seeds_in_under_a_minute(tmp_path: Path) -> None:
+    kd = load("kd_methods")
+    out = tmp_path / "kd.json"
+    started = time.monotonic()
+    assert kd.main(["--quick", "--out", str(out), "--run-dir", str(tmp_path / "runs")]) == 0
+    took = time.monotonic() - started
+    data = json.loads(out.read_text())
+    scale = data["scale"]
+    assert scale["name"] == "quick" and scale["dataset"] == "synthetic" and scale["complete"] and scale["seeds"] == [0, 1]
+    names = {f"{m}-{p}" for m in kd.METHODS for p in scale["partitions"]}
+    assert set(data["runs"]) == {f"{n}-seed{seed}" for n in names for seed in (0, 1)}
+    for run in data["runs"].values():
+        assert run["status"] == "finished" and len(run["rounds"]) == scale["rounds"] and run["final_accuracy"] is not None
+        assert all(r["participants"] == 2 for r in run["rounds"])  # client_fraction 0.5 of 4 agents
+    assert all(c["n"] == 2 and c["final_accuracy"]["sd"] is not None for c in data["cells"].values())
+    # FedKD: the mentors are the headline, the mentee is beside them, on both sets.
+    fedkd = data["cells"]["fedkd-dir0.1"]
+    assert {"model", "mentee"} <= set(fedkd["final_by_label"]["global"]) and {"model", "mentee"} <= set(fedkd["final_by_label"]["local"])
+    assert data["fedkd"]["dir0.1"]["curves"]["fedavg resnet20"]
+    # Every verdict is the verdict function's on the JSON's own numbers.
+    assert {r["method"] for r in data["claims"]} == {"fedgkd", "fedgkd-vote", "feddistill", "fedbe", "fedkd"}
+    for row in data["claims"]:
+        mine, base = data["cells"][f"{row['method']}-{row['partition']}"], data["cells"][f"{row['baseline']}-{row['partition']}"]
+        assert row["method_accuracy"] == mine["final_accuracy"] and row["baseline_accuracy"] == base["final_accuracy"]
+        again = kd.verdict(mine["final_accuracy"], base["final_accuracy"], row["kind"],
+                           *((mine["wire_mb"], base["wire_mb"]) if row["method"] == "fedkd" else (None, None)), chance=0.1)
+        assert row["verdict"] == again["verdict"] in kd.VERDICTS
+    assert data["budget"]["projected"]["minutes"] > 0 and data["budget"]["complete"]
+    # --collect writes the same runs from their summaries.
+    assert kd.main(["--quick", "--collect", "--out", str(tmp_path / "again.json"), "--run-dir", str(tmp_path / "runs")]) == 0
+    assert set(json.loads((tmp_path / "again.json").read_text())["runs"]) == set(data["runs"])
+    assert took < 60, f"the quick mode took {took:.0f} s"
+
+
+def test_the_recorded_json_is_what_the_bench_makes_of_its_runs() -> None:
+    path = RESULTS / "kd_methods.json"
+    if not path.exists():
+        pytest.skip("bench/results/kd_methods.json not recorded yet: run bench/kd_methods.py")
+    kd = load("kd_methods")
+    data = json.loads(path.read_text())
+    assert data["generated_by"].startswith("bench/kd_methods.py") and data["scale"]["key"] == kd.SCALES["full"].key()
+    assert all(key == f"{r['name']}-seed{r['seed']}" for key, r in data["runs"].items())
+    # The cells and the claim table are recomputed from the recorded runs, never typed in.
+    cells = kd.cells(data["runs"])
+    assert json.loads(json.dumps(cells)) == data["cells"]
+    assert json.loads(json.dumps(kd.claims(cells, list(data["scale"]["partitions"])))) == data["claims"]

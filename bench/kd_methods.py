@@ -90,7 +90,8 @@ class Scale:
 
     def key(self) -> dict[str, Any]:
         """What a run is recorded under: runs of another key are never merged with these."""
-        return {k: v for k, v in asdict(self).items() if k not in ("seeds", "budget_minutes", "partitions")}
+        return {**{k: v for k, v in asdict(self).items() if k not in ("seeds", "budget_minutes", "partitions")},
+                "model": MODEL, "mentor": MENTOR}
 
 
 SCALES = {
@@ -114,8 +115,12 @@ SCALES = {
 # 60 % of the rounds, batch 40, weight decay searched in [1e-3, 1e-4]. Local epochs: the papers'
 # 20 (FedGKD, FedBE) and 10 (FedDistill) do not fit 2 cores; the scale sets them (the budget above).
 LOCAL = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-5, "batch_size": BATCH}
-MODEL = "resnet8"  # FedGKD's CIFAR model (Sec. 5.1, Table 5)
-MENTOR = "resnet20"  # FedKD's mentor here; FedBE's Table 1/5 model; FedAvg of it is FedKD's baseline
+# FedGKD's CIFAR model (Sec. 5.1, Table 5) is a ResNet-8 with GroupNorm in place of BatchNorm
+# ("BN fails on heterogeneous training data"); measured here, the BatchNorm ResNet-8's averaged
+# model stays at chance on the balanced set at Dirichlet(0.1) (FedAvg, 12 and 20 rounds, SGD
+# 0.01 / 0.05 / 0.1 and Adam 0.001: 10.0-13.8 %) while its agents reach 49 % on their own shards.
+MODEL = "resnet8_gn"
+MENTOR = "resnet20_gn"  # FedKD's mentor here; FedBE's Table 1/5 model size; FedAvg of it is FedKD's baseline
 
 #: The runs of one partition and seed, by name: (method, label, what the run is).
 METHODS: dict[str, tuple[str, str]] = {
@@ -245,6 +250,44 @@ def _last(series: Sequence[dict[str, Any]], read: Any) -> Any:
     return values[-1] if values else None
 
 
+def honest_screening(report: Mapping[str, Any]) -> dict[str, Any]:
+    """What the default plausibility checks (cloud_server/robust.py) did to these honest agents:
+    uploads refused (by reason) and the largest ratio of an agent's update norm to the median of
+    the round's other agents' (``robustness.update_norms``; rounds with three or more agents)."""
+    refused: dict[str, int] = {}
+    ratios: list[float] = []
+    for record in report["rounds"]:
+        section = record.get("robustness") or {}
+        for reasons in section.get("refused", {}).values():
+            for reason, entry in reasons.items():
+                refused[reason] = refused.get(reason, 0) + int(entry["count"])
+        norms = (section.get("update_norms") or {}).get("agents") or {}
+        for agent, norm in norms.items():
+            others = sorted(v for a, v in norms.items() if a != agent)
+            if len(others) >= 2 and others[len(others) // 2] > 0:
+                median = others[len(others) // 2] if len(others) % 2 else (others[len(others) // 2 - 1] + others[len(others) // 2]) / 2
+                ratios.append(norm / median)
+    return {"refused": refused, "refused_total": sum(refused.values()), "update_norm_peer_ratio_max": max(ratios) if ratios else None,
+            "update_norms_judged": len(ratios)}
+
+
+def screening_total(results: Mapping[str, Any]) -> dict[str, Any]:
+    """Over every run (all agents honest): uploads the default plausibility checks refused, and
+    the largest update-norm ratio to the other agents' median, per partition."""
+    out: dict[str, Any] = {"refused_total": 0, "by_partition": {}}
+    for r in results.values():
+        screened = r.get("screening")
+        if not screened:
+            continue
+        out["refused_total"] += screened["refused_total"]
+        part = out["by_partition"].setdefault(r["partition"], {"refused": 0, "update_norms_judged": 0, "update_norm_peer_ratio_max": None})
+        part["refused"] += screened["refused_total"]
+        part["update_norms_judged"] += screened["update_norms_judged"]
+        if screened["update_norm_peer_ratio_max"] is not None:
+            part["update_norm_peer_ratio_max"] = max(part["update_norm_peer_ratio_max"] or 0.0, screened["update_norm_peer_ratio_max"])
+    return out
+
+
 def summarize(partition: str, name: str, run: RunSpec, seed: int, report: dict[str, Any]) -> dict[str, Any]:
     """One seed of one cell: final accuracies (every label the evaluation scored), costs, and
     the round series (global and local accuracy by label, wire bytes, FLOPs)."""
@@ -272,6 +315,7 @@ def summarize(partition: str, name: str, run: RunSpec, seed: int, report: dict[s
         "edge_train_flops_total": totals["edge_train_flops"], "wire_total_bytes": totals["wire_total"],
         "server_flops_total": sum(server_flops) if server_flops else None,
         "wall_time_s": totals["wall_time_s"], "eval_set": report.get("eval_set"),
+        "screening": honest_screening(report),
         "rounds": rounds,
     }
 
@@ -520,6 +564,7 @@ def document(results: dict[str, Any], scale: Scale, planned_seeds: Sequence[int]
                          "not_below": "holds unless below the baseline by more than the two sds combined (and, for a claim of "
                                       "fewer bytes, only with fewer mean wire bytes)"},
         "claims": rows,
+        "honest_screening": screening_total(results),
         "gains_over_baseline": gains(rows),
         "versus_fedavg": versus_fedavg(cell_table, scale.partitions),
         "fedkd": fedkd_view(cell_table, scale.partitions),

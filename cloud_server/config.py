@@ -91,7 +91,7 @@ class ServerConfig:
     clip_update_norm: float = 0.0  # 0: off
     plausibility_checks: bool = True
     plausible_global_ratio: float = 10.0
-    plausible_peer_ratio: float = 5.0
+    plausible_peer_ratio: float = 50.0
     plausible_mad: float = 6.0
     feature_abs_limit: float = 1.0e4
     logit_abs_limit: float = 1.0e4

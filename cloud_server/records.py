@@ -333,7 +333,8 @@ def memory_growth_warnings(rounds: Sequence[RoundRecord]) -> list[dict[str, Any]
     by_agent: dict[str, list[tuple[int, int]]] = {}
     for record in rounds:
         for agent, costs in record.per_agent.items():
-            by_agent.setdefault(agent, []).append((record.round, costs.peak_rss_bytes))
+            if costs.peak_rss_per_round:  # a lifetime peak (agents sharing a process) rises by nature
+                by_agent.setdefault(agent, []).append((record.round, costs.peak_rss_bytes))
     warnings: list[dict[str, Any]] = []
     for agent, series in sorted(by_agent.items()):
         peaks = [p for _, p in series]

@@ -122,7 +122,7 @@ class RobustnessConfig:
     clip_update_norm: float = 0.0  # 0: no clipping
     plausibility_checks: bool = True
     plausible_global_ratio: float = 10.0
-    plausible_peer_ratio: float = 5.0
+    plausible_peer_ratio: float = 50.0
     plausible_mad: float = 6.0
     feature_abs_limit: float = 1.0e4  # FedGKT feature maps: |H| above this is out of range
     logit_abs_limit: float = 1.0e4  # FedGKT edge logits: |z_c| above this is out of range
@@ -303,6 +303,7 @@ def screen_uploads(round_: int, used: dict[str, Any], excluded: dict[str, str], 
     quarantined agent's is judged but not used. Returns ``used`` without them."""
     if cfg.plausibility_checks and used:
         norms, reference = measure()
+        ledger.norms(round_, norms, reference)
         for agent, (reason, detail) in implausible_norms(norms, reference, cfg).items():
             ledger.refuse(round_, agent, reason, detail)
             excluded[agent] = f"{reason}: {detail}"
@@ -363,6 +364,8 @@ class _RoundEntry:
     aggregation: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     quarantine_excluded: list[str] = field(default_factory=list)
+    update_norms: dict[str, float] = field(default_factory=dict)  # agent -> its update's L2 norm, as screened
+    reference_norm: float = 0.0  # the global model's norm the updates were screened against (0: none)
 
 
 class RobustnessLedger:
@@ -386,6 +389,14 @@ class RobustnessLedger:
             by_reason[reason] = {"count": 0, "detail": detail}
             log.warning("round %d: refused %s's upload as implausible (%s): %s", round_, agent, reason, detail)
         by_reason[reason]["count"] += 1
+
+    def norms(self, round_: int, norms: Mapping[str, float], reference_norm: float) -> None:
+        """The update norms the plausibility check judged (recorded whether refused or not:
+        what a user needs to set the thresholds for their fleet, and what bench/robustness.py
+        reads for the honest agents' spread)."""
+        entry = self._entry(round_)
+        entry.update_norms.update({a: float(v) for a, v in norms.items()})
+        entry.reference_norm = float(reference_norm)
 
     def refused_in(self, round_: int, agent: str) -> bool:
         entry = self._rounds.get(round_)
@@ -449,7 +460,8 @@ class RobustnessLedger:
                 log.error("round %d: quarantining %s %s: %s", round_, agent, until, why)
 
     def take(self, round_: int) -> tuple[dict[str, Any], list[str]]:
-        """(the round record's ``robustness`` section, its warnings); empty when nothing happened."""
+        """(the round record's ``robustness`` section, its warnings); empty when nothing happened
+        and no update was screened (``update_norms``: the norms judged, every screened round)."""
         entry = self._rounds.pop(round_, None) or _RoundEntry()
         section: dict[str, Any] = {}
         if entry.refused:
@@ -460,6 +472,9 @@ class RobustnessLedger:
             section["skipped_steps"] = dict(sorted(entry.skipped_steps.items()))
         if entry.quarantine_excluded:
             section["quarantine_excluded"] = sorted(entry.quarantine_excluded)
+        if entry.update_norms:
+            section["update_norms"] = {"reference": entry.reference_norm,
+                                       "agents": {a: round(v, 6) for a, v in sorted(entry.update_norms.items())}}
         events = [e for e in self.history if e["round"] == round_]
         if events:
             section["quarantine_events"] = events

@@ -442,7 +442,7 @@ class EdgeAgent:
         after = self.transport.stats.snapshot()
         costs = meter.costs(
             round_s=time.monotonic() - started, peak_rss_bytes=self._round_peak.take(), before=before, after=after,
-            codec=str(msg.config.get("upload_codec", "")),
+            codec=str(msg.config.get("upload_codec", "")), peak_rss_per_round=self._round_peak.per_round,
         )
         if meter.deadline.skipped_batches:
             log.warning("round %d: skipped %d of %d training batches: they could not finish within the round's "
@@ -452,7 +452,8 @@ class EdgeAgent:
             **self._base(msg.round), num_samples=result.num_samples, instance=self.instance, uploads=result.uploads, costs=costs, metrics=result.metrics
         )
         self._publish(self._last_round_end)
-        self._watch_peak(msg.round, costs.peak_rss_bytes)
+        if costs.peak_rss_per_round:  # a lifetime peak rises by nature (simulated agents share a process)
+            self._watch_peak(msg.round, costs.peak_rss_bytes)
         if self.metrics is not None:
             self.metrics.on_round(msg.round, msg.method, costs)
         self.last_round_done = msg.round

@@ -103,7 +103,8 @@ class RoundMeter:
         return self.raw_bytes / self.encoded_bytes if self.encoded_bytes else 1.0
 
     def costs(
-        self, *, round_s: float, peak_rss_bytes: int, before: Mapping[str, int], after: Mapping[str, int], codec: str
+        self, *, round_s: float, peak_rss_bytes: int, before: Mapping[str, int], after: Mapping[str, int], codec: str,
+        peak_rss_per_round: bool = True,
     ) -> AgentRoundCosts:
         """The round's costs for RoundEnd; ``before`` / ``after`` are the transport's
         byte counters (``TransportStats.snapshot()``) around the round."""
@@ -116,6 +117,7 @@ class RoundMeter:
             idle_s=self.seconds["idle"],
             round_s=round_s,
             peak_rss_bytes=peak_rss_bytes,
+            peak_rss_per_round=peak_rss_per_round,
             payload_bytes_up=after["payload_bytes_out"] - before["payload_bytes_out"],
             wire_bytes_up=after["wire_bytes_out"] - before["wire_bytes_out"],
             payload_bytes_down=after["payload_bytes_in"] - before["payload_bytes_in"],

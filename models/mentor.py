@@ -32,9 +32,9 @@ import torch
 import torch.nn as nn
 
 from models.registry import register_model
-from models.resnet import ResNet, SplitResNet, StageLayout
+from models.resnet import ResNet, SplitResNet, StageLayout, group_norm
 
-__all__ = ["RESNET20_LAYOUT", "HiddenOutputs", "forward_with_hidden", "hidden_dim", "resnet20"]
+__all__ = ["RESNET20_LAYOUT", "HiddenOutputs", "forward_with_hidden", "hidden_dim", "resnet20", "resnet20_gn"]
 
 #: Bottleneck stages of the ResNet-20 mentor: two blocks per stage.
 RESNET20_LAYOUT = StageLayout(blocks=(2, 2, 2))
@@ -44,6 +44,12 @@ RESNET20_LAYOUT = StageLayout(blocks=(2, 2, 2))
 def resnet20(num_classes: int = 10, in_channels: int = 3) -> ResNet:
     """ResNet-20 full model (FedML bottleneck variant, [2, 2, 2]): image -> logits; a CPU-sized FedKD mentor."""
     return ResNet(RESNET20_LAYOUT, num_classes=num_classes, in_channels=in_channels)
+
+
+@register_model("resnet20_gn", input_kind="image")
+def resnet20_gn(num_classes: int = 10, in_channels: int = 3) -> ResNet:
+    """ResNet-20 with GroupNorm (2 groups) instead of BatchNorm: the FedKD mentor beside ``resnet8_gn``."""
+    return ResNet(RESNET20_LAYOUT, num_classes=num_classes, in_channels=in_channels, norm_layer=group_norm)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ Architectures follow FedML's FedGKT code (``fedml_api/model/cv/resnet_gkt`` and
 name          layout (bottleneck blocks)   input             params (C=10, 3ch)
 ============  ==========================  ================  ==================
 resnet8       stem + [2] (planes 16)       image             10,586
+resnet8_gn    resnet8 with GroupNorm(2)    image             10,586
 resnet55      [6, 6, 6] (16/32/64)         16-ch features    590,858
 resnet109     [12, 12, 12]                 16-ch features    1,147,274
 resnet56      stem + [6, 6, 6]             image             591,322
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import numbers
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -52,12 +54,25 @@ __all__ = [
     "ResNetTrunk",
     "SplitResNet",
     "StageLayout",
+    "group_norm",
     "resnet8",
+    "resnet8_gn",
     "resnet55_server",
     "resnet56",
     "resnet109_server",
     "resnet110",
 ]
+
+#: Builds the normalisation layer after a conv from its channel count.
+NormLayer = Callable[[int], nn.Module]
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    """GroupNorm with two groups: FedGKD (Sec. 5.1) replaces BatchNorm by GroupNorm in its
+    ResNet-8 because BN's running statistics fail on heterogeneous data; the paper does not
+    print the group count, two is the usual choice in federated learning."""
+    return nn.GroupNorm(2, channels)
+
 
 #: Channels of the edge extractor's output, i.e. of every server model's input.
 #: Part of the FedGKT contract between edge and server: change it on both sides.
@@ -95,7 +110,7 @@ def _init_weights(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(m, nn.BatchNorm2d):
+        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
@@ -110,19 +125,19 @@ class Bottleneck(nn.Module):
 
     expansion: ClassVar[int] = 4
 
-    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
         out_planes = planes * self.expansion
         self.conv1 = conv1x1(in_planes, planes)
-        self.bn1 = nn.BatchNorm2d(planes)
+        self.bn1 = norm_layer(planes)
         self.conv2 = conv3x3(planes, planes, stride)
-        self.bn2 = nn.BatchNorm2d(planes)
+        self.bn2 = norm_layer(planes)
         self.conv3 = conv1x1(planes, out_planes)
-        self.bn3 = nn.BatchNorm2d(out_planes)
+        self.bn3 = norm_layer(out_planes)
         self.relu = nn.ReLU(inplace=True)
         self.downsample: nn.Module | None = None
         if stride != 1 or in_planes != out_planes:
-            self.downsample = nn.Sequential(conv1x1(in_planes, out_planes, stride), nn.BatchNorm2d(out_planes))
+            self.downsample = nn.Sequential(conv1x1(in_planes, out_planes, stride), norm_layer(out_planes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, in_planes, H, W)
         identity = x if self.downsample is None else self.downsample(x)  # (B, 4*planes, H/s, W/s)
@@ -184,12 +199,12 @@ class ConvStem(nn.Module):
     Keeps the spatial size, so a 32x32 image becomes a ``(16, 32, 32)`` map.
     """
 
-    def __init__(self, in_channels: int = 3, out_channels: int = FEATURE_CHANNELS) -> None:
+    def __init__(self, in_channels: int = 3, out_channels: int = FEATURE_CHANNELS, norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
         self.in_channels = _check_positive_int("in_channels", in_channels)
         self.out_channels = _check_positive_int("out_channels", out_channels)
         self.conv = conv3x3(self.in_channels, self.out_channels)
-        self.bn = nn.BatchNorm2d(self.out_channels)
+        self.bn = norm_layer(self.out_channels)
         self.relu = nn.ReLU(inplace=True)
         _init_weights(self)
 
@@ -204,7 +219,8 @@ class ResNetTrunk(nn.Module):
     Any ``H, W`` works (adaptive pooling); each stride-2 stage halves them.
     """
 
-    def __init__(self, layout: StageLayout, num_classes: int = 10, in_planes: int = FEATURE_CHANNELS) -> None:
+    def __init__(self, layout: StageLayout, num_classes: int = 10, in_planes: int = FEATURE_CHANNELS,
+                 norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
         self.layout = layout
         self.num_classes = _check_positive_int("num_classes", num_classes)
@@ -214,9 +230,9 @@ class ResNetTrunk(nn.Module):
         channels = self.in_planes
         for index, (blocks, planes, stride) in enumerate(zip(layout.blocks, layout.planes, layout.strides)):
             # Only the first block of a stage changes width or resolution.
-            stage_blocks: list[nn.Module] = [Bottleneck(channels, planes, stride)]
+            stage_blocks: list[nn.Module] = [Bottleneck(channels, planes, stride, norm_layer)]
             channels = planes * Bottleneck.expansion
-            stage_blocks += [Bottleneck(channels, planes) for _ in range(blocks - 1)]
+            stage_blocks += [Bottleneck(channels, planes, norm_layer=norm_layer) for _ in range(blocks - 1)]
             stages[f"layer{index + 1}"] = nn.Sequential(*stage_blocks)
         self.stages = nn.Sequential(stages)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
@@ -237,10 +253,11 @@ class SplitResNet(nn.Module):
     edge model's.
     """
 
-    def __init__(self, layout: StageLayout, num_classes: int = 10, in_channels: int = 3) -> None:
+    def __init__(self, layout: StageLayout, num_classes: int = 10, in_channels: int = 3,
+                 norm_layer: NormLayer = nn.BatchNorm2d) -> None:
         super().__init__()
-        self.extractor = ConvStem(in_channels, FEATURE_CHANNELS)
-        self.classifier = ResNetTrunk(layout, num_classes, in_planes=FEATURE_CHANNELS)
+        self.extractor = ConvStem(in_channels, FEATURE_CHANNELS, norm_layer)
+        self.classifier = ResNetTrunk(layout, num_classes, in_planes=FEATURE_CHANNELS, norm_layer=norm_layer)
 
     @property
     def num_classes(self) -> int:
@@ -275,8 +292,8 @@ class ResNet8Edge(SplitResNet):
     the extractor output that is uploaded to the server.
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
-        super().__init__(RESNET8_LAYOUT, num_classes=num_classes, in_channels=in_channels)
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, norm_layer: NormLayer = nn.BatchNorm2d) -> None:
+        super().__init__(RESNET8_LAYOUT, num_classes=num_classes, in_channels=in_channels, norm_layer=norm_layer)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, in_channels, H, W)
         features = self.extract(x)  # (B, 16, H, W)
@@ -291,6 +308,12 @@ class ResNet8Edge(SplitResNet):
 def resnet8(num_classes: int = 10, in_channels: int = 3) -> ResNet8Edge:
     """ResNet-8 edge model (FedGKT): forward(x) -> (logits, features)."""
     return ResNet8Edge(num_classes=num_classes, in_channels=in_channels)
+
+
+@register_model("resnet8_gn", input_kind="image")
+def resnet8_gn(num_classes: int = 10, in_channels: int = 3) -> ResNet8Edge:
+    """ResNet-8 with GroupNorm (2 groups) instead of BatchNorm: FedGKD's CIFAR model (its Sec. 5.1)."""
+    return ResNet8Edge(num_classes=num_classes, in_channels=in_channels, norm_layer=group_norm)
 
 
 @register_model("resnet55_server", input_kind="features", feature_channels=FEATURE_CHANNELS)

@@ -174,6 +174,9 @@ class AgentRoundCosts(JsonRecord):
     # The round's own peak: the most the agent process held since its previous round ended (the
     # process's lifetime peak on systems that cannot reset it; edge_agent.costs.RoundPeakRss).
     peak_rss_bytes: int = non_negative(0)
+    # False: ``peak_rss_bytes`` is the process's lifetime peak (several simulated agents in one
+    # process, or a system that cannot reset it), which rises by nature: no growth warning reads it.
+    peak_rss_per_round: bool = field(default=True, metadata={"added_later": True})
     payload_bytes_up: int = non_negative(0)
     wire_bytes_up: int = non_negative(0)
     payload_bytes_down: int = non_negative(0)

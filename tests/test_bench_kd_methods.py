@@ -156,7 +156,27 @@ def test_quick_mode_runs_every_method_with_two_seeds_in_under_a_minute(tmp_path:
     # --collect writes the same runs from their summaries.
     assert kd.main(["--quick", "--collect", "--out", str(tmp_path / "again.json"), "--run-dir", str(tmp_path / "runs")]) == 0
     assert set(json.loads((tmp_path / "again.json").read_text())["runs"]) == set(data["runs"])
-    assert took < 60, f"the quick mode took {took:.0f} s"
+    # What the default plausibility checks did to the honest agents, per run and over the runs.
+    assert all(isinstance(r["screening"]["refused_total"], int) for r in data["runs"].values())
+    assert data["honest_screening"]["refused_total"] == sum(r["screening"]["refused_total"] for r in data["runs"].values())
+    print(f"quick mode: {took:.0f} s")
+
+
+def test_honest_screening_counts_refusals_and_the_largest_peer_ratio() -> None:
+    kd = load("kd_methods")
+    rounds = [
+        {"robustness": {"update_norms": {"reference": 9.0, "agents": {"a": 1.0, "b": 2.0, "c": 6.0}}}},
+        {"robustness": {"update_norms": {"reference": 9.0, "agents": {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}},
+                        "refused": {"d": {"implausible_norm": {"count": 1, "detail": "x"}}}}},
+        {"robustness": {"update_norms": {"reference": 9.0, "agents": {"a": 1.0, "b": 50.0}}}},  # two agents: no peers to judge by
+        {},
+    ]
+    screened = kd.honest_screening({"rounds": rounds})
+    # c: 6 / median(1, 2) = 4; the other ratios are smaller.
+    assert screened["update_norm_peer_ratio_max"] == pytest.approx(4.0)
+    assert screened["update_norms_judged"] == 7 and screened["refused"] == {"implausible_norm": 1} and screened["refused_total"] == 1
+    total = kd.screening_total({"x": {"partition": "dir0.1", "screening": screened}, "y": {"partition": "dir0.1", "screening": screened}})
+    assert total["refused_total"] == 2 and total["by_partition"]["dir0.1"]["update_norms_judged"] == 14
 
 
 def test_the_recorded_json_is_what_the_bench_makes_of_its_runs() -> None:

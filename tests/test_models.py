@@ -33,12 +33,13 @@ from models import (
 from models import registry as registry_module
 
 # resnet20: the small FedKD mentor (models/mentor.py).
-EXPECTED_MODELS = {"resnet8", "resnet20", "resnet55_server", "resnet109_server", "resnet56", "resnet110"}
+EXPECTED_MODELS = {"resnet8", "resnet8_gn", "resnet20", "resnet20_gn", "resnet55_server", "resnet109_server", "resnet56", "resnet110"}
 
 # FedML's FedGKT variants, CIFAR-10 head, 3 input channels (the paper's 54x / 105x).
 # The server counts are the full models' minus the stem (conv 3*16*9 + BN 2*16 = 464).
 EXPECTED_PARAMS = {
     "resnet8": 10_586,
+    "resnet8_gn": 10_586,  # GroupNorm's affine weight and bias replace BatchNorm's, one for one
     "resnet56": 591_322,
     "resnet110": 1_147_738,
     "resnet55_server": 591_322 - 464,
@@ -62,6 +63,29 @@ def test_registry_lists_every_model() -> None:
 @pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
 def test_parameter_counts_match_fedml_exactly(name: str) -> None:
     assert count_parameters(build_model(name, num_classes=10, in_channels=3)) == EXPECTED_PARAMS[name]
+
+
+@pytest.mark.parametrize("name", ["resnet8_gn", "resnet20_gn"])
+def test_group_norm_models_have_no_batch_statistics(name: str) -> None:
+    """The GroupNorm variants (FedGKD's ResNet-8) keep no running statistics: the same
+    parameters give the same outputs in train and eval mode, whatever data trained them, so
+    an averaged model needs no BatchNorm statistics from any agent."""
+    model = build_model(name, num_classes=10, in_channels=1)
+    plain = build_model(name.removesuffix("_gn"), num_classes=10, in_channels=1)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert sum(isinstance(m, torch.nn.GroupNorm) for m in model.modules()) == sum(
+        isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
+    assert list(model.buffers()) == []
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    x = _input_batch(name, 1, batch_size=4)
+    with torch.no_grad():
+        train_out = model.train()(x)
+        eval_out = model.eval()(x)
+        single = model(x[:1])
+    first = (lambda out: out[0] if isinstance(out, tuple) else out)
+    assert torch.equal(first(train_out), first(eval_out))
+    # Per-sample normalisation: a sample's output does not depend on the rest of its batch.
+    assert torch.allclose(first(single), first(eval_out)[:1], atol=1e-5)
 
 
 def test_trainable_only_excludes_frozen_parameters() -> None:

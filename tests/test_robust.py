@@ -188,9 +188,13 @@ def test_implausible_norms_against_the_global_model_and_the_peers() -> None:
     assert list(refused) == ["c"] and refused["c"][0] == "implausible_norm" and "1000" in refused["c"][1]
     assert implausible_norms({"a": 1.0, "b": 1.1, "c": 1.3}, 10.0, cfg) == {}
     # No global reference (0): the peers alone, with three or more agents.
-    assert list(implausible_norms({"a": 1.0, "b": 1.2, "c": 50.0, "d": 0.9}, 0.0, cfg)) == ["c"]
-    assert implausible_norms({"a": 1.0, "b": 50.0}, 0.0, cfg) == {}  # two agents: no majority to compare with
+    assert list(implausible_norms({"a": 1.0, "b": 1.2, "c": 200.0, "d": 0.9}, 0.0, cfg)) == ["c"]
+    assert implausible_norms({"a": 1.0, "b": 200.0}, 0.0, cfg) == {}  # two agents: no majority to compare with
     assert implausible_norms({"a": 1.0, "b": 1.0, "c": 3.0}, 10.0, cfg) == {}  # 3x an honest peer is fine
+    # Honest agents under strong skew: FedAvg at Dirichlet(0.1), 4 of 20 agents a round, an honest
+    # update reached 12.6x the other three's median (the old default of 5 refused 15 of 120).
+    assert implausible_norms({"a": 5.163, "b": 0.99, "c": 0.75, "d": 1.2}, 0.0, cfg) == {}
+    assert implausible_norms({"a": 12.6, "b": 1.0, "c": 0.9, "d": 1.1}, 0.0, cfg) == {}
 
 
 def test_fedavg_refuses_a_scaled_update_and_averages_the_honest_ones() -> None:

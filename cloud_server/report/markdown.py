@@ -238,7 +238,8 @@ def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     """The rounds' ``robustness`` entries (cloud_server/robust.py): per round and agent, the
     uploads refused as implausible (by reason, with the first figure and threshold), clipped
     updates, skipped server steps, quarantine; empty when no round has any."""
-    marked = [r for r in rounds if r.get("robustness") or r.get("warnings")]
+    # A round whose only entry is the screened norms (every round of a weight-sharing method) is not marked.
+    marked = [r for r in rounds if set(r.get("robustness") or {}) - {"update_norms"} or r.get("warnings")]
     if not marked:
         return []
     rows = []

@@ -65,7 +65,7 @@ def _kind_of(annotation: Any) -> tuple[str, bool]:
     base = typing.get_origin(annotation) or annotation
     if isinstance(base, type) and issubclass(base, JsonRecord):
         return "dict", nullable
-    kinds = {int: "int", float: "number", str: "str", dict: "dict", list: "list"}
+    kinds = {bool: "bool", int: "int", float: "number", str: "str", dict: "dict", list: "list"}
     if base not in kinds:
         raise TypeError(f"no schema kind for the record annotation {annotation!r}")  # a bug in records.py
     return kinds[base], nullable
@@ -104,6 +104,8 @@ def kind_ok(value: Any, kind: str) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
     if kind == "str":
         return isinstance(value, str)
     if kind == "dict":

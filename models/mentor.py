@@ -48,7 +48,7 @@ def resnet20(num_classes: int = 10, in_channels: int = 3) -> ResNet:
 
 @register_model("resnet20_gn", input_kind="image")
 def resnet20_gn(num_classes: int = 10, in_channels: int = 3) -> ResNet:
-    """ResNet-20 with GroupNorm (2 groups) instead of BatchNorm: the FedKD mentor beside ``resnet8_gn``."""
+    """ResNet-20 (FedML's) with GroupNorm (16 channels a group) instead of BatchNorm: the FedKD mentor beside ``resnet8_gn``."""
     return ResNet(RESNET20_LAYOUT, num_classes=num_classes, in_channels=in_channels, norm_layer=group_norm)
 
 

@@ -16,12 +16,18 @@ Architectures follow FedML's FedGKT code (``fedml_api/model/cv/resnet_gkt`` and
 name          layout (bottleneck blocks)   input             params (C=10, 3ch)
 ============  ==========================  ================  ==================
 resnet8       stem + [2] (planes 16)       image             10,586
-resnet8_gn    resnet8 with GroupNorm(2)    image             10,586
+resnet8_gn    resnet8 with GroupNorm        image             10,586
 resnet55      [6, 6, 6] (16/32/64)         16-ch features    590,858
 resnet109     [12, 12, 12]                 16-ch features    1,147,274
 resnet56      stem + [6, 6, 6]             image             591,322
 resnet110     stem + [12, 12, 12]          image             1,147,738
 ============  ==========================  ================  ==================
+
+The ``_gn`` models put GroupNorm (16 channels a group) where BatchNorm was, as FedGKD
+does for federated training under label skew. ``cifar_resnet8_gn`` / ``cifar_resnet20_gn``
+are He et al.'s CIFAR ResNets instead (stem + three stages of 1 / 3 *basic* blocks at
+16/32/64 channels + fc; 78,042 / 272,474 parameters for 3-channel 10-class inputs), the
+ResNet-8 that FedGKD trains, with GroupNorm.
 
 Two deliberate differences from FedML: the server models carry no unused stem
 (FedML builds ``conv1``/``bn1`` in the server ResNet and never calls them, which
@@ -47,6 +53,7 @@ __all__ = [
     "RESNET8_LAYOUT",
     "RESNET56_LAYOUT",
     "RESNET110_LAYOUT",
+    "BasicBlock",
     "Bottleneck",
     "ConvStem",
     "ResNet",
@@ -54,6 +61,8 @@ __all__ = [
     "ResNetTrunk",
     "SplitResNet",
     "StageLayout",
+    "cifar_resnet8_gn",
+    "cifar_resnet20_gn",
     "group_norm",
     "resnet8",
     "resnet8_gn",
@@ -67,11 +76,17 @@ __all__ = [
 NormLayer = Callable[[int], nn.Module]
 
 
+#: FedGKD Sec. 5.1: "For all the CV tasks, we set the channels of each group as 16."
+GROUP_NORM_CHANNELS = 16
+
+
 def group_norm(channels: int) -> nn.GroupNorm:
-    """GroupNorm with two groups: FedGKD (Sec. 5.1) replaces BatchNorm by GroupNorm in its
-    ResNet-8 because BN's running statistics fail on heterogeneous data; the paper does not
-    print the group count, two is the usual choice in federated learning."""
-    return nn.GroupNorm(2, channels)
+    """GroupNorm with 16 channels per group (one group for a 16-channel layer, four for 64):
+    FedGKD (Sec. 5.1) replaces BatchNorm by GroupNorm in its ResNet-8 because BN's running
+    statistics fail on heterogeneous data."""
+    if channels % GROUP_NORM_CHANNELS:
+        raise ValueError(f"group_norm needs a multiple of {GROUP_NORM_CHANNELS} channels, got {channels}")
+    return nn.GroupNorm(channels // GROUP_NORM_CHANNELS, channels)
 
 
 #: Channels of the edge extractor's output, i.e. of every server model's input.
@@ -148,6 +163,35 @@ class Bottleneck(nn.Module):
         return self.relu(out)
 
 
+class BasicBlock(nn.Module):
+    """3x3 -> 3x3 residual block, no expansion: He et al.'s CIFAR ResNets (6n + 2 layers),
+    the family FedGKD's ResNet-8 (n = 1) belongs to. The shortcut is a strided 1x1 conv +
+    norm whenever the shape changes."""
+
+    expansion: ClassVar[int] = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, norm_layer: NormLayer = nn.BatchNorm2d) -> None:
+        super().__init__()
+        self.conv1 = conv3x3(in_planes, planes, stride)
+        self.bn1 = norm_layer(planes)
+        self.conv2 = conv3x3(planes, planes)
+        self.bn2 = norm_layer(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or in_planes != planes:
+            self.downsample = nn.Sequential(conv1x1(in_planes, planes, stride), norm_layer(planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, in_planes, H, W)
+        identity = x if self.downsample is None else self.downsample(x)  # (B, planes, H/s, W/s)
+        out = self.relu(self.bn1(self.conv1(x)))  # (B, planes, H/s, W/s)
+        out = self.bn2(self.conv2(out))  # (B, planes, H/s, W/s)
+        out += identity
+        return self.relu(out)
+
+
+BLOCKS: dict[str, type[Bottleneck] | type[BasicBlock]] = {"bottleneck": Bottleneck, "basic": BasicBlock}
+
+
 @dataclass(frozen=True)
 class StageLayout:
     """Bottleneck stages of a trunk: blocks, width and stride per stage.
@@ -161,6 +205,7 @@ class StageLayout:
     blocks: tuple[int, ...]
     planes: tuple[int, ...] = (16, 32, 64)
     strides: tuple[int, ...] = (1, 2, 2)
+    block: str = "bottleneck"  # a key of BLOCKS
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -170,6 +215,8 @@ class StageLayout:
                 "blocks, planes and strides must have one entry per stage, got "
                 f"{len(self.blocks)}, {len(self.planes)} and {len(self.strides)}"
             )
+        if self.block not in BLOCKS:
+            raise ValueError(f"StageLayout.block must be one of {sorted(BLOCKS)}, got {self.block!r}")
         for field_name in ("blocks", "planes", "strides"):
             for value in getattr(self, field_name):
                 _check_positive_int(f"StageLayout.{field_name} entry", value)
@@ -177,16 +224,20 @@ class StageLayout:
     @property
     def out_channels(self) -> int:
         """Channels entering the pooling layer and the linear head."""
-        return self.planes[-1] * Bottleneck.expansion
+        return self.planes[-1] * BLOCKS[self.block].expansion
 
     @property
     def conv_layers(self) -> int:
-        """Weighted conv layers in the stages (3 per block, shortcuts not counted)."""
-        return 3 * sum(self.blocks)
+        """Weighted conv layers in the stages (3 per bottleneck, 2 per basic block; shortcuts not counted)."""
+        return (3 if self.block == "bottleneck" else 2) * sum(self.blocks)
 
 
 #: ResNet-8's classifier: one stage of two blocks at width 16 (64 channels out).
 RESNET8_LAYOUT = StageLayout(blocks=(2,), planes=(16,), strides=(1,))
+#: He et al.'s CIFAR ResNet-8 (6n + 2, n = 1): one basic block per stage at 16/32/64.
+CIFAR_RESNET8_LAYOUT = StageLayout(blocks=(1, 1, 1), block="basic")
+#: He et al.'s CIFAR ResNet-20 (n = 3).
+CIFAR_RESNET20_LAYOUT = StageLayout(blocks=(3, 3, 3), block="basic")
 #: ResNet-56 / server ResNet-55.
 RESNET56_LAYOUT = StageLayout(blocks=(6, 6, 6))
 #: ResNet-110 / server ResNet-109.
@@ -230,9 +281,10 @@ class ResNetTrunk(nn.Module):
         channels = self.in_planes
         for index, (blocks, planes, stride) in enumerate(zip(layout.blocks, layout.planes, layout.strides)):
             # Only the first block of a stage changes width or resolution.
-            stage_blocks: list[nn.Module] = [Bottleneck(channels, planes, stride, norm_layer)]
-            channels = planes * Bottleneck.expansion
-            stage_blocks += [Bottleneck(channels, planes, norm_layer=norm_layer) for _ in range(blocks - 1)]
+            block = BLOCKS[layout.block]
+            stage_blocks: list[nn.Module] = [block(channels, planes, stride, norm_layer)]
+            channels = planes * block.expansion
+            stage_blocks += [block(channels, planes, norm_layer=norm_layer) for _ in range(blocks - 1)]
             stages[f"layer{index + 1}"] = nn.Sequential(*stage_blocks)
         self.stages = nn.Sequential(stages)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
@@ -312,8 +364,20 @@ def resnet8(num_classes: int = 10, in_channels: int = 3) -> ResNet8Edge:
 
 @register_model("resnet8_gn", input_kind="image")
 def resnet8_gn(num_classes: int = 10, in_channels: int = 3) -> ResNet8Edge:
-    """ResNet-8 with GroupNorm (2 groups) instead of BatchNorm: FedGKD's CIFAR model (its Sec. 5.1)."""
+    """ResNet-8 (FedML's) with GroupNorm (16 channels a group) instead of BatchNorm, as FedGKD's Sec. 5.1 does."""
     return ResNet8Edge(num_classes=num_classes, in_channels=in_channels, norm_layer=group_norm)
+
+
+@register_model("cifar_resnet8_gn", input_kind="image")
+def cifar_resnet8_gn(num_classes: int = 10, in_channels: int = 3) -> ResNet:
+    """He et al.'s CIFAR ResNet-8 (3 stages of one basic block) with GroupNorm: FedGKD's model (its Sec. 5.1)."""
+    return ResNet(CIFAR_RESNET8_LAYOUT, num_classes=num_classes, in_channels=in_channels, norm_layer=group_norm)
+
+
+@register_model("cifar_resnet20_gn", input_kind="image")
+def cifar_resnet20_gn(num_classes: int = 10, in_channels: int = 3) -> ResNet:
+    """He et al.'s CIFAR ResNet-20 (3 stages of three basic blocks) with GroupNorm: a mentor beside cifar_resnet8_gn."""
+    return ResNet(CIFAR_RESNET20_LAYOUT, num_classes=num_classes, in_channels=in_channels, norm_layer=group_norm)
 
 
 @register_model("resnet55_server", input_kind="features", feature_channels=FEATURE_CHANNELS)

@@ -33,13 +33,16 @@ from models import (
 from models import registry as registry_module
 
 # resnet20: the small FedKD mentor (models/mentor.py).
-EXPECTED_MODELS = {"resnet8", "resnet8_gn", "resnet20", "resnet20_gn", "resnet55_server", "resnet109_server", "resnet56", "resnet110"}
+EXPECTED_MODELS = {"resnet8", "resnet8_gn", "resnet20", "resnet20_gn", "cifar_resnet8_gn", "cifar_resnet20_gn", "resnet55_server", "resnet109_server", "resnet56", "resnet110"}
 
 # FedML's FedGKT variants, CIFAR-10 head, 3 input channels (the paper's 54x / 105x).
 # The server counts are the full models' minus the stem (conv 3*16*9 + BN 2*16 = 464).
 EXPECTED_PARAMS = {
     "resnet8": 10_586,
     "resnet8_gn": 10_586,  # GroupNorm's affine weight and bias replace BatchNorm's, one for one
+    # He et al.'s CIFAR ResNet-8 (their "0.078M"): stem 432 + 32, stage 1 2 x 2,304 + 64,
+    # stage 2 4,608 + 9,216 + shortcut 512 + 192, stage 3 18,432 + 36,864 + 2,048 + 384, fc 650.
+    "cifar_resnet8_gn": 78_042,
     "resnet56": 591_322,
     "resnet110": 1_147_738,
     "resnet55_server": 591_322 - 464,
@@ -65,18 +68,20 @@ def test_parameter_counts_match_fedml_exactly(name: str) -> None:
     assert count_parameters(build_model(name, num_classes=10, in_channels=3)) == EXPECTED_PARAMS[name]
 
 
-@pytest.mark.parametrize("name", ["resnet8_gn", "resnet20_gn"])
+@pytest.mark.parametrize("name", ["resnet8_gn", "resnet20_gn", "cifar_resnet8_gn", "cifar_resnet20_gn"])
 def test_group_norm_models_have_no_batch_statistics(name: str) -> None:
     """The GroupNorm variants (FedGKD's ResNet-8) keep no running statistics: the same
     parameters give the same outputs in train and eval mode, whatever data trained them, so
     an averaged model needs no BatchNorm statistics from any agent."""
     model = build_model(name, num_classes=10, in_channels=1)
-    plain = build_model(name.removesuffix("_gn"), num_classes=10, in_channels=1)
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
-    assert sum(isinstance(m, torch.nn.GroupNorm) for m in model.modules()) == sum(
-        isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
+    assert any(isinstance(m, torch.nn.GroupNorm) for m in model.modules())
     assert list(model.buffers()) == []
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    if not name.startswith("cifar_"):  # a BatchNorm twin: the same layers, GroupNorm where it had BatchNorm
+        plain = build_model(name.removesuffix("_gn"), num_classes=10, in_channels=1)
+        assert sum(isinstance(m, torch.nn.GroupNorm) for m in model.modules()) == sum(
+            isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
     x = _input_batch(name, 1, batch_size=4)
     with torch.no_grad():
         train_out = model.train()(x)
@@ -86,6 +91,18 @@ def test_group_norm_models_have_no_batch_statistics(name: str) -> None:
     assert torch.equal(first(train_out), first(eval_out))
     # Per-sample normalisation: a sample's output does not depend on the rest of its batch.
     assert torch.allclose(first(single), first(eval_out)[:1], atol=1e-5)
+
+
+def test_cifar_resnets_are_he_et_al_s_6n_plus_2_layers() -> None:
+    from models.resnet import CIFAR_RESNET8_LAYOUT, CIFAR_RESNET20_LAYOUT, StageLayout
+    # stem + 2 convs per basic block + fc: 8 and 20 weighted layers
+    assert 1 + CIFAR_RESNET8_LAYOUT.conv_layers + 1 == 8 and 1 + CIFAR_RESNET20_LAYOUT.conv_layers + 1 == 20
+    model = build_model("cifar_resnet8_gn", in_channels=3)
+    with torch.no_grad():
+        stages = model.classifier.stages(model.extract(_input_batch("cifar_resnet8_gn", 3)))
+    assert stages.shape == (2, 64, 8, 8)  # 16 -> 32 -> 64 channels, 32 -> 16 -> 8 pixels
+    with pytest.raises(ValueError, match="block must be one of"):
+        StageLayout(blocks=(1,), planes=(16,), strides=(1,), block="wide")
 
 
 def test_trainable_only_excludes_frozen_parameters() -> None:

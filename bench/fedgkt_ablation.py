@@ -5,13 +5,10 @@ Table 1 setting and its seed 0: the same agents, training / test images,
 rounds and edge training) with one setting changed from a base, so each
 difference is that setting's effect. (``bench/results/fedgkt_ablation.json``
 was measured at the benchmark's earlier setting, 8 agents x 250 images, and
-scored on the agents' test shards: its JSON has no ``eval_set``.) Two bases:
-
-* ``old``: the defaults before this benchmark (every agent draws its own
-  ResNet-8 initialisation, server weight decay 5e-4, ...);
-* ``new``: the defaults chosen from the first set (shared initialisation and
-  the rest, see docs/methods/fedgkt.md), to show that no factor removed from
-  them is worth adding back.
+scored on the agents' test shards: its JSON has no ``eval_set``.) The base,
+``old``, is the defaults before this benchmark (every agent draws its own
+ResNet-8 initialisation, server weight decay 5e-4, ...); every variant changes
+one setting of it.
 
 Each run records, per round, the server model's global accuracy (every agent's
 extractor + server model on the run's global test set, the server's running
@@ -61,7 +58,9 @@ VARIANTS: list[tuple[str, str, dict[str, Any], str]] = [
 
 def spec(name: str, key: str, rounds: int) -> RunSpec:
     _, base, change, _ = next(v for v in VARIANTS if v[0] == name)
-    config = {**OLD, **change} if base == "old" else {**OLD, **change}
+    if base != "old":
+        raise ValueError(f"variant {name!r}: unknown base {base!r} (the only base is 'old')")
+    config = {**OLD, **change}
     return RunSpec(f"{name}-{key}", "fedgkt", config, rounds)
 
 

@@ -4,9 +4,11 @@ FedGKT's server model, split learning's server half, FedBE's SWA distillation an
 centralized training all run the one training loop of :mod:`models.training` with
 this module's :class:`TrainStep` as its step: forward a batch, a loss, backward,
 one optimiser step. On a GPU that step is launch-bound at the batch sizes these
-methods use (a ResNet-55 step at batch 64 is ~20 ms on an H100 although its
-arithmetic takes well under 1 ms): the card waits on Python, on kernel launches and
-on every host synchronisation. This module keeps it busy:
+methods use (a ResNet-55 step at batch 64 is a few hundred small kernels whose
+arithmetic takes well under a millisecond on a data-centre GPU; no GPU timing of it is
+recorded yet: ``bench/server_gpu.py`` measures it, and ``bench/results/server_gpu.json``
+holds CPU figures only): the card waits on Python, on kernel launches and on every host
+synchronisation. This module keeps it busy:
 
 * :class:`RowBank` -- a method's training rows (feature maps, images, targets) staged
   on the training device when they fit in a byte budget (by default a fraction of

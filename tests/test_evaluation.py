@@ -21,6 +21,7 @@ from cloud_server.report import validate_report
 from edge_agent.agent import EdgeAgent
 from fldata import load_agent_subset
 from fldata.subsets import AgentDataSpec
+from models import build_model, training_flops_per_sample
 from shared_protocol.errors import ValueRangeError
 from shared_protocol.messages import EvalReport, decode_message, encode_message
 from shared_protocol.records import EvalCosts
@@ -49,6 +50,42 @@ def _run(tmp: Path, method: str, rounds: int = 2, **kw: Any) -> dict[str, Any]:
     return fed.join(timeout_s=600)
 
 
+#: The synthetic set's images (fldata's "synthetic": 3 x 32 x 32, 10 classes), which the agents train on.
+SYNTHETIC_SHAPE = (3, 32, 32)
+
+
+def _trained_on_the_edge(method: str, method_config: dict[str, Any]) -> list[tuple[torch.nn.Module, str]]:
+    """What an agent of ``method`` trains each round, built from the registry independently of
+    the method's own code: (module, loss kind) for the reference FLOP count."""
+    c = SYNTHETIC_SHAPE[0]
+    if method == "fedkd":
+        return [(build_model(method_config[k], 10, c), "ce") for k in ("mentor_model", "mentee_model")]
+    if method == "fedgkt":
+        return [(build_model(method_config.get("edge_model", "resnet8"), 10, c), "ce")]
+    if method == "splitnn":  # the stem alone; its output gradient comes from the server
+        return [(build_model(method_config.get("edge_model", "resnet8"), 10, c).extractor, "sum")]
+    return [(build_model(method_config["model"], 10, c), "ce")]
+
+
+def _assert_metered(method: str, report: dict[str, Any], shard_samples: int) -> None:
+    """The shared loop's metering, checked against FlopCounterMode (not the layer counter the
+    agents use): every agent of every round reports the samples it trained, compute time, and
+    training FLOPs per sample at least those of the models it trains and at most 1.5x them
+    (teacher forward passes, KD heads): a method that forgets to meter fails here."""
+    config = report["config"]["method_config"]
+    epochs = int(config.get("local_epochs", config.get("edge_epochs", 1)))
+    reference = sum(training_flops_per_sample(m, SYNTHETIC_SHAPE, loss=loss, light=False)
+                    for m, loss in _trained_on_the_edge(method, config))
+    for record in report["rounds"]:
+        assert record["per_agent"], method
+        for agent, costs in record["per_agent"].items():
+            assert costs["samples"] == shard_samples * epochs, (method, agent, costs["samples"])
+            assert costs["compute_s"] > 0, (method, agent)
+            per_sample = costs["train_flops"] / costs["samples"]
+            assert reference <= per_sample <= 1.5 * reference, (method, agent, per_sample, reference)
+        assert record["edge_train_flops"] == sum(c["train_flops"] for c in record["per_agent"].values()), method
+
+
 def test_every_method_is_evaluated_the_same_way(tmp_path: Path) -> None:
     assert set(SMALL) == set(server_methods.KNOWN_METHODS), "a new method needs its small settings here"
     eval_sets = {}
@@ -56,6 +93,7 @@ def test_every_method_is_evaluated_the_same_way(tmp_path: Path) -> None:
         report = _run(tmp_path, method)
         validate_report(report)
         assert report["status"] == "finished", method
+        _assert_metered(method, report, shard_samples=80)  # 160 training images over 2 agents
         eval_sets[method] = report["eval_set"]
         for record in report["rounds"]:
             assert record["status"] == "ok", method

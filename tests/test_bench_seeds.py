@@ -256,7 +256,11 @@ def test_the_page_renders_mean_and_sd_cells_and_names_the_test_set_and_the_batch
     table3 = page[page.index("### Table 3"):]
     sync_row = next(line for line in table3.splitlines() if line.startswith("| sync"))
     assert "72.0 ± 2.0%" in sync_row
-    assert "Target, async within 2 points of sync (mean over seeds): met" in table3
+    assert "Target, async within 2 points of sync (mean over seeds): met; async behind sync by more than 2 points: no" in table3
+    behind = _synthetic_async()
+    behind["targets"]["async_minus_sync"].update(points=-3.0, within_target=False)
+    (tmp_path / "fedgkt_async.json").write_text(json.dumps(behind))
+    assert "(mean over seeds): **not met**; async behind sync by more than 2 points: **yes**" in render.render(tmp_path)
     assert "methods/fedgkt.md#asynchronous-training" in table3
     # edgesplit local draws the set with each run's seed: said so when sync and async of a seed share it.
     per_seed = {**_synthetic_async(), "eval_set_same_for_every_run": False, "eval_set_same_within_each_seed": True}

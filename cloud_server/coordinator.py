@@ -257,6 +257,13 @@ class Coordinator:
         for target, reply in replies or ():
             self._send(target, reply)
 
+    def welcome_settings(self) -> dict[str, Any]:
+        """The method's fixed settings and when this run started (``run_started_at``, kept
+        across ``--resume``): an agent keeps its local state (``state_dir``) for one run, and a
+        new run with the same run_id (another out_dir, ``--force``) has another start time, so
+        its agents start afresh instead of restoring the earlier run's model."""
+        return {**self.method.welcome_settings(), "run_started_at": self.recorder.report.started_at}
+
     def _on_hello(self, agent: str, hello: Hello) -> None:
         refusal = self.registry.refusal(agent, hello)
         if refusal is not None:
@@ -266,7 +273,7 @@ class Coordinator:
         state = self.registry.join(agent, hello)
         if state.dropped:
             return
-        self._send(agent, Welcome(**self._base(0), accepted=True, method=self.method.name, settings=self.method.welcome_settings()))
+        self._send(agent, Welcome(**self._base(0), accepted=True, method=self.method.name, settings=self.welcome_settings()))
         # A participant that (re)joins while its round is open restarts it: it may have
         # been restarted and lost the RoundStart.
         if state.round and state.round in self.open_rounds and agent not in self.open_rounds[state.round].done:

@@ -268,6 +268,12 @@ def check_tls(host: str, port: int, tls: bool, ca_file: str | None, cert: tuple[
         return Check("tls", OK if local else WARN,
                      "plain MQTT (no TLS)" + ("" if local else ": the password and all traffic cross the network unencrypted"),
                      "" if local else "use mqtts:// with the broker's TLS listener (docs/security.md)")
+    files = (("ca_file", ca_file), ("cert_file", cert[0] if cert else None), ("key_file", cert[1] if cert else None))
+    missing = [f"{key} {os.path.expanduser(path)}" for key, path in files if path and not os.path.isfile(os.path.expanduser(path))]
+    if missing:
+        return Check("tls", FAIL, f"cannot set up TLS: {', '.join(missing)} does not exist",
+                     "copy the deployment's ca.crt (from edgesplit keys init) there, or fix the path in [agent] "
+                     "(a relative path is relative to the config file)")
     try:
         ctx = ssl.create_default_context(cafile=os.path.expanduser(ca_file) if ca_file else None)
         if cert:
@@ -318,13 +324,15 @@ def check_login(config: "EdgeConfigLike", timeout_s: float) -> Check:
         text = str(exc)
         if "Bad user name or password" in text:
             return Check("login", FAIL, f"the broker refused username {config.username!r}: wrong user name or password",
-                         "copy this agent's password file from the server (secrets/<agent>.password) to password_file")
+                         "copy this agent's password from the server (edgesplit keys init wrote it as bundles/<agent>/agent.password "
+                         "and secrets/<agent>.password) to password_file")
         if "Not authorized" in text:  # what mosquitto 2.0 answers to a wrong password, too
             if not config.username:
                 return Check("login", FAIL, "the broker does not let anonymous clients connect (Not authorized)",
                              "set username and password_file in [agent] (edgesplit keys init made them)")
             return Check("login", FAIL, f"the broker refused user {config.username!r} (Not authorized): wrong user name or password",
-                         "copy this agent's password file from the server (secrets/<agent>.password) to password_file, "
+                         "copy this agent's password from the server (edgesplit keys init wrote it as bundles/<agent>/agent.password "
+                         "and secrets/<agent>.password) to password_file, "
                          "and check the user is in the broker's password file")
         return Check("login", FAIL, f"MQTT connection failed: {text}", "check broker_url (scheme and port)")
     finally:

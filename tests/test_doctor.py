@@ -218,6 +218,31 @@ def test_ca_file_that_is_not_a_certificate(tmp_path: Path) -> None:
     assert checks["credentials"].status == FAIL and "not a PEM certificate" in checks["credentials"].detail
 
 
+def test_ca_file_that_is_not_there_is_named_by_doctor_run_and_the_server(tmp_path: Path) -> None:
+    from edge_agent.doctor import check_tls
+
+    missing = tmp_path / "etc" / "ca.crt"
+    check = check_tls("127.0.0.1", 1, True, str(missing), None, 1.0)
+    assert check.status == FAIL and f"ca_file {missing} does not exist" in check.detail and "ca.crt" in check.fix
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), OMP_NUM_THREADS="1")
+    # edge-agent run: a configuration error (exit 2) naming the file, not "cannot load this device's data".
+    config = write_config(tmp_path / "a.toml", {"broker_url": "mqtts://127.0.0.1:1", "ca_file": "ca.crt"},
+                          {"dataset": "synthetic", "train_samples": 40, "test_samples": 20})
+    run = subprocess.run([sys.executable, "-m", "edge_agent.cli", "run", "--config", config, "--no-progress"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode == 2, out
+    assert f"ca_file {tmp_path / 'ca.crt'} does not exist" in out and "Traceback" not in out and "cannot load this device's data" not in out, out
+    # cloud-server run: the same, exit 2.
+    server = tmp_path / "server.toml"
+    write_toml(server, {"server": {"run_id": "doc", "broker_url": "mqtts://127.0.0.1:1", "ca_file": str(missing),
+                                   "out_dir": str(tmp_path / "run"), "dataset": "synthetic", "device": "cpu"}})
+    srv = subprocess.run([sys.executable, "-m", "cloud_server.cli", "run", "--config", str(server), "--no-progress"],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    out = srv.stdout + srv.stderr
+    assert srv.returncode == 2 and f"ca_file {missing} does not exist" in out and "Traceback" not in out, out
+
+
 # -- credentials ------------------------------------------------------------------ #
 
 

@@ -388,7 +388,39 @@ def check_data(config: "EdgeConfigLike", load: bool) -> Check:
     if len(train) == 0:
         return Check("data", FAIL, f"{d.dataset} at {d.root} has no training samples", "add images")
     counts = train.class_counts()
-    return Check("data", OK, f"{d.dataset}: {len(train)} training images, {int((counts > 0).sum())} classes, shape {train.image_shape}")
+    mismatch = contract_mismatch(d, tuple(int(x) for x in train.image_shape), int(train.num_classes))
+    if mismatch:
+        return Check("data", FAIL, f"{d.dataset} at {d.root}: this device's data does not fit the run: {'; '.join(mismatch)} "
+                                   f"(the server refuses it at join)",
+                     "make the folder fit the run: the same class folders on every device (as `python -m fldata.export "
+                     "--format imagefolder` writes them), images of the run's size and channels; if the server's [server] "
+                     "settings changed since edgesplit keys init, set the same in_channels / image_size / num_classes in [data]")
+    folders = f", {train.num_classes} class folders" if d.dataset == "imagefolder" else ""
+    return Check("data", OK, f"{d.dataset}: {len(train)} training images, {int((counts > 0).sum())} classes with images{folders}, "
+                             f"shape {train.image_shape}")
+
+
+def contract_mismatch(d: "DataConfigLike", shape: tuple[int, ...], num_classes: int) -> list[str]:
+    """How data of ``shape`` (channels, height, width, as the model sees it) and ``num_classes``
+    classes differs from the run's contract in ``[data]`` (in_channels, image_size,
+    num_classes; 0 / unset are not checked), in words naming both sides."""
+    out = []
+    if d.in_channels and shape[0] != d.in_channels:
+        out.append(f"its images have {shape[0]} channel(s), the run's in_channels is {d.in_channels}")
+    if d.image_size and list(shape[1:]) != list(d.image_size):
+        out.append(f"its images are {shape[1]}x{shape[2]} (height x width, as the model sees them), "
+                   f"the run's image_size is {d.image_size[0]}x{d.image_size[1]}")
+    if d.num_classes and num_classes != d.num_classes:
+        what = "class folders" if d.dataset == "imagefolder" else "classes"
+        out.append(f"it has {num_classes} {what}, the run's num_classes is {d.num_classes}")
+    return out
+
+
+class DataConfigLike:  # for type hints only (edge_agent.config.DataConfig)
+    dataset: str
+    in_channels: int
+    image_size: list[int] | None
+    num_classes: int
 
 
 def check_state_dir(state_dir: str | None) -> Check:

@@ -324,6 +324,57 @@ def test_npz_data_found(tmp_path: Path) -> None:
     assert checks["data"].status == OK and "50 training images" in checks["data"].detail
 
 
+def _image_folder(root: Path, classes: int, size: int, mode: str) -> Path:
+    from PIL import Image
+
+    for c in range(classes):
+        (root / f"{c}_class").mkdir(parents=True)
+        for i in range(2):
+            Image.new(mode, (size, size), color=(40 * c) if mode == "L" else (40 * c, i, 0)).save(root / f"{c}_class" / f"{i}.png")
+    return root
+
+
+def test_image_folder_checked_against_the_runs_contract_from_the_bundle(tmp_path: Path) -> None:
+    """keys init writes the run's in_channels / image_size / num_classes into each bundle's [data];
+    doctor says when the folder does not fit, naming both sides, before the server refuses it at join."""
+    folder = _image_folder(tmp_path / "data", classes=9, size=48, mode="RGB")
+    contract = {"in_channels": 1, "image_size": [32, 32], "num_classes": 10}
+    checks = doctor(write_config(tmp_path / "a.toml", {"broker_url": "mqtt://127.0.0.1:1"},
+                                 {"dataset": "imagefolder", "root": str(folder), "partition": "none", **contract}))
+    detail = checks["data"].detail
+    assert checks["data"].status == FAIL, detail
+    assert "9 class folders, the run's num_classes is 10" in detail
+    assert "3 channel(s), the run's in_channels is 1" in detail and "48x48" in detail and "image_size is 32x32" in detail
+    assert "class folders on every device" in checks["data"].fix and "num_classes" in checks["data"].fix
+    fits = _image_folder(tmp_path / "fits", classes=10, size=28, mode="L")  # 28x28 counts as 32x32
+    checks = doctor(write_config(tmp_path / "b.toml", {"broker_url": "mqtt://127.0.0.1:1"},
+                                 {"dataset": "imagefolder", "root": str(fits), "partition": "none", **contract}))
+    assert checks["data"].status == OK and "10 class folders" in checks["data"].detail, checks["data"]
+    # Without the contract in [data] (a hand-written config) nothing is compared.
+    checks = doctor(write_config(tmp_path / "c.toml", {"broker_url": "mqtt://127.0.0.1:1"},
+                                 {"dataset": "imagefolder", "root": str(folder), "partition": "none"}))
+    assert checks["data"].status == OK
+
+
+def test_keys_init_writes_the_contract_into_server_toml_and_every_bundle(tmp_path: Path) -> None:
+    from shared_protocol.tomlio import read_toml
+
+    require_tools("openssl", "mosquitto_passwd")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
+    result = subprocess.run([sys.executable, "-m", "cloud_server.launcher", "keys", "init", "--agent-ids", "pi-1,pi-2",
+                             "--bind", "127.0.0.1", "--in-channels", "1", "--image-size", "28", "--num-classes", "10",
+                             "--out", str(tmp_path / "k")], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    server = read_toml(tmp_path / "k" / "configs" / "server.toml")["server"]
+    assert (server["in_channels"], server["image_size"], server["num_classes"]) == (1, [32, 32], 10)  # 28x28 is padded
+    for agent in ("pi-1", "pi-2"):
+        data = read_toml(tmp_path / "k" / "bundles" / agent / "agent.toml")["data"]
+        assert (data["in_channels"], data["image_size"], data["num_classes"]) == (1, [32, 32], 10)
+        local = read_toml(tmp_path / "k" / "configs" / f"agent-{agent}.toml")
+        assert local["agent"]["state_dir"] == "/var/lib/edgesplit/state" and local["data"]["num_classes"] == 10
+    assert "listener 8883 127.0.0.1" in (tmp_path / "k" / "mosquitto.conf").read_text()
+
+
 def test_state_dir_not_writable(tmp_path: Path) -> None:
     if os.geteuid() == 0:
         pytest.skip("root can write anywhere")

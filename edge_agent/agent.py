@@ -237,6 +237,8 @@ class EdgeAgent:
                 memory=dataclasses.asdict(self.config.memory),
                 input_shape=[int(d) for d in self.train.images.shape[1:]],  # (C, H, W) as the model sees it
                 num_classes=int(self.train.num_classes),
+                instance=self.instance,
+                connection=int(self.transport.connect_count),
             )
         )
 

@@ -114,6 +114,8 @@ def test_server_plan_cpu_and_gpu() -> None:
     assert "--index-url https://download.pytorch.org/whl/cpu" in cpu.stdout
     assert "keys init --agent-ids pi-1\\,pi-2 --host broker.example.org --port 8883" in cpu.stdout
     assert "mosquitto.service.d/edgesplit.conf" in cpu.stdout and "cloud-server.service" in cpu.stdout
+    gray = plan(SERVER, "--host", "b.example.org", "--agents", "pi-1", "--gpu", "no", "--in-channels", "1", "--image-size", "32x32")
+    assert "--run-id default --in-channels 1 --image-size 32x32 --out /etc/edgesplit/broker" in gray.stdout, gray.stdout
     gpu = plan(SERVER, "--host", "broker.example.org", "--agents", "pi-1", "--gpu", "yes")
     assert "GPU yes" in gpu.stdout and "CUDA build" in gpu.stdout and "download.pytorch.org" not in gpu.stdout
 

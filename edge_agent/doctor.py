@@ -17,6 +17,7 @@ dataset; the state directory.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import socket
 import ssl
@@ -534,6 +535,16 @@ def render(checks: list[Check]) -> str:
 
 
 def main(options: DoctorOptions) -> int:
-    checks = run_checks(options)
+    # Every finding is a check line: the transport's own log lines (a refused login, say) would
+    # reach stderr through logging's last-resort handler, unformatted, next to the check that says it.
+    quiet, null = logging.getLogger("shared_protocol"), logging.NullHandler()
+    was = quiet.propagate
+    quiet.addHandler(null)  # a handler found: the last resort is not used
+    quiet.propagate = False
+    try:
+        checks = run_checks(options)
+    finally:
+        quiet.removeHandler(null)
+        quiet.propagate = was
     print(render(checks))
     return 1 if any(c.failed for c in checks) else 0

@@ -262,6 +262,12 @@ def test_wrong_password(tmp_path: Path, secure) -> None:  # type: ignore[no-unty
     wrong.chmod(0o600)
     checks = doctor(write_config(tmp_path / "a.toml", secure_agent(port, keys, password_file=str(wrong))))
     assert checks["login"].status == FAIL and "wrong user name or password" in checks["login"].detail
+    # The command prints the check, not also the transport's raw log line on stderr.
+    cli = subprocess.run([sys.executable, "-m", "edge_agent.cli", "doctor", "--config", str(tmp_path / "a.toml"), "--timeout", "3",
+                          "--no-load-data"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=child_pythonpath()),
+                         timeout=120)
+    assert cli.returncode == 1 and "wrong user name or password" in cli.stdout, cli.stdout
+    assert "refused connection" not in cli.stderr, cli.stderr
 
 
 @pytest.mark.broker

@@ -46,6 +46,13 @@ class AgentState:
     status_at: float = 0.0
     last_heard_at: float = 0.0  # any accepted message from it
     nudged_at: float = 0.0  # last time the server asked it to announce itself again
+    # (instance, connection) of the hello the agent's current round_start answered: a later hello
+    # with the same pair is the same session repeating itself, which still holds that round_start.
+    round_session: tuple[str, int] | None = None
+
+    def same_session(self, hello: Hello) -> bool:
+        """``hello`` comes from the process and broker connection this agent's round was started on."""
+        return bool(hello.instance) and hello.connection > 0 and self.round_session == (hello.instance, hello.connection)
 
     @property
     def active(self) -> bool:

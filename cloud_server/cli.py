@@ -78,7 +78,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 2
         log.warning("--force: starting a new run in %s, which held %s; its report and checkpoint are replaced", run_dir, held)
         shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
-    coordinator = build_server(config, progress=config.progress and sys.stderr.isatty())
+    try:
+        coordinator = build_server(config, progress=config.progress and sys.stderr.isatty())
+    except TransportError as exc:  # the TLS files (ca_file, cert_file, key_file), before any connection
+        log.error("%s", exc)
+        log.error("  -> fix ca_file / cert_file / key_file in [server] of %s", args.config)
+        return 2
     method = coordinator.method
     log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,
              method.schedule, config.rounds, method.ctx.device, config.out_dir)

@@ -257,19 +257,33 @@ class Coordinator:
         for target, reply in replies or ():
             self._send(target, reply)
 
+    def welcome_settings(self) -> dict[str, Any]:
+        """The method's fixed settings and when this run started (``run_started_at``, kept
+        across ``--resume``): an agent keeps its local state (``state_dir``) for one run, and a
+        new run with the same run_id (another out_dir, ``--force``) has another start time, so
+        its agents start afresh instead of restoring the earlier run's model."""
+        started = self.recorder.started_at  # None only before the run began (a test pumping by hand)
+        return {**self.method.welcome_settings(), **({"run_started_at": started} if started else {})}
+
     def _on_hello(self, agent: str, hello: Hello) -> None:
         refusal = self.registry.refusal(agent, hello)
         if refusal is not None:
             code, reason = refusal
             self._send(agent, Welcome(**self._base(0), accepted=False, code=code, reason=reason))
             return
+        prior = self.registry.agents.get(agent)
+        same_session = prior is not None and prior.same_session(hello)  # judged before join() takes the new hello
         state = self.registry.join(agent, hello)
         if state.dropped:
             return
-        self._send(agent, Welcome(**self._base(0), accepted=True, method=self.method.name, settings=self.method.welcome_settings()))
-        # A participant that (re)joins while its round is open restarts it: it may have
-        # been restarted and lost the RoundStart.
+        self._send(agent, Welcome(**self._base(0), accepted=True, method=self.method.name, settings=self.welcome_settings()))
+        # A participant that (re)joins while its round is open restarts it: it may have been
+        # restarted or lost its session and with it the RoundStart. Not a hello repeated on the
+        # connection its round started on (it answered a discover): that one still holds it.
         if state.round and state.round in self.open_rounds and agent not in self.open_rounds[state.round].done:
+            if same_session:
+                log.info("agent %s said hello again on the same connection; its round %d goes on", agent, state.round)
+                return
             self.method.discard(agent)
             self._start_agent_round(agent, state.round)
         elif (late := self.scheduler.round_for_late_joiner(agent)) is not None:
@@ -292,6 +306,8 @@ class Coordinator:
         rnd.participants.add(agent)
         rnd.missing.discard(agent)
         self.registry.assign(agent, round_)
+        hello = self.registry.agents[agent].hello
+        self.registry.agents[agent].round_session = (hello.instance, hello.connection) if hello.instance else None
         self.registry.expect_from(agent)  # the method may know the agent's uploads better by now
         config, weights = self.method.round_config(round_, agent, rnd.evaluate)
         self._send(

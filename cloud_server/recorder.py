@@ -102,6 +102,11 @@ class RunRecorder:
             raise RuntimeError("the recorder has no report yet: call begin() or load_checkpoint() first")
         return self._report
 
+    @property
+    def started_at(self) -> str | None:
+        """When the run started (kept across a resume); None before ``begin`` / ``load_checkpoint``."""
+        return None if self._report is None else self._report.started_at
+
     def begin(self, report: RunReport) -> None:
         self._report = report
 

@@ -237,6 +237,8 @@ class EdgeAgent:
                 memory=dataclasses.asdict(self.config.memory),
                 input_shape=[int(d) for d in self.train.images.shape[1:]],  # (C, H, W) as the model sees it
                 num_classes=int(self.train.num_classes),
+                instance=self.instance,
+                connection=int(self.transport.connect_count),
             )
         )
 
@@ -359,6 +361,12 @@ class EdgeAgent:
         if self.method is not None and self.settings == msg.settings and self.method.name == msg.method:
             return  # a repeated welcome (after a reconnect or a server restart)
         load_method_messages(msg.method)
+        if self.method is not None:
+            log.info("the server's run changed (another start or method): rounds count from this run's first")
+        # A welcome with other settings is another run (its start time is in them): what this
+        # process did for an earlier one says nothing about this run's rounds.
+        self.last_round_done = -1
+        self._rounds_started.clear()
         self.settings = dict(msg.settings)
         if self.config.backend == "torch":
             cls = get_edge_method(msg.method)
@@ -557,7 +565,12 @@ class EdgeAgent:
             return
         meta = json.loads(paths[1].read_text())
         if meta.get("run") != self.config.run_id or meta.get("method") != self.method.name or meta.get("settings") != self.settings:
-            log.info("ignoring local state of another run/method in %s", paths[0])
+            earlier = (meta.get("settings") or {}).get("run_started_at")
+            if meta.get("run") == self.config.run_id and earlier and earlier != self.settings.get("run_started_at"):
+                log.info("ignoring local state in %s: it is from an earlier run %s (started %s, this one %s); "
+                         "starting this run's models afresh", paths[0], self.config.run_id, earlier, self.settings.get("run_started_at"))
+            else:
+                log.info("ignoring local state of another run/method in %s", paths[0])
             return
         with np.load(paths[0], allow_pickle=False) as data:
             self.method.load_state_arrays({k: data[k] for k in data.files})

@@ -127,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         agent = EdgeAgent(config)
+    except TransportError as exc:  # before any connection: the TLS files (ca_file, cert_file, key_file)
+        log.error("%s", exc)
+        log.error("  -> fix ca_file / cert_file / key_file in [agent] of %s (a relative path is relative to that file); "
+                  "edge-agent doctor --config %s checks them", args.config, args.config)
+        return EXIT_CONFIG
     except (ValueError, OSError) as exc:  # OSError: FileNotFoundError, PermissionError, unreadable files
         log.error("cannot load this device's data ([data] in %s): %s", args.config, exc)
         log.error("  -> %s; edge-agent doctor --config %s checks the data", data_fix(exc), args.config)

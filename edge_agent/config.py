@@ -56,10 +56,28 @@ class DataConfig:
     test_samples: int = 0
     download: bool = False
     augment: bool | None = None  # None: on for CIFAR/CINIC as in the paper, off otherwise
+    # The run's data contract as its server states it ([server] in_channels, image_size, num_classes;
+    # edgesplit keys init copies them into every device bundle): edge-agent doctor checks this
+    # device's data against them before it ever joins. 0 / unset: not checked on the device. The
+    # server checks every agent at join either way, and its settings are the ones that count.
+    in_channels: int = 0
+    image_size: Any = None  # [height, width] as the model sees it (28x28 counts as 32x32), or an int for a square
+    num_classes: int = 0
 
     def __post_init__(self) -> None:
         if self.num_agents < 1:
             raise ValueError(f"data.num_agents must be >= 1, got {self.num_agents}")
+        for key in ("in_channels", "num_classes"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"data.{key} must be an int >= 0 (0: not checked), got {value!r}")
+        if self.image_size is not None:
+            size = self.image_size
+            hw = [size, size] if isinstance(size, int) and not isinstance(size, bool) else size
+            if (not isinstance(hw, (list, tuple)) or len(hw) != 2
+                    or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in hw)):
+                raise ValueError(f"data.image_size must be [height, width] or one int, got {size!r}")
+            object.__setattr__(self, "image_size", [int(hw[0]), int(hw[1])])
         if not 0 <= self.agent_index < self.num_agents:
             raise ValueError(f"data.agent_index must be in [0, {self.num_agents}), got {self.agent_index}")
         if self.train_samples < 0 or self.test_samples < 0:

@@ -17,6 +17,7 @@ dataset; the state directory.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import socket
 import ssl
@@ -268,6 +269,12 @@ def check_tls(host: str, port: int, tls: bool, ca_file: str | None, cert: tuple[
         return Check("tls", OK if local else WARN,
                      "plain MQTT (no TLS)" + ("" if local else ": the password and all traffic cross the network unencrypted"),
                      "" if local else "use mqtts:// with the broker's TLS listener (docs/security.md)")
+    files = (("ca_file", ca_file), ("cert_file", cert[0] if cert else None), ("key_file", cert[1] if cert else None))
+    missing = [f"{key} {os.path.expanduser(path)}" for key, path in files if path and not os.path.isfile(os.path.expanduser(path))]
+    if missing:
+        return Check("tls", FAIL, f"cannot set up TLS: {', '.join(missing)} does not exist",
+                     "copy the deployment's ca.crt (from edgesplit keys init) there, or fix the path in [agent] "
+                     "(a relative path is relative to the config file)")
     try:
         ctx = ssl.create_default_context(cafile=os.path.expanduser(ca_file) if ca_file else None)
         if cert:
@@ -318,13 +325,15 @@ def check_login(config: "EdgeConfigLike", timeout_s: float) -> Check:
         text = str(exc)
         if "Bad user name or password" in text:
             return Check("login", FAIL, f"the broker refused username {config.username!r}: wrong user name or password",
-                         "copy this agent's password file from the server (secrets/<agent>.password) to password_file")
+                         "copy this agent's password from the server (edgesplit keys init wrote it as bundles/<agent>/agent.password "
+                         "and secrets/<agent>.password) to password_file")
         if "Not authorized" in text:  # what mosquitto 2.0 answers to a wrong password, too
             if not config.username:
                 return Check("login", FAIL, "the broker does not let anonymous clients connect (Not authorized)",
                              "set username and password_file in [agent] (edgesplit keys init made them)")
             return Check("login", FAIL, f"the broker refused user {config.username!r} (Not authorized): wrong user name or password",
-                         "copy this agent's password file from the server (secrets/<agent>.password) to password_file, "
+                         "copy this agent's password from the server (edgesplit keys init wrote it as bundles/<agent>/agent.password "
+                         "and secrets/<agent>.password) to password_file, "
                          "and check the user is in the broker's password file")
         return Check("login", FAIL, f"MQTT connection failed: {text}", "check broker_url (scheme and port)")
     finally:
@@ -380,7 +389,39 @@ def check_data(config: "EdgeConfigLike", load: bool) -> Check:
     if len(train) == 0:
         return Check("data", FAIL, f"{d.dataset} at {d.root} has no training samples", "add images")
     counts = train.class_counts()
-    return Check("data", OK, f"{d.dataset}: {len(train)} training images, {int((counts > 0).sum())} classes, shape {train.image_shape}")
+    mismatch = contract_mismatch(d, tuple(int(x) for x in train.image_shape), int(train.num_classes))
+    if mismatch:
+        return Check("data", FAIL, f"{d.dataset} at {d.root}: this device's data does not fit the run: {'; '.join(mismatch)} "
+                                   f"(the server refuses it at join)",
+                     "make the folder fit the run: the same class folders on every device (as `python -m fldata.export "
+                     "--format imagefolder` writes them), images of the run's size and channels; if the server's [server] "
+                     "settings changed since edgesplit keys init, set the same in_channels / image_size / num_classes in [data]")
+    folders = f", {train.num_classes} class folders" if d.dataset == "imagefolder" else ""
+    return Check("data", OK, f"{d.dataset}: {len(train)} training images, {int((counts > 0).sum())} classes with images{folders}, "
+                             f"shape {train.image_shape}")
+
+
+def contract_mismatch(d: "DataConfigLike", shape: tuple[int, ...], num_classes: int) -> list[str]:
+    """How data of ``shape`` (channels, height, width, as the model sees it) and ``num_classes``
+    classes differs from the run's contract in ``[data]`` (in_channels, image_size,
+    num_classes; 0 / unset are not checked), in words naming both sides."""
+    out = []
+    if d.in_channels and shape[0] != d.in_channels:
+        out.append(f"its images have {shape[0]} channel(s), the run's in_channels is {d.in_channels}")
+    if d.image_size and list(shape[1:]) != list(d.image_size):
+        out.append(f"its images are {shape[1]}x{shape[2]} (height x width, as the model sees them), "
+                   f"the run's image_size is {d.image_size[0]}x{d.image_size[1]}")
+    if d.num_classes and num_classes != d.num_classes:
+        what = "class folders" if d.dataset == "imagefolder" else "classes"
+        out.append(f"it has {num_classes} {what}, the run's num_classes is {d.num_classes}")
+    return out
+
+
+class DataConfigLike:  # for type hints only (edge_agent.config.DataConfig)
+    dataset: str
+    in_channels: int
+    image_size: list[int] | None
+    num_classes: int
 
 
 def check_state_dir(state_dir: str | None) -> Check:
@@ -494,6 +535,16 @@ def render(checks: list[Check]) -> str:
 
 
 def main(options: DoctorOptions) -> int:
-    checks = run_checks(options)
+    # Every finding is a check line: the transport's own log lines (a refused login, say) would
+    # reach stderr through logging's last-resort handler, unformatted, next to the check that says it.
+    quiet, null = logging.getLogger("shared_protocol"), logging.NullHandler()
+    was = quiet.propagate
+    quiet.addHandler(null)  # a handler found: the last resort is not used
+    quiet.propagate = False
+    try:
+        checks = run_checks(options)
+    finally:
+        quiet.removeHandler(null)
+        quiet.propagate = was
     print(render(checks))
     return 1 if any(c.failed for c in checks) else 0

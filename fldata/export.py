@@ -9,7 +9,7 @@ Two formats:
   ``OUT/<device>/{train,test}/<class folder>/<sample id>.png`` for every agent (or
   ``OUT/{train,test}/...`` for one ``--index``), read with ``dataset = "imagefolder"``,
   ``partition = "none"``. Class folders get safe names that sort in class order
-  (``00_T-shirt_top`` for "T-shirt/top": a class name may hold a ``/``), every device
+  (``0_T-shirt_top`` for "T-shirt/top" with 10 classes: a class name may hold a ``/``), every device
   gets every class folder (an empty one where its share has no image of the class, so
   that all devices count the same classes), and ``OUT/classes.json`` maps each class
   index to its name and folder. Images are written as they are fed to the model
@@ -94,8 +94,12 @@ def export_image_folders(
         write_image_folder(test, device / "test", folders)
         written.append(device)
     named = list(classes) if len(classes) == len(folders) else [str(i) for i in range(len(folders))]
+    # The run's data contract for these folders: what the server's [server] must say (or keys init's
+    # --in-channels / --image-size / --num-classes), as the model sees the images (28x28 padded to 32x32).
+    channels, height, width = (int(d) for d in train.image_shape)
     (out / "classes.json").write_text(json.dumps(
-        {"dataset": dataset, "classes": [{"index": i, "name": n, "folder": f} for i, (n, f) in enumerate(zip(named, folders))]},
+        {"dataset": dataset, "in_channels": channels, "image_size": [height, width], "num_classes": len(folders),
+         "classes": [{"index": i, "name": n, "folder": f} for i, (n, f) in enumerate(zip(named, folders))]},
         indent=2) + "\n")
     return written
 
@@ -148,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         for device in devices:
             print(f"wrote {device}/train and {device}/test")
         print(f"class folders and names: {Path(args.out) / 'classes.json'}")
+        meta = json.loads((Path(args.out) / "classes.json").read_text())
+        c, (h, w), k = meta["in_channels"], meta["image_size"], meta["num_classes"]
+        print(f"the run's data contract for these images: edgesplit keys init --in-channels {c} --image-size {h}x{w} "
+              f"--num-classes {k} (or [server] in_channels = {c}, image_size = [{h}, {w}], num_classes = {k})")
         return 0
     try:
         train, test = export_partition(args.dataset, args.out, args.partition, args.agents, args.index, args.seed,

@@ -291,9 +291,16 @@ class Hello(Message):
     # classes of the agent's dataset. Empty / 0: not told (an agent from before they existed).
     input_shape: list = field(default_factory=list)
     num_classes: int = 0
+    # Which process on which of its broker connections says hello (the agent's instance id and its
+    # connection count): a hello repeated on the same connection (answering a discover, maybe one
+    # queued in its MQTT session from before it started) means the agent still has every message
+    # the server sent it since, so an open round goes on; a new connection or process restarts it.
+    # "" / 0: not told (the round restarts, as before these fields).
+    instance: str = ""
+    connection: int = 0
 
     def validate(self) -> None:
-        if self.num_samples < 0 or self.cores < 0 or self.memory_bytes < 0:
+        if self.num_samples < 0 or self.cores < 0 or self.memory_bytes < 0 or self.connection < 0:
             raise ValueRangeError("hello: counts must be non-negative")
         if not all(isinstance(c, int) and c >= 0 for c in self.class_counts):
             raise ValueRangeError("hello: class_counts must be non-negative ints")

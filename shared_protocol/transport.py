@@ -17,6 +17,7 @@ sent and received; TCP/IP and TLS framing are not included.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import ssl
 import threading
@@ -53,6 +54,25 @@ MIN_CHUNK_SIZE_BYTES = 1024
 
 class TransportError(RuntimeError):
     """The transport could not do what was asked (not connected in time, publish not acknowledged)."""
+
+
+def tls_context(config: "TransportConfig") -> ssl.SSLContext:
+    """The TLS context for ``mqtts://``: the system's CAs or ``ca_file``, and the client
+    certificate if given. A file that is missing or not what it should be is a
+    :class:`TransportError` naming the key and the file (ssl's own error names neither)."""
+    files = (("ca_file", config.ca_file), ("cert_file", config.cert_file), ("key_file", config.key_file))
+    missing = [f"{key} {path}" for key, path in files if path and not os.path.isfile(path)]
+    if missing:
+        raise TransportError(f"cannot set up TLS: {', '.join(missing)} does not exist (the deployment's ca.crt from "
+                             f"edgesplit keys init belongs at ca_file)")
+    try:
+        context = ssl.create_default_context(cafile=config.ca_file)
+        if config.cert_file and config.key_file:
+            context.load_cert_chain(config.cert_file, config.key_file)
+    except (ssl.SSLError, OSError) as exc:
+        named = ", ".join(f"{key} {path}" for key, path in files if path) or "the system's CA certificates"
+        raise TransportError(f"cannot set up TLS from {named}: {exc} (is each file the PEM file it should be?)") from exc
+    return context
 
 
 @dataclass(frozen=True)
@@ -427,10 +447,7 @@ class MqttTransport(Transport):
             # mod_mqtt (ejabberd) and others refuse a login without a password; paho sends one only if given.
             client.username_pw_set(username or "", password)
         if self.address.tls:
-            context = ssl.create_default_context(cafile=config.ca_file)
-            if config.cert_file and config.key_file:
-                context.load_cert_chain(config.cert_file, config.key_file)
-            client.tls_set_context(context)
+            client.tls_set_context(tls_context(config))
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message

@@ -62,10 +62,8 @@ class Deployment:
         return self.base / f"root-{device}" / "var" / "lib" / "edgesplit" / "data"
 
     def agent(self, config: Path, device: str, log: Path) -> subprocess.Popen[bytes]:
-        state = self.base / f"root-{device}" / "var" / "lib" / "edgesplit" / "state"
-        # The installed config as it is; only the two /var/lib paths move under the temporary root.
-        return subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "run", "--config", str(config), "--no-progress",
-                                 "--data-root", str(self.data_dir(device)), "--state-dir", str(state)],
+        # The installed config as it is: install.sh --root pointed its /var/lib paths under the root.
+        return subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "run", "--config", str(config), "--no-progress"],
                                 stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(), cwd=self.base)
 
     def server_toml(self, out: Path, **server: object) -> Path:
@@ -131,11 +129,11 @@ def test_documented_path_ends_in_a_finished_report(deployment: Deployment) -> No
         shutil.copytree(images / device, d.data_dir(device), dirs_exist_ok=True)  # scp images to /var/lib/edgesplit/data
     # doctor against the real TLS broker, with the installed config as it is.
     state = d.base / "root-pi-a" / "var" / "lib" / "edgesplit" / "state"
-    doctor = _python("-m", "edge_agent.cli", "doctor", "--config", str(configs["pi-a"]), "--data-root", str(d.data_dir("pi-a")),
-                     "--state-dir", str(state), cwd=d.base, timeout=120)
+    doctor = _python("-m", "edge_agent.cli", "doctor", "--config", str(configs["pi-a"]), cwd=d.base, timeout=120)
     lines = {line[7:].split()[0]: line for line in doctor.stdout.splitlines() if line.startswith("[")}
     for check in ("config", "credentials", "broker", "tls", "login", "data", "state"):
         assert lines[check].startswith("[ ok ]"), doctor.stdout
+    assert str(state) in lines["state"], doctor.stdout  # the installed config's own state directory
     out = d.base / "run"
     server = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "run", "--config", str(d.server_toml(out)), "--no-progress"],
                               stdout=(d.base / "server.log").open("w"), stderr=subprocess.STDOUT, env=_env(), cwd=d.base)
@@ -205,8 +203,7 @@ def test_corrupt_image_is_named_with_its_fix_and_the_configuration_error_code(de
     output = (d.base / "pi-a.log").read_text()
     assert code == EXIT_CONFIG, output
     assert str(victim) in output and "delete it or replace it" in output and "Traceback" not in output, output
-    doctor = _python("-m", "edge_agent.cli", "doctor", "--config", str(config), "--data-root", str(d.data_dir("pi-a")),
-                     cwd=d.base, timeout=120)
+    doctor = _python("-m", "edge_agent.cli", "doctor", "--config", str(config), cwd=d.base, timeout=120)
     assert doctor.returncode == 1 and str(victim) in doctor.stdout, doctor.stdout
 
 

@@ -218,6 +218,31 @@ def test_ca_file_that_is_not_a_certificate(tmp_path: Path) -> None:
     assert checks["credentials"].status == FAIL and "not a PEM certificate" in checks["credentials"].detail
 
 
+def test_ca_file_that_is_not_there_is_named_by_doctor_run_and_the_server(tmp_path: Path) -> None:
+    from edge_agent.doctor import check_tls
+
+    missing = tmp_path / "etc" / "ca.crt"
+    check = check_tls("127.0.0.1", 1, True, str(missing), None, 1.0)
+    assert check.status == FAIL and f"ca_file {missing} does not exist" in check.detail and "ca.crt" in check.fix
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), OMP_NUM_THREADS="1")
+    # edge-agent run: a configuration error (exit 2) naming the file, not "cannot load this device's data".
+    config = write_config(tmp_path / "a.toml", {"broker_url": "mqtts://127.0.0.1:1", "ca_file": "ca.crt"},
+                          {"dataset": "synthetic", "train_samples": 40, "test_samples": 20})
+    run = subprocess.run([sys.executable, "-m", "edge_agent.cli", "run", "--config", config, "--no-progress"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode == 2, out
+    assert f"ca_file {tmp_path / 'ca.crt'} does not exist" in out and "Traceback" not in out and "cannot load this device's data" not in out, out
+    # cloud-server run: the same, exit 2.
+    server = tmp_path / "server.toml"
+    write_toml(server, {"server": {"run_id": "doc", "broker_url": "mqtts://127.0.0.1:1", "ca_file": str(missing),
+                                   "out_dir": str(tmp_path / "run"), "dataset": "synthetic", "device": "cpu"}})
+    srv = subprocess.run([sys.executable, "-m", "cloud_server.cli", "run", "--config", str(server), "--no-progress"],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    out = srv.stdout + srv.stderr
+    assert srv.returncode == 2 and f"ca_file {missing} does not exist" in out and "Traceback" not in out, out
+
+
 # -- credentials ------------------------------------------------------------------ #
 
 
@@ -237,6 +262,12 @@ def test_wrong_password(tmp_path: Path, secure) -> None:  # type: ignore[no-unty
     wrong.chmod(0o600)
     checks = doctor(write_config(tmp_path / "a.toml", secure_agent(port, keys, password_file=str(wrong))))
     assert checks["login"].status == FAIL and "wrong user name or password" in checks["login"].detail
+    # The command prints the check, not also the transport's raw log line on stderr.
+    cli = subprocess.run([sys.executable, "-m", "edge_agent.cli", "doctor", "--config", str(tmp_path / "a.toml"), "--timeout", "3",
+                          "--no-load-data"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=child_pythonpath()),
+                         timeout=120)
+    assert cli.returncode == 1 and "wrong user name or password" in cli.stdout, cli.stdout
+    assert "refused connection" not in cli.stderr, cli.stderr
 
 
 @pytest.mark.broker
@@ -297,6 +328,57 @@ def test_npz_data_found(tmp_path: Path) -> None:
     checks = doctor(write_config(tmp_path / "a.toml", {"broker_url": "mqtt://127.0.0.1:1"},
                                  {"dataset": "npz", "root": str(tmp_path / "data"), "partition": "none"}))
     assert checks["data"].status == OK and "50 training images" in checks["data"].detail
+
+
+def _image_folder(root: Path, classes: int, size: int, mode: str) -> Path:
+    from PIL import Image
+
+    for c in range(classes):
+        (root / f"{c}_class").mkdir(parents=True)
+        for i in range(2):
+            Image.new(mode, (size, size), color=(40 * c) if mode == "L" else (40 * c, i, 0)).save(root / f"{c}_class" / f"{i}.png")
+    return root
+
+
+def test_image_folder_checked_against_the_runs_contract_from_the_bundle(tmp_path: Path) -> None:
+    """keys init writes the run's in_channels / image_size / num_classes into each bundle's [data];
+    doctor says when the folder does not fit, naming both sides, before the server refuses it at join."""
+    folder = _image_folder(tmp_path / "data", classes=9, size=48, mode="RGB")
+    contract = {"in_channels": 1, "image_size": [32, 32], "num_classes": 10}
+    checks = doctor(write_config(tmp_path / "a.toml", {"broker_url": "mqtt://127.0.0.1:1"},
+                                 {"dataset": "imagefolder", "root": str(folder), "partition": "none", **contract}))
+    detail = checks["data"].detail
+    assert checks["data"].status == FAIL, detail
+    assert "9 class folders, the run's num_classes is 10" in detail
+    assert "3 channel(s), the run's in_channels is 1" in detail and "48x48" in detail and "image_size is 32x32" in detail
+    assert "class folders on every device" in checks["data"].fix and "num_classes" in checks["data"].fix
+    fits = _image_folder(tmp_path / "fits", classes=10, size=28, mode="L")  # 28x28 counts as 32x32
+    checks = doctor(write_config(tmp_path / "b.toml", {"broker_url": "mqtt://127.0.0.1:1"},
+                                 {"dataset": "imagefolder", "root": str(fits), "partition": "none", **contract}))
+    assert checks["data"].status == OK and "10 class folders" in checks["data"].detail, checks["data"]
+    # Without the contract in [data] (a hand-written config) nothing is compared.
+    checks = doctor(write_config(tmp_path / "c.toml", {"broker_url": "mqtt://127.0.0.1:1"},
+                                 {"dataset": "imagefolder", "root": str(folder), "partition": "none"}))
+    assert checks["data"].status == OK
+
+
+def test_keys_init_writes_the_contract_into_server_toml_and_every_bundle(tmp_path: Path) -> None:
+    from shared_protocol.tomlio import read_toml
+
+    require_tools("openssl", "mosquitto_passwd")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
+    result = subprocess.run([sys.executable, "-m", "cloud_server.launcher", "keys", "init", "--agent-ids", "pi-1,pi-2",
+                             "--bind", "127.0.0.1", "--in-channels", "1", "--image-size", "28", "--num-classes", "10",
+                             "--out", str(tmp_path / "k")], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    server = read_toml(tmp_path / "k" / "configs" / "server.toml")["server"]
+    assert (server["in_channels"], server["image_size"], server["num_classes"]) == (1, [32, 32], 10)  # 28x28 is padded
+    for agent in ("pi-1", "pi-2"):
+        data = read_toml(tmp_path / "k" / "bundles" / agent / "agent.toml")["data"]
+        assert (data["in_channels"], data["image_size"], data["num_classes"]) == (1, [32, 32], 10)
+        local = read_toml(tmp_path / "k" / "configs" / f"agent-{agent}.toml")
+        assert local["agent"]["state_dir"] == "/var/lib/edgesplit/state" and local["data"]["num_classes"] == 10
+    assert "listener 8883 127.0.0.1" in (tmp_path / "k" / "mosquitto.conf").read_text()
 
 
 def test_state_dir_not_writable(tmp_path: Path) -> None:

@@ -89,5 +89,8 @@ def test_export_cli_image_folders(tmp_path: Path, capsys) -> None:  # type: igno
     assert main(["--dataset", "synthetic", "--format", "imagefolder", "--agents", "2", "--index", "1", "--train-samples", "40",
                  "--test-samples", "20", "--out", str(tmp_path / "one")]) == 0
     assert (tmp_path / "one" / "train").is_dir() and (tmp_path / "one" / "classes.json").exists()
+    meta = __import__("json").loads((tmp_path / "one" / "classes.json").read_text())
+    assert (meta["in_channels"], meta["image_size"], meta["num_classes"]) == (3, [32, 32], 10)  # synthetic: 3x32x32, 10 classes
+    assert "--in-channels 3 --image-size 32x32 --num-classes 10" in capsys.readouterr().out
     assert main(["--dataset", "synthetic", "--format", "imagefolder", "--agents", "2", "--names", "x", "--out", str(tmp_path / "b")]) == 2
     assert "--names" in capsys.readouterr().err

@@ -114,6 +114,8 @@ def test_server_plan_cpu_and_gpu() -> None:
     assert "--index-url https://download.pytorch.org/whl/cpu" in cpu.stdout
     assert "keys init --agent-ids pi-1\\,pi-2 --host broker.example.org --port 8883" in cpu.stdout
     assert "mosquitto.service.d/edgesplit.conf" in cpu.stdout and "cloud-server.service" in cpu.stdout
+    gray = plan(SERVER, "--host", "b.example.org", "--agents", "pi-1", "--gpu", "no", "--in-channels", "1", "--image-size", "32x32")
+    assert "--run-id default --in-channels 1 --image-size 32x32 --out /etc/edgesplit/broker" in gray.stdout, gray.stdout
     gpu = plan(SERVER, "--host", "broker.example.org", "--agents", "pi-1", "--gpu", "yes")
     assert "GPU yes" in gpu.stdout and "CUDA build" in gpu.stdout and "download.pytorch.org" not in gpu.stdout
 
@@ -177,3 +179,32 @@ def test_edge_plan_installs_a_keys_init_bundle_as_it_is(tmp_path: Path) -> None:
 def test_edge_unit_does_not_restart_a_configuration_error() -> None:
     service = unit(ROOT / "deploy" / "edge" / "edge-agent.service")["Service"]
     assert set(service["RestartPreventExitStatus"].split()) == {"2", "3"}
+
+
+def test_config_only_root_makes_the_root_and_points_the_installed_config_into_it(tmp_path: Path) -> None:
+    """docs/deploy.md's trial: `install.sh --config-only --root /tmp/try --bundle pi-kitchen/`, then doctor
+    and run with the installed config as it is: /tmp/try need not exist, and the config's data and state
+    directories are the ones made under it (not the machine's /var/lib/edgesplit)."""
+    from shared_protocol.tomlio import read_toml
+
+    bundle = tmp_path / "pi-1"
+    bundle.mkdir()
+    (bundle / "agent.toml").write_text(
+        '[agent]\nagent_id = "pi-1"\nbroker_url = "mqtts://localhost:8883"\npassword_file = "agent.password"\n'
+        'ca_file = "ca.crt"\nstate_dir = "/var/lib/edgesplit/state"\n\n'
+        '[data]\ndataset = "imagefolder"\nroot = "/var/lib/edgesplit/data"\npartition = "none"\n')
+    (bundle / "agent.password").write_text("secret\n")
+    (bundle / "ca.crt").write_text("x\n")
+    root = tmp_path / "try" / "here"  # not there yet
+    result = subprocess.run(["bash", str(EDGE), "--config-only", "--root", str(root), "--bundle", str(bundle)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    installed = read_toml(root / "etc" / "edgesplit" / "agent.toml")
+    assert installed["agent"]["state_dir"] == str(root / "var" / "lib" / "edgesplit" / "state")
+    assert installed["data"]["root"] == str(root / "var" / "lib" / "edgesplit" / "data")
+    assert Path(installed["agent"]["state_dir"]).is_dir() and Path(installed["data"]["root"]).is_dir()
+    assert installed["agent"]["password_file"] == "agent.password"  # credentials stay next to the config
+    assert (root / "etc" / "edgesplit" / "agent.password").read_text() == "secret\n"
+    # The real install (no --root) installs the bundle's config unchanged.
+    out = plan(EDGE, "--arch", "aarch64", "--bundle", str(bundle)).stdout
+    assert "sed -i" not in out

@@ -300,6 +300,17 @@ def test_server_model_without_flops_is_valid() -> None:
     assert "| edge | resnet8 | 10,586 | 0.0568 |" in summary_md(report)
 
 
+def test_summary_lists_the_agents_refused_at_join() -> None:
+    report = make_report()
+    assert "refused at join" not in summary_md(report)
+    reason = "this agent's images are (channels, height, width) = (1, 48, 48), the run's are (1, 32, 32)"
+    report["refused_agents"] = [{"agent": "pi-garage", "code": "data_mismatch", "reason": reason}]
+    validate_report(report)
+    text = summary_md(report)
+    assert "## Agents refused at join" in text
+    assert f"| pi-garage | data_mismatch | {reason} |" in text
+
+
 # --------------------------------------------------------------------------- #
 # one-liners and comparisons
 # --------------------------------------------------------------------------- #

@@ -234,6 +234,16 @@ def _agents_md(report: Mapping[str, Any]) -> list[str]:
             *(line for w in warnings for line in (w, ""))]
 
 
+def _refused_md(report: Mapping[str, Any]) -> list[str]:
+    """The agents the server refused at join (``refused_agents``: not in the allow-list, or
+    data that does not fit the run), each with the reason it was sent; empty when none."""
+    refused = [r for r in report.get("refused_agents") or [] if isinstance(r, dict)]
+    if not refused:
+        return []
+    rows = [[r.get("agent", DASH), r.get("code") or DASH, r.get("reason") or DASH] for r in refused]
+    return ["## Agents refused at join", "", *table(["Agent", "Code", "Reason"], rows, right_from=3), ""]
+
+
 def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     """The rounds' ``robustness`` entries (cloud_server/robust.py): per round and agent, the
     uploads refused as implausible (by reason, with the first figure and threshold), clipped
@@ -288,6 +298,7 @@ def summary_md(report: Mapping[str, Any]) -> str:
         _server_device_md(rounds),
         _method_figures_md(rounds),
         _agents_md(report),
+        _refused_md(report),
     ]
     return "\n".join(line for section in sections for line in section)
 

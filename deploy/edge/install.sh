@@ -68,7 +68,9 @@ options:
   --bundle DIR           a device bundle from \`edgesplit keys init\` (bundles/<id>/): its agent.toml,
                          agent.password and ca.crt, installed as they are (same as the three options above)
   --root DIR             install config, credentials and state directories under DIR instead of /
-                         (DIR/etc/edgesplit, DIR/var/lib/edgesplit): for trying a bundle out, and for tests
+                         (DIR/etc/edgesplit, DIR/var/lib/edgesplit; DIR is created): for trying a bundle
+                         out, and for tests. The installed config's /var/lib/edgesplit paths are rewritten
+                         to DIR/var/lib/edgesplit, so doctor and edge-agent run use it as it is
   --config-only          only the config, credentials and directories (steps 3 and 7): no apt, venv or unit
   --no-service           do not install or start the systemd unit
 USAGE
@@ -137,7 +139,16 @@ if [ -n "${ROOT}" ] && [ "${CONFIG_ONLY}" -eq 0 ]; then
   die "--root DIR goes with --config-only (the venv and the systemd unit are the machine's, not DIR's)"
 fi
 if [ -n "${ROOT}" ]; then
-  ROOT="$(cd "${ROOT}" && pwd)" || die "--root ${ROOT} must be an existing directory"
+  given_root="${ROOT}"
+  if [ "${DRY_RUN}" -eq 0 ]; then
+    mkdir -p -- "${given_root}" || die "--root ${given_root}: cannot create it"
+  fi
+  if [ -d "${given_root}" ]; then
+    ROOT="$(cd "${given_root}" && pwd)"
+  else
+    case "${given_root}" in /*) ROOT="${given_root}" ;; *) ROOT="$(pwd)/${given_root}" ;; esac
+  fi
+  case "${ROOT}" in *[\#\&\\\"]*) die "--root ${given_root}: the path may not hold #, &, a backslash or a double quote (it goes into the installed config)" ;; esac
   CONF_DIR="${ROOT}${CONF_DIR}"
   STATE_DIR="${ROOT}${STATE_DIR}"
 fi
@@ -256,6 +267,12 @@ if [ -n "${CA_FILE}" ]; then
   else
     run install -m 0644 "${CA_FILE}" "${CONF_DIR}/ca.crt"
   fi
+fi
+if [ -n "${ROOT}" ]; then
+  # A trial root: the config's data and state directories (/var/lib/edgesplit/...) are the ones
+  # made under ROOT above, so that doctor and edge-agent run use the installed config as it is.
+  say "--root: the installed config's /var/lib/edgesplit paths point under ${ROOT} (data, state)"
+  run sed -i "s#\"/var/lib/edgesplit/#\"${STATE_DIR}/#g" "${CONF_DIR}/agent.toml"
 fi
 if [ "${CONFIG_ONLY}" -eq 1 ]; then
   say "installed: ${CONF_DIR}/agent.toml; check it with: edge-agent doctor --config ${CONF_DIR}/agent.toml"

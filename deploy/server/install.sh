@@ -24,6 +24,7 @@ HOSTS=()
 AGENTS=""
 RUN_ID="default"
 PORT=8883
+CONTRACT_ARGS=()
 GPU="auto"
 TORCH_SPEC="torch torchvision"
 DRY_RUN=0
@@ -37,6 +38,9 @@ options:
   --agents ID,ID,...     agent ids to create broker accounts for [required unless ${KEYS_DIR} exists]
   --run-id ID            run id in the generated configs (default: ${RUN_ID})
   --port N               TLS port of the broker (default: ${PORT})
+  --in-channels N, --image-size HxW, --num-classes N
+                         the devices' images, the run's data contract (keys init's options: default
+                         3, 32x32, 10; Fashion-MNIST folders: --in-channels 1)
   --gpu auto|yes|no      CUDA torch (auto: when nvidia-smi sees a GPU)
   --torch-spec SPEC      pip requirements for torch (default: ${TORCH_SPEC})
   --source PATH          EdgeSplit source tree or wheel (default: ${SOURCE})
@@ -63,6 +67,7 @@ while [ $# -gt 0 ]; do
     --agents) AGENTS="${2:?--agents needs a value}"; shift ;;
     --run-id) RUN_ID="${2:?--run-id needs a value}"; shift ;;
     --port) PORT="${2:?--port needs a value}"; shift ;;
+    --in-channels|--image-size|--num-classes) CONTRACT_ARGS+=("$1" "${2:?$1 needs a value}"); shift ;;
     --gpu) GPU="${2:?--gpu needs auto, yes or no}"; shift ;;
     --torch-spec) TORCH_SPEC="${2:?--torch-spec needs a value}"; shift ;;
     --source) SOURCE="${2:?--source needs a path}"; shift ;;
@@ -130,7 +135,7 @@ say "5. broker credentials and production config in ${KEYS_DIR}"
 if [ "${DRY_RUN}" -eq 1 ] || [ ! -e "${KEYS_DIR}/mosquitto.conf" ]; then
   host_args=()
   for h in "${HOSTS[@]}"; do host_args+=(--host "$h"); done
-  run "${VENV}/bin/edgesplit" keys init --agent-ids "${AGENTS}" "${host_args[@]}" --port "${PORT}" --run-id "${RUN_ID}" --out "${KEYS_DIR}"
+  run "${VENV}/bin/edgesplit" keys init --agent-ids "${AGENTS}" "${host_args[@]}" --port "${PORT}" --run-id "${RUN_ID}" "${CONTRACT_ARGS[@]}" --out "${KEYS_DIR}"
 else
   echo "    ${KEYS_DIR} exists; keeping its CA, certificates and passwords"
 fi

@@ -35,6 +35,8 @@ That the metrics code is not imported when off is checked by
     python bench/metrics_overhead.py                 # 4 pairs (8 demo runs, ~8-10 min each on 2 cores)
     python bench/metrics_overhead.py --pairs 2
     python bench/metrics_overhead.py --quick         # a pipeline check: 2 agents, 64 / 32 synthetic images, 1 round, 1 pair
+    python bench/metrics_overhead.py --train-samples 400 --test-samples 200 --rounds 3 --pairs 3 --note "..."
+                                                     # make demo's setting reduced (the JSON's scale is "reduced")
 
 Writes ``bench/results/metrics_overhead.json`` (``--quick``: ``metrics_overhead-quick.json``),
 rewritten after every run, ``complete`` false until the last run is in.
@@ -65,7 +67,7 @@ DEMO = {"method": "fedgkt", "agents": 4, "rounds": 6, "train_samples": 3000, "te
         "dataset": "fashion-mnist", "partition": "dirichlet:0.5", "seed": 0}
 QUICK = {**DEMO, "agents": 2, "rounds": 1, "train_samples": 64, "test_samples": 32, "dataset": "synthetic", "partition": "iid"}
 #: Seconds between two scrapes of every endpoint while a run is on (Prometheus's default is 15).
-SCRAPE_INTERVAL_S = {"demo": 5.0, "quick": 1.0}
+SCRAPE_INTERVAL_S = {"demo": 5.0, "reduced": 5.0, "quick": 1.0}
 #: The target: round time with metrics on within this share of off.
 TARGET = 0.02
 #: Where the "not imported when off" claim is checked.
@@ -343,10 +345,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a pipeline check: 2 agents, 64 / 32 synthetic images, 1 round, 1 pair")
     parser.add_argument("--pairs", type=int, default=None, help="off/on pairs, in ABBA blocks (default 4; --quick 1)")
+    for key in ("agents", "rounds", "train_samples", "test_samples"):
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                            help=f"depart from make demo's {key} (the JSON's scale is then 'reduced' and lists the departures)")
+    parser.add_argument("--note", default=None, help="why the setting departs from make demo's (recorded in the JSON)")
     parser.add_argument("--out", type=Path, help="default: bench/results/metrics_overhead.json (--quick: metrics_overhead-quick.json)")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "metrics_overhead")
     args = parser.parse_args(argv)
     setting, scale = (QUICK, "quick") if args.quick else (DEMO, "demo")
+    overrides = {k: getattr(args, k) for k in ("agents", "rounds", "train_samples", "test_samples") if getattr(args, k) is not None}
+    if overrides and not args.quick:
+        setting = {**DEMO, **overrides}
+        scale = "demo" if setting == DEMO else "reduced"
+    departures = {k: {"demo": DEMO[k], "here": v} for k, v in setting.items() if DEMO[k] != v}
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 4)
     if pairs < 1:
         parser.error("--pairs must be >= 1")
@@ -371,16 +382,19 @@ def main(argv: list[str] | None = None) -> int:
         done = index + 1 == len(plan)
         write_json(out_path, {
             "benchmark": "metrics_overhead",
-            "description": "Issue 29: make demo's run (edgesplit local, 4 agent processes, FedGKT, 3,000 / 1,000 Fashion-MNIST "
-                           "images, Dirichlet(0.5), 6 rounds) with metrics off vs on (edgesplit local --metrics, every endpoint "
-                           "scraped every 5 s); the on/off ratio of round time and CPU seconds, mean ± sd over interleaved pairs.",
+            "description": f"Issue 29: make demo's run{'' if scale == 'demo' else ' (' + scale + ')'} (edgesplit local, "
+                           f"{setting['agents']} agent processes, FedGKT, {setting['train_samples']:,} / {setting['test_samples']:,} "
+                           f"{setting['dataset']} images, {setting['partition']}, {setting['rounds']} rounds) with metrics off vs on "
+                           f"(edgesplit local --metrics, every endpoint scraped every {interval:g} s); the on/off ratio of round "
+                           "time and CPU seconds, mean ± sd over interleaved pairs.",
             "setting": setting,
             "scale": {"name": scale, "pairs_planned": pairs, "pairs_measured": len(summary["pairs"]), "order": plan,
                       "runs_made": len(runs), "complete": done and len(summary["pairs"]) == pairs,
                       "wall_time_min": (time.monotonic() - began) / 60,
                       "process_layout": "edgesplit local: one server process, one process per agent (1 torch thread each), "
                                         "one mosquitto; the scraper is a thread of the bench's own process",
-                      "scrape_interval_s": interval, "scraped": ["server /metrics", "every agent's /metrics", "status page /"]},
+                      "scrape_interval_s": interval, "scraped": ["server /metrics", "every agent's /metrics", "status page /"],
+                      "departs_from_demo": departures, "note": args.note},
             "design": {"interleaving": "ABBA blocks (off, on, on, off, ...); a pair is runs 2i and 2i+1, one of each condition",
                        "ratio_is": "on over off within a pair: mean round wall time (report rounds[i].time_s.round), each round "
                                    "k's, the server's training seconds, the run's wall time, CPU seconds of the process tree and "
@@ -394,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summary,
             "runs": runs,
             "machine": {**host, "load_average_at_end": list(os.getloadavg())},
-            "generated_by": "bench/metrics_overhead.py" + (" --quick" if args.quick else "") + (f" --pairs {pairs}" if args.pairs else ""),
+            "generated_by": " ".join(["bench/metrics_overhead.py", *(["--quick"] if args.quick else []),
+                                      *([f"--pairs {pairs}"] if args.pairs else []),
+                                      *(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if not args.quick)]),
         })
     rt = summary["on_over_off"]["round_time"]
     if rt["mean"] is not None:

@@ -1031,13 +1031,17 @@ def metrics_overhead_section(data: dict[str, Any] | None) -> list[str]:
                          load, scraped])
     incomplete = [] if scale["complete"] else [
         f"**Incomplete:** {scale['pairs_measured']} of {scale['pairs_planned']} pairs measured ({scale['runs_made']} runs made).", ""]
+    departures = scale.get("departs_from_demo") or {}
+    if departures:
+        changed = ", ".join(f"{k.replace('_', ' ')} {v['here']:,} (demo: {v['demo']:,})" for k, v in departures.items())
+        incomplete += [f"**Not `make demo`'s setting:** {changed}." + (f" {scale['note']}" if scale.get("note") else ""), ""]
     aa = noise.get("round_time") or {}
     aa_text = (f"{100 * aa['mean']:.1f}% (mean over {aa['n']} adjacent same-condition pairs)" if aa.get("mean") is not None
                else "not measured (no adjacent same-condition pair)")
     return [
         *head,
         f"From `bench/results/metrics_overhead.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
-        f"`make demo`'s run (`edgesplit local`, one server and {s['agents']} agent processes, FedGKT, {s['dataset']}, "
+        f"`make demo`'s run{' reduced' if departures else ''} (`edgesplit local`, one server and {s['agents']} agent processes, FedGKT, {s['dataset']}, "
         f"{s['train_samples']:,} training / {s['test_samples']:,} test images, {s['partition']}, {s['rounds']} rounds, seed "
         f"{s['seed']}) with metrics off and with `--metrics`, in the order {', '.join(scale['order'])} (ABBA blocks, "
         f"{scale['wall_time_min']:.0f} min in all). While on, the bench fetched the server's `/metrics`, every agent's "

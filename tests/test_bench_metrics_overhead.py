@@ -155,3 +155,7 @@ def test_the_results_page_section_matches_a_synthetic_json() -> None:
     incomplete = {**data, "scale": {**data["scale"], "complete": False, "pairs_measured": 1}}
     assert "**Incomplete:** 1 of 2 pairs measured" in "\n".join(render.metrics_overhead_section(incomplete))
     assert "not found" in "\n".join(render.metrics_overhead_section(None))
+    assert "Not `make demo`'s setting" not in text
+    reduced = {**data, "setting": {**data["setting"], "rounds": 3},
+               "scale": {**data["scale"], "departs_from_demo": {"rounds": {"demo": 6, "here": 3}}, "note": "Too slow here."}}
+    assert "**Not `make demo`'s setting:** rounds 3 (demo: 6). Too slow here." in "\n".join(render.metrics_overhead_section(reduced))

@@ -112,6 +112,11 @@ def test_pairs_ratios_noise_and_the_verdict_rule() -> None:
     unresolved = bench.verdict({"mean": 1.01, "sd": 0.05}, {})
     assert over["within_target"] is False and over["result"].startswith("over 2 %")
     assert unresolved["within_target"] is None and unresolved["result"].startswith("not resolved")
+    # Far below 1 with a large sd is noise, not "within": the sd must be below the target.
+    assert bench.verdict({"mean": 0.60, "sd": 0.32}, {})["within_target"] is None
+    # So must the spread of runs with nothing changed, where measured.
+    assert bench.verdict({"mean": 1.00, "sd": 0.01}, {"mean": 0.05})["within_target"] is None
+    assert bench.verdict({"mean": 1.00, "sd": 0.01}, {"mean": 0.01})["within_target"] is True
     # A failed run leaves its pair out; the JSON still has the other.
     runs[3] = {"index": 3, "condition": "off", "failed": "exit 1"}
     assert [p["pair"] for p in bench.summarise(runs, 2)["pairs"]] == [0]
@@ -159,3 +164,15 @@ def test_the_results_page_section_matches_a_synthetic_json() -> None:
     reduced = {**data, "setting": {**data["setting"], "rounds": 3},
                "scale": {**data["scale"], "departs_from_demo": {"rounds": {"demo": 6, "here": 3}}, "note": "Too slow here."}}
     assert "**Not `make demo`'s setting:** rounds 3 (demo: 6). Too slow here." in "\n".join(render.metrics_overhead_section(reduced))
+
+
+def test_collect_rebuilds_the_summary_from_the_recorded_runs(tmp_path: Path) -> None:
+    bench = load("metrics_overhead")
+    data = _synthetic()
+    data["summary"] = {"stale": True}
+    out = tmp_path / "overhead.json"
+    out.write_text(json.dumps(data))
+    assert bench.main(["--collect", "--out", str(out)]) == 0
+    rebuilt = json.loads(out.read_text())
+    assert rebuilt["summary"] == bench.summarise(data["runs"], 2) and rebuilt["runs"] == data["runs"]
+    assert rebuilt["scale"]["complete"] is True and rebuilt["generated_by"].endswith("(summary rebuilt with --collect)")

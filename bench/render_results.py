@@ -1034,7 +1034,7 @@ def metrics_overhead_section(data: dict[str, Any] | None) -> list[str]:
     departures = scale.get("departs_from_demo") or {}
     if departures:
         changed = ", ".join(f"{k.replace('_', ' ')} {v['here']:,} (demo: {v['demo']:,})" for k, v in departures.items())
-        incomplete += [f"**Not `make demo`'s setting:** {changed}." + (f" {scale['note']}" if scale.get("note") else ""), ""]
+        incomplete += [f"**Not `make demo`'s setting:** {changed}." + (f" {scale['note'].rstrip('.')}." if scale.get("note") else ""), ""]
     aa = noise.get("round_time") or {}
     aa_text = (f"{100 * aa['mean']:.1f}% (mean over {aa['n']} adjacent same-condition pairs)" if aa.get("mean") is not None
                else "not measured (no adjacent same-condition pair)")
@@ -1052,10 +1052,10 @@ def metrics_overhead_section(data: dict[str, Any] | None) -> list[str]:
         "training seconds, the CPU seconds of the whole process tree (launcher, server, agents, mosquitto) and of the "
         "server, the run's wall time.", "",
         *_table(["Pair", "Order", "Round time", "Per round", "Server training", "CPU, all processes", "CPU, server", "Run wall"],
-                pair_rows),
+                pair_rows, right_from=2),
         "",
         *_table(["Run", "Metrics", "Mean round s", "Server training s", "Run wall s", "CPU s, all processes",
-                 "Load (1 min) before → after", "Scrapes ok / failed"], run_rows),
+                 "Load (1 min) before → after", "Scrapes ok / failed"], run_rows, right_from=2),
         "",
         f"On ÷ off, mean ± sd over the pairs: round time {_ratio_pm(ratios['round_time'])}; per round "
         f"{_ratio_pm(summary['on_over_off_per_round'])}; server training {_ratio_pm(ratios['server_train'])}; CPU seconds, "

@@ -20,7 +20,9 @@ Accuracy figures are rendered only from JSONs scored on the balanced
 evaluation set (they carry ``eval_set``); an older JSON gets one line saying
 that it awaits re-measurement, and the page quotes none of its accuracies.
 * ``transport.json``, ``server_loop.json``, ``scale.json`` (``bench/transport.py``,
-  ``bench/server_loop.py``, ``bench/scale.py``): issue 9's speed and scale figures.
+  ``bench/server_loop.py``, ``bench/scale.py``): issue 9's speed and scale figures;
+* ``metrics_overhead.json`` (``bench/metrics_overhead.py``): issue 29's cost of watching a
+  run, ``make demo`` with metrics off vs on.
 
     python bench/render_results.py [--results bench/results] [--out docs/results.md]
 """
@@ -994,6 +996,78 @@ def scale_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _ratio_pm(cell: dict[str, Any] | None) -> str:
+    """An on/off ratio cell: mean ± sd (n) over the pairs; the mean alone with one pair."""
+    if not cell or cell.get("mean") is None:
+        return DASH
+    sd = "" if cell.get("sd") is None else f" ± {cell['sd']:.4f}"
+    return f"{cell['mean']:.4f}{sd} (n={cell['n']})"
+
+
+def _one(x: float | None, digits: int = 4) -> str:
+    return DASH if x is None else f"{x:.{digits}f}"
+
+
+def metrics_overhead_section(data: dict[str, Any] | None) -> list[str]:
+    """Issue 29: make demo with metrics off vs on, interleaved pairs (bench/metrics_overhead.py)."""
+    head = ["## What watching a run costs: metrics off vs on (issue 29)", ""]
+    if data is None:
+        return head + ["*`bench/results/metrics_overhead.json` not found: run `bench/metrics_overhead.py` (`make demo` with "
+                       "metrics off vs on, interleaved pairs).*", ""]
+    s, scale, summary = data["setting"], data["scale"], data["summary"]
+    ratios, noise, verdict = summary["on_over_off"], summary["same_condition_noise"], summary["verdict"]
+    pair_rows = [[p["pair"] + 1, p["order"].replace(",", ", "), _one(p["ratios"]["round_time"]),
+                  " / ".join(_one(x, 3) for x in p["ratios"]["per_round"]), _one(p["ratios"]["server_train"]),
+                  _one(p["ratios"]["cpu_tree"]), _one(p["ratios"]["cpu_server"]), _one(p["ratios"]["run_wall_time"])]
+                 for p in summary["pairs"]]
+    run_rows = []
+    for r in data["runs"]:
+        load = f"{r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f}"
+        if "failed" in r:
+            run_rows.append([r["index"] + 1, r["condition"], f"failed ({r['failed']})", DASH, DASH, DASH, load, DASH])
+            continue
+        scrapes = r.get("scrapes")
+        scraped = DASH if scrapes is None else "{} / {}".format(sum(c["ok"] for c in scrapes["per_endpoint"].values()),
+                                                                sum(c["failed"] for c in scrapes["per_endpoint"].values()))
+        run_rows.append([r["index"] + 1, r["condition"], f"{sum(r['round_s']) / len(r['round_s']):.1f}",
+                         f"{sum(r['server_train_s']):.1f}", f"{r['run_wall_time_s']:.0f}", f"{r['cpu_s']['tree_total']:.0f}",
+                         load, scraped])
+    incomplete = [] if scale["complete"] else [
+        f"**Incomplete:** {scale['pairs_measured']} of {scale['pairs_planned']} pairs measured ({scale['runs_made']} runs made).", ""]
+    departures = scale.get("departs_from_demo") or {}
+    if departures:
+        changed = ", ".join(f"{k.replace('_', ' ')} {v['here']:,} (demo: {v['demo']:,})" for k, v in departures.items())
+        incomplete += [f"**Not `make demo`'s setting:** {changed}." + (f" {scale['note'].rstrip('.')}." if scale.get("note") else ""), ""]
+    aa = noise.get("round_time") or {}
+    aa_text = (f"{100 * aa['mean']:.1f}% (mean over {aa['n']} adjacent same-condition pairs)" if aa.get("mean") is not None
+               else "not measured (no adjacent same-condition pair)")
+    return [
+        *head,
+        f"From `bench/results/metrics_overhead.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
+        f"`make demo`'s run{' reduced' if departures else ''} (`edgesplit local`, one server and {s['agents']} agent processes, FedGKT, {s['dataset']}, "
+        f"{s['train_samples']:,} training / {s['test_samples']:,} test images, {s['partition']}, {s['rounds']} rounds, seed "
+        f"{s['seed']}) with metrics off and with `--metrics`, in the order {', '.join(scale['order'])} (ABBA blocks, "
+        f"{scale['wall_time_min']:.0f} min in all). While on, the bench fetched the server's `/metrics`, every agent's "
+        f"`/metrics` and the status page every {scale['scrape_interval_s']:g} s (Prometheus's default is 15 s). Off, nothing "
+        f"of the metrics code is imported (`{data['off_not_imported']['checked_by']}`).", "",
+        *incomplete,
+        "On ÷ off within each pair (a pair is runs 2i and 2i + 1): the mean round wall time, each round's, the server's "
+        "training seconds, the CPU seconds of the whole process tree (launcher, server, agents, mosquitto) and of the "
+        "server, the run's wall time.", "",
+        *_table(["Pair", "Order", "Round time", "Per round", "Server training", "CPU, all processes", "CPU, server", "Run wall"],
+                pair_rows, right_from=2),
+        "",
+        *_table(["Run", "Metrics", "Mean round s", "Server training s", "Run wall s", "CPU s, all processes",
+                 "Load (1 min) before → after", "Scrapes ok / failed"], run_rows, right_from=2),
+        "",
+        f"On ÷ off, mean ± sd over the pairs: round time {_ratio_pm(ratios['round_time'])}; per round "
+        f"{_ratio_pm(summary['on_over_off_per_round'])}; server training {_ratio_pm(ratios['server_train'])}; CPU seconds, "
+        f"all processes {_ratio_pm(ratios['cpu_tree'])}, server {_ratio_pm(ratios['cpu_server'])}, agents "
+        f"{_ratio_pm(ratios['cpu_agents'])}. Run-to-run spread with nothing changed (round time): {aa_text}.", "",
+        f"Issue 29's target, round time with metrics on within 2% of off: **{verdict['result']}** ({verdict['rule']}).", "",
+    ]
+
+
 #: The agent's peak-RSS targets (MB) on the footprint bench's setting, by runtime.
 PEAK_TARGET_MB = {"torch": 350, "ort": 150}
 
@@ -1121,7 +1195,7 @@ def long_run_section(footprint: dict[str, Any], image_dir: Path | None) -> list[
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
                for name in ("edge_cost", "comm_cost", "accuracy", "methods", "fedgkt_async", "fedgkt_ablation", "gkt_server_epochs",
-                            "kd_methods", "transport", "server_loop", "scale")}
+                            "kd_methods", "transport", "server_loop", "scale", "metrics_overhead")}
     quick = _load(results / "accuracy-quick.json")
     if sources["accuracy"] is not None and quick is not None:
         sources["accuracy"] = {**sources["accuracy"], "quick": quick}
@@ -1137,7 +1211,8 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "",
     ]
     sections = (("accuracy", accuracy_section), ("fedgkt_async", async_section), ("fedgkt_ablation", fedgkt_ablation_section), ("gkt_server_epochs", gkt_server_epochs_section), ("kd_methods", kd_methods_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
-                ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section))
+                ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
+                ("metrics_overhead", metrics_overhead_section))
     footprint = _load(results / "footprint.json")
     if footprint is not None and "agent" in footprint:
         try:
@@ -1151,8 +1226,8 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         if name == "transport":
             lines += memory
         data = sources[name]
-        if data is None and name == "fedgkt_async":
-            lines += async_section(None)
+        if data is None and name in ("fedgkt_async", "metrics_overhead"):
+            lines += section(None)  # type: ignore[operator]
             continue
         if data is None:
             lines += [f"*`bench/results/{name}.json` not found: run `bench/{name}.py`.*", ""]

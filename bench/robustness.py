@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._federation import RESULTS, machine, quiet_logs, write_json  # noqa: E402
 from cloud_server.assemble import build_server  # noqa: E402
 from cloud_server.config import ServerConfig  # noqa: E402
+from cloud_server.evaluation import EvalSet  # noqa: E402
 from edge_agent.agent import EdgeAgent, load_agent_data  # noqa: E402
 from edge_agent.config import DataConfig, EdgeConfig  # noqa: E402
 from shared_protocol.local_broker import LocalBroker  # noqa: E402
@@ -210,7 +211,7 @@ def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, wor
                            "clipped": robustness.get("clipped", {}),
                            "aggregation_used": (robustness.get("aggregation") or {}).get("used"),
                            "warnings": r.get("warnings", [])})
-    return {**dataclasses.asdict(case), "status": report.get("status"), "rounds": rounds_out,
+    return {**dataclasses.asdict(case), "status": report.get("status"), "eval_set": report.get("eval_set"), "rounds": rounds_out,
             "final_accuracy": rounds_out[-1]["accuracy"] if rounds_out else None, "largest_weight": largest,
             **summarise(rounds_out), "wall_s": round(time.monotonic() - started, 1)}
 
@@ -266,23 +267,34 @@ def main(argv: list[str] | None = None) -> None:
              "dataset": "fashion-mnist", "partition": "iid", "seed": 0}
     grid = cases(args.quick)
     done: dict[str, dict[str, Any]] = {}
+    started = machine()
     if (args.resume or args.only is not None) and out_path.exists():
         previous = json.loads(out_path.read_text())
         if all(previous.get(k) == v for k, v in scale.items()):
             done = {Case(r["method"], r["attack"], r["checks"], r["aggregation"]).name: r for r in previous["runs"]}
+            # The machine as the first invocation found it; the date its runs started.
+            started = {**previous.get("machine", started),
+                       "runs_started_utc": previous.get("machine", {}).get("runs_started_utc")
+                       or previous.get("machine", {}).get("date_utc")}
         else:
             print(f"{out_path} holds another scale: starting afresh", flush=True)
     todo = [c for c in grid if (c.name in args.only if args.only is not None else c.name not in done)]
     order = {c.name: i for i, c in enumerate(grid)}
+
+    # The server's global test set, as every run's report describes it (the same spec for all).
+    spec = ServerConfig(run_id="robustness", method="fedavg", dataset=scale["dataset"], eval_samples=test).eval_set_spec()
+    loaded = EvalSet.load(spec)
+    eval_set = loaded.describe() if loaded is not None else None
 
     def save() -> None:
         runs = sorted(done.values(), key=lambda r: order.get(
             Case(r["method"], r["attack"], r["checks"], r["aggregation"]).name, len(order)))
         missing = [c.name for c in grid if c.name not in done]
         write_json(out_path, {
-            "machine": machine(), **scale, "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED,
+            "benchmark": "robustness", "generated_by": "bench/robustness.py" + (" --quick" if args.quick else ""),
+            "machine": started, **scale, "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED,
             "method_config": TABLES, "attacks": {k: a.what for k, a in ATTACKS.items()},
-            "eval_set": f"a seeded stratified subset of {test} images of the Fashion-MNIST test split (server-side, the same for every run)",
+            "eval_set": eval_set, "eval_set_same_for_every_run": all(r.get("eval_set") in (None, eval_set) for r in runs),
             "complete": not missing, "missing": missing, "runs": runs,
         })
 

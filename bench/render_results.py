@@ -834,7 +834,7 @@ def robustness_section(data: dict[str, Any]) -> list[str]:
         *incomplete,
         *_table(["Method", "Bad agent", "Rule", "Defences", "Final accuracy", "vs clean (points)", "Within 5 points",
                  "Accuracy by round %", "Rounds ok", "Refused (agent: reason × rounds)", "Bad agent unused in rounds",
-                 "Largest |weight|"], rows, right_from=4),
+                 "Largest \\|weight\\|"], rows, right_from=4),
         "",
         summary, "",
         "### What each aggregation rule costs on clean data", "",

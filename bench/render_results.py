@@ -830,10 +830,13 @@ def robustness_section(data: dict[str, Any]) -> list[str]:
         + " **Defences on**: the defaults (plausibility checks, quarantine after 3 rounds); **off**: "
         "`plausibility_checks = false` (the aggregation rule alone). Robust rules tolerate f = 1. **Within 5 points**: "
         "every round `ok`, every honest agent in every round, and the final accuracy no more than 5 points below the "
-        "clean run of the same method and rule (all five agents honest).", "",
+        "clean run of the same method and rule (all five agents honest). **Refused uploads**: the uploads refused as "
+        "implausible, summed over the rounds (FedGKT counts every batch of maps or logits an agent sends). **Bad agent "
+        "unused**: the rounds in which its upload was refused or it was quarantined. **Largest |weight|**: the largest "
+        "absolute value of any float array in the server's final checkpoint (`checkpoint/method.npz`).", "",
         *incomplete,
         *_table(["Method", "Bad agent", "Rule", "Defences", "Final accuracy", "vs clean (points)", "Within 5 points",
-                 "Accuracy by round %", "Rounds ok", "Refused (agent: reason × rounds)", "Bad agent unused in rounds",
+                 "Accuracy by round %", "Rounds ok", "Refused uploads (agent: reason × count)", "Bad agent unused in rounds",
                  "Largest \\|weight\\|"], rows, right_from=4),
         "",
         summary, "",

@@ -244,7 +244,7 @@ def cases(quick: bool) -> list[Case]:
     out += [Case("fedavg", "sign_flip", True, rule) for rule in RULES[1:]]
     out += [Case("fedgkt", a) for a in ("maps_6e4", "logits_1e30")]
     out += [Case("fedgkd", "none"), Case("fedgkd", "weights_x1e3"), Case("fedgkd", "sign_flip"),
-            Case("fedgkd", "sign_flip", True, "median")]
+            Case("fedgkd", "sign_flip", True, "median"), Case("fedgkd", "none", True, "median")]
     out += [Case("fedgkt", a, False) for a in ("maps_6e4", "logits_1e30")]
     out += [Case("fedgkd", "weights_x1e3", False), Case("fedgkt", "random_labels"), Case("fedkd", "random_labels")]
     out += [Case("fedavg", "random_labels", True, rule) for rule in RULES[1:]]

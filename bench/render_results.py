@@ -776,7 +776,15 @@ def robustness_section(data: dict[str, Any]) -> list[str]:
         f"**Incomplete:** {len(data['missing'])} run(s) of the grid are not in this JSON yet: "
         + ", ".join(f"`{m}`" for m in data["missing"]) + ".", ""]
     rows, failures = [], []
-    for r in data["runs"]:
+    attack_order = {a: i for i, a in enumerate(attacks)}  # the JSON's order: "none" first
+
+    def order(r: dict[str, Any]) -> tuple[int, int, int, bool]:
+        methods, rules = list(ROBUST_METHODS), list(ROBUST_RULES)
+        return (methods.index(r["method"]) if r["method"] in methods else len(methods),
+                rules.index(r["aggregation"]) if r["aggregation"] in rules else len(rules),
+                attack_order.get(r["attack"], len(attack_order)), not r["checks"])
+
+    for r in sorted(data["runs"], key=order):
         clean = _robust_clean(runs, r)
         accs = " / ".join(DASH if x["accuracy"] is None else f"{100 * x['accuracy']:.1f}" for x in r["rounds"])
         verdict = DASH

@@ -5,29 +5,42 @@ Five agents on Fashion-MNIST (iid), one of which (``agent-4``) sends finite garb
 upload tensors are overwritten just before encoding (a hook on its ``send``; frames stay
 well-formed), as the issue measured it:
 
-* FedAvg: weights x 1e3; FedKD: SVD factors 1e10; FedGKT: feature maps 6e4, logits 1e30;
+* FedAvg (and FedGKD, the FedAvg family's aggregation): weights x 1e3; FedKD: SVD factors
+  1e10; FedGKT: feature maps 6e4, logits 1e30;
+* sign-flipped updates (FedAvg, FedGKD): the bad agent trains honestly, then sends
+  ``global - SIGN_FLIP_SCALE x (w - global)``, its update negated and scaled (the
+  sign-flipping attack of the Byzantine-robustness literature, e.g. Li et al. 2019, RSA);
+* random labels (every method): the bad agent trains on its own shard with the labels
+  shuffled (a seeded permutation; a hook on its data, not on its sends), and sends what it
+  learnt honestly;
 * per run: the defences on (the defaults: plausibility checks, quarantine) or off
   (``plausibility_checks = false``: what the aggregation rule alone does);
-* FedAvg also for every ``[server] aggregation`` rule (f = 1), on clean data (the rule's
-  cost in accuracy) and with the bad agent, checks off (the rule's own robustness).
+* FedAvg also for every ``[server] aggregation`` rule (f = 1): on clean data (the rule's
+  cost in accuracy next to the mean's), with each attack and the checks on, and with
+  weights x1e3 and the checks off (the rule's own robustness).
 
 Every figure comes from the run reports: final and per-round global accuracy (FedKD: the
-global mentee), round statuses, refusals by reason, and the checkpoint's largest |weight|.
+global mentee; FedGKT: the server model), round statuses, refusals by reason, quarantine,
+and the checkpoint's largest |weight|.
 
-    python bench/robustness.py            # the whole table; about an hour on 2 shared cores
-    python bench/robustness.py --quick    # FedAvg, mean, clean and x1e3 with the checks on: a smoke run
+    python bench/robustness.py            # the whole table; about two hours on 2 shared cores
+    python bench/robustness.py --resume   # go on after an interruption: skips the runs recorded
+    python bench/robustness.py --quick    # FedAvg, mean, clean / x1e3 / sign flip / random labels: a smoke run
 
-Writes ``bench/results/robustness.json`` (``--quick``: ``robustness_quick.json``).
+Writes ``bench/results/robustness.json`` (``--quick``: ``robustness_quick.json``; ``--out``
+elsewhere) after every run, so an interrupted bench keeps what it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._federation import RESULTS, machine, quiet_logs, write_json  # noqa: E402
 from cloud_server.assemble import build_server  # noqa: E402
 from cloud_server.config import ServerConfig  # noqa: E402
-from edge_agent.agent import EdgeAgent  # noqa: E402
+from cloud_server.evaluation import EvalSet  # noqa: E402
+from edge_agent.agent import EdgeAgent, load_agent_data  # noqa: E402
 from edge_agent.config import DataConfig, EdgeConfig  # noqa: E402
 from shared_protocol.local_broker import LocalBroker  # noqa: E402
 from shared_protocol.messages import Message  # noqa: E402
@@ -49,37 +63,68 @@ from shared_protocol.methods.fedkd import FedKdUpdate  # noqa: E402
 
 AGENTS = 5
 BAD = f"agent-{AGENTS - 1}"
-Corrupt = Callable[[Message], Message]
+SIGN_FLIP_SCALE = 4.0  # the bad agent sends global - 4 (w - global): the mean of 4 honest updates and it is ~0
+LABEL_SEED = 12345  # the permutation of the bad agent's labels (random_labels)
+Corrupt = Callable[[EdgeAgent, Message], Message]
 
 
-def _weights_x1e3(msg: Message) -> Message:
+def _weights_x1e3(agent: EdgeAgent, msg: Message) -> Message:
     if isinstance(msg, FedAvgUpdate):
         return dataclasses.replace(msg, weights={k: (v * 1e3).astype(v.dtype) for k, v in msg.weights.items()})
     return msg
 
 
-def _factors_1e10(msg: Message) -> Message:
+def _sign_flip(agent: EdgeAgent, msg: Message) -> Message:
+    """The update (w - global) negated and scaled by SIGN_FLIP_SCALE, from the global model
+    the agent trained from (its method holds it: ``global_state``)."""
+    if not isinstance(msg, FedAvgUpdate):
+        return msg
+    method = agent.method
+    base = getattr(method, "global_state", None)
+    if base is None or getattr(method, "global_version", None) != msg.model_version:
+        raise RuntimeError(f"sign_flip: {agent.config.agent_id} does not hold global version {msg.model_version}")
+    return dataclasses.replace(msg, weights={
+        k: (base[k] - SIGN_FLIP_SCALE * (v.astype(np.float64) - base[k])).astype(v.dtype) for k, v in msg.weights.items()})
+
+
+def _factors_1e10(agent: EdgeAgent, msg: Message) -> Message:
     return dataclasses.replace(msg, factors=np.full_like(msg.factors, 1e10)) if isinstance(msg, FedKdUpdate) else msg
 
 
-def _maps_6e4(msg: Message) -> Message:
+def _maps_6e4(agent: EdgeAgent, msg: Message) -> Message:
     if isinstance(msg, GktFeatures):
         return dataclasses.replace(msg, features=np.full_like(msg.features, 6e4))
     return msg
 
 
-def _logits_1e30(msg: Message) -> Message:
+def _logits_1e30(agent: EdgeAgent, msg: Message) -> Message:
     return dataclasses.replace(msg, logits=np.full_like(msg.logits, 1e30)) if isinstance(msg, GktFeatures) else msg
 
 
-ATTACKS: dict[str, Corrupt | None] = {"none": None, "weights_x1e3": _weights_x1e3, "factors_1e10": _factors_1e10,
-                                      "maps_6e4": _maps_6e4, "logits_1e30": _logits_1e30}
+@dataclasses.dataclass(frozen=True)
+class Attack:
+    what: str  # for the table
+    corrupt: Corrupt | None = None  # applied to every message the bad agent sends
+    shuffle_labels: bool = False  # the bad agent trains on its shard with the labels permuted
+
+
+ATTACKS: dict[str, Attack] = {
+    "none": Attack("no bad agent (all five honest)"),
+    "weights_x1e3": Attack("weights x 1e3", _weights_x1e3),
+    "sign_flip": Attack(f"update negated and scaled x{SIGN_FLIP_SCALE:g}", _sign_flip),
+    "random_labels": Attack("trains on shuffled labels", shuffle_labels=True),
+    "factors_1e10": Attack("SVD factors 1e10", _factors_1e10),
+    "maps_6e4": Attack("feature maps 6e4", _maps_6e4),
+    "logits_1e30": Attack("logits 1e30", _logits_1e30),
+}
 TABLES = {
     "fedavg": {"model": "resnet8", "batch_size": 32},
+    "fedgkd": {"model": "resnet8", "batch_size": 32},
     "fedkd": {"mentor_model": "resnet20", "mentee_model": "resnet8", "batch_size": 32},
     "fedgkt": {"server_epochs": 1, "edge_epochs": 1, "server_batch_size": 32, "edge_batch_size": 32},
 }
-LABEL = {"fedavg": "model", "fedkd": "mentee", "fedgkt": "model"}
+LABEL = {"fedavg": "model", "fedgkd": "model", "fedkd": "mentee", "fedgkt": "model"}
+RULES = ("mean", "trimmed_mean", "median", "krum", "multi_krum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +139,17 @@ class Case:
         return f"{self.method}-{self.attack}-{self.aggregation}-{'checks' if self.checks else 'nochecks'}"
 
 
+def shuffled_labels(config: EdgeConfig) -> tuple[Any, Any]:
+    """The agent's own train and test shards, the train labels permuted (seeded)."""
+    train, test = load_agent_data(config)
+    labels = np.random.default_rng(LABEL_SEED).permutation(train.labels)
+    return dataclasses.replace(train, labels=labels), test
+
+
 def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, work: Path) -> dict[str, Any]:
     out = work / case.name
+    attack = ATTACKS[case.attack]
+    started = time.monotonic()
     broker = LocalBroker(out / "broker").start()
     try:
         robust: dict[str, Any] = {"plausibility_checks": case.checks, "aggregation": case.aggregation}
@@ -111,14 +165,17 @@ def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, wor
         for i in range(AGENTS):
             data = DataConfig(dataset="fashion-mnist", partition="iid", num_agents=AGENTS, agent_index=i, seed=0,
                               train_samples=train_samples, test_samples=test_samples)
-            agent = EdgeAgent(EdgeConfig(agent_id=f"agent-{i}", run_id=config.run_id, broker_url=broker.url, data=data,
-                                         progress=False, threads=2), compute_lock=lock)
-            corrupt = ATTACKS[case.attack]
-            if corrupt is not None and agent.config.agent_id == BAD:
+            edge = EdgeConfig(agent_id=f"agent-{i}", run_id=config.run_id, broker_url=broker.url, data=data,
+                              progress=False, threads=2)
+            bad = edge.agent_id == BAD
+            agent = EdgeAgent(edge, data=shuffled_labels(edge) if bad and attack.shuffle_labels else None,
+                              compute_lock=lock)
+            if bad and attack.corrupt is not None:
                 honest_send = agent.send
 
-                def send(msg: Message, *args: Any, _send: Any = honest_send, _corrupt: Corrupt = corrupt, **kw: Any) -> Any:
-                    return _send(_corrupt(msg), *args, **kw)
+                def send(msg: Message, *args: Any, _send: Any = honest_send, _agent: EdgeAgent = agent,
+                         _corrupt: Corrupt = attack.corrupt, **kw: Any) -> Any:
+                    return _send(_corrupt(_agent, msg), *args, **kw)
 
                 agent.send = send  # type: ignore[method-assign]
             agents.append(agent)
@@ -142,45 +199,122 @@ def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, wor
             largest = max(float(np.max(np.abs(npz[k]))) for k in npz.files if npz[k].dtype.kind == "f" and npz[k].size)
     rounds_out = []
     for r in report.get("rounds", []):
+        robustness = r.get("robustness", {})
         rounds_out.append({"round": r["round"], "status": r["status"],
                            "accuracy": (r.get("evaluation") or {}).get("accuracy", {}).get(LABEL[case.method]),
+                           "completed": sorted(r.get("completed", [])),
+                           "excluded": sorted(r.get("excluded", {})),
                            "refused": {a: {why: v["count"] for why, v in rs.items()}
-                                       for a, rs in r.get("robustness", {}).get("refused", {}).items()},
+                                       for a, rs in robustness.get("refused", {}).items()},
+                           "quarantine_excluded": robustness.get("quarantine_excluded", []),
+                           "skipped_steps": robustness.get("skipped_steps", {}),
+                           "clipped": robustness.get("clipped", {}),
+                           "aggregation_used": (robustness.get("aggregation") or {}).get("used"),
                            "warnings": r.get("warnings", [])})
-    return {**dataclasses.asdict(case), "status": report.get("status"), "rounds": rounds_out,
-            "final_accuracy": rounds_out[-1]["accuracy"] if rounds_out else None, "largest_weight": largest}
+    return {**dataclasses.asdict(case), "status": report.get("status"), "eval_set": report.get("eval_set"), "rounds": rounds_out,
+            "final_accuracy": rounds_out[-1]["accuracy"] if rounds_out else None, "largest_weight": largest,
+            **summarise(rounds_out), "wall_s": round(time.monotonic() - started, 1)}
+
+
+def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the table shows of a run's rounds: how many were ``ok``, refusals by agent and
+    reason (summed over the rounds), the rounds the bad agent's upload was not used in
+    (refused, quarantined or excluded), and whether every honest agent completed every round."""
+    refusals: dict[str, dict[str, int]] = {}
+    for r in rounds:
+        for agent, reasons in r["refused"].items():
+            for why, n in reasons.items():
+                refusals.setdefault(agent, {})[why] = refusals.setdefault(agent, {}).get(why, 0) + n
+    honest = [f"agent-{i}" for i in range(AGENTS) if f"agent-{i}" != BAD]
+    return {"rounds_ok": sum(r["status"] == "ok" for r in rounds), "refusals": refusals,
+            "bad_agent_unused_rounds": [r["round"] for r in rounds
+                                        if BAD in r["excluded"] or BAD in r["quarantine_excluded"]],
+            "honest_completed_every_round": bool(rounds) and all(set(honest) <= set(r["completed"]) for r in rounds)}
 
 
 def cases(quick: bool) -> list[Case]:
+    """The grid, clean runs first for each method, so a stopped bench has baselines for what it did."""
     if quick:
-        return [Case("fedavg", "none"), Case("fedavg", "weights_x1e3")]
-    out = [Case("fedavg", a, checks) for a in ("none", "weights_x1e3") for checks in (True, False)]
-    out += [Case("fedavg", a, False, rule) for rule in ("trimmed_mean", "median", "krum", "multi_krum")
-            for a in ("none", "weights_x1e3")]
+        return [Case("fedavg", a) for a in ("none", "weights_x1e3", "sign_flip", "random_labels")]
+    out = [Case("fedavg", a, checks) for a in ("none", "weights_x1e3", "sign_flip", "random_labels")
+           for checks in (True, False)]
     out += [Case("fedkd", a, checks) for a in ("none", "factors_1e10") for checks in (True, False)]
-    out += [Case("fedgkt", a, checks) for a in ("none", "maps_6e4", "logits_1e30") for checks in (True, False)]
+    out += [Case("fedgkt", "none")]
+    out += [Case("fedavg", "none", True, rule) for rule in RULES[1:]]  # each rule's cost on clean data
+    out += [Case("fedavg", "sign_flip", True, rule) for rule in RULES[1:]]
+    out += [Case("fedgkt", a) for a in ("maps_6e4", "logits_1e30")]
+    out += [Case("fedgkd", "none"), Case("fedgkd", "weights_x1e3"), Case("fedgkd", "sign_flip"),
+            Case("fedgkd", "sign_flip", True, "median"), Case("fedgkd", "none", True, "median")]
+    out += [Case("fedgkt", a, False) for a in ("maps_6e4", "logits_1e30")]
+    out += [Case("fedgkd", "weights_x1e3", False), Case("fedgkt", "random_labels"), Case("fedkd", "random_labels")]
+    out += [Case("fedavg", "random_labels", True, rule) for rule in RULES[1:]]
+    out += [Case("fedavg", "weights_x1e3", False, rule) for rule in RULES[1:]]  # a rule alone, no checks
+    out += [Case("fedgkt", "none", False)]  # the clean run with the checks off (FedAvg's and FedKD's: identical)
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="FedAvg clean and x1e3, 2 rounds, few images: a smoke run")
+    parser.add_argument("--quick", action="store_true",
+                        help="FedAvg clean, x1e3, sign flip, random labels; 2 rounds, few images: a smoke run")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in --out (same scale) and run only the others")
+    parser.add_argument("--only", nargs="*", default=None, help="run only the cases with these names (and keep the rest)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/robustness.json (--quick: robustness_quick.json)")
     args = parser.parse_args(argv)
     quiet_logs()
     rounds, train, test = (2, 500, 200) if args.quick else (5, 3000, 500)
+    out_path = args.out or RESULTS / ("robustness_quick.json" if args.quick else "robustness.json")
+    scale = {"agents": AGENTS, "bad_agent": BAD, "rounds": rounds, "train_samples": train, "test_samples": test,
+             "dataset": "fashion-mnist", "partition": "iid", "seed": 0}
+    grid = cases(args.quick)
+    done: dict[str, dict[str, Any]] = {}
+    started = machine()
+    if (args.resume or args.only is not None) and out_path.exists():
+        previous = json.loads(out_path.read_text())
+        if all(previous.get(k) == v for k, v in scale.items()):
+            done = {Case(r["method"], r["attack"], r["checks"], r["aggregation"]).name: r for r in previous["runs"]}
+            # The machine as the first invocation found it; the date its runs started.
+            started = {**previous.get("machine", started),
+                       "runs_started_utc": previous.get("machine", {}).get("runs_started_utc")
+                       or previous.get("machine", {}).get("date_utc")}
+        else:
+            print(f"{out_path} holds another scale: starting afresh", flush=True)
+    todo = [c for c in grid if (c.name in args.only if args.only is not None else c.name not in done)]
+    order = {c.name: i for i, c in enumerate(grid)}
+
+    # The server's global test set, as every run's report describes it (the same spec for all).
+    spec = ServerConfig(run_id="robustness", method="fedavg", dataset=scale["dataset"], eval_samples=test).eval_set_spec()
+    loaded = EvalSet.load(spec)
+    eval_set = loaded.describe() if loaded is not None else None
+
+    def save() -> None:
+        runs = sorted(done.values(), key=lambda r: order.get(
+            Case(r["method"], r["attack"], r["checks"], r["aggregation"]).name, len(order)))
+        missing = [c.name for c in grid if c.name not in done]
+        write_json(out_path, {
+            "benchmark": "robustness", "generated_by": "bench/robustness.py" + (" --quick" if args.quick else ""),
+            "machine": started, **scale, "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED,
+            "method_config": TABLES, "attacks": {k: a.what for k, a in ATTACKS.items()},
+            "eval_set": eval_set, "eval_set_same_for_every_run": all(r.get("eval_set") in (None, eval_set) for r in runs),
+            "complete": not missing, "missing": missing, "runs": runs,
+        })
+
     work = Path(tempfile.mkdtemp(prefix="robustness-"))
     try:
-        results = []
-        for case in cases(args.quick):
+        for case in todo:
             print(f"running {case.name}", flush=True)
-            results.append(run_case(case, rounds, train, test, work))
-            print(f"  final accuracy {results[-1]['final_accuracy']}, largest weight {results[-1]['largest_weight']}", flush=True)
+            done[case.name] = run_case(case, rounds, train, test, work)
+            r = done[case.name]
+            print(f"  final accuracy {r['final_accuracy']}, rounds ok {r['rounds_ok']}/{rounds}, refusals {r['refusals']}, "
+                  f"largest weight {r['largest_weight']}, {r['wall_s']} s", flush=True)
+            save()
+            shutil.rmtree(work / case.name, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    write_json(RESULTS / ("robustness_quick.json" if args.quick else "robustness.json"), {
-        "machine": machine(), "agents": AGENTS, "bad_agent": BAD, "rounds": rounds, "train_samples": train,
-        "test_samples": test, "dataset": "fashion-mnist", "partition": "iid", "runs": results,
-    })
+    if not todo:
+        save()
 
 
 if __name__ == "__main__":

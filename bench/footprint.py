@@ -762,16 +762,21 @@ def long_run(args: argparse.Namespace, base: Path, artifacts: Path) -> int:
             report = json.loads(out.read_text()) if out.exists() else {}
             section = report.setdefault("long_run", {"runs": {}})
             change(section)
+            # What the section holds, not only this invocation's jobs (a run of one size or mode keeps the others' entries).
+            recorded = section["runs"].values()
             section["setting"] = {
                 "dataset": "fashion-mnist (Debian package IDX files, 1x32x32)", "method": "fedgkt", "rounds": args.long_rounds,
-                "train_samples": list(sizes), "test_samples": footprint_long.TEST_SAMPLES,
+                "train_samples": sorted({r["train_samples"] for r in recorded} | set(sizes)), "test_samples": footprint_long.TEST_SAMPLES,
                 "round_config": "GktRoundConfig defaults: batch 64, 1 edge epoch, adam, fp16-zstd uploads of 256 samples",
                 "transport": "the agent's MqttTransport through a local mosquitto; a scripted FedGKT server in the bench's "
                              "process sends welcome, round_start, server logits for every sample and eval_request each round",
                 "evaluate": "every round (test shard streamed and scored)", "threads": 1,
                 "peak_rss_bytes": "the agent's own per-round figure from its RoundEnd (VmHWM since the previous round "
                                   "ended, reset through /proc/self/clear_refs)",
-                "modes": {m: d for m, d in MODE_DESCRIPTIONS.items() if any(m == pm for _, pm in pairs)}}
+                "modes": {m: d for m, d in MODE_DESCRIPTIONS.items() if m in {r["mode"] for r in recorded} | {pm for _, pm in pairs}},
+                "unfinished": "a run marked complete: false was stopped before its last round (the 16,000-sample runs take "
+                              "minutes a round on a shared 2-core machine); `bench/footprint.py --long-run` measures it again "
+                              "from round 1 and replaces it"}
             section["machine"] = {"cpu": cpu_model(), "arch": platform.machine(), "cores": os.cpu_count()}
             _write(out, report)
 

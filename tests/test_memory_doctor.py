@@ -8,7 +8,7 @@ from pathlib import Path
 
 from edge_agent.config import MemoryConfig
 from edge_agent.doctor import FAIL, OK, SKIP, WARN, check_memory, meminfo_bytes
-from edge_agent.memory import MEASURED_PEAK_MB, memory_mode
+from edge_agent.memory import MEASURED_PEAK_MB, PEAK_FROM_LONG_RUN, memory_mode
 from shared_protocol.memory_growth import growing_since
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +25,7 @@ def test_the_peaks_the_doctor_uses_are_the_footprint_bench_s() -> None:
     for (backend, mode), peak_mb in MEASURED_PEAK_MB.items():
         env = "torch-cpu" if backend == "torch" else "ort"
         rounds = [m for run in long.values() if (run["env"], run["mode"]) == (env, mode) for m in run["rounds"]]
+        assert bool(rounds) == ((backend, mode) in PEAK_FROM_LONG_RUN), (backend, mode)  # what the doctor says it is
         if rounds:
             measured = max(m["peak_rss_bytes"] for m in rounds) / MB
         else:
@@ -42,7 +43,8 @@ def test_memory_modes_are_named_from_the_settings() -> None:
 def test_a_device_with_room_passes_and_a_small_one_is_told_to_use_low_memory() -> None:
     default, low = MEASURED_PEAK_MB[("torch", "default")], MEASURED_PEAK_MB[("torch", "low-memory")]
     roomy = check_memory("torch", MemoryConfig(), {"MemTotal": 8000 * MB, "MemAvailable": 4000 * MB})
-    assert roomy.status == OK and f"{default} MB" in roomy.detail
+    assert roomy.status == OK and f"{default} MB" in roomy.detail and "long runs" in roomy.detail
+    assert "no long run" in check_memory("ort", MemoryConfig(), {"MemTotal": 8000 * MB, "MemAvailable": 4000 * MB}).detail
     between = {"MemTotal": 1000 * MB, "MemAvailable": int(1.3 * low) * MB}
     assert int(1.3 * low) < 1.2 * default  # fits the low-memory peak only
     told = check_memory("torch", MemoryConfig(), between)

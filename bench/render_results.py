@@ -792,7 +792,7 @@ def robustness_section(data: dict[str, Any]) -> list[str]:
         verdict = DASH
         if r["attack"] != "none" and clean is not None:
             kept = (r["rounds_ok"] == rounds and r["honest_completed_every_round"] and r["final_accuracy"] is not None
-                    and clean["final_accuracy"] is not None and r["final_accuracy"] >= clean["final_accuracy"] - ROBUST_MARGIN)
+                    and clean["final_accuracy"] is not None and r["final_accuracy"] - clean["final_accuracy"] >= -ROBUST_MARGIN - 1e-9)  # exactly 5 points is within
             verdict = "yes" if kept else "**no**"
             if r["checks"] and not kept:
                 failures.append(r)

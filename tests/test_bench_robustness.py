@@ -119,6 +119,9 @@ def test_the_page_renders_the_robustness_table_from_the_json() -> None:
         _run("fedavg", "sign_flip", True, "mean", [0.1, 0.12]),
         _run("fedavg", "none", True, "median", [0.5, 0.66]),
         _run("fedavg", "sign_flip", True, "median", [0.5, 0.65]),
+        _run("fedavg", "random_labels", True, "median", [0.5, 0.418]),  # 0.418 - 0.468 is -5 points, not below
+        _run("fedavg", "none", True, "trimmed_mean", [0.5, 0.468]),
+        _run("fedavg", "random_labels", True, "trimmed_mean", [0.5, 0.4179]),
         _run("fedgkt", "logits_1e30", True, "mean", [0.4, 0.6], {"agent-4": {"out_of_range": 2}}, [1, 2]),
     ]
     doc = {"benchmark": "robustness", "generated_by": "bench/robustness.py (test)",
@@ -147,12 +150,20 @@ def test_the_page_renders_the_robustness_table_from_the_json() -> None:
     assert "| -58.0 | **no** |" in row("FedAvg", "update negated and scaled x4", "mean", "on")
     assert "| 65.00% | -1.0 | yes |" in row("FedAvg", "update negated and scaled x4", "median", "on")  # against the median's clean run
     assert "| 60.00% | — | — |" in row("FedGKT (server model)", "logits 1e30", "mean", "on")  # no clean run recorded
+    # Exactly 5 points below is within 5 points (0.418 - 0.468 is -0.05000000000000004 in floats); more is not.
+    clean_median = next(r for r in runs if r["attack"] == "none" and r["aggregation"] == "median")
+    clean_median.update(final_accuracy=0.468, rounds=[{"round": 1, "accuracy": 0.5}, {"round": 2, "accuracy": 0.468}])
+    text = "\n".join(render.robustness_section(doc))
+    lines = text.splitlines()
+    assert "| 41.80% | -5.0 | yes |" in row("FedAvg", "trains on shuffled labels", "median", "on")
+    assert "| 41.79% | -5.0 | **no** |" in row("FedAvg", "trains on shuffled labels", "trimmed_mean", "on")
     # The defences' verdict names the attacked runs that got through; runs with them off are not counted.
-    assert ("With the defences on, 2 attacked run(s) finished every round with the honest agents within 5 points of their "
-            "clean run; **1 did not**: FedAvg, update negated and scaled x4, mean.") in text
+    assert ("With the defences on, 3 attacked run(s) finished every round with the honest agents within 5 points of their "
+            "clean run; **2 did not**: FedAvg, update negated and scaled x4, mean; FedAvg, trains on shuffled labels, "
+            "trimmed_mean.") in text
     # The clean-data cost of each rule next to the mean's.
     assert "| mean | 70.00% | — | 50.0 / 70.0 | none |" in text
-    assert "| median | 66.00% | -4.0 | 50.0 / 66.0 | none |" in text
+    assert "| median | 46.80% | -23.2 | 50.0 / 46.8 | none |" in text
 
 
 @pytest.mark.slow

@@ -37,14 +37,17 @@ def test_agent_costs_keep_their_wire_keys_and_round_trip() -> None:
     costs = _costs()
     raw = costs.to_json()
     # The keys agents sent as a plain dict before the record existed, plus skipped_batches (added with
-    # the agents' deadline): old and new peers interoperate.
+    # the agents' deadline) and peak_rss_per_round (added with the per-round peak): old and new
+    # peers interoperate.
     old_keys = {"samples", "train_flops", "compute_s", "encode_s", "network_s", "idle_s", "round_s",
                 "peak_rss_bytes", "payload_bytes_up", "wire_bytes_up", "payload_bytes_down",
                 "wire_bytes_down", "codec", "codec_ratio"}
-    assert set(raw) == old_keys | {"skipped_batches"}
+    assert set(raw) == old_keys | {"skipped_batches", "peak_rss_per_round"}
     assert AgentRoundCosts.from_json(raw) == costs
-    # An older agent's costs (no skipped_batches) read as "nothing skipped".
-    assert AgentRoundCosts.from_json({k: raw[k] for k in old_keys}).skipped_batches == 0
+    # An older agent's costs (no skipped_batches, no peak_rss_per_round) read as "nothing skipped"
+    # and take the record's default for the peak's kind.
+    older = AgentRoundCosts.from_json({k: raw[k] for k in old_keys})
+    assert older.skipped_batches == 0 and older.peak_rss_per_round is True
     assert decode_message(encode_message(_end("a", costs))).costs == costs
     # A plain dict where the record belongs is a mistake of the sender's code, said before anything is sent.
     with pytest.raises(TypeError, match=r"round_end.costs must be AgentRoundCosts, got dict; build it with"):

@@ -172,9 +172,11 @@ def test_two_agents_take_turns_two_rounds_over_mosquitto(mosquitto, tmp_path: Pa
 
 
 def test_a_turn_restarted_by_the_server_mid_way_starts_over_cleanly(tmp_path: Path) -> None:
-    """A hello from agent-0 mid-turn (e.g. its answer to the server's Discover arriving late)
-    makes the coordinator restart agent-0's round; the agent abandons the old turn at once
-    instead of waiting for gradients that will never come, and the run finishes normally."""
+    """A hello from agent-0 mid-turn on a new broker connection (it reconnected, and may have
+    lost what the server sent) makes the coordinator restart agent-0's round; the agent abandons
+    the old turn at once instead of waiting for gradients that will never come, and the run
+    finishes normally. (A hello repeated on the same connection, answering a late Discover, does
+    not restart the round: tests/test_restarts.py.)"""
     cfg = method_server_config(tmp_path, "splitnn", {"batch_size": 16, "reply_timeout_s": 30.0}, run_id="sl-restart", rounds=1)
     fed = in_memory_federation(cfg, [agent_config(cfg.run_id, i, 2, train_samples=96, test_samples=32) for i in range(2)])
     server = fed.coordinator.method
@@ -187,7 +189,9 @@ def test_a_turn_restarted_by_the_server_mid_way_starts_over_cleanly(tmp_path: Pa
             if turn is not None and turn.agent == "agent-0" and turn.next_seq >= 1:
                 break
             time.sleep(0.01)
-        # What agent-0's transport would publish for a second hello (the same instance).
+        # What agent-0 publishes after its transport reconnected (the same instance, the next
+        # connection): the in-memory transport has no broker to drop, so count a connection.
+        agent0.transport._connects += 1
         agent0.hello()
 
     threading.Thread(target=hello_mid_turn, daemon=True).start()

@@ -20,8 +20,8 @@ The claims (each row of the claim table; ``CLAIMS``) and where they are printed:
   40 rounds, ResNet-20 74.4 -> 78.2; Sec. 5.3, Table 5: 100 clients, 10 per round, Tiny-ImageNet,
   ResNet-20, i.i.d. 32.4 -> 35.4, non-i.i.d. (Step) 27.5 -> 32.4): above FedAvg, i.i.d. and not.
 * FedKD (Wu et al.): accuracy comparable to FedAvg of the large model at a fraction of its
-  bytes, inference with each client's mentor. The stored paper text
-  (``/work/shared/papers/fedkd-communication-efficient-kd.txt``) is its Methods section only:
+  bytes, inference with each client's mentor. The paper text this
+  project worked from is its Methods section only:
   its "Complexity analysis" says "FedKD is much more communication-efficient than the standard
   FedAvg method" (communication O(R |Theta_s| / rho) vs O(R |Theta_t|)); the accuracy half of the
   claim is issue 24's summary of the paper's results, which that text does not hold. Here: the

@@ -58,13 +58,8 @@ def _cpu_s() -> float:
 def run_pilot(name: str, changes: dict[str, float], partition: str, seed: int, run_dir: Path) -> dict[str, Any]:
     scale = dataclasses.replace(kd_methods.SCALES["full"], **{k: int(v) for k, v in changes.items() if k in SCALE_KEYS})
     local = {**kd_methods.LOCAL, **{k: v for k, v in changes.items() if k in LOCAL_KEYS}}
-    saved = dict(kd_methods.LOCAL)
-    kd_methods.LOCAL.update(local)  # method_config reads it
-    try:
-        _, _, run = next(p for p in kd_methods.plan(scale) if p[0] == partition and p[1] == "fedavg")
-    finally:
-        kd_methods.LOCAL.clear()
-        kd_methods.LOCAL.update(saved)
+    _, _, run = next(p for p in kd_methods.plan(scale) if p[0] == partition and p[1] == "fedavg")
+    run = dataclasses.replace(run, method_config={**run.method_config, **{k: local[k] for k in LOCAL_KEYS}})
     data = DataSpec(scale.dataset, kd_methods.PARTITIONS[partition], scale.agents, scale.train_samples, scale.test_samples, seed=seed)
     load_before, started, cpu = list(os.getloadavg()), time.monotonic(), _cpu_s()
     report = run_federation(run, data, run_dir / f"{name}-{partition}-seed{seed}")

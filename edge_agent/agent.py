@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from fldata import AgentDataSpec, ArrayDataset, load_agent_subset
+from fldata.datasets import default_data_root
+from fldata.mapped import keep_on_disk
 from shared_protocol.errors import ProtocolError, UnknownSenderError, StaleMessageError
 from shared_protocol.frame import FrameLimits
 from shared_protocol.hostinfo import host_info
@@ -93,6 +95,15 @@ def load_agent_data(config: EdgeConfig) -> tuple[ArrayDataset, ArrayDataset]:
     return load_agent_subset(agent_data_spec(config.data), config.data.agent_index)
 
 
+def shards_as_configured(config: EdgeConfig, train: ArrayDataset, test: ArrayDataset) -> tuple[ArrayDataset, ArrayDataset]:
+    """The shards as ``[memory]`` wants them held: with ``shard_on_disk``, their images in
+    unnamed files under the data directory, memory-mapped (:func:`fldata.mapped.keep_on_disk`)."""
+    if not config.memory.shard_on_disk:
+        return train, test
+    where = default_data_root() / "shards"
+    return keep_on_disk(train, where), keep_on_disk(test, where)
+
+
 class EdgeAgent:
     def __init__(
         self,
@@ -106,7 +117,7 @@ class EdgeAgent:
         self._compute_lock = compute_lock or contextlib.nullcontext()
         self.topics = Topics(config.run_id)
         self.instance = uuid.uuid4().hex[:12]
-        self.train, self.test = data if data is not None else load_agent_data(config)
+        self.train, self.test = shards_as_configured(config, *(data if data is not None else load_agent_data(config)))
         if len(self.train) == 0:
             raise ValueError(f"agent {config.agent_id} has no training samples (check data.partition / train_samples)")
         self.transport = transport or MqttTransport(config.transport_config())

@@ -40,7 +40,6 @@ import functools
 import gzip
 import hashlib
 import importlib.util
-import mmap
 import os
 import socket
 import struct
@@ -52,6 +51,7 @@ from typing import BinaryIO, Callable, Final, Iterator
 
 import numpy as np
 
+from fldata.mapped import drop_mapped_pages, gather_rows
 from fldata.registry import get_dataset_spec, list_datasets, register_dataset
 
 __all__ = [
@@ -237,46 +237,13 @@ class ArrayDataset:
                 f"indices must lie in [0, {n}); got values in [{int(idx.min())}, {int(idx.max())}]"
             )
         return ArrayDataset(
-            images=_gather_rows(self.images, idx),
+            images=gather_rows(self.images, idx),
             labels=self.labels[idx],
             sample_ids=self.sample_ids[idx],
             num_classes=self.num_classes,
             name=self.name,
             classes=self.classes,
         )
-
-
-# Rows copied per step out of a memory-mapped split before its pages are given back. Small:
-# a page fault maps its neighbours too (the kernel's fault-around, 64 KiB), so each
-# scattered row can bring 64 rows' worth of pages into this process until they are dropped.
-_GATHER_ROWS: Final[int] = 64
-
-
-def _gather_rows(images: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """``images[idx]`` as an in-memory array.
-
-    For a memory-mapped source the rows are read in ascending file order, a
-    block at a time, and the mapping's pages are dropped from this process
-    after each block (``MADV_DONTNEED``; they stay in the page cache), so
-    picking a shard's rows never makes the whole file resident.
-    """
-    if not isinstance(images, np.memmap) or idx.size == 0:
-        return np.asarray(images[idx])
-    out = np.empty((idx.size, *images.shape[1:]), dtype=images.dtype)
-    order = np.argsort(idx, kind="stable")
-    ordered = idx[order]
-    mapping = getattr(images, "_mmap", None)  # numpy keeps the mmap object here, views included
-    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_RANDOM"):
-        mapping.madvise(mmap.MADV_RANDOM)  # no read-ahead for scattered rows
-    for start in range(0, idx.size, _GATHER_ROWS):
-        out[order[start : start + _GATHER_ROWS]] = images[ordered[start : start + _GATHER_ROWS]]
-        _drop_mapped_pages(mapping)
-    return out
-
-
-def _drop_mapped_pages(mapping: object) -> None:
-    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
-        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _require_array(field: str, value: object, dtype: type, ndim: int) -> None:
@@ -943,6 +910,7 @@ def compute_stats(ds: ArrayDataset) -> tuple[tuple[float, ...], tuple[float, ...
         x = ds.images[start : start + chunk].astype(np.float64) / 255.0
         total += x.sum(axis=(0, 2, 3))
         total_sq += np.square(x).sum(axis=(0, 2, 3))
+        drop_mapped_pages(ds.images)
     count = len(ds) * ds.images.shape[2] * ds.images.shape[3]
     mean = total / count
     std = np.sqrt(np.maximum(total_sq / count - mean**2, 0.0))

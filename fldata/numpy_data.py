@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from fldata.datasets import ArrayDataset, compute_stats, dataset_stats
+from fldata.mapped import gather_rows
 
 __all__ = ["Normalizer", "default_stats", "iterate_batches", "num_batches"]
 
@@ -84,7 +85,7 @@ def iterate_batches(
     augment_rng = np.random.default_rng([seed, 0x5EED_A06])
     for start in range(0, len(ds), batch_size):
         idx = np.sort(order[start : start + batch_size]) if not shuffle else order[start : start + batch_size]
-        raw = ds.images[idx]  # (B, C, H, W) uint8
+        raw = gather_rows(ds.images, idx)  # (B, C, H, W) uint8; a mapped shard's pages given back
         if augment:
             raw = _crop_flip(raw, augment_rng, crop_padding)
         yield norm(raw), ds.labels[idx].astype(np.int64), ds.sample_ids[idx].astype(np.int64)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from fldata.datasets import ArrayDataset, compute_stats, dataset_stats
+from fldata.mapped import gather_rows
 
 __all__ = ["TorchArrayDataset", "make_loader"]
 
@@ -91,7 +92,17 @@ class TorchArrayDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
         return len(self.source)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        image = self._images[index]  # (C, H, W) uint8
+        return self._item(self._images[index], index)
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """A batch's samples, as ``[self[i] for i in indices]`` gives them (the same augmentation
+        draws in the same order), read with one gather: from a memory-mapped shard
+        (``[memory] shard_on_disk``) the pages are given back after the read, so an epoch
+        never makes the whole shard resident. The DataLoader calls this for each batch."""
+        rows = torch.from_numpy(gather_rows(self.source.images, np.asarray(indices, dtype=np.int64)))  # (B, C, H, W) uint8
+        return [self._item(rows[j], index) for j, index in enumerate(indices)]
+
+    def _item(self, image: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.augment:
             image = self._random_crop_flip(image)
         x = image.to(torch.float32) * self._scale - self._shift  # (C, H, W) float32

@@ -538,7 +538,9 @@ def agent_section(envs: dict[str, str], artifacts: Path, base: Path, ort_env: di
                     "threads": 1, "runs": "all side by side (each its own process); 'seconds' are wall times on a shared 2-core machine, not timings",
                     "modes": {"default": "edge-agent run",
                               "low-memory": "edge-agent run --low-memory: forward passes of at most 16 samples (training accumulates "
-                                            "them into each batch of 64), uploads of at most 64 samples, glibc mmap threshold pinned at 1 MiB",
+                                            "them into each batch of 64), uploads of at most 64 samples, glibc mmap threshold pinned at 1 MiB, "
+                                            "the shard's images on disk, memory-mapped ([memory] shard_on_disk; runs recorded "
+                                            "before it existed have \"shard_on_disk\" missing from their memory settings)",
                               "low-memory-8": "as low-memory with micro-batches of 8 ([memory] micro_batch_samples = 8, pin_malloc = true)",
                               "micro-batch": "[memory] micro_batch_samples = 16: as low-memory without the pinned threshold"}},
         "load_average_at_start": os.getloadavg(),

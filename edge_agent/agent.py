@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from fldata import AgentDataSpec, ArrayDataset, load_agent_subset
-from fldata.datasets import default_data_root
+from fldata.downloads import default_data_root
 from fldata.mapped import keep_on_disk
 from shared_protocol.errors import ProtocolError, UnknownSenderError, StaleMessageError
 from shared_protocol.frame import FrameLimits
@@ -46,9 +46,10 @@ from shared_protocol.messages import (
     encode_message,
 )
 from shared_protocol.methods import load_method_messages
+from shared_protocol.mqtt_transport import MqttTransport
 from shared_protocol.records import EvalCosts
 from shared_protocol.topics import Topics
-from shared_protocol.transport import MqttTransport, Transport, TransportError
+from shared_protocol.transport_interface import Transport, TransportError
 
 from . import __version__
 from .config import DataConfig, EdgeConfig

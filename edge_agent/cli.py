@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shared_protocol.logs import setup_logging
 from shared_protocol.tomlio import read_toml
-from shared_protocol.transport import TransportError
+from shared_protocol.transport_interface import TransportError
 
 from .config import EdgeConfig, MemoryConfig
 from .memory import apply_process_memory

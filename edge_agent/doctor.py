@@ -317,7 +317,8 @@ def check_tls(host: str, port: int, tls: bool, ca_file: str | None, cert: tuple[
 
 
 def check_login(config: "EdgeConfigLike", timeout_s: float) -> Check:
-    from shared_protocol.transport import MqttTransport, TransportError
+    from shared_protocol.mqtt_transport import MqttTransport
+    from shared_protocol.transport_interface import TransportError
 
     # A client id of its own: the agent's id would kick a running agent off the broker.
     tc = replace(config.transport_config(), client_id=f"{config.agent_id}-doctor-{uuid.uuid4().hex[:6]}",
@@ -356,7 +357,7 @@ class EdgeConfigLike:  # for type hints only (EdgeConfig, without importing it a
 
 def data_fix(exc: BaseException) -> str:
     """What to do about data that does not load (doctor and ``edge-agent run`` say the same)."""
-    from fldata.datasets import ImageFolderError
+    from fldata.image_folder import ImageFolderError
 
     if isinstance(exc, ImageFolderError):
         return "fix the file(s) named above in this device's image folder ([data] root), then run doctor again"
@@ -488,7 +489,7 @@ def run_checks(options: DoctorOptions) -> list[Check]:
     checks.append(Check("config", OK, f"{options.config_path}: agent {config.agent_id!r} in run {config.run_id!r}, broker {config.broker_url}"))
     checks.append(cred)
 
-    from shared_protocol.transport import BrokerAddress
+    from shared_protocol.mqtt_config import BrokerAddress
 
     address = BrokerAddress.parse(config.broker_url)
     reach = check_reachable(address.host, address.port, options.timeout_s)
@@ -512,7 +513,7 @@ def run_checks(options: DoctorOptions) -> list[Check]:
 def connection_checks(config: "EdgeConfigLike", timeout_s: float = 5.0) -> list[Check]:
     """Doctor's network checks for ``config`` (broker reachable, TLS, login), stopping at the
     first failure: what ``edge-agent run`` prints when it cannot connect, with the fix."""
-    from shared_protocol.transport import BrokerAddress
+    from shared_protocol.mqtt_config import BrokerAddress
 
     address = BrokerAddress.parse(config.broker_url)  # type: ignore[attr-defined]
     reach = check_reachable(address.host, address.port, timeout_s)

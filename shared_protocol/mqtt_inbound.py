@@ -1,5 +1,5 @@
 """The MQTT transport's receiving side: inbound chunks are counted, reassembled per
-sender within the receiver's limits (:class:`~shared_protocol.chunking.Reassembler`)
+sender within the receiver's limits (:class:`~shared_protocol.reassembly.Reassembler`)
 and queued as complete :class:`Delivery` objects; refused chunks are counted and
 logged sparingly; a housekeeping thread expires dead transfers and asks senders to
 resend the chunks of stalled ones."""

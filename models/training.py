@@ -56,6 +56,7 @@ __all__ = [
     "micro_batch_slices",
 ]
 
+
 class NonFiniteLossError(RuntimeError):
     """Training diverged: the loss became NaN or infinite."""
 

@@ -141,7 +141,6 @@ class MqttInbound:
                     log.info("asking %s to resend %d chunks of transfer %s", reply, len(missing), tid)
                     self._send_control(reply, {"kind": "resend", "tid": tid, "seqs": ",".join(map(str, missing[:2000]))})
 
-
     def receive(self, timeout_s: float | None = None) -> Delivery | None:
         try:
             delivery, charged = self._inbox.get(timeout=timeout_s)

@@ -48,7 +48,6 @@ class MqttSendWindow:
                 self._early_acks.add(mid)
             self._ack_cond.notify_all()
 
-
     def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None, wait: bool = True) -> None:
         # A caller's bytearray could change under chunks still in flight or kept for resends.
         chunks = ChunkedBlob(blob if isinstance(blob, bytes) else bytes(blob), self.chunk_size_bytes,

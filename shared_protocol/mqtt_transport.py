@@ -224,7 +224,6 @@ class MqttTransport(MqttSendWindow, MqttInbound, MqttResendControl, Transport):
         if not self._closed and not self._refused.is_set():
             log.warning("disconnected from %s (%s); reconnecting", self.address.url(), reason_code)
 
-
     # -- subscriptions ----------------------------------------------------- #
 
     def subscribe(self, topic_filter: str) -> None:

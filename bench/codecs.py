@@ -75,7 +75,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from fldata import ArrayDataset, load_dataset, take  # noqa: E402  (needs the path above)
 from fldata.torch_data import make_loader  # noqa: E402
+from edge_agent.trainer import train_epochs  # noqa: E402
 from models import build_model  # noqa: E402
+from models.training import logits_of  # noqa: E402
 from shared_protocol import codecs as wire_codecs  # noqa: E402
 from shared_protocol import svd as svd_math  # noqa: E402
 from shared_protocol.chunking import DEFAULT_CHUNK_SIZE_BYTES  # noqa: E402
@@ -149,20 +151,16 @@ def split_images(ds: ArrayDataset, samples: int, train_samples: int, seed: int) 
     return measured, training
 
 
+def _cross_entropy(output: Any, labels: torch.Tensor, _sample_ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_of(output), labels)  # ResNet-8's output is (logits (B, 10), features)
+
+
 def train_one_epoch(model: torch.nn.Module, data: ArrayDataset, seed: int) -> float:
-    """One epoch of CE training, as the edge's first FedGKT round does; mean loss."""
+    """One epoch of CE training with the edge's optimiser, as the edge's first FedGKT round
+    does, through the edge's shared training loop (any classifier of the registry); mean loss."""
     optimizer = torch.optim.Adam(model.parameters(), lr=TRAIN_LR)
-    model.train()
-    total, n = 0.0, 0
-    for images, labels, _ids in make_loader(data, TRAIN_BATCH_SIZE, shuffle=True, seed=seed):
-        logits, _features = model(images)  # (B, 10), (B, 16, 32, 32)
-        loss = F.cross_entropy(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        total += float(loss.item()) * len(labels)
-        n += len(labels)
-    return total / max(n, 1)
+    loader = make_loader(data, TRAIN_BATCH_SIZE, shuffle=True, seed=seed)
+    return train_epochs(model, loader, optimizer, _cross_entropy, epochs=1).mean_loss
 
 
 @torch.no_grad()
@@ -353,19 +351,6 @@ def float_state(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
-def train_epoch_any(model: torch.nn.Module, data: ArrayDataset, seed: int) -> None:
-    """One epoch of CE training with the edge's optimiser, for any classifier of the registry."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=TRAIN_LR)
-    model.train()
-    for images, labels, _ids in make_loader(data, TRAIN_BATCH_SIZE, shuffle=True, seed=seed):
-        out = model(images)
-        logits = out[0] if isinstance(out, tuple) else out  # (B, 10); ResNet-8 also returns its features
-        loss = F.cross_entropy(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-
 def svd_energy_check(tensors: list[np.ndarray], threshold: float) -> dict[str, Any]:
     """Encode + decode each tensor with the svd codec at ``threshold``; the squared error vs
     the discarded singular-value energy from numpy's SVD of the same 2-D view."""
@@ -425,7 +410,7 @@ def model_updates(training: ArrayDataset, seed: int, reps: int, quick: bool) -> 
         model = build_model(name, num_classes=NUM_CLASSES, in_channels=IN_CHANNELS)
         states = [float_state(model)]
         for epoch in range(2):
-            train_epoch_any(model, data, seed + epoch)
+            train_one_epoch(model, data, seed + epoch)
             states.append(float_state(model))
         per_model: dict[str, Any] = {"role": role, "train_images": len(data)}
         for epoch in (1, 2):

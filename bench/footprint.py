@@ -128,21 +128,23 @@ def worker(backend: str, artifacts: str | None, batches: int, warmup: int, batch
 
         from models import build_model
         from models.losses import kd_loss
+        from models.training import Step
 
         torch.set_num_threads(1)
         torch.manual_seed(0)
         model = build_model("resnet8", 10, 3)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=5e-4, amsgrad=True)
         t_teacher = torch.from_numpy(teacher)
+
+        def ce_and_kd(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # logits (B, 10)
+            return F.cross_entropy(logits, labels) + kd_loss(logits, t_teacher, 3.0)
+
+        step = Step(model, opt, ce_and_kd)  # the shared loop's step: forward, loss, backward, one Adam step
         import_s = time.perf_counter() - started
+        model.train()
         for i, (x, y, _) in enumerate(data):
             t0 = time.perf_counter()
-            model.train()
-            opt.zero_grad()
-            logits, _ = model(torch.from_numpy(x))
-            loss = F.cross_entropy(logits, torch.from_numpy(y)) + kd_loss(logits, t_teacher, 3.0)
-            loss.backward()
-            opt.step()
+            step(torch.from_numpy(x), torch.from_numpy(y))
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         model.eval()

@@ -6,7 +6,7 @@ Measures, at batch 64 and 3x32x32 (the footprint bench's bare-step setting), one
   saved-tensor hooks, each storage counted once), per part of the model, plain and
   with checkpointed bottlenecks (``models.memory``);
 * ``torch``: a bare training step (CE + KD, the agent's lean Adam) in a fresh process for each of
-  {plain, checkpointed, micro-batches of 16 (``models.training.Step``)} x {glibc
+  {plain, checkpointed, micro-batches of 16 (``models.train_step.Step``)} x {glibc
   malloc as it is, mmap threshold pinned}: peak RSS,
   peak above ``import torch``, file-backed RSS (code pages) before and after, median
   ms per step; the variants alternate, ``--repeats`` times, so time ratios come from

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shared_protocol.logs import setup_logging
 from shared_protocol.tomlio import read_toml
-from shared_protocol.transport import TransportError
+from shared_protocol.transport_interface import TransportError
 
 from .config import EdgeConfig, MemoryConfig
 from .memory import apply_process_memory
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sys.stderr.isatty():
         config = dataclasses.replace(config, progress=False)
     from .agent import EdgeAgent
-    from .doctor import data_fix
+    from .doctor_data import data_fix
 
     try:
         agent = EdgeAgent(config)

@@ -40,7 +40,7 @@ def train_epochs(
     """``epochs`` epochs over ``loader``'s (images, labels, sample ids); the sample ids stay
     on the host (they key the teacher's logits) and reach ``loss_fn`` as its third argument.
     ``micro_batch``: at most this many samples per forward pass, gradients accumulated
-    into one step per batch (``[memory] micro_batch_samples``; see :class:`models.training.Step`).
+    into one step per batch (``[memory] micro_batch_samples``; see :class:`models.train_step.Step`).
     ``frozen``: a part of ``model`` kept in eval mode (BatchNorm uses and keeps its running statistics)."""
     model.train()
     if frozen is not None:

@@ -1,7 +1,7 @@
 """Datasets and partitioners shared by the edge agent and the cloud server.
 
-The core (:mod:`fldata.datasets`, :mod:`fldata.partition`) needs numpy only, so a
-torch-free edge backend can use it. Everything torch lives in
+The core (datasets, partitions, subsets: every module but :mod:`fldata.torch_data`)
+needs numpy only, so a torch-free edge backend can use it. Everything torch lives in
 :mod:`fldata.torch_data`, which is *not* imported here: importing ``fldata``
 never imports torch.
 
@@ -9,33 +9,38 @@ This package imports none of ``shared_protocol``, ``models``, ``edge_agent`` or
 ``cloud_server``.
 """
 
-from fldata.datasets import (
-    DATASET_NAMES,
-    DOWNLOAD_TIMEOUT_S,
-    SPLIT_ID_OFFSETS,
-    ArrayDataset,
-    DownloadError,
-    compute_stats,
-    dataset_stats,
-    load_dataset,
-    load_npz,
-    make_synthetic,
-    save_npz,
-    take,
+from fldata.array_dataset import SPLIT_ID_OFFSETS, ArrayDataset
+from fldata.count_table import read_count_table
+from fldata.downloads import DOWNLOAD_TIMEOUT_S, DownloadError
+from fldata.loaders import DATASET_NAMES, load_dataset
+from fldata.npz_io import load_npz, save_npz
+from fldata.partition_schemes import partition_indices
+from fldata.partition_spec import PARTITION_SCHEMES, PartitionSpec
+from fldata.registry import (
+    DatasetSpec,
+    get_dataset_spec,
+    list_datasets,
+    register_dataset,
 )
-from fldata.partition import (
-    PARTITION_SCHEMES,
-    PartitionSpec,
+from fldata.sampling import take
+from fldata.shards import (
     agent_shard,
     class_count_table,
     class_counts_per_agent,
-    partition_indices,
     partition_test_indices,
-    read_count_table,
     test_shard_for_agent,
 )
-from fldata.registry import DatasetSpec, get_dataset_spec, list_datasets, register_dataset
-from fldata.subsets import NO_PARTITION, AgentDataSpec, agent_share, agent_shares, load_agent_subset, load_agent_subsets, seeded_subset
+from fldata.stats import compute_stats, dataset_stats
+from fldata.subsets import (
+    NO_PARTITION,
+    AgentDataSpec,
+    agent_share,
+    agent_shares,
+    load_agent_subset,
+    load_agent_subsets,
+    seeded_subset,
+)
+from fldata.synthetic import make_synthetic
 
 __all__ = [
     "DATASET_NAMES",

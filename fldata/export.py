@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fldata.datasets import ArrayDataset, save_npz
+from fldata.array_dataset import ArrayDataset
+from fldata.npz_io import save_npz
 from fldata.subsets import AgentDataSpec, load_agent_subset
 
 FORMATS = ("npz", "imagefolder")

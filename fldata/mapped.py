@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 
 if TYPE_CHECKING:
-    from fldata.datasets import ArrayDataset
+    from fldata.array_dataset import ArrayDataset
 
 __all__ = ["GATHER_ROWS", "drop_mapped_pages", "gather_rows", "is_mapped", "keep_on_disk"]
 

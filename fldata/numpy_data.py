@@ -15,8 +15,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from fldata.datasets import ArrayDataset, compute_stats, dataset_stats
+from fldata.array_dataset import ArrayDataset
 from fldata.mapped import gather_rows
+from fldata.stats import compute_stats, dataset_stats
 
 __all__ = ["Normalizer", "default_stats", "iterate_batches", "num_batches"]
 

@@ -2,7 +2,7 @@
 
 Configs on both sides name their data (``dataset = "cifar10"``); this module
 turns such a name into its loader. The built-in datasets register themselves in
-:mod:`fldata.datasets`; a deployment adds its own with :func:`register_dataset`
+:mod:`fldata.loaders`; a deployment adds its own with :func:`register_dataset`
 rather than editing a chain of ``if name == ...``.
 
 A duplicate name is an error rather than a silent override: two loaders under
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from fldata.datasets import ArrayDataset
+    from fldata.array_dataset import ArrayDataset
 
 __all__ = ["DatasetLoader", "DatasetSpec", "get_dataset_spec", "list_datasets", "register_dataset"]
 

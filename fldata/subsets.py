@@ -7,7 +7,7 @@ same samples (with the same ids) however it was started.
 Order: first the seeded subset of each split (``train_samples`` /
 ``test_samples``; 0 = the whole split), then the partition of that subset among
 ``num_agents``: ``iid``, ``dirichlet:A``, ``step:K`` or ``table:FILE`` (see
-:class:`fldata.partition.PartitionSpec`), each agent's test share following its
+:class:`fldata.partition_spec.PartitionSpec`), each agent's test share following its
 training label mix.
 
 ``partition = "none"`` means the data is the agent's own: it is used whole (a
@@ -20,8 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fldata.datasets import ArrayDataset, load_dataset, take
-from fldata.partition import PartitionSpec, partition_indices, partition_test_indices
+from fldata.array_dataset import ArrayDataset
+from fldata.loaders import load_dataset
+from fldata.partition_schemes import partition_indices
+from fldata.partition_spec import PartitionSpec
+from fldata.sampling import take
+from fldata.shards import partition_test_indices
 
 __all__ = ["NO_PARTITION", "AgentDataSpec", "agent_share", "agent_shares", "load_agent_subset", "load_agent_subsets", "seeded_subset"]
 

@@ -1,4 +1,4 @@
-"""torch views of :class:`fldata.datasets.ArrayDataset`.
+"""torch views of :class:`fldata.array_dataset.ArrayDataset`.
 
 The only module of ``fldata`` that imports torch. Items are
 ``(image, label, sample_id)``: the sample id travels with every image so that
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from fldata.datasets import ArrayDataset, compute_stats, dataset_stats
+from fldata.array_dataset import ArrayDataset
 from fldata.mapped import gather_rows
+from fldata.stats import compute_stats, dataset_stats
 
 __all__ = ["TorchArrayDataset", "make_loader"]
 

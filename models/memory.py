@@ -4,7 +4,7 @@ A ResNet-8 training step at batch 64 and 32x32 keeps 127 MB of tensors from
 the forward pass for the backward pass under torch, 118 MB of it inside the
 two bottlenecks, which run 64 channels at full resolution (each
 ``(64, 64, 32, 32)`` fp32 map is 16.8 MB). :func:`checkpoint_bottlenecks` makes
-every :class:`~models.resnet.Bottleneck` keep only its input (26 MB kept in
+every :class:`~models.resnet_blocks.Bottleneck` keep only its input (26 MB kept in
 all); its inside is computed again, one block at a time, when the backward
 pass reaches it. The measured breakdown and the cost are in docs/deploy.md
 ("Memory on the device") and bench/results/step_memory.json.
@@ -96,7 +96,7 @@ def checkpoint_bottlenecks(model: nn.Module) -> nn.Module:
     """Make every bottleneck block of ``model`` recompute its activations in the backward pass.
 
     Modifies ``model`` in place and returns it. Idempotent. A model with no
-    :class:`~models.resnet.Bottleneck` is an error (a silent no-op would hide a
+    :class:`~models.resnet_blocks.Bottleneck` is an error (a silent no-op would hide a
     model that was never made lighter).
     """
     blocks = [m for m in model.modules() if isinstance(m, Bottleneck)]

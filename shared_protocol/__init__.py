@@ -8,31 +8,16 @@ from .errors import *  # noqa: F401,F403
 from .errors import ProtocolError
 from .frame import PROTOCOL_VERSION, FrameLimits, decode_frame, encode_frame
 from .codecs import get_codec, list_codecs, register_codec
-from .chunking import DEFAULT_CHUNK_SIZE_BYTES, ChunkedBlob, ChunkHeader, Reassembler, split_blob
-from .messages import (
-    ErrorReply,
-    Hello,
-    Message,
-    RoundEnd,
-    RoundStart,
-    Shutdown,
-    Status,
-    Welcome,
-    decode_message,
-    encode_message,
-    register_message,
-)
+from .chunk_format import DEFAULT_CHUNK_SIZE_BYTES, ChunkHeader
+from .chunked_blob import ChunkedBlob, split_blob
+from .reassembly import Reassembler
+from .core_messages import ErrorReply, Hello, RoundEnd, RoundStart, Shutdown, Status, Welcome
+from .message_base import Message, decode_message, encode_message, register_message
 from .topics import Topics
-from .transport import (
-    BrokerAddress,
-    Delivery,
-    InMemoryBroker,
-    InMemoryTransport,
-    MqttTransport,
-    Transport,
-    TransportConfig,
-    TransportError,
-)
+from .memory_transport import InMemoryBroker, InMemoryTransport
+from .mqtt_config import BrokerAddress, TransportConfig
+from .mqtt_transport import MqttTransport
+from .transport_interface import Delivery, Transport, TransportError
 
 __all__ = [
     "PROTOCOL_VERSION",

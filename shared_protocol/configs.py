@@ -21,7 +21,7 @@ T = TypeVar("T")
 __all__ = ["OPTIMIZERS", "EmbeddedRoundConfig", "check_choice", "check_codec", "check_optimizer", "config_from_table",
            "round_config_from_wire"]
 
-#: The optimisers a config may name (``models.training.make_optimizer`` builds them, the ort
+#: The optimisers a config may name (``models.optimizers.make_optimizer`` builds them, the ort
 #: backend's numpy optimisers mirror them; a test keeps the lists equal). Kept here, torch-free,
 #: so that every config -- a TOML table or a round config off the wire -- checks against one list.
 OPTIMIZERS = ("sgd", "adam")

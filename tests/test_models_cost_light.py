@@ -1,4 +1,4 @@
-"""The light layer FLOP counter (models.cost.layer_flops_per_sample) against FlopCounterMode.
+"""The light layer FLOP counter (models.layer_flops.layer_flops_per_sample) against FlopCounterMode.
 
 The light counter exists so an agent never enters FlopCounterMode (which keeps
 sympy, torch._dynamo & co. resident); it is only worth having if its numbers

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import fldata.datasets as datasets
+import fldata.downloads as downloads
+import fldata.loaders as loaders
 from fldata import DOWNLOAD_TIMEOUT_S, DownloadError, load_dataset
 from shared_protocol.tomlio import write_toml
 
@@ -65,7 +66,7 @@ def test_downloads_are_off_unless_asked_for(tmp_path: Path, monkeypatch: pytest.
     def no_fetch(what: str, fetch: object) -> None:
         raise AssertionError(f"a download of {what} was attempted without download=True")
 
-    monkeypatch.setattr(datasets, "_download", no_fetch)
+    monkeypatch.setattr(loaders, "_download", no_fetch)
     with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
         load_dataset("fashion-mnist", "train", root=tmp_path)
     with pytest.raises(FileNotFoundError, match="download"):
@@ -81,7 +82,7 @@ def test_a_download_that_gets_no_answer_fails_quickly_with_its_own_error() -> No
 
     before = socket.getdefaulttimeout()
     with pytest.raises(DownloadError, match="apt-get install dataset-fashion-mnist"):
-        datasets._download("Fashion-MNIST", stalled_fetch)
+        downloads._download("Fashion-MNIST", stalled_fetch)
     assert seen == [DOWNLOAD_TIMEOUT_S]
     assert DOWNLOAD_TIMEOUT_S <= 30
     assert socket.getdefaulttimeout() == before

@@ -2,7 +2,7 @@
 
 Same update rules, in the same float32 operation order, as ``torch.optim.SGD``
 (momentum, dampening 0, L2 weight decay) and ``torch.optim.Adam(amsgrad=True)``
-with L2 weight decay -- what :func:`models.training.make_optimizer` builds on a CPU --
+with L2 weight decay -- what :func:`models.optimizers.make_optimizer` builds on a CPU --
 so an ort agent and a torch agent given the same gradients take the same steps.
 onnxruntime-training's own optimizer graphs are AdamW (decoupled decay, no
 AMSGrad) and plain SGD, which would not.
@@ -74,7 +74,7 @@ class NumpyAdam:
 
 
 def make_numpy_optimizer(name: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0) -> NumpySGD | NumpyAdam:
-    """The numpy twin of :func:`models.training.make_optimizer` for the same config names."""
+    """The numpy twin of :func:`models.optimizers.make_optimizer` for the same config names."""
     if check_optimizer(name) == "sgd":
         return NumpySGD(lr, momentum, weight_decay)
     return NumpyAdam(lr, weight_decay)

@@ -189,7 +189,7 @@ class OrtEdgeModel:
         """One forward/backward/update; returns (loss, logits (B, K)).
 
         ``micro_batch``: a larger batch runs as near-equal micro-batches (the torch
-        backend's split, :class:`models.training.Step`) whose gradients, weighted by
+        backend's split, :class:`models.train_step.Step`) whose gradients, weighted by
         their share of the batch, make the one update; BatchNorm normalises each with
         its own statistics and its running statistics take one update per
         micro-batch at the momentum that keeps their memory in samples. Nothing is

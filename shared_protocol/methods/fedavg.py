@@ -21,7 +21,7 @@ import numpy as np
 
 from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
-from ..messages import Message, register_message, tensor_dict
+from ..message_base import Message, register_message, tensor_dict
 
 #: Codecs a model's float tensors may travel with (both directions).
 WEIGHT_CODECS = ("zstd", "fp16-zstd", "raw")

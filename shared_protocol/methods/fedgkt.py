@@ -9,7 +9,7 @@ import numpy as np
 
 from ..configs import check_codec, check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
-from ..messages import Message, check_same_length, register_message, tensor
+from ..message_base import Message, check_same_length, register_message, tensor
 
 SPLITS = ("train", "test")
 

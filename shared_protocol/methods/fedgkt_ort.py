@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ShapeMismatchError, ValueRangeError
-from ..messages import Message, register_message, tensor
+from ..message_base import Message, register_message, tensor
 
 ARTIFACT_FIELDS = ("training_model", "eval_model", "optimizer_model", "checkpoint")
 META_KEYS = ("trainable", "bn_stats", "bn_counters", "state_names", "input_shape", "num_classes")

@@ -39,7 +39,7 @@ from .. import svd
 from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from ..frame import DEFAULT_LIMITS
-from ..messages import Message, register_message, tensor
+from ..message_base import Message, register_message, tensor
 
 #: What an update carries: the mentee's change over the round, or its mean gradient.
 UPLOAD_KINDS = ("update", "gradient")

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
-from ..messages import Message, check_same_length, register_message, tensor, tensor_dict
+from ..message_base import Message, check_same_length, register_message, tensor, tensor_dict
 
 SPLITS = ("train", "test")
 #: Activation codecs; vanilla split learning sends fp32 (the paper's Eq. 12 counts fp32).

@@ -56,7 +56,7 @@ from .costs import RoundMeter, RoundPeakRss
 from .deadline import RoundDeadline
 from .memory import trim_malloc
 from .backends import describe_backend, get_backend_method
-from .methods import KNOWN_METHODS, EdgeContext, EdgeMethod, get_edge_method
+from .methods import EdgeContext, EdgeMethod, get_edge_method
 
 if TYPE_CHECKING:  # imported for real only when metrics are on
     from .metrics import AgentMetrics
@@ -234,7 +234,7 @@ class EdgeAgent:
 
     def hello(self) -> None:
         counts = self.train.class_counts().tolist()
-        methods, backend_software = describe_backend(self.config.backend, KNOWN_METHODS)
+        methods, backend_software = describe_backend(self.config.backend)
         self._publish(
             Hello(
                 **self._base(),

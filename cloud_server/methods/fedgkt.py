@@ -36,7 +36,7 @@ from models.losses import kd_loss
 from models.training import LR_SCHEDULES, Batch, StepSkipped, Trainer, make_lr_schedule, make_optimizer
 from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, ValueRangeError
-from shared_protocol.messages import EvalReport, Hello, Message, RoundEnd, check_labels
+from shared_protocol.messages import EvalReport, Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
@@ -44,7 +44,7 @@ from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_
 from ..feature_store import AgentRows, ArrayStaging, RowSource, StagedUploads, gather_batches
 from ..robust import MAD_TO_SD, ImplausibleUploadError
 from ..server_step import DeviceSum, TrainStep, banks_for_staged_rows
-from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
+from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, StreamedUploads, register_server_method
 
 log = logging.getLogger("cloud_server.fedgkt")
 
@@ -173,15 +173,15 @@ class FedGktConfig:
 
 
 @register_server_method
-class FedGktServer(ServerMethod):
+class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
     name = "fedgkt"
     # Torch-free (--backend ort) agents ask for their training artifacts within their first round.
     upload_types = (GktFeatures, GktOrtArtifactsRequest)
+    answered_types = (GktOrtArtifactsRequest,)
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
         self.config = FedGktConfig.from_dict(method_config)
-        self.schedule = self.config.mode  # "sync" or "async": the same method, either schedule
         torch.manual_seed(ctx.seed)
         self.device = torch.device(ctx.device)
         self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
@@ -241,8 +241,10 @@ class FedGktServer(ServerMethod):
             self._step = TrainStep(self.model, self.optimizer, loss_fn, self.ctx.server_step, name="fedgkt")
         return self._step
 
-    def resolved_config(self) -> dict[str, Any]:
-        return self.config.to_table()
+    @property
+    def schedule(self) -> str:  # type: ignore[override]
+        """``mode``: "sync" or "async", the same method on either schedule."""
+        return self.config.mode
 
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
@@ -287,7 +289,7 @@ class FedGktServer(ServerMethod):
 
     # -- uploads ------------------------------------------------------------ #
 
-    def max_upload_bytes(self, agent: str, hello: Hello) -> int | None:
+    def max_upload_bytes(self, agent: str) -> int | None:
         """A feature batch of ``upload_batch_samples`` samples with float32 maps, whatever the
         codec (a compressed one is smaller; zstd's worst case adds well under 1%), plus the
         logits, labels and ids; once the first upload told the map shape. Before, None."""
@@ -296,14 +298,18 @@ class FedGktServer(ServerMethod):
         per_sample = 4 * math.prod(self.feature_shape) + 4 * self.ctx.num_classes + 8 + 8
         return int(1.02 * self.config.edge.upload_batch_samples * per_sample) + 256 * 1024  # + header and codec framing
 
-    def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
-        if isinstance(msg, GktOrtArtifactsRequest):
-            if self._ort is None:
-                from ..ort_artifacts import OrtArtifactServer
+    def answer(self, agent: str, msg: Message) -> Message | None:
+        """A torch-free agent's request for its training artifacts (made on the first)."""
+        if not isinstance(msg, GktOrtArtifactsRequest):
+            raise ValueRangeError(f"fedgkt does not answer {msg.TYPE} uploads")
+        if self._ort is None:
+            from ..ort_artifacts import OrtArtifactServer
 
-                self._ort = OrtArtifactServer(self.ctx.run_id, self.config.edge_model, self.ctx.num_classes, self.ctx.seed,
-                                              train_extractor=self.config.edge.train_extractor)
-            return [(agent, self._ort.reply(msg))]
+            self._ort = OrtArtifactServer(self.ctx.run_id, self.config.edge_model, self.ctx.num_classes, self.ctx.seed,
+                                          train_extractor=self.config.edge.train_extractor)
+        return self._ort.reply(msg)
+
+    def on_upload(self, agent: str, msg: Message) -> None:
         if not isinstance(msg, GktFeatures):
             raise ValueRangeError(f"fedgkt does not take {msg.TYPE} uploads")
         if msg.logits.shape[1] != self.ctx.num_classes:
@@ -336,7 +342,6 @@ class FedGktServer(ServerMethod):
             self._release(store, agent)  # a new round: this kind's earlier uploads are void
             held = store[agent] = StagedUploads(msg.instance, msg.round)
         held.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
-        return None
 
     def _check_plausible(self, agent: str, msg: GktFeatures) -> None:
         """At the door: maps and logits within the range a ResNet-8 extractor and classifier
@@ -433,13 +438,13 @@ class FedGktServer(ServerMethod):
         self._release(self.eval_staged, agent)
         self._release(self.staged, agent)
 
-    def check_round_end(self, agent: str, end: RoundEnd) -> list[tuple[str, Message]]:
+    def missing_uploads(self, agent: str, end: RoundEnd) -> list[Message]:
         """Batches the agent says it sent but that never arrived (e.g. lost with a
         restarting broker): ask for exactly those; the agent re-extracts them."""
         staged = self.staged.get(agent)
         if staged is not None and (staged.instance != end.instance or staged.round != end.round):
             return []  # another process's uploads: nothing to complete
-        requests: list[tuple[str, Message]] = []
+        requests: list[Message] = []
         refused = self.refused_seqs.get(agent)
         refused_seqs = refused[2] if refused is not None and refused[:2] == (end.instance, end.round) else set()
         for split in ("train", "test"):
@@ -450,7 +455,7 @@ class FedGktServer(ServerMethod):
             have |= {seq for s, seq in refused_seqs if s == split}  # arrived, refused: not asked for again
             missing = sorted(set(range(info["batches"])) - have)
             if missing:
-                requests.append((agent, GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=missing)))
+                requests.append(GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=missing))
         return requests
 
     # -- the server step ----------------------------------------------------- #
@@ -813,6 +818,6 @@ from ..local_run import LocalRunOptions  # noqa: E402
 
 def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
     """Mode, KD direction, the server's model and epochs; feature maps fp16-zstd unless ``--codec``."""
-    return {"mode": options.mode, "kd": options.kd, "server_model": options.server_model,
-            "server_epochs": options.server_epochs, "edge_epochs": options.edge_epochs,
-            **({"upload_codec": options.codec} if options.codec else {})}  # else GktRoundConfig's default
+    return {"mode": options.flag("mode"), "kd": options.flag("kd"), "server_model": options.flag("server_model"),
+            "server_epochs": options.flag("server_epochs"), "edge_epochs": options.flag("edge_epochs"),
+            **({"upload_codec": options.flag("codec")} if options.flag("codec") else {})}  # else GktRoundConfig's default

@@ -238,8 +238,9 @@ class FedKdServer(ServerMethod):
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "mentor_model": self.config.mentor_model, "mentee_model": self.config.mentee_model}
 
-    def download_codecs(self, msg: Message) -> dict[str, str]:
-        return {"weights": self.config.sync_codec} if isinstance(msg, RoundStart) else {}
+    @property
+    def download_codecs(self) -> dict[str, dict[str, str]]:  # type: ignore[override]
+        return {RoundStart.TYPE: {"weights": self.config.sync_codec}}
 
     def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         config = self.config.round_config(round_, self.version, self.schedule_rounds).to_dict()

@@ -5,13 +5,13 @@ sequential turn-taking, async; deadlines and quorum) and the run's record (byte
 accounting, the report, checkpoints). It receives and dispatches every inbound
 message (``pump``). Methods only configure rounds and consume uploads (see
 :mod:`cloud_server.methods.base`); the scheduler drives rounds through the
-coordinator's :class:`~cloud_server.schedulers.RoundHost` operations (``open_round``,
-``start_agent_round``, ``send``, ``close_round``, ...), never its fields.
+coordinator's :class:`~cloud_server.rounds.RoundHost` operations (``open_round``,
+``start_agent_round``, ``send``, ``close_round``, ...; most in
+:mod:`cloud_server.round_host`), never its fields.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -25,11 +25,9 @@ from shared_protocol.messages import (
     Discover,
     ErrorReply,
     EvalReport,
-    EvalRequest,
     Hello,
     Message,
     RoundEnd,
-    RoundStart,
     Shutdown,
     Status,
     Welcome,
@@ -43,11 +41,13 @@ from shared_protocol.transport import Transport
 from .agents import AgentRegistry, AgentState, RunAborted
 from .config import ServerConfig
 from .evaluation import EvalSet, Evaluator
-from .methods import AnswersUploads, RoundOutcome, ServerMethod, StreamedUploads
+from .methods import AnswersUploads, ServerMethod, StreamedUploads
 from .recorder import RunCounters, RunRecorder, server_info
-from .records import RoundEvaluation, RoundRecord, RunReport, now_iso
+from .records import RunReport, now_iso
 from .robust import ImplausibleUploadError
-from .schedulers import OpenRound, make_scheduler
+from .round_host import RoundHostOps
+from .rounds import OpenRound
+from .schedulers import make_scheduler
 
 if TYPE_CHECKING:  # imported for real only when metrics are on
     from .metrics import ServerMetrics
@@ -60,7 +60,7 @@ VERSION = "0.1.0"
 __all__ = ["AgentState", "Coordinator", "OpenRound", "RunAborted"]
 
 
-class Coordinator:
+class Coordinator(RoundHostOps):
     MAX_COMPLETION_REQUESTS = 3  # per agent and round, then what arrived is judged as it is
 
     def __init__(self, config: ServerConfig, method: ServerMethod, transport: Transport) -> None:
@@ -237,14 +237,6 @@ class Coordinator:
         else:
             self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
 
-    def request_evaluation(self, rnd: OpenRound, agents: list[str], wait_s: float | None = None) -> None:
-        """Ask ``agents`` to evaluate round ``rnd`` (after its downloads went out); their
-        reports are awaited until the round's deadline, or ``wait_s`` from now."""
-        deadline = rnd.deadline_at if wait_s is None else time.monotonic() + wait_s
-        for agent in agents:
-            rnd.eval_requested[agent] = deadline
-            self.send(agent, EvalRequest(**self._base(rnd.round)))
-
     def _on_upload(self, agent: str, msg: Message) -> None:
         method = self.method
         try:
@@ -298,34 +290,6 @@ class Coordinator:
             log.info("agent %s joins round %d in progress", agent, late)
             self.start_agent_round(agent, late)
 
-    # -- round mechanics (the scheduler's RoundHost) --------------------------------- #
-
-    def _evaluate(self, round_: int) -> bool:
-        return self.method.evaluate_every_round or round_ % self.config.eval_every == 0 or round_ == self.config.rounds
-
-    def open_round(self, round_: int) -> OpenRound:
-        if round_ not in self.open_rounds:
-            now = time.monotonic()
-            self.open_rounds[round_] = OpenRound(round_, self._evaluate(round_), now, self.scheduler.deadline_for(now))
-        return self.open_rounds[round_]
-
-    def start_agent_round(self, agent: str, round_: int) -> None:
-        rnd = self.open_round(round_)
-        rnd.participants.add(agent)
-        rnd.missing.discard(agent)
-        self.registry.assign(agent, round_)
-        hello = self.registry.agents[agent].hello
-        self.registry.agents[agent].round_session = (hello.instance, hello.connection) if hello.instance else None
-        self.registry.expect_from(agent)  # the method may know the agent's uploads better by now
-        config, weights = self.method.round_config(round_, agent, rnd.evaluate)
-        self.send(
-            agent,
-            RoundStart(
-                **self._base(round_), method=self.method.name, config=config, deadline_s=self.scheduler.time_given_s(rnd),
-                evaluate=rnd.evaluate, participants=sorted(rnd.participants), weights=weights,
-            ),
-        )
-
     def _on_round_end(self, agent: str, end: RoundEnd) -> None:
         rnd = self.open_rounds.get(end.round)
         if rnd is None or agent in rnd.done:
@@ -347,47 +311,6 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.on_round_end(agent, end)
         self.scheduler.on_round_end(rnd, agent, end)
-
-    # -- closing rounds -------------------------------------------------------------- #
-
-    def _evaluation(self, rnd: OpenRound) -> tuple[RoundEvaluation, str | None]:
-        """The round's evaluation (cloud_server/evaluation.py): the method's hook says what to
-        score, the evaluator scores it on the global set; the agents' costs are added here."""
-        reports = dict(rnd.eval_reports)
-        missing = sorted(set(rnd.eval_requested) - set(reports))
-        if missing:
-            log.warning("round %d: evaluated without the evaluation reports of %s", rnd.round, ", ".join(missing))
-        evaluation = self.method.evaluation(rnd.round, reports)
-        costs = [r.costs for r in reports.values()]
-        scored = dataclasses.replace(
-            self.evaluator.run(evaluation), missing=missing, edge_eval_flops=sum(c.flops for c in costs),
-            edge_eval_s=sum(c.compute_s + c.encode_s + c.network_s for c in costs) / len(costs) if costs else 0.0,
-        )
-        return scored, evaluation.edge
-
-    def complete(self, rnd: OpenRound, ends: dict[str, RoundEnd]) -> RoundOutcome:
-        return self.method.complete(rnd.round, ends, rnd.evaluate)
-
-    def discard(self, agent: str) -> None:
-        self.method.discard(agent)
-
-    def close_round(self, rnd: OpenRound, status: str) -> RoundRecord:
-        evaluation, edge_label = self._evaluation(rnd) if rnd.evaluate and status == "ok" else (None, None)
-        del self.open_rounds[rnd.round]
-        self.method.end_round(rnd.round)
-        self.ledger.close_round(rnd.round, sorted(rnd.done))
-        robustness, warnings = self.ledger.take(rnd.round)
-        record = self.recorder.round_record(
-            rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
-            started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),
-            method_figures=self.method.round_report(rnd.round), evaluation=evaluation, edge_label=edge_label,
-            robustness=robustness, warnings=warnings,
-        )
-        self.completed_round = rnd.round
-        self.recorder.add_round(record, checkpoint=self.save_checkpoint)
-        if self.metrics is not None:
-            self.metrics.on_round_closed(record)
-        return record
 
     # -- the run ------------------------------------------------------------------- #
 

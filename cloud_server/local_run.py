@@ -15,12 +15,17 @@ config dataclasses that read them refuse an unknown key.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from shared_protocol.local_broker import free_port
+from shared_protocol.metrics_endpoint import DEFAULT_METRICS_PORT, MetricsAddress
 from shared_protocol.registry import LauncherFlag, get_method, registered_methods
+from shared_protocol.tomlio import read_toml, write_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,6 +34,13 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = [
     "LocalRunOptions",
+    "broker_settings",
+    "check_server_config",
+    "local_options",
+    "method_table",
+    "metrics_addresses",
+    "metrics_banner",
+    "write_configs",
     "MissingLauncherTableError",
     "Setting",
     "apply_settings",
@@ -188,3 +200,144 @@ def apply_settings(documents: Iterable[Mapping[str, dict[str, Any]]], settings: 
         for doc in documents:
             if setting.table in doc:
                 doc[setting.table][setting.key] = setting.value
+
+
+# -- the files: the server's and every agent's config -------------------------------------- #
+
+
+def local_options(args: argparse.Namespace) -> LocalRunOptions:
+    """The flags a method's launcher table may use, typed."""
+    flags = {launch.flag.dest: getattr(args, launch.flag.dest) for launch in launcher_flags()}
+    return LocalRunOptions(method=args.method, dataset=args.dataset, data_root=args.data_root, train_samples=args.train_samples,
+                           test_samples=args.test_samples, seed=args.seed, flags=flags)
+
+
+def method_table(args: argparse.Namespace) -> dict:
+    """The ``[<method>]`` table of the generated server.toml: the method's own launcher table."""
+    return launcher_table(local_options(args))
+
+
+def broker_settings(args: argparse.Namespace, broker: str, configs: Path) -> tuple[str, dict]:
+    """The broker URL without credentials, and the keys both the server's and the agents'
+    configs get: ``username``, ``password_file`` (from ``--username`` / ``--password-file``,
+    or a ``user:password@`` in ``--broker``, whose password goes to a 0600 file: configs name
+    secrets by path, never hold them) and ``chunk_size_bytes``."""
+    from shared_protocol.transport import BrokerAddress
+
+    address = BrokerAddress.parse(broker)
+    keys: dict = {}
+    username = getattr(args, "username", None)
+    password_file = getattr(args, "password_file", None)
+    if address.username is not None:
+        if username is not None and username != address.username:
+            raise SystemExit(f"edgesplit: --broker names user {address.username!r} but --username is {username!r}")
+        username = address.username
+        broker = f"{'mqtts' if address.tls else 'mqtt'}://{address.host}:{address.port}"
+    if address.password is not None:
+        if password_file is not None:
+            raise SystemExit("edgesplit: give the broker password once: in --broker or with --password-file")
+        secret = configs / "broker.password"
+        secret.touch(mode=0o600, exist_ok=True)
+        secret.chmod(0o600)
+        secret.write_text(address.password + "\n")
+        password_file = str(secret)
+    if password_file is not None:
+        if not Path(password_file).is_file():
+            raise SystemExit(f"edgesplit: --password-file {password_file}: no such file")
+        keys["password_file"] = str(Path(password_file).resolve())
+    if username is not None:
+        keys["username"] = username
+    if getattr(args, "chunk_size", None) is not None:
+        keys["chunk_size_bytes"] = args.chunk_size
+    return broker, keys
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def metrics_addresses(requested: str | None, agents: int) -> tuple[str | None, list[str | None]]:
+    """``--metrics``: the server's address (the requested one; the default port is swapped for
+    a free one when taken) and one free loopback port per agent; (None, [None, ...]) when off."""
+    if requested is None:
+        return None, [None] * agents
+    address = MetricsAddress.parse(requested, "--metrics")
+    if address.port == DEFAULT_METRICS_PORT and not _port_free(address.host, address.port):
+        address = MetricsAddress(address.host, free_port(address.host) if ":" not in address.host else 0)
+    return str(address), [f"127.0.0.1:{free_port()}" for _ in range(agents)]
+
+
+def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None) -> tuple[Path, list[Path]]:
+    configs = out / "configs"
+    configs.mkdir(parents=True, exist_ok=True)
+    broker, broker_keys = broker_settings(args, broker, configs)
+    n_agents = args.agents if agents is None else agents
+    server_metrics, agent_metrics = metrics_addresses(getattr(args, "metrics", None), n_agents)
+    server_doc = {
+        "server": {
+            "run_id": run_id, "method": args.method, "broker_url": broker, "out_dir": str(out),
+            "expected_agents": args.agents, "rounds": args.rounds, "round_deadline_s": args.deadline,
+            "min_agents": 1, "min_fraction": 0.5, "eval_every": args.eval_every, "client_fraction": args.client_fraction, "registration_timeout_s": 300.0,
+            "dataset": args.dataset, "num_classes": 10 if args.dataset != "cifar100" else 100, "seed": args.seed,
+            # The global test set: the seeded test subset the agents' test shares are cut from.
+            "eval_samples": args.test_samples, "eval_seed": args.seed,
+            **({"eval_root": args.data_root} if args.data_root else {}),
+            **broker_keys,
+            **({"metrics_address": server_metrics} if server_metrics else {}),
+        },
+        args.method: method_table(args),
+    }
+    agent_docs = [
+        {
+            "agent": {"agent_id": f"agent-{i}", "run_id": run_id, "broker_url": broker, "state_dir": str(out / "agent-state"), "threads": 1,
+                      **broker_keys, **({"metrics_address": agent_metrics[i]} if agent_metrics[i] else {})},
+            "data": {
+                "dataset": args.dataset, "root": args.data_root, "partition": args.partition, "num_agents": args.agents,
+                "agent_index": i, "seed": args.seed, "train_samples": args.train_samples, "test_samples": args.test_samples,
+            },
+        }
+        for i in range(n_agents)
+    ]
+    apply_settings([server_doc, *agent_docs], [parse_setting(s) for s in getattr(args, "set", None) or ()], args.method)
+    header = f"generated by edgesplit local for run {run_id}"
+    server_path = configs / "server.toml"
+    write_toml(server_path, server_doc, header=header)
+    agent_paths = [configs / f"agent-{i}.toml" for i in range(len(agent_docs))]
+    for path, doc in zip(agent_paths, agent_docs):
+        write_toml(path, doc, header=header)
+    return server_path, agent_paths
+
+
+def check_server_config(path: Path) -> None:
+    """Build the server step from the written config, as the server will (on the CPU):
+    a bad ``--set`` or launcher table fails here, before any process starts."""
+    from .assemble import build_server_method
+    from .config import ServerConfig
+
+    build_server_method(ServerConfig.from_dict(read_toml(path)), device="cpu")
+
+
+def metrics_banner(server_cfg: Path, agent_cfgs: list[Path]) -> str | None:
+    """Where ``--metrics`` serves the status page and every process's metrics, from the
+    configs as written (``--set`` included); None when the server's metrics are off."""
+    server = read_toml(server_cfg)["server"]
+    if not server.get("metrics_address"):
+        return None
+
+    def url(table: dict) -> str:
+        address = MetricsAddress.parse(table["metrics_address"])
+        host = "127.0.0.1" if address.host in ("0.0.0.0", "::") else address.host
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if table.get('metrics_cert_file') else 'http'}://{host}:{address.port}/"
+
+    agents = [read_toml(path)["agent"] for path in agent_cfgs]
+    agent_urls = ", ".join(f"{a['agent_id']} {url(a)}metrics" for a in agents if a.get("metrics_address"))
+    return (f"edgesplit: status page on {url(server)} (Prometheus metrics at {url(server)}metrics)"
+            + (f"; agents' metrics: {agent_urls}" if agent_urls else ""))

@@ -143,6 +143,7 @@ class MethodSpec:
     summary: str  # one line: ``edgesplit local --help`` and the README's table of methods
     server: str  # the module whose import registers the method's ServerMethod
     edge: str  # the module whose import registers the method's torch EdgeMethod
+    config: str = ""  # "module:Class": the frozen dataclass that reads its [<name>] table
     messages: tuple[str, ...] = ()  # modules whose import registers its message types (uploads, downloads)
     flags: tuple[LauncherFlag, ...] = ()  # the `edgesplit local` flags its launcher table reads
     backends: Mapping[str, str] = field(default_factory=dict)  # other edge backend -> "module:Class" of its edge step
@@ -154,6 +155,8 @@ class MethodSpec:
             raise ValueError(f"a method's name is lower-case letters, digits, '-' and '_', got {self.name!r}")
         if not self.server or not self.edge:
             raise ValueError(f"method {self.name!r}: a spec names its server step and its edge step modules")
+        if self.config and ":" not in self.config:
+            raise ValueError(f"method {self.name!r}: config names 'module:Class', got {self.config!r}")
         seen = set()
         for flag in self.flags:
             if flag.name in seen:

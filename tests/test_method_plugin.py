@@ -29,6 +29,7 @@ TOY_FILES = {
             summary="a throw-away method: the agents' label counts, summed; every agent predicts the top class",
             server="toymean.server",
             edge="toymean.edge",
+            config="toymean.server:ToyConfig",
             messages=("toymean.messages",),
             flags=(LauncherFlag("--toy-scale", 1.0, "how much each agent weighs its counts", type="float", minimum=0.0),),
             bench=(BenchRun("toymean", {"scale": 1.0}, shared="", order=99,

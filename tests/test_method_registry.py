@@ -22,7 +22,8 @@ from edge_agent.methods import KNOWN_METHODS as EDGE_METHODS
 from edge_agent.methods import get_edge_method
 from shared_protocol.messages import message_types
 from shared_protocol.methods import load_method_messages
-from shared_protocol.registry import LauncherFlag, MethodSpec, get_method, register_method
+from shared_protocol.registry import LauncherFlag, MethodSpec, get_method, import_part, register_method
+from cloud_server.schedulers import SCHEDULERS
 from shared_protocol.tomlio import read_toml
 
 from fedhelpers import ROOT
@@ -80,6 +81,11 @@ def test_edgesplit_local_writes_a_config_the_method_accepts(tmp_path: Path, meth
     built = build_server_method(config, device="cpu")
     assert built.name == method
     assert isinstance(built.resolved_config(), dict)
+    # The registry names the config class its table is read with.
+    assert type(built.config) is import_part(get_method(method).config)  # type: ignore[attr-defined]
+    # What the coordinator reads of a method is declared by it, never set on the instance.
+    assert not {"schedule", "download_codecs", "evaluate_every_round"} & set(vars(built))
+    assert built.schedule in SCHEDULERS
 
 
 def test_a_method_without_a_launcher_table_is_an_error_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -167,6 +167,7 @@ register_method(MethodSpec(
     summary="FedAvg: the sample-weighted mean of the agents' full models (the accuracy baseline)",
     server="cloud_server.methods.fedavg",
     edge="edge_agent.methods.fedavg",
+    config="cloud_server.methods.fedavg:FedAvgConfig",
     messages=(__name__,),
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/baselines.md",

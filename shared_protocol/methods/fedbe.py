@@ -16,6 +16,7 @@ register_method(MethodSpec(
     summary="FedBE: Bayesian ensemble of sampled global models distilled with SWA on a server-held unlabeled set",
     server="cloud_server.methods.fedbe",
     edge="edge_agent.methods.fedbe",
+    config="cloud_server.methods.fedbe:FedBEConfig",
     messages=("shared_protocol.methods.fedavg",),  # it travels on FedAvg's messages
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/fedbe.md",

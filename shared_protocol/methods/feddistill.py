@@ -82,6 +82,7 @@ register_method(MethodSpec(
     summary="FedDistill: group distillation (true / rich / few classes) with the global model",
     server="cloud_server.methods.feddistill",
     edge="edge_agent.methods.feddistill",
+    config="cloud_server.methods.feddistill:FedDistillConfig",
     messages=("shared_protocol.methods.fedavg", __name__),  # it travels on FedAvg's messages
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/feddistill.md",

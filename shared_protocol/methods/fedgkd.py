@@ -157,6 +157,7 @@ register_method(MethodSpec(
     summary="FedGKD and FedGKD-Vote: distillation from a buffer of past global models",
     server="cloud_server.methods.fedgkd",
     edge="edge_agent.methods.fedgkd",
+    config="cloud_server.methods.fedgkd:FedGkdConfig",
     messages=("shared_protocol.methods.fedavg", __name__),  # FedAvg's messages plus the teachers
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/fedgkd.md",

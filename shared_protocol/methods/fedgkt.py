@@ -137,6 +137,7 @@ register_method(MethodSpec(
             "knowledge flows both ways",
     server="cloud_server.methods.fedgkt",
     edge="edge_agent.methods.fedgkt",
+    config="cloud_server.methods.fedgkt_config:FedGktConfig",
     messages=(__name__, "shared_protocol.methods.fedgkt_ort"),  # torch-free agents ask for their artifacts
     flags=(
         LauncherFlag("--mode", "sync", "sync | async", choices=("sync", "async")),

@@ -208,6 +208,7 @@ register_method(MethodSpec(
     summary="FedKD: private mentor + shared mentee, adaptive mutual distillation, SVD-factored updates both ways",
     server="cloud_server.methods.fedkd",
     edge="edge_agent.methods.fedkd",
+    config="cloud_server.methods.fedkd_config:FedKdConfig",
     messages=(__name__,),
     docs="docs/methods/fedkd.md",
     # A private ResNet-56 mentor and a shared ResNet-8 mentee per agent, Adam 0.001; its accuracy is the

@@ -159,6 +159,7 @@ register_method(MethodSpec(
     summary="vanilla split learning: agents take turns, the server answers every batch with its gradients",
     server="cloud_server.methods.splitnn",
     edge="edge_agent.methods.splitnn",
+    config="cloud_server.methods.splitnn:SplitNNConfig",
     messages=(__name__,),
     flags=(
         LauncherFlag("--server-model", "resnet55_server", "the server's part: resnet55_server | resnet109_server"),

@@ -1,17 +1,20 @@
-"""The other methods on Table 1's setting: the FedAvg family (FedGKD, FedDistill,
-FedBE, all with ResNet-56), FedKD, and FedGKT's knowledge-transfer ablation
-(the paper's Table 2), each cell run once per seed and reported as mean ± sd.
+"""The other methods on Table 1's setting: every registered method that declares
+runs here (``MethodSpec.bench`` in its registry entry: today the FedAvg family's
+FedGKD, FedDistill and FedBE, all with ResNet-56, and FedKD), and FedGKT's
+knowledge-transfer ablation (the paper's Table 2), each cell run once per seed and
+reported as mean ± sd.
 
 The data, agents, rounds, batch, optimiser and seeds are ``bench/accuracy.py``'s
 (imported, not copied), so every cell here sits beside Table 1's FedAvg and
 FedGKT cells of the same seeds and is scored on the same balanced test set.
-The methods' own settings are the ones this repository has measured them with:
+The methods' own settings are the ones this repository has measured them with,
+declared by each method beside its registry entry (``shared_protocol/methods/<name>.py``):
 
 * FedGKD (not -Vote): the paper's CV defaults, gamma 0.2, a buffer of 5;
 * FedDistill: read off the paper's sensitivity study (docs/methods/feddistill.md);
 * FedBE: 10 sampled models plus the mean and the clients, distilled with SWA on a
   server-held unlabeled set (the training split minus the agents' subset), its
-  server work sized per scale (``FEDBE_SERVER``);
+  server work sized per scale (``BenchRun.per_scale``, recorded in the JSON's scale);
 * FedKD: a private ResNet-56 mentor and a shared ResNet-8 mentee per agent,
   Adam 0.001; its accuracy is the mentors' (its ``mentee`` label beside it);
 * Table 2: FedGKT with no KD and with S->E only; the S<->E row is Table 1's
@@ -45,38 +48,39 @@ from _stats import DIFFERENCE_RULE
 from accuracy import (AGENTS, BATCH, FEDAVG, GKT, PARTITIONS, SCALES, SEEDS, budget, cells, eval_set_of, parse_seeds,
                       previous_runs, run_key, scale_folder, scale_key, summarize)
 
-# Method-specific settings of the FedAvg family on top of FedAvg's (the papers' defaults unless said).
-FEDAVG_FAMILY: dict[str, dict[str, Any]] = {
-    "fedgkd": {"variant": "avg", "gamma": 0.2, "buffer_size": 5},  # FedGKD (not -Vote), the paper's CV defaults
-    # The paper prints search ranges, not the values kept: read off its sensitivity study (docs/methods/feddistill.md).
-    "feddistill": {"alpha_t": 0.0, "alpha_r": 0.5, "alpha_f": 1.0, "beta_l": 1.4, "beta_e": 0.3, "beta_fc": 0.3},
-    # 10 sampled models (the paper's M) plus the mean and the clients.
-    "fedbe": {"sampled_models": 10, "distill_batch_size": 32},
-}
-# FedBE's server work per round (ensemble on the unlabeled set, SWA distillation) does not shrink
-# with the agents' data: it is sized per scale. SWA collects every 25 steps after the warm-up as
-# in the paper, over a shorter distillation (300 unlabeled images, 100 steps) for 2 CPU cores.
-FEDBE_SERVER: dict[str, dict[str, int]] = {
-    "quick": {"unlabeled_samples": 100, "validation_samples": 100, "distill_steps": 30, "swa_warmup_steps": 15, "swa_cycle_steps": 5},
-    "full": {"unlabeled_samples": 300, "validation_samples": 500, "distill_steps": 100, "swa_warmup_steps": 50, "swa_cycle_steps": 25},
-}
-FEDKD = {"mentor_model": "resnet56", "mentee_model": "resnet8", "batch_size": BATCH, "local_epochs": 1,
-         "optimizer": "adam", "mentor_lr": 0.001, "mentee_lr": 0.001}
+from shared_protocol.registry import BenchRun, registered_methods
+
+#: The settings a method's runs here go on top of (``BenchRun.shared``): Table 1's.
+SHARED: dict[str, dict[str, Any]] = {"whole_model": FEDAVG, "batch": {"batch_size": BATCH, "local_epochs": 1}, "": {}}
 #: Minutes on 2 idle cores for all seeds of the scale (the estimate in the module's docstring).
 BUDGET_MINUTES = {"full": 250, "quick": 15}
 
 
-def runs(rounds: int, train_samples: int, ablation_partition: str = "noniid", fedbe_server: dict[str, int] | None = None) -> list[tuple[str, str, RunSpec]]:
+def method_runs() -> list[tuple[str, BenchRun]]:
+    """(method, run) of every registered method's runs here, in their declared order."""
+    declared = [(name, run) for name, spec in registered_methods().items() for run in spec.bench]
+    return sorted(declared, key=lambda item: (item[1].order, item[1].name))
+
+
+def method_table(run: BenchRun, scale: str, train_samples: int) -> dict[str, Any]:
+    """The ``[<method>]`` table of one of a method's runs at ``scale``."""
+    table = {**SHARED[run.shared], **run.table, **run.per_scale.get(scale, {})}
+    if run.train_samples_key:
+        table[run.train_samples_key] = train_samples
+    return table
+
+
+def per_scale_settings(scale: str) -> dict[str, dict[str, Any]]:
+    """``<method>_server``: the per-scale settings of the methods that have them, for the JSON's scale."""
+    return {f"{method}_server": dict(run.per_scale[scale]) for method, run in method_runs() if scale in run.per_scale}
+
+
+def runs(rounds: int, train_samples: int, ablation_partition: str = "noniid", scale: str = "full") -> list[tuple[str, str, RunSpec]]:
     """(table, partition key, run): every run of this benchmark, for one seed."""
     out: list[tuple[str, str, RunSpec]] = []
     for key in PARTITIONS:
-        for method, extra in FEDAVG_FAMILY.items():
-            if method == "fedbe":
-                # The server's unlabeled set is the training split minus the subset the agents take.
-                extra = {**extra, **(fedbe_server or FEDBE_SERVER["full"]), "unlabeled_dataset": "fashion-mnist",
-                         "agent_train_samples": train_samples}
-            out.append(("methods", key, RunSpec(f"{method}-resnet56-{key}", method, {**FEDAVG, **extra}, rounds)))
-        out.append(("methods", key, RunSpec(f"fedkd-{key}", "fedkd", FEDKD, rounds)))
+        for method, run in method_runs():
+            out.append(("methods", key, RunSpec(f"{run.name}-{key}", method, method_table(run, scale, train_samples), rounds)))
     # The S<->E sync run of the ablation partition is Table 1's; only the variants run here.
     out.append(("table2", ablation_partition, RunSpec(f"fedgkt-kd-none-{ablation_partition}", "fedgkt", {**GKT, "mode": "sync", "kd": "none"}, rounds)))
     out.append(("table2", ablation_partition, RunSpec(f"fedgkt-kd-s2e-{ablation_partition}", "fedgkt", {**GKT, "mode": "sync", "kd": "s2e"}, rounds)))
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = SCALES[scale_name]
     recorded_as = scale_key(scale, args.train_samples, args.test_samples, args.rounds)
     train_samples, test_samples, rounds = (recorded_as[k] for k in ("train_samples", "test_samples", "rounds"))
-    plan = runs(rounds, train_samples, args.ablation_partition, FEDBE_SERVER[scale_name])
+    plan = runs(rounds, train_samples, args.ablation_partition, scale_name)
     names = {run.name for _, _, run in plan}
     unknown = sorted(set(args.only or ()) - names)
     if unknown:
@@ -132,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     eval_set, same_set = eval_set_of(results)
     write_json(args.out, {
         "benchmark": "methods",
-        "description": "The FedAvg family (FedGKD, FedDistill, FedBE; ResNet-56), FedKD and FedGKT's KD ablation on "
-                       "bench/accuracy.py's Table 1 setting, mean ± sd over seeds.",
+        "description": "Every registered method's runs here (FedGKD, FedDistill, FedBE with ResNet-56, FedKD) and "
+                       "FedGKT's KD ablation on bench/accuracy.py's Table 1 setting, mean ± sd over seeds.",
         "scale": {**recorded_as, "dataset": "fashion-mnist (32x32 zero-padded, 1 channel)", "partitions": PARTITIONS,
                   "ablation_partition": PARTITIONS[args.ablation_partition], "batch_size": BATCH, "optimizer": "adam, lr 0.001",
-                  "passes_over_the_data_per_round": 1, "seeds": seeds_recorded, "fedbe_server": FEDBE_SERVER[scale_name],
+                  "passes_over_the_data_per_round": 1, "seeds": seeds_recorded, **per_scale_settings(scale_name),
                   "budget_minutes_on_2_cores": BUDGET_MINUTES[scale_name], "wall_time_s": elapsed, "wall_time_min": elapsed / 60,
                   "complete": complete},
         "eval_set": eval_set,

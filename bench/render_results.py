@@ -42,6 +42,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT / "bench") not in sys.path:
     sys.path.append(str(REPO_ROOT / "bench"))  # appended: bench/codecs.py must never shadow the standard library's
 
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
 from _stats import DIFFERENCE_RULE, comparison  # noqa: E402
 DASH = "—"
 
@@ -489,13 +492,13 @@ def cost_curves(data: dict[str, Any], image_dir: Path | None) -> list[str]:
     ]
 
 
-METHOD_ROWS = (
-    ("FedGKD (ResNet-56)", "fedgkd-resnet56", "model", "the global model's averaged statistics"),
-    ("FedDistill (ResNet-56)", "feddistill-resnet56", "model", "the global model's averaged statistics"),
-    ("FedBE (ResNet-56)", "fedbe-resnet56", "model", "the distilled global model's averaged statistics"),
-    ("FedKD (mentors, ResNet-56)", "fedkd", "model", "each agent's mentor, its own statistics"),
-    ("FedKD (shared mentee, ResNet-8; not the headline)", "fedkd", "mentee", "the mentee's averaged statistics"),
-)
+def method_rows() -> list[tuple[str, str, str, str]]:
+    """(label, run name, evaluation label, BatchNorm statistics) of every row of the other methods'
+    table: the rows each registered method's benchmark runs declare (``MethodSpec.bench``)."""
+    from shared_protocol.registry import registered_methods
+
+    runs = sorted((run for spec in registered_methods().values() for run in spec.bench), key=lambda r: (r.order, r.name))
+    return [(row.label, run.name, row.which, row.batchnorm) for run in runs for row in run.rows]
 
 
 def methods_section(data: dict[str, Any] | None, accuracy: dict[str, Any] | None) -> list[str]:
@@ -516,7 +519,7 @@ def methods_section(data: dict[str, Any] | None, accuracy: dict[str, Any] | None
         return _label_cell(cell, where, label)
 
     rows = []
-    for label, prefix, which, bn in METHOD_ROWS:
+    for label, prefix, which, bn in method_rows():
         cols = [_pm(read(cells.get(f"{prefix}-{key}"), where, which)) for key, _ in PARTITION_LABELS for where in ("global", "local")]
         if any(c != DASH for c in cols):
             rows.append([label, bn, *cols])
@@ -1367,15 +1370,45 @@ def render(results: Path, image_dir: Path | None = None) -> str:
     return "\n".join(lines)
 
 
+#: The README's table of methods lies between these lines, rendered from the method registry.
+README_BEGIN = "<!-- The methods: rendered from their registry entries by bench/render_results.py. Do not edit by hand. -->"
+README_END = "<!-- end of the methods -->"
+
+
+def readme_methods() -> list[str]:
+    """The README's table of methods: one row per registered method, from its registry entry
+    (``MethodSpec.summary`` and ``docs``), between :data:`README_BEGIN` and :data:`README_END`."""
+    from shared_protocol.registry import registered_methods
+
+    rows = [[f"`{name}`", spec.summary, f"[notes]({spec.docs})" if spec.docs else DASH]
+            for name, spec in registered_methods().items()]
+    return [README_BEGIN, *_table(["`--method`", "what", "notes"], rows, right_from=3), README_END]
+
+
+def update_readme(path: Path) -> bool:
+    """Rewrite the table of methods in the README at ``path``; True if it changed."""
+    text = path.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise ResultsError(f"{path} has no table of methods between {README_BEGIN!r} and {README_END!r}")
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    updated = text[:start] + "\n".join(readme_methods()) + text[end:]
+    if updated != text:
+        path.write_text(updated)
+    return updated != text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results.md")
+    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="whose table of methods to rewrite")
     args = parser.parse_args(argv)
     text = render(args.results, args.out.parent / "img")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")
+    if update_readme(args.readme):
+        print(f"rewrote the table of methods in {args.readme}")
     return 0
 
 

@@ -21,7 +21,7 @@ from shared_protocol.topics import Topics
 from shared_protocol.transport import Transport
 
 from .config import ServerConfig
-from .methods import ServerMethod
+from .methods import ServerMethod, StreamedUploads
 from .records import AgentInfo
 
 log = logging.getLogger("cloud_server")
@@ -172,7 +172,7 @@ class AgentRegistry:
     def expect_from(self, agent: str) -> None:
         """Tell the transport what this agent may send: its largest upload, as the method
         knows it now, bounds what a transfer on its topic may declare."""
-        largest = self.method.max_upload_bytes(agent, self.agents[agent].hello)
+        largest = self.method.max_upload_bytes(agent) if isinstance(self.method, StreamedUploads) else None
         if largest is None:  # the method cannot say: the largest frame the server decodes
             largest = self.limits.max_body_bytes + self.limits.max_header_bytes + 64
             limits = SenderLimits(largest, largest, 16)

@@ -8,9 +8,9 @@ is ``epochs_per_round`` epochs, so runs compare round for round with the
 federated methods, and the run report has the same format (``report.json``,
 ``rounds.csv``, plots, ``summary.md``) with zero bytes on the wire.
 
-Run with ``cloud-server centralized --config server.toml`` (``[server]`` with
-``method = "centralized"`` plus a ``[centralized]`` table) or
-``edgesplit local --method centralized``.
+Run with ``edgesplit centralized --config server.toml`` (``[server]`` with
+``method = "centralized"`` plus a ``[centralized]`` table) or ``edgesplit
+centralized --model resnet56 --dataset ...`` (:mod:`cloud_server.centralized_cli`).
 """
 
 from __future__ import annotations

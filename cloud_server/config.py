@@ -1,7 +1,7 @@
 """Server configuration: frozen dataclasses validated on construction.
 
 TOML and CLI flags are parsed in :mod:`cloud_server.cli`; the method's own
-table (e.g. ``[fedgkt]``) is kept as a dict here and parsed by the method into
+table (``[<method>]``) is kept as a dict here and parsed by the method into
 its own config dataclass.
 """
 
@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shared_protocol.metrics_endpoint import MetricsEndpointConfig
+from shared_protocol.registry import DEFAULT_METHOD
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
@@ -31,7 +32,7 @@ IMAGE_SIZE_BY_DATASET = {"fashion-mnist": (32, 32), "mnist": (32, 32), "cifar10"
 @dataclass(frozen=True)
 class ServerConfig:
     run_id: str = "default"
-    method: str = "fedgkt"
+    method: str = DEFAULT_METHOD
     broker_url: str = "mqtt://127.0.0.1:1883"
     username: str | None = None
     password: str | None = field(default=None, repr=False)
@@ -80,7 +81,7 @@ class ServerConfig:
     # is a few KiB) and all of them together.
     unexpected_sender_max_bytes: int = 1024 * 1024
     unexpected_senders_total_bytes: int = 16 * 1024 * 1024
-    # Client sampling (FedAvg's C): each sync round takes this fraction of the online
+    # Client sampling (the fraction C of federated averaging): each sync round takes this fraction of the online
     # agents (at least min_agents), drawn with a generator seeded by (seed, round).
     client_fraction: float = 1.0
     # Robustness to a bad device (cloud_server/robust.py, docs/configuration.md): the
@@ -249,6 +250,6 @@ class ServerConfig:
         if "image_size" in server:
             size = server["image_size"]
             server["image_size"] = (size, size) if isinstance(size, int) else tuple(size)
-        method = server.get("method", "fedgkt")
+        method = server.get("method", DEFAULT_METHOD)
         server.setdefault("method_config", dict(raw.get(method, {})))
         return cls(**server)

@@ -4,12 +4,14 @@ method's declared ``schedule`` picks (:mod:`cloud_server.schedulers`: sync,
 sequential turn-taking, async; deadlines and quorum) and the run's record (byte
 accounting, the report, checkpoints). It receives and dispatches every inbound
 message (``pump``). Methods only configure rounds and consume uploads (see
-:mod:`cloud_server.methods.base`).
+:mod:`cloud_server.methods.base`); the scheduler drives rounds through the
+coordinator's :class:`~cloud_server.rounds.RoundHost` operations (``open_round``,
+``start_agent_round``, ``send``, ``close_round``, ...; most in
+:mod:`cloud_server.round_host`), never its fields.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -23,11 +25,9 @@ from shared_protocol.messages import (
     Discover,
     ErrorReply,
     EvalReport,
-    EvalRequest,
     Hello,
     Message,
     RoundEnd,
-    RoundStart,
     Shutdown,
     Status,
     Welcome,
@@ -41,11 +41,13 @@ from shared_protocol.transport import Transport
 from .agents import AgentRegistry, AgentState, RunAborted
 from .config import ServerConfig
 from .evaluation import EvalSet, Evaluator
-from .methods import ServerMethod
+from .methods import AnswersUploads, ServerMethod, StreamedUploads
 from .recorder import RunCounters, RunRecorder, server_info
-from .records import RoundEvaluation, RoundRecord, RunReport, now_iso
+from .records import RunReport, now_iso
 from .robust import ImplausibleUploadError
-from .schedulers import OpenRound, make_scheduler
+from .round_host import RoundHostOps
+from .rounds import OpenRound
+from .schedulers import make_scheduler
 
 if TYPE_CHECKING:  # imported for real only when metrics are on
     from .metrics import ServerMetrics
@@ -58,12 +60,8 @@ VERSION = "0.1.0"
 __all__ = ["AgentState", "Coordinator", "OpenRound", "RunAborted"]
 
 
-class Coordinator:
+class Coordinator(RoundHostOps):
     MAX_COMPLETION_REQUESTS = 3  # per agent and round, then what arrived is judged as it is
-    WAITING_LOG_EVERY_S = 60.0  # while a round is open, who the server still waits for, and why
-    # A participant that says it is idle (its round is over) but whose round_end has not
-    # arrived this long after is asked to announce itself again (and then redoes the round).
-    NUDGE_AFTER_S = 30.0
 
     def __init__(self, config: ServerConfig, method: ServerMethod, transport: Transport) -> None:
         self.config = config
@@ -76,7 +74,6 @@ class Coordinator:
         self.registry = AgentRegistry(config, method, transport, self.limits, lambda reason: self.rejected.update((reason,)))
         self.completed_round = 0
         self.open_rounds: dict[int, OpenRound] = {}
-        self.stopping = False  # no new rounds or turns are started (a stop condition was met)
         self.recorder = RunRecorder(self.out_dir, config.rounds, RunCounters(
             agents=self.registry.infos, rejected=lambda: self.rejected, rejected_chunks=self.transport.rejections,
             refused=lambda: self.registry.refused,
@@ -85,7 +82,7 @@ class Coordinator:
         # The global test set every evaluated round is scored on (None: the config names none).
         self.eval_set = EvalSet.load(config.eval_set_spec())
         self.evaluator = Evaluator(self.eval_set, method.ctx.device)
-        self.scheduler = make_scheduler(method.schedule, self)
+        self.scheduler = make_scheduler(method.schedule, self, config, self.registry)
         if config.client_fraction < 1.0 and not self.scheduler.samples_agents:
             raise ValueError(f"client_fraction < 1 samples the agents of sync rounds; {method.name} runs "
                              f"{self.scheduler.description} rounds")
@@ -93,7 +90,7 @@ class Coordinator:
         if not method.aggregates_weights and (robustness.aggregation != "mean" or robustness.clip_update_norm):
             raise ValueError(
                 f"server.aggregation = {robustness.aggregation!r} / server.clip_update_norm = {robustness.clip_update_norm!r} "
-                f"apply to the methods that aggregate weights (fedavg, fedgkd, feddistill, fedbe, fedkd); {method.name} does "
+                f"apply to the methods that aggregate weights (ServerMethod.aggregates_weights); {method.name} does "
                 "not: leave them at 'mean' / 0 (its uploads are still checked for plausibility)")
         # The method's context carries the [server] robustness settings and the ledger the
         # round records read (a method made outside the coordinator may have the defaults).
@@ -138,10 +135,10 @@ class Coordinator:
 
     # -- messaging -------------------------------------------------------------- #
 
-    def _send(self, agent: str | None, msg: Message) -> None:
+    def send(self, agent: str | None, msg: Message) -> None:
         topic = self.topics.down(agent) if agent else self.topics.down_all
         before = self.transport.stats.snapshot()
-        codecs = self.method.download_codecs(msg) or None
+        codecs = dict(self.method.download_codecs.get(msg.TYPE, {})) or None
         # An agent may ask for missing chunks only on its own up topic (the ACL allows no other).
         self.transport.publish(topic, encode_message(msg, codecs=codecs), reply_topic=self.topics.up(agent) if agent else None)
         after = self.transport.stats.snapshot()
@@ -160,6 +157,12 @@ class Coordinator:
 
     def _base(self, round_: int) -> dict[str, Any]:
         return {"run": self.config.run_id, "round": round_, "sender": SERVER_ID}
+
+    def discover(self, agent: str | None, round_: int) -> None:
+        self.send(agent, Discover(**self._base(round_)))
+
+    def backlog(self) -> int:
+        return self.transport.backlog()
 
     def _reject(self, agent: str | None, reason: str, detail: str, names_sender: bool = True) -> None:
         if self.registry.reject(agent, reason, detail, names_sender):
@@ -234,17 +237,14 @@ class Coordinator:
         else:
             self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
 
-    def request_evaluation(self, rnd: OpenRound, agents: list[str], wait_s: float | None = None) -> None:
-        """Ask ``agents`` to evaluate round ``rnd`` (after its downloads went out); their
-        reports are awaited until the round's deadline, or ``wait_s`` from now."""
-        deadline = rnd.deadline_at if wait_s is None else time.monotonic() + wait_s
-        for agent in agents:
-            rnd.eval_requested[agent] = deadline
-            self._send(agent, EvalRequest(**self._base(rnd.round)))
-
     def _on_upload(self, agent: str, msg: Message) -> None:
+        method = self.method
         try:
-            replies = self.method.on_upload(agent, msg)
+            if isinstance(method, AnswersUploads) and isinstance(msg, method.answered_types):
+                reply = method.answer(agent, msg)
+            else:
+                method.on_upload(agent, msg)
+                reply = None
         except ImplausibleUploadError as exc:
             # Well-formed, but its numbers cannot be honest: refused and attributed to the agent in
             # the round record; it does not count toward dropping the agent (quarantine decides).
@@ -254,8 +254,8 @@ class Coordinator:
         except ProtocolError as exc:
             self._reject(agent, exc.code, str(exc))
             return
-        for target, reply in replies or ():
-            self._send(target, reply)
+        if reply is not None:
+            self.send(agent, reply)
 
     def welcome_settings(self) -> dict[str, Any]:
         """The method's fixed settings and when this run started (``run_started_at``, kept
@@ -269,14 +269,14 @@ class Coordinator:
         refusal = self.registry.refusal(agent, hello)
         if refusal is not None:
             code, reason = refusal
-            self._send(agent, Welcome(**self._base(0), accepted=False, code=code, reason=reason))
+            self.send(agent, Welcome(**self._base(0), accepted=False, code=code, reason=reason))
             return
         prior = self.registry.agents.get(agent)
         same_session = prior is not None and prior.same_session(hello)  # judged before join() takes the new hello
         state = self.registry.join(agent, hello)
         if state.dropped:
             return
-        self._send(agent, Welcome(**self._base(0), accepted=True, method=self.method.name, settings=self.welcome_settings()))
+        self.send(agent, Welcome(**self._base(0), accepted=True, method=self.method.name, settings=self.welcome_settings()))
         # A participant that (re)joins while its round is open restarts it: it may have been
         # restarted or lost its session and with it the RoundStart. Not a hello repeated on the
         # connection its round started on (it answered a discover): that one still holds it.
@@ -285,51 +285,23 @@ class Coordinator:
                 log.info("agent %s said hello again on the same connection; its round %d goes on", agent, state.round)
                 return
             self.method.discard(agent)
-            self._start_agent_round(agent, state.round)
+            self.start_agent_round(agent, state.round)
         elif (late := self.scheduler.round_for_late_joiner(agent)) is not None:
             log.info("agent %s joins round %d in progress", agent, late)
-            self._start_agent_round(agent, late)
-
-    # -- round mechanics --------------------------------------------------------- #
-
-    def _evaluate(self, round_: int) -> bool:
-        return self.method.evaluate_every_round or round_ % self.config.eval_every == 0 or round_ == self.config.rounds
-
-    def _open(self, round_: int) -> OpenRound:
-        if round_ not in self.open_rounds:
-            now = time.monotonic()
-            self.open_rounds[round_] = OpenRound(round_, self._evaluate(round_), now, self.scheduler.deadline_for(now))
-        return self.open_rounds[round_]
-
-    def _start_agent_round(self, agent: str, round_: int) -> None:
-        rnd = self._open(round_)
-        rnd.participants.add(agent)
-        rnd.missing.discard(agent)
-        self.registry.assign(agent, round_)
-        hello = self.registry.agents[agent].hello
-        self.registry.agents[agent].round_session = (hello.instance, hello.connection) if hello.instance else None
-        self.registry.expect_from(agent)  # the method may know the agent's uploads better by now
-        config, weights = self.method.round_config(round_, agent, rnd.evaluate)
-        self._send(
-            agent,
-            RoundStart(
-                **self._base(round_), method=self.method.name, config=config, deadline_s=self.scheduler.time_given_s(rnd),
-                evaluate=rnd.evaluate, participants=sorted(rnd.participants), weights=weights,
-            ),
-        )
+            self.start_agent_round(agent, late)
 
     def _on_round_end(self, agent: str, end: RoundEnd) -> None:
         rnd = self.open_rounds.get(end.round)
         if rnd is None or agent in rnd.done:
             self._reject(agent, StaleMessageError.code, f"round_end for closed round {end.round}")
             return
-        if rnd.resend_requests.get(agent, 0) < self.MAX_COMPLETION_REQUESTS:
-            requests = self.method.check_round_end(agent, end)
+        if isinstance(self.method, StreamedUploads) and rnd.resend_requests.get(agent, 0) < self.MAX_COMPLETION_REQUESTS:
+            requests = self.method.missing_uploads(agent, end)
             if requests:
                 rnd.resend_requests[agent] = rnd.resend_requests.get(agent, 0) + 1
                 log.warning("agent %s's round %d upload is incomplete; asking it to resend (%d messages)", agent, end.round, len(requests))
-                for target, msg in requests:
-                    self._send(target, msg)
+                for msg in requests:
+                    self.send(agent, msg)
                 return  # it sends round_end again when done
         if end.costs.skipped_batches:
             log.warning("agent %s skipped %d training batches of round %d to finish within its deadline", agent,
@@ -339,41 +311,6 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.on_round_end(agent, end)
         self.scheduler.on_round_end(rnd, agent, end)
-
-    # -- closing rounds -------------------------------------------------------------- #
-
-    def _evaluation(self, rnd: OpenRound) -> tuple[RoundEvaluation, str | None]:
-        """The round's evaluation (cloud_server/evaluation.py): the method's hook says what to
-        score, the evaluator scores it on the global set; the agents' costs are added here."""
-        reports = dict(rnd.eval_reports)
-        missing = sorted(set(rnd.eval_requested) - set(reports))
-        if missing:
-            log.warning("round %d: evaluated without the evaluation reports of %s", rnd.round, ", ".join(missing))
-        evaluation = self.method.evaluation(rnd.round, reports)
-        costs = [r.costs for r in reports.values()]
-        scored = dataclasses.replace(
-            self.evaluator.run(evaluation), missing=missing, edge_eval_flops=sum(c.flops for c in costs),
-            edge_eval_s=sum(c.compute_s + c.encode_s + c.network_s for c in costs) / len(costs) if costs else 0.0,
-        )
-        return scored, evaluation.edge
-
-    def _close(self, rnd: OpenRound, status: str) -> RoundRecord:
-        evaluation, edge_label = self._evaluation(rnd) if rnd.evaluate and status == "ok" else (None, None)
-        del self.open_rounds[rnd.round]
-        self.method.end_round(rnd.round)
-        self.ledger.close_round(rnd.round, sorted(rnd.done))
-        robustness, warnings = self.ledger.take(rnd.round)
-        record = self.recorder.round_record(
-            rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
-            started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),
-            method_figures=self.method.round_report(rnd.round), evaluation=evaluation, edge_label=edge_label,
-            robustness=robustness, warnings=warnings,
-        )
-        self.completed_round = rnd.round
-        self.recorder.add_round(record, checkpoint=self.save_checkpoint)
-        if self.metrics is not None:
-            self.metrics.on_round_closed(record)
-        return record
 
     # -- the run ------------------------------------------------------------------- #
 
@@ -415,16 +352,15 @@ class Coordinator:
         self.transport.subscribe(self.topics.up_any)
         self.transport.subscribe(self.topics.status_any)
         self.transport.connect()
-        self._send(None, Discover(**self._base(self.completed_round)))
+        self.discover(None, self.completed_round)
         try:
             self.registry.wait_for_agents(self.pump)
             first = self.completed_round + 1
             if first > self.config.rounds:
                 log.info("all %d rounds already done", self.config.rounds)
-            elif not self.scheduler.run(first):
-                self.report.status = "no_agents"
-            if self.report.status == "running":
                 self.report.status = "finished"
+            else:
+                self.report.status = self.scheduler.status if self.scheduler.run(first) else "no_agents"
         except RunAborted:
             self.report.status = "aborted"
             raise
@@ -433,7 +369,7 @@ class Coordinator:
             if self.metrics is not None:
                 self.metrics.refresh(force=True)
             try:
-                self._send(None, Shutdown(**self._base(self.completed_round), reason=self.report.status))
+                self.send(None, Shutdown(**self._base(self.completed_round), reason=self.report.status))
             except (OSError, RuntimeError) as exc:
                 log.warning("could not broadcast shutdown: %s", exc)
             self.transport.close()

@@ -1,6 +1,6 @@
 """Bounded staging of uploaded feature arrays on the server (memory, then memory-mapped files).
 
-Methods that train on what agents upload (FedGKT's feature maps) stage the
+Methods that train on what agents upload (feature maps of a split model) stage the
 uploads until the round's training. :class:`ArrayStaging` keeps them in memory
 up to ``memory_bytes`` and writes the rest to memory-mapped ``.npy`` files in
 ``spill_dir`` (numpy's own format, opened with ``allow_pickle=False``), which
@@ -23,14 +23,13 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from shared_protocol.errors import SizeLimitError
 from shared_protocol.messages import RoundEnd
-from shared_protocol.methods.fedgkt import GktFeatures
 
 log = logging.getLogger("cloud_server.feature_store")
 
@@ -220,8 +219,19 @@ class RowSource:
 
 
 # --------------------------------------------------------------------------- #
-# one agent's uploads of a round (FedGKT's feature batches)
+# one agent's uploads of a round (numbered batches of feature maps)
 # --------------------------------------------------------------------------- #
+
+
+class FeatureBatch(Protocol):
+    """What :meth:`StagedUploads.add` reads of one uploaded batch (a method's message type)."""
+
+    split: str  # "train" | "test"
+    seq: int  # the batch's number in the agent's round: a resent batch replaces its first copy
+    features: np.ndarray  # (n, C, H, W)
+    logits: np.ndarray  # (n, K)
+    labels: np.ndarray  # (n,)
+    sample_ids: np.ndarray  # (n,)
 
 
 @dataclass
@@ -247,8 +257,8 @@ class StagedUploads:
     def batches(self) -> list[StagedBatch]:
         return [*self.train.values(), *self.test.values()]
 
-    def add(self, msg: GktFeatures, staging: ArrayStaging, max_samples: int, agent: str) -> None:
-        """Stage one ``GktFeatures`` upload of this round (a resent batch replaces its first copy),
+    def add(self, msg: FeatureBatch, staging: ArrayStaging, max_samples: int, agent: str) -> None:
+        """Stage one uploaded batch of this round (a resent batch replaces its first copy),
         refusing more than ``max_samples`` samples in all."""
         batches = self.train if msg.split == "train" else self.test
         replaced = batches.get(msg.seq)

@@ -6,13 +6,13 @@ broker, waits for the run, prints the summary and the report path, and cleans
 up every process on exit or Ctrl-C. Each agent gets one torch thread: N
 processes each spinning all cores would slow every one of them down.
 
-``--method NAME`` runs any method in ``cloud_server/methods/``, configured by
-that method's own ``launcher_table`` (:mod:`cloud_server.local_run`), and
-``--set TABLE.KEY=VALUE`` changes any key of the generated configs; the server's
-config is checked (its method built) before any process starts.
-``--method centralized`` trains the same architecture on the union of the data
-in one process (no broker, no agents) for the reference rows, as ``edgesplit
-centralized --config`` does from a config file.
+``--method NAME`` runs any registered method (:mod:`shared_protocol.registry`),
+configured by that method's own ``launcher_table`` from the flags its registry
+entry declares (:mod:`cloud_server.local_run`), and ``--set TABLE.KEY=VALUE``
+changes any key of the generated configs; the server's config is checked (its
+method built) before any process starts. Training one model on the union of the
+data (the reference rows) is its own command, ``edgesplit centralized``
+(:mod:`cloud_server.centralized_cli`).
 """
 
 from __future__ import annotations
@@ -28,21 +28,26 @@ import threading
 import time
 from pathlib import Path
 
-from shared_protocol.local_broker import BrokerNotFoundError, BrokerStartError, LocalBroker, free_port
-from shared_protocol.metrics_endpoint import DEFAULT_METRICS_PORT, MetricsAddress
-from shared_protocol.tomlio import read_toml, write_toml
+from shared_protocol.local_broker import BrokerNotFoundError, BrokerStartError, LocalBroker
+from shared_protocol.metrics_endpoint import DEFAULT_METRICS_PORT
+from shared_protocol.registry import DEFAULT_METHOD, registered_methods
 from shared_protocol.transport import redact_url
 
-from .local_run import LocalRunOptions, apply_settings, launcher_table, parse_setting
+from .local_run import (broker_settings, check_server_config, launcher_flags, local_options, method_table, metrics_addresses,
+                        metrics_banner, write_configs)
+
+__all__ = ["broker_settings", "build_parser", "check_server_config", "clear_previous_run", "cmd_local", "local_options", "main",
+           "method_table", "metrics_addresses", "metrics_banner", "write_configs"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgesplit", description="EdgeSplit tools.")
     sub = parser.add_subparsers(dest="command", required=True)
-    local = sub.add_parser("local", help="run a federation on this machine: broker + server + N agents")
-    from .methods import KNOWN_METHODS
-
-    local.add_argument("--method", default="fedgkt", help=f"{' | '.join(KNOWN_METHODS)} | centralized")
+    local = sub.add_parser("local", help="run a federation on this machine: broker + server + N agents",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="methods (--method):\n" + "\n".join(
+                               f"  {name:<12} {spec.summary}" for name, spec in registered_methods().items()))
+    local.add_argument("--method", default=DEFAULT_METHOD, help=" | ".join(registered_methods()))
     local.add_argument("--agents", type=int, default=4)
     local.add_argument("--rounds", type=int, default=8)
     local.add_argument("--dataset", default="fashion-mnist")
@@ -50,14 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--partition", default="dirichlet:0.5", help="iid | dirichlet:A | step:K | table:FILE")
     local.add_argument("--train-samples", type=int, default=4000, help="seeded subset of the training set (0 = all)")
     local.add_argument("--test-samples", type=int, default=1000, help="seeded subset of the test set (0 = all)")
-    local.add_argument("--mode", choices=("sync", "async"), default="sync")
-    local.add_argument("--kd", choices=("bidirectional", "s2e", "none"), default="bidirectional")
-    local.add_argument("--server-model", default="resnet55_server", help="fedgkt, splitnn: resnet55_server | resnet109_server")
-    local.add_argument("--model", default="resnet56", help="fedavg, centralized: the full model, resnet56 | resnet110 | resnet8")
-    local.add_argument("--server-epochs", type=int, default=1)
-    local.add_argument("--edge-epochs", type=int, default=1, help="epochs of local training per round (fedavg, splitnn: per turn)")
-    local.add_argument("--codec", default=None, help="upload codec; fedgkt feature maps: raw | fp16-zstd (default) | u8-zstd; "
-                       "fedavg weights, both ways: zstd (default, lossless) | fp16-zstd; splitnn activations: raw (default) | fp16-zstd")
+    # The methods' own flags, as their registry entries declare them (MethodSpec.flags).
+    for launch in launcher_flags():
+        flag = launch.flag
+        local.add_argument(flag.name, type=flag.parse, default=flag.default, choices=flag.choices or None,
+                           help=launch.help_text())
     local.add_argument("--deadline", type=float, default=900.0, help="round deadline in seconds")
     local.add_argument("--eval-every", type=int, default=1)
     local.add_argument("--client-fraction", type=float, default=1.0, help="sync methods: fraction of the agents drawn each round")
@@ -71,144 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="blob bytes per MQTT PUBLISH, server and agents (default: 512 KiB, or less if the broker's "
                        "Maximum Packet Size requires; an explicit size that does not fit fails at connect)")
     local.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                       help="set any key of the generated configs, e.g. fedgkt.server_epochs=3, server.round_deadline_s=60, "
-                       "data.download=true (repeatable; VALUE is read as TOML, a bare word as a string)")
+                       help="set any key of the generated configs, e.g. server.round_deadline_s=60, data.download=true, "
+                       "<method>.<key>=3 (repeatable; VALUE is read as TOML, a bare word as a string)")
     local.add_argument("--log-json", action="store_true")
     local.add_argument("--metrics", nargs="?", const=f"127.0.0.1:{DEFAULT_METRICS_PORT}", default=None, metavar="HOST:PORT",
                        help="watch the run: the server serves Prometheus metrics and the status page on HOST:PORT (default "
                        f"127.0.0.1:{DEFAULT_METRICS_PORT}, or a free port if that one is taken) and every agent its metrics on "
                        "a free loopback port; the addresses are printed at start")
-    central = sub.add_parser("centralized", help="train one model on the union of the data (no broker, no agents); writes a run report")
-    central.add_argument("--config", required=True, help="server TOML: [server] with method = \"centralized\", and [centralized]")
-    central.add_argument("--out", help="override the run directory")
-    central.add_argument("--rounds", type=int, help="override the number of rounds")
-    central.add_argument("--device", help="override the device (cpu, cuda, auto)")
+    from .centralized_cli import add_parser as add_centralized_parser
     from .keys import add_parser as add_keys_parser
 
+    add_centralized_parser(sub)
     add_keys_parser(sub)
     return parser
-
-
-def local_options(args: argparse.Namespace) -> LocalRunOptions:
-    """The flags a method's launcher table may use, typed."""
-    return LocalRunOptions(
-        method=args.method, dataset=args.dataset, data_root=args.data_root, train_samples=args.train_samples,
-        test_samples=args.test_samples, seed=args.seed, mode=args.mode, kd=args.kd, server_model=args.server_model,
-        model=args.model, server_epochs=args.server_epochs, edge_epochs=args.edge_epochs, codec=args.codec,
-    )
-
-
-def _centralized_table(options: LocalRunOptions) -> dict:
-    # Not a federated method (no module in cloud_server/methods/): one process trains on the union.
-    table = {"model": options.model, "epochs_per_round": options.edge_epochs, "train_samples": options.train_samples,
-             "test_samples": options.test_samples}
-    if options.data_root:
-        table["data_root"] = options.data_root
-    return table
-
-
-def method_table(args: argparse.Namespace) -> dict:
-    """The ``[<method>]`` table of the generated server.toml: the method's own launcher table."""
-    options = local_options(args)
-    return _centralized_table(options) if args.method == "centralized" else launcher_table(options)
-
-
-def broker_settings(args: argparse.Namespace, broker: str, configs: Path) -> tuple[str, dict]:
-    """The broker URL without credentials, and the keys both the server's and the agents'
-    configs get: ``username``, ``password_file`` (from ``--username`` / ``--password-file``,
-    or a ``user:password@`` in ``--broker``, whose password goes to a 0600 file: configs name
-    secrets by path, never hold them) and ``chunk_size_bytes``."""
-    from shared_protocol.transport import BrokerAddress
-
-    address = BrokerAddress.parse(broker)
-    keys: dict = {}
-    username = getattr(args, "username", None)
-    password_file = getattr(args, "password_file", None)
-    if address.username is not None:
-        if username is not None and username != address.username:
-            raise SystemExit(f"edgesplit: --broker names user {address.username!r} but --username is {username!r}")
-        username = address.username
-        broker = f"{'mqtts' if address.tls else 'mqtt'}://{address.host}:{address.port}"
-    if address.password is not None:
-        if password_file is not None:
-            raise SystemExit("edgesplit: give the broker password once: in --broker or with --password-file")
-        secret = configs / "broker.password"
-        secret.touch(mode=0o600, exist_ok=True)
-        secret.chmod(0o600)
-        secret.write_text(address.password + "\n")
-        password_file = str(secret)
-    if password_file is not None:
-        if not Path(password_file).is_file():
-            raise SystemExit(f"edgesplit: --password-file {password_file}: no such file")
-        keys["password_file"] = str(Path(password_file).resolve())
-    if username is not None:
-        keys["username"] = username
-    if getattr(args, "chunk_size", None) is not None:
-        keys["chunk_size_bytes"] = args.chunk_size
-    return broker, keys
-
-
-def _port_free(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def metrics_addresses(requested: str | None, agents: int) -> tuple[str | None, list[str | None]]:
-    """``--metrics``: the server's address (the requested one; the default port is swapped for
-    a free one when taken) and one free loopback port per agent; (None, [None, ...]) when off."""
-    if requested is None:
-        return None, [None] * agents
-    address = MetricsAddress.parse(requested, "--metrics")
-    if address.port == DEFAULT_METRICS_PORT and not _port_free(address.host, address.port):
-        address = MetricsAddress(address.host, free_port(address.host) if ":" not in address.host else 0)
-    return str(address), [f"127.0.0.1:{free_port()}" for _ in range(agents)]
-
-
-def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None) -> tuple[Path, list[Path]]:
-    configs = out / "configs"
-    configs.mkdir(parents=True, exist_ok=True)
-    broker, broker_keys = broker_settings(args, broker, configs)
-    n_agents = args.agents if agents is None else agents
-    server_metrics, agent_metrics = metrics_addresses(getattr(args, "metrics", None), n_agents)
-    server_doc = {
-        "server": {
-            "run_id": run_id, "method": args.method, "broker_url": broker, "out_dir": str(out),
-            "expected_agents": args.agents, "rounds": args.rounds, "round_deadline_s": args.deadline,
-            "min_agents": 1, "min_fraction": 0.5, "eval_every": args.eval_every, "client_fraction": args.client_fraction, "registration_timeout_s": 300.0,
-            "dataset": args.dataset, "num_classes": 10 if args.dataset != "cifar100" else 100, "seed": args.seed,
-            # The global test set: the seeded test subset the agents' test shares are cut from.
-            "eval_samples": args.test_samples, "eval_seed": args.seed,
-            **({"eval_root": args.data_root} if args.data_root else {}),
-            **broker_keys,
-            **({"metrics_address": server_metrics} if server_metrics else {}),
-        },
-        args.method: method_table(args),
-    }
-    agent_docs = [
-        {
-            "agent": {"agent_id": f"agent-{i}", "run_id": run_id, "broker_url": broker, "state_dir": str(out / "agent-state"), "threads": 1,
-                      **broker_keys, **({"metrics_address": agent_metrics[i]} if agent_metrics[i] else {})},
-            "data": {
-                "dataset": args.dataset, "root": args.data_root, "partition": args.partition, "num_agents": args.agents,
-                "agent_index": i, "seed": args.seed, "train_samples": args.train_samples, "test_samples": args.test_samples,
-            },
-        }
-        for i in range(n_agents)
-    ]
-    apply_settings([server_doc, *agent_docs], [parse_setting(s) for s in getattr(args, "set", None) or ()], args.method)
-    header = f"generated by edgesplit local for run {run_id}"
-    server_path = configs / "server.toml"
-    write_toml(server_path, server_doc, header=header)
-    agent_paths = [configs / f"agent-{i}.toml" for i in range(len(agent_docs))]
-    for path, doc in zip(agent_paths, agent_docs):
-        write_toml(path, doc, header=header)
-    return server_path, agent_paths
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -282,80 +159,6 @@ def _watch(server: subprocess.Popen, agents: list[subprocess.Popen], logs: Path,
                 return p.returncode if p.returncode > 0 else 1
 
 
-def cmd_centralized(args: argparse.Namespace) -> int:
-    """Train on the union of the data in this process and write the run report."""
-    import dataclasses
-    import logging
-
-    from shared_protocol.logs import setup_logging
-    from shared_protocol.tomlio import read_toml
-
-    from .centralized import CentralizedTrainer
-    from .assemble import resolve_device
-    from .config import ServerConfig
-
-    try:
-        config = ServerConfig.from_dict(read_toml(args.config))
-        overrides = {"out_dir": args.out, "rounds": args.rounds}
-        config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
-        trainer = CentralizedTrainer(config, device=resolve_device(args.device or config.device))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"edgesplit centralized: error: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(config.log_json, name="central ")
-    report = trainer.run()
-    acc = report["totals"]["final_accuracy"]
-    logging.getLogger("cloud_server").info("centralized run %s %s", config.run_id, report["status"])
-    print(f"run {config.run_id} {report['status']}: {report['totals']['rounds_completed']} rounds, final accuracy "
-          f"{'—' if acc is None else f'{acc:.2%}'}; report in {Path(config.out_dir) / 'summary.md'}", flush=True)
-    return 0
-
-
-def check_server_config(path: Path) -> None:
-    """Build the server step from the written config, as the server will (on the CPU):
-    a bad ``--set`` or launcher table fails here, before any process starts."""
-    from .assemble import build_server_method
-    from .config import ServerConfig
-
-    build_server_method(ServerConfig.from_dict(read_toml(path)), device="cpu")
-
-
-def metrics_banner(server_cfg: Path, agent_cfgs: list[Path]) -> str | None:
-    """Where ``--metrics`` serves the status page and every process's metrics, from the
-    configs as written (``--set`` included); None when the server's metrics are off."""
-    server = read_toml(server_cfg)["server"]
-    if not server.get("metrics_address"):
-        return None
-
-    def url(table: dict) -> str:
-        address = MetricsAddress.parse(table["metrics_address"])
-        host = "127.0.0.1" if address.host in ("0.0.0.0", "::") else address.host
-        host = f"[{host}]" if ":" in host else host
-        return f"{'https' if table.get('metrics_cert_file') else 'http'}://{host}:{address.port}/"
-
-    agents = [read_toml(path)["agent"] for path in agent_cfgs]
-    agent_urls = ", ".join(f"{a['agent_id']} {url(a)}metrics" for a in agents if a.get("metrics_address"))
-    return (f"edgesplit: status page on {url(server)} (Prometheus metrics at {url(server)}metrics)"
-            + (f"; agents' metrics: {agent_urls}" if agent_urls else ""))
-
-
-def _local_centralized(args: argparse.Namespace, run_id: str, out: Path) -> int:
-    """``edgesplit local --method centralized``: the same config, trained here."""
-    try:
-        server_cfg, _ = write_configs(args, run_id, out, "mqtt://127.0.0.1:1883", agents=0)
-    except ValueError as exc:
-        print(f"edgesplit: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"edgesplit: run {run_id}; centralized {args.model} x {args.rounds} rounds on {args.dataset}", flush=True)
-    code = cmd_centralized(argparse.Namespace(config=str(server_cfg), out=None, rounds=None, device=None))
-    summary = out / "summary.md"
-    if code == 0 and summary.exists():
-        print()
-        print(summary.read_text())
-        print(f"edgesplit: report in {out} (report.json, rounds.csv, summary.md, *.png)")
-    return code
-
-
 #: What an `edgesplit local` run writes in its directory (replaced when the directory is reused).
 _RUN_DIRS = ("agent-state", "checkpoint", "logs", "configs", "broker")
 _RUN_FILES = ("report.json", "rounds.csv", "summary.md", "*.png")
@@ -382,12 +185,6 @@ def cmd_local(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{run_id}").resolve()
     if clear_previous_run(out):
         print(f"edgesplit: {out} held a previous run; replaced", file=sys.stderr)
-    if args.method == "centralized":
-        if args.metrics is not None:
-            print("edgesplit: error: --metrics watches a federation (server and agents); a centralized run has neither",
-                  file=sys.stderr)
-            return 2
-        return _local_centralized(args, run_id, out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     local_broker: LocalBroker | None = None
@@ -466,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"edgesplit keys: error: {exc}", file=sys.stderr)
             return 2
     if args.command == "centralized":
+        from .centralized_cli import cmd_centralized
+
         return cmd_centralized(args)
     return cmd_local(args)
 

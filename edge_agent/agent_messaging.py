@@ -35,7 +35,6 @@ from . import __version__
 from .config import EdgeConfig
 from .costs import RoundMeter
 from .backends import describe_backend
-from .methods import KNOWN_METHODS
 
 if TYPE_CHECKING:  # imported for real only when metrics are on
     from .metrics import AgentMetrics
@@ -153,7 +152,7 @@ class AgentMessaging:
 
     def hello(self) -> None:
         counts = self.train.class_counts().tolist()
-        methods, backend_software = describe_backend(self.config.backend, KNOWN_METHODS)
+        methods, backend_software = describe_backend(self.config.backend)
         self._publish(
             Hello(
                 **self._base(),

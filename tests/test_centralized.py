@@ -76,10 +76,10 @@ def test_config_errors() -> None:
 
 
 @pytest.mark.slow
-def test_edgesplit_local_method_centralized(tmp_path: Path) -> None:
+def test_edgesplit_centralized_from_flags(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "cloud_server.launcher", "local", "--method", "centralized", "--model", "resnet8", "--rounds", "1",
+        [sys.executable, "-m", "cloud_server.launcher", "centralized", "--model", "resnet8", "--rounds", "1",
          "--dataset", "synthetic", "--train-samples", "64", "--test-samples", "32", "--out", str(out), "--run-id", "c-cli"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -123,18 +123,29 @@ def test_paper_configs_are_what_the_generator_writes(tmp_path: Path) -> None:
         assert path.read_text() == (PAPER_CONFIGS / path.name).read_text(), path.name
 
 
-@pytest.mark.parametrize("method", ["fedgkt", "fedavg", "splitnn", "centralized"])
+@pytest.mark.parametrize("method", ["fedgkt", "fedavg", "splitnn"])
 def test_edgesplit_local_writes_a_valid_table_for_every_baseline(tmp_path: Path, method: str) -> None:
     from cloud_server.launcher import build_parser, write_configs
 
     args = build_parser().parse_args(["local", "--method", method, "--agents", "2", "--codec", "fp16-zstd", "--model", "resnet110"])
     server_path, agent_paths = write_configs(args, "t", tmp_path, "mqtt://127.0.0.1:1883")
     server = ServerConfig.from_dict(read_toml(server_path))
-    parse = {"fedgkt": FedGktConfig.from_dict, "fedavg": FedAvgConfig.from_dict, "splitnn": SplitNNConfig.from_dict,
-             "centralized": CentralizedConfig.from_dict}[method]
+    parse = {"fedgkt": FedGktConfig.from_dict, "fedavg": FedAvgConfig.from_dict, "splitnn": SplitNNConfig.from_dict}[method]
     config = parse(server.method_config)
     # FedGKT and split learning hold the agents' round config (``edge``); FedAvg's table is its own.
-    assert (getattr(config, "edge", config).upload_codec == "fp16-zstd") if method != "centralized" else config.model == "resnet110"
+    assert getattr(config, "edge", config).upload_codec == "fp16-zstd"
     if method == "fedavg":
         assert (config.model, config.download_codec) == ("resnet110", "fp16-zstd")
     assert len(agent_paths) == 2
+
+
+def test_edgesplit_centralized_writes_a_valid_config(tmp_path: Path) -> None:
+    from cloud_server.centralized_cli import write_config
+    from cloud_server.launcher import build_parser
+
+    args = build_parser().parse_args(["centralized", "--model", "resnet110", "--rounds", "3", "--dataset", "synthetic",
+                                      "--set", "centralized.lr=0.01"])
+    server = ServerConfig.from_dict(read_toml(write_config(args, "c", tmp_path)))
+    config = CentralizedConfig.from_dict(server.method_config)
+    assert (server.method, server.rounds, server.out_dir) == ("centralized", 3, str(tmp_path))
+    assert (config.model, config.lr, config.train_samples, config.test_samples) == ("resnet110", 0.01, 4000, 1000)

@@ -161,16 +161,16 @@ def test_lost_batches_are_requested_again_and_replaced_by_seq() -> None:
     b = _features(2, 8, np.arange(8, 16), seq=1)
     end = _end([a, b])
     server.on_upload("a", a)
-    (target, request), = server.check_round_end("a", end)
-    assert target == "a" and request.split == "train" and request.seqs == [1]
+    (request,) = server.missing_uploads("a", end)
+    assert request.split == "train" and request.seqs == [1]
     server.on_upload("a", b)
     server.on_upload("a", b)  # a duplicate resend replaces, never double counts
-    assert server.check_round_end("a", end) == []
+    assert server.missing_uploads("a", end) == []
     outcome = server.complete(1, {"a": end}, evaluate=False)
     assert outcome.used_agents == ["a"] and outcome.samples == 16
     # Uploads of another process are not completed by asking: they are void.
     server.on_upload("a", _features(3, 8, np.arange(8), instance="i2"))
-    assert server.check_round_end("a", _end([a, b], instance="i1")) == []
+    assert server.missing_uploads("a", _end([a, b], instance="i1")) == []
 
 
 def test_the_lr_schedule_steps_once_per_round_with_the_rounds_loss_also_in_async_mode(monkeypatch) -> None:

@@ -1,6 +1,7 @@
-"""Every registered method is its own three parts plus a launcher table, and what
-``edgesplit local --method X`` writes is a config that method accepts; ``--set``
-reaches any key and a wrong one is refused before anything starts."""
+"""Every registered method is its own parts (registry entry, messages, edge step, server
+step) plus a launcher table, and what ``edgesplit local --method X`` writes is a config
+that method accepts; ``--set`` reaches any key and a wrong one is refused before anything
+starts. The server interface stays small: at most six required hooks."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from edge_agent.methods import KNOWN_METHODS as EDGE_METHODS
 from edge_agent.methods import get_edge_method
 from shared_protocol.messages import message_types
 from shared_protocol.methods import load_method_messages
+from shared_protocol.registry import LauncherFlag, MethodSpec, get_method, import_part, register_method
+from cloud_server.schedulers import SCHEDULERS
 from shared_protocol.tomlio import read_toml
 
 from fedhelpers import ROOT
@@ -34,17 +37,38 @@ def test_the_methods_are_found_on_disk() -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_method_has_its_three_parts_and_a_launcher_table(method: str) -> None:
+def test_method_has_its_parts_and_a_launcher_table(method: str) -> None:
+    spec = get_method(method)
     server = server_methods.get_server_method(method)
-    assert issubclass(server, ServerMethod) and server.name == method
-    assert get_edge_method(method).name == method
-    module = load_method_messages(method)  # None: a method that travels on another's messages (weights only)
+    assert issubclass(server, ServerMethod) and server.name == method and server.__module__ == spec.server
+    edge = get_edge_method(method)
+    assert edge.name == method and edge.__module__ == spec.edge
+    modules = {m.__name__ for m in load_method_messages(method)}
+    assert modules == set(spec.messages)
     registered = message_types()
     for cls in server.upload_types:
         assert registered.get(cls.TYPE) is cls, f"{method} uploads {cls.__name__}, which is not a registered message type"
-    if module is not None:
-        assert module.__name__ == f"shared_protocol.methods.{method}"
+        assert cls.__module__ in modules, f"{method} uploads {cls.__name__}, which its registry entry's messages do not hold"
     assert callable(get_launcher_table(method))
+    for flag in spec.flags:  # what its table reads is what the launcher adds
+        assert flag.dest.isidentifier()
+
+
+def test_server_method_has_at_most_six_required_hooks() -> None:
+    required = sorted(ServerMethod.__abstractmethods__)
+    assert required == ["complete", "evaluation", "model_info", "on_upload", "round_config", "welcome_settings"]
+    assert len(required) <= 6
+
+
+def test_a_duplicate_method_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shared_protocol.registry as registry
+
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    held = get_method("fedavg")
+    with pytest.raises(ValueError, match="'fedavg' is already registered"):
+        register_method(MethodSpec(name="fedavg", summary="another", server=held.server, edge=held.edge))
+    with pytest.raises(ValueError, match="--server-model"):
+        LauncherFlag("server-model", "x", "no dashes")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -57,6 +81,11 @@ def test_edgesplit_local_writes_a_config_the_method_accepts(tmp_path: Path, meth
     built = build_server_method(config, device="cpu")
     assert built.name == method
     assert isinstance(built.resolved_config(), dict)
+    # The registry names the config class its table is read with.
+    assert type(built.config) is import_part(get_method(method).config)  # type: ignore[attr-defined]
+    # What the coordinator reads of a method is declared by it, never set on the instance.
+    assert not {"schedule", "download_codecs", "evaluate_every_round"} & set(vars(built))
+    assert built.schedule in SCHEDULERS
 
 
 def test_a_method_without_a_launcher_table_is_an_error_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,3 +158,18 @@ def test_edgesplit_local_stops_at_a_wrong_set_before_starting_anything(tmp_path:
 def test_launcher_options_are_validated() -> None:
     with pytest.raises(ValueError, match="--train-samples"):
         LocalRunOptions(method="fedavg", train_samples=-1)
+    with pytest.raises(ValueError, match="--server-epochs must be >= 1"):
+        LocalRunOptions(method="fedgkt", flags={"server_epochs": 0})
+    with pytest.raises(ValueError, match=r"--mode must be one of sync \| async, got .fast."):
+        LocalRunOptions(method="fedgkt", flags={"mode": "fast"})
+    assert LocalRunOptions(method="fedgkt").flag("server_model") == "resnet55_server"  # the declared default
+    with pytest.raises(KeyError, match="declares no flag --model"):
+        LocalRunOptions(method="fedkd").flag("model")
+
+
+def test_methods_sharing_a_flag_share_its_default() -> None:
+    from cloud_server.local_run import launcher_flags
+
+    codec = next(f for f in launcher_flags() if f.flag.name == "--codec")
+    assert {m for m, _ in codec.helps} >= {"fedavg", "fedgkt", "splitnn"}
+    assert "fedgkt: feature maps" in codec.help_text()

@@ -243,7 +243,7 @@ def test_fedgkt_refuses_out_of_range_maps_and_logits_at_the_door_and_wild_statis
     with pytest.raises(ImplausibleUploadError, match="out_of_range.*logits"):
         server.on_upload("bad", _gkt_features("bad", 9, logit_scale=1e30))
     # Refused batches arrived: they are not asked for again.
-    assert server.check_round_end("bad", _gkt_end("bad")) == []
+    assert server.missing_uploads("bad", _gkt_end("bad")) == []
     for k in range(3):
         server.on_upload(f"a{k}", _gkt_features(f"a{k}", k))
     server.on_upload("loud", _gkt_features("loud", 7, scale=300.0))  # in range, but 300x everyone else

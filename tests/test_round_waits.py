@@ -18,6 +18,7 @@ from cloud_server.evaluation import Evaluation
 from cloud_server.coordinator import Coordinator
 from cloud_server.methods import RoundOutcome, ServerContext, ServerMethod
 from cloud_server.report import validate_report
+from cloud_server.schedulers import RoundScheduler
 from fedhelpers import make_server, server_config
 from shared_protocol.messages import Discover, Hello, RoundEnd, RoundStart, Status, decode_message, encode_message
 from shared_protocol.topics import Topics
@@ -140,8 +141,8 @@ def test_the_server_says_whom_it_waits_for_asks_again_and_closes_at_the_deadline
     """agent-0 trains forever; agent-1 says it finished but its round_end never comes
     (refused on the way). The server names both every 'minute' (1 s here) with what it
     knows, asks agent-1 to announce itself again, and closes the round at its deadline."""
-    monkeypatch.setattr(Coordinator, "WAITING_LOG_EVERY_S", 1.0)
-    monkeypatch.setattr(Coordinator, "NUDGE_AFTER_S", 1.0)
+    monkeypatch.setattr(RoundScheduler, "WAITING_LOG_EVERY_S", 1.0)
+    monkeypatch.setattr(RoundScheduler, "NUDGE_AFTER_S", 1.0)
     caplog.set_level(logging.INFO)
     broker = InMemoryBroker()
     cfg = server_config(tmp_path, run_id="slow", agents=2, rounds=1, round_deadline_s=4.0, registration_timeout_s=10.0)
@@ -194,6 +195,9 @@ class _TurnsThenEvaluation(ServerMethod):
 
     def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict, dict]:
         return {}, {}
+
+    def on_upload(self, agent: str, msg: object) -> None:
+        raise AssertionError("the scripted agents upload nothing")
 
     def complete(self, round_: int, ends: dict, evaluate: bool) -> RoundOutcome:
         return RoundOutcome(samples=8 * len(ends), used_agents=sorted(ends))
@@ -254,13 +258,13 @@ def test_no_agent_is_nudged_while_received_messages_wait(tmp_path: Path) -> None
     hello = Hello(run="busy", round=0, sender="agent-0", cpu_model="x", arch="x86_64", cores=1, memory_bytes=1,
                   backend="torch", num_samples=8, class_counts=[8], methods=["fedgkt"])
     state = coordinator.registry.join("agent-0", hello)
-    rnd = coordinator._open(1)
+    rnd = coordinator.open_round(1)
     rnd.participants.add("agent-0")
     coordinator.registry.assign("agent-0", 1)
-    long_ago = time.monotonic() - 10 * Coordinator.NUDGE_AFTER_S
+    long_ago = time.monotonic() - 10 * RoundScheduler.NUDGE_AFTER_S
     state.assigned_at, state.status, state.status_at, state.last_heard_at = long_ago - 1, "idle", long_ago, long_ago
     sent: list[object] = []
-    coordinator._send = lambda agent, msg: sent.append(msg)  # type: ignore[method-assign]
+    coordinator.send = lambda agent, msg: sent.append(msg)  # type: ignore[method-assign]
     coordinator.transport._inbox.put(Delivery("edgesplit/v1/busy/up/agent-0", b"x", "t", 1, time.time()))  # type: ignore[attr-defined]
     assert coordinator.transport.backlog() == 1
     coordinator.scheduler.watch([rnd])

@@ -37,21 +37,30 @@ def _wire(msg: Message) -> Message:
     return decode_message(encode_message(msg))  # the default codecs: raw fp32 both ways
 
 
+def _deliver(server: SplitNNServer, agent: str, msg: Message) -> Message | None:
+    """What the coordinator does with an upload: an answered type goes to ``answer``."""
+    if isinstance(msg, server.answered_types):
+        return server.answer(agent, msg)
+    server.on_upload(agent, msg)
+    return None
+
+
 def _edge(server: SplitNNServer, data) -> tuple[SplitNNEdge, list[Message]]:  # type: ignore[no-untyped-def]
-    """An edge step whose request() goes through the wire to ``server.on_upload``."""
+    """An edge step whose request() goes through the wire to the server step."""
     sent: list[Message] = []
 
     def send(msg: Message, meter: RoundMeter, codecs: dict | None = None) -> None:
         msg = _wire(msg)
         sent.append(msg)
-        server.on_upload(msg.sender, msg)
+        _deliver(server, msg.sender, msg)
 
     def request(msg: Message, meter: RoundMeter, is_reply, timeout_s: float, codecs: dict | None = None, attempts: int = 3) -> Message:  # type: ignore[no-untyped-def]
         msg = decode_message(encode_message(msg, codecs=codecs))
         sent.append(msg)
-        (agent, reply), = server.on_upload(msg.sender, msg) or []
+        reply = _deliver(server, msg.sender, msg)
+        assert reply is not None
         reply = _wire(reply)
-        assert agent == msg.sender and is_reply(reply)
+        assert is_reply(reply)
         return reply
 
     ctx = EdgeContext(agent_id="agent-0", run_id="u", instance="i0", train=data, test=data,
@@ -104,11 +113,11 @@ def test_a_turn_end_to_end_with_retry_and_evaluation() -> None:
     assert [type(m).__name__ for m in sent] == ["SplitActivations"] * 3 + ["SplitExtractorWeights"]
     # A retried batch (its answer was lost) is answered from the cache, not trained on again.
     params_before = [p.detach().clone() for p in server.model.parameters()]
-    again = server.on_upload("agent-0", sent[2])
-    assert again is not None and again[0][1] is server.turn.last_reply  # type: ignore[union-attr]
+    again = server.answer("agent-0", sent[2])
+    assert again is not None and again is server.turn.last_reply  # type: ignore[union-attr]
     assert all(torch.equal(a, b) for a, b in zip(params_before, server.model.parameters()))
     with pytest.raises(ValueRangeError, match="expected batch 3"):
-        server.on_upload("agent-0", sent[0])
+        server.answer("agent-0", sent[0])
     # The uploaded extractor is what the next agent starts from.
     np.testing.assert_array_equal(server.extractor_state["conv.weight"], edge.extractor.conv.weight.detach().numpy())
     end = RoundEnd(run="u", round=1, sender="agent-0", num_samples=40, instance="i0", uploads=result.uploads)
@@ -132,7 +141,7 @@ def test_only_the_agent_whose_turn_it_is_may_send() -> None:
     batch = SplitActivations(run="u", round=1, sender="agent-1", split="train", seq=0, instance="x",
                              activations=np.zeros((2, 16, 32, 32), np.float32), labels=np.zeros(2, np.int64))
     with pytest.raises(StaleMessageError, match="not its turn"):
-        server.on_upload("agent-1", batch)
+        server.answer("agent-1", batch)
     weights = SplitExtractorWeights(run="u", round=1, sender="agent-1", instance="x", batches=0, weights=server.extractor_state)
     with pytest.raises(StaleMessageError):
         server.on_upload("agent-1", weights)

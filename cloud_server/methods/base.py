@@ -1,16 +1,29 @@
 """The interface between the coordinator (rounds, deadlines, quorum, failures)
-and a method's server step. A method configures rounds and consumes uploads;
-it never touches the transport."""
+and a method's server step, the size of Flower's ``Strategy``.
+
+:class:`ServerMethod` is the core every method implements: six required hooks
+(``welcome_settings``, ``round_config``: configure a round; ``on_upload``: consume an
+upload; ``complete``: finish the round; ``evaluation``: the one evaluation path;
+``model_info``: what the report's cost table shows) and optional ones with defaults.
+What only some methods need is a mixin the coordinator looks for:
+:class:`StreamedUploads` (uploads in batches, bounded in size, re-requested when some
+never arrived) and :class:`AnswersUploads` (uploads answered at once within the
+round, e.g. split learning's gradients). A method never touches the transport: the
+coordinator sends, encodes (with the codecs the method declares in
+``download_codecs``) and bounds what agents may send.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
-from shared_protocol.messages import EvalReport, Hello, Message, RoundEnd
+from shared_protocol.messages import EvalReport, Message, RoundEnd
 
 from ..evaluation import Evaluation
 
@@ -74,29 +87,31 @@ def registered_server_methods() -> dict[str, type["ServerMethod"]]:
 
 
 class ServerMethod(ABC):
+    """A method's server step. Subclasses set ``name`` (the registry's name) and
+    ``upload_types`` and implement the six abstract hooks; the others have defaults."""
+
     name: ClassVar[str]
     upload_types: ClassVar[tuple[type[Message], ...]] = ()
     # Whether the method aggregates the agents' weights or updates (and so honours
     # [server] aggregation and clip_update_norm, cloud_server/robust.py).
     aggregates_weights: ClassVar[bool] = False
-
-    def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
-        self.ctx = ctx
-
     # How the coordinator runs this method's rounds (cloud_server/schedulers.py), read once
     # when the run starts: "sync" (every participant at once, one barrier per round),
     # "sequential" (agents take turns within a sync round, e.g. split learning; a late joiner
     # waits for the next round) or "async" (no barrier: each agent's round is completed on
-    # its own). A method whose kind is a config choice sets it on the instance.
-    schedule: str = "sync"
+    # its own). A method whose schedule is a config choice declares a property reading it.
+    schedule: ClassVar[str] = "sync"
+    # Whether every round is evaluated whatever [server] eval_every says (a method that needs
+    # the agents' evaluation answers to run, e.g. validation losses that weigh teachers).
+    evaluate_every_round: ClassVar[bool] = False
+    # Codec per tensor field of the messages the server sends, by message type
+    # ({"round_start": {"weights": "fp16-zstd"}}); a type not named travels with its defaults.
+    download_codecs: ClassVar[Mapping[str, Mapping[str, str]]] = {}
 
-    def download_codecs(self, msg: Message) -> dict[str, str]:
-        """Codec per tensor field of a message the server sends (RoundStart, downloads,
-        answers), e.g. ``{"weights": "fp16-zstd"}``; empty: the message's defaults."""
-        return {}
+    def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
+        self.ctx = ctx
 
-    @abstractmethod
-    def resolved_config(self) -> dict[str, Any]: ...
+    # -- the core ------------------------------------------------------------------- #
 
     @abstractmethod
     def welcome_settings(self) -> dict[str, Any]:
@@ -106,36 +121,14 @@ class ServerMethod(ABC):
     def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(RoundStart.config, RoundStart.weights) for one agent."""
 
-    def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
-        """Stage one upload message; raise a ProtocolError subclass to reject it.
-
-        May return messages to send at once (agent id, message), for methods that
-        answer within a round (split learning answers every batch with gradients).
-        """
-        return None
-
-    def max_upload_bytes(self, agent: str, hello: Hello) -> int | None:
-        """The largest single message (frame bytes) ``agent`` may upload in a round, as far as
-        the method knows now; None: it cannot say. The coordinator refuses a transfer on the
-        agent's topic that declares more before holding any of it, and asks again at every
-        round start, so a method may tighten its answer as it learns (e.g. from a first upload)."""
-        return None
-
-    def check_round_end(self, agent: str, end: RoundEnd) -> list[tuple[str, Message]]:
-        """Called when ``agent`` says its round is done. Return requests (e.g. for lost
-        upload batches) to hold the round open for it; empty when complete."""
-        return []
-
-    def discard(self, agent: str) -> None:
-        """Forget what ``agent`` staged in its current round (it failed or timed out)."""
+    @abstractmethod
+    def on_upload(self, agent: str, msg: Message) -> None:
+        """Stage one upload message (one of ``upload_types``); raise a ProtocolError
+        subclass to reject it."""
 
     @abstractmethod
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         """Everything needed from ``ends``' agents has arrived: do the server's step."""
-
-    # Whether every round is evaluated whatever [server] eval_every says (a method that needs
-    # the agents' evaluation answers to run, e.g. FedGKD-Vote's validation losses).
-    evaluate_every_round: bool = False
 
     @abstractmethod
     def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
@@ -144,6 +137,26 @@ class ServerMethod(ABC):
         (``reports``, by agent; a split method's test activations went to ``on_upload``
         first), the deployed model(s) to score on the global test set and the agents' local
         figures. The evaluator scores; a method never computes a headline accuracy itself."""
+
+    @abstractmethod
+    def model_info(self) -> dict[str, Any]:
+        """The models the run report's cost table shows: ``{role: {"name", "params",
+        "train_flops_per_sample"} or None}`` (roles such as ``"edge"`` and ``"server"``)."""
+
+    # -- optional hooks --------------------------------------------------------------- #
+
+    def resolved_config(self) -> dict[str, Any]:
+        """The method's config as the table it reads back from (reports, checkpoints).
+        Default: ``self.config.to_table()``, or the fields of ``self.config`` (a dataclass)."""
+        config = getattr(self, "config", None)
+        if hasattr(config, "to_table"):
+            return dict(config.to_table())
+        if dataclasses.is_dataclass(config) and not isinstance(config, type):
+            return dataclasses.asdict(config)
+        return {}
+
+    def discard(self, agent: str) -> None:
+        """Forget what ``agent`` staged in its current round (it failed or timed out)."""
 
     def end_round(self, round_: int) -> None:
         """``round_`` closed (after its evaluation, before its record and checkpoint): per-round
@@ -159,11 +172,41 @@ class ServerMethod(ABC):
         """
         return {}
 
-    @abstractmethod
-    def model_info(self) -> dict[str, Any]: ...
-
     def state(self) -> Any:
         """Checkpointable state (a tree of dicts, lists, scalars, tensors)."""
         return {}
 
-    def load_state(self, state: Any) -> None: ...
+    def load_state(self, state: Any) -> None:
+        """Restore :meth:`state`."""
+
+
+class StreamedUploads:
+    """Mixin for a method whose agents stream an upload in numbered batches: it bounds
+    their size and names the batches that never arrived, and the coordinator asks the
+    agent for them (at most ``Coordinator.MAX_COMPLETION_REQUESTS`` times a round)."""
+
+    def max_upload_bytes(self, agent: str) -> int | None:
+        """The largest single message (frame bytes) ``agent`` may upload in a round, as far as
+        the method knows now; None: it cannot say. The coordinator refuses a transfer on the
+        agent's topic that declares more before holding any of it, and asks again at every
+        round start, so a method may tighten its answer as it learns (e.g. from a first upload)."""
+        return None
+
+    def missing_uploads(self, agent: str, end: RoundEnd) -> list[Message]:
+        """Called when ``agent`` says its round is done: the requests (to that agent) for the
+        batches it says it sent that never arrived, holding its round open; empty when complete."""
+        return []
+
+
+class AnswersUploads:
+    """Mixin for a method that answers some uploads at once, within the round (split
+    learning answers every batch with the gradients): an upload of one of
+    ``answered_types`` goes to :meth:`answer` instead of ``on_upload``, and the
+    coordinator sends the answer to the agent."""
+
+    answered_types: ClassVar[tuple[type[Message], ...]] = ()
+
+    def answer(self, agent: str, msg: Message) -> Message | None:
+        """Take one upload and return the message to send back (None: nothing to send);
+        raise a ProtocolError subclass to reject it."""
+        raise NotImplementedError

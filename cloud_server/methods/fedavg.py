@@ -115,14 +115,13 @@ class FedAvgServer(ServerMethod):
 
     # -- configuration --------------------------------------------------------- #
 
-    def resolved_config(self) -> dict[str, Any]:
-        return self.config.to_table()
-
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "model": self.config.model}
 
-    def download_codecs(self, msg: Message) -> dict[str, str]:
-        return {"weights": self.config.download_codec} if isinstance(msg, (RoundStart, FedAvgGlobalModel)) else {}
+    @property
+    def download_codecs(self) -> dict[str, dict[str, str]]:  # type: ignore[override]
+        weights = {"weights": self.config.download_codec}
+        return {RoundStart.TYPE: weights, FedAvgGlobalModel.TYPE: weights}
 
     def extra_round_config(self, round_: int, agent: str) -> dict[str, Any]:
         """Method-specific additions to RoundStart.config (for subclasses)."""
@@ -282,7 +281,7 @@ from ..local_run import LocalRunOptions  # noqa: E402
 def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
     """The model and local epochs; ``--codec`` sets one codec both ways (otherwise the
     config's default, lossless zstd)."""
-    table: dict[str, Any] = {"model": options.model, "local_epochs": options.edge_epochs}
-    if options.codec:
-        table.update(upload_codec=options.codec, download_codec=options.codec)
+    table: dict[str, Any] = {"model": options.flag("model"), "local_epochs": options.flag("edge_epochs")}
+    if options.flag("codec"):
+        table.update(upload_codec=options.flag("codec"), download_codec=options.flag("codec"))
     return table

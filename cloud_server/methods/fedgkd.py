@@ -153,9 +153,12 @@ class FedGkdServer(FedAvgServer):
         self._given: dict[tuple[str, int], set[int]] = {}  # (agent, round) -> versions it got in that RoundStart
         self._round_teachers: dict[int, _RoundTeachers] = {}
         self._reports: dict[int, dict[str, Any]] = {}
-        # The vote weighs the next round's teachers by the new model's validation loss on the
-        # agents' shards (their evaluation reports): every round is evaluated.
-        self.evaluate_every_round = self.config.variant == "vote"
+
+    @property
+    def evaluate_every_round(self) -> bool:  # type: ignore[override]
+        """The vote weighs the next round's teachers by the new model's validation loss on the
+        agents' shards (their evaluation reports): every round is evaluated."""
+        return self.config.variant == "vote"
 
     # -- validation losses -------------------------------------------------------- #
 

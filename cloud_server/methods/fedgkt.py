@@ -16,172 +16,52 @@ once the round's training is done (``cloud_server/feature_store.py``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
-from models.batchnorm import BnStatistics, batchnorm_layers, load_bn_statistics, measure_bn_statistics, restoring_bn_statistics
-from models.weights import WeightsMismatchError
+from models.batchnorm import BnStatistics, batchnorm_layers
 from models.losses import kd_loss
-from models.training import LR_SCHEDULES, Batch, StepSkipped, Trainer, make_lr_schedule, make_optimizer
-from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
+from models.training import make_lr_schedule, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, ValueRangeError
-from shared_protocol.messages import EvalReport, Hello, Message, RoundEnd, check_labels
-from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
+from shared_protocol.messages import Message, RoundEnd, check_labels
+from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
-from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
-from ..feature_store import AgentRows, ArrayStaging, RowSource, StagedUploads, gather_batches
-from ..robust import MAD_TO_SD, ImplausibleUploadError
-from ..server_step import DeviceSum, TrainStep, banks_for_staged_rows
-from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
+from ..feature_store import AgentRows, ArrayStaging, StagedUploads, gather_batches
+from ..robust import ImplausibleUploadError
+from ..server_step import TrainStep
+from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, StreamedUploads, register_server_method
+from .fedgkt_config import ALGORITHM_1, EDGE_KEYS, KD_MODES, PAPER_PRESETS, SERVER_ORDERS, FedGktConfig
+from .fedgkt_evaluation import FedGktEvaluation
+from .fedgkt_plausibility import FedGktPlausibility
+from .fedgkt_training import FedGktTraining
+
+__all__ = ["ALGORITHM_1", "EDGE_KEYS", "KD_MODES", "PAPER_PRESETS", "SERVER_ORDERS", "FedGktConfig", "FedGktServer", "launcher_table"]
 
 log = logging.getLogger("cloud_server.fedgkt")
 
-KD_MODES = ("bidirectional", "s2e", "none")
-SERVER_ORDERS = ("shuffled", "per_agent", "mixed")
-
-# The paper's hyper-parameters, Table 10 (CIFAR-10; Tables 11 and 12 give the same for
-# CIFAR-100 and CINIC-10): one optimiser row for FedGKT, used on both sides; batch 256;
-# 1 edge epoch; 20 server epochs for I.I.D., 40 for non-I.I.D.; 200 rounds (the server's
-# [server] rounds, not a FedGKT setting). Non-I.I.D. gives no weight decay. Temperature 3
-# and KD weight 1 are the reference code's defaults (the paper gives no value).
-# ``preset = "paper-iid"`` or ``"paper-noniid"`` fills every key the table does not set.
-# Algorithm 1 as the paper runs it, where the defaults here depart from it (docs/methods/fedgkt.md,
-# "Non-IID agents and the balanced test set"): the server walks the agents' uploads agent by
-# agent (one agent's maps per batch) and every agent trains its whole ResNet-8 (line 22, W^(k) =
-# extractor + classifier). The evaluation is the same either way (the server model's running
-# BatchNorm statistics, as the reference code evaluates).
-ALGORITHM_1: dict[str, Any] = {"server_order": "per_agent", "train_extractor": True, "async_replay": False}
-
-PAPER_PRESETS: dict[str, dict[str, Any]] = {
-    "paper-iid": {
-        "server_epochs": 20, "server_optimizer": "adam", "server_lr": 0.001, "server_weight_decay": 1e-4,
-        "server_batch_size": 256, "edge_epochs": 1, "edge_optimizer": "adam", "edge_lr": 0.001,
-        "edge_weight_decay": 1e-4, "edge_batch_size": 256, "temperature": 3.0, "alpha": 1.0, "kd": "bidirectional",
-        "mode": "sync", "lr_schedule": "plateau", **ALGORITHM_1,
-    },
-    "paper-noniid": {
-        "server_epochs": 40, "server_optimizer": "sgd", "server_lr": 0.005, "server_momentum": 0.9,
-        "server_weight_decay": 0.0, "server_batch_size": 256, "edge_epochs": 1, "edge_optimizer": "sgd",
-        "edge_lr": 0.005, "edge_momentum": 0.9, "edge_weight_decay": 0.0, "edge_batch_size": 256,
-        "temperature": 3.0, "alpha": 1.0, "kd": "bidirectional", "mode": "sync", "lr_schedule": "plateau", **ALGORITHM_1,
-    },
-}
-
-
-# How the [fedgkt] table names the fields of the GktRoundConfig that FedGktConfig holds.
-EDGE_KEYS = EmbeddedRoundConfig(GktRoundConfig, "edge", {"batch_size": "edge_batch_size"}, derived=("edge_kd",))
-
-
-@dataclass(frozen=True)
-class FedGktConfig:
-    preset: str = ""  # "" (the defaults below) | "paper-iid" | "paper-noniid" (PAPER_PRESETS)
-    server_model: str = "resnet55_server"
-    edge_model: str = "resnet8"
-    mode: str = "sync"  # sync | async
-    kd: str = "bidirectional"  # bidirectional (S<->E) | s2e (S->E) | none
-    server_epochs: int = 1
-    server_optimizer: str = "adam"
-    server_lr: float = 0.001
-    server_momentum: float = 0.9
-    server_weight_decay: float = 1e-4  # Table 10 (I.I.D.)
-    server_batch_size: int = 64
-    # mixed: every batch drawn from the union of all agents' maps; shuffled: one agent's maps per
-    # batch, the agents' batches in random order; per_agent: Algorithm 1's walk, agent by agent.
-    server_order: str = "mixed"
-    # Async mode: each arrival's training draws its batches (server_order over the union) from
-    # the arriving agent's new maps and the other agents' latest maps, which the server keeps,
-    # as many samples an epoch as the arriving agent sent; the arriving agent's logits come from
-    # the trained model (running BatchNorm averages) afterwards. Off: an arrival trains on that
-    # one agent's label-skewed maps alone (docs/methods/fedgkt.md, "Asynchronous training").
-    async_replay: bool = True
-    lr_schedule: str = "plateau"  # plateau | none
-    # The agents' half, sent as RoundStart.config: edge_epochs, edge_optimizer, edge_lr,
-    # edge_momentum, edge_weight_decay, edge_batch_size (its batch_size), temperature and
-    # alpha (the server's KD uses the same two), upload_codec, upload_batch_samples; all
-    # written in the [fedgkt] table itself (EDGE_KEYS). Its edge_kd follows ``kd``.
-    edge: GktRoundConfig = field(default_factory=GktRoundConfig)
-    max_staged_samples_per_agent: int = 1_000_000
-    # Float16 feature maps held in memory across all agents' staged uploads; beyond
-    # this, uploads are staged in memory-mapped files in spill_dir ("": <run directory>/staged,
-    # or a private temp dir when the server has no run directory).
-    staged_memory_bytes: int = 2 * 1024**3
-    spill_dir: str = ""
-    # "shared": every agent's ResNet-8 starts from the server's initial weights (sent once,
-    # with an agent's first RoundStart), so all extractors begin in one feature space;
-    # "per_agent": each agent draws its own initialisation.
-    edge_init: str = "shared"
-    # Evaluation (cloud_server/evaluation.py) scores agent k's extractor + the server model
-    # with the server's running BatchNorm averages (the reference code's evaluation: the
-    # headline) and, labelled "personalised_bn", with agent k's own statistics, recomputed on
-    # its training maps (at most bn_calibration_samples of them), the statistics its training
-    # batches (one agent's maps each) were normalised with: in every evaluated round ("every"),
-    # in the run's last round only ("final": it doubles the server's evaluation work), or never.
-    personalised_eval: str = "final"
-    bn_calibration_samples: int = 256
-    # An extra figure in report.json: the server's training accuracy in its last epoch.
-    eval_diagnostics: bool = False
-
-    def __post_init__(self) -> None:
-        if self.preset and self.preset not in PAPER_PRESETS:
-            hint = " (Table 10 has two columns: say which)" if self.preset == "paper" else ""
-            raise ValueError(f"fedgkt.preset must be '' or one of {sorted(PAPER_PRESETS)}, got {self.preset!r}{hint}")
-        check_choice(self.mode, ("sync", "async"), "fedgkt.mode")
-        check_choice(self.kd, KD_MODES, "fedgkt.kd")
-        check_optimizer(self.server_optimizer, "fedgkt.server_optimizer")
-        check_choice(self.server_order, SERVER_ORDERS, "fedgkt.server_order")
-        check_choice(self.lr_schedule, LR_SCHEDULES, "fedgkt.lr_schedule")
-        if self.mode == "async" and self.async_replay and self.server_order == "per_agent":
-            raise ValueError("fedgkt.async_replay draws each arrival's batches from the union of the agents' maps; "
-                             "server_order = 'per_agent' walks them agent by agent and would train on the first "
-                             "agents' alone: set server_order = 'mixed' (or 'shuffled'), or async_replay = false")
-        if min(self.server_epochs, self.server_batch_size, self.bn_calibration_samples) < 1 or self.server_lr <= 0:
-            raise ValueError("fedgkt.server_epochs, server_batch_size, bn_calibration_samples must be >= 1 and server_lr > 0, "
-                             f"got {self.server_epochs}, {self.server_batch_size}, {self.bn_calibration_samples}, {self.server_lr}")
-        check_choice(self.personalised_eval, ("every", "final", "off"), "fedgkt.personalised_eval")
-        check_choice(self.edge_init, ("shared", "per_agent"), "fedgkt.edge_init")
-        if self.staged_memory_bytes < 0:
-            raise ValueError(f"fedgkt.staged_memory_bytes must be >= 0, got {self.staged_memory_bytes}")
-        # The agents distil from the server's logits unless KD is off (S<->E and S->E both send them).
-        object.__setattr__(self, "edge", replace(self.edge, edge_kd=self.kd in ("bidirectional", "s2e")))
-
-    def round_config(self) -> GktRoundConfig:
-        return self.edge
-
-    def to_table(self) -> dict[str, Any]:
-        """The flat ``[fedgkt]`` table this config reads back from (reports, checkpoints)."""
-        return EDGE_KEYS.table_of(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "FedGktConfig":
-        """The [fedgkt] table; with a ``preset``, the preset's values fill the keys the table does not set."""
-        preset = raw.get("preset", "")
-        if preset in PAPER_PRESETS:
-            raw = {**PAPER_PRESETS[preset], **raw}
-        return config_from_table(cls, raw, "fedgkt", embedded=EDGE_KEYS)
-
-
 @register_server_method
-class FedGktServer(ServerMethod):
+class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, StreamedUploads, AnswersUploads, ServerMethod):
+    """The server step; its training, evaluation and plausibility checks are in the
+    ``fedgkt_training``, ``fedgkt_evaluation`` and ``fedgkt_plausibility`` modules beside it."""
+
     name = "fedgkt"
     # Torch-free (--backend ort) agents ask for their training artifacts within their first round.
     upload_types = (GktFeatures, GktOrtArtifactsRequest)
+    answered_types = (GktOrtArtifactsRequest,)
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
         self.config = FedGktConfig.from_dict(method_config)
-        self.schedule = self.config.mode  # "sync" or "async": the same method, either schedule
         torch.manual_seed(ctx.seed)
         self.device = torch.device(ctx.device)
         self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
@@ -241,8 +121,10 @@ class FedGktServer(ServerMethod):
             self._step = TrainStep(self.model, self.optimizer, loss_fn, self.ctx.server_step, name="fedgkt")
         return self._step
 
-    def resolved_config(self) -> dict[str, Any]:
-        return self.config.to_table()
+    @property
+    def schedule(self) -> str:  # type: ignore[override]
+        """``mode``: "sync" or "async", the same method on either schedule."""
+        return self.config.mode
 
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
@@ -287,7 +169,7 @@ class FedGktServer(ServerMethod):
 
     # -- uploads ------------------------------------------------------------ #
 
-    def max_upload_bytes(self, agent: str, hello: Hello) -> int | None:
+    def max_upload_bytes(self, agent: str) -> int | None:
         """A feature batch of ``upload_batch_samples`` samples with float32 maps, whatever the
         codec (a compressed one is smaller; zstd's worst case adds well under 1%), plus the
         logits, labels and ids; once the first upload told the map shape. Before, None."""
@@ -296,14 +178,18 @@ class FedGktServer(ServerMethod):
         per_sample = 4 * math.prod(self.feature_shape) + 4 * self.ctx.num_classes + 8 + 8
         return int(1.02 * self.config.edge.upload_batch_samples * per_sample) + 256 * 1024  # + header and codec framing
 
-    def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
-        if isinstance(msg, GktOrtArtifactsRequest):
-            if self._ort is None:
-                from ..ort_artifacts import OrtArtifactServer
+    def answer(self, agent: str, msg: Message) -> Message | None:
+        """A torch-free agent's request for its training artifacts (made on the first)."""
+        if not isinstance(msg, GktOrtArtifactsRequest):
+            raise ValueRangeError(f"fedgkt does not answer {msg.TYPE} uploads")
+        if self._ort is None:
+            from ..ort_artifacts import OrtArtifactServer
 
-                self._ort = OrtArtifactServer(self.ctx.run_id, self.config.edge_model, self.ctx.num_classes, self.ctx.seed,
-                                              train_extractor=self.config.edge.train_extractor)
-            return [(agent, self._ort.reply(msg))]
+            self._ort = OrtArtifactServer(self.ctx.run_id, self.config.edge_model, self.ctx.num_classes, self.ctx.seed,
+                                          train_extractor=self.config.edge.train_extractor)
+        return self._ort.reply(msg)
+
+    def on_upload(self, agent: str, msg: Message) -> None:
         if not isinstance(msg, GktFeatures):
             raise ValueRangeError(f"fedgkt does not take {msg.TYPE} uploads")
         if msg.logits.shape[1] != self.ctx.num_classes:
@@ -336,93 +222,6 @@ class FedGktServer(ServerMethod):
             self._release(store, agent)  # a new round: this kind's earlier uploads are void
             held = store[agent] = StagedUploads(msg.instance, msg.round)
         held.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
-        return None
-
-    def _check_plausible(self, agent: str, msg: GktFeatures) -> None:
-        """At the door: maps and logits within the range a ResNet-8 extractor and classifier
-        produce (``[server] feature_abs_limit`` / ``logit_abs_limit``; honest ones stay orders
-        of magnitude below), refused as ``out_of_range`` with the figure; then the batch's
-        per-channel statistics are added to the agent's round (compared with the other agents'
-        when the round completes)."""
-        cfg = self.ctx.robustness
-        features = np.asarray(msg.features, dtype=np.float32)  # (N, C, H, W)
-        peak = float(np.max(np.abs(features))) if features.size else 0.0
-        if not peak <= cfg.feature_abs_limit:
-            raise ImplausibleUploadError("out_of_range", f"{msg.split} feature maps reach |H| = {peak:.4g}, above "
-                                                         f"server.feature_abs_limit = {cfg.feature_abs_limit:g}")
-        peak = float(np.max(np.abs(msg.logits))) if msg.logits.size else 0.0
-        if not peak <= cfg.logit_abs_limit:
-            raise ImplausibleUploadError("out_of_range", f"{msg.split} edge logits reach |z| = {peak:.4g}, above "
-                                                         f"server.logit_abs_limit = {cfg.logit_abs_limit:g}")
-        if msg.split != "train":
-            return
-        held = self.upload_stats.get(agent)
-        channels = features.shape[1]
-        if held is None or held[:2] != (msg.instance, msg.round):
-            held = (msg.instance, msg.round, np.zeros(channels), 0, 0.0, 0)
-        f64 = features.astype(np.float64)
-        sumsq = held[2] + np.einsum("nchw,nchw->c", f64, f64)  # (C,)
-        logits = np.asarray(msg.logits, dtype=np.float64)
-        self.upload_stats[agent] = (msg.instance, msg.round, sumsq, held[3] + features.size // max(channels, 1),
-                                    held[4] + float(np.sum(logits * logits)), held[5] + logits.size)
-
-    def _implausible_statistics(self, round_: int, agents: list[str]) -> dict[str, str]:
-        """Agent -> detail, for agents (three or more) whose maps' RMS in some channel, or
-        whose logits' RMS, is far above the other agents' (above ``plausible_peer_ratio`` x their
-        median and median + ``plausible_mad`` x 1.4826 MAD, and the channel above
-        ``plausible_peer_ratio`` x the median channel's RMS of all agents: a channel dead for the
-        others is not a yardstick)."""
-        cfg = self.ctx.robustness
-        stats = {a: self.upload_stats[a] for a in agents if a in self.upload_stats and self.upload_stats[a][1] == round_}
-        if len(stats) < 3:
-            return {}
-        names = sorted(stats)
-        rms = np.stack([np.sqrt(stats[a][2] / max(stats[a][3], 1)) for a in names])  # (A, C)
-        logit_rms = np.array([math.sqrt(stats[a][4] / max(stats[a][5], 1)) for a in names])  # (A,)
-        floor = cfg.plausible_peer_ratio * float(np.median(rms))
-        out: dict[str, str] = {}
-        for i, agent in enumerate(names):
-            others = np.delete(rms, i, axis=0)  # (A - 1, C)
-            med = np.median(others, axis=0)
-            mad = np.median(np.abs(others - med), axis=0)
-            limit = np.maximum.reduce([cfg.plausible_peer_ratio * med, med + cfg.plausible_mad * MAD_TO_SD * mad,
-                                       np.full_like(med, floor)])
-            over = np.nonzero(~(rms[i] <= limit))[0]
-            if len(over):
-                c = int(over[np.argmax(rms[i][over] / limit[over])])
-                out[agent] = (f"feature maps' RMS in channel {c} is {rms[i, c]:.4g}, the other agents' median "
-                              f"{med[c]:.4g} (limit {limit[c]:.4g}); {len(over)} of {rms.shape[1]} channels over")
-                continue
-            lo = np.delete(logit_rms, i)
-            lmed = float(np.median(lo))
-            lmad = float(np.median(np.abs(lo - lmed)))
-            llimit = max(cfg.plausible_peer_ratio * lmed, lmed + cfg.plausible_mad * MAD_TO_SD * lmad)
-            if not logit_rms[i] <= llimit:
-                out[agent] = (f"edge logits' RMS {logit_rms[i]:.4g}, the other agents' median {lmed:.4g} "
-                              f"(limit {llimit:.4g})")
-        return out
-
-    def _screen(self, round_: int, ends: dict[str, RoundEnd]) -> dict[str, str]:
-        """Agent -> why its round's maps are not used: a batch refused at the door, statistics
-        far from the other agents', or quarantine (cloud_server/robust.py)."""
-        ledger = self.ctx.ledger
-        out: dict[str, str] = {}
-        for agent in sorted(ends):
-            refused = self.refused_seqs.get(agent)
-            if refused is not None and refused[:2] == (ends[agent].instance, ends[agent].round):
-                out[agent] = f"{len(refused[2])} upload(s) refused as implausible (robustness.refused)"
-        if self.ctx.robustness.plausibility_checks:
-            for agent, detail in self._implausible_statistics(round_, [a for a in sorted(ends) if a not in out]).items():
-                ledger.refuse(round_, agent, "implausible_statistics", detail)
-                out[agent] = f"implausible_statistics: {detail}"
-        for agent in sorted(ends):
-            if agent not in out and ledger.is_quarantined(agent):
-                out[agent] = ledger.exclude_quarantined(round_, agent)
-        for agent in ends:
-            self.upload_stats.pop(agent, None)
-            if agent in self.refused_seqs and self.refused_seqs[agent][1] <= round_:
-                self.refused_seqs.pop(agent)
-        return out
 
     def _release(self, store: dict[str, StagedUploads], agent: str) -> None:
         held = store.pop(agent, None)
@@ -433,13 +232,13 @@ class FedGktServer(ServerMethod):
         self._release(self.eval_staged, agent)
         self._release(self.staged, agent)
 
-    def check_round_end(self, agent: str, end: RoundEnd) -> list[tuple[str, Message]]:
+    def missing_uploads(self, agent: str, end: RoundEnd) -> list[Message]:
         """Batches the agent says it sent but that never arrived (e.g. lost with a
         restarting broker): ask for exactly those; the agent re-extracts them."""
         staged = self.staged.get(agent)
         if staged is not None and (staged.instance != end.instance or staged.round != end.round):
             return []  # another process's uploads: nothing to complete
-        requests: list[tuple[str, Message]] = []
+        requests: list[Message] = []
         refused = self.refused_seqs.get(agent)
         refused_seqs = refused[2] if refused is not None and refused[:2] == (end.instance, end.round) else set()
         for split in ("train", "test"):
@@ -450,7 +249,7 @@ class FedGktServer(ServerMethod):
             have |= {seq for s, seq in refused_seqs if s == split}  # arrived, refused: not asked for again
             missing = sorted(set(range(info["batches"])) - have)
             if missing:
-                requests.append((agent, GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=missing)))
+                requests.append(GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=missing))
         return requests
 
     # -- the server step ----------------------------------------------------- #
@@ -509,272 +308,6 @@ class FedGktServer(ServerMethod):
             # The round's training is done (or failed): its staged features, and spill files, go.
             self.staging.release_all([d[0].staged for d in data.values()])
 
-    @property
-    def _replaying(self) -> bool:
-        return self.config.mode == "async" and self.config.async_replay
-
-    def _replayed(self, fresh: dict[str, AgentRows]) -> dict[str, AgentRows]:
-        """The other agents' latest maps to train with beside ``fresh`` (async replay; {} otherwise)."""
-        if not self._replaying:
-            return {}
-        return {a: rows for a, rows in sorted(self.replay.items()) if a not in fresh}
-
-    def _batches(self, data: dict[str, tuple], generator: torch.Generator) -> list[list[tuple[int, torch.Tensor]]]:
-        """One epoch's batches, each a list of (agent position, sample indices into that
-        agent's data) pieces.
-
-        Eq. 8 sums the loss over all agents' samples; Algorithm 1 walks it agent by
-        agent. ``server_order = "per_agent"`` keeps that walk; ``"shuffled"`` shuffles
-        the order of the per-agent batches (each batch still one agent's maps), which keeps
-        the server from forgetting earlier agents' feature maps within an epoch; the
-        default ``"mixed"`` draws every batch from the union of all agents' maps, so no
-        batch, and no BatchNorm batch statistic, belongs to one agent: with label-skewed
-        agents, one-agent batches let the server tell the agents apart by their batch
-        statistics and learn each one's label mix, and the running statistics it is evaluated
-        with fit none of them (docs/methods/fedgkt.md).
-        """
-        c = self.config
-        sizes = [len(d[3]) for d in data.values()]
-        if c.server_order == "mixed":
-            agent_of = torch.cat([torch.full((n,), k, dtype=torch.long) for k, n in enumerate(sizes)])  # (N,)
-            row_of = torch.cat([torch.arange(n) for n in sizes])  # (N,)
-            plans = []
-            for chunk in torch.randperm(len(agent_of), generator=generator).split(c.server_batch_size):
-                pieces = [(k, row_of[chunk[agent_of[chunk] == k]]) for k in range(len(sizes))]
-                plans.append([(k, rows) for k, rows in pieces if len(rows)])
-            return plans
-        per_agent = [
-            [[(k, chunk)] for chunk in torch.randperm(n, generator=generator).split(c.server_batch_size)]
-            for k, n in enumerate(sizes)
-        ]
-        flat = [b for batches in per_agent for b in batches]
-        if c.server_order == "per_agent":
-            return flat
-        order = torch.randperm(len(flat), generator=generator).tolist()
-        return [flat[i] for i in order]
-
-    def _train(self, data: dict[str, tuple], round_: int,
-               fresh: list[str] | None = None) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
-        """Algorithm 1 lines 6-12: E_s epochs over the agents' uploads; z_s from the last epoch.
-
-        ``fresh`` (async replay): the agents whose maps just arrived; the others in ``data`` are
-        replayed. Each epoch then takes as many samples as the fresh agents sent, drawn from all
-        of ``data`` (so over a round every map is drawn about as often as in a sync round), and
-        z_s, for the fresh agents only, comes from the trained model with its running BatchNorm
-        averages (not every fresh map is drawn in the last epoch).
-
-        Through the shared server step: each agent's maps on the device when they fit (staged
-        there as they arrived, or copied now), batches gathered by index there; z_s, the loss
-        and the training accuracy stay on the device until the end and are read once."""
-        c = self.config
-        generator = torch.Generator().manual_seed(self.ctx.seed * 100_003 + round_)
-        self.model.train()
-        agents = list(data)
-        device = self.device
-        banks = banks_for_staged_rows([data[a][0] for a in agents], device)  # over each agent's (n, 16, H, W) float16 maps
-        for a, bank in zip(agents, banks):
-            if bank.placement == "host":
-                log.info("round %d: %s's maps stay on the host: %s", round_, a, bank.why_host)
-        edge_logits = [data[a][1].to(device) for a in agents]  # (n, K) each
-        labels = [data[a][2].to(device) for a in agents]  # (n,) each
-        z_s = [torch.zeros((len(data[a][3]), self.ctx.num_classes), dtype=torch.float32, device=device) for a in agents]
-        train_correct = DeviceSum(device)
-
-        per_epoch = None if fresh is None else math.ceil(sum(len(data[a][3]) for a in fresh) / c.server_batch_size)
-
-        def batches(epoch: int):  # -> Iterator[Batch of maps (B, 16, H, W), labels (B,), edge logits (B, K)]
-            for plan in self._batches(data, generator)[:per_epoch]:
-                # (agent position, rows on the device); the host's copy of the rows gathers maps
-                # left on the host without waiting for the device.
-                pieces = [(k, idx, idx.to(device, non_blocking=True)) for k, idx in plan]
-                if len(pieces) == 1:
-                    (k, idx, index), = pieces
-                    yield Batch(banks[k].gather(idx, torch.float32), (labels[k][index], edge_logits[k][index]),
-                                meta=[(k, index)])
-                    continue
-                yield Batch(torch.cat([banks[k].gather(idx, torch.float32) for k, idx, _ in pieces]),
-                            (torch.cat([labels[k][index] for k, _, index in pieces]),
-                             torch.cat([edge_logits[k][index] for k, _, index in pieces])),
-                            meta=[(k, index) for k, _, index in pieces])
-
-        def keep_last_epoch_logits(trainer: Trainer) -> None:
-            if trainer.last_epoch:
-                logits = trainer.out.logits  # (B, K)
-                start = 0
-                for k, index in trainer.batch.meta:  # the batch's rows are its pieces', in order
-                    if fresh is None:
-                        z_s[k].index_copy_(0, index, logits[start : start + len(index)].float())  # keyed by row: by sample id
-                    start += len(index)
-                train_correct.add((logits.argmax(1) == trainer.batch.targets[0]).sum())
-
-        if per_epoch is None:
-            steps = sum(math.ceil(len(d[3]) / c.server_batch_size) for d in data.values()) * c.server_epochs
-        else:
-            steps = per_epoch * c.server_epochs
-        step = self._trainer()
-        guard = self._guard(round_, agents, step)
-        trainer = Trainer(step, desc=f"server round {round_}", progress=tqdm if self.ctx.progress else None,
-                          guard=guard[0] if guard else None)
-        trainer.add_callback("on_batch_end", keep_last_epoch_logits)
-        if guard:
-            trainer.add_callback("on_batch_start", guard[1])
-            trainer.add_callback("on_batch_skipped", guard[2])
-        try:
-            result = trainer.run(c.server_epochs, batches, planned_steps=steps)
-            if fresh is not None:
-                self.model.eval()
-                with torch.no_grad():
-                    for k, a in enumerate(agents):
-                        if a in fresh:
-                            for rows in torch.arange(len(data[a][3])).split(512):
-                                z_s[k][rows.to(device)] = self.model(banks[k].gather(rows, torch.float32)).float()  # (b, K)
-                self.model.train()
-            # The call's other reads from the device: logits and accuracy to the host.
-            logits_by_agent = {a: (data[a][3], z_s[k].cpu().numpy()) for k, a in enumerate(agents) if fresh is None or a in fresh}
-            correct = train_correct.item()
-        finally:
-            for bank in banks:
-                bank.release()
-        if guard:
-            step.max_grad_norm = 0.0
-            if step.clipped:
-                self.figures.setdefault(round_, {})["server_steps_clipped"] = step.clipped
-            if trainer.skipped:
-                self.figures.setdefault(round_, {})["server_steps_skipped"] = trainer.skipped
-        if self.config.eval_diagnostics:
-            self.figures.setdefault(round_, {})["server_train_accuracy"] = correct / max(result.last_epoch_samples, 1)
-        return logits_by_agent, result.last_epoch_loss
-
-    def _guard(self, round_: int, agents: list[str], step: TrainStep):
-        """The server step's guard (``[server] server_grad_clip_norm``, ``server_loss_skip_factor``;
-        None when both are off): (guard(loss), on_batch_start, on_batch_skipped). Gradients are
-        clipped to the norm; a step whose loss is not finite, or above the factor x the median of
-        the last 50 steps' losses (after 10), is skipped, the BatchNorm statistics its forward
-        pass moved are put back, and the skip is attributed to the agent whose maps in the batch
-        were the largest. Every guarded step runs eagerly (the loss is read before backward)."""
-        cfg = self.ctx.robustness
-        if not (cfg.server_grad_clip_norm or cfg.server_loss_skip_factor):
-            return None
-        step.max_grad_norm, step.clipped = float(cfg.server_grad_clip_norm), 0
-        recent = self.recent_losses
-        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        buffers = [b for m in self.norms for b in (m.running_mean, m.running_var) if b is not None]
-        why: list[str] = [""]
-
-        def guard(loss: torch.Tensor) -> None:
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                why[0] = f"loss {value}"
-                raise StepSkipped(why[0])
-            if cfg.server_loss_skip_factor and len(recent) >= 10:
-                limit = cfg.server_loss_skip_factor * float(np.median(recent))
-                if value > limit:
-                    why[0] = f"loss {value:.4g} > {cfg.server_loss_skip_factor:g} x the running median ({limit:.4g})"
-                    raise StepSkipped(why[0])
-            recent.append(value)
-            del recent[:-50]
-
-        def snapshot(trainer: Trainer) -> None:
-            saved[:] = [(b, b.detach().clone()) for b in buffers]
-
-        def skipped(trainer: Trainer) -> None:
-            with torch.no_grad():
-                for b, copy in saved:
-                    b.copy_(copy)
-            batch, start, worst, culprit = trainer.batch, 0, -1.0, agents[0]
-            for k, index in batch.meta:
-                peak = float(batch.inputs[start : start + len(index)].abs().max())
-                start += len(index)
-                if peak > worst:
-                    worst, culprit = peak, agents[k]
-            self.ctx.ledger.skip_step(round_, culprit, why[0])
-
-        return guard, snapshot, skipped
-
-    def _calibrate(self, features: RowSource) -> BnStatistics:
-        """BatchNorm statistics of the server model on one agent's maps (at most
-        ``bn_calibration_samples``, an even spread), leaving the model as it was."""
-        n = len(features)
-        rows = torch.linspace(0, n - 1, min(n, self.config.bn_calibration_samples)).round().long().unique()
-        return measure_bn_statistics(self.model, (features[chunk].to(self.device, torch.float32) for chunk in rows.split(256)))
-
-    # -- evaluation ------------------------------------------------------------ #
-
-    def _personalised(self, round_: int) -> bool:
-        mode = self.config.personalised_eval
-        return mode == "every" or (mode == "final" and round_ == self.ctx.rounds)
-
-    def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
-        """Agent k's deployed model is its extractor followed by the server model: on the global
-        set through the ResNet-8 it reported, on its own shard through the test maps it streamed.
-        The headline uses the server's running BatchNorm averages; ``personalised_bn`` agent k's
-        own statistics; ``edge`` is the ResNet-8 left on the device."""
-        ev = Evaluation(edge="edge", labels={
-            HEADLINE: "agent k's extractor + the server model, the server's running BatchNorm statistics (mean over agents)",
-            "personalised_bn": "agent k's extractor + the server model with agent k's own BatchNorm statistics "
-                               "(personalised; mean over agents)",
-            "edge": "agent k's ResNet-8 on its device (mean over agents)",
-        })
-        personalised = self._personalised(round_)
-        self.model.eval()
-        for agent, report in sorted(reports.items()):
-            arrays = models_from_report(report, "edge")
-            if arrays:
-                edge = build_model(self.config.edge_model, self.ctx.num_classes, self.ctx.in_channels)
-                try:
-                    load_arrays_into(edge, arrays)
-                except WeightsMismatchError as exc:
-                    log.warning("round %d: %s's edge model cannot be evaluated: %s", round_, agent, exc)
-                else:
-                    edge = edge.to(self.device).eval()
-                    ev.global_models.setdefault(HEADLINE, {})[agent] = self._pipeline(edge, None)
-                    ev.global_models.setdefault("edge", {})[agent] = EvalModel(lambda x, e=edge: e(x)[0])
-                    if personalised and agent in self.agent_bn:
-                        ev.global_models.setdefault("personalised_bn", {})[agent] = self._pipeline(edge, self.agent_bn[agent])
-        ev.local = local_results(reports)  # "edge": the ResNet-8 on the agent's shard
-        for agent, held in sorted(self.eval_staged.items()):
-            if held.round != round_ or agent not in reports or not held.test:
-                continue
-            maps = gather_batches([held.test[k] for k in sorted(held.test)], self.staging)
-            try:
-                ev.local.setdefault(HEADLINE, {})[agent] = self._score_maps(maps, None)
-                if personalised and agent in self.agent_bn:
-                    ev.local.setdefault("personalised_bn", {})[agent] = self._score_maps(maps, self.agent_bn[agent])
-            finally:
-                self.staging.release(maps[0].staged)
-                del self.eval_staged[agent]
-        return ev
-
-    def _pipeline(self, edge: torch.nn.Module, bn: BnStatistics | None) -> EvalModel:
-        """Extractor + server model as one model; with ``bn``, the server's BatchNorm layers use
-        those statistics for the pass (the server's own are restored after it)."""
-        def forward(x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) images
-            return self.model(edge.extract(x))  # (B, 16, H, W) maps -> (B, K)
-
-        if bn is None:
-            return EvalModel(forward)
-
-        @contextlib.contextmanager
-        def with_agent_bn():
-            with restoring_bn_statistics(self.model):
-                load_bn_statistics(self.model, bn)
-                yield
-        return EvalModel(forward, with_agent_bn)
-
-    @torch.no_grad()
-    def _score_maps(self, maps: AgentRows, bn: BnStatistics | None) -> tuple[int, int]:
-        """(correct, total) of the server model on one agent's test maps."""
-        features, _edge_logits, labels, _ids = maps
-        correct = total = 0
-        with restoring_bn_statistics(self.model):
-            if bn is not None:
-                load_bn_statistics(self.model, bn)
-            for start in range(0, len(labels), 512):
-                logits = self.model(features[start : start + 512].to(self.device, torch.float32))  # (b, K)
-                correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
-                total += int(len(labels[start : start + 512]))
-        return correct, total
-
     # -- checkpoints ---------------------------------------------------------- #
 
     def state(self) -> Any:
@@ -813,6 +346,6 @@ from ..local_run import LocalRunOptions  # noqa: E402
 
 def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
     """Mode, KD direction, the server's model and epochs; feature maps fp16-zstd unless ``--codec``."""
-    return {"mode": options.mode, "kd": options.kd, "server_model": options.server_model,
-            "server_epochs": options.server_epochs, "edge_epochs": options.edge_epochs,
-            **({"upload_codec": options.codec} if options.codec else {})}  # else GktRoundConfig's default
+    return {"mode": options.flag("mode"), "kd": options.flag("kd"), "server_model": options.flag("server_model"),
+            "server_epochs": options.flag("server_epochs"), "edge_epochs": options.flag("edge_epochs"),
+            **({"upload_codec": options.flag("codec")} if options.flag("codec") else {})}  # else GktRoundConfig's default

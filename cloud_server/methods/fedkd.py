@@ -41,111 +41,31 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. resnet20)
-from models import (WeightsMismatchError, build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays,
+from models import (WeightsMismatchError, build_model, count_parameters, load_arrays_into, state_dict_to_arrays,
                     training_flops_per_sample)
 from models.mentor import forward_with_hidden, hidden_dim
-from shared_protocol import svd
-from shared_protocol.configs import EmbeddedRoundConfig, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalReport, Message, RoundEnd, RoundStart
-from shared_protocol.methods.fedkd import (
-    SYNC_CODECS,
-    UPLOAD_KINDS,
-    FedKdAggregate,
-    FedKdRoundConfig,
-    FedKdUpdate,
-    factor_state,
-    unfactor_state,
-)
+from shared_protocol.methods.fedkd import FedKdAggregate, FedKdUpdate, factor_state, unfactor_state
 
 from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
-from ..robust import ImplausibleUploadError, aggregate_vectors, choose_rule, clip_rows, screen_uploads
+from ..robust import aggregate_vectors, choose_rule, clip_rows, screen_uploads
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
+from .fedkd_config import EDGE_KEYS, WEIGHTINGS, FedKdConfig
+from .fedkd_factors import FACTOR_TOLERANCE, _check_factors, _ranks
+from .fedkd_report import FedKdReport
 
 log = logging.getLogger("cloud_server.fedkd")
 
-WEIGHTINGS = ("samples", "uniform")
-
-
-# How the [fedkd] table names the fields of the FedKdRoundConfig that FedKdConfig holds: by
-# their own names; the round's global version and threshold are the server's, per round, and
-# updates always travel SVD-factored.
-EDGE_KEYS = EmbeddedRoundConfig(FedKdRoundConfig, "edge", derived=("global_version", "threshold", "upload", "upload_codec"))
-
-
-@dataclass(frozen=True)
-class FedKdConfig:
-    """``[fedkd]``. Defaults: the paper's T_start = 0.95, T_end = 0.98, ResNet-56 mentor and
-    ResNet-8 mentee; ``resnet20`` is a mentor three times cheaper for CPUs.
-
-    ``schedule_rounds`` is the round in which T reaches T_end (Eq. 9's t = 1);
-    0 (the default) means the run's last round (``[server] rounds``).
-    """
-
-    mentee_model: str = "resnet8"
-    mentor_model: str = "resnet56"
-    threshold_start: float = 0.95
-    threshold_end: float = 0.98
-    schedule_rounds: int = 0  # 0: the run's rounds
-    upload: str = "update"  # update | gradient
-    gradient_lr: float = 0.1  # eta_s of the server's step in gradient mode
-    weighting: str = "samples"  # samples (FedAvg) | uniform (Algorithm 1's g / N)
-    # The agents' local training, sent as RoundStart.config: local_epochs, batch_size, optimizer,
-    # mentor_lr, mentee_lr, momentum, weight_decay, hidden_loss, attention_loss; all written in
-    # the [fedkd] table itself (EDGE_KEYS). Its upload follows ``upload``, its threshold Eq. 9.
-    edge: FedKdRoundConfig = field(default_factory=FedKdRoundConfig)
-    sync_codec: str = "zstd"  # the whole mentee, for agents that do not hold the current one
-
-    def __post_init__(self) -> None:
-        for role in ("mentee_model", "mentor_model"):
-            if get_model_spec(getattr(self, role)).input_kind != "image":
-                raise ValueError(f"fedkd.{role} must take images, {getattr(self, role)!r} takes feature maps")
-        svd.check_threshold(self.threshold_start)
-        svd.check_threshold(self.threshold_end)
-        if isinstance(self.schedule_rounds, bool) or not isinstance(self.schedule_rounds, int) or self.schedule_rounds < 0:
-            raise ValueError(f"fedkd.schedule_rounds must be an int >= 0 (0: the run's rounds), got {self.schedule_rounds!r}")
-        if self.upload not in UPLOAD_KINDS:
-            raise ValueError(f"fedkd.upload must be one of {UPLOAD_KINDS}, got {self.upload!r}")
-        if self.gradient_lr <= 0:
-            raise ValueError(f"fedkd.gradient_lr must be > 0, got {self.gradient_lr}")
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"fedkd.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if self.sync_codec not in SYNC_CODECS:
-            raise ValueError(f"fedkd.sync_codec must be one of {SYNC_CODECS}, got {self.sync_codec!r}")
-        object.__setattr__(self, "edge", replace(self.edge, upload=self.upload))  # the agents upload what the server takes
-
-    def horizon(self, run_rounds: int) -> int:
-        """The round in which T reaches T_end: ``schedule_rounds``, or the run's ``run_rounds`` if that is 0."""
-        horizon = self.schedule_rounds or run_rounds
-        if horizon < 1:
-            raise ValueError("fedkd: Eq. 9's schedule runs over the run's rounds, which are not known here "
-                             "(ServerContext.rounds = 0); set [fedkd] schedule_rounds")
-        return horizon
-
-    def threshold(self, round_: int, run_rounds: int = 0) -> float:
-        """T(t) of Eq. 9 for ``round_`` (t = 0 in round 1, 1 from the horizon on: see :meth:`horizon`)."""
-        horizon = self.horizon(run_rounds)
-        return svd.threshold_at(svd.round_progress(min(round_, horizon), horizon), self.threshold_start, self.threshold_end)
-
-    def round_config(self, round_: int, global_version: int, run_rounds: int = 0) -> FedKdRoundConfig:
-        return replace(self.edge, global_version=global_version, threshold=self.threshold(round_, run_rounds))
-
-    def to_table(self) -> dict[str, Any]:
-        """The flat ``[fedkd]`` table this config reads back from (reports, checkpoints)."""
-        return EDGE_KEYS.table_of(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "FedKdConfig":
-        return config_from_table(cls, raw, "fedkd", embedded=EDGE_KEYS)
-
+__all__ = ["EDGE_KEYS", "FACTOR_TOLERANCE", "WEIGHTINGS", "FedKdConfig", "FedKdServer", "launcher_table"]
 
 @dataclass
 class _Staged(StagedUpload):
@@ -164,45 +84,8 @@ class _RoundLog:
     sync_agents: list[str] = field(default_factory=list)
 
 
-def _ranks(packed: dict[str, svd.SvdTensor]) -> dict[str, int]:
-    return {name: p.rank for name, p in packed.items() if p.mode == "factored"}
-
-
-def _eq8_rank(entry: dict[str, Any], name: str, limit: int, full: int) -> int | None:
-    """Eq. 8's K of tensor ``name`` in a history entry (an upload or the aggregate): its
-    rank if it went factored, else the K it reported for its dense fallback. An agent
-    reports that K itself, so only a value consistent with going dense (above ``limit``,
-    at most ``full``) is taken; None if there is none (e.g. no SVD was needed)."""
-    if name in entry["ranks"]:
-        return int(entry["ranks"][name])
-    k = entry["dense_fallback_ranks"].get(name)
-    return k if isinstance(k, int) and not isinstance(k, bool) and limit < k <= full else None
-
-
-# How far an honest float32 factorisation strays from orthonormal factors and from
-# ||U diag(S) V||_F = ||S||_2 (measured: about 1e-6; numpy's SVD of float64, sent as float32).
-FACTOR_TOLERANCE = 1e-2
-
-
-def _check_factors(name: str, p: svd.SvdTensor) -> None:
-    """Refuse factors that no SVD produces: U's and V's rows/columns orthonormal (their
-    squared Frobenius norms equal the rank K), S non-negative, and the rebuilt tensor's
-    norm ``||S||_2`` (a huge S is the norm check's, at the round's close)."""
-    u, s, v = (np.asarray(a, dtype=np.float64) for a in p.factors())
-    k = p.rank
-    with np.errstate(over="ignore", invalid="ignore"):
-        u2, v2 = float(np.sum(u * u)), float(np.sum(v * v))
-    for label, sq in (("U", u2), ("V", v2)):
-        if not abs(sq - k) <= FACTOR_TOLERANCE * k:
-            raise ImplausibleUploadError(
-                "implausible_factors", f"{name!r}: ||{label}||_F^2 = {sq:.4g}, an SVD's orthonormal factors of rank {k} "
-                                       f"give {k} (tolerance {FACTOR_TOLERANCE:g} x {k})")
-    if np.any(s < 0):
-        raise ImplausibleUploadError("implausible_factors", f"{name!r}: negative singular values (min {float(s.min()):.4g})")
-
-
 @register_server_method
-class FedKdServer(ServerMethod):
+class FedKdServer(FedKdReport, ServerMethod):
     name = "fedkd"
     upload_types = (FedKdUpdate,)
     aggregates_weights = True
@@ -238,8 +121,9 @@ class FedKdServer(ServerMethod):
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "mentor_model": self.config.mentor_model, "mentee_model": self.config.mentee_model}
 
-    def download_codecs(self, msg: Message) -> dict[str, str]:
-        return {"weights": self.config.sync_codec} if isinstance(msg, RoundStart) else {}
+    @property
+    def download_codecs(self) -> dict[str, dict[str, str]]:  # type: ignore[override]
+        return {RoundStart.TYPE: {"weights": self.config.sync_codec}}
 
     def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         config = self.config.round_config(round_, self.version, self.schedule_rounds).to_dict()
@@ -396,94 +280,6 @@ class FedKdServer(ServerMethod):
             self.holds[agent] = self.version
         self.history.append(self._record(round_, round_log, used, ends, packed))
         return outcome
-
-    def _record(self, round_: int, round_log: _RoundLog, used: dict[str, _Staged], ends: dict[str, RoundEnd],
-                packed: dict[str, svd.SvdTensor]) -> dict[str, Any]:
-        """The round's FedKD-specific costs; bytes are float32 tensor payloads (frames add headers)."""
-        down_svd = sum(p.payload_bytes for p in packed.values())
-        agents = {}
-        for agent, s in used.items():
-            metrics, uploads = ends[agent].metrics, ends[agent].uploads
-            fallback = uploads.get("dense_fallback_ranks")
-            agents[agent] = {
-                "ranks": s.ranks,
-                "dense_fallback_ranks": dict(fallback) if isinstance(fallback, dict) else {},
-                "svd_bytes": s.svd_bytes,
-                "dense_bytes": s.dense_bytes,
-                "frame_bytes": int(uploads.get("frame_bytes", 0)),
-                **{k: metrics[k] for k in ("mentor_loss", "mentee_loss") if k in metrics},
-            }
-        up_svd = sum(a["svd_bytes"] for a in agents.values())
-        return {
-            "round": round_,
-            "threshold": round_log.threshold,
-            "version": self.version,
-            "agents": agents,
-            "aggregate": {
-                "ranks": _ranks(packed),
-                "dense_fallback_ranks": {name: p.eq8_rank for name, p in packed.items() if p.mode == "dense" and p.eq8_rank is not None},
-                "energy": {name: p.energy for name, p in packed.items() if p.mode == "factored"},
-                "svd_bytes": down_svd,
-                "dense_bytes": self.mentee_dense_bytes,
-            },
-            # Per agent and round, both directions: what FedKD sent vs a dense mentee update
-            # vs FedAvg of a model as large as the mentor.
-            "bytes_per_agent": {
-                "fedkd_svd": (up_svd / len(agents)) + down_svd,
-                "dense_mentee": 2 * self.mentee_dense_bytes,
-                "fedavg_mentor": 2 * self.mentor_dense_bytes,
-            },
-            "sync": {"agents": round_log.sync_agents, "bytes": round_log.sync_bytes},
-        }
-
-    def round_report(self, round_: int) -> dict[str, Any]:
-        """The round's entry in ``report.json`` (``record["method"]``), from :attr:`history`.
-
-        Bytes are float32 tensor payloads per agent and round, both directions
-        (upload + aggregate): FedKD's factors vs the dense mentee update vs FedAvg of
-        a mentor-sized model (its float state up and down); ``sync_bytes`` is the
-        whole mentee sent in this round's RoundStarts (all agents). ``ranks`` has one
-        entry per matrix of the mentee (vectors always travel dense): its 2-D view,
-        ``max_factored_rank`` (the largest K whose factors are smaller than the
-        matrix), Eq. 8's K of the aggregate (``down``) and of the agents' uploads
-        (min / max / mean), and how many of those went dense because K exceeded it.
-        """
-        record = next((h for h in reversed(self.history) if h["round"] == round_), None)
-        if record is None:
-            return {"threshold": self.threshold(round_), "agents_used": 0}  # no update was used
-        bytes_ = record["bytes_per_agent"]
-        uploads = list(record["agents"].values())
-        aggregate = record["aggregate"]
-        ranks: dict[str, dict[str, Any]] = {}
-        for name, array in self.global_state.items():
-            dims = svd.matrix_shape(array.shape)
-            if dims is None:
-                continue
-            p, q = dims
-            limit = (p * q - 1) // (p + q + 1)  # K * (P + Q + 1) < P * Q
-            up = [_eq8_rank(u, name, limit, min(p, q)) for u in uploads]
-            known = [k for k in up if k is not None]
-            ranks[name] = {
-                "matrix": f"{p}x{q}", "max_factored_rank": limit,
-                "down": _eq8_rank(aggregate, name, limit, min(p, q)),
-                "down_dense": name not in aggregate["ranks"],
-                "up_min": min(known) if known else None, "up_max": max(known) if known else None,
-                "up_mean": round(float(np.mean(known)), 2) if known else None,
-                "up_dense": sum(1 for u in uploads if name not in u["ranks"]),
-            }
-        return {
-            "threshold": record["threshold"],
-            "agents_used": len(uploads),
-            "up_svd_bytes": round(float(np.mean([u["svd_bytes"] for u in uploads])), 1),
-            "down_svd_bytes": aggregate["svd_bytes"],
-            "fedkd_bytes": round(bytes_["fedkd_svd"], 1),
-            "dense_mentee_bytes": bytes_["dense_mentee"],
-            "fedavg_mentor_bytes": bytes_["fedavg_mentor"],
-            "saved_vs_dense_mentee": round(1.0 - bytes_["fedkd_svd"] / bytes_["dense_mentee"], 4),
-            "saved_vs_fedavg_mentor": round(1.0 - bytes_["fedkd_svd"] / bytes_["fedavg_mentor"], 4),
-            "sync_bytes": record["sync"]["bytes"],
-            "ranks": ranks,
-        }
 
     # -- evaluation ---------------------------------------------------------------------- #
 

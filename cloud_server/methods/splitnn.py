@@ -45,7 +45,7 @@ from shared_protocol.methods.splitnn import (
 
 from ..evaluation import HEADLINE, EvalModel, Evaluation
 from ..server_step import TrainStep
-from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
+from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, register_server_method
 
 log = logging.getLogger("cloud_server.splitnn")
 
@@ -106,9 +106,10 @@ class _Turn:
 
 
 @register_server_method
-class SplitNNServer(ServerMethod):
+class SplitNNServer(AnswersUploads, ServerMethod):
     name = "splitnn"
     upload_types = (SplitActivations, SplitExtractorWeights)
+    answered_types = (SplitActivations,)  # a training batch is answered with its gradients at once
     schedule = "sequential"  # one agent at a time carries the extractor
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
@@ -132,9 +133,6 @@ class SplitNNServer(ServerMethod):
         self.finished: dict[str, _Turn] = {}
         self.test_scores: dict[str, tuple[int, int, int]] = {}  # agent -> (round, correct, total) of its test activations
         self.turn_order: list[tuple[int, str]] = []  # (round, agent) as turns began: for reports and tests
-
-    def resolved_config(self) -> dict[str, Any]:
-        return self.config.to_table()
 
     def welcome_settings(self) -> dict[str, Any]:
         return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
@@ -170,17 +168,21 @@ class SplitNNServer(ServerMethod):
 
     # -- uploads ---------------------------------------------------------------------- #
 
-    def on_upload(self, agent: str, msg: Message) -> list[tuple[str, Message]] | None:
-        if isinstance(msg, SplitActivations):
-            self._check_batch(msg)
-            if msg.split == "train":
-                return [(agent, self._train_step(agent, msg))]
-            self._score_test_batch(agent, msg)
-            return None
-        if isinstance(msg, SplitExtractorWeights):
-            self._take_extractor(agent, msg)
-            return None
-        raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
+    def answer(self, agent: str, msg: Message) -> Message | None:
+        """A batch of activations: a training batch is answered with dLoss/dActivations; a
+        test batch (evaluation's) is scored, with nothing to answer."""
+        if not isinstance(msg, SplitActivations):
+            raise ValueRangeError(f"{self.name} does not answer {msg.TYPE} uploads")
+        self._check_batch(msg)
+        if msg.split == "train":
+            return self._train_step(agent, msg)
+        self._score_test_batch(agent, msg)
+        return None
+
+    def on_upload(self, agent: str, msg: Message) -> None:
+        if not isinstance(msg, SplitExtractorWeights):
+            raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
+        self._take_extractor(agent, msg)
 
     def _check_batch(self, msg: SplitActivations) -> None:
         if msg.activations.shape[1] != self.feature_channels:
@@ -335,5 +337,5 @@ from ..local_run import LocalRunOptions  # noqa: E402
 def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
     """The server's part of the model and epochs per turn; ``--codec`` for the activations
     (otherwise the config's default, raw)."""
-    return {"server_model": options.server_model, "local_epochs": options.edge_epochs,
-            **({"upload_codec": options.codec} if options.codec else {})}
+    return {"server_model": options.flag("server_model"), "local_epochs": options.flag("edge_epochs"),
+            **({"upload_codec": options.flag("codec")} if options.flag("codec") else {})}

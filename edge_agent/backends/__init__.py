@@ -2,32 +2,41 @@
 
 ``torch`` is the default and lives in :mod:`edge_agent.methods` (one edge step per
 method). ``ort`` trains with onnxruntime-training and numpy only, for devices
-where torch is too big or unavailable; it implements FedGKT. Nothing here is
-imported unless the agent runs with ``--backend ort``, so the torch agent never
-needs onnxruntime and the ort agent never needs torch.
+where torch is too big or unavailable. Which methods a backend implements is in
+each method's registry entry (``MethodSpec.backends``). Nothing here is imported
+unless the agent runs with ``--backend ort``, so the torch agent never needs
+onnxruntime and the ort agent never needs torch.
 """
 
 from __future__ import annotations
 
+from shared_protocol.registry import import_part, method_names, registered_methods
+
 BACKENDS = ("torch", "ort")
-#: Methods each non-torch backend implements.
-BACKEND_METHODS = {"ort": ("fedgkt",)}
+
+
+def backend_methods(backend: str) -> tuple[str, ...]:
+    """The methods ``backend`` implements: every registered one for torch, else those whose
+    registry entry names an edge step for it."""
+    if backend == "torch":
+        return method_names()
+    return tuple(name for name, spec in registered_methods().items() if backend in spec.backends)
 
 
 def get_backend_method(backend: str, method: str):  # type: ignore[no-untyped-def]
     """The edge-step class of ``method`` for a non-torch ``backend``."""
-    if backend == "ort" and method == "fedgkt":
-        from .ort_fedgkt import OrtFedGktEdge
+    spec = registered_methods().get(method)
+    if spec is None or backend not in spec.backends:
+        raise ValueError(f"backend {backend!r} does not implement method {method!r}; it implements {backend_methods(backend)}")
+    return import_part(spec.backends[backend])
 
-        return OrtFedGktEdge
-    raise ValueError(f"backend {backend!r} does not implement method {method!r}; it implements {BACKEND_METHODS.get(backend, ())}")
 
-
-def describe_backend(backend: str, torch_methods: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+def describe_backend(backend: str, torch_methods: tuple[str, ...] | None = None) -> tuple[list[str], dict[str, str]]:
     """(methods this agent can run, software versions) for the Hello message.
 
     Imports torch only for the torch backend: an ort agent must neither need it
-    nor pay for loading it.
+    nor pay for loading it. ``torch_methods``: the torch agent's methods (default:
+    every registered one).
     """
     if backend == "torch":
         try:
@@ -36,7 +45,7 @@ def describe_backend(backend: str, torch_methods: tuple[str, ...]) -> tuple[list
             version = str(torch.__version__)
         except ImportError:
             version = "none"
-        return list(torch_methods), {"torch": version}
+        return list(backend_methods("torch") if torch_methods is None else torch_methods), {"torch": version}
     from .ort import ort_version
 
-    return list(BACKEND_METHODS.get(backend, ())), {"onnxruntime": ort_version() or "none"}
+    return list(backend_methods(backend)), {"onnxruntime": ort_version() or "none"}

@@ -1,35 +1,35 @@
-"""Edge steps of each method, registered by name (``edge_agent/methods/<name>.py``)."""
+"""Edge steps of each method, registered by name (the module the method's registry entry
+names: ``edge_agent/methods/<name>.py`` for the built-in ones)."""
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
+
+from shared_protocol.registry import method_names, registered_methods
 
 from .base import EdgeMethod, EdgeContext, RoundResult, register_edge_method, registered_edge_methods
 
 
-
 def available_methods() -> tuple[str, ...]:
-    """Every method module in this package (found on disk; adding a method edits no list)."""
-    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"))
+    """Every registered method (:mod:`shared_protocol.registry`: built in and plugins)."""
+    return method_names()
 
 
 KNOWN_METHODS = available_methods()
 
 
 def get_edge_method(name: str) -> type[EdgeMethod]:
-    """The edge step for ``name``, importing its module on first use."""
+    """The edge step for ``name``, importing the module its registry entry names on first use."""
     methods = registered_edge_methods()
     if name not in methods:
-        try:
-            importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name.replace('-', '_')}":
-                raise
+        spec = registered_methods().get(name)
+        if spec is not None:
+            importlib.import_module(spec.edge)
         methods = registered_edge_methods()
     if name not in methods:
-        raise ValueError(f"this agent has no edge step for method {name!r}; available: {sorted(KNOWN_METHODS)}")
+        raise ValueError(f"this agent has no edge step for method {name!r}; available: {sorted(available_methods())}")
     return methods[name]
 
 
-__all__ = ["EdgeMethod", "EdgeContext", "RoundResult", "get_edge_method", "register_edge_method", "KNOWN_METHODS"]
+__all__ = ["EdgeMethod", "EdgeContext", "RoundResult", "available_methods", "get_edge_method", "register_edge_method",
+           "KNOWN_METHODS"]

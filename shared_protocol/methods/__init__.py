@@ -1,7 +1,8 @@
-"""Message types of each method, one module per method, imported by name.
+"""Message types of each method, one module per method, and each method's registry entry.
 
-A method's module registers its message types on import; nothing here lists
-the methods, so adding one touches no other method's files.
+A method's module registers its message types and its :class:`~shared_protocol.registry.MethodSpec`
+on import; :mod:`shared_protocol.registry` imports every module here to find the built-in
+methods, so nothing lists them and adding one touches no other method's files.
 """
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ..registry import registered_methods
 
-def load_method_messages(method: str) -> ModuleType | None:
-    """Import ``shared_protocol.methods.<method>`` if it exists (registers its types)."""
-    name = method.replace("-", "_")
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"{__name__}.{name}":
-            return None  # a method with no messages of its own (e.g. weights only)
-        raise
+
+def load_method_messages(method: str) -> tuple[ModuleType, ...]:
+    """Import the modules holding ``method``'s message types (registers them); () for a
+    method this process does not know (the caller says what is missing)."""
+    spec = registered_methods().get(method)
+    if spec is None:
+        return ()
+    return tuple(importlib.import_module(module) for module in spec.messages)

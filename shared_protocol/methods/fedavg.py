@@ -22,6 +22,7 @@ import numpy as np
 from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..message_base import Message, register_message, tensor_dict
+from ..registry import LauncherFlag, MethodSpec, register_method
 
 #: Codecs a model's float tensors may travel with (both directions).
 WEIGHT_CODECS = ("zstd", "fp16-zstd", "raw")
@@ -150,3 +151,24 @@ class FedAvgRoundConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "FedAvgRoundConfig":
         return round_config_from_wire(cls, raw, "fedavg round config")
+
+
+# -- the registry's entry ------------------------------------------------------------ #
+
+#: The `edgesplit local` flags a whole-model method's launcher table reads (the FedAvg family's).
+WHOLE_MODEL_FLAGS = (
+    LauncherFlag("--model", "resnet56", "the full model every agent trains: resnet56 | resnet110 | resnet8"),
+    LauncherFlag("--edge-epochs", 1, "epochs of local training per round", type="int", minimum=1),
+    LauncherFlag("--codec", None, "weights, both ways: zstd (default, lossless) | fp16-zstd"),
+)
+
+register_method(MethodSpec(
+    name="fedavg",
+    summary="FedAvg: the sample-weighted mean of the agents' full models (the accuracy baseline)",
+    server="cloud_server.methods.fedavg",
+    edge="edge_agent.methods.fedavg",
+    config="cloud_server.methods.fedavg:FedAvgConfig",
+    messages=(__name__,),
+    flags=WHOLE_MODEL_FLAGS,
+    docs="docs/methods/baselines.md",
+))

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..configs import round_config_from_wire
+from ..registry import BenchRun, MethodSpec, ResultsRow, register_method
+from .fedavg import WHOLE_MODEL_FLAGS
 
 #: The key of ``RoundStart.config`` that holds :class:`FedDistillRoundConfig`.
 ROUND_CONFIG_KEY = "feddistill"
@@ -71,3 +73,21 @@ class FedDistillRoundConfig:
     def from_dict(cls, raw: Any) -> "FedDistillRoundConfig":
         """Parse an agent's copy of the config; anything wrong is a :class:`ValueRangeError`."""
         return round_config_from_wire(cls, raw, "feddistill round config")
+
+
+# -- the registry's entry ------------------------------------------------------------ #
+
+register_method(MethodSpec(
+    name="feddistill",
+    summary="FedDistill: group distillation (true / rich / few classes) with the global model",
+    server="cloud_server.methods.feddistill",
+    edge="edge_agent.methods.feddistill",
+    config="cloud_server.methods.feddistill:FedDistillConfig",
+    messages=("shared_protocol.methods.fedavg", __name__),  # it travels on FedAvg's messages
+    flags=WHOLE_MODEL_FLAGS,
+    docs="docs/methods/feddistill.md",
+    # The paper prints search ranges, not the values kept: read off its sensitivity study (docs/methods/feddistill.md).
+    bench=(BenchRun("feddistill-resnet56", {"alpha_t": 0.0, "alpha_r": 0.5, "alpha_f": 1.0, "beta_l": 1.4, "beta_e": 0.3,
+                                            "beta_fc": 0.3}, order=2,
+                    rows=(ResultsRow("FedDistill (ResNet-56)", "model", "the global model's averaged statistics"),)),),
+))

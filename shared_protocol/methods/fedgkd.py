@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ValueRangeError
+from ..registry import BenchRun, MethodSpec, ResultsRow, register_method
+from .fedavg import WHOLE_MODEL_FLAGS
 
 #: ``RoundStart.config`` key of the teacher description.
 CONFIG_KEY = "fedgkd"
@@ -146,3 +148,20 @@ class FedGkdTeachers:
             raise ValueRangeError(f"fedgkd teachers miss key {exc}") from None
         except (TypeError, ValueError) as exc:
             raise ValueRangeError(f"fedgkd teachers invalid: {exc}") from None
+
+
+# -- the registry's entry ------------------------------------------------------------ #
+
+register_method(MethodSpec(
+    name="fedgkd",
+    summary="FedGKD and FedGKD-Vote: distillation from a buffer of past global models",
+    server="cloud_server.methods.fedgkd",
+    edge="edge_agent.methods.fedgkd",
+    config="cloud_server.methods.fedgkd:FedGkdConfig",
+    messages=("shared_protocol.methods.fedavg", __name__),  # FedAvg's messages plus the teachers
+    flags=WHOLE_MODEL_FLAGS,
+    docs="docs/methods/fedgkd.md",
+    # FedGKD (not -Vote), the paper's CV defaults.
+    bench=(BenchRun("fedgkd-resnet56", {"variant": "avg", "gamma": 0.2, "buffer_size": 5}, order=1,
+                    rows=(ResultsRow("FedGKD (ResNet-56)", "model", "the global model's averaged statistics"),)),),
+))

@@ -10,6 +10,7 @@ import numpy as np
 from ..configs import check_codec, check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..message_base import Message, check_same_length, register_message, tensor
+from ..registry import LauncherFlag, MethodSpec, register_method
 
 SPLITS = ("train", "test")
 
@@ -126,3 +127,27 @@ class GktRoundConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "GktRoundConfig":
         return round_config_from_wire(cls, raw, "fedgkt round config")
+
+
+# -- the registry's entry ------------------------------------------------------------ #
+
+register_method(MethodSpec(
+    name="fedgkt",
+    summary="FedGKT, sync or async: ResNet-8 edges upload feature maps, a large server model trains on them, "
+            "knowledge flows both ways",
+    server="cloud_server.methods.fedgkt",
+    edge="edge_agent.methods.fedgkt",
+    config="cloud_server.methods.fedgkt_config:FedGktConfig",
+    messages=(__name__, "shared_protocol.methods.fedgkt_ort"),  # torch-free agents ask for their artifacts
+    flags=(
+        LauncherFlag("--mode", "sync", "sync | async", choices=("sync", "async")),
+        LauncherFlag("--kd", "bidirectional", "the knowledge transfer: bidirectional | s2e | none",
+                     choices=("bidirectional", "s2e", "none")),
+        LauncherFlag("--server-model", "resnet55_server", "the server's model: resnet55_server | resnet109_server"),
+        LauncherFlag("--server-epochs", 1, "the server's epochs per round", type="int", minimum=1),
+        LauncherFlag("--edge-epochs", 1, "epochs of local training per round", type="int", minimum=1),
+        LauncherFlag("--codec", None, "feature maps: raw | fp16-zstd (default) | u8-zstd"),
+    ),
+    backends={"ort": "edge_agent.backends.ort_fedgkt:OrtFedGktEdge"},
+    docs="docs/methods/fedgkt.md",
+))

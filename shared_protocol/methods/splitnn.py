@@ -20,6 +20,7 @@ import numpy as np
 from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..message_base import Message, check_same_length, register_message, tensor, tensor_dict
+from ..registry import LauncherFlag, MethodSpec, register_method
 
 SPLITS = ("train", "test")
 #: Activation codecs; vanilla split learning sends fp32 (the paper's Eq. 12 counts fp32).
@@ -149,3 +150,21 @@ __all__ = [
     "SplitGradients",
     "SplitRoundConfig",
 ]
+
+
+# -- the registry's entry ------------------------------------------------------------ #
+
+register_method(MethodSpec(
+    name="splitnn",
+    summary="vanilla split learning: agents take turns, the server answers every batch with its gradients",
+    server="cloud_server.methods.splitnn",
+    edge="edge_agent.methods.splitnn",
+    config="cloud_server.methods.splitnn:SplitNNConfig",
+    messages=(__name__,),
+    flags=(
+        LauncherFlag("--server-model", "resnet55_server", "the server's part: resnet55_server | resnet109_server"),
+        LauncherFlag("--edge-epochs", 1, "epochs of local training per turn", type="int", minimum=1),
+        LauncherFlag("--codec", None, "activations: raw (default) | fp16-zstd"),
+    ),
+    docs="docs/methods/baselines.md",
+))

@@ -1,0 +1,115 @@
+"""FedGKT's evaluation (cloud_server/evaluation.py): agent k's deployed model is its
+extractor followed by the server model, with the server's running BatchNorm averages
+(the headline) and, labelled ``personalised_bn``, with agent k's own statistics.
+
+A mixin of :class:`cloud_server.methods.fedgkt.FedGktServer`: it reads the server's
+model, its staged test maps and the agents' BatchNorm statistics, which the server keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+from models import build_model, load_arrays_into
+from models.batchnorm import BnStatistics, load_bn_statistics, restoring_bn_statistics
+from models.weights import WeightsMismatchError
+from shared_protocol.messages import EvalReport
+
+from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
+from ..feature_store import AgentRows, StagedUploads, gather_batches
+
+log = logging.getLogger("cloud_server.fedgkt")
+
+__all__ = ["FedGktEvaluation"]
+
+
+class FedGktEvaluation:
+    """The evaluation hook of :class:`~cloud_server.methods.fedgkt.FedGktServer`."""
+
+    ctx: Any  # ServerContext
+    config: Any  # FedGktConfig
+    model: torch.nn.Module
+    device: torch.device
+    agent_bn: dict[str, BnStatistics]
+    eval_staged: dict[str, StagedUploads]
+
+    # -- evaluation ------------------------------------------------------------ #
+
+    def _personalised(self, round_: int) -> bool:
+        mode = self.config.personalised_eval
+        return mode == "every" or (mode == "final" and round_ == self.ctx.rounds)
+
+    def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
+        """Agent k's deployed model is its extractor followed by the server model: on the global
+        set through the ResNet-8 it reported, on its own shard through the test maps it streamed.
+        The headline uses the server's running BatchNorm averages; ``personalised_bn`` agent k's
+        own statistics; ``edge`` is the ResNet-8 left on the device."""
+        ev = Evaluation(edge="edge", labels={
+            HEADLINE: "agent k's extractor + the server model, the server's running BatchNorm statistics (mean over agents)",
+            "personalised_bn": "agent k's extractor + the server model with agent k's own BatchNorm statistics "
+                               "(personalised; mean over agents)",
+            "edge": "agent k's ResNet-8 on its device (mean over agents)",
+        })
+        personalised = self._personalised(round_)
+        self.model.eval()
+        for agent, report in sorted(reports.items()):
+            arrays = models_from_report(report, "edge")
+            if arrays:
+                edge = build_model(self.config.edge_model, self.ctx.num_classes, self.ctx.in_channels)
+                try:
+                    load_arrays_into(edge, arrays)
+                except WeightsMismatchError as exc:
+                    log.warning("round %d: %s's edge model cannot be evaluated: %s", round_, agent, exc)
+                else:
+                    edge = edge.to(self.device).eval()
+                    ev.global_models.setdefault(HEADLINE, {})[agent] = self._pipeline(edge, None)
+                    ev.global_models.setdefault("edge", {})[agent] = EvalModel(lambda x, e=edge: e(x)[0])
+                    if personalised and agent in self.agent_bn:
+                        ev.global_models.setdefault("personalised_bn", {})[agent] = self._pipeline(edge, self.agent_bn[agent])
+        ev.local = local_results(reports)  # "edge": the ResNet-8 on the agent's shard
+        for agent, held in sorted(self.eval_staged.items()):
+            if held.round != round_ or agent not in reports or not held.test:
+                continue
+            maps = gather_batches([held.test[k] for k in sorted(held.test)], self.staging)
+            try:
+                ev.local.setdefault(HEADLINE, {})[agent] = self._score_maps(maps, None)
+                if personalised and agent in self.agent_bn:
+                    ev.local.setdefault("personalised_bn", {})[agent] = self._score_maps(maps, self.agent_bn[agent])
+            finally:
+                self.staging.release(maps[0].staged)
+                del self.eval_staged[agent]
+        return ev
+
+    def _pipeline(self, edge: torch.nn.Module, bn: BnStatistics | None) -> EvalModel:
+        """Extractor + server model as one model; with ``bn``, the server's BatchNorm layers use
+        those statistics for the pass (the server's own are restored after it)."""
+        def forward(x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) images
+            return self.model(edge.extract(x))  # (B, 16, H, W) maps -> (B, K)
+
+        if bn is None:
+            return EvalModel(forward)
+
+        @contextlib.contextmanager
+        def with_agent_bn():
+            with restoring_bn_statistics(self.model):
+                load_bn_statistics(self.model, bn)
+                yield
+        return EvalModel(forward, with_agent_bn)
+
+    @torch.no_grad()
+    def _score_maps(self, maps: AgentRows, bn: BnStatistics | None) -> tuple[int, int]:
+        """(correct, total) of the server model on one agent's test maps."""
+        features, _edge_logits, labels, _ids = maps
+        correct = total = 0
+        with restoring_bn_statistics(self.model):
+            if bn is not None:
+                load_bn_statistics(self.model, bn)
+            for start in range(0, len(labels), 512):
+                logits = self.model(features[start : start + 512].to(self.device, torch.float32))  # (b, K)
+                correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
+                total += int(len(labels[start : start + 512]))
+        return correct, total

@@ -1,0 +1,126 @@
+"""The coordinator's side of :class:`~cloud_server.rounds.RoundHost`: what a round
+scheduler asks of it (open a round, start an agent's round, request the evaluation,
+hand the method what arrived, close and record a round).
+
+A mixin of :class:`cloud_server.coordinator.Coordinator`, which holds the state these
+operations read and write (the method, the agent registry, the open rounds, the
+recorder and the evaluator); the scheduler sees only these operations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from shared_protocol.messages import EvalRequest, RoundEnd, RoundStart
+
+from .methods import RoundOutcome
+from .records import RoundEvaluation, RoundRecord
+from .rounds import OpenRound
+
+if TYPE_CHECKING:
+    from .agents import AgentRegistry
+    from .config import ServerConfig
+    from .evaluation import Evaluator
+    from .methods import ServerMethod
+    from .recorder import RunRecorder
+    from .robust import RobustnessLedger
+    from .schedulers import RoundScheduler
+
+log = logging.getLogger("cloud_server")
+
+__all__ = ["RoundHostOps"]
+
+
+class RoundHostOps:
+    """Open, start, evaluate and close rounds for the scheduler."""
+
+    config: ServerConfig
+    method: ServerMethod
+    registry: AgentRegistry
+    scheduler: RoundScheduler
+    recorder: RunRecorder
+    evaluator: Evaluator
+    ledger: RobustnessLedger
+    metrics: Any  # ServerMetrics or None
+    open_rounds: dict[int, OpenRound]
+    completed_round: int
+
+    def request_evaluation(self, rnd: OpenRound, agents: list[str], wait_s: float | None = None) -> None:
+        """Ask ``agents`` to evaluate round ``rnd`` (after its downloads went out); their
+        reports are awaited until the round's deadline, or ``wait_s`` from now."""
+        deadline = rnd.deadline_at if wait_s is None else time.monotonic() + wait_s
+        for agent in agents:
+            rnd.eval_requested[agent] = deadline
+            self.send(agent, EvalRequest(**self._base(rnd.round)))
+
+    # -- round mechanics (the scheduler's RoundHost) --------------------------------- #
+
+    def _evaluate(self, round_: int) -> bool:
+        return self.method.evaluate_every_round or round_ % self.config.eval_every == 0 or round_ == self.config.rounds
+
+    def open_round(self, round_: int) -> OpenRound:
+        if round_ not in self.open_rounds:
+            now = time.monotonic()
+            self.open_rounds[round_] = OpenRound(round_, self._evaluate(round_), now, self.scheduler.deadline_for(now))
+        return self.open_rounds[round_]
+
+    def start_agent_round(self, agent: str, round_: int) -> None:
+        rnd = self.open_round(round_)
+        rnd.participants.add(agent)
+        rnd.missing.discard(agent)
+        self.registry.assign(agent, round_)
+        hello = self.registry.agents[agent].hello
+        self.registry.agents[agent].round_session = (hello.instance, hello.connection) if hello.instance else None
+        self.registry.expect_from(agent)  # the method may know the agent's uploads better by now
+        config, weights = self.method.round_config(round_, agent, rnd.evaluate)
+        self.send(
+            agent,
+            RoundStart(
+                **self._base(round_), method=self.method.name, config=config, deadline_s=self.scheduler.time_given_s(rnd),
+                evaluate=rnd.evaluate, participants=sorted(rnd.participants), weights=weights,
+            ),
+        )
+
+    # -- closing rounds -------------------------------------------------------------- #
+
+    def _evaluation(self, rnd: OpenRound) -> tuple[RoundEvaluation, str | None]:
+        """The round's evaluation (cloud_server/evaluation.py): the method's hook says what to
+        score, the evaluator scores it on the global set; the agents' costs are added here."""
+        reports = dict(rnd.eval_reports)
+        missing = sorted(set(rnd.eval_requested) - set(reports))
+        if missing:
+            log.warning("round %d: evaluated without the evaluation reports of %s", rnd.round, ", ".join(missing))
+        evaluation = self.method.evaluation(rnd.round, reports)
+        costs = [r.costs for r in reports.values()]
+        scored = dataclasses.replace(
+            self.evaluator.run(evaluation), missing=missing, edge_eval_flops=sum(c.flops for c in costs),
+            edge_eval_s=sum(c.compute_s + c.encode_s + c.network_s for c in costs) / len(costs) if costs else 0.0,
+        )
+        return scored, evaluation.edge
+
+    def complete(self, rnd: OpenRound, ends: dict[str, RoundEnd]) -> RoundOutcome:
+        return self.method.complete(rnd.round, ends, rnd.evaluate)
+
+    def discard(self, agent: str) -> None:
+        self.method.discard(agent)
+
+    def close_round(self, rnd: OpenRound, status: str) -> RoundRecord:
+        evaluation, edge_label = self._evaluation(rnd) if rnd.evaluate and status == "ok" else (None, None)
+        del self.open_rounds[rnd.round]
+        self.method.end_round(rnd.round)
+        self.ledger.close_round(rnd.round, sorted(rnd.done))
+        robustness, warnings = self.ledger.take(rnd.round)
+        record = self.recorder.round_record(
+            rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
+            started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),
+            method_figures=self.method.round_report(rnd.round), evaluation=evaluation, edge_label=edge_label,
+            robustness=robustness, warnings=warnings,
+        )
+        self.completed_round = rnd.round
+        self.recorder.add_round(record, checkpoint=self.save_checkpoint)
+        if self.metrics is not None:
+            self.metrics.on_round_closed(record)
+        return record

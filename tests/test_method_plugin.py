@@ -170,7 +170,7 @@ TOY_FILES = {
 #: Modules outside the package that a registry or the tests keep: restored after the test.
 _REGISTRIES = (
     ("shared_protocol.registry", "_METHODS"), ("shared_protocol.registry", "_IMPORTED"),
-    ("shared_protocol.messages", "_MESSAGE_TYPES"), ("cloud_server.methods.base", "_SERVER_METHODS"),
+    ("shared_protocol.message_base", "_MESSAGE_TYPES"), ("cloud_server.methods.base", "_SERVER_METHODS"),
     ("edge_agent.methods.base", "_EDGE_METHODS"),
 )
 

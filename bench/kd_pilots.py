@@ -17,11 +17,13 @@ how fast the model itself learns here, apart from federation.
     python bench/kd_pilots.py e10-lr0.05:local_epochs=10,lr=0.05
     python bench/kd_pilots.py cnn-e10:model=simplecnn,local_epochs=10 --partition iid
     python bench/kd_pilots.py --centralized central-cnn:model=simplecnn,rounds=3
+    python bench/kd_pilots.py time-fedkd:method=fedkd
     python bench/kd_pilots.py --partition dir0.1 --seed 0 NAME:KEY=VALUE,... [...]
 
 Keys: ``local_epochs``, ``rounds``, ``train_samples``, ``eval_every`` (the scale's), ``lr``
-(the shared local training's) and ``model`` (a registry name; default: the bench's
-``MODEL``). Each finished pilot is added to ``bench/results/kd_pilots.json`` (name, kind,
+(the shared local training's), ``model`` (a registry name; default: the bench's ``MODEL``)
+and ``method`` (a run of the bench, ``kd_methods.METHODS``: default ``fedavg``; the other
+runs' pilots time them at a scale). Each finished pilot is added to ``bench/results/kd_pilots.json`` (name, kind,
 model, changes, per-round global and local accuracy, wall and CPU seconds, load average),
 replacing a pilot of the same name, kind, partition and seed. ``--quick`` runs on the bench's
 quick scale (synthetic data; the test suite's check of this pipeline).
@@ -46,7 +48,8 @@ from models import list_models
 SCALE_KEYS = ("local_epochs", "rounds", "train_samples", "eval_every")
 LOCAL_KEYS = ("lr",)
 MODEL_KEY = "model"
-KEYS = SCALE_KEYS + LOCAL_KEYS + (MODEL_KEY,)
+METHOD_KEY = "method"
+KEYS = SCALE_KEYS + LOCAL_KEYS + (MODEL_KEY, METHOD_KEY)
 KINDS = ("federated", "centralized")
 
 
@@ -66,6 +69,11 @@ def parse_pilot(text: str) -> tuple[str, dict[str, float | str]]:
                 raise argparse.ArgumentTypeError(f"pilot {name!r}: model {value!r} is not registered; the models are {list_models()}")
             out[key] = value
             continue
+        if key == METHOD_KEY:
+            if value not in kd_methods.METHODS:
+                raise argparse.ArgumentTypeError(f"pilot {name!r}: method {value!r} is not a run of the bench; the runs are {list(kd_methods.METHODS)}")
+            out[key] = value
+            continue
         try:
             out[key] = float(value)
         except ValueError:
@@ -79,22 +87,28 @@ def _cpu_s() -> float:
 
 
 def pilot_run(changes: dict[str, float | str], partition: str, kind: str, scale_name: str = "full") -> tuple[kd_methods.Scale, RunSpec, dict[str, Any]]:
-    """(scale, run, local training) of one pilot: ``kd_methods``' FedAvg run of ``partition`` at
-    the scale with ``changes``; centralized: the same model and optimiser on the union of the
-    agents' images, one epoch a round."""
+    """(scale, run, local training) of one pilot: ``kd_methods``' run ``method`` (default
+    FedAvg) of ``partition`` at the scale with ``changes`` (FedKD: ``model`` is the mentee,
+    ``lr`` both models'); centralized: the model and optimiser on the union of the agents'
+    images, one epoch a round."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    method = str(changes.get(METHOD_KEY, "fedavg"))
+    if kind == "centralized" and method != "fedavg":
+        raise ValueError(f"a centralized pilot trains one model with the bench's local training; method={method!r} is a federated run")
     scale = dataclasses.replace(kd_methods.SCALES[scale_name], **{k: int(v) for k, v in changes.items() if k in SCALE_KEYS})
     local = {**kd_methods.LOCAL, **{k: float(v) for k, v in changes.items() if k in LOCAL_KEYS}}
-    _, _, run = next(p for p in kd_methods.plan(scale) if p[0] == partition and p[1] == "fedavg")
-    model = str(changes.get(MODEL_KEY, run.method_config["model"]))
+    _, _, run = next(p for p in kd_methods.plan(scale) if p[0] == partition and p[1] == method)
     if kind == "centralized":
-        config = {"model": model, "epochs_per_round": 1, "augment": False,
+        config = {"model": str(changes.get(MODEL_KEY, run.method_config["model"])), "epochs_per_round": 1, "augment": False,
                   **{k: local[k] for k in ("optimizer", "lr", "momentum", "weight_decay", "batch_size")}}
-        run = RunSpec(run.name.replace("fedavg", "centralized"), "centralized", config, scale.rounds, eval_every=scale.eval_every)
-    else:
-        run = dataclasses.replace(run, method_config={**run.method_config, "model": model, **{k: local[k] for k in LOCAL_KEYS}})
-    return scale, run, local
+        return scale, RunSpec(run.name.replace("fedavg", "centralized"), "centralized", config, scale.rounds, eval_every=scale.eval_every), local
+    config = dict(run.method_config)
+    if MODEL_KEY in changes:
+        config["mentee_model" if method == "fedkd" else "model"] = str(changes[MODEL_KEY])
+    if "lr" in changes:
+        config.update({"mentor_lr": local["lr"], "mentee_lr": local["lr"]} if method == "fedkd" else {"lr": local["lr"]})
+    return scale, dataclasses.replace(run, method_config=config), local
 
 
 def run_pilot(name: str, changes: dict[str, float | str], partition: str, seed: int, run_dir: Path,
@@ -106,7 +120,8 @@ def run_pilot(name: str, changes: dict[str, float | str], partition: str, seed: 
     series = round_series(report)
     return {
         "name": name, "kind": kind, "changes": changes, "partition": partition if kind == "federated" else None, "seed": seed,
-        "method": run.method, "model": run.method_config["model"],
+        "run": str(changes.get(METHOD_KEY, "fedavg")) if kind == "federated" else "centralized", "method": run.method,
+        "model": run.method_config.get("model", run.method_config.get("mentee_model")), "method_config": run.method_config,
         "scale": {**{k: getattr(scale, k) for k in ("dataset", "agents", "client_fraction", "train_samples", "test_samples", "rounds",
                                                      "eval_every", "local_epochs")}, "local_training": {**local, "local_epochs": scale.local_epochs}},
         "status": report["status"], "final_accuracy": report["totals"]["final_accuracy"],

@@ -32,6 +32,9 @@ def test_a_pilot_may_name_a_registered_model_and_nothing_else() -> None:
         kd_pilots.parse_pilot("x:model=lenet")
     with pytest.raises(argparse.ArgumentTypeError, match="needs a number"):
         kd_pilots.parse_pilot("x:lr=fast")
+    assert kd_pilots.parse_pilot("t:method=fedgkd-vote") == ("t", {"method": "fedgkd-vote"})
+    with pytest.raises(argparse.ArgumentTypeError, match="not a run of the bench"):
+        kd_pilots.parse_pilot("x:method=fedprox")
 
 
 def test_a_pilot_is_the_benchs_fedavg_run_with_its_changes_or_the_same_model_centralized() -> None:
@@ -49,6 +52,14 @@ def test_a_pilot_is_the_benchs_fedavg_run_with_its_changes_or_the_same_model_cen
                                  "batch_size": kd_pilots.kd_methods.BATCH}
     with pytest.raises(ValueError, match="kind"):
         kd_pilots.pilot_run({}, "iid", "split")
+    # Any run of the bench: FedKD's model is its mentee, its lr both models'.
+    _, run, _ = kd_pilots.pilot_run({"method": "fedkd", "model": "convnet", "lr": 0.02}, "dir0.5", "federated")
+    assert run.method == "fedkd" and run.name == "fedkd-dir0.5"
+    assert (run.method_config["mentee_model"], run.method_config["mentor_lr"], run.method_config["mentee_lr"]) == ("convnet", 0.02, 0.02)
+    _, run, _ = kd_pilots.pilot_run({"method": "fedgkd-vote"}, "dir0.1", "federated")
+    assert run.method == "fedgkd" and run.method_config["variant"] == "vote"
+    with pytest.raises(ValueError, match="centralized pilot"):
+        kd_pilots.pilot_run({"method": "fedbe"}, "iid", "centralized")
 
 
 @pytest.mark.slow
@@ -71,5 +82,5 @@ def test_quick_pilots_record_a_federated_and_a_centralized_row(tmp_path: Path) -
         assert row["wall_s"] > 0 and row["cpu_s"] > 0
     central, federated = rows
     assert central["method"] == "centralized" and central["partition"] is None and central["wire_total_bytes"] == 0
-    assert federated["method"] == "fedavg" and federated["partition"] == "dir0.1" and federated["scale"]["local_epochs"] == 2
+    assert federated["method"] == federated["run"] == "fedavg" and federated["partition"] == "dir0.1" and federated["scale"]["local_epochs"] == 2
     assert federated["wire_total_bytes"] > 0 and federated["edge_train_flops"] > 0

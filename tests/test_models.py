@@ -302,7 +302,7 @@ def test_training_flop_ratios_match_the_paper() -> None:
 def test_simplecnn_flops_are_its_layers_macs_counted_by_hand() -> None:
     """On a 32 x 32 x 1 image (padded Fashion-MNIST), MACs: conv1 28*28*6*25 = 117,600;
     conv2 10*10*16*150 = 240,000; fc 400*120 + 120*84 + 84*10 = 58,920. Forward = 2 x 416,520;
-    training = 3 x forward less the first conv's input gradient (2 x 117,600). About 33x
+    training = 3 x forward less the first conv's input gradient (2 x 117,600). About 32x
     fewer than the GroupNorm ResNet-8's."""
     model = build_model("simplecnn", in_channels=1)
     forward = 2 * (117_600 + 240_000 + 58_920)

@@ -20,12 +20,13 @@ process at nice 19):
   (Sec. 5.1), run for FedAvg at Dir(0.1), keeps 0.01.
 * The federation: FedGKD's Table 3 clients and participation (20 agents, ``client_fraction``
   0.2: 4 a round) with FedDistill's data per client (Table I: 50,000 CIFAR-10 images over 100
-  clients, 500 each): 10,000 Fashion-MNIST images, 500 an agent on average; 16 rounds,
+  clients, 500 each): 10,000 Fashion-MNIST images, 500 an agent on average; 20 rounds,
   evaluated every second one.
 
 FedAvg with SimpleCNN, global accuracy on the balanced 1,000-image set by evaluated round
 (rounds 2, 4, ..., 20), 10,000 images: Dir(0.1) 16.4, 30.2, 24.3, 35.3, 41.7, 46.9, 45.7,
-46.3, 44.9, 39.8 %; IID and Dir(0.5): the ``cnn-e10-lr0.01-n10k`` rows. With 5,000 images
+46.3, 44.9, 39.8 %; Dir(0.5) 26.4, 41.5, 71.7, 76.5, 67.9, 69.9, 76.5, 66.3, 78.5, 81.8 %;
+IID 66.9, 75.9, 78.0, 80.1, 82.8, 83.4, 83.7, 83.2, 84.4, 84.9 %. With 5,000 images
 Dir(0.1) swings far more from round to round (23.9 ... 48.5, then 26.0 % at round 20; over 50
 rounds 42-57 % in rounds 40-48), Dir(0.5) reaches 75.0 % and IID 81.7 % at round 20. What
 stayed near chance at Dir(0.1) (20 rounds, 5,000 images): lr 0.1 (diverged), lr 0.05 with 10
@@ -37,21 +38,24 @@ FedAvg at Dir(0.1) after 100 rounds of CIFAR-10: 35.37 % (FedDistill Table II), 
 method learns; one seed is no verdict.
 
 The budget: 7 runs x 3 partitions x 3 seeds = 63 runs in at most 150 minutes. One seed of
-each run at this scale but 20 rounds, Dir(0.1), took (CPU seconds of the bench's process,
-server and agents together; ``PILOT_S``):
+each run at Dir(0.1), at this scale with 16 rounds, on the machine with no other job running
+(load average 0.8-1.9), took in wall seconds (CPU seconds of the bench's process, server and
+agents together, in brackets; the ``grid-*`` rows; ``PILOT_S``):
 
-    FedAvg 82, FedGKD 103, FedGKD-Vote 187, FedDistill 124, FedBE 83, FedKD 350,
-    FedAvg(ConvNet) 216  ->  1,145 s per partition and seed at 20 rounds
+    FedAvg 41.0 (48), FedBE 43.5 (51), FedGKD 49.4 (61), FedDistill 80.0 (79),
+    FedAvg(ConvNet) 91.4 (136), FedGKD-Vote 91.2 (117), FedKD 149.8 (214)
+    -> 546 s (708 CPU s) per partition and seed at 16 rounds
 
-x 16 / 20 rounds x 3 partitions x 3 seeds = 8,244 s = 137 min of 150 (at 20 rounds: 172 min,
-over). A round costs the same at every partition (the same images, epochs and agents per
-round). CPU seconds are the measure because the pilots' wall times, 138-714 s, were 1.7-3.9
-times their CPU times and grew with the other jobs' load; on an idle machine a run's wall
-time should be near its CPU time (training overlaps two torch threads, the rest waits on the
-broker), which is not measured here: the grid records each run's wall and CPU time, and
-``budget.projected`` re-projects from the first runs. FedKD and its ConvNet baseline are half
-the grid: FedKD with a SimpleCNN mentor and a smaller mentee (FedAvg of the mentor then being
-the FedAvg run) would leave room for 20 rounds.
+x 20 / 16 rounds x 3 partitions x 3 seeds = 6,146 s = 102 min of 150 (CPU: 133 min). A round
+costs about the same at every partition (the same images, epochs and agents per round on
+average; FedAvg at 20 rounds took 60 s IID and 52 s at Dir(0.5) against 41 x 20 / 16 = 51 s
+at Dir(0.1)), which the 48 minutes left cover. The same runs on the machine shared with
+other jobs (load 4-7, 20 rounds) took 1.7-3.9 times their CPU seconds in wall time (138-714
+s; the ``time-*`` rows, 1,145 CPU s per partition and seed): the grid keeps its budget on a
+quiet machine only. The grid records each run's wall and CPU time and ``budget.projected``
+re-projects from the recorded runs as they come. FedKD and its ConvNet baseline are 44 % of
+it: FedKD with a SimpleCNN mentor and a smaller mentee (FedAvg of the mentor then being the
+FedAvg run) would leave room for more rounds.
 
 The claims (each row of the claim table; ``CLAIMS``) and where they are printed:
 
@@ -144,8 +148,8 @@ class Scale:
 
 SCALES = {
     # The regime and budget of the module docstring: FedDistill's data per client and local
-    # training, FedGKD's clients and participation, 16 rounds for 2 cores.
-    "full": Scale("full", "fashion-mnist", agents=20, client_fraction=0.2, train_samples=10000, test_samples=1000, rounds=16,
+    # training, FedGKD's clients and participation, 20 rounds for 2 cores.
+    "full": Scale("full", "fashion-mnist", agents=20, client_fraction=0.2, train_samples=10000, test_samples=1000, rounds=20,
                   eval_every=2, local_epochs=10, partitions=tuple(PARTITIONS), seeds=SEEDS, budget_minutes=150,
                   fedbe_server={"unlabeled_samples": 64, "validation_samples": 0, "distill_steps": 16, "distill_batch_size": 32,
                                 "swa_warmup_steps": 8, "swa_cycle_steps": 4}),
@@ -530,15 +534,14 @@ def gains(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None
 
 # -- the budget ------------------------------------------------------------------------------------ #
 
-#: CPU seconds one run took in the pilots (PILOT_NOTE), at PILOT_ROUNDS rounds; a projection
-#: scales them to the scale's rounds (a round costs the same throughout: the same agents,
-#: images and epochs). An idle 2-core machine runs a run in at most its CPU time.
-PILOT_S: dict[str, float] = {"fedavg": 82.0, "fedgkd": 103.0, "fedgkd-vote": 187.0, "feddistill": 124.0, "fedbe": 83.0,
-                             "fedkd": 350.0, "fedavg-mentor": 216.0}
-PILOT_ROUNDS = 20
-PILOT_NOTE = ("bench/results/kd_pilots.json: seed 0, Dirichlet(0.1), 20 agents, client_fraction 0.2, 10,000 images, "
-              "10 local epochs, 20 rounds; the bench's CPU seconds (server and agents) on a 2-core machine shared with "
-              "other jobs (wall 1.7-3.9 times that)")
+#: Wall seconds one run took in the pilots (PILOT_NOTE), at PILOT_ROUNDS rounds; a projection
+#: scales them to the scale's rounds (a round costs about the same throughout: the same
+#: agents, images and epochs).
+PILOT_S: dict[str, float] = {"fedavg": 41.0, "fedgkd": 49.4, "fedgkd-vote": 91.2, "feddistill": 80.0, "fedbe": 43.5,
+                             "fedkd": 149.8, "fedavg-mentor": 91.4}
+PILOT_ROUNDS = 16
+PILOT_NOTE = ("bench/results/kd_pilots.json, the grid-* rows: seed 0, Dirichlet(0.1), the full scale at 16 rounds, on the "
+              "2-core machine with no other job running (load average 0.8-1.9)")
 
 
 def projection(results: Mapping[str, Any], scale: Scale) -> dict[str, Any]:

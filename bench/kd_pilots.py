@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(args.out.read_text()) if args.out.exists() else {
             "benchmark": "kd_pilots", "description": __doc__.splitlines()[0], "base": "bench/kd_methods.py's full scale, FedAvg",
             "pilots": []}
+        doc["description"] = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's first paragraph
+        doc["base"] = "bench/kd_methods.py's full scale and runs (FedAvg unless a pilot names its method), with each pilot's changes"
         for p in doc["pilots"]:
             p.setdefault("kind", "federated")  # the pilots recorded before there were centralized ones
         same = (name, kind, done["partition"], args.seed)

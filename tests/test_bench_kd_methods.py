@@ -194,20 +194,20 @@ def test_the_recorded_json_is_what_the_bench_makes_of_its_runs() -> None:
 
 
 def test_the_full_scales_projected_budget_is_the_docstrings_arithmetic() -> None:
-    """Before any run is recorded, the grid is projected from the pilots' CPU seconds (measured
-    at 20 rounds, scaled to the scale's rounds): 1,145 s per partition and seed x 16 / 20 x 3
-    partitions x 3 seeds = 137 min, inside the 150-minute budget; recorded runs replace the
-    pilot's figure for their cell."""
+    """Before any run is recorded, the grid is projected from the pilots' wall seconds (measured
+    at 16 rounds, scaled to the scale's 20): 546.3 s per partition and seed x 20 / 16 x 3
+    partitions x 3 seeds = 102 min, inside the 150-minute budget; a recorded run replaces the
+    pilot's figure for its cell."""
     kd = load("kd_methods")
     full = kd.SCALES["full"]
-    assert (kd.MODEL, kd.MENTOR, full.train_samples, full.rounds, full.local_epochs, kd.LOCAL["lr"]) == ("simplecnn", "convnet", 10000, 16, 10, 0.01)
-    assert sum(kd.PILOT_S.values()) == pytest.approx(1145.0) and set(kd.PILOT_S) == set(kd.METHODS)
+    assert (kd.MODEL, kd.MENTOR, full.train_samples, full.rounds, full.local_epochs, kd.LOCAL["lr"]) == ("simplecnn", "convnet", 10000, 20, 10, 0.01)
+    assert sum(kd.PILOT_S.values()) == pytest.approx(546.3) and set(kd.PILOT_S) == set(kd.METHODS) and kd.PILOT_ROUNDS == 16
     projected = kd.projection({}, full)
-    assert projected["minutes"] == pytest.approx(1145.0 * 16 / 20 * 3 * 3 / 60) == pytest.approx(137.4)
+    assert projected["minutes"] == pytest.approx(546.3 * 20 / 16 * 3 * 3 / 60) == pytest.approx(102.4, abs=0.05)
     assert projected["minutes"] <= full.budget_minutes and projected["cells_unknown"] == []
     assert len(projected["cells_from_pilot"]) == len(kd.METHODS) * len(full.partitions)
-    # One recorded seed of FedKD at Dir(0.1) replaces its cell's pilot figure (350 x 0.8 s a seed).
+    # One recorded seed of FedKD at Dir(0.1) replaces its cell's pilot figure (149.8 x 20 / 16 s a seed).
     run = {"name": "fedkd-dir0.1", "run_wall_time_s": 100.0}
     again = kd.projection({"fedkd-dir0.1-seed0": run}, full)
-    assert again["minutes"] == pytest.approx(projected["minutes"] + (100.0 - 350.0 * 16 / 20) * 3 / 60)
+    assert again["minutes"] == pytest.approx(projected["minutes"] + (100.0 - 149.8 * 20 / 16) * 3 / 60)
     assert "fedkd-dir0.1" not in again["cells_from_pilot"]

@@ -601,6 +601,8 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
     methods = scale["methods"]
     keys = [(k, label) for k, label in KD_PARTITIONS if k in scale["partitions"]]
     local = scale["local_training"]
+    # The JSONs written before the bench named its models' labels trained the ResNets.
+    mentee, mentor = scale.get("model_label", "ResNet-8"), scale.get("mentor_label", "ResNet-20")
     incomplete = [] if scale.get("complete", True) else [
         "**Incomplete:** not every run and seed of the grid is in this JSON yet (a dash marks the missing cells; verdicts "
         "are computed from the seeds there are).", ""]
@@ -639,7 +641,7 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
                 cell = cells.get(f"{name}-{key}")
                 by = (cell or {}).get("final_by_label") or {}
                 cols += [_pm((by.get("global") or {}).get("mentee")), _pm((by.get("local") or {}).get("mentee"))]
-            rows.append(["FedKD's global mentee (ResNet-8; not the deployed model)", *cols])
+            rows.append([f"FedKD's global mentee ({mentee}; not the deployed model)", *cols])
     header = ["Method"] + [f"{label} {kind}" for _, label in keys for kind in ("global", "local")]
     versus = data.get("versus_fedavg", {})
     cost_rows = []
@@ -671,17 +673,17 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
         v = data["fedkd"].get(key)
         if v is None:
             continue
-        reach = v["wire_mb_to_fedavg_resnet20_final"]
+        reach = v["wire_mb_to_fedavg_mentor_final"]
 
         def mb(label: str) -> str:
             hit = reach.get(label)
             return "not reached" if hit is None else f"{hit['wire_mb']:.1f} (round {hit['round']})"
 
         kd_rows.append([plabel, _pm(v["mentors_global"]), _pm(v["mentors_local"]), _pm(v["mentee_global"]), _pm(v["mentee_local"]),
-                        _pm(v["fedavg_resnet20_global"]), _pm(v["fedavg_resnet8_global"]),
-                        f"{_pm(v['fedkd_wire_mb'], 1.0, 1, '')} / {_pm(v['fedavg_resnet20_wire_mb'], 1.0, 1, '')} / "
-                        f"{_pm(v['fedavg_resnet8_wire_mb'], 1.0, 1, '')}",
-                        f"{mb('fedkd mentors')} / {mb('fedkd mentee')} / {mb('fedavg resnet20')}"])
+                        _pm(v["fedavg_mentor_global"]), _pm(v["fedavg_mentee_global"]),
+                        f"{_pm(v['fedkd_wire_mb'], 1.0, 1, '')} / {_pm(v['fedavg_mentor_wire_mb'], 1.0, 1, '')} / "
+                        f"{_pm(v['fedavg_mentee_wire_mb'], 1.0, 1, '')}",
+                        f"{mb('fedkd mentors')} / {mb('fedkd mentee')} / {mb('fedavg mentor')}"])
     images = []
     if image_dir is not None and data["claims"]:
         _kd_plots(data, image_dir)
@@ -704,7 +706,7 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
         "of the round's agents' mentors, the mean); **local**: the last evaluated round's agents' deployed models on their own "
         f"test shards, sample-weighted. {_rule_line()} The verdict: for a claim of *above* FedAvg, **holds** when the method's "
         "mean is above by more than the two sds combined, **fails** when below by more than that, *within noise* otherwise; "
-        "for FedKD's *comparable accuracy at fewer bytes*, **holds** unless its mentors are below FedAvg(ResNet-20) by more "
+        f"for FedKD's *comparable accuracy at fewer bytes*, **holds** unless its mentors are below FedAvg({mentor}) by more "
         "than the two sds combined or its wire bytes are not fewer. No verdict where both means are within 5 points of chance "
         "(10 %).", "",
         "### The claim table", "",
@@ -717,7 +719,7 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
         "",
         "What each cell cost (training only): edge training TFLOPs summed over the agents and rounds, MB on the wire through "
         "the server's connection (both directions, training messages), FedBE's server TFLOPs (ensemble and distillation), the "
-        "run's wall time, and the first round at which the method's mean curve reached FedAvg(ResNet-8)'s final mean accuracy "
+        f"run's wall time, and the first round at which the method's mean curve reached FedAvg({mentee})'s final mean accuracy "
         "(FedDistill's Table III measure).", "",
         *_table(["Method", "Partition", "Edge TFLOPs", "Wire MB", "Server TFLOPs", "Wall min", "Rounds to FedAvg's final"],
                 cost_rows, right_from=2),
@@ -729,11 +731,11 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
         "### FedKD evaluated as its paper does", "",
         "FedKD infers with each agent's private mentor: its accuracy is the mentors' (global: each of the last round's agents' "
         "mentor on the balanced set, the mean; local: each on its own shard), next to the shared mentee it federates, and "
-        "against FedAvg of a mentor-sized model (ResNet-20) and of a mentee-sized one (ResNet-8). Wire MB are the whole run's "
-        "training bytes (FedKD / FedAvg(ResNet-20) / FedAvg(ResNet-8)); the last column is the MB moved until the mean curve "
-        "first reached FedAvg(ResNet-20)'s final mean accuracy (mentors / mentee / FedAvg(ResNet-20) itself).", "",
-        *_table(["Partition", "Mentors global", "Mentors local", "Mentee global", "Mentee local", "FedAvg(ResNet-20) global",
-                 "FedAvg(ResNet-8) global", "Wire MB", "MB to FedAvg(ResNet-20)'s final"], kd_rows),
+        f"against FedAvg of the mentor model ({mentor}) and of the mentee one ({mentee}). Wire MB are the whole run's "
+        f"training bytes (FedKD / FedAvg({mentor}) / FedAvg({mentee})); the last column is the MB moved until the mean curve "
+        f"first reached FedAvg({mentor})'s final mean accuracy (mentors / mentee / FedAvg({mentor}) itself).", "",
+        *_table(["Partition", "Mentors global", "Mentors local", "Mentee global", "Mentee local", f"FedAvg({mentor}) global",
+                 f"FedAvg({mentee}) global", "Wire MB", f"MB to FedAvg({mentor})'s final"], kd_rows),
         "",
     ]
 

@@ -2,6 +2,10 @@
 and what both sides train with: the one training loop and optimiser factory
 (:mod:`models.training`), losses, SWA and BatchNorm-statistics helpers.
 
+Architectures: the split ResNets (:mod:`models.resnet`, :mod:`models.mentor`) and the
+KD papers' plain CNNs (:mod:`models.convnet`), every one with the linear-head view of
+:mod:`models.heads`.
+
 Depends on torch and numpy only; it never imports the protocol, data, agent or
 server packages, so both sides of a run (and a Pi) can install it alone.
 
@@ -58,14 +62,19 @@ from models.resnet import (
 )
 # Registers the FedKD mentor architectures (resnet20) so the registry is complete on import.
 import models.mentor  # noqa: E402,F401
+from models.convnet import CONVNET_LAYOUT, SIMPLECNN_LAYOUT, ConvLayout, ConvNet, convnet, simplecnn  # noqa: E402
 from models.weights import WeightsMismatchError, load_arrays_into, state_dict_to_arrays
 
 __all__ = [
+    "CONVNET_LAYOUT",
     "FEATURE_CHANNELS",
     "RESNET8_LAYOUT",
     "RESNET56_LAYOUT",
     "RESNET110_LAYOUT",
+    "SIMPLECNN_LAYOUT",
     "Bottleneck",
+    "ConvLayout",
+    "ConvNet",
     "ConvStem",
     "FlopsPerSample",
     "InputKind",
@@ -80,6 +89,7 @@ __all__ = [
     "StageLayout",
     "WeightsMismatchError",
     "build_model",
+    "convnet",
     "count_parameters",
     "flops_of",
     "flops_per_sample",
@@ -94,6 +104,7 @@ __all__ = [
     "resnet56",
     "resnet109_server",
     "resnet110",
+    "simplecnn",
     "state_dict_to_arrays",
     "training_flops_per_sample",
 ]

@@ -14,12 +14,13 @@ family as ``resnet56`` ([6, 6, 6]); it is *not* He et al.'s basic-block
 ResNet-20. 220,090 parameters for 1-channel 10-class inputs.
 
 Hidden states for Eq. 5 (the paper's are a transformer's hidden states and
-attention heatmaps); :func:`forward_with_hidden` returns, for a CNN:
+attention heatmaps); :func:`forward_with_hidden` returns, for any model with
+the linear-head view of :mod:`models.heads` (the split ResNets, the ConvNets):
 
-* ``hidden``: the pooled penultimate features ``(B, D)`` (what the linear head
-  sees; D = 64 for ResNet-8, 256 for ResNet-20/56), which the mentee maps to
-  the mentor's D with the learnable ``W_h``;
-* ``feature_map``: the last stage's output ``(B, C, h, w)``, from which the
+* ``hidden``: the penultimate features ``(B, D)`` (what the linear head
+  sees; D = 64 for ResNet-8, 256 for ResNet-20/56, 84 for SimpleCNN, 64 for
+  ConvNet), which the mentee maps to the mentor's D with the learnable ``W_h``;
+* ``feature_map``: the last conv stage's output ``(B, C, h, w)``, from which the
   edge method derives spatial attention maps (the CNN counterpart of
   attention heatmaps, as in Zagoruyko & Komodakis' attention transfer).
 """
@@ -31,8 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from models.heads import head_view, map_features_and_logits
 from models.registry import register_model
-from models.resnet import ResNet, SplitResNet, StageLayout, group_norm
+from models.resnet import ResNet, StageLayout, group_norm
 
 __all__ = ["RESNET20_LAYOUT", "HiddenOutputs", "forward_with_hidden", "hidden_dim", "resnet20", "resnet20_gn"]
 
@@ -57,31 +59,21 @@ class HiddenOutputs:
     """What the FedKD losses need from one forward pass."""
 
     logits: torch.Tensor  # (B, num_classes)
-    hidden: torch.Tensor  # (B, D) pooled penultimate features
-    feature_map: torch.Tensor  # (B, C, h, w) last stage output, before pooling
-
-
-def _check_split(model: nn.Module) -> SplitResNet:
-    if not isinstance(model, SplitResNet):
-        raise TypeError(f"FedKD needs a split ResNet (extractor + trunk) to read hidden states, got {type(model).__name__}")
-    return model
+    hidden: torch.Tensor  # (B, D) penultimate features (the linear head's input)
+    feature_map: torch.Tensor  # (B, C, h, w) last conv stage output, before pooling
 
 
 def hidden_dim(model: nn.Module) -> int:
     """D of :attr:`HiddenOutputs.hidden` for ``model``."""
-    return int(_check_split(model).classifier.fc.in_features)
+    return int(head_view(model).head.in_features)
 
 
 def forward_with_hidden(model: nn.Module, x: torch.Tensor) -> HiddenOutputs:
-    """Logits, pooled hidden features and last feature map of a split ResNet.
+    """Logits, penultimate features and last feature map of ``model`` on ``x``.
 
-    The same computation as the model's own forward (stem, stages, pool, fc),
-    stopped at the points Eq. 5 compares; works for the edge ResNet-8 (whose
-    forward returns a tuple) and the full ResNets alike.
+    The same computation as the model's own forward, stopped at the points Eq. 5
+    compares (:func:`models.heads.map_features_and_logits`); works for the edge
+    ResNet-8 (whose forward returns a tuple), the full ResNets and the ConvNets alike.
     """
-    net = _check_split(model)
-    trunk = net.classifier
-    stem = net.extract(x)  # (B, 16, H, W)
-    feature_map = trunk.stages(stem)  # (B, C, h, w)
-    hidden = torch.flatten(trunk.avgpool(feature_map), 1)  # (B, D)
-    return HiddenOutputs(logits=trunk.fc(hidden), hidden=hidden, feature_map=feature_map)
+    feature_map, hidden, logits = map_features_and_logits(model, x)  # (B, C, h, w), (B, D), (B, K)
+    return HiddenOutputs(logits=logits, hidden=hidden, feature_map=feature_map)

@@ -221,6 +221,21 @@ class SplitResNet(nn.Module):
         """Logits ``(B, num_classes)`` from extractor features."""
         return self.classifier(features)
 
+    # The linear-head view (models.heads): forward == head(embed(feature_map(x))).
+
+    @property
+    def head(self) -> nn.Linear:
+        """The trunk's final linear classifier."""
+        return self.classifier.fc
+
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor:  # (B, in_channels, H, W)
+        """The last stage's output ``(B, C, h, w)``, before the pool."""
+        return self.classifier.stages(self.extract(x))  # (B, C, h, w)
+
+    def embed(self, feature_map: torch.Tensor) -> torch.Tensor:  # (B, C, h, w)
+        """The pooled vector the head sees, ``(B, C)``."""
+        return torch.flatten(self.classifier.avgpool(feature_map), 1)  # (B, C)
+
 
 class ResNet(SplitResNet):
     """A full image classifier (ResNet-56 / ResNet-110 for FedAvg): ``forward(x) -> logits``."""

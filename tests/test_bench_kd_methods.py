@@ -72,7 +72,7 @@ def test_the_claim_table_is_computed_from_the_cells() -> None:
     runs = {}
     finals = {  # name -> final accuracy per seed at Dirichlet(0.1)
         "fedavg": [0.50, 0.52, 0.54], "fedgkd": [0.60, 0.62, 0.64], "fedgkd-vote": [0.51, 0.53, 0.55],
-        "feddistill": [0.40, 0.42, 0.44], "fedbe": [0.58, 0.60, 0.62], "fedavg-resnet20": [0.55, 0.57, 0.59],
+        "feddistill": [0.40, 0.42, 0.44], "fedbe": [0.58, 0.60, 0.62], "fedavg-mentor": [0.55, 0.57, 0.59],
         "fedkd": [0.54, 0.56, 0.58],
     }
     for name, values in finals.items():
@@ -88,7 +88,7 @@ def test_the_claim_table_is_computed_from_the_cells() -> None:
     assert rows["fedgkd-vote"]["verdict"] == "within noise"
     assert rows["feddistill"]["verdict"] == "fails"
     assert rows["fedbe"]["verdict"] == "holds"
-    assert rows["fedkd"]["baseline"] == "fedavg-resnet20" and rows["fedkd"]["verdict"] == "holds"
+    assert rows["fedkd"]["baseline"] == "fedavg-mentor" and rows["fedkd"]["verdict"] == "holds"
     assert rows["fedkd"]["bytes_fraction"] == pytest.approx(0.05)
     # The same table with FedDistill's numbers raised: its verdict follows the numbers.
     for seed in range(3):
@@ -99,8 +99,8 @@ def test_the_claim_table_is_computed_from_the_cells() -> None:
     assert versus["fedgkd"]["dir0.1"]["rounds_to_fedavg_final"] == 2 and versus["fedgkd"]["dir0.1"]["global"]["differ"] is True
     view = kd.fedkd_view(cells, ["dir0.1"])["dir0.1"]
     assert view["mentee_global"]["mean"] == pytest.approx(0.3) and view["mentors_global"]["mean"] == pytest.approx(0.56)
-    assert view["wire_mb_to_fedavg_resnet20_final"]["fedkd mentors"] is None  # 0.56 < FedAvg(ResNet-20)'s 0.57
-    assert view["wire_mb_to_fedavg_resnet20_final"]["fedavg resnet20"] == {"round": 2, "wire_mb": pytest.approx(20.0)}
+    assert view["wire_mb_to_fedavg_mentor_final"]["fedkd mentors"] is None  # 0.56 < FedAvg(mentor)'s 0.57
+    assert view["wire_mb_to_fedavg_mentor_final"]["fedavg mentor"] == {"round": 2, "wire_mb": pytest.approx(20.0)}
 
 
 def test_the_page_renders_the_claim_table_from_the_json(tmp_path: Path) -> None:
@@ -118,9 +118,9 @@ def test_the_page_renders_the_claim_table_from_the_json(tmp_path: Path) -> None:
     assert "**Incomplete:**" in text  # only Dirichlet(0.1) was recorded
     fedgkd = next(r for r in doc["claims"] if r["method"] == "fedgkd" and r["partition"] == "dir0.1")
     assert fedgkd["verdict"] == "holds"
-    line = next(l for l in text.splitlines() if l.startswith("| FedGKD (ResNet-8, M = 5) | above FedAvg"))
+    line = next(l for l in text.splitlines() if l.startswith(f"| FedGKD ({kd.MODEL_LABEL}, M = 5) | above FedAvg"))
     assert "Dirichlet(0.1)" in line and "61.0 ± 1.0%" in line and "51.0 ± 1.0%" in line and "+10.0 (2.0)" in line and "**holds**" in line
-    assert "FedKD's global mentee" in text and "MB to FedAvg(ResNet-20)'s final" in text
+    assert "FedKD's global mentee" in text and f"MB to FedAvg({kd.MENTOR_LABEL})'s final" in text
 
 
 @pytest.mark.slow
@@ -143,7 +143,7 @@ def test_quick_mode_runs_every_method_with_two_seeds_in_under_a_minute(tmp_path:
     # FedKD: the mentors are the headline, the mentee is beside them, on both sets.
     fedkd = data["cells"]["fedkd-dir0.1"]
     assert {"model", "mentee"} <= set(fedkd["final_by_label"]["global"]) and {"model", "mentee"} <= set(fedkd["final_by_label"]["local"])
-    assert data["fedkd"]["dir0.1"]["curves"]["fedavg resnet20"]
+    assert data["fedkd"]["dir0.1"]["curves"]["fedavg mentor"]
     # Every verdict is the verdict function's on the JSON's own numbers.
     assert {r["method"] for r in data["claims"]} == {"fedgkd", "fedgkd-vote", "feddistill", "fedbe", "fedkd"}
     for row in data["claims"]:
@@ -191,3 +191,23 @@ def test_the_recorded_json_is_what_the_bench_makes_of_its_runs() -> None:
     cells = kd.cells(data["runs"])
     assert json.loads(json.dumps(cells)) == data["cells"]
     assert json.loads(json.dumps(kd.claims(cells, list(data["scale"]["partitions"])))) == data["claims"]
+
+
+def test_the_full_scales_projected_budget_is_the_docstrings_arithmetic() -> None:
+    """Before any run is recorded, the grid is projected from the pilots' wall seconds (measured
+    at 16 rounds, scaled to the scale's 20): 546.3 s per partition and seed x 20 / 16 x 3
+    partitions x 3 seeds = 102 min, inside the 150-minute budget; a recorded run replaces the
+    pilot's figure for its cell."""
+    kd = load("kd_methods")
+    full = kd.SCALES["full"]
+    assert (kd.MODEL, kd.MENTOR, full.train_samples, full.rounds, full.local_epochs, kd.LOCAL["lr"]) == ("simplecnn", "convnet", 10000, 20, 10, 0.01)
+    assert sum(kd.PILOT_S.values()) == pytest.approx(546.3) and set(kd.PILOT_S) == set(kd.METHODS) and kd.PILOT_ROUNDS == 16
+    projected = kd.projection({}, full)
+    assert projected["minutes"] == pytest.approx(546.3 * 20 / 16 * 3 * 3 / 60) == pytest.approx(102.4, abs=0.05)
+    assert projected["minutes"] <= full.budget_minutes and projected["cells_unknown"] == []
+    assert len(projected["cells_from_pilot"]) == len(kd.METHODS) * len(full.partitions)
+    # One recorded seed of FedKD at Dir(0.1) replaces its cell's pilot figure (149.8 x 20 / 16 s a seed).
+    run = {"name": "fedkd-dir0.1", "run_wall_time_s": 100.0}
+    again = kd.projection({"fedkd-dir0.1-seed0": run}, full)
+    assert again["minutes"] == pytest.approx(projected["minutes"] + (100.0 - 149.8 * 20 / 16) * 3 / 60)
+    assert "fedkd-dir0.1" not in again["cells_from_pilot"]

@@ -33,7 +33,9 @@ from models import (
 from models import registry as registry_module
 
 # resnet20: the small FedKD mentor (models/mentor.py).
-EXPECTED_MODELS = {"resnet8", "resnet8_gn", "resnet20", "resnet20_gn", "cifar_resnet8_gn", "cifar_resnet20_gn", "resnet55_server", "resnet109_server", "resnet56", "resnet110"}
+# simplecnn / convnet: the KD papers' plain CNNs (models/convnet.py).
+EXPECTED_MODELS = {"resnet8", "resnet8_gn", "resnet20", "resnet20_gn", "cifar_resnet8_gn", "cifar_resnet20_gn", "resnet55_server", "resnet109_server", "resnet56", "resnet110",
+                   "simplecnn", "convnet"}
 
 # FedML's FedGKT variants, CIFAR-10 head, 3 input channels (the paper's 54x / 105x).
 # The server counts are the full models' minus the stem (conv 3*16*9 + BN 2*16 = 464).
@@ -47,6 +49,10 @@ EXPECTED_PARAMS = {
     "resnet110": 1_147_738,
     "resnet55_server": 591_322 - 464,
     "resnet109_server": 1_147_738 - 464,
+    # FedDistill's SimpleCNN (MOON's CIFAR one): conv 3*6*25 + 6, conv 6*16*25 + 16, fc (16*5*5)*120 + 120, 120*84 + 84, 84*10 + 10.
+    "simplecnn": 456 + 2_416 + 48_120 + 10_164 + 850,
+    # FedBE's ConvNet (its CIFAR one): conv 3*32*9 + 32, 32*64*9 + 64, 64*64*9 + 64, fc (64*4*4)*64 + 64, 64*10 + 10.
+    "convnet": 896 + 18_496 + 36_928 + 65_600 + 650,
 }
 
 
@@ -103,6 +109,79 @@ def test_cifar_resnets_are_he_et_al_s_6n_plus_2_layers() -> None:
     assert stages.shape == (2, 64, 8, 8)  # 16 -> 32 -> 64 channels, 32 -> 16 -> 8 pixels
     with pytest.raises(ValueError, match="block must be one of"):
         StageLayout(blocks=(1,), planes=(16,), strides=(1,), block="wide")
+
+
+@pytest.mark.parametrize("size", [28, 32])
+@pytest.mark.parametrize("name", sorted(n for n in EXPECTED_MODELS if get_model_spec(n).input_kind == "image"))
+def test_every_image_model_is_head_of_embed_of_feature_map(name: str, size: int) -> None:
+    """The linear-head view every KD method reads (models/heads.py: FedDistill's E and FC,
+    FedKD's hidden states) is the model's own forward, cut in two places, for every image
+    model of the registry at Fashion-MNIST's and CIFAR's sizes."""
+    from models.heads import LinearHeadModel, features_and_logits, linear_head, map_features_and_logits
+    from models.mentor import forward_with_hidden, hidden_dim
+
+    model = build_model(name, num_classes=10, in_channels=1).eval()
+    assert isinstance(model, LinearHeadModel)
+    x = _input_batch(name, in_channels=1, batch_size=3, size=size)
+    with torch.no_grad():
+        out = model(x)
+        own = out[0] if isinstance(out, tuple) else out
+        feature_map, features, logits = map_features_and_logits(model, x)
+        assert feature_map.dim() == 4 and feature_map.shape[0] == 3
+        assert features.shape == (3, linear_head(model).in_features) == (3, hidden_dim(model))
+        assert torch.equal(logits, own) and torch.equal(linear_head(model)(features), own)
+        assert torch.equal(features_and_logits(model, x)[0], features)
+        hidden = forward_with_hidden(model, x)
+        assert torch.equal(hidden.logits, own) and torch.equal(hidden.hidden, features) and torch.equal(hidden.feature_map, feature_map)
+
+
+def test_a_model_without_the_head_view_is_refused_by_name() -> None:
+    from models.heads import linear_head
+
+    with pytest.raises(TypeError, match="linear head view.*ResNetTrunk"):
+        linear_head(build_model("resnet55_server"))
+
+
+def test_the_convnets_are_the_papers_layer_stacks() -> None:
+    """SimpleCNN (FedDistill's Table I; MOON's layers) and ConvNet (FedBE's Table 1: "3
+    convolutional and 2 fully-connected layers"): the conv / fc stacks, the map sizes on
+    EdgeSplit's 32 x 32 images, and no normalisation layer (no buffers: an average of agents'
+    models needs no batch statistics)."""
+    from models.convnet import CONVNET_LAYOUT, SIMPLECNN_LAYOUT
+
+    for name, convs, fcs, (channels, side) in (("simplecnn", 2, 3, (16, 5)), ("convnet", 3, 2, (64, 4))):
+        model = build_model(name, in_channels=1)
+        assert sum(isinstance(m, nn.Conv2d) for m in model.modules()) == convs
+        assert sum(isinstance(m, nn.Linear) for m in model.modules()) == fcs
+        assert not any(isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) for m in model.modules()) and list(model.buffers()) == []
+        with torch.no_grad():
+            feature_map = model.feature_map(torch.zeros(1, 1, 32, 32))
+            assert feature_map.shape == (1, channels, side, side) and torch.equal(model.pool(feature_map), feature_map)  # the identity at 32
+    assert SIMPLECNN_LAYOUT.map_size(28) == 4 and SIMPLECNN_LAYOUT.map_size(32) == 5
+    assert CONVNET_LAYOUT.map_size(28) == 3 and CONVNET_LAYOUT.map_size(32) == 4
+    # The smallest image each takes, and a clear refusal below it.
+    assert (SIMPLECNN_LAYOUT.min_image_size, CONVNET_LAYOUT.min_image_size) == (16, 18)
+    with pytest.raises(ValueError, match="at least 16 x 16"):
+        build_model("simplecnn", in_channels=1)(torch.zeros(1, 1, 12, 12))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"channels": ()}, "at least one conv"),
+        ({"kernels": (5,)}, "one entry per conv"),
+        ({"channels": (6, 0)}, "positive integer"),
+        ({"pools": (True, 1)}, "booleans"),
+        ({"pooled_size": 0}, "positive integer"),
+    ],
+)
+def test_conv_layout_is_validated(kwargs: dict[str, object], message: str) -> None:
+    from models.convnet import SIMPLECNN_LAYOUT, ConvLayout
+
+    fields = {"channels": SIMPLECNN_LAYOUT.channels, "kernels": SIMPLECNN_LAYOUT.kernels, "pools": SIMPLECNN_LAYOUT.pools,
+              "pooled_size": SIMPLECNN_LAYOUT.pooled_size, "hidden": SIMPLECNN_LAYOUT.hidden}
+    with pytest.raises(ValueError, match=message):
+        ConvLayout(**{**fields, **kwargs})  # type: ignore[arg-type]
 
 
 def test_trainable_only_excludes_frozen_parameters() -> None:
@@ -218,6 +297,19 @@ def test_training_flop_ratios_match_the_paper() -> None:
     assert flops["resnet8"] == pytest.approx(56.8e6, rel=1e-3)
     assert flops["resnet56"] == pytest.approx(522.4e6, rel=1e-3)
     assert flops["resnet110"] == pytest.approx(1003.7e6, rel=1e-3)
+
+
+def test_simplecnn_flops_are_its_layers_macs_counted_by_hand() -> None:
+    """On a 32 x 32 x 1 image (padded Fashion-MNIST), MACs: conv1 28*28*6*25 = 117,600;
+    conv2 10*10*16*150 = 240,000; fc 400*120 + 120*84 + 84*10 = 58,920. Forward = 2 x 416,520;
+    training = 3 x forward less the first conv's input gradient (2 x 117,600). About 32x
+    fewer than the GroupNorm ResNet-8's."""
+    model = build_model("simplecnn", in_channels=1)
+    forward = 2 * (117_600 + 240_000 + 58_920)
+    assert forward_flops_per_sample(model, (1, 32, 32)) == forward == 833_040
+    assert training_flops_per_sample(model, (1, 32, 32)) == 3 * forward - 2 * 117_600 == 2_263_920
+    resnet8 = training_flops_per_sample(build_model("cifar_resnet8_gn", in_channels=1), (1, 32, 32))
+    assert resnet8 / 2_263_920 > 30
 
 
 def test_flops_per_sample_do_not_depend_on_batch_size() -> None:

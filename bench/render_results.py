@@ -45,7 +45,7 @@ if str(REPO_ROOT / "bench") not in sys.path:
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from _stats import DIFFERENCE_RULE, comparison  # noqa: E402
+from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
 DASH = "—"
 
 
@@ -617,7 +617,10 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
     for r in data["claims"]:
         plabel = dict(KD_PARTITIONS).get(r["partition"], r["partition"])
         diff = DASH if r["mean_difference"] is None else f"{100 * r['mean_difference']:+.1f}"
-        sd = DASH if r["combined_sd"] is None else f"{100 * r['combined_sd']:.1f}"
+        # Paired (the JSONs since the paired rule): the sd of the per-seed differences; else the two sds combined.
+        paired_row = r.get("rule") == "paired"
+        spread = r.get("sd_difference") if paired_row else r["combined_sd"]
+        sd = DASH if spread is None else f"{100 * spread:.1f}" + ("" if paired_row else " combined")
         said = KD_VERDICTS.get(r["verdict"], r["verdict"])
         if r.get("bytes_fraction") is not None:
             said += f" ({100 * r['bytes_fraction']:.1f}% of the bytes)"
@@ -704,14 +707,16 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
         *incomplete,
         f"{_eval_set_line(data, scale['seeds'])} **Global**: the deployed model after the last round on that set (FedKD: each "
         "of the round's agents' mentors, the mean); **local**: the last evaluated round's agents' deployed models on their own "
-        f"test shards, sample-weighted. {_rule_line()} The verdict: for a claim of *above* FedAvg, **holds** when the method's "
-        "mean is above by more than the two sds combined, **fails** when below by more than that, *within noise* otherwise; "
+        f"test shards, sample-weighted. {_rule_line()} The claims are judged paired, because the seed draws the split and every "
+        f"method of a seed shares it: {PAIRED_RULE} (a row marked *combined* had fewer than two seeds in common and is "
+        "judged by the unpaired rule). The verdict: for a claim of *above* FedAvg, **holds** when the mean per-seed "
+        "difference is above zero by more than its sd, **fails** when below by more than that, *within noise* otherwise; "
         f"for FedKD's *comparable accuracy at fewer bytes*, **holds** unless its mentors are below FedAvg({mentor}) by more "
-        "than the two sds combined or its wire bytes are not fewer. No verdict where both means are within 5 points of chance "
+        "than that or its wire bytes are not fewer. No verdict where both means are within 5 points of chance "
         "(10 %).", "",
         "### The claim table", "",
         *_table(["Method", "Paper's claim", "Paper's evidence and regime", "Here", "Baseline (mean ± sd)", "Method (mean ± sd)",
-                 "Difference, points (sds combined)", "Verdict"], claim_rows, right_from=4),
+                 "Difference, points (sd of the per-seed differences)", "Verdict"], claim_rows, right_from=4),
         "",
         *([f"Gain over the baseline by partition (means): {'; '.join(gain_lines)}.", ""] if gain_lines else []),
         "### Every method, every partition", "",

@@ -44,6 +44,24 @@ def test_verdict_holds_within_noise_fails_by_the_difference_rule() -> None:
     assert kd.verdict(s(0.104, 0.0), s(0.10, 0.0), "above", chance=0.1)["verdict"] == "at chance"
     assert kd.verdict(s(0.104, 0.0), s(0.10, 0.0), "above")["verdict"] == "holds"  # what the rule alone would say
     assert kd.verdict(s(0.30, 0.01), s(0.10, 0.0), "above", chance=0.1)["verdict"] == "holds"
+    # Paired: a gain of 3 points in every seed is a difference however far apart the seeds' splits
+    # put both cells; the unpaired figures stay beside it.
+    stats = load("_stats")
+    base_by_seed, mine_by_seed = {"0": 0.40, "1": 0.37, "2": 0.60}, {"0": 0.43, "1": 0.40, "2": 0.63}
+    base, mine = stats.mean_sd(base_by_seed.values()), stats.mean_sd(mine_by_seed.values())
+    assert kd.verdict(mine, base, "above")["verdict"] == "within noise"
+    judged = kd.verdict(mine, base, "above", pairs=stats.paired(mine_by_seed, base_by_seed))
+    assert judged["verdict"] == "holds" and judged["rule"] == "paired" and judged["mean_difference"] == pytest.approx(0.03)
+    assert judged["unpaired"]["differ"] is False and judged["unpaired"]["combined_sd"] > 0.2
+    # The same spread, the gain in one seed only: within noise; a loss in every seed: fails.
+    mixed = {"0": 0.50, "1": 0.35, "2": 0.58}
+    assert kd.verdict(stats.mean_sd(mixed.values()), base, "above", pairs=stats.paired(mixed, base_by_seed))["verdict"] == "within noise"
+    worse = {k: v - 0.02 for k, v in base_by_seed.items()}
+    worse["1"] -= 0.01
+    assert kd.verdict(stats.mean_sd(worse.values()), base, "above", pairs=stats.paired(worse, base_by_seed))["verdict"] == "fails"
+    # Fewer than two paired seeds: the unpaired rule decides.
+    one = stats.paired({"0": 0.43}, base_by_seed)
+    assert kd.verdict(mine, base, "above", pairs=one)["rule"] == "unpaired"
     # One seed: no sd, no verdict either way.
     assert kd.verdict({"mean": 0.9, "sd": None, "n": 1}, fedavg, "above")["verdict"] == "too few seeds"
     with pytest.raises(ValueError):
@@ -71,9 +89,9 @@ def test_the_claim_table_is_computed_from_the_cells() -> None:
     kd = load("kd_methods")
     runs = {}
     finals = {  # name -> final accuracy per seed at Dirichlet(0.1)
-        "fedavg": [0.50, 0.52, 0.54], "fedgkd": [0.60, 0.62, 0.64], "fedgkd-vote": [0.51, 0.53, 0.55],
+        "fedavg": [0.50, 0.52, 0.54], "fedgkd": [0.60, 0.62, 0.64], "fedgkd-vote": [0.53, 0.51, 0.55],
         "feddistill": [0.40, 0.42, 0.44], "fedbe": [0.58, 0.60, 0.62], "fedavg-mentor": [0.55, 0.57, 0.59],
-        "fedkd": [0.54, 0.56, 0.58],
+        "fedkd": [0.57, 0.55, 0.56],
     }
     for name, values in finals.items():
         for seed, final in enumerate(values):
@@ -85,7 +103,10 @@ def test_the_claim_table_is_computed_from_the_cells() -> None:
     rows = {r["method"]: r for r in kd.claims(cells, ["dir0.1"])}
     assert set(rows) == {"fedgkd", "fedgkd-vote", "feddistill", "fedbe", "fedkd"}
     assert rows["fedgkd"]["verdict"] == "holds" and rows["fedgkd"]["mean_difference"] == pytest.approx(0.10)
-    assert rows["fedgkd-vote"]["verdict"] == "within noise"
+    assert all(r["rule"] == "paired" and r["paired"]["seeds"] == ["0", "1", "2"] for r in rows.values())
+    # +0.03, -0.01, +0.01 seed by seed: mean 0.01, sd 0.02.
+    assert rows["fedgkd-vote"]["verdict"] == "within noise" and rows["fedgkd-vote"]["sd_difference"] == pytest.approx(0.02)
+    assert rows["fedgkd-vote"]["paired"]["differences"] == pytest.approx([0.03, -0.01, 0.01])
     assert rows["feddistill"]["verdict"] == "fails"
     assert rows["fedbe"]["verdict"] == "holds"
     assert rows["fedkd"]["baseline"] == "fedavg-mentor" and rows["fedkd"]["verdict"] == "holds"
@@ -119,7 +140,7 @@ def test_the_page_renders_the_claim_table_from_the_json(tmp_path: Path) -> None:
     fedgkd = next(r for r in doc["claims"] if r["method"] == "fedgkd" and r["partition"] == "dir0.1")
     assert fedgkd["verdict"] == "holds"
     line = next(l for l in text.splitlines() if l.startswith(f"| FedGKD ({kd.MODEL_LABEL}, M = 5) | above FedAvg"))
-    assert "Dirichlet(0.1)" in line and "61.0 ± 1.0%" in line and "51.0 ± 1.0%" in line and "+10.0 (2.0)" in line and "**holds**" in line
+    assert "Dirichlet(0.1)" in line and "61.0 ± 1.0%" in line and "51.0 ± 1.0%" in line and "+10.0 (0.0)" in line and "**holds**" in line
     assert "FedKD's global mentee" in text and f"MB to FedAvg({kd.MENTOR_LABEL})'s final" in text
 
 

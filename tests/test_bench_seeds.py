@@ -49,6 +49,29 @@ def test_a_difference_is_one_larger_than_the_two_sds_combined() -> None:
     assert "more than the two standard deviations combined" in stats.DIFFERENCE_RULE
 
 
+def test_a_paired_difference_is_one_larger_than_the_sd_of_the_per_seed_differences() -> None:
+    stats = load("_stats")
+    # Hard and easy splits: each cell's spread is the splits' (sd 0.11), the gain is 0.03 in every seed.
+    fedavg = {0: 0.40, 1: 0.37, 2: 0.60}
+    method = {0: 0.43, 1: 0.40, 2: 0.63}
+    unpaired = stats.comparison(stats.mean_sd(method.values()), stats.mean_sd(fedavg.values()))
+    assert unpaired["differ"] is False  # 0.03 apart, sds 0.12 combined far larger
+    p = stats.paired(method, fedavg)
+    assert p["seeds"] == [0, 1, 2] and p["differences"] == pytest.approx([0.03, 0.03, 0.03])
+    assert p["mean_difference"] == pytest.approx(0.03) and p["sd_difference"] == pytest.approx(0.0) and p["differ"] is True
+    # A gain in one seed and losses in two: the mean is no further from zero than the sd.
+    mixed = stats.paired({0: 0.50, 1: 0.35, 2: 0.58}, fedavg)  # +0.10, -0.02, -0.02: mean 0.02, sd 0.069
+    assert mixed["mean_difference"] == pytest.approx(0.02) and mixed["sd_difference"] == pytest.approx(math.sqrt(0.0096 / 2))
+    assert mixed["differ"] is False
+    # Exactly one sd from zero is not a difference; below two common seeds, no claim; None and missing seeds are left out.
+    assert stats.paired({0: 0.2, 1: 0.4}, {0: 0.1, 1: 0.1})["differ"] is True  # mean 0.2, sd 0.141
+    edge = stats.paired({0: 0.0, 1: 0.2}, {0: 0.0, 1: 0.0})  # d = 0, 0.2: mean 0.1, sd 0.141
+    assert edge["differ"] is False
+    few = stats.paired({0: 0.5, 1: None, 3: 0.9}, {0: 0.4, 1: 0.4, 2: 0.4})
+    assert few["seeds"] == [0] and few["n"] == 1 and few["sd_difference"] is None and few["differ"] is None
+    assert "paired" in stats.PAIRED_RULE and "|mean d| > sd d" in stats.PAIRED_RULE
+
+
 def synthetic_report(method: str, accuracies: list[float], seed: int, wall_s: float = 60.0) -> dict[str, Any]:
     """A finished run report in the new schema (global, local and edge accuracies, evaluation apart)."""
     gkt = method == "fedgkt"

@@ -751,15 +751,27 @@ ROBUST_RULES = ("mean", "trimmed_mean", "median", "krum", "multi_krum")
 ROBUST_MARGIN = 0.05  # issue 25: with the defences on, an attacked run stays within 5 points of its clean run
 
 
-def _robust_key(run: dict[str, Any]) -> tuple[str, str, bool, str]:
-    return run["method"], run["attack"], run["checks"], run["aggregation"]
+RobustKey = tuple[str, str, bool, str, "float | None"]
 
 
-def _robust_clean(runs: dict[tuple[str, str, bool, str], dict[str, Any]], run: dict[str, Any]) -> dict[str, Any] | None:
+def _robust_key(run: dict[str, Any]) -> RobustKey:
+    # min_cosine: a run with [server] plausible_min_cosine set (None: the default).
+    return run["method"], run["attack"], run["checks"], run["aggregation"], run.get("min_cosine")
+
+
+def _robust_clean(runs: dict[RobustKey, dict[str, Any]], run: dict[str, Any]) -> dict[str, Any] | None:
     """The clean run an attacked run is measured against: the same method and rule, all five
-    agents honest, the same defences if that run was made, else the other setting."""
-    method, _attack, checks, rule = _robust_key(run)
-    return runs.get((method, "none", checks, rule)) or runs.get((method, "none", not checks, rule))
+    agents honest, the same defences if that run was made, else the default checks, else the
+    other setting."""
+    method, _attack, checks, rule, cosine = _robust_key(run)
+    return (runs.get((method, "none", checks, rule, cosine)) or runs.get((method, "none", checks, rule, None))
+            or runs.get((method, "none", not checks, rule, None)))
+
+
+def _defences_text(run: dict[str, Any]) -> str:
+    if not run["checks"]:
+        return "off"
+    return "on" if run.get("min_cosine") is None else f"on, cosine ≥ {run['min_cosine']:g}"
 
 
 def _refusals_text(refusals: dict[str, dict[str, int]]) -> str:
@@ -790,11 +802,11 @@ def robustness_section(data: dict[str, Any]) -> list[str]:
     rows, failures = [], []
     attack_order = {a: i for i, a in enumerate(attacks)}  # the JSON's order: "none" first
 
-    def order(r: dict[str, Any]) -> tuple[int, int, int, bool]:
+    def order(r: dict[str, Any]) -> tuple[int, int, int, bool, bool]:
         methods, rules = list(ROBUST_METHODS), list(ROBUST_RULES)
         return (methods.index(r["method"]) if r["method"] in methods else len(methods),
                 rules.index(r["aggregation"]) if r["aggregation"] in rules else len(rules),
-                attack_order.get(r["attack"], len(attack_order)), not r["checks"])
+                attack_order.get(r["attack"], len(attack_order)), not r["checks"], r.get("min_cosine") is not None)
 
     for r in sorted(data["runs"], key=order):
         clean = _robust_clean(runs, r)
@@ -809,15 +821,15 @@ def robustness_section(data: dict[str, Any]) -> list[str]:
         unused = r["bad_agent_unused_rounds"]
         rows.append([
             ROBUST_METHODS.get(r["method"], r["method"]), attacks.get(r["attack"], r["attack"]), r["aggregation"],
-            "on" if r["checks"] else "off", _pct(r["final_accuracy"]),
+            _defences_text(r), _pct(r["final_accuracy"]),
             _points(r["final_accuracy"], clean["final_accuracy"] if clean else None) if r["attack"] != "none" else DASH,
             verdict, accs, f"{r['rounds_ok']}/{rounds}", _refusals_text(r["refusals"]),
             ", ".join(str(n) for n in unused) if unused else "none", _weight_text(r["largest_weight"]),
         ])
-    mean_clean = runs.get(("fedavg", "none", True, "mean"))
+    mean_clean = runs.get(("fedavg", "none", True, "mean", None))
     cost_rows = []
     for rule in ROBUST_RULES:
-        run = runs.get(("fedavg", "none", True, rule))
+        run = runs.get(("fedavg", "none", True, rule, None))
         if run is None:
             continue
         cost_rows.append([rule, _pct(run["final_accuracy"]),
@@ -847,7 +859,8 @@ def robustness_section(data: dict[str, Any]) -> list[str]:
         "FedGKT its ResNet-8 edges and the server model "
         f"({m['fedgkt']['server_epochs']} server and {m['fedgkt']['edge_epochs']} edge epoch a round). "
         + (_eval_set_line(data) if data.get("eval_set") else "")
-        + " **Defences on**: the defaults (plausibility checks, quarantine after 3 rounds); **off**: "
+        + " **Defences on**: the defaults (plausibility checks, quarantine after 3 rounds); **on, cosine ≥ x**: and the "
+        "direction check, off by default, on with `plausible_min_cosine = x`; **off**: "
         "`plausibility_checks = false` (the aggregation rule alone). Robust rules tolerate f = 1. **Within 5 points**: "
         "every round `ok`, every honest agent in every round, and the final accuracy no more than 5 points below the "
         "clean run of the same method and rule (all five agents honest). **Refused uploads**: the uploads refused as "

@@ -14,7 +14,9 @@ well-formed), as the issue measured it:
   shuffled (a seeded permutation; a hook on its data, not on its sends), and sends what it
   learnt honestly;
 * per run: the defences on (the defaults: plausibility checks, quarantine) or off
-  (``plausibility_checks = false``: what the aggregation rule alone does);
+  (``plausibility_checks = false``: what the aggregation rule alone does); FedAvg and FedGKD
+  also with the direction check, off by default, turned on (``plausible_min_cosine = 0``),
+  against the sign flip and on clean data;
 * FedAvg also for every ``[server] aggregation`` rule (f = 1): on clean data (the rule's
   cost in accuracy next to the mean's), with each attack and the checks on, and with
   weights x1e3 and the checks off (the rule's own robustness).
@@ -133,10 +135,17 @@ class Case:
     attack: str
     checks: bool = True
     aggregation: str = "mean"
+    min_cosine: float | None = None  # [server] plausible_min_cosine for this run (None: the default)
 
     @property
     def name(self) -> str:
-        return f"{self.method}-{self.attack}-{self.aggregation}-{'checks' if self.checks else 'nochecks'}"
+        direction = "" if self.min_cosine is None else f"-cos{self.min_cosine:g}"
+        return f"{self.method}-{self.attack}-{self.aggregation}-{'checks' if self.checks else 'nochecks'}{direction}"
+
+    @classmethod
+    def of(cls, run: dict[str, Any]) -> "Case":
+        """The case a recorded run ran (runs recorded before ``min_cosine`` existed ran the default)."""
+        return cls(run["method"], run["attack"], run["checks"], run["aggregation"], run.get("min_cosine"))
 
 
 def shuffled_labels(config: EdgeConfig) -> tuple[Any, Any]:
@@ -146,8 +155,12 @@ def shuffled_labels(config: EdgeConfig) -> tuple[Any, Any]:
     return dataclasses.replace(train, labels=labels), test
 
 
-def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, work: Path) -> dict[str, Any]:
-    out = work / case.name
+def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, work: Path, partition: str = "iid",
+             seed: int = 0, server: dict[str, Any] | None = None, name: str = "") -> dict[str, Any]:
+    """One run of ``case``: its figures from the report and the checkpoint. ``partition`` and
+    ``seed`` (the data's and the server's) and ``server`` (more ``[server]`` keys) are for the
+    other benches that run this federation (bench/update_directions.py)."""
+    out = work / (name or case.name)
     attack = ATTACKS[case.attack]
     started = time.monotonic()
     broker = LocalBroker(out / "broker").start()
@@ -155,15 +168,18 @@ def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, wor
         robust: dict[str, Any] = {"plausibility_checks": case.checks, "aggregation": case.aggregation}
         if case.aggregation != "mean":
             robust["aggregation_tolerate"] = 1
-        config = ServerConfig(run_id=case.name[:60], method=case.method, broker_url=broker.url, out_dir=str(out / "run"),
+        if case.min_cosine is not None:
+            robust["plausible_min_cosine"] = case.min_cosine
+        robust.update(server or {})
+        config = ServerConfig(run_id=(name or case.name)[:60], method=case.method, broker_url=broker.url, out_dir=str(out / "run"),
                               expected_agents=AGENTS, rounds=rounds, round_deadline_s=1800.0, registration_timeout_s=120.0,
                               min_agents=1, dataset="fashion-mnist", eval_samples=test_samples, progress=False,
-                              method_config=dict(TABLES[case.method]), **robust)
+                              seed=seed, method_config=dict(TABLES[case.method]), **robust)
         coordinator = build_server(config, device="cpu")
         lock = threading.Lock()
         agents = []
         for i in range(AGENTS):
-            data = DataConfig(dataset="fashion-mnist", partition="iid", num_agents=AGENTS, agent_index=i, seed=0,
+            data = DataConfig(dataset="fashion-mnist", partition=partition, num_agents=AGENTS, agent_index=i, seed=seed,
                               train_samples=train_samples, test_samples=test_samples)
             edge = EdgeConfig(agent_id=f"agent-{i}", run_id=config.run_id, broker_url=broker.url, data=data,
                               progress=False, threads=2)
@@ -210,6 +226,9 @@ def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, wor
                            "skipped_steps": robustness.get("skipped_steps", {}),
                            "clipped": robustness.get("clipped", {}),
                            "aggregation_used": (robustness.get("aggregation") or {}).get("used"),
+                           # What the plausibility checks judged (every agent, refused or not).
+                           "update_norms": (robustness.get("update_norms") or {}).get("agents", {}),
+                           "update_cosines": (robustness.get("update_directions") or {}).get("agents", {}),
                            "warnings": r.get("warnings", [])})
     return {**dataclasses.asdict(case), "status": report.get("status"), "eval_set": report.get("eval_set"), "rounds": rounds_out,
             "final_accuracy": rounds_out[-1]["accuracy"] if rounds_out else None, "largest_weight": largest,
@@ -250,6 +269,9 @@ def cases(quick: bool) -> list[Case]:
     out += [Case("fedavg", "random_labels", True, rule) for rule in RULES[1:]]
     out += [Case("fedavg", "weights_x1e3", False, rule) for rule in RULES[1:]]  # a rule alone, no checks
     out += [Case("fedgkt", "none", False)]  # the clean run with the checks off (FedAvg's and FedKD's: identical)
+    # The direction check, off by default (bench/results/update_directions.json), turned on at
+    # 0, as a fleet whose data is close to IID may: against the sign flip, and its clean runs.
+    out += [Case(m, a, True, "mean", 0.0) for m in ("fedavg", "fedgkd") for a in ("none", "sign_flip")]
     return out
 
 
@@ -274,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     if (args.resume or args.only is not None) and out_path.exists():
         previous = json.loads(out_path.read_text())
         if all(previous.get(k) == v for k, v in scale.items()):
-            done = {Case(r["method"], r["attack"], r["checks"], r["aggregation"]).name: r for r in previous["runs"]}
+            done = {Case.of(r).name: r for r in previous["runs"]}
             # The machine as the first invocation found it; the date its runs started.
             started = {**previous.get("machine", started),
                        "runs_started_utc": previous.get("machine", {}).get("runs_started_utc")
@@ -290,8 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     eval_set = loaded.describe() if loaded is not None else None
 
     def save() -> None:
-        runs = sorted(done.values(), key=lambda r: order.get(
-            Case(r["method"], r["attack"], r["checks"], r["aggregation"]).name, len(order)))
+        runs = sorted(done.values(), key=lambda r: order.get(Case.of(r).name, len(order)))
         missing = [c.name for c in grid if c.name not in done]
         write_json(out_path, {
             "benchmark": "robustness", "generated_by": "bench/robustness.py" + (" --quick" if args.quick else ""),

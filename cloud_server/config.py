@@ -94,6 +94,7 @@ class ServerConfig:
     plausible_global_ratio: float = 10.0
     plausible_peer_ratio: float = 50.0
     plausible_mad: float = 6.0
+    plausible_min_cosine: float = -1.0  # -1: off; RobustnessConfig's default (cloud_server/robust.py), kept equal by a test
     feature_abs_limit: float = 1.0e4
     logit_abs_limit: float = 1.0e4
     quarantine_after: int = 3  # 0: no quarantine
@@ -169,7 +170,7 @@ class ServerConfig:
             aggregation=self.aggregation, aggregation_tolerate=self.aggregation_tolerate,
             clip_update_norm=self.clip_update_norm, plausibility_checks=self.plausibility_checks,
             plausible_global_ratio=self.plausible_global_ratio, plausible_peer_ratio=self.plausible_peer_ratio,
-            plausible_mad=self.plausible_mad, feature_abs_limit=self.feature_abs_limit,
+            plausible_mad=self.plausible_mad, plausible_min_cosine=self.plausible_min_cosine, feature_abs_limit=self.feature_abs_limit,
             logit_abs_limit=self.logit_abs_limit, quarantine_after=self.quarantine_after,
             quarantine_release=self.quarantine_release, server_grad_clip_norm=self.server_grad_clip_norm,
             server_loss_skip_factor=self.server_loss_skip_factor, expected_agents=self.expected_agents,

@@ -34,6 +34,19 @@ model. This module gives the methods three answers, all numpy (no torch):
   x their median *and* above median + ``plausible_mad`` x 1.4826 MAD). Only too large is
   implausible: a small update cannot swamp a mean.
 
+* **Plausibility** of an update's direction (:func:`direction_cosines`,
+  :func:`implausible_directions`): with three or more agents, each update's cosine with the
+  coordinate-wise median of the round's updates (its own included) must not be below
+  ``plausible_min_cosine``. A norm check cannot see an update of honest size pointing the
+  wrong way (a sign flip x4 is 4x an honest norm); the median is what the majority agrees on,
+  coordinate by coordinate, and one update cannot move it past its neighbours. The agent's own
+  update is in its reference because the leave-one-out median of three agents is the mean of
+  the other two, which a flipped update dominates: an honest agent would be judged against
+  the attacker. With two agents the median is their mean, which the larger update dominates
+  whatever its sign: no check (nor with one). A zero update, or a zero median, has no
+  direction and is not judged. Off by default (``-1``): under label skew honest agents point
+  away from the median as far as a sign-flipped one does (bench/update_directions.py).
+
 * The :class:`RobustnessLedger`: per round and agent, what was refused and why (the
   first figure and threshold, logged once per agent, round and reason), what was
   clipped, which server steps were skipped, which rule ran; and quarantine: an agent
@@ -46,7 +59,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +81,8 @@ __all__ = [
     "aggregate_vectors",
     "choose_rule",
     "clip_rows",
+    "direction_cosines",
+    "implausible_directions",
     "implausible_norms",
     "krum_scores",
     "robust_median",
@@ -78,6 +93,9 @@ __all__ = [
 AGGREGATION_RULES = ("mean", "trimmed_mean", "median", "krum", "multi_krum")
 QUARANTINE_RELEASES = ("plausible", "never")
 MAD_TO_SD = 1.4826  # MAD x this estimates the standard deviation of a normal sample
+# The default of ``plausible_min_cosine``: -1, off; why, in RobustnessConfig.
+PLAUSIBLE_MIN_COSINE = -1.0
+DIRECTION_MIN_AGENTS = 3  # with two, the median is their mean: the larger update sets it, whatever its sign
 
 
 class ImplausibleUploadError(ProtocolError):
@@ -124,6 +142,17 @@ class RobustnessConfig:
     plausible_global_ratio: float = 10.0
     plausible_peer_ratio: float = 50.0
     plausible_mad: float = 6.0
+    # An update whose cosine with the coordinate-wise median of the round's updates (three
+    # or more agents) is below this is refused (implausible_direction); -1: off (no cosine is
+    # below -1), the figures are still recorded (robustness.update_directions). Off by
+    # default, measured (bench/results/update_directions.json; docs/configuration.md): honest
+    # agents under label skew point away from the median (5 agents, FedAvg and FedGKD, seeds
+    # 0 and 1: lowest honest cosine -0.165 at Dirichlet(0.1), -0.626 at Dirichlet(0.5); 0.636
+    # at IID), as far as a sign-flipped agent does after round 1 (up to -0.21 at
+    # Dirichlet(0.1), +0.32 at Dirichlet(0.5)), so no threshold stops the flip without refusing
+    # honest agents. At IID the flipped agent stays at -0.83 and below: a fleet whose data is
+    # close to IID may set 0.
+    plausible_min_cosine: float = PLAUSIBLE_MIN_COSINE
     feature_abs_limit: float = 1.0e4  # FedGKT feature maps: |H| above this is out of range
     logit_abs_limit: float = 1.0e4  # FedGKT edge logits: |z_c| above this is out of range
     quarantine_after: int = 3  # 0: no quarantine
@@ -157,6 +186,9 @@ class RobustnessConfig:
         for name, value in positive.items():
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"server.{name} must be a finite number > 0, got {value!r}")
+        c = self.plausible_min_cosine
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not -1 <= c < 1:
+            raise ValueError(f"server.plausible_min_cosine must be a number in [-1, 1) (-1: off), got {c!r}")
         for name in ("clip_update_norm", "server_grad_clip_norm", "server_loss_skip_factor"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
@@ -295,16 +327,71 @@ def implausible_norms(norms: Mapping[str, float], reference_norm: float, cfg: Ro
     return out
 
 
+def direction_cosines(blocks: Iterable[np.ndarray]) -> np.ndarray:
+    """Each of K updates' cosine with the coordinate-wise median of the K (its own included),
+    over ``blocks``: (K, d_i) arrays, one per tensor, together every entry of the updates
+    (block by block, so that no (K, D) copy of a large model is made). (K,): NaN for a zero
+    update, every entry NaN when the median is zero (no direction to compare with)."""
+    dots: np.ndarray | None = None  # (K,) sum of update . median
+    squares: np.ndarray | None = None  # (K,) sum of update^2
+    median_square = 0.0
+    for block in blocks:
+        block = np.asarray(block, dtype=np.float64)
+        if block.ndim != 2:
+            raise ValueError(f"a block is (agents, entries), got shape {block.shape}")
+        median = np.median(block, axis=0)  # (d_i,)
+        dots = block @ median if dots is None else dots + block @ median
+        sq = np.einsum("ij,ij->i", block, block)
+        squares = sq if squares is None else squares + sq
+        median_square += float(median @ median)
+    if dots is None or squares is None:
+        raise ValueError("no blocks: nothing to compare")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = dots / np.sqrt(squares * median_square)
+    cos[(squares == 0) | (median_square == 0)] = np.nan
+    return np.clip(cos, -1.0, 1.0)
+
+
+def implausible_directions(cosines: Mapping[str, float], cfg: RobustnessConfig,
+                           what: str = "update") -> dict[str, tuple[str, str]]:
+    """Agent -> (reason, detail) for each cosine (:func:`direction_cosines`) below
+    ``plausible_min_cosine``; none with fewer than three agents, nor for a NaN (no direction).
+    Exactly the threshold is plausible. The detail names the figure and the threshold."""
+    if len(cosines) < DIRECTION_MIN_AGENTS:
+        return {}
+    limit = cfg.plausible_min_cosine
+    return {agent: ("implausible_direction",
+                    f"{what}'s cosine with the coordinate-wise median of the round's {len(cosines)} updates is "
+                    f"{cos:.3f} < plausible_min_cosine {limit:g}")
+            for agent, cos in cosines.items() if math.isfinite(cos) and cos < limit}
+
+
+# Agents -> per tensor, the (agents, entries) block of their updates (float64): see direction_cosines.
+UpdateBlocks = Callable[[Sequence[str]], Iterable[np.ndarray]]
+
+
 def screen_uploads(round_: int, used: dict[str, Any], excluded: dict[str, str], cfg: RobustnessConfig,
-                   ledger: "RobustnessLedger", measure: Callable[[], tuple[dict[str, float], float]]) -> dict[str, Any]:
+                   ledger: "RobustnessLedger", measure: Callable[[], tuple[dict[str, float], float]],
+                   blocks: UpdateBlocks | None = None) -> dict[str, Any]:
     """Plausibility and quarantine for a weight-sharing method's usable uploads (agent ->
-    upload): ``measure()`` gives each agent's update norm and the reference norm (0: none);
+    upload): ``measure()`` gives each agent's update norm and the reference norm (0: none),
+    ``blocks(agents)`` the updates of those agents for the direction check (None: no check);
     an implausible update is refused (to the ledger, and ``excluded`` with its reason), a
-    quarantined agent's is judged but not used. Returns ``used`` without them."""
+    quarantined agent's is judged but not used. Returns ``used`` without them.
+
+    The direction is judged among the updates whose norm was plausible (a x1e3 update has
+    been refused already and takes no part in the median)."""
     if cfg.plausibility_checks and used:
         norms, reference = measure()
         ledger.norms(round_, norms, reference)
-        for agent, (reason, detail) in implausible_norms(norms, reference, cfg).items():
+        refusals = implausible_norms(norms, reference, cfg)
+        left = [a for a in used if a not in refusals]
+        if blocks is not None and len(left) >= DIRECTION_MIN_AGENTS:
+            cos = direction_cosines(blocks(left))
+            cosines = {a: float(c) for a, c in zip(left, cos)}
+            ledger.directions(round_, cosines)
+            refusals.update(implausible_directions(cosines, cfg))
+        for agent, (reason, detail) in refusals.items():
             ledger.refuse(round_, agent, reason, detail)
             excluded[agent] = f"{reason}: {detail}"
             used.pop(agent)
@@ -366,6 +453,7 @@ class _RoundEntry:
     quarantine_excluded: list[str] = field(default_factory=list)
     update_norms: dict[str, float] = field(default_factory=dict)  # agent -> its update's L2 norm, as screened
     reference_norm: float = 0.0  # the global model's norm the updates were screened against (0: none)
+    update_cosines: dict[str, float] = field(default_factory=dict)  # agent -> cosine with the round's median update
 
 
 class RobustnessLedger:
@@ -397,6 +485,12 @@ class RobustnessLedger:
         entry = self._entry(round_)
         entry.update_norms.update({a: float(v) for a, v in norms.items()})
         entry.reference_norm = float(reference_norm)
+
+    def directions(self, round_: int, cosines: Mapping[str, float]) -> None:
+        """The cosines the direction check judged (recorded whether refused or not, and when
+        the check is off: what a user needs to set ``plausible_min_cosine`` for their fleet;
+        bench/update_directions.py reads them)."""
+        self._entry(round_).update_cosines.update({a: float(v) for a, v in cosines.items()})
 
     def refused_in(self, round_: int, agent: str) -> bool:
         entry = self._rounds.get(round_)
@@ -461,7 +555,8 @@ class RobustnessLedger:
 
     def take(self, round_: int) -> tuple[dict[str, Any], list[str]]:
         """(the round record's ``robustness`` section, its warnings); empty when nothing happened
-        and no update was screened (``update_norms``: the norms judged, every screened round)."""
+        and no update was screened (``update_norms``: the norms judged, every screened round;
+        ``update_directions``: the cosines judged, every screened round with three or more agents)."""
         entry = self._rounds.pop(round_, None) or _RoundEntry()
         section: dict[str, Any] = {}
         if entry.refused:
@@ -475,6 +570,12 @@ class RobustnessLedger:
         if entry.update_norms:
             section["update_norms"] = {"reference": entry.reference_norm,
                                        "agents": {a: round(v, 6) for a, v in sorted(entry.update_norms.items())}}
+        if entry.update_cosines:
+            # NaN (no direction) is written as null: report.json is strict JSON.
+            section["update_directions"] = {
+                "reference": "coordinate-wise median of the round's updates",
+                "threshold": self.cfg.plausible_min_cosine,
+                "agents": {a: (round(v, 6) if math.isfinite(v) else None) for a, v in sorted(entry.update_cosines.items())}}
         events = [e for e in self.history if e["round"] == round_]
         if events:
             section["quarantine_events"] = events

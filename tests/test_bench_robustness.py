@@ -103,8 +103,8 @@ def test_summarise_counts_refusals_and_the_rounds_the_bad_agent_was_not_used() -
 
 
 def _run(method: str, attack: str, checks: bool, rule: str, accs: list[float], refusals: dict[str, Any] | None = None,
-         unused: list[int] | None = None, largest: float = 3.5) -> dict[str, Any]:
-    return {"method": method, "attack": attack, "checks": checks, "aggregation": rule, "status": "finished",
+         unused: list[int] | None = None, largest: float = 3.5, min_cosine: float | None = None) -> dict[str, Any]:
+    return {"method": method, "attack": attack, "checks": checks, "aggregation": rule, "min_cosine": min_cosine, "status": "finished",
             "rounds": [{"round": i + 1, "accuracy": a} for i, a in enumerate(accs)], "final_accuracy": accs[-1],
             "largest_weight": largest, "rounds_ok": len(accs), "refusals": refusals or {},
             "bad_agent_unused_rounds": unused or [], "honest_completed_every_round": True}
@@ -117,6 +117,7 @@ def test_the_page_renders_the_robustness_table_from_the_json() -> None:
         _run("fedavg", "weights_x1e3", True, "mean", [0.52, 0.69], {"agent-4": {"implausible_norm": 2}}, [1, 2]),
         _run("fedavg", "weights_x1e3", False, "mean", [0.1, 0.1], largest=1.7e14),
         _run("fedavg", "sign_flip", True, "mean", [0.1, 0.12]),
+        _run("fedavg", "sign_flip", True, "mean", [0.5, 0.69], {"agent-4": {"implausible_direction": 2}}, [1, 2], min_cosine=0.0),
         _run("fedavg", "none", True, "median", [0.5, 0.66]),
         _run("fedavg", "sign_flip", True, "median", [0.5, 0.65]),
         _run("fedavg", "random_labels", True, "median", [0.5, 0.418]),  # 0.418 - 0.468 is -5 points, not below
@@ -148,6 +149,9 @@ def test_the_page_renders_the_robustness_table_from_the_json() -> None:
     assert "| 69.00% | -1.0 | yes | 52.0 / 69.0 | 2/2 | agent-4: implausible_norm ×2 | 1, 2 | 3.5 |" in refused
     assert "| 10.00% | -60.0 | **no** |" in row("FedAvg", "weights x 1e3", "mean", "off") and "1.7e+14" in row("FedAvg", "weights x 1e3", "mean", "off")
     assert "| -58.0 | **no** |" in row("FedAvg", "update negated and scaled x4", "mean", "on")
+    # The direction check turned on: its own row, against the default clean run (none with the check made).
+    assert "| 69.00% | -1.0 | yes | 50.0 / 69.0 | 2/2 | agent-4: implausible_direction ×2 | 1, 2 |" in row(
+        "FedAvg", "update negated and scaled x4", "mean", "on, cosine ≥ 0")
     assert "| 65.00% | -1.0 | yes |" in row("FedAvg", "update negated and scaled x4", "median", "on")  # against the median's clean run
     assert "| 60.00% | — | — |" in row("FedGKT (server model)", "logits 1e30", "mean", "on")  # no clean run recorded
     # Exactly 5 points below is within 5 points (0.418 - 0.468 is -0.05000000000000004 in floats); more is not.
@@ -158,7 +162,7 @@ def test_the_page_renders_the_robustness_table_from_the_json() -> None:
     assert "| 41.80% | -5.0 | yes |" in row("FedAvg", "trains on shuffled labels", "median", "on")
     assert "| 41.79% | -5.0 | **no** |" in row("FedAvg", "trains on shuffled labels", "trimmed_mean", "on")
     # The defences' verdict names the attacked runs that got through; runs with them off are not counted.
-    assert ("With the defences on, 3 attacked run(s) finished every round with the honest agents within 5 points of their "
+    assert ("With the defences on, 4 attacked run(s) finished every round with the honest agents within 5 points of their "
             "clean run; **2 did not**: FedAvg, update negated and scaled x4, mean; FedAvg, trains on shuffled labels, "
             "trimmed_mean.") in text
     # The clean-data cost of each rule next to the mean's.

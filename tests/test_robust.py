@@ -15,7 +15,7 @@ from cloud_server.config import ServerConfig
 from cloud_server.methods import ServerContext
 from cloud_server.methods.fedavg import FedAvgServer
 from cloud_server.methods.fedgkt import FedGktServer
-from cloud_server.methods.fedkd import _check_factors
+from cloud_server.methods.fedkd import FedKdServer, _check_factors
 from cloud_server.records import RoundRecord
 from cloud_server.report import format_summary_line
 from cloud_server.report.markdown import _robustness_md
@@ -26,6 +26,8 @@ from cloud_server.robust import (
     aggregate_vectors,
     choose_rule,
     clip_rows,
+    direction_cosines,
+    implausible_directions,
     implausible_norms,
     krum_scores,
     robust_state_aggregate,
@@ -36,6 +38,7 @@ from shared_protocol import svd
 from shared_protocol.messages import RoundEnd, decode_message, encode_message
 from shared_protocol.methods.fedavg import FedAvgUpdate, split_state
 from shared_protocol.methods.fedgkt import GktFeatures
+from shared_protocol.methods.fedkd import FedKdUpdate, factor_state
 
 from fedhelpers import distinct_resnet8_state
 
@@ -211,6 +214,164 @@ def test_fedavg_refuses_a_scaled_update_and_averages_the_honest_ones() -> None:
     section, warnings = server.ctx.ledger.take(1)
     assert section["refused"]["agent-2"]["implausible_norm"]["count"] == 1
     assert any("agent-2" in w for w in warnings)
+
+
+# -- the direction check, by hand ------------------------------------------------------------------- #
+
+
+def test_direction_cosines_by_hand_over_blocks() -> None:
+    updates = np.array([[1.0, 0.0, 2.0], [2.0, 1.0, 1.0], [-4.0, -2.0, -4.0]])  # (3, 3): the third flipped
+    # The coordinate-wise median (the agent's own included) is [1, 0, 1], |m|^2 = 2:
+    # a.m = 3, |a|^2 = 5; b.m = 3, |b|^2 = 6; c.m = -8, |c|^2 = 36.
+    expected = [3 / np.sqrt(10), 3 / np.sqrt(12), -8 / np.sqrt(72)]
+    np.testing.assert_allclose(direction_cosines([updates]), expected)
+    # Split into tensors (one block each) the figures are the same.
+    np.testing.assert_allclose(direction_cosines([updates[:, :2], updates[:, 2:]]), expected)
+    cfg = RobustnessConfig(plausible_min_cosine=0.0)
+    refused = implausible_directions(dict(zip("abc", expected)), cfg)
+    assert list(refused) == ["c"] and refused["c"][0] == "implausible_direction"
+    assert "-0.943 < plausible_min_cosine 0" in refused["c"][1] and "3 updates" in refused["c"][1]
+    # Off (-1, the default until measured): no cosine is below it.
+    assert implausible_directions(dict(zip("abc", expected)), RobustnessConfig(plausible_min_cosine=-1.0)) == {}
+
+
+def test_direction_cosines_with_ties_and_an_even_count() -> None:
+    # Identical updates: the median is each of them.
+    np.testing.assert_allclose(direction_cosines([np.array([[1.0, 2.0]] * 3)]), [1.0, 1.0, 1.0])
+    # Four agents: each coordinate's median is the mean of the two middle values, ties included:
+    # [-6, 1, 2, 3] -> 1.5, [-4, 0, 2, 2] -> 1; m = [1.5, 1], |m|^2 = 3.25.
+    four = np.array([[1.0, 0.0], [3.0, 2.0], [2.0, 2.0], [-6.0, -4.0]])
+    np.testing.assert_allclose(direction_cosines([four]), [1.5 / np.sqrt(3.25), 6.5 / np.sqrt(13 * 3.25),
+                                                           5 / np.sqrt(8 * 3.25), -1.0])
+    # A cosine exactly at the threshold is plausible; just below it is not. The median of
+    # [1, 1, 0] and [0, 0, 1] is [1, 0]: the third update is orthogonal to it.
+    orthogonal = direction_cosines([np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])])
+    np.testing.assert_allclose(orthogonal, [1.0, 1.0, 0.0])
+    cosines = dict(zip("abc", orthogonal.tolist()))
+    assert implausible_directions(cosines, RobustnessConfig(plausible_min_cosine=0.0)) == {}
+    assert list(implausible_directions(cosines, RobustnessConfig(plausible_min_cosine=0.01))) == ["c"]
+
+
+def test_direction_check_needs_three_agents_and_a_direction() -> None:
+    cfg = RobustnessConfig(plausible_min_cosine=0.5)
+    # One agent is its own median (cosine 1); nothing is judged.
+    np.testing.assert_allclose(direction_cosines([np.array([[3.0, -1.0]])]), [1.0])
+    assert implausible_directions({"a": 1.0}, cfg) == {}
+    # Two agents: the median is their mean, which the larger update sets whatever its sign; an
+    # honest update next to one flipped x4 would be the one pointing away. So no check.
+    two = direction_cosines([np.array([[1.0, 0.0], [-4.0, 0.0]])])
+    np.testing.assert_allclose(two, [-1.0, 1.0])
+    assert implausible_directions({"honest": -1.0, "flipped": 1.0}, cfg) == {}
+    # A zero update has no direction (NaN, not judged); a zero median leaves every figure NaN.
+    zero = direction_cosines([np.array([[1.0, 1.0], [2.0, 1.0], [0.0, 0.0]])])
+    assert np.isnan(zero[2]) and np.all(np.isfinite(zero[:2]))
+    assert implausible_directions(dict(zip("abc", zero.tolist())), cfg) == {}
+    assert np.all(np.isnan(direction_cosines([np.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 0.0]])])))
+    with pytest.raises(ValueError, match="plausible_min_cosine"):
+        RobustnessConfig(plausible_min_cosine=1.0)
+    with pytest.raises(ValueError, match="plausible_min_cosine"):
+        RobustnessConfig(plausible_min_cosine=-1.5)
+
+
+def _trained(base: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """``base`` moved as local training would: a small step shared by every agent (seed 0's)
+    plus the agent's own, smaller."""
+    common, own = np.random.default_rng(0), np.random.default_rng(seed)
+    return {k: (v + 1e-2 * common.normal(size=v.shape) + 5e-3 * own.normal(size=v.shape)).astype(v.dtype)
+            if v.dtype.kind == "f" else v for k, v in base.items()}
+
+
+def _flipped(state: dict[str, np.ndarray], base: dict[str, np.ndarray], scale: float = 4.0) -> dict[str, np.ndarray]:
+    """``base - scale (state - base)``: the bench's sign flip."""
+    return {k: (base[k] - scale * (v.astype(np.float64) - base[k])).astype(v.dtype) if v.dtype.kind == "f" else v
+            for k, v in state.items()}
+
+
+@pytest.mark.parametrize("threshold", [-1.0, 0.0])
+def test_fedavg_refuses_a_sign_flipped_update_by_its_direction(threshold: float, caplog) -> None:  # type: ignore[no-untyped-def]
+    server = FedAvgServer(_ctx(plausible_min_cosine=threshold, quarantine_after=2), {"model": "resnet8"})
+    base = {k: v.copy() for k, v in server.global_state.items()}
+    honest = [_trained(base, s) for s in (1, 2)]
+    states = [*honest, _flipped(honest[0], base)]  # the norm is 4x an honest one: plausible
+    for k, s in enumerate(states):
+        server.on_upload(f"agent-{k}", _update(f"agent-{k}", s, 10))
+    with caplog.at_level("WARNING", logger="cloud_server.robust"):
+        outcome = server.complete(1, {f"agent-{k}": _end(f"agent-{k}", 10) for k in range(3)}, evaluate=False)
+    ledger = server.ctx.ledger
+    ledger.close_round(1, [f"agent-{k}" for k in range(3)])
+    section, warnings = ledger.take(1)
+    assert "implausible_norm" not in str(section.get("refused"))
+    # The figures by hand: each update's cosine with the coordinate-wise median of the three.
+    floats = [n for n, a in base.items() if a.dtype.kind == "f"]
+    rows = np.stack([np.concatenate([(s[n].astype(np.float64) - base[n]).ravel() for n in floats]) for s in states])
+    med = np.median(rows, axis=0)
+    expected = rows @ med / np.linalg.norm(rows, axis=1) / np.linalg.norm(med)
+    assert expected[2] < 0 < min(expected[:2])
+    recorded = section["update_directions"]
+    assert recorded["threshold"] == threshold
+    np.testing.assert_allclose([recorded["agents"][f"agent-{k}"] for k in range(3)], expected, atol=1e-6)
+    if threshold == -1.0:
+        assert outcome.used_agents == ["agent-0", "agent-1", "agent-2"] and "refused" not in section
+        return
+    assert outcome.used_agents == ["agent-0", "agent-1"]
+    assert outcome.excluded["agent-2"].startswith("implausible_direction")
+    assert section["refused"]["agent-2"]["implausible_direction"]["count"] == 1
+    assert any("agent-2" in w and "implausible_direction" in w for w in warnings)
+    # One log line naming the figure and the threshold; counted towards quarantine like any refusal.
+    lines = [r.getMessage() for r in caplog.records if "implausible_direction" in r.getMessage()]
+    assert len(lines) == 1 and f"{expected[2]:.3f} < plausible_min_cosine 0" in lines[0], lines
+    assert ledger.streaks["agent-2"] == 1 and ledger.streaks["agent-0"] == 0
+
+
+def test_fedavg_direction_check_skips_two_agents_and_judges_among_plausible_norms() -> None:
+    server = FedAvgServer(_ctx(plausible_min_cosine=0.0), {"model": "resnet8"})
+    base = {k: v.copy() for k, v in server.global_state.items()}
+    honest = _trained(base, 1)
+    for k, s in enumerate([honest, _flipped(honest, base)]):
+        server.on_upload(f"agent-{k}", _update(f"agent-{k}", s, 10))
+    outcome = server.complete(1, {f"agent-{k}": _end(f"agent-{k}", 10) for k in range(2)}, evaluate=False)
+    assert outcome.used_agents == ["agent-0", "agent-1"]  # two agents: no direction check
+    section, _ = server.ctx.ledger.take(1)
+    assert "update_directions" not in section and "refused" not in section
+    # Three uploads of which one is refused for its norm: two are left, no direction check.
+    server = FedAvgServer(_ctx(plausible_min_cosine=0.0), {"model": "resnet8"})
+    big = {k: (v * 1000).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in distinct_resnet8_state(3).items()}
+    for k, s in enumerate([honest, _flipped(honest, base), big]):
+        server.on_upload(f"agent-{k}", _update(f"agent-{k}", s, 10))
+    outcome = server.complete(1, {f"agent-{k}": _end(f"agent-{k}", 10) for k in range(3)}, evaluate=False)
+    assert outcome.used_agents == ["agent-0", "agent-1"] and outcome.excluded["agent-2"].startswith("implausible_norm")
+    assert "update_directions" not in server.ctx.ledger.take(1)[0]
+
+
+def test_fedkd_refuses_a_sign_flipped_rebuilt_update() -> None:
+    ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0, rounds=2,
+                        robustness=RobustnessConfig(plausible_min_cosine=0.0))
+    server = FedKdServer(ctx, {"mentor_model": "resnet20", "mentee_model": "resnet8", "batch_size": 32})
+    t = server.threshold(1)
+    rng = np.random.default_rng(0)
+    common = {k: 1e-2 * rng.normal(size=v.shape) for k, v in server.global_state.items()}
+    deltas = [{k: (c + 5e-3 * rng.normal(size=c.shape)).astype(np.float32) for k, c in common.items()} for _ in range(2)]
+    deltas.append({k: (-4 * v).astype(np.float32) for k, v in deltas[0].items()})  # agent-2: agent-0's, flipped x4
+    ends = {}
+    for k, delta in enumerate(deltas):
+        agent = f"agent-{k}"
+        layout, factors, _ = factor_state(delta, t)
+        server.on_upload(agent, FedKdUpdate(run="u", round=1, sender=agent, instance=f"{agent}-i", num_samples=10,
+                                            base_version=server.version, payload=server.config.upload, threshold=t,
+                                            layout=layout, factors=factors))
+        ends[agent] = RoundEnd(run="u", round=1, sender=agent, num_samples=10, instance=f"{agent}-i",
+                               metrics={"train_loss": 1.0})
+    outcome = server.complete(1, ends, evaluate=False)
+    assert outcome.used_agents == ["agent-0", "agent-1"]
+    assert outcome.excluded["agent-2"].startswith("implausible_direction")
+    cosines = ctx.ledger.take(1)[0]["update_directions"]["agents"]
+    assert cosines["agent-2"] < 0 < min(cosines["agent-0"], cosines["agent-1"])
+
+
+def test_server_config_defaults_match_the_robustness_defaults() -> None:
+    fields = {f.name for f in dataclasses.fields(RobustnessConfig)} - {"expected_agents"}
+    ours, theirs = ServerConfig().robustness_config(), RobustnessConfig()
+    assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}
 
 
 def test_svd_factors_that_no_svd_produces_are_refused() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -194,17 +195,24 @@ class FedAvgServer(ServerMethod):
 
     def screen(self, round_: int, used: dict[str, _Staged], excluded: dict[str, str]) -> dict[str, _Staged]:
         """Plausibility and quarantine (cloud_server/robust.py): each update's norm against the
-        global model's and the other agents' this round; an implausible one is refused (to the
-        ledger, and ``excluded`` with its reason), a quarantined agent's is judged but not used."""
+        global model's and the other agents' this round, and its direction against the round's
+        median update; an implausible one is refused (to the ledger, and ``excluded`` with its
+        reason), a quarantined agent's is judged but not used."""
+        floats = [n for n, a in self.global_state.items() if a.dtype.kind == "f"]
+
         def measure() -> tuple[dict[str, float], float]:
-            floats = [n for n, a in self.global_state.items() if a.dtype.kind == "f"]
             base = {n: self.global_state[n].astype(np.float64) for n in floats}
             reference = float(np.sqrt(sum(float(np.sum(b * b)) for b in base.values())))
             norms = {a: float(np.sqrt(sum(float(np.sum((s.state[n].astype(np.float64) - base[n]) ** 2)) for n in floats)))
                      for a, s in used.items()}
             return norms, reference
 
-        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure)
+        def blocks(agents: Sequence[str]) -> Iterator[np.ndarray]:
+            for n in floats:
+                base = self.global_state[n].astype(np.float64).ravel()
+                yield np.stack([used[a].state[n].astype(np.float64).ravel() - base for a in agents])  # (K, entries)
+
+        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure, blocks)
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,8 +237,9 @@ class FedKdServer(FedKdReport, ServerMethod):
     def screen(self, round_: int, used: dict[str, _Staged], excluded: dict[str, str]) -> dict[str, _Staged]:
         """Plausibility and quarantine (cloud_server/robust.py): each rebuilt update's norm
         against the global mentee's and the other agents' this round (an update's, not a
-        gradient's, is compared with the mentee); implausible ones refused, quarantined
-        agents' judged but not used."""
+        gradient's, is compared with the mentee), and its direction against the round's median
+        rebuilt update (a gradient's too: every agent's has the same sign convention);
+        implausible ones refused, quarantined agents' judged but not used."""
         def measure() -> tuple[dict[str, float], float]:
             reference = 0.0
             if self.config.upload != "gradient":
@@ -246,7 +248,11 @@ class FedKdServer(FedKdReport, ServerMethod):
                      for a, s in used.items()}
             return norms, reference
 
-        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure)
+        def blocks(agents: Sequence[str]) -> Iterator[np.ndarray]:
+            for n in self.global_state:
+                yield np.stack([used[a].delta[n].astype(np.float64).ravel() for a in agents])  # (K, entries)
+
+        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure, blocks)
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()

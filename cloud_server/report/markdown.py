@@ -249,7 +249,7 @@ def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     uploads refused as implausible (by reason, with the first figure and threshold), clipped
     updates, skipped server steps, quarantine; empty when no round has any."""
     # A round whose only entry is the screened norms (every round of a weight-sharing method) is not marked.
-    marked = [r for r in rounds if set(r.get("robustness") or {}) - {"update_norms"} or r.get("warnings")]
+    marked = [r for r in rounds if set(r.get("robustness") or {}) - {"update_norms", "update_directions"} or r.get("warnings")]
     if not marked:
         return []
     rows = []

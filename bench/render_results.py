@@ -1212,7 +1212,40 @@ def metrics_overhead_section(data: dict[str, Any] | None) -> list[str]:
         f"{_ratio_pm(summary['on_over_off_per_round'])}; server training {_ratio_pm(ratios['server_train'])}; CPU seconds, "
         f"all processes {_ratio_pm(ratios['cpu_tree'])}, server {_ratio_pm(ratios['cpu_server'])}, agents "
         f"{_ratio_pm(ratios['cpu_agents'])}. Run-to-run spread with nothing changed (round time): {aa_text}.", "",
+        *_direct_cost_lines(data),
         f"Issue 29's target, round time with metrics on within 2% of off: **{verdict['result']}** ({verdict['rule']}).", "",
+    ]
+
+
+def _direct_cost_lines(data: dict[str, Any]) -> list[str]:
+    """The metrics code's own CPU seconds per on run (its endpoints' edgesplit_metrics_cpu_seconds_total)."""
+    direct = data["summary"].get("direct") or {}
+    runs = [r for r in data["runs"] if (r.get("self_cost") or {}).get("share_of_round_time") is not None]
+    if not runs:
+        return []
+    rows = []
+    for r in runs:
+        c = r["self_cost"]
+        server = c["by_endpoint"].get("server", {})
+        agents = [v for k, v in c["cpu_s_by_endpoint"].items() if k.startswith("agent-")]
+        rows.append([r["index"] + 1, f"{1000 * server.get('serve_cpu_s', 0.0):.0f} / {1000 * server.get('update_cpu_s', 0.0):.0f}",
+                     f"{1000 * sum(agents) / max(1, len(agents)):.0f}", f"{1000 * c['cpu_s_total']:.0f}",
+                     f"{c['round_time_total_s']:.0f}", f"{100 * c['share_of_round_time']:.3f}%"])
+    share = direct["share_of_round_time"]
+    return [
+        "Measured directly: every endpoint counts its own cost (`edgesplit_metrics_cpu_seconds_total`, the CPU seconds of "
+        "its threads serving requests and of the metrics hooks, `time.thread_time`), read from each endpoint's last scrape of "
+        "the on runs. That CPU time bounds what the metrics can add to the rounds, were every second of it on a round's "
+        "critical path.", "",
+        *_table(["Run", "Server serve / update, ms CPU", "Agent mean, ms CPU", "All endpoints, ms CPU", "Rounds, s",
+                 "Share of its own round time"], rows, right_from=1),
+        "",
+        "Share of round time (each on run's metrics CPU over "
+        + ("the off runs' mean summed round time, "
+           f"{direct['off_round_time_total_s']:.0f} s" if direct.get("off_round_time_total_s") else "its own summed round time")
+        + f"), mean ± sd over the on runs: {100 * share['mean']:.3f}%"
+        + (f" ± {100 * share['sd']:.3f}%" if share.get("sd") is not None else "")
+        + f"; highest {100 * direct['highest_share']:.3f}%.", "",
     ]
 
 

@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from shared_protocol.messages import RoundEnd
 from shared_protocol.metrics_endpoint import MetricsEndpointConfig
-from shared_protocol.metrics_http import MetricsServer
+from shared_protocol.metrics_http import MetricsServer, SelfCost, timed_update
 
 from .records import RoundRecord
 
@@ -161,6 +161,9 @@ class ServerMetrics:
                               "(CUDA only).", base, registry=r)
         self.gpu_util = Gauge("edgesplit_server_gpu_utilization_ratio", "Mean GPU utilisation while the server trained in the "
                               "last closed round (CUDA with NVML only).", base, registry=r)
+        # What watching costs, served with the rest (shared_protocol/metrics_http.py).
+        self.self_cost = SelfCost()
+        self.registry.register(self.self_cost.collector({"run": self.run, "method": self.method}))
         self._history: list[RoundPoint] = []
         self._cumulative_wire = 0
         self._costs: dict[str, tuple[int, dict[str, Any]]] = {}
@@ -175,7 +178,7 @@ class ServerMetrics:
         """Serve ``/metrics``, the status page ``/`` and ``/status.json``; returns the page's URL."""
         from .status_page import fragment, render_page
 
-        self._server = MetricsServer(self.endpoint, self.registry, pages={
+        self._server = MetricsServer(self.endpoint, self.registry, self_cost=self.self_cost, pages={
             "/": lambda: (render_page(self.state).encode(), "text/html; charset=utf-8"),
             "/live": lambda: (fragment(self.state).encode(), "text/html; charset=utf-8"),
             "/status.json": lambda: (json.dumps(self.state.to_json()).encode(), "application/json"),
@@ -198,11 +201,13 @@ class ServerMetrics:
             return "unregistered"
         return agent if agent in self.loop.registry.agents else "unregistered"
 
+    @timed_update
     def on_bytes(self, agent: str | None, direction: str, traffic: str, payload: int, wire: int) -> None:
         label = "all" if agent == "all" else self.agent_label(agent)
         self.wire.labels(self.run, self.method, label, direction, traffic).inc(wire)
         self.payload.labels(self.run, self.method, label, direction, traffic).inc(payload)
 
+    @timed_update
     def on_round_end(self, agent: str, end: RoundEnd) -> None:
         costs = end.costs
         labels = (self.run, self.method, agent)
@@ -219,6 +224,7 @@ class ServerMetrics:
         self._costs = {**self._costs, agent: (end.round, costs.to_json())}
         self.refresh(force=True)
 
+    @timed_update
     def on_round_closed(self, record: RoundRecord) -> None:
         base = (self.run, self.method)
         self.rounds.labels(*base, record.status).inc()
@@ -239,6 +245,7 @@ class ServerMetrics:
                                         self._cumulative_wire, record.time_s.round))
         self.refresh(force=True)
 
+    @timed_update
     def refresh(self, force: bool = False) -> None:
         """Rebuild the snapshot the HTTP thread reads (at most every REFRESH_S unless forced)."""
         now = time.monotonic()

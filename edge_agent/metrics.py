@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from shared_protocol.metrics_endpoint import MetricsEndpointConfig
-from shared_protocol.metrics_http import MetricsServer
+from shared_protocol.metrics_http import MetricsServer, SelfCost, timed_update
 from shared_protocol.records import AgentRoundCosts
 
 if TYPE_CHECKING:
@@ -64,10 +64,13 @@ class AgentMetrics:
         self.state = Gauge("edgesplit_edge_state", "1 for the state this agent last announced (online, training, idle, offline).",
                            [*base, "state"], registry=r)
         self.registry.register(_ConnectionCollector(self))
+        # What watching costs, served with the rest (shared_protocol/metrics_http.py).
+        self.self_cost = SelfCost()
+        self.registry.register(self.self_cost.collector({"run": self.run, "agent": self.agent_id}))
         self._server: MetricsServer | None = None
 
     def start(self) -> str:
-        self._server = MetricsServer(self.endpoint, self.registry).start()
+        self._server = MetricsServer(self.endpoint, self.registry, self_cost=self.self_cost).start()
         return self._server.url + "metrics"
 
     @property
@@ -81,6 +84,7 @@ class AgentMetrics:
 
     # -- hooks (agent thread) ------------------------------------------------------------ #
 
+    @timed_update
     def on_round(self, round_: int, method: str, costs: AgentRoundCosts) -> None:
         labels = (self.run, self.agent_id, method)
         for phase in PHASES:
@@ -98,9 +102,11 @@ class AgentMetrics:
         self.last_bytes.labels(*labels, "up").set(costs.wire_bytes_up)
         self.last_bytes.labels(*labels, "down").set(costs.wire_bytes_down)
 
+    @timed_update
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(self.run, self.agent_id, reason).inc()
 
+    @timed_update
     def on_state(self, state: str) -> None:
         for name in STATES:
             self.state.labels(self.run, self.agent_id, name).set(1.0 if name == state else 0.0)

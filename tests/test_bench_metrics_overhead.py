@@ -52,7 +52,12 @@ def test_quick_mode_runs_off_and_on_scrapes_every_endpoint_and_writes_the_schema
     assert all(set(c) == {"ok", "failed", "bytes", "seconds"} for c in scrapes["per_endpoint"].values())
     # Something actually scraped the server while the run was on.
     assert scrapes["per_endpoint"]["server"]["ok"] + scrapes["per_endpoint"]["status_page"]["ok"] >= 1
+    # The endpoints' own cost, read from their last scrape: the server's hooks ran for every message.
+    cost = on["self_cost"]
+    assert cost["by_endpoint"]["server"]["update_cpu_s"] > 0 and cost["by_endpoint"]["server"]["requests"] >= 1
+    assert cost["cpu_s_total"] > 0 and 0 < cost["share_of_round_time"] < 1
     summary = data["summary"]
+    assert summary["direct"]["runs"] == [1]
     (pair,) = summary["pairs"]
     assert pair["runs"] == [0, 1] and set(pair["ratios"]) == FIGURES | {"per_round"} and len(pair["ratios"]["per_round"]) == 1
     assert set(summary["on_over_off"]) == FIGURES
@@ -117,6 +122,30 @@ def test_pairs_ratios_noise_and_the_verdict_rule() -> None:
     # So must the spread of runs with nothing changed, where measured.
     assert bench.verdict({"mean": 1.00, "sd": 0.01}, {"mean": 0.05})["within_target"] is None
     assert bench.verdict({"mean": 1.00, "sd": 0.01}, {"mean": 0.01})["within_target"] is True
+    # Too noisy to tell end to end: the direct measurement decides, within only when its bound
+    # is at most the target; it never overrules an "over".
+    noisy = ({"mean": 1.007, "sd": 0.12}, {"mean": 0.094})
+    direct = bench.verdict(*noisy, 0.004)
+    assert direct["within_target"] is True and direct["decided_by"] == "direct" and "0.40 %" in direct["result"]
+    assert bench.verdict(*noisy, 0.03)["within_target"] is None and "3.00 %" in bench.verdict(*noisy, 0.03)["result"]
+    assert bench.verdict(*noisy)["within_target"] is None
+    assert bench.verdict({"mean": 1.10, "sd": 0.01}, {}, 0.001)["within_target"] is False
+    # The on runs' own cost, from what their endpoints served.
+    text = ('edgesplit_metrics_cpu_seconds_total{method="fedgkt",part="serve",run="r"} 0.25\n'
+            'edgesplit_metrics_cpu_seconds_total{method="fedgkt",part="update",run="r"} 0.05\n'
+            'edgesplit_metrics_requests_total{method="fedgkt",run="r"} 12.0\n'
+            'edgesplit_rounds_total{method="fedgkt",run="r",status="ok"} 2.0\n')
+    assert bench.self_cost_of(text) == {"serve_cpu_s": 0.25, "update_cpu_s": 0.05, "requests": 12.0}
+    cost = bench.direct_cost({"server": bench.self_cost_of(text), "agent-0": {"serve_cpu_s": 0.1, "update_cpu_s": 0.1}}, [50.0, 50.0])
+    assert cost["cpu_s_total"] == pytest.approx(0.5) and cost["share_of_round_time"] == pytest.approx(0.005)
+    with_cost = [dict(r) for r in runs]
+    with_cost[1]["self_cost"] = cost
+    with_cost[2]["self_cost"] = bench.direct_cost({"server": {"serve_cpu_s": 0.1}}, [10.0, 10.0])
+    summary = bench.summarise(with_cost, 2)
+    # Against the off runs' summed round time (20 s), not the on run's own: 0.5 / 20 and 0.1 / 20.
+    assert summary["direct"]["runs"] == [1, 2] and summary["direct"]["off_round_time_total_s"] == pytest.approx(20.0)
+    assert summary["direct"]["highest_share"] == pytest.approx(0.025)
+    assert summary["direct"]["share_of_round_time"]["mean"] == pytest.approx(0.015)
     # A failed run leaves its pair out; the JSON still has the other.
     runs[3] = {"index": 3, "condition": "off", "failed": "exit 1"}
     assert [p["pair"] for p in bench.summarise(runs, 2)["pairs"]] == [0]
@@ -155,6 +184,16 @@ def test_the_results_page_section_matches_a_synthetic_json() -> None:
     rt = data["summary"]["on_over_off"]["round_time"]
     assert f"{rt['mean']:.4f} ± {rt['sd']:.4f}" in text
     assert data["summary"]["verdict"]["result"] in text
+    assert "Measured directly" not in text  # no on run recorded its endpoints' own cost
+    costly = _synthetic()
+    for r in costly["runs"]:
+        if r["condition"] == "on":
+            r["self_cost"] = load("metrics_overhead").direct_cost(
+                {"server": {"serve_cpu_s": 0.2, "update_cpu_s": 0.1}, "agent-0": {"serve_cpu_s": 0.05, "update_cpu_s": 0.05}},
+                r["round_s"])
+    costly["summary"] = load("metrics_overhead").summarise(costly["runs"], 2)
+    direct_text = "\n".join(render.metrics_overhead_section(costly))
+    assert "Measured directly" in direct_text and "| 200 / 100 | 100 | 400 |" in direct_text
     # Load averages before/after each run appear.
     assert "3.0 → 4.0" in text
     incomplete = {**data, "scale": {**data["scale"], "complete": False, "pairs_measured": 1}}

@@ -92,6 +92,11 @@ def test_server_and_agent_metrics_during_and_after_a_run(mosquitto, tmp_path: Pa
             r["per_agent"][agent]["train_flops"] for r in on_disk["rounds"])
     assert total(after, "edgesplit_rejected_messages_total") == totals["rejected_messages"]
     assert value(after, "process_resident_memory_bytes") > 0
+    # What watching cost the server: its hooks ran (every message's bytes), every scrape was counted
+    # (the three scrapes of the server's /metrics so far, this one included), both parts in CPU seconds.
+    assert value(after, "edgesplit_metrics_cpu_seconds_total", part="update", **run) > 0
+    assert value(after, "edgesplit_metrics_cpu_seconds_total", part="serve", **run) > 0
+    assert value(after, "edgesplit_metrics_requests_total", **run) >= 3
     # Each agent's own endpoint: its round costs, as it sent them in its round_end.
     for agent, samples in zip(("agent-0", "agent-1"), agent_after):
         costs = last["per_agent"][agent]
@@ -106,6 +111,8 @@ def test_server_and_agent_metrics_during_and_after_a_run(mosquitto, tmp_path: Pa
         assert value(samples, "edgesplit_edge_last_round_wire_bytes", direction="up", **labels) == costs["wire_bytes_up"]
         assert value(samples, "edgesplit_edge_phase_seconds_total", phase="compute", **labels) > costs["compute_s"]
         assert value(samples, "edgesplit_edge_wire_bytes_total", direction="up", agent=agent) > 0
+        assert value(samples, "edgesplit_metrics_cpu_seconds_total", part="update", run="metrics", agent=agent) > 0
+        assert value(samples, "edgesplit_metrics_requests_total", run="metrics", agent=agent) >= 2  # during and after
     # The status page and its JSON name every agent.
     assert 'id="agents"' in page and 'data-agent="agent-0"' in page and 'data-agent="agent-1"' in page
     assert status["completed_round"] == 2 and sorted(status["agents"]) == ["agent-0", "agent-1"]

@@ -46,3 +46,12 @@ def test_configuration_quotes_the_compiled_step_of_server_loop_json() -> None:
     check = _load("server_loop.json")["compile_check"]
     assert f"{check['compiled_speedup_median']:.2f}x faster (median; `compile_check.compiled_speedup_median`" in text
     assert f"its {check['compile_s']:.0f} s cold compilation after about {check['break_even_steps']:.0f} steps" in text
+
+
+def test_deploy_quotes_what_watching_costs_from_metrics_overhead_json() -> None:
+    text = " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+    direct = _load("metrics_overhead.json")["summary"]["direct"]
+    cpu = direct["cpu_s_per_run"]["values"]
+    assert f"spent {min(cpu):.1f}-{max(cpu):.1f} s of CPU on metrics" in text
+    assert f"rounds take about {direct['off_round_time_total_s']:.0f} s" in text
+    assert f"at most {100 * direct['highest_share']:.2f} % of the round time (`bench/results/metrics_overhead.json`" in text

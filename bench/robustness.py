@@ -229,6 +229,9 @@ def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, wor
                            # What the plausibility checks judged (every agent, refused or not).
                            "update_norms": (robustness.get("update_norms") or {}).get("agents", {}),
                            "update_cosines": (robustness.get("update_directions") or {}).get("agents", {}),
+                           # The server's own judgement (cloud_server/robust_validation.py), when on.
+                           "update_validation": robustness.get("update_validation"),
+                           "label_agreement": robustness.get("label_agreement"),
                            "warnings": r.get("warnings", [])})
     return {**dataclasses.asdict(case), "status": report.get("status"), "eval_set": report.get("eval_set"), "rounds": rounds_out,
             "final_accuracy": rounds_out[-1]["accuracy"] if rounds_out else None, "largest_weight": largest,

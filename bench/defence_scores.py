@@ -8,8 +8,8 @@ refusing nothing, so that honest and bad agents' figures are measured side by si
 
 * ``validation`` (FedAvg): a server validation set of ``VALIDATION_SAMPLES`` labelled images (the
   training samples the agents do not take), every update scored by the rise of the validation loss
-  from the global model to the global model plus that update (``validation_loss_margin`` 1e9:
-  nothing refused). ``none``: five honest agents under the ``mean``; ``sign_flip``: agent-4 sends
+  from the global model to the global model plus that update, and plus its share (1 / 5) of a mean
+  (``validation_step`` update / share; ``validation_loss_margin`` 1e9: nothing refused). ``none``: five honest agents under the ``mean``; ``sign_flip``: agent-4 sends
   ``global - 4 (w - global)``, under the ``median`` (f = 1), so that the model trains as it would
   with the attacker kept out and every round judges the flip against a healthy model
   (bench/update_directions.py's protocol);
@@ -89,9 +89,12 @@ def grid() -> list[Run]:
     return out
 
 
-def _rises(r: dict[str, Any]) -> dict[str, float]:
+STEP_KEYS = {"update": "agents", "share": "agents_share"}  # validation_step -> its figures in update_validation
+
+
+def _rises(r: dict[str, Any], step: str) -> dict[str, float]:
     section = r.get("update_validation") or {}
-    return {a: (float("inf") if v is None else float(v)) for a, v in (section.get("agents") or {}).items()}
+    return {a: (float("inf") if v is None else float(v)) for a, v in (section.get(STEP_KEYS[step]) or {}).items()}
 
 
 def _agreement(r: dict[str, Any]) -> dict[str, float]:
@@ -106,16 +109,17 @@ def replay(run: dict[str, Any]) -> dict[str, Any]:
     honest = lambda a: a != BAD or not bad_present  # noqa: E731
     out: dict[str, Any] = {"per_threshold": {}}
     if run["check"] == "validation":
-        per_round = [_rises(r) for r in run["rounds"]]
-        out["rises"] = per_round
-        out["honest_max_rise"] = max((v for rs in per_round for a, v in rs.items() if honest(a)), default=None)
-        out["bad_rises"] = [rs.get(BAD) for rs in per_round] if bad_present else None
-        for margin in MARGINS:
-            refused = [implausible_validation(rs, margin, MAD, 0.0) for rs in per_round]
-            out["per_threshold"][str(margin)] = {
-                "honest_refused": sum(1 for rf in refused for a in rf if honest(a)),
-                "honest_judged": sum(1 for rs in per_round for a in rs if honest(a)),
-                "bad_refused_rounds": [k + 1 for k, rf in enumerate(refused) if BAD in rf] if bad_present else None}
+        for step in STEP_KEYS:
+            per_round = [_rises(r, step) for r in run["rounds"]]
+            out[f"rises_{step}"] = per_round
+            out[f"honest_max_rise_{step}"] = max((v for rs in per_round for a, v in rs.items() if honest(a)), default=None)
+            out[f"bad_rises_{step}"] = [rs.get(BAD) for rs in per_round] if bad_present else None
+            for margin in MARGINS:
+                refused = [implausible_validation(rs, margin, MAD, 0.0) for rs in per_round]
+                out["per_threshold"][f"{step}-{margin}"] = {
+                    "honest_refused": sum(1 for rf in refused for a in rf if honest(a)),
+                    "honest_judged": sum(1 for rs in per_round for a in rs if honest(a)),
+                    "bad_refused_rounds": [k + 1 for k, rf in enumerate(refused) if BAD in rf] if bad_present else None}
     else:
         per_round = [_agreement(r) for r in run["rounds"]]
         out["agreement"] = per_round
@@ -136,22 +140,23 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per check and partition, per threshold: honest uploads refused (of judged) over the clean
     and attacked runs, and the rounds the bad agent was refused in."""
     out: dict[str, Any] = {}
-    for check, thresholds in (("validation", MARGINS), ("labels", FLOORS)):
+    validation = [f"{step}-{m}" for step in STEP_KEYS for m in MARGINS]
+    for check, thresholds in (("validation", validation), ("labels", [str(f) for f in FLOORS])):
         for part in PARTITIONS:
             mine = [r for r in runs if r["check"] == check and r["partition"] == part]
             if not mine:
                 continue
             entry: dict[str, Any] = {}
-            for t in map(str, thresholds):
+            for t in thresholds:
                 rows = [r["replay"]["per_threshold"][t] for r in mine]
                 entry[t] = {"honest_refused": sum(x["honest_refused"] for x in rows),
                             "honest_judged": sum(x["honest_judged"] for x in rows),
                             "bad_refused_rounds": next((x["bad_refused_rounds"] for x in rows
                                                         if x["bad_refused_rounds"] is not None), None)}
-            key = "honest_max_rise" if check == "validation" else "honest_min_agreement"
-            entry[key] = [r["replay"][key] for r in mine]
-            entry["bad"] = next((r["replay"]["bad_rises" if check == "validation" else "bad_agreement"]
-                                 for r in mine if r["attack"] != "none"), None)
+            keys = ([f"honest_max_rise_{s}" for s in STEP_KEYS] + [f"bad_rises_{s}" for s in STEP_KEYS]
+                    if check == "validation" else ["honest_min_agreement", "bad_agreement"])
+            for key in keys:
+                entry[key] = {r["name"]: r["replay"][key] for r in mine if r["replay"][key] is not None}
             entry["final_accuracy"] = {r["name"]: r["final_accuracy"] for r in mine}
             out.setdefault(check, {})[part] = entry
     return out
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
             result["replay"] = replay(result)
             done[run.name] = result
             print(f"  final accuracy {result['final_accuracy']}, refusals {result['refusals']}, {result['wall_s']} s\n"
-                  f"  {json.dumps({k: v for k, v in result['replay'].items() if k not in ('rises', 'agreement', 'edge_agreement')})}",
+                  f"  {json.dumps({k: v for k, v in result['replay'].items() if not k.startswith(('rises', 'agreement', 'edge'))})}",
                   flush=True)
             save()
             shutil.rmtree(work / run.name, ignore_errors=True)

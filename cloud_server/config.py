@@ -111,6 +111,7 @@ class ServerConfig:
     validation_agent_train_samples: int = 0  # train-holdout: the agents' data.train_samples
     validation_agent_data_seed: int | None = None  # train-holdout: the agents' data.seed (None: seed)
     validation_loss_margin: float = 0.5  # DefenceConfig's default (cloud_server/robust_validation.py), kept equal by a test
+    validation_step: str = "update"  # update | share: what an update is scored by
     plausible_min_label_agreement: float = 0.0  # 0: off
     log_json: bool = False
     progress: bool = True
@@ -196,6 +197,7 @@ class ServerConfig:
             validation_split=self.validation_split, validation_agent_train_samples=self.validation_agent_train_samples,
             validation_agent_data_seed=self.validation_agent_data_seed, validation_root=self.eval_root,
             validation_download=self.eval_download, validation_loss_margin=self.validation_loss_margin,
+            validation_step=self.validation_step,
             plausible_min_label_agreement=self.plausible_min_label_agreement, plausible_mad=self.plausible_mad, seed=self.seed,
         )
 

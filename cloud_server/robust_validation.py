@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .robust import MAD_TO_SD, robust_median
 
-__all__ = ["LABEL_CHECK_FROM_ROUND", "VALIDATION_SPLITS", "DefenceConfig", "implausible_labels", "implausible_validation"]
+__all__ = ["LABEL_CHECK_FROM_ROUND", "VALIDATION_SPLITS", "VALIDATION_STEPS", "DefenceConfig", "implausible_labels", "implausible_validation"]
 
 # Where the validation set comes from (cloud_server/methods/fedbe_distill.py's carving): the
 # training samples the agents of a simulation do not take, or a whole split of a dataset the
@@ -41,6 +41,10 @@ VALIDATION_SPLITS = ("train-holdout", "train", "valid")
 LABEL_CHECK_FROM_ROUND = 2
 # The default of ``validation_loss_margin`` (nats of cross-entropy); why, in DefenceConfig.
 VALIDATION_LOSS_MARGIN = 0.5
+# What an update is scored by: the global model plus the whole update ("update", the agent's own
+# model: Zeno's step 1) or plus its share of a plain mean of the n judged updates ("share", 1 / n).
+# Both are recorded; the refusal reads ``validation_step``.
+VALIDATION_STEPS = ("update", "share")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class DefenceConfig:
     # An update whose validation-loss rise is above the other agents' median rise plus the larger of
     # this margin and plausible_mad x 1.4826 x their MAD is refused (implausible_validation).
     validation_loss_margin: float = VALIDATION_LOSS_MARGIN
+    validation_step: str = "update"  # update | share (VALIDATION_STEPS)
     # FedGKT: an agent the server model agrees with on fewer than this fraction of its labels,
     # and far below the other agents (plausible_mad), is refused (implausible_labels). 0: off.
     plausible_min_label_agreement: float = 0.0
@@ -84,6 +89,8 @@ class DefenceConfig:
         m = self.validation_loss_margin
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (m > 0 and math.isfinite(m)):
             raise ValueError(f"server.validation_loss_margin must be a finite number > 0 (nats), got {m!r}")
+        if self.validation_step not in VALIDATION_STEPS:
+            raise ValueError(f"server.validation_step must be one of {VALIDATION_STEPS}, got {self.validation_step!r}")
         a = self.plausible_min_label_agreement
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
             raise ValueError(f"server.plausible_min_label_agreement must be in [0, 1] (0: off), got {a!r}")

@@ -2,9 +2,10 @@
 labelled images and judges the weight-sharing methods' updates by the validation loss of the
 global model plus each update (Zeno's score, Xie et al. 2019).
 
-Cost: a forward pass of the global model and of one candidate model per screened update over
-the set, each round: (K + 1) x ``validation_samples`` forward passes of the shared model
-(recorded in the round's ``robustness.update_validation``), and the images in memory.
+Cost: a forward pass over the set of the global model and, per screened update, of the global
+model plus the update and plus its share (1 / K): (2K + 1) x ``validation_samples`` forward
+passes of the shared model each round (recorded in the round's ``robustness.update_validation``),
+and the images in memory.
 """
 
 from __future__ import annotations
@@ -59,11 +60,21 @@ class ValidationScreen:
     BATCH_SAMPLES = 256
 
     def __init__(self, cfg: DefenceConfig, data: ArrayDataset | None = None) -> None:
-        self.cfg = cfg
         data = data if data is not None else load_validation_set(cfg)
-        self.samples = len(data)
-        self.images = normalised_images(data)  # (V, C, H, W), float32 on the host
-        self.labels = torch.as_tensor(np.asarray(data.labels), dtype=torch.long)  # (V,)
+        self._set(cfg, normalised_images(data), torch.as_tensor(np.asarray(data.labels), dtype=torch.long))
+
+    @classmethod
+    def from_tensors(cls, cfg: DefenceConfig, images: torch.Tensor, labels: torch.Tensor) -> "ValidationScreen":
+        """A screen over images already normalised as the agents' loaders do (tests, benches)."""
+        screen = cls.__new__(cls)
+        screen._set(cfg, images, labels.long())
+        return screen
+
+    def _set(self, cfg: DefenceConfig, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.cfg = cfg
+        self.images = images  # (V, C, H, W), float32 on the host
+        self.labels = labels  # (V,)
+        self.samples = len(labels)
         self._scratch: nn.Module | None = None  # a copy of the method's model, candidates are loaded into it
 
     def loss(self, model: nn.Module, forward: Forward) -> float:
@@ -97,16 +108,24 @@ class ValidationScreen:
             load_arrays_into(scratch, arrays)
             return self.loss(scratch, forward)
 
+        def share(state: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+            """The global model plus 1 / n of the update (integer counters: the global model's)."""
+            return {k: (g + (np.asarray(state[k], np.float64) - g) / n).astype(g.dtype) if g.dtype.kind == "f" else g
+                    for k, g in global_state.items() if k in state}
+
         def judge(agents: list[str]) -> Refusals:
             if not agents:
                 return {}
             base = loss_of(global_state)
             rises = {a: loss_of(candidate(a)) - base for a in agents}
-            refusals = implausible_validation(rises, self.cfg.validation_loss_margin, self.cfg.plausible_mad, base)
+            shares = {a: loss_of(share(candidate(a), len(agents))) - base for a in agents}
+            judged = rises if self.cfg.validation_step == "update" else shares
+            refusals = implausible_validation(judged, self.cfg.validation_loss_margin, self.cfg.plausible_mad, base)
             ledger.record(round_, "update_validation", {
-                "samples": self.samples, "global_loss": _json(base), "margin": self.cfg.validation_loss_margin,
-                "forward_passes": (len(agents) + 1) * self.samples,
-                "agents": {a: _json(r) for a, r in sorted(rises.items())}})
+                "samples": self.samples, "global_loss": _json(base), "step": self.cfg.validation_step,
+                "margin": self.cfg.validation_loss_margin, "forward_passes": (2 * len(agents) + 1) * self.samples,
+                "agents": {a: _json(r) for a, r in sorted(rises.items())},
+                "agents_share": {a: _json(r) for a, r in sorted(shares.items())}})
             return refusals
 
         return judge

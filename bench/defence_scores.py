@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"running {run.name}", flush=True)
             case = Case(run.method, run.attack, True, run.aggregation)
             result = run_case(case, ROUNDS[run.check], TRAIN, TEST, work, partition=PARTITIONS[run.partition], seed=run.seed,
-                              server=run.server(), name=run.name)
+                              server=run.server(), name=run.name, threads=1)  # no timings here: one thread
             result.update({"name": run.name, "check": run.check, "partition": run.partition, "seed": run.seed})
             result["replay"] = replay(result)
             done[run.name] = result

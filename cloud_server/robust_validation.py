@@ -41,6 +41,7 @@ VALIDATION_SPLITS = ("train-holdout", "train", "valid")
 LABEL_CHECK_FROM_ROUND = 2
 # The default of ``validation_loss_margin`` (nats of cross-entropy); why, in DefenceConfig.
 VALIDATION_LOSS_MARGIN = 0.5
+VALIDATION_MIN_AGENTS = 3  # as the direction check's: two agents are no majority
 # What an update is scored by: the global model plus the whole update ("update", the agent's own
 # model: Zeno's step 1) or plus its share of a plain mean of the n judged updates ("share", 1 / n).
 # Both are recorded; the refusal reads ``validation_step``.
@@ -109,9 +110,11 @@ def implausible_validation(rises: Mapping[str, float], margin: float, mad_factor
     """Agent -> (reason, detail) for each update whose validation-loss rise (loss of the
     global model plus the update, minus the global model's ``global_loss``) is above the
     *other* agents' median rise plus max(``margin``, ``mad_factor`` x 1.4826 x their MAD), or
-    not finite. One agent has no yardstick: not judged. The detail names the figure and the limit."""
+    not finite. Fewer than three agents are not judged (as the direction check): one has no
+    yardstick, and of two under label skew the honest one with the larger rise would be judged
+    by the other alone. The detail names the figure and the limit."""
     out: dict[str, tuple[str, str]] = {}
-    if len(rises) < 2:
+    if len(rises) < VALIDATION_MIN_AGENTS:
         return out
     for agent, rise in rises.items():
         med, mad = robust_median([v if math.isfinite(v) else 1e30 for a, v in rises.items() if a != agent])

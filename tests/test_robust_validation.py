@@ -5,7 +5,6 @@ what the report shows. No broker: tests/test_robust_mqtt.py runs the federations
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
@@ -48,12 +47,13 @@ def test_implausible_validation_by_hand() -> None:
     spread = {"a": -1.0, "b": 0.0, "c": 1.0}
     assert implausible_validation({**spread, "d": limit - 1e-9}, 0.5, 6.0, 2.0) == {}
     assert set(implausible_validation({**spread, "d": limit + 1e-6}, 0.5, 6.0, 2.0)) == {"d"}
-    # Exactly at the limit is plausible; a non-finite figure is not; one agent has no yardstick.
-    assert implausible_validation({"a": 0.0, "b": 0.5}, 0.5, 6.0, 2.0) == {}
+    # Exactly at the limit is plausible (others 0 and 0: limit 0.5); a non-finite figure is not.
+    assert implausible_validation({"a": 0.0, "b": 0.0, "c": 0.5}, 0.5, 6.0, 2.0) == {}
     assert set(implausible_validation({"a": 0.0, "b": math.nan, "c": 0.1}, 0.5, 6.0, 2.0)) == {"b"}
+    # Fewer than three agents are not judged: one has no yardstick, and of two honest agents under
+    # label skew the one whose update alone costs more would be judged by the other alone.
     assert implausible_validation({"a": 100.0}, 0.5, 6.0, 2.0) == {}
-    # Two agents: each is the other's yardstick; the honest one is not judged by the flipped one.
-    assert set(implausible_validation({"honest": -0.3, "flipped": 4.0}, 0.5, 6.0, 2.0)) == {"flipped"}
+    assert implausible_validation({"honest": 0.3, "skewed": 2.5}, 0.5, 6.0, 2.0) == {}
 
 
 def test_implausible_labels_by_hand() -> None:
@@ -111,27 +111,29 @@ def test_the_validation_set_is_held_out_of_the_agents_data_and_the_test_split() 
 
 
 def _val_screen(n: int = 64, seed: int = 0, **cfg: float) -> ValidationScreen:
+    """A learnable task: each class its own pattern, plus noise."""
     g = torch.Generator().manual_seed(seed)
-    images = torch.randn(n, 1, 32, 32, generator=g)
-    labels = torch.randint(0, 10, (n,), generator=g)
+    patterns = torch.randn(10, 1, 32, 32, generator=g)
+    labels = torch.arange(n) % 10
+    images = patterns[labels] + 0.5 * torch.randn(n, 1, 32, 32, generator=g)
     return ValidationScreen.from_tensors(DefenceConfig(**cfg), images, labels)
 
 
-def _descend(server: FedAvgServer, screen: ValidationScreen, steps: int, lr: float, rows: slice) -> dict[str, np.ndarray]:
-    """The global model after ``steps`` SGD steps on some of the validation images: an update that
-    lowers the validation loss, as honest training on the same task would."""
-    work = copy.deepcopy(server.model).train()  # the server's own model is never touched
-    opt = torch.optim.SGD(work.parameters(), lr=lr)
-    for _ in range(steps):
-        opt.zero_grad()
-        F.cross_entropy(logits_of(work(screen.images[rows])), screen.labels[rows]).backward()
-        opt.step()
-    return state_dict_to_arrays(work)
+def _trained(base: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """``base`` moved as local training would: a small step shared by every agent plus its own
+    (tests/test_robust.py's)."""
+    common, own = np.random.default_rng(0), np.random.default_rng(seed)
+    return {k: (v + 1e-2 * common.normal(size=v.shape) + 5e-3 * own.normal(size=v.shape)).astype(v.dtype)
+            if v.dtype.kind == "f" else v for k, v in base.items()}
 
 
-def _flipped(state: dict[str, np.ndarray], base: dict[str, np.ndarray], scale: float = 4.0) -> dict[str, np.ndarray]:
-    return {k: (base[k] - scale * (v.astype(np.float64) - base[k])).astype(v.dtype) if v.dtype.kind == "f" else v
-            for k, v in state.items()}
+def _flipped(state: dict[str, np.ndarray], base: dict[str, np.ndarray], scale: float = 40.0) -> dict[str, np.ndarray]:
+    """The bench's sign flip of the weights, scaled so that the model is far off (the synthetic honest
+    steps barely move the loss); BatchNorm's running statistics kept as the agent's (the bench flips
+    them too, which can make a variance negative and the loss NaN: refused as well, but here the
+    loss must stay finite to be compared by hand)."""
+    return {k: (base[k] - scale * (v.astype(np.float64) - base[k])).astype(v.dtype)
+            if v.dtype.kind == "f" and "running" not in k else v for k, v in state.items()}
 
 
 def _update(agent: str, state: dict[str, np.ndarray], round_: int = 1, version: int = 0) -> FedAvgUpdate:
@@ -151,7 +153,7 @@ def test_fedavg_refuses_a_sign_flipped_update_on_the_validation_set(caplog) -> N
     screen = ctx.validation = _val_screen()
     server = FedAvgServer(ctx, {"model": "resnet8"})
     base = {k: v.copy() for k, v in server.global_state.items()}
-    honest = [_descend(server, screen, 5, 0.05, slice(0, 48)), _descend(server, screen, 5, 0.05, slice(16, 64))]
+    honest = [_trained(base, 1), _trained(base, 2)]
     states = [*honest, _flipped(honest[0], base)]
     for k, s in enumerate(states):
         server.on_upload(f"agent-{k}", _update(f"agent-{k}", s))
@@ -167,7 +169,7 @@ def test_fedavg_refuses_a_sign_flipped_update_on_the_validation_set(caplog) -> N
             return float(F.cross_entropy(logits_of(work(screen.images)), screen.labels))
 
     rises = [loss(s) - loss(base) for s in states]
-    assert max(rises[:2]) < 0 < rises[2]  # honest steps lower the loss; the flip raises it
+    assert rises[2] > max(rises[:2]) + 0.5  # the flip raises the loss far more than the honest steps
     ledger = ctx.ledger
     ledger.close_round(1, [f"agent-{k}" for k in range(3)])
     section, warnings = ledger.take(1)
@@ -184,15 +186,16 @@ def test_fedavg_refuses_a_sign_flipped_update_on_the_validation_set(caplog) -> N
     assert len(lines) == 1 and "validation_loss_margin 0.5" in lines[0], lines
     assert ledger.streaks == {"agent-0": 0, "agent-1": 0, "agent-2": 1}  # counted towards quarantine
     # The global model is the mean of the two honest states: the flip took no part.
-    np.testing.assert_allclose(server.global_state["fc.weight"], (honest[0]["fc.weight"] + honest[1]["fc.weight"]) / 2, atol=1e-6)
+    for k, v in server.global_state.items():
+        if v.dtype.kind == "f":
+            np.testing.assert_allclose(v, (honest[0][k].astype(np.float64) + honest[1][k]) / 2, atol=1e-5, err_msg=k)
 
 
 def test_without_a_validation_set_nothing_is_judged_and_the_flip_is_averaged_in() -> None:
     ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0)
-    screen = _val_screen()
     server = FedAvgServer(ctx, {"model": "resnet8"})
     base = {k: v.copy() for k, v in server.global_state.items()}
-    honest = [_descend(server, screen, 5, 0.05, slice(0, 48)), _descend(server, screen, 5, 0.05, slice(16, 64))]
+    honest = [_trained(base, 1), _trained(base, 2)]
     for k, s in enumerate([*honest, _flipped(honest[0], base)]):
         server.on_upload(f"agent-{k}", _update(f"agent-{k}", s))
     outcome = server.complete(1, {f"agent-{k}": _end(f"agent-{k}") for k in range(3)}, evaluate=False)
@@ -207,7 +210,7 @@ def test_fedkd_judges_the_global_mentee_plus_each_rebuilt_update() -> None:
     rng = np.random.default_rng(0)
     common = {k: 1e-2 * rng.normal(size=v.shape) for k, v in server.global_state.items()}
     deltas = [{k: (c + 5e-3 * rng.normal(size=c.shape)).astype(np.float32) for k, c in common.items()} for _ in range(2)]
-    deltas.append({k: (-40 * v).astype(np.float32) for k, v in deltas[0].items()})
+    deltas.append({k: (-4 * v).astype(np.float32) for k, v in deltas[0].items()})
     t = server.threshold(1)
     ends = {}
     for k, delta in enumerate(deltas):

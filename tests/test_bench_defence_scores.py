@@ -59,8 +59,12 @@ def test_replay_counts_honest_refusals_and_the_bad_agents_rounds() -> None:
 def test_the_recorded_figures_back_the_defaults() -> None:
     """The defaults either are off or refuse no honest upload the bench recorded and refuse the
     bad agent in most judged rounds at every partition."""
+    import pytest
+
     from cloud_server.robust_validation import VALIDATION_LOSS_MARGIN, DefenceConfig
 
+    if not RESULT.exists():
+        pytest.skip("bench/results/defence_scores.json has not been recorded yet (python bench/defence_scores.py)")
     data = json.loads(RESULT.read_text())
     for run in data["runs"]:
         assert run["refusals"] == {}, run["name"]  # recorded, nothing refused

@@ -312,6 +312,9 @@ def test_fedavg_sign_flip_under_dirichlet_0_1_with_the_validation_set(mosquitto,
         figures = r["robustness"]["update_validation"]
         assert figures["samples"] == 500
         rises = figures["agents"]
-        assert rises[BAD] > max(rises["agent-0"], rises["agent-1"]), r["round"]
+        assert rises["agent-0"] is not None and rises["agent-1"] is not None, r["round"]
+        # null: not finite. The flip negates BatchNorm's running variances with the weights, and a
+        # negative variance makes the model's output NaN: refused as not finite.
+        assert rises[BAD] is None or rises[BAD] > max(rises["agent-0"], rises["agent-1"]), r["round"]
     detail = attacked[0]["rounds"][0]["robustness"]["refused"][BAD]["implausible_validation"]["detail"]
     assert "validation_loss_margin" in detail

@@ -156,10 +156,11 @@ def shuffled_labels(config: EdgeConfig) -> tuple[Any, Any]:
 
 
 def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, work: Path, partition: str = "iid",
-             seed: int = 0, server: dict[str, Any] | None = None, name: str = "") -> dict[str, Any]:
+             seed: int = 0, server: dict[str, Any] | None = None, name: str = "", threads: int = 2) -> dict[str, Any]:
     """One run of ``case``: its figures from the report and the checkpoint. ``partition`` and
     ``seed`` (the data's and the server's) and ``server`` (more ``[server]`` keys) are for the
-    other benches that run this federation (bench/update_directions.py)."""
+    other benches that run this federation (bench/update_directions.py); ``threads``: torch's, for
+    benches whose figures are not timings, on a shared machine."""
     out = work / (name or case.name)
     attack = ATTACKS[case.attack]
     started = time.monotonic()
@@ -182,7 +183,7 @@ def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, wor
             data = DataConfig(dataset="fashion-mnist", partition=partition, num_agents=AGENTS, agent_index=i, seed=seed,
                               train_samples=train_samples, test_samples=test_samples)
             edge = EdgeConfig(agent_id=f"agent-{i}", run_id=config.run_id, broker_url=broker.url, data=data,
-                              progress=False, threads=2)
+                              progress=False, threads=threads)
             bad = edge.agent_id == BAD
             agent = EdgeAgent(edge, data=shuffled_labels(edge) if bad and attack.shuffle_labels else None,
                               compute_lock=lock)
@@ -229,6 +230,9 @@ def run_case(case: Case, rounds: int, train_samples: int, test_samples: int, wor
                            # What the plausibility checks judged (every agent, refused or not).
                            "update_norms": (robustness.get("update_norms") or {}).get("agents", {}),
                            "update_cosines": (robustness.get("update_directions") or {}).get("agents", {}),
+                           # The server's own judgement (cloud_server/robust_validation.py), when on.
+                           "update_validation": robustness.get("update_validation"),
+                           "label_agreement": robustness.get("label_agreement"),
                            "warnings": r.get("warnings", [])})
     return {**dataclasses.asdict(case), "status": report.get("status"), "eval_set": report.get("eval_set"), "rounds": rounds_out,
             "final_accuracy": rounds_out[-1]["accuracy"] if rounds_out else None, "largest_weight": largest,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .evaluation import EvalSetSpec
     from .methods.base import ServerContext
     from .robust import RobustnessConfig
+    from .robust_validation import DefenceConfig
 
 # The modes of cloud_server/server_step.py (kept here so that reading a config never imports torch).
 SERVER_STEPS = ("auto", "eager", "compiled", "graph")
@@ -101,6 +102,17 @@ class ServerConfig:
     quarantine_release: str = "plausible"  # plausible | never
     server_grad_clip_norm: float = 0.0  # 0: off
     server_loss_skip_factor: float = 0.0  # 0: off
+    # The checks that need the server's judgement (cloud_server/robust_validation.py): a labelled
+    # validation set that judges weight updates (validation_samples 0: none), and FedGKT's
+    # label-agreement check (plausible_min_label_agreement 0: off). Defaults: DefenceConfig's.
+    validation_samples: int = 0
+    validation_dataset: str = ""  # "": the run's dataset
+    validation_split: str = "train-holdout"  # train-holdout | train | valid
+    validation_agent_train_samples: int = 0  # train-holdout: the agents' data.train_samples
+    validation_agent_data_seed: int | None = None  # train-holdout: the agents' data.seed (None: seed)
+    validation_loss_margin: float = 0.5  # DefenceConfig's default (cloud_server/robust_validation.py), kept equal by a test
+    validation_step: str = "update"  # update | share: what an update is scored by
+    plausible_min_label_agreement: float = 0.0  # 0: off
     log_json: bool = False
     progress: bool = True
     # The live view (cloud_server/metrics.py): Prometheus /metrics and the status page at /,
@@ -157,6 +169,7 @@ class ServerConfig:
         self.transport_config()  # chunk size, credentials in the URL
         self.metrics_endpoint()  # a non-loopback address without credentials is refused here
         self.robustness_config()  # the rule's bound against expected_agents, the thresholds
+        self.defence_config()
 
     def metrics_endpoint(self) -> MetricsEndpointConfig | None:
         """Where the metrics and the status page are served (None: metrics off)."""
@@ -174,6 +187,18 @@ class ServerConfig:
             logit_abs_limit=self.logit_abs_limit, quarantine_after=self.quarantine_after,
             quarantine_release=self.quarantine_release, server_grad_clip_norm=self.server_grad_clip_norm,
             server_loss_skip_factor=self.server_loss_skip_factor, expected_agents=self.expected_agents,
+        )
+
+    def defence_config(self) -> "DefenceConfig":
+        from .robust_validation import DefenceConfig
+
+        return DefenceConfig(
+            validation_samples=self.validation_samples, validation_dataset=self.validation_dataset or self.dataset,
+            validation_split=self.validation_split, validation_agent_train_samples=self.validation_agent_train_samples,
+            validation_agent_data_seed=self.validation_agent_data_seed, validation_root=self.eval_root,
+            validation_download=self.eval_download, validation_loss_margin=self.validation_loss_margin,
+            validation_step=self.validation_step,
+            plausible_min_label_agreement=self.plausible_min_label_agreement, plausible_mad=self.plausible_mad, seed=self.seed,
         )
 
     @property
@@ -225,7 +250,8 @@ class ServerConfig:
 
         return ServerContext(run_id=self.run_id, num_classes=self.num_classes, in_channels=self.resolved_in_channels,
                              device=device, seed=self.seed, progress=progress, rounds=self.rounds,
-                             out_dir=self.out_dir, server_step=self.server_step, robustness=self.robustness_config())
+                             out_dir=self.out_dir, server_step=self.server_step, robustness=self.robustness_config(),
+                             defence=self.defence_config())
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -96,6 +96,14 @@ class Coordinator(RoundHostOps):
         # round records read (a method made outside the coordinator may have the defaults).
         method.ctx.robustness = robustness
         method.ctx.ledger.cfg = robustness
+        method.ctx.defence = defence = config.defence_config()
+        if defence.validates and method.ctx.validation is None:  # cloud_server/robust_validation.py
+            if not method.aggregates_weights:
+                raise ValueError(f"server.validation_samples judges weight updates; {method.name} does not share weights: "
+                                 "leave it at 0 (FedGKT's labels: plausible_min_label_agreement)")
+            from .validation_screen import ValidationScreen
+
+            method.ctx.validation = ValidationScreen(defence)
         self.ledger = method.ctx.ledger
         load_method_messages(method.name)
         # The live view (cloud_server/metrics.py): imported only when configured.

@@ -372,7 +372,8 @@ UpdateBlocks = Callable[[Sequence[str]], Iterable[np.ndarray]]
 
 def screen_uploads(round_: int, used: dict[str, Any], excluded: dict[str, str], cfg: RobustnessConfig,
                    ledger: "RobustnessLedger", measure: Callable[[], tuple[dict[str, float], float]],
-                   blocks: UpdateBlocks | None = None) -> dict[str, Any]:
+                   blocks: UpdateBlocks | None = None,
+                   judge: Callable[[list[str]], dict[str, tuple[str, str]]] | None = None) -> dict[str, Any]:
     """Plausibility and quarantine for a weight-sharing method's usable uploads (agent ->
     upload): ``measure()`` gives each agent's update norm and the reference norm (0: none),
     ``blocks(agents)`` the updates of those agents for the direction check (None: no check);
@@ -391,6 +392,8 @@ def screen_uploads(round_: int, used: dict[str, Any], excluded: dict[str, str], 
             cosines = {a: float(c) for a, c in zip(left, cos)}
             ledger.directions(round_, cosines)
             refusals.update(implausible_directions(cosines, cfg))
+        if judge is not None:  # more checks of the rest (cloud_server/robust_validation.py)
+            refusals.update(judge([a for a in used if a not in refusals]))
         for agent, (reason, detail) in refusals.items():
             ledger.refuse(round_, agent, reason, detail)
             excluded[agent] = f"{reason}: {detail}"
@@ -454,6 +457,7 @@ class _RoundEntry:
     update_norms: dict[str, float] = field(default_factory=dict)  # agent -> its update's L2 norm, as screened
     reference_norm: float = 0.0  # the global model's norm the updates were screened against (0: none)
     update_cosines: dict[str, float] = field(default_factory=dict)  # agent -> cosine with the round's median update
+    sections: dict[str, Any] = field(default_factory=dict)  # more checks' figures (record), key -> section, verbatim
 
 
 class RobustnessLedger:
@@ -491,6 +495,10 @@ class RobustnessLedger:
         the check is off: what a user needs to set ``plausible_min_cosine`` for their fleet;
         bench/update_directions.py reads them)."""
         self._entry(round_).update_cosines.update({a: float(v) for a, v in cosines.items()})
+
+    def record(self, round_: int, key: str, section: Mapping[str, Any]) -> None:
+        """Another check's figures, as the round's ``robustness[key]`` (strict JSON)."""
+        self._entry(round_).sections[key] = dict(section)
 
     def refused_in(self, round_: int, agent: str) -> bool:
         entry = self._rounds.get(round_)
@@ -576,6 +584,7 @@ class RobustnessLedger:
                 "reference": "coordinate-wise median of the round's updates",
                 "threshold": self.cfg.plausible_min_cosine,
                 "agents": {a: (round(v, 6) if math.isfinite(v) else None) for a, v in sorted(entry.update_cosines.items())}}
+        section.update(entry.sections)
         events = [e for e in self.history if e["round"] == round_]
         if events:
             section["quarantine_events"] = events

@@ -10,9 +10,12 @@ the agent, the reason and the rounds.
 
 Besides the garbage, two attacks of plausible size, each its own test: a sign-flipped update
 (``global - 4 (w - global)``, bench/robustness.py's; FedAvg and FedKD, refused by the direction
-check, which is off by default and turned on here as a fleet close to IID may), and an agent
-that trains on shuffled labels (a test-only hook on its data; every family: nothing refuses it,
-and FedGKT's server model loses more than 5 points, a known gap marked xfail).
+check, which is off by default and turned on here as a fleet close to IID may; and FedAvg under
+Dirichlet(0.1), where the direction check cannot tell it from honest agents, refused by the
+server's validation set, also off by default), and an agent that trains on shuffled labels (a
+test-only hook on its data; FedAvg and FedKD: nothing refuses it and nothing needs to; FedGKT,
+whose server trains on the agents' labels: refused by the label-agreement check, off by default,
+and what happens without it).
 """
 
 from __future__ import annotations
@@ -91,22 +94,26 @@ def _logits_1e30(agent: EdgeAgent, msg: Message) -> Message:
     return msg
 
 
-def _agent(run_id: str, index: int) -> EdgeConfig:
-    data = DataConfig(dataset="fashion-mnist", partition="iid", num_agents=3, agent_index=index, seed=0,
-                      train_samples=900, test_samples=150)
+TRAIN_SAMPLES = 900  # each run's seeded subset of Fashion-MNIST, partitioned among the three agents
+
+
+def _agent(run_id: str, index: int, partition: str = "iid") -> EdgeConfig:
+    data = DataConfig(dataset="fashion-mnist", partition=partition, num_agents=3, agent_index=index, seed=0,
+                      train_samples=TRAIN_SAMPLES, test_samples=150)
     return EdgeConfig(agent_id=f"agent-{index}", run_id=run_id, data=data, progress=False)
 
 
 def _run(tmp: Path, broker_url: str, method: str, table: dict[str, Any], corrupt: Corrupt | None,
          agents: tuple[int, ...] = (0, 1, 2), shuffle_labels: bool = False,
-         server: dict[str, Any] | None = None) -> tuple[dict[str, Any], float]:
+         server: dict[str, Any] | None = None, partition: str = "iid") -> tuple[dict[str, Any], float]:
     """(report.json, the checkpoint's largest |weight|) of a 3-round run of ``agents``;
     ``corrupt`` overwrites agent-2's uploads; ``shuffle_labels``: agent-2 trains on its
-    shard with the labels permuted (seeded); ``server``: more [server] keys."""
+    shard with the labels permuted (seeded); ``server``: more [server] keys; ``partition``:
+    the agents' shares of the 900 images."""
     run_id = f"rb-{method}-{tmp.name}"[:60]
     cfg = method_server_config(tmp, method, table, run_id=run_id, agents=len(agents), rounds=ROUNDS, min_agents=1,
                                dataset="fashion-mnist", eval_samples=400, **(server or {}))
-    fed = mqtt_federation(cfg, [_agent(run_id, i) for i in agents], broker_url)
+    fed = mqtt_federation(cfg, [_agent(run_id, i, partition) for i in agents], broker_url)
     if shuffle_labels:
         k = next(i for i, a in enumerate(fed.agents) if a.config.agent_id == BAD)
         config = fed.agents[k].config
@@ -133,6 +140,10 @@ def _accuracy(report: dict[str, Any], label: str) -> float:
     return report["rounds"][-1]["evaluation"]["accuracy"][label]
 
 
+# Reasons found when the round closes, among the round's uploads (not messages refused at the door).
+JUDGED_AT_THE_CLOSE = ("implausible_norm", "implausible_direction", "implausible_validation", "implausible_labels")
+
+
 def _check(clean: tuple[dict, float], attacked: tuple[dict, float], label: str, reason: str) -> None:
     (clean_report, clean_largest), (report, largest) = clean, attacked
     assert report["status"] == "finished" and clean_report["status"] == "finished"
@@ -146,7 +157,7 @@ def _check(clean: tuple[dict, float], attacked: tuple[dict, float], label: str, 
         assert BAD in refused or BAD in robustness.get("quarantine_excluded", []), r["round"]
     named = {why for r in report["rounds"] for why in r["robustness"].get("refused", {}).get(BAD, {})}
     assert reason in named, named
-    if reason not in ("implausible_norm", "implausible_direction"):  # refused at the door: counted with the run's rejected messages too
+    if reason not in JUDGED_AT_THE_CLOSE:  # refused at the door: counted with the run's rejected messages too
         assert report["totals"]["rejected_by_reason"][reason] >= 1
     clean_acc, acc = _accuracy(clean_report, label), _accuracy(report, label)
     assert acc >= clean_acc - 0.05, (acc, clean_acc)
@@ -210,24 +221,7 @@ FAMILIES = {  # method -> (its table, the model the test scores)
 }
 
 
-# FedGKT's server model trains on the labels the agents send with their maps: with one agent of
-# three on shuffled labels it reached 37.5% against 53.5% without it (round 3; 40.0 / 38.0 at
-# round 2), and nothing in the system refuses plausible labels (issue 25: what is left).
-GKT_LABELS_GAP = pytest.mark.xfail(reason="FedGKT has no defence against an agent training on shuffled labels: "
-                                          "37.5% vs 53.5% without it (one agent of three)", raises=AssertionError, strict=False)
-
-
-@pytest.mark.parametrize("method", [m if m != "fedgkt" else pytest.param(m, marks=GKT_LABELS_GAP) for m in FAMILIES])
-def test_one_agent_training_on_shuffled_labels(method: str, mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Shuffled labels make uploads of honest size and, in weight-sharing methods, of honest
-    direction (the agent's cosine with the round's median stays above 0, 0.8 and more here): no check can
-    tell them from an honest agent's, and none is refused. What must hold is the rest: every
-    round ok with every agent, within 5 points of the run without it, no weight blown up; the
-    report records the agent's figures every round (weight-sharing methods: its update's norm
-    and cosine), the numbers a user would look at."""
-    table, label = FAMILIES[method]
-    clean_report, clean_largest = _run(tmp_path / "clean", mosquitto.url, method, table, None, agents=(0, 1))
-    report, largest = _run(tmp_path / "bad", mosquitto.url, method, table, None, shuffle_labels=True)
+def _no_refusal_with_every_agent(report: dict[str, Any], method: str) -> None:
     assert report["status"] == "finished" and [r["status"] for r in report["rounds"]] == ["ok"] * ROUNDS
     for r in report["rounds"]:
         assert set(r["completed"]) == {"agent-0", "agent-1", BAD}, r["round"]
@@ -236,5 +230,96 @@ def test_one_agent_training_on_shuffled_labels(method: str, mosquitto, tmp_path:
         if method != "fedgkt":
             assert BAD in robustness["update_norms"]["agents"]
             assert robustness["update_directions"]["agents"][BAD] > 0, r["round"]  # even a check at 0 passes it
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedkd"])
+def test_one_agent_training_on_shuffled_labels(method: str, mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Shuffled labels make uploads of honest size and, in weight-sharing methods, of honest
+    direction (the agent's cosine with the round's median stays above 0, 0.8 and more here): no check can
+    tell them from an honest agent's, and none is refused. What must hold is the rest: every
+    round ok with every agent, within 5 points of the run without it, no weight blown up; the
+    report records the agent's figures every round (its update's norm and cosine), the numbers a
+    user would look at."""
+    table, label = FAMILIES[method]
+    clean_report, clean_largest = _run(tmp_path / "clean", mosquitto.url, method, table, None, agents=(0, 1))
+    report, largest = _run(tmp_path / "bad", mosquitto.url, method, table, None, shuffle_labels=True)
+    _no_refusal_with_every_agent(report, method)
     assert _accuracy(report, label) >= _accuracy(clean_report, label) - 0.05, (_accuracy(report, label), _accuracy(clean_report, label))
     assert largest <= 100 * clean_largest, (largest, clean_largest)
+
+
+# FedGKT's label-agreement check (cloud_server/methods/fedgkt_label_check.py), off by default: see
+# LABEL_CHECK's value and docs/configuration.md for the measurement behind it.
+LABEL_CHECK = {"plausible_min_label_agreement": 0.3}
+# The check adds a forward pass of the server model over the round's maps to the server step: on a
+# loaded 2-core machine round 3's evaluation reports came after the helper's 120 s round deadline
+# (evaluated without them, no accuracy). The deadline bounds waiting only: no figure depends on it.
+GKT_DEADLINE = {"round_deadline_s": 600.0}
+
+
+def test_fedgkt_one_agent_training_on_shuffled_labels_with_and_without_the_label_check(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """FedGKT's server trains on the labels the agents send. Without the label check nothing
+    refuses an agent on shuffled labels (its maps and logits are in range) and its maps are
+    trained on every round: it cost the server model 16 points here (37.5% against 53.5% without
+    the agent, round 3), which this test prints but does not pin. With the check, from round 2 on
+    the server model agrees with the agent's labels far less than with the others' and the agent
+    is refused (implausible_labels) and named in report.json with the figure; the server model
+    ends within 5 points of the run without the agent."""
+    table, label = FAMILIES["fedgkt"]
+    clean = _run(tmp_path / "clean", mosquitto.url, "fedgkt", table, None, agents=(0, 1), server={**LABEL_CHECK, **GKT_DEADLINE})
+    without, _ = _run(tmp_path / "without", mosquitto.url, "fedgkt", table, None, shuffle_labels=True, server=GKT_DEADLINE)
+    _no_refusal_with_every_agent(without, "fedgkt")
+    for r in without["rounds"]:
+        assert BAD not in r.get("excluded", {}) and "label_agreement" not in r.get("robustness", {}), r["round"]
+    attacked = _run(tmp_path / "with", mosquitto.url, "fedgkt", table, None, shuffle_labels=True,
+                    server={**LABEL_CHECK, **GKT_DEADLINE})
+    report = attacked[0]
+    assert report["status"] == "finished" and [r["status"] for r in report["rounds"]] == ["ok"] * ROUNDS
+    first, *later = report["rounds"]
+    assert "label_agreement" not in first.get("robustness", {}) and BAD not in first.get("excluded", {})  # round 1: not judged
+    for r in later:
+        robustness = r["robustness"]
+        figures = robustness["label_agreement"]["agents"]
+        assert figures[BAD]["server"] < min(figures["agent-0"]["server"], figures["agent-1"]["server"]), r["round"]
+        assert set(robustness.get("refused", {})) == {BAD} or BAD in robustness.get("quarantine_excluded", []), r["round"]
+        assert r["excluded"][BAD].startswith("implausible_labels"), r["round"]
+    refused_rounds = [r["round"] for r in later if BAD in r["robustness"].get("refused", {})]
+    assert refused_rounds == [2, 3], refused_rounds
+    detail = later[0]["robustness"]["refused"][BAD]["implausible_labels"]["detail"]
+    assert "of its labels, below plausible_min_label_agreement 0.3" in detail
+    clean_acc, acc, without_acc = _accuracy(clean[0], label), _accuracy(report, label), _accuracy(without, label)
+    print(f"fedgkt server model, round {ROUNDS}: without the agent {clean_acc:.3f}, with it and no check "
+          f"{without_acc:.3f}, with the check {acc:.3f}")
+    assert acc >= clean_acc - 0.05, (acc, clean_acc, without_acc)
+    assert attacked[1] <= 100 * clean[1]
+
+
+# The server validation set (cloud_server/robust_validation.py), off by default: 500 of the
+# Fashion-MNIST training images the agents do not take, as docs/configuration.md describes.
+VALIDATION = {"validation_samples": 500, "validation_agent_train_samples": TRAIN_SAMPLES}
+
+
+def test_fedavg_sign_flip_under_dirichlet_0_1_with_the_validation_set(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Under Dirichlet(0.1) honest agents point away from the round's median as far as a
+    sign-flipped one (bench/results/update_directions.json): the direction check cannot tell
+    them apart. The server's validation set can: the global model plus the flipped update does
+    far worse on it than plus an honest one. The agent is refused every round it is judged
+    (implausible_validation, named in report.json with the figure), and the global model ends
+    within 5 points of the run without it."""
+    table = {"model": "resnet8", "batch_size": 32}
+    dirichlet = "dirichlet:0.1"
+    clean = _run(tmp_path / "clean", mosquitto.url, "fedavg", table, None, agents=(0, 1), server=VALIDATION, partition=dirichlet)
+    for r in clean[0]["rounds"]:
+        assert not r.get("robustness", {}).get("refused"), r["round"]  # no honest agent refused
+    attacked = _run(tmp_path / "bad", mosquitto.url, "fedavg", table, _sign_flip, server=VALIDATION, partition=dirichlet)
+    _check(clean, attacked, "model", "implausible_validation")
+    for r in attacked[0]["rounds"]:
+        figures = r["robustness"]["update_validation"]
+        assert figures["samples"] == 500
+        rises = figures["agents"]
+        assert rises["agent-0"] is not None and rises["agent-1"] is not None, r["round"]
+        # null: not finite. The flip negates BatchNorm's running variances with the weights, and a
+        # negative variance makes the model's output NaN: refused as not finite.
+        assert rises[BAD] is None or rises[BAD] > max(rises["agent-0"], rises["agent-1"]), r["round"]
+    detail = attacked[0]["rounds"][0]["robustness"]["refused"][BAD]["implausible_validation"]["detail"]
+    assert "validation_loss_margin" in detail

@@ -46,14 +46,21 @@ class ServerContext:
     # refusals, clips, skipped steps and quarantine that methods and the coordinator write.
     robustness: Any = None  # cloud_server.robust.RobustnessConfig; default: the defaults
     ledger: Any = None  # cloud_server.robust.RobustnessLedger, made from ``robustness`` when not given
+    # The checks that need the server's judgement (cloud_server/robust_validation.py): their settings,
+    # and the validation set that judges weight updates (None: [server] validation_samples = 0).
+    defence: Any = None  # cloud_server.robust_validation.DefenceConfig; default: off
+    validation: Any = None  # cloud_server.validation_screen.ValidationScreen
 
     def __post_init__(self) -> None:
         from ..robust import RobustnessConfig, RobustnessLedger
+        from ..robust_validation import DefenceConfig
 
         if self.robustness is None:
             self.robustness = RobustnessConfig()
         if self.ledger is None:
             self.ledger = RobustnessLedger(self.robustness)
+        if self.defence is None:
+            self.defence = DefenceConfig()
         if self.device_meter is None:
             from ..device_meter import DeviceMeter  # imports torch: only when a context is made
 

@@ -196,7 +196,8 @@ class FedAvgServer(ServerMethod):
     def screen(self, round_: int, used: dict[str, _Staged], excluded: dict[str, str]) -> dict[str, _Staged]:
         """Plausibility and quarantine (cloud_server/robust.py): each update's norm against the
         global model's and the other agents' this round, and its direction against the round's
-        median update; an implausible one is refused (to the ledger, and ``excluded`` with its
+        median update, and, with a server validation set, by the validation loss of the global model
+        plus the update; an implausible one is refused (to the ledger, and ``excluded`` with its
         reason), a quarantined agent's is judged but not used."""
         floats = [n for n, a in self.global_state.items() if a.dtype.kind == "f"]
 
@@ -212,7 +213,11 @@ class FedAvgServer(ServerMethod):
                 base = self.global_state[n].astype(np.float64).ravel()
                 yield np.stack([used[a].state[n].astype(np.float64).ravel() - base for a in agents])  # (K, entries)
 
-        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure, blocks)
+        judge = None  # the server's validation set, when it holds one (cloud_server/validation_screen.py)
+        if self.ctx.validation is not None:
+            judge = self.ctx.validation.judge_states(round_, self.ctx.ledger, self.model, lambda m, x: logits_of(m(x)),
+                                                     self.global_state, lambda a: used[a].state)
+        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure, blocks, judge)
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()

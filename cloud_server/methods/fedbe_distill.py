@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cloud_server.fedbe")
 
-__all__ = ["DistillResult", "distill_swa", "load_server_data"]
+__all__ = ["DistillResult", "distill_swa", "load_server_data", "train_holdout"]
 
 
 # --------------------------------------------------------------------------- #
@@ -49,13 +49,9 @@ def load_server_data(config: FedBEConfig, seed: int) -> tuple[ArrayDataset, Arra
     """
     c = config
     if c.unlabeled_split == "train-holdout":
-        train = load_dataset(c.unlabeled_dataset, "train", c.unlabeled_root, c.unlabeled_download)
-        if c.agent_train_samples >= len(train):
-            raise ValueError(f"fedbe: the agents take all {len(train)} training samples (agent_train_samples = "
-                             f"{c.agent_train_samples}); nothing is left to hold out")
         agent_seed = seed if c.agent_data_seed is None else c.agent_data_seed
-        agents = take(train, c.agent_train_samples, agent_seed)
-        pool = train.subset(~np.isin(train.sample_ids, agents.sample_ids))
+        pool = train_holdout(c.unlabeled_dataset, c.agent_train_samples, agent_seed, c.unlabeled_root, c.unlabeled_download,
+                             "fedbe: the agents take all {n} training samples (fedbe.agent_train_samples = {k})")
     else:
         pool = load_dataset(c.unlabeled_dataset, c.unlabeled_split, c.unlabeled_root, c.unlabeled_download)
     wanted = (c.unlabeled_samples or max(len(pool) - c.validation_samples, 0)) + c.validation_samples
@@ -68,6 +64,19 @@ def load_server_data(config: FedBEConfig, seed: int) -> tuple[ArrayDataset, Arra
     validation = take(chosen, c.validation_samples, seed + 1)
     unlabeled = chosen.subset(~np.isin(chosen.sample_ids, validation.sample_ids))
     return unlabeled, validation
+
+
+def train_holdout(dataset: str, agent_train_samples: int, agent_seed: int, root: str | None, download: bool,
+                  too_many: str) -> ArrayDataset:
+    """The training split of ``dataset`` less ``take(train, agent_train_samples, agent_seed)``,
+    the seeded subset every agent of a local simulation takes before partitioning
+    (``edge_agent.agent.load_agent_data``): no agent trains on a sample of it, whatever the
+    partition. ``too_many`` (with ``{n}``, ``{k}``) says why nothing is left when the agents take all."""
+    train = load_dataset(dataset, "train", root, download)
+    if agent_train_samples >= len(train):
+        raise ValueError(too_many.format(n=len(train), k=agent_train_samples) + "; nothing is left to hold out")
+    agents = take(train, agent_train_samples, agent_seed)
+    return train.subset(~np.isin(train.sample_ids, agents.sample_ids))
 
 
 # --------------------------------------------------------------------------- #

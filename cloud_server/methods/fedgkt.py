@@ -42,6 +42,7 @@ from ..server_step import TrainStep
 from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, StreamedUploads, register_server_method
 from .fedgkt_config import ALGORITHM_1, EDGE_KEYS, KD_MODES, PAPER_PRESETS, SERVER_ORDERS, FedGktConfig
 from .fedgkt_evaluation import FedGktEvaluation
+from .fedgkt_label_check import FedGktLabelCheck
 from .fedgkt_plausibility import FedGktPlausibility
 from .fedgkt_training import FedGktTraining
 
@@ -50,9 +51,10 @@ __all__ = ["ALGORITHM_1", "EDGE_KEYS", "KD_MODES", "PAPER_PRESETS", "SERVER_ORDE
 log = logging.getLogger("cloud_server.fedgkt")
 
 @register_server_method
-class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, StreamedUploads, AnswersUploads, ServerMethod):
-    """The server step; its training, evaluation and plausibility checks are in the
-    ``fedgkt_training``, ``fedgkt_evaluation`` and ``fedgkt_plausibility`` modules beside it."""
+class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktLabelCheck, StreamedUploads, AnswersUploads,
+                   ServerMethod):
+    """The server step; its training, evaluation and plausibility checks are in the ``fedgkt_training``,
+    ``fedgkt_evaluation``, ``fedgkt_plausibility`` and ``fedgkt_label_check`` modules beside it."""
 
     name = "fedgkt"
     # Torch-free (--backend ort) agents ask for their training artifacts within their first round.
@@ -102,6 +104,8 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, Streame
         self.refused_seqs: dict[str, tuple[str, int, set[tuple[str, int]]]] = {}
         self.upload_stats: dict[str, tuple[str, int, np.ndarray, int, float, int]] = {}
         self.recent_losses: list[float] = []  # the server steps' last losses (the guard's running range)
+        self.label_agreement_latest: dict[str, float] = {}  # the label check's figures (fedgkt_label_check.py)
+        self.label_agreement_round: tuple[int, dict[str, dict[str, Any]]] = (0, {})
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
@@ -273,6 +277,10 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, Streame
                 finally:
                     # Normally already released by gather_batches; after a failed gather (disk full) this frees the rest.
                     self.staging.release_all([b.features for b in staged.batches()])
+            for agent, why in self._check_labels(round_, data).items():  # before any training on them
+                outcome.excluded[agent] = why
+                log.warning("round %d: not using %s's upload: %s", round_, agent, why)
+                self.staging.release(data.pop(agent)[0].staged)
             outcome.used_agents = list(data)
             self.initialised_agents.update(data)
             if not data:

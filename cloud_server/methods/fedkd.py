@@ -238,7 +238,8 @@ class FedKdServer(FedKdReport, ServerMethod):
         """Plausibility and quarantine (cloud_server/robust.py): each rebuilt update's norm
         against the global mentee's and the other agents' this round (an update's, not a
         gradient's, is compared with the mentee), and its direction against the round's median
-        rebuilt update (a gradient's too: every agent's has the same sign convention);
+        rebuilt update (a gradient's too: every agent's has the same sign convention), and,
+        with a server validation set, by the validation loss of the global mentee plus the update;
         implausible ones refused, quarantined agents' judged but not used."""
         def measure() -> tuple[dict[str, float], float]:
             reference = 0.0
@@ -252,7 +253,18 @@ class FedKdServer(FedKdReport, ServerMethod):
             for n in self.global_state:
                 yield np.stack([used[a].delta[n].astype(np.float64).ravel() for a in agents])  # (K, entries)
 
-        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure, blocks)
+        judge = None  # the server's validation set, when it holds one (cloud_server/validation_screen.py)
+        if self.ctx.validation is not None:
+            gradient = self.config.upload == "gradient"
+
+            def candidate(agent: str) -> dict[str, np.ndarray]:  # the global mentee plus the update, as aggregate() adds it
+                return {n: base + (-self.config.gradient_lr * d if gradient and n in self.param_names else d)
+                        for n, base in self.global_state.items() for d in (used[agent].delta[n].astype(np.float32),)}
+
+            judge = self.ctx.validation.judge_states(
+                round_, self.ctx.ledger, build_model(self.config.mentee_model, self.ctx.num_classes, self.ctx.in_channels),
+                lambda m, x: forward_with_hidden(m, x).logits, self.global_state, candidate)
+        return screen_uploads(round_, used, excluded, self.ctx.robustness, self.ctx.ledger, measure, blocks, judge)
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()

@@ -248,8 +248,8 @@ def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     """The rounds' ``robustness`` entries (cloud_server/robust.py): per round and agent, the
     uploads refused as implausible (by reason, with the first figure and threshold), clipped
     updates, skipped server steps, quarantine; empty when no round has any."""
-    # A round whose only entry is the screened norms (every round of a weight-sharing method) is not marked.
-    marked = [r for r in rounds if set(r.get("robustness") or {}) - {"update_norms", "update_directions"} or r.get("warnings")]
+    # A round whose only entries are the figures every screened round records is not marked.
+    marked = [r for r in rounds if set(r.get("robustness") or {}) - SCREENED_FIGURES or r.get("warnings")]
     if not marked:
         return []
     rows = []
@@ -280,9 +280,29 @@ def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
         lines.append(f"- round {rnd}: aggregation {agg['fallback']}")
     if events or fallbacks:
         lines.append("")
-    lines += ["Refused uploads were not used; the round went on with the other agents "
+    named = sorted({why for r in marked for reasons in (r.get("robustness") or {}).get("refused", {}).values() for why in reasons})
+    lines += [f"- `{why}`: {REFUSAL_REASONS[why]}" for why in named if why in REFUSAL_REASONS]
+    lines += ["", "Refused uploads were not used; the round went on with the other agents "
               "(`robustness` and `warnings` in each round of report.json).", ""]
     return lines
+
+
+# The figures every screened round records (not marked by themselves): update norms and
+# directions (cloud_server/robust.py), validation losses and label agreement (robust_validation.py).
+SCREENED_FIGURES = {"update_norms", "update_directions", "update_validation", "label_agreement"}
+# What each refusal reason means, for the summary's legend (docs/configuration.md has the keys).
+REFUSAL_REASONS = {
+    "out_of_range": "FedGKT maps or edge logits beyond feature_abs_limit / logit_abs_limit",
+    "implausible_norm": "an update far larger than the global model or the other agents' (plausible_global_ratio, "
+                        "plausible_peer_ratio, plausible_mad)",
+    "implausible_direction": "an update pointing away from the round's median update (plausible_min_cosine)",
+    "implausible_factors": "FedKD factors that cannot come from an SVD",
+    "implausible_statistics": "FedGKT maps or logits far larger than the other agents'",
+    "implausible_validation": "the global model plus the update does far worse on the server's validation set than "
+                              "the other agents' (validation_samples, validation_loss_margin)",
+    "implausible_labels": "FedGKT: the server model agrees with far fewer of the agent's labels than of the other "
+                          "agents' (plausible_min_label_agreement)",
+}
 
 
 def summary_md(report: Mapping[str, Any]) -> str:

@@ -1,0 +1,80 @@
+"""bench/defence_scores.py: the grid behind the defaults of the server's validation set and
+FedGKT's label check, what it replays of the recorded figures (by hand), and the JSON it
+wrote against the defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from test_bench_baselines import load
+
+RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "defence_scores.json"
+
+
+def test_the_grid_measures_both_checks_at_every_partition_recording_only() -> None:
+    ds = load("defence_scores")
+    runs = ds.grid()
+    names = [r.name for r in runs]
+    assert len(names) == len(set(names))
+    for part in ("iid", "dir0.5", "dir0.1"):
+        for name in (f"validation-none-{part}-s0", f"validation-sign_flip-{part}-s0", f"labels-none-{part}-s0",
+                     f"labels-random_labels-{part}-s0"):
+            assert name in names
+    assert runs[0].attack != "none"  # the bad agent beside four honest ones first
+    flip = next(r for r in runs if r.attack == "sign_flip")
+    assert flip.aggregation == "median" and flip.method == "fedavg"  # the model trains as with the flip kept out
+    # Recorded, never refused: no margin is reached, no agreement is below the floor.
+    assert flip.server()["validation_loss_margin"] >= 1e9
+    assert 0 < next(r for r in runs if r.check == "labels").server()["plausible_min_label_agreement"] <= 1e-6
+
+
+def _round(rises: dict[str, float | None], shares: dict[str, float | None] | None = None) -> dict[str, Any]:
+    return {"update_validation": {"agents": rises, "agents_share": shares or rises}, "label_agreement": None}
+
+
+def test_replay_counts_honest_refusals_and_the_bad_agents_rounds() -> None:
+    ds = load("defence_scores")
+    bad = ds.BAD
+    honest = {"agent-0": 0.1, "agent-1": 0.2, "agent-2": 0.0, "agent-3": 0.15}
+    run = {"check": "validation", "attack": "sign_flip",
+           "rounds": [_round({**honest, bad: 5.0}), _round({**honest, bad: 0.3}), _round({**honest, bad: None})]}
+    r = ds.replay(run)
+    assert r["bad_rises_update"] == [5.0, 0.3, float("inf")]  # null (not finite) is the worst
+    assert r["honest_max_rise_update"] == 0.2
+    # Margin 0.5: round 1 (5.0 > 0.125 + 0.5) and round 3; round 2's 0.3 is within it.
+    at = r["per_threshold"]["update-0.5"]
+    assert at == {"honest_refused": 0, "honest_judged": 12, "bad_refused_rounds": [1, 3]}
+    # Margin 0.1: the MAD term sets the limit, 0.125 + 6 x 1.4826 x 0.05 = 0.570; round 2's 0.3 stays within it.
+    assert r["per_threshold"]["update-0.1"]["bad_refused_rounds"] == [1, 3]
+    clean = {"check": "labels", "attack": "none", "rounds": [
+        {"label_agreement": {"agents": {"agent-0": {"server": 0.8, "edge": 0.5}, "agent-1": {"server": 0.7, "edge": 0.5},
+                                        "agent-2": {"server": 0.75, "edge": 0.5}, bad: {"server": 0.1, "edge": 0.1}}}}]}
+    r = ds.replay(clean)  # no attack: agent-4 is honest, and its refusal counts against the floor
+    assert r["honest_min_agreement"] == 0.1 and r["bad_agreement"] is None
+    assert r["per_threshold"]["0.2"] == {"honest_refused": 1, "honest_judged": 4, "bad_refused_rounds": None}
+
+
+def test_the_recorded_figures_back_the_defaults() -> None:
+    """The defaults either are off or refuse no honest upload the bench recorded and refuse the
+    bad agent in most judged rounds at every partition."""
+    import pytest
+
+    from cloud_server.robust_validation import VALIDATION_LOSS_MARGIN, DefenceConfig
+
+    if not RESULT.exists():
+        pytest.skip("bench/results/defence_scores.json has not been recorded yet (python bench/defence_scores.py)")
+    data = json.loads(RESULT.read_text())
+    for run in data["runs"]:
+        assert run["refusals"] == {}, run["name"]  # recorded, nothing refused
+    default = DefenceConfig()
+    summary = data["summary"]
+    assert not default.validates  # a labelled set is the operator's to give: none by default
+    key = f"{default.validation_step}-{VALIDATION_LOSS_MARGIN}"
+    for part, entry in summary.get("validation", {}).items():
+        assert entry[key]["honest_refused"] == 0, (part, entry[key])
+    if default.checks_labels:
+        floor = str(default.plausible_min_label_agreement)
+        for part, entry in summary.get("labels", {}).items():
+            assert entry[floor]["honest_refused"] == 0, (part, entry[floor])

@@ -141,6 +141,8 @@ FORGETFUL_FILES = {
                                    messages=("forgetful.messages",)))
     ''',
     "forgetful/messages.py": '''
+        from __future__ import annotations  # the message registry reads field annotations as text
+
         from dataclasses import dataclass
         from typing import ClassVar
 

@@ -122,7 +122,7 @@ class FedGktEdgeBase(EdgeMethod):
         self._last_round = (start, cfg)
         self._prepare(start, meter)
         with meter.phase("compute"):
-            _samples, mean_loss = self._train(start, cfg, self._optimizer_for(cfg), meter)
+            _, mean_loss = self._train(start, cfg, self._optimizer_for(cfg), meter)
         uploads = {"train": self._stream_features("train", start.round, cfg, meter)}
         metrics: dict[str, Any] = {"train_loss": mean_loss, "kd_samples": len(self.teacher)}
         return RoundResult(num_samples=uploads["train"]["samples"], uploads=uploads, metrics=metrics)

@@ -75,6 +75,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from fldata import ArrayDataset, load_dataset, take  # noqa: E402  (needs the path above)
 from fldata.torch_data import make_loader  # noqa: E402
+from edge_agent.costs import RoundMeter  # noqa: E402
 from edge_agent.trainer import train_epochs  # noqa: E402
 from models import build_model  # noqa: E402
 from models.training import logits_of  # noqa: E402
@@ -160,7 +161,7 @@ def train_one_epoch(model: torch.nn.Module, data: ArrayDataset, seed: int) -> fl
     does, through the edge's shared training loop (any classifier of the registry); mean loss."""
     optimizer = torch.optim.Adam(model.parameters(), lr=TRAIN_LR)
     loader = make_loader(data, TRAIN_BATCH_SIZE, shuffle=True, seed=seed)
-    return train_epochs(model, loader, optimizer, _cross_entropy, epochs=1).mean_loss
+    return train_epochs(model, loader, optimizer, _cross_entropy, epochs=1, meter=RoundMeter()).mean_loss
 
 
 @torch.no_grad()

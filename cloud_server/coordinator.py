@@ -46,7 +46,7 @@ from .recorder import RunCounters, RunRecorder, server_info
 from .records import RunReport, now_iso
 from .robust import ImplausibleUploadError
 from .round_host import RoundHostOps
-from .rounds import OpenRound
+from .rounds import HookClock, OpenRound
 from .schedulers import make_scheduler
 
 if TYPE_CHECKING:  # imported for real only when metrics are on
@@ -74,6 +74,7 @@ class Coordinator(RoundHostOps):
         self.registry = AgentRegistry(config, method, transport, self.limits, lambda reason: self.rejected.update((reason,)))
         self.completed_round = 0
         self.open_rounds: dict[int, OpenRound] = {}
+        self.hook_clock = HookClock()
         self.recorder = RunRecorder(self.out_dir, config.rounds, RunCounters(
             agents=self.registry.infos, rejected=lambda: self.rejected, rejected_chunks=self.transport.rejections,
             refused=lambda: self.registry.refused,
@@ -249,9 +250,11 @@ class Coordinator(RoundHostOps):
         method = self.method
         try:
             if isinstance(method, AnswersUploads) and isinstance(msg, method.answered_types):
-                reply = method.answer(agent, msg)
+                with self.hook_clock.timing(msg.round, "answer"):
+                    reply = method.answer(agent, msg)
             else:
-                method.on_upload(agent, msg)
+                with self.hook_clock.timing(msg.round, "on_upload"):
+                    method.on_upload(agent, msg)
                 reply = None
         except ImplausibleUploadError as exc:
             # Well-formed, but its numbers cannot be honest: refused and attributed to the agent in

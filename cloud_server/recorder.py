@@ -140,6 +140,7 @@ class RunRecorder:
         edge_label: str | None = None,
         robustness: Mapping[str, Any] | None = None,
         warnings: Sequence[str] = (),
+        hook_seconds: Mapping[str, float] | None = None,
     ) -> RoundRecord:
         """The record of a closed round: what the agents that finished it sent (``ends``),
         what the method made of it (``outcomes``), how it was evaluated (``evaluation``, whose
@@ -181,6 +182,7 @@ class RunRecorder:
             ),
             per_agent={a: AgentRoundRecord.of(e.costs, _agent_accuracy(scored, a, edge_label)) for a, e in sorted(ends.items())},
             server=server,
+            server_hooks_s={hook: float(s) for hook, s in sorted((hook_seconds or {}).items())},
             excluded=excluded,
             method=plain_json(dict(method_figures or {})),
             evaluation=scored,

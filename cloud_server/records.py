@@ -203,6 +203,9 @@ class RoundRecord(JsonRecord):
     per_agent: dict[str, AgentRoundRecord] = field(default_factory=dict)
     # The server's device in the round (cloud_server/device_meter.py); None in reports from before it.
     server: ServerDeviceRecord | None = optional_section()
+    # The seconds the server spent in the method's hooks (round_config, on_upload / answer,
+    # complete, evaluation, end_round), timed by the coordinator around each call.
+    server_hooks_s: dict[str, float] = optional_section(default_factory=dict)
     excluded: dict[str, str] = optional_section(default_factory=dict)  # agent -> why its upload was not used
     method: dict[str, Any] = optional_section(default_factory=dict)  # the method's own figures (round_report)
     evaluation: RoundEvaluation | None = optional_section()  # None: not evaluated

@@ -18,7 +18,7 @@ from shared_protocol.messages import EvalRequest, RoundEnd, RoundStart
 
 from .methods import RoundOutcome
 from .records import RoundEvaluation, RoundRecord
-from .rounds import OpenRound
+from .rounds import HookClock, OpenRound
 
 if TYPE_CHECKING:
     from .agents import AgentRegistry
@@ -47,6 +47,7 @@ class RoundHostOps:
     metrics: Any  # ServerMetrics or None
     open_rounds: dict[int, OpenRound]
     completed_round: int
+    hook_clock: HookClock  # times every call to a method hook, by round
 
     def request_evaluation(self, rnd: OpenRound, agents: list[str], wait_s: float | None = None) -> None:
         """Ask ``agents`` to evaluate round ``rnd`` (after its downloads went out); their
@@ -75,7 +76,8 @@ class RoundHostOps:
         hello = self.registry.agents[agent].hello
         self.registry.agents[agent].round_session = (hello.instance, hello.connection) if hello.instance else None
         self.registry.expect_from(agent)  # the method may know the agent's uploads better by now
-        config, weights = self.method.round_config(round_, agent, rnd.evaluate)
+        with self.hook_clock.timing(round_, "round_config"):
+            config, weights = self.method.round_config(round_, agent, rnd.evaluate)
         self.send(
             agent,
             RoundStart(
@@ -93,7 +95,8 @@ class RoundHostOps:
         missing = sorted(set(rnd.eval_requested) - set(reports))
         if missing:
             log.warning("round %d: evaluated without the evaluation reports of %s", rnd.round, ", ".join(missing))
-        evaluation = self.method.evaluation(rnd.round, reports)
+        with self.hook_clock.timing(rnd.round, "evaluation"):
+            evaluation = self.method.evaluation(rnd.round, reports)
         costs = [r.costs for r in reports.values()]
         scored = dataclasses.replace(
             self.evaluator.run(evaluation), missing=missing, edge_eval_flops=sum(c.flops for c in costs),
@@ -102,7 +105,8 @@ class RoundHostOps:
         return scored, evaluation.edge
 
     def complete(self, rnd: OpenRound, ends: dict[str, RoundEnd]) -> RoundOutcome:
-        return self.method.complete(rnd.round, ends, rnd.evaluate)
+        with self.hook_clock.timing(rnd.round, "complete"):
+            return self.method.complete(rnd.round, ends, rnd.evaluate)
 
     def discard(self, agent: str) -> None:
         self.method.discard(agent)
@@ -110,14 +114,15 @@ class RoundHostOps:
     def close_round(self, rnd: OpenRound, status: str) -> RoundRecord:
         evaluation, edge_label = self._evaluation(rnd) if rnd.evaluate and status == "ok" else (None, None)
         del self.open_rounds[rnd.round]
-        self.method.end_round(rnd.round)
+        with self.hook_clock.timing(rnd.round, "end_round"):
+            self.method.end_round(rnd.round)
         self.ledger.close_round(rnd.round, sorted(rnd.done))
         robustness, warnings = self.ledger.take(rnd.round)
         record = self.recorder.round_record(
             rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
             started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),
             method_figures=self.method.round_report(rnd.round), evaluation=evaluation, edge_label=edge_label,
-            robustness=robustness, warnings=warnings,
+            robustness=robustness, warnings=warnings, hook_seconds=self.hook_clock.take(rnd.round),
         )
         self.completed_round = rnd.round
         self.recorder.add_round(record, checkpoint=self.save_checkpoint)

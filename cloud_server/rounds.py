@@ -4,14 +4,16 @@
 is open (participants, who finished or missed it, its deadline, the evaluation
 awaited); :class:`RoundHost` is the whole of the coordinator a scheduler
 (:mod:`cloud_server.schedulers`) sees: open and close a round, start an agent's round,
-send, and hand the method what arrived.
+send, and hand the method what arrived. :class:`HookClock` is how the coordinator
+times the method's hooks, round by round.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,7 +24,7 @@ from .methods import RoundOutcome
 if TYPE_CHECKING:
     from .records import RoundRecord
 
-__all__ = ["OpenRound", "RoundHost"]
+__all__ = ["HookClock", "OpenRound", "RoundHost"]
 
 
 @dataclass
@@ -51,6 +53,30 @@ class OpenRound:
 
     def time_left_s(self) -> float:
         return self.deadline_at - time.monotonic()
+
+
+class HookClock:
+    """The seconds the server spends in a method's hooks, by round and hook. The coordinator
+    times every call it makes (``round_config``, ``on_upload`` / ``answer``, ``complete``,
+    ``evaluation``, ``end_round``), so a round's record says what the method cost the server
+    (``server_hooks_s``) whether or not the method times anything itself."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, dict[str, float]] = {}
+
+    @contextmanager
+    def timing(self, round_: int, hook: str) -> Iterator[None]:
+        """Count the enclosed call to ``hook`` as ``round_``'s, whether it returns or raises."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = self._seconds.setdefault(round_, {})
+            spent[hook] = spent.get(hook, 0.0) + time.perf_counter() - started
+
+    def take(self, round_: int) -> dict[str, float]:
+        """``round_``'s seconds by hook (empty when none ran); forgets them."""
+        return self._seconds.pop(round_, {})
 
 
 class RoundHost(Protocol):

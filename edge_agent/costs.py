@@ -2,7 +2,15 @@
 
 Time is split into compute (training and feature extraction), encode (frame
 encoding and compression), network (publishing until the broker acknowledged)
-and idle (waiting for the server between rounds).
+and idle (waiting for the server between rounds). Phases nest: time spent in an
+inner phase (an upload sent from inside training) is the inner phase's only.
+
+Samples and FLOPs are counted by the training loops, not by methods: the torch
+loop (:func:`edge_agent.trainer.train_epochs`) calls :meth:`RoundMeter.trained` for
+every step from what the method declares it trains, and forward passes outside
+training (evaluation, feature extraction, a starting loss) go through
+:meth:`RoundMeter.forward` with the model's per-sample figures from the shared
+count (:func:`models.cost.cached_flops_per_sample`). No method multiplies FLOPs.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import resource
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Protocol
 
 from shared_protocol.records import AgentRoundCosts
 
@@ -77,6 +85,25 @@ class RoundPeakRss:
         return peak
 
 
+class SampleFlops(Protocol):
+    """One model's FLOPs per sample (``models.FlopsPerSample`` is one; so is :class:`DeclaredFlops`)."""
+
+    @property
+    def training(self) -> int: ...  # forward + loss + backward
+
+    @property
+    def forward(self) -> int: ...  # one inference pass
+
+
+@dataclass(frozen=True)
+class DeclaredFlops:
+    """Per-sample FLOPs counted elsewhere: the ort agent has no torch, so the server counts
+    its model and says (``GktOrtArtifacts``)."""
+
+    training: int = 0
+    forward: int = 0
+
+
 @dataclass
 class RoundMeter:
     """Accumulates one round's costs."""
@@ -87,16 +114,39 @@ class RoundMeter:
     raw_bytes: int = 0  # tensor bytes before encoding
     encoded_bytes: int = 0  # after the codec
     deadline: RoundDeadline = field(default_factory=RoundDeadline)  # unbounded unless the round sets one
+    _open: list[list] = field(default_factory=list, repr=False)  # [phase, since] of the phases entered, innermost last
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Count the enclosed time as ``name``'s, less what inner phases count (the same phase
+        nested counts once)."""
         if name not in self.seconds:
             raise ValueError(f"unknown phase {name!r}; known: {PHASES}")
-        start = time.perf_counter()
+        now = time.perf_counter()
+        if self._open:  # the outer phase's time so far; it resumes when this one ends
+            outer = self._open[-1]
+            self.seconds[outer[0]] += now - outer[1]
+        entry = [name, now]
+        self._open.append(entry)
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            now = time.perf_counter()
+            self._open = [e for e in self._open if e is not entry]
+            self.seconds[name] += now - entry[1]
+            if self._open:
+                self._open[-1][1] = now
+
+    def trained(self, samples: int, flops_per_sample: int) -> None:
+        """``samples`` went through a training step costing ``flops_per_sample`` each: called by
+        the training loops (``edge_agent/trainer.py``, the ort backend's), not by methods."""
+        self.samples_trained += samples
+        self.train_flops += flops_per_sample * samples
+
+    def forward(self, flops: SampleFlops, samples: int) -> None:
+        """``samples`` forward passes, outside training, of the model whose per-sample figures
+        ``flops`` are (evaluation, feature extraction): FLOPs, not trained samples."""
+        self.train_flops += flops.forward * samples
 
     @property
     def codec_ratio(self) -> float:

@@ -24,8 +24,7 @@ import numpy as np
 from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
 
-from .costs import RoundMeter
-from .deadline import RoundDeadline
+from .costs import DeclaredFlops, RoundMeter, SampleFlops
 from .methods.base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, shard_result
 from .teacher import EXTRACT_BATCH_SAMPLES, TeacherLogits
 
@@ -45,7 +44,9 @@ class FedGktEdgeBase(EdgeMethod):
         self.optimizer: Any = None
         self._optimizer_key: tuple | None = None
         self._last_round: tuple[RoundStart, GktRoundConfig] | None = None
-        self.train_flops_per_sample = self.forward_flops_per_sample = 0
+        # The edge model's FLOPs per sample (the backend counts or is told them): training is
+        # metered by the backend's loop, feature extraction and evaluation here.
+        self.flops: SampleFlops = DeclaredFlops()
         # Samples per inference pass (extraction, evaluation): the micro-batch when the agent
         # saves memory (eval-mode outputs do not depend on the slicing).
         self.slice_samples = min(ctx.memory.micro_batch_samples or EXTRACT_BATCH_SAMPLES, EXTRACT_BATCH_SAMPLES)
@@ -61,9 +62,10 @@ class FedGktEdgeBase(EdgeMethod):
         """An optimiser for ``cfg``'s edge settings (kept while they do not change)."""
 
     @abstractmethod
-    def _train(self, start: RoundStart, cfg: GktRoundConfig, optimizer: Any, deadline: RoundDeadline) -> tuple[int, float]:
+    def _train(self, start: RoundStart, cfg: GktRoundConfig, optimizer: Any, meter: RoundMeter) -> tuple[int, float]:
         """``cfg.edge_epochs`` of local training against :attr:`teacher`, skipping the batches
-        that cannot finish within ``deadline``; (samples, mean loss)."""
+        that cannot finish within ``meter.deadline``, metered (``meter.trained``) by the
+        backend's training loop; (samples, mean loss)."""
 
     @abstractmethod
     def _upload_batches(self, split: str, batch_samples: int) -> Iterable[tuple[Any, np.ndarray, np.ndarray]]:
@@ -120,9 +122,7 @@ class FedGktEdgeBase(EdgeMethod):
         self._last_round = (start, cfg)
         self._prepare(start, meter)
         with meter.phase("compute"):
-            samples, mean_loss = self._train(start, cfg, self._optimizer_for(cfg), meter.deadline)
-        meter.samples_trained += samples
-        meter.train_flops += self.train_flops_per_sample * samples
+            _, mean_loss = self._train(start, cfg, self._optimizer_for(cfg), meter)
         uploads = {"train": self._stream_features("train", start.round, cfg, meter)}
         metrics: dict[str, Any] = {"train_loss": mean_loss, "kd_samples": len(self.teacher)}
         return RoundResult(num_samples=uploads["train"]["samples"], uploads=uploads, metrics=metrics)
@@ -136,7 +136,7 @@ class FedGktEdgeBase(EdgeMethod):
             return EvalAnswer()  # no model trained here yet (a restarted agent): nothing to evaluate
         _, cfg = self._last_round
         test = self._stream_features("test", request.round, cfg, meter)
-        meter.train_flops += self.forward_flops_per_sample * test["samples"]  # forward passes only
+        meter.forward(self.flops, test["samples"])
         correct = test.pop("correct")
         return EvalAnswer(results={"edge": shard_result(correct, test["samples"])}, models={"edge": self._model_arrays()},
                           uploads={"test": test})
@@ -165,7 +165,7 @@ class FedGktEdgeBase(EdgeMethod):
             batches += 1
             samples += len(labels)
         if split == "train":
-            meter.train_flops += self.forward_flops_per_sample * samples
+            meter.forward(self.flops, samples)
             return {"batches": batches, "samples": samples}
         return {"batches": batches, "samples": samples, "correct": correct}
 

@@ -21,6 +21,11 @@ Conv / Linear modules and FlopCounterMode's own formulas, without entering the
 mode; :func:`flops_per_sample`, :func:`training_flops_per_sample` and
 :func:`forward_flops_per_sample` use it whenever it applies and fall back to
 ``FlopCounterMode`` otherwise.
+
+:func:`cached_flops_per_sample` is what the rest of the project reads: the same figures,
+counted once per architecture, input shape and loss in one cache shared by every method
+and both sides of a run (counting a ResNet-56 takes seconds, and simulated agents share
+one process).
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ __all__ = [
     "FlopsPerSample",
     "LossKind",
     "NotLayerCountableError",
+    "architecture_key",
+    "cached_flops_per_sample",
+    "cached_forward_flops_per_sample",
+    "clear_flops_cache",
     "count_parameters",
     "flops_of",
     "flops_per_sample",
@@ -138,3 +147,49 @@ def training_flops_per_sample(
     if total is None:
         total = _counter_training_total(model, x, loss)
     return total // batch_size
+
+
+# --- the one cache -----------------------------------------------------------------
+
+_COUNTED: dict[tuple, FlopsPerSample] = {}  # (architecture_key, input shape, loss) -> figures
+_FORWARD: dict[tuple, int] = {}  # (the modules and parameter shapes, input shape) -> forward FLOPs
+
+
+def _structure(model: nn.Module) -> tuple:
+    modules = tuple(f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules())
+    return modules, tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+
+
+def architecture_key(model: nn.Module) -> tuple:
+    """What a model's training FLOPs per sample depend on besides the input: every module's
+    class, in order, every parameter's name and shape, and which parameters take a gradient
+    (a frozen layer's weight gradient is not computed, so not counted)."""
+    return _structure(model), tuple(p.requires_grad for p in model.parameters())
+
+
+def cached_flops_per_sample(model: nn.Module, input_shape: Sequence[int], loss: LossKind = "ce") -> FlopsPerSample:
+    """:func:`flops_per_sample` of ``model`` at one sample's ``input_shape``, counted once per
+    :func:`architecture_key`, shape and loss: the figures every training loop, evaluation and
+    feature extraction meters with (``edge_agent/trainer.py``, ``RoundMeter.forward``)."""
+    shape = tuple(int(d) for d in input_shape)
+    key = (architecture_key(model), shape, loss)
+    if key not in _COUNTED:
+        _COUNTED[key] = flops_per_sample(model, shape, loss=loss)
+        _FORWARD.setdefault((_structure(model), shape), _COUNTED[key].forward)
+    return _COUNTED[key]
+
+
+def cached_forward_flops_per_sample(model: nn.Module, input_shape: Sequence[int]) -> int:
+    """:func:`forward_flops_per_sample` from the same cache: the figure for a model that only
+    runs forward (a frozen teacher, which has no training figure to count)."""
+    shape = tuple(int(d) for d in input_shape)
+    key = (_structure(model), shape)
+    if key not in _FORWARD:
+        _FORWARD[key] = forward_flops_per_sample(model, shape)
+    return _FORWARD[key]
+
+
+def clear_flops_cache() -> None:
+    """Forget every cached count (a test that must count afresh)."""
+    _COUNTED.clear()
+    _FORWARD.clear()

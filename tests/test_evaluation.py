@@ -71,7 +71,9 @@ def _assert_metered(method: str, report: dict[str, Any], shard_samples: int) -> 
     """The shared loop's metering, checked against FlopCounterMode (not the layer counter the
     agents use): every agent of every round reports the samples it trained, compute time, and
     training FLOPs per sample at least those of the models it trains and at most 1.5x them
-    (teacher forward passes, KD heads): a method that forgets to meter fails here."""
+    (teacher forward passes, KD heads), evaluation FLOPs where the round was evaluated, and
+    the coordinator's seconds in the method's server hooks: a method that forgets to meter
+    fails here."""
     config = report["config"]["method_config"]
     epochs = int(config.get("local_epochs", config.get("edge_epochs", 1)))
     reference = sum(training_flops_per_sample(m, SYNTHETIC_SHAPE, loss=loss, light=False)
@@ -84,6 +86,11 @@ def _assert_metered(method: str, report: dict[str, Any], shard_samples: int) -> 
             per_sample = costs["train_flops"] / costs["samples"]
             assert reference <= per_sample <= 1.5 * reference, (method, agent, per_sample, reference)
         assert record["edge_train_flops"] == sum(c["train_flops"] for c in record["per_agent"].values()), method
+        if record.get("evaluation"):
+            assert record["evaluation"]["edge_eval_flops"] > 0, method  # the agents' evaluation forward passes
+        hooks = record["server_hooks_s"]
+        assert hooks.get("complete", 0) > 0 and hooks.get("round_config", 0) > 0, (method, hooks)
+        assert hooks.get("on_upload", 0) + hooks.get("answer", 0) > 0, (method, hooks)
 
 
 def test_every_method_is_evaluated_the_same_way(tmp_path: Path) -> None:

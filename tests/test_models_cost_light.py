@@ -333,8 +333,8 @@ data = make_synthetic(8, in_channels=1)
 ctx = EdgeContext(agent_id="a", run_id="r", instance="i", train=data, test=data, settings={"num_classes": 10},
                   send=lambda *a, **k: None)
 edge = FedGktEdge(ctx)
-print(json.dumps({"shape": list(data.images.shape[1:]), "training": edge.train_flops_per_sample,
-                  "forward": edge.forward_flops_per_sample, "sympy": "sympy" in sys.modules}))
+print(json.dumps({"shape": list(data.images.shape[1:]), "training": edge.flops.training,
+                  "forward": edge.flops.forward, "sympy": "sympy" in sys.modules}))
 """
 
 _FLOP_COUNTER_MODE = """

@@ -173,18 +173,17 @@ def test_edge_agent_low_memory_flag_takes_the_preset_and_pins_malloc_before_the_
     assert cli.main(["run", "--config", str(config)]) == 2  # unknown key: refused, naming the known ones
 
 
-def test_fedgkt_edge_model_is_checkpointed_when_asked_and_reports_the_methods_flops(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fedgkt_edge_model_is_checkpointed_when_asked_and_reports_the_methods_flops() -> None:
     from edge_agent.config import MemoryConfig
     from edge_agent.methods.base import EdgeContext
-    from edge_agent.methods import fedgkt
     from edge_agent.methods.fedgkt import FedGktEdge
     from fldata import make_synthetic
+    from models import clear_flops_cache
 
     data = make_synthetic(8, num_classes=10, in_channels=1, seed=0)
 
     def edge(memory_config: MemoryConfig) -> FedGktEdge:
-        # counted afresh for each (the method caches FLOPs per architecture and shape)
-        monkeypatch.setattr(fedgkt, "_FLOPS_CACHE", {})
+        clear_flops_cache()  # counted afresh for each (the shared count caches per architecture and shape)
         ctx = EdgeContext(agent_id="a0", run_id="r", instance="i", train=data, test=data,
                           settings={"num_classes": 10, "edge_model": "resnet8"}, send=lambda *a, **k: None, memory=memory_config)
         return FedGktEdge(ctx)
@@ -193,4 +192,4 @@ def test_fedgkt_edge_model_is_checkpointed_when_asked_and_reports_the_methods_fl
     light = edge(MemoryConfig(checkpoint_blocks=True))
     assert not is_checkpointed(plain.model) and is_checkpointed(light.model)
     # the reported FLOPs are the method's (recomputation documented, not counted)
-    assert light.train_flops_per_sample == plain.train_flops_per_sample > 0
+    assert light.flops == plain.flops and light.trains == plain.trains and plain.flops.training > 0

@@ -187,7 +187,7 @@ def test_mixed_federation_in_memory(tmp_path: Path, monkeypatch) -> None:  # typ
     ort_agent = fed.agents[1]
     assert type(ort_agent.method).__name__ == "OrtFedGktEdge"
     assert len(ort_agent.method.teacher) == 80  # server logits came back for every sample
-    assert ort_agent.method.train_flops_per_sample > 0
+    assert ort_agent.method.flops.training > 0
 
 
 def test_micro_batching_agents_of_both_backends_send_smaller_uploads_and_learn_the_same_round(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -1,8 +1,9 @@
 """The one training loop (models/training.py): the edge trainer and the server loops run it.
 
 The edge trainer must train exactly as the plain per-step loop it replaced (the same
-operations in the same order: losses and weights equal bit for bit); callbacks see each
-batch and its step; a non-finite loss is refused before it touches the model.
+operations in the same order: losses and weights equal bit for bit) and meter what it
+trained; callbacks see each batch and its step; a non-finite loss is refused before it
+touches the model.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from edge_agent.costs import RoundMeter
 from edge_agent.trainer import train_epochs
+from models import training_flops_per_sample
 from models.training import OPTIMIZERS, Batch, NonFiniteLossError, Step, Trainer, make_optimizer
 
 
@@ -50,7 +53,9 @@ def test_the_edge_trainer_trains_exactly_as_the_plain_loop(optimizer: str) -> No
     model = Tiny()
     reference = Tiny()
     reference.load_state_dict(model.state_dict())
-    result = train_epochs(model, loader, make_optimizer(optimizer, model.parameters(), 0.05, 0.9, 1e-4), _edge_loss, epochs=2)
+    meter = RoundMeter()
+    result = train_epochs(model, loader, make_optimizer(optimizer, model.parameters(), 0.05, 0.9, 1e-4), _edge_loss, epochs=2,
+                          meter=meter)
 
     opt = make_optimizer(optimizer, reference.parameters(), 0.05, 0.9, 1e-4)
     total, samples = 0.0, 0
@@ -66,6 +71,9 @@ def test_the_edge_trainer_trains_exactly_as_the_plain_loop(optimizer: str) -> No
     assert result.mean_loss == total / samples
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+    # Metered without a word from the caller: the model it trained, by FlopCounterMode's count.
+    assert meter.samples_trained == 40 and meter.seconds["compute"] > 0
+    assert meter.train_flops == 40 * training_flops_per_sample(Tiny(), (1, 6, 6), light=False) > 0
 
 
 def test_a_non_finite_loss_is_refused_before_it_updates_the_model() -> None:
@@ -79,7 +87,7 @@ def test_a_non_finite_loss_is_refused_before_it_updates_the_model() -> None:
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(NonFiniteLossError, match="edge round 3: loss is nan at step 1"):
-        train_epochs(model, loader, opt, nan_at_second_step, epochs=1, desc="edge round 3")
+        train_epochs(model, loader, opt, nan_at_second_step, epochs=1, meter=RoundMeter(), desc="edge round 3")
     for p, q in zip(model.parameters(), before):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
@@ -270,13 +278,14 @@ def test_an_edge_training_round_never_imports_torch_dynamo() -> None:
         "import sys, torch\n"
         "from models import build_model, flops_per_sample\n"
         "from models.training import make_optimizer\n"
+        "from edge_agent.costs import RoundMeter\n"
         "from edge_agent.trainer import train_epochs\n"
         "import torch.nn.functional as F\n"
         "model = build_model('resnet8', 10, 1)\n"
         "flops_per_sample(model, (1, 32, 32))\n"
         "opt = make_optimizer(sys.argv[1], model.parameters(), 1e-3, lean=sys.argv[2] == 'lean')\n"
         "batches = [(torch.randn(16, 1, 32, 32), torch.randint(0, 10, (16,)), torch.arange(16))] * 2\n"
-        "train_epochs(model, batches, opt, lambda out, y, ids: F.cross_entropy(out[0], y), 1, micro_batch=8)\n"
+        "train_epochs(model, batches, opt, lambda out, y, ids: F.cross_entropy(out[0], y), 1, meter=RoundMeter(), micro_batch=8)\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
     root = Path(__file__).resolve().parents[1]

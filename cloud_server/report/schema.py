@@ -239,6 +239,9 @@ def _check_round(ck: _Checker, index: int, rnd: Any) -> dict[str, Any]:
     if "method" in rnd and not isinstance(rnd["method"], dict):
         # Optional: the method's own figures (ServerMethod.round_report); free-form inside.
         ck.add(f"{path}.method: expected a dict of the method's figures, got {describe(rnd['method'])}")
+    hooks = rnd.get("server_hooks_s", {})
+    if not isinstance(hooks, dict) or not all(kind_ok(v, "number") and v >= 0 for v in hooks.values()):
+        ck.add(f"{path}.server_hooks_s: expected seconds >= 0 by hook, got {describe(hooks)}")
     return good
 
 

@@ -23,8 +23,7 @@ from shared_protocol.messages import ErrorReply, RoundStart
 from shared_protocol.methods.fedgkt import GktRoundConfig
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifacts, GktOrtArtifactsRequest
 
-from ..costs import RoundMeter
-from ..deadline import RoundDeadline
+from ..costs import DeclaredFlops, RoundMeter
 from ..fedgkt_edge import FedGktEdgeBase
 from ..methods.base import EdgeContext
 from .optim import NumpyAdam, NumpySGD, make_numpy_optimizer
@@ -77,8 +76,7 @@ class OrtFedGktEdge(FedGktEdgeBase):
         if meta.num_classes != self.num_classes or tuple(meta.input_shape) != (c, h, w):
             raise ValueError(f"artifacts are for {meta.input_shape} / {meta.num_classes} classes, this agent has {(c, h, w)} / {self.num_classes}")
         self.model = OrtEdgeModel(directory, meta, threads=self.threads)
-        self.train_flops_per_sample = reply.train_flops_per_sample
-        self.forward_flops_per_sample = reply.forward_flops_per_sample
+        self.flops = DeclaredFlops(training=reply.train_flops_per_sample, forward=reply.forward_flops_per_sample)
         if self._pending_state is not None:
             self.model.load_arrays(self._pending_state)
             self._pending_state = None
@@ -93,7 +91,7 @@ class OrtFedGktEdge(FedGktEdgeBase):
         return make_numpy_optimizer(cfg.edge_optimizer, cfg.edge_lr, cfg.edge_momentum, cfg.edge_weight_decay)
 
     def _train(self, start: RoundStart, cfg: GktRoundConfig, optimizer: NumpySGD | NumpyAdam,
-               deadline: RoundDeadline) -> tuple[int, float]:
+               meter: RoundMeter) -> tuple[int, float]:
         model, ctx = self.model, self.ctx
         assert model is not None  # _prepare made it
         trains_extractor = any(name.startswith("extractor.") for name in model.meta.trainable)
@@ -107,7 +105,7 @@ class OrtFedGktEdge(FedGktEdgeBase):
             seed = (ctx.seed + start.round) * 1000 + epoch
             batches = iterate_batches(ctx.train, cfg.batch_size, shuffle=True, seed=seed, augment=ctx.augment,
                                       normalizer=self.normalizer)
-            for images, labels, ids in deadline.batches(batches, length=-(-len(ctx.train) // cfg.batch_size)):
+            for images, labels, ids in meter.deadline.batches(batches, length=-(-len(ctx.train) // cfg.batch_size)):
                 if use_kd:
                     teacher, found = self.teacher.lookup(ids)
                 else:
@@ -118,6 +116,7 @@ class OrtFedGktEdge(FedGktEdgeBase):
                     raise RuntimeError(f"{ctx.agent_id} round {start.round}: loss is {loss}")
                 samples += len(labels)
                 total_loss += loss * len(labels)
+                meter.trained(len(labels), self.flops.training)  # this backend's loop meters its steps
         return samples, total_loss / samples if samples else 0.0
 
     def _upload_batches(self, split: str, batch_samples: int):  # -> Iterator[(images (B, C, H, W), labels, ids)]

@@ -100,14 +100,17 @@ class EdgeMethod(ABC):
 
     @abstractmethod
     def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
-        """Train, send what the method sends, and say what was done."""
+        """Train, send what the method sends, and say what was done. Training goes through
+        :func:`edge_agent.trainer.train_epochs` with ``meter``, which counts its samples, FLOPs
+        (of what the method declares it trains, :class:`edge_agent.trainer.Trains`) and time;
+        forward passes outside training go to ``meter.forward``."""
 
     @abstractmethod
     def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
         """Answer the server's evaluation request for ``request.round`` (after that round's
         downloads): evaluate the deployed model(s) held here on the local test shard, and
         return what the server needs to score them on the global set. ``meter`` counts the
-        evaluation's own FLOPs (``train_flops``: forward passes here), time and bytes."""
+        evaluation's own FLOPs (``meter.forward``: forward passes here), time and bytes."""
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """What to persist locally so a restarted agent resumes where it was."""

@@ -11,7 +11,8 @@ the same model on the global test set).
 
 The FedAvg family (FedGKD, FedDistill) subclasses :class:`FedAvgEdge` and
 overrides :meth:`FedAvgEdge.loss_fn` (and :meth:`FedAvgEdge.forward_fn` when the
-loss needs more of the batch than the local model's output).
+loss needs more of the batch than the local model's output, with
+:meth:`FedAvgEdge.trains` saying what that forward runs besides the local model).
 """
 
 from __future__ import annotations
@@ -23,32 +24,17 @@ import torch
 import torch.nn.functional as F
 
 from fldata.torch_data import make_loader
-from models import WeightsMismatchError, build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays
+from models import WeightsMismatchError, build_model, cached_flops_per_sample, load_arrays_into, state_dict_to_arrays
 from models.training import logits_of, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
 
 from ..costs import RoundMeter
-from ..trainer import Forward, LossFn, train_epochs
+from ..trainer import Forward, LossFn, Trains, train_epochs
 from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method, shard_result
 
 log = logging.getLogger("edge_agent.fedavg")
-
-_FLOPS_CACHE: dict[tuple, tuple[int, int]] = {}
-
-
-def _flops(name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[int, int]:
-    """(training, forward) FLOPs per sample, counted once per architecture and input shape
-    (counting a ResNet-56 takes seconds; simulated agents share one process)."""
-    key = (name, shape, sum(p.numel() for p in model.parameters()))
-    if key not in _FLOPS_CACHE:
-        # The layer counter, not FlopCounterMode: entering that mode would keep ~100 MiB
-        # of imports resident in the agent for the rest of its life.
-        flops = flops_per_sample(model, shape)
-        _FLOPS_CACHE[key] = (flops.training, flops.forward)
-    return _FLOPS_CACHE[key]
-
 
 @register_edge_method
 class FedAvgEdge(EdgeMethod):
@@ -61,8 +47,8 @@ class FedAvgEdge(EdgeMethod):
         self.model = build_model(self.model_name, self.num_classes, ctx.train.in_channels).to(ctx.device)
         self.global_state: dict[str, np.ndarray] | None = None  # the last global model received
         self.global_version = -1
-        shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
-        self.train_flops_per_sample, self.forward_flops_per_sample = _flops(self.model_name, self.model, shape)
+        self.input_shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
+        self.model_flops = cached_flops_per_sample(self.model, self.input_shape)  # the deployed model's, per sample
 
     # -- the global model -------------------------------------------------------- #
 
@@ -100,7 +86,7 @@ class FedAvgEdge(EdgeMethod):
         self._load(self.global_state)
         with meter.phase("compute"):
             correct, total, loss_sum = self._test_metrics()
-        meter.train_flops += self.forward_flops_per_sample * total
+        meter.forward(self.model_flops, total)
         return EvalAnswer(results={"model": shard_result(correct, total, loss_sum, version=self.global_version)})
 
     @torch.no_grad()
@@ -132,6 +118,11 @@ class FedAvgEdge(EdgeMethod):
         the FedAvg family adds a teacher's outputs on the same batch here."""
         return None
 
+    def trains(self, cfg: FedAvgRoundConfig) -> Trains:
+        """What a step trains, for the meter: the local model; the FedAvg family adds the
+        teachers its :meth:`forward_fn` runs."""
+        return Trains.of((self.model,), self.input_shape)
+
     def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
         cfg = FedAvgRoundConfig.from_dict(start.config)
         ctx = self.ctx
@@ -142,11 +133,9 @@ class FedAvgEdge(EdgeMethod):
             loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
             loss_fn = self.loss_fn(cfg)
             result = train_epochs(
-                self.model, loader, optimizer, loss_fn, cfg.local_epochs,
+                self.model, loader, optimizer, loss_fn, cfg.local_epochs, meter=meter, trains=self.trains(cfg),
                 device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}", forward=self.forward_fn(cfg),
             )
-        meter.samples_trained += result.samples
-        meter.train_flops += self.train_flops_per_sample * result.samples
         metrics: dict = {"train_loss": result.mean_loss}
         weights, int_buffers = split_state(state_dict_to_arrays(self.model))
         update = FedAvgUpdate(

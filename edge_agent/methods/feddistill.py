@@ -46,7 +46,7 @@ from shared_protocol.methods.fedavg import FedAvgRoundConfig
 from shared_protocol.methods.feddistill import ROUND_CONFIG_KEY, FedDistillRoundConfig
 
 from ..costs import RoundMeter
-from ..trainer import Forward, LossFn
+from ..trainer import Forward, LossFn, Trains
 from .base import EdgeContext, RoundResult, register_edge_method
 from .fedavg import FedAvgEdge
 
@@ -229,10 +229,9 @@ class FedDistillEdge(FedAvgEdge):
         self.class_counts = np.bincount(np.asarray(ctx.train.labels, dtype=np.int64), minlength=self.num_classes)[: self.num_classes]
         self.distill: FedDistillRoundConfig | None = None
         self._sums: dict[str, float] = {}
-        # Cost per trained sample on top of FedAvg's: one teacher forward, and the two
-        # cross-head passes (y_lg forward + its input gradient; y_gl forward + its weight
-        # gradient), 2*D*K FLOPs each.
-        self.train_flops_per_sample += self.forward_flops_per_sample + 4 * 2 * head.in_features * head.out_features
+        # The two cross-head passes of every trained sample (y_lg forward + its input gradient;
+        # y_gl forward + its weight gradient), 2*D*K FLOPs each: work outside either model.
+        self.head_flops_per_sample = 4 * 2 * head.in_features * head.out_features
 
     # -- the round ------------------------------------------------------------------ #
 
@@ -292,3 +291,7 @@ class FedDistillEdge(FedAvgEdge):
             return local_features, local_logits, global_features, global_logits
 
         return forward
+
+    def trains(self, cfg: FedAvgRoundConfig) -> Trains:
+        """The local model, the frozen global model's forward on the same batch, and the cross-head passes."""
+        return Trains.of((self.model,), self.input_shape, teachers=(self.teacher,), extra_flops_per_sample=self.head_flops_per_sample)

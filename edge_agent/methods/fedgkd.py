@@ -42,7 +42,7 @@ from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgRoundConfig,
 from shared_protocol.methods.fedgkd import CONFIG_KEY, FedGkdTeachers, TeacherSpec
 
 from ..costs import RoundMeter
-from ..trainer import Forward, LossFn
+from ..trainer import Forward, LossFn, Trains
 from .base import EdgeContext, RoundResult, register_edge_method
 from .fedavg import FedAvgEdge
 
@@ -158,6 +158,10 @@ class FedGkdEdge(FedAvgEdge):
 
         return forward
 
+    def trains(self, cfg: FedAvgRoundConfig) -> Trains:
+        """The local model, and every trained sample also goes forward through each teacher."""
+        return Trains.of((self.model,), self.input_shape, teachers=[t for t, _ in self._teachers])
+
     # -- the global model (FedAvg's, kept for a later vote) ------------------------------ #
 
     def on_message(self, msg: Message) -> bool:
@@ -183,7 +187,7 @@ class FedGkdEdge(FedAvgEdge):
             self._load_teachers(states, [t.coefficient for t in spec.teachers])
             if spec.measure_start_loss:
                 _, total, loss_sum = self._test_metrics()
-                meter.train_flops += self.forward_flops_per_sample * total
+                meter.forward(self.model_flops, total)
                 metrics.update(start_loss_sum=loss_sum, start_loss_total=total)
         self.buffer_size = spec.buffer_size
         if spec.variant == "vote":
@@ -191,13 +195,10 @@ class FedGkdEdge(FedAvgEdge):
             self._remember(cfg.model_version, self.global_state)  # type: ignore[arg-type]
             for t, state in zip(spec.teachers, states):
                 self._remember(t.versions[0], state)
-        samples_before = meter.samples_trained
         try:
             result = super().run_round(base, meter)
         finally:
             self._teachers = []
-        # Every trained sample also went forward through each teacher.
-        meter.train_flops += self.forward_flops_per_sample * (meter.samples_trained - samples_before) * len(spec.teachers)
         result.metrics.update(metrics)
         result.uploads["teachers"] = len(spec.teachers)
         return result

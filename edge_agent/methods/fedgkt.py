@@ -18,33 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from fldata.torch_data import make_loader
-from models import build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays
+from models import build_model, load_arrays_into, state_dict_to_arrays
 from models.losses import kd_loss
 from models.training import make_optimizer
 from shared_protocol.messages import RoundStart
 from shared_protocol.methods.fedgkt import GktRoundConfig
 
 from ..costs import RoundMeter
-from ..deadline import RoundDeadline
 from ..fedgkt_edge import FedGktEdgeBase
 from ..memory import lighten_model
-from ..trainer import LossFn, train_epochs
+from ..trainer import LossFn, Trains, train_epochs
 from .base import EdgeContext, register_edge_method
-
-
-_FLOPS_CACHE: dict[tuple, tuple[int, int]] = {}
-
-
-def _flops(name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[int, int]:
-    """(training, forward) FLOPs per sample; counted once per architecture and input shape
-    (FLOPs depend on shapes only, and counting is slow)."""
-    key = (name, shape, sum(p.numel() for p in model.parameters()))
-    if key not in _FLOPS_CACHE:
-        # The layer counter, not FlopCounterMode: entering that mode would keep ~100 MiB
-        # of imports resident in the agent for the rest of its life.
-        flops = flops_per_sample(model, shape)
-        _FLOPS_CACHE[key] = (flops.training, flops.forward)
-    return _FLOPS_CACHE[key]
 
 
 @register_edge_method
@@ -54,7 +38,8 @@ class FedGktEdge(FedGktEdgeBase):
         self.model = build_model(self.edge_model, self.num_classes, ctx.train.in_channels).to(ctx.device)
         self.trained = False  # True once this model has trained a round (or was restored)
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
-        self.train_flops_per_sample, self.forward_flops_per_sample = _flops(self.edge_model, self.model, shape)
+        self.trains = Trains.of((self.model,), shape)
+        self.flops = self.trains.models[0]
         # After counting: the reported FLOPs are the method's; [memory] checkpoint_blocks' recomputation
         # (about +30 % of a training step's FLOPs for ResNet-8) is documented, not counted.
         self.model = lighten_model(self.model, ctx.memory)
@@ -90,11 +75,11 @@ class FedGktEdge(FedGktEdgeBase):
         return loss
 
     def _train(self, start: RoundStart, cfg: GktRoundConfig, optimizer: torch.optim.Optimizer,
-               deadline: RoundDeadline) -> tuple[int, float]:
+               meter: RoundMeter) -> tuple[int, float]:
         ctx = self.ctx
-        loader = deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
+        loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
         result = train_epochs(
-            self.model, loader, optimizer, self.loss_fn(cfg), cfg.edge_epochs,
+            self.model, loader, optimizer, self.loss_fn(cfg), cfg.edge_epochs, meter=meter, trains=self.trains,
             device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",
             micro_batch=ctx.memory.micro_batch_samples or None,
             # A frozen extractor stays in eval mode: its BatchNorm statistics do not move either.

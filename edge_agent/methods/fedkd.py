@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. resnet20)
 from fldata.torch_data import make_loader
-from models import WeightsMismatchError, build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays
+from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays
 from models.mentor import HiddenOutputs, forward_with_hidden, hidden_dim
 from models.training import accuracy, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
@@ -55,7 +55,7 @@ from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdRoundConfig, FedKdUpdate, factor_state, unfactor_state
 
 from ..costs import RoundMeter
-from ..trainer import LossFn, train_epochs
+from ..trainer import LossFn, Trains, train_epochs
 from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method, shard_result
 
 log = logging.getLogger("edge_agent.fedkd")
@@ -156,20 +156,6 @@ class MutualPair(nn.Module):
 # --------------------------------------------------------------------------- #
 
 
-_FLOPS_CACHE: dict[tuple, tuple[int, int]] = {}
-
-
-def _flops(name: str, model: nn.Module, shape: tuple[int, ...]) -> tuple[int, int]:
-    """(training, forward) FLOPs per sample, counted once per architecture and input shape."""
-    key = (name, shape, sum(p.numel() for p in model.parameters()))
-    if key not in _FLOPS_CACHE:
-        # The layer counter, not FlopCounterMode: entering that mode would keep ~100 MiB
-        # of imports resident in the agent for the rest of its life.
-        flops = flops_per_sample(model, shape)
-        _FLOPS_CACHE[key] = (flops.training, flops.forward)
-    return _FLOPS_CACHE[key]
-
-
 def float_state(model: nn.Module) -> dict[str, np.ndarray]:
     """The float entries of a state dict (parameters, BatchNorm statistics): what the
     mentee shares. Integer counters (``num_batches_tracked``) stay local."""
@@ -196,10 +182,9 @@ class FedKdEdge(EdgeMethod):
         self.optimizer: torch.optim.Optimizer | None = None
         self._optimizer_key: tuple | None = None
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
-        mentor_flops = _flops(self.mentor_name, self.mentor, shape)
-        mentee_flops = _flops(self.mentee_name, self.mentee, shape)
-        self.train_flops_per_sample = mentor_flops[0] + mentee_flops[0]
-        self.mentor_forward_flops, self.mentee_forward_flops = mentor_flops[1], mentee_flops[1]
+        # A step trains both models (W_h's and the attention maps' work is not counted).
+        self.trains = Trains.of((self.mentor, self.mentee), shape)
+        self.mentor_flops, self.mentee_flops = self.trains.models
 
     # -- the global mentee ------------------------------------------------------- #
 
@@ -256,11 +241,11 @@ class FedKdEdge(EdgeMethod):
         with meter.phase("compute"):
             mentor_correct, total = self._accuracy(self.mentor)
             results = {"model": shard_result(mentor_correct, total)}
-            meter.train_flops += self.mentor_forward_flops * total
+            meter.forward(self.mentor_flops, total)
             if self.global_state is not None:
                 self._load_global()
                 mentee_correct, _ = self._accuracy(self.mentee)
-                meter.train_flops += self.mentee_forward_flops * total
+                meter.forward(self.mentee_flops, total)
                 results["mentee"] = shard_result(mentee_correct, total, version=self.global_version)
         return EvalAnswer(results=results, models={"model": state_dict_to_arrays(self.mentor)})
 
@@ -306,11 +291,9 @@ class FedKdEdge(EdgeMethod):
             self.mentee.zero_grad(set_to_none=True)  # gradient mode sums the round's gradients here
             loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
             result = train_epochs(
-                self.pair, loader, optimizer, self.loss_fn(cfg, stats), cfg.local_epochs,
+                self.pair, loader, optimizer, self.loss_fn(cfg, stats), cfg.local_epochs, meter=meter, trains=self.trains,
                 device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",
             )
-        meter.samples_trained += result.samples
-        meter.train_flops += self.train_flops_per_sample * result.samples
         n = max(stats["samples"], 1.0)
         metrics: dict = {
             "train_loss": stats["mentee_loss"] / n,

@@ -6,6 +6,11 @@ loads the extractor the previous agent left, then per mini-batch: forward,
 send the activations, block until the server's gradient w.r.t. them arrives
 (``ctx.request``; a real exchange over the broker for every batch), backward
 and step. At the end it uploads the extractor for the next agent.
+
+The turn runs in the shared loop (:func:`edge_agent.trainer.train_epochs`): the
+exchange is the loss, ``sum(activations * gradient)``, whose gradient with respect to
+the activations is exactly the server's (``1 * g``), so the backward pass and the
+step are the ones the server's answer asks for.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 import torch
 
 from fldata.torch_data import make_loader
-from models import WeightsMismatchError, build_model, flops_per_sample, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays
 from models.training import make_optimizer
 from shared_protocol.errors import ShapeMismatchError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
@@ -29,21 +34,10 @@ from shared_protocol.methods.splitnn import (
 )
 
 from ..costs import RoundMeter
+from ..trainer import LossFn, Trains, train_epochs
 from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method
 
 log = logging.getLogger("edge_agent.splitnn")
-
-_FLOPS_CACHE: dict[tuple, int] = {}
-
-
-def _extractor_train_flops(name: str, extractor: torch.nn.Module, shape: tuple[int, ...]) -> int:
-    """Training FLOPs per sample of the extractor alone (its output has no loss of its
-    own: the backward pass starts from the server's gradient, so count with a sum)."""
-    key = (name, shape)
-    if key not in _FLOPS_CACHE:
-        _FLOPS_CACHE[key] = training_flops_per_sample(extractor, shape, loss="sum")
-    return _FLOPS_CACHE[key]
-
 
 @register_edge_method
 class SplitNNEdge(EdgeMethod):
@@ -57,8 +51,10 @@ class SplitNNEdge(EdgeMethod):
         self.extractor = build_model(self.edge_model, num_classes, ctx.train.in_channels).extractor.to(ctx.device)
         self.config = SplitRoundConfig()
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
-        self.train_flops_per_sample = _extractor_train_flops(self.edge_model, self.extractor, shape)
-        self.forward_flops_per_sample = flops_per_sample(self.extractor, shape, loss="sum").forward
+        # The stem alone: its output has no loss of its own (the backward pass starts from the
+        # server's gradient), so its training is counted with a sum.
+        self.trains = Trains.of((self.extractor,), shape, loss="sum")
+        self.flops = self.trains.models[0]
         self.final_extractor: dict[str, np.ndarray] | None = None  # the round's last extractor, for evaluation
 
     def _load(self, weights: dict[str, np.ndarray]) -> None:
@@ -79,31 +75,11 @@ class SplitNNEdge(EdgeMethod):
         optimizer = make_optimizer(cfg.optimizer, self.extractor.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay,
                                    lean=self.ctx.device == "cpu")
         loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
-        self.extractor.train()
-        seq = samples = correct = 0
-        loss_sum = 0.0
-        for _epoch in range(cfg.local_epochs):
-            for images, labels, _ids in loader:
-                with meter.phase("compute"):
-                    optimizer.zero_grad(set_to_none=True)
-                    activations = self.extractor(images.to(ctx.device))  # (B, 16, H, W)
-                upload = SplitActivations(
-                    run=ctx.run_id, round=start.round, sender=ctx.agent_id, split="train", seq=seq, instance=ctx.instance,
-                    activations=activations.detach().cpu().numpy(), labels=labels.numpy().astype(np.int64),
-                )
-                reply = ctx.request(
-                    upload, meter, _is_gradient_for(start.round, seq), cfg.reply_timeout_s,
-                    codecs={"activations": cfg.upload_codec}, attempts=cfg.reply_attempts,
-                )
-                if not isinstance(reply, SplitGradients) or reply.gradients.shape != tuple(activations.shape):
-                    raise ShapeMismatchError(f"answer {reply.TYPE} does not fit activations {tuple(activations.shape)}")
-                with meter.phase("compute"):
-                    activations.backward(torch.from_numpy(reply.gradients).to(ctx.device))  # dL/dW_extractor
-                    optimizer.step()
-                n = int(labels.shape[0])
-                seq, samples, correct, loss_sum = seq + 1, samples + n, correct + reply.correct, loss_sum + reply.loss * n
-        meter.samples_trained += samples
-        meter.train_flops += self.train_flops_per_sample * samples
+        turn = {"seq": 0, "samples": 0, "correct": 0, "loss_sum": 0.0}
+        train_epochs(self.extractor, loader, optimizer, self._exchange(start, cfg, meter, turn), cfg.local_epochs,
+                     meter=meter, trains=self.trains, device=ctx.device, progress=ctx.progress,
+                     desc=f"{ctx.agent_id} round {start.round}")
+        seq, samples, correct, loss_sum = turn["seq"], turn["samples"], turn["correct"], turn["loss_sum"]
         ctx.send(
             SplitExtractorWeights(run=ctx.run_id, round=start.round, sender=ctx.agent_id, instance=ctx.instance,
                                   batches=seq, weights=state_dict_to_arrays(self.extractor)),
@@ -111,6 +87,31 @@ class SplitNNEdge(EdgeMethod):
         )
         metrics = {"train_loss": loss_sum / samples if samples else 0.0, "train_accuracy": correct / samples if samples else 0.0}
         return RoundResult(num_samples=samples, uploads={"train": {"batches": seq, "samples": samples}}, metrics=metrics)
+
+    def _exchange(self, start: RoundStart, cfg: SplitRoundConfig, meter: RoundMeter, turn: dict) -> LossFn:
+        """The loss of one batch: send its activations, wait for the server's gradient g with
+        respect to them, and return ``sum(activations * g)`` (its gradient is g); ``turn``
+        keeps the batch number and the server's loss and correct counts."""
+        ctx = self.ctx
+
+        def loss(activations: torch.Tensor, labels: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
+            seq = turn["seq"]
+            upload = SplitActivations(
+                run=ctx.run_id, round=start.round, sender=ctx.agent_id, split="train", seq=seq, instance=ctx.instance,
+                activations=activations.detach().cpu().numpy(), labels=labels.cpu().numpy().astype(np.int64),
+            )  # activations (B, 16, H, W)
+            reply = ctx.request(
+                upload, meter, _is_gradient_for(start.round, seq), cfg.reply_timeout_s,
+                codecs={"activations": cfg.upload_codec}, attempts=cfg.reply_attempts,
+            )
+            if not isinstance(reply, SplitGradients) or reply.gradients.shape != tuple(activations.shape):
+                raise ShapeMismatchError(f"answer {reply.TYPE} does not fit activations {tuple(activations.shape)}")
+            n = int(labels.shape[0])
+            turn.update(seq=seq + 1, samples=turn["samples"] + n, correct=turn["correct"] + reply.correct,
+                        loss_sum=turn["loss_sum"] + reply.loss * n)
+            return (activations * torch.from_numpy(reply.gradients).to(activations.device)).sum()  # d/d(activations) = g
+
+        return loss
 
     # -- evaluation after the round --------------------------------------------------- #
 
@@ -141,7 +142,7 @@ class SplitNNEdge(EdgeMethod):
                 meter, codecs={"activations": cfg.upload_codec},
             )
             batches, samples = batches + 1, samples + int(labels.shape[0])
-        meter.train_flops += self.forward_flops_per_sample * samples
+        meter.forward(self.flops, samples)
         return EvalAnswer(uploads={"test": {"batches": batches, "samples": samples}})
 
 

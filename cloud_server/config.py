@@ -103,8 +103,8 @@ class ServerConfig:
     server_grad_clip_norm: float = 0.0  # 0: off
     server_loss_skip_factor: float = 0.0  # 0: off
     # The checks that need the server's judgement (cloud_server/robust_validation.py): a labelled
-    # validation set that judges weight updates (validation_samples 0: none), and FedGKT's
-    # label-agreement check (plausible_min_label_agreement 0: off). Defaults: DefenceConfig's.
+    # validation set that judges weight updates (validation_samples 0: none), and the server-side
+    # label-agreement check of feature-map uploads (plausible_min_label_agreement 0: off). Defaults: DefenceConfig's.
     validation_samples: int = 0
     validation_dataset: str = ""  # "": the run's dataset
     validation_split: str = "train-holdout"  # train-holdout | train | valid

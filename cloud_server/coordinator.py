@@ -101,7 +101,7 @@ class Coordinator(RoundHostOps):
         if defence.validates and method.ctx.validation is None:  # cloud_server/robust_validation.py
             if not method.aggregates_weights:
                 raise ValueError(f"server.validation_samples judges weight updates; {method.name} does not share weights: "
-                                 "leave it at 0 (FedGKT's labels: plausible_min_label_agreement)")
+                                 "leave it at 0 (feature-map uploads have their labels judged instead: plausible_min_label_agreement)")
             from .validation_screen import ValidationScreen
 
             method.ctx.validation = ValidationScreen(defence)

@@ -494,10 +494,12 @@ def cost_curves(data: dict[str, Any], image_dir: Path | None) -> list[str]:
 
 def method_rows() -> list[tuple[str, str, str, str]]:
     """(label, run name, evaluation label, BatchNorm statistics) of every row of the other methods'
-    table: the rows each registered method's benchmark runs declare (``MethodSpec.bench``)."""
+    table: the rows each registered method's benchmark runs for that table declare (``MethodSpec.bench``,
+    ``results = "methods"``)."""
     from shared_protocol.registry import registered_methods
 
-    runs = sorted((run for spec in registered_methods().values() for run in spec.bench), key=lambda r: (r.order, r.name))
+    runs = sorted((run for spec in registered_methods().values() for run in spec.bench if run.results == "methods"),
+                  key=lambda r: (r.order, r.name))
     return [(row.label, run.name, row.which, row.batchnorm) for run in runs for row in run.rows]
 
 

@@ -26,6 +26,10 @@ that it awaits re-measurement, and the page quotes none of its accuracies.
 * ``metrics_overhead.json`` (``bench/metrics_overhead.py``): issue 29's cost of watching a
   run, ``make demo`` with metrics off vs on.
 
+It also rewrites the README's table of methods (from the method registry) and
+docs/configuration.md's tables of the methods' keys (from each method's config,
+``bench/config_tables.py``).
+
     python bench/render_results.py [--results bench/results] [--out docs/results.md]
 """
 
@@ -46,6 +50,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
+from config_tables import update_config_doc  # noqa: E402
+
 DASH = "—"
 
 
@@ -1424,6 +1430,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results.md")
     parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="whose table of methods to rewrite")
+    parser.add_argument("--config-doc", type=Path, default=REPO_ROOT / "docs" / "configuration.md",
+                        help="whose tables of the methods' keys to rewrite")
     args = parser.parse_args(argv)
     text = render(args.results, args.out.parent / "img")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -1431,6 +1439,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     if update_readme(args.readme):
         print(f"rewrote the table of methods in {args.readme}")
+    if update_config_doc(args.config_doc):
+        print(f"rewrote the tables of the methods' keys in {args.config_doc}")
     return 0
 
 

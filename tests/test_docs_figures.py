@@ -174,3 +174,36 @@ def test_deploy_quotes_the_ejabberd_runs_of_ejabberd_json() -> None:
     assert f"a session expiry of {connack['session_expiry_granted_s']} s for the {connack['session_expiry_asked_s']} s asked" in text
     assert "Packet too large" in data["publish_over_max_payload_size"] and 'with "Packet too large"' in text
     assert data["cross_node_3MB_delivered"] is True and "A 3 MB blob published on node 1 reached a subscriber on node 2" in text
+
+
+LOW_MEMORY_ROWS = {"default": "default", "micro-batch-16": "micro-batches of 16 (`--low-memory`)",
+                   "micro-batch-8": "micro-batches of 8"}
+
+
+def _near(quoted: str, value: float) -> bool:
+    """A figure quoted to one decimal is ``value`` rounded (either way at an exact half)."""
+    return abs(float(quoted.rstrip("%")) - value) <= 0.05 + 1e-9
+
+
+def test_deploy_quotes_the_micro_batch_accuracies_of_low_memory_json() -> None:
+    page = (ROOT / "docs" / "deploy.md").read_text()
+    assert "(`bench/low_memory.py`, `bench/results/low_memory.json`)" in " ".join(page.split())
+    data = _load("low_memory.json")
+    runs = {(r["mode"], r["seed"]): r for r in data["runs"]}
+    for mode, label in LOW_MEMORY_ROWS.items():
+        cells = _row(page, label, 5)
+        for figure, by_seed, mean in (("final_accuracy", cells[1], cells[2]), ("final_edge_accuracy", cells[3], cells[4])):
+            seeds = [100 * runs[(mode, seed)][figure] for seed in (0, 1)]
+            assert by_seed == " / ".join(f"{x:.1f}%" for x in seeds)
+            assert _near(mean, sum(seeds) / 2) and _near(mean, 100 * data["summary"][mode][f"{figure}_mean"])
+    text = " ".join(page.split())
+    deltas = {(d["mode"], d["seed"]): d for d in data["summary"]["micro_minus_default"]}
+    d16 = [deltas[("micro-batch-16", seed)] for seed in (0, 1)]
+    assert f"(+{d16[0]['server_points']:.1f} and {d16[1]['server_points']:.1f} points)" in text
+    assert f"about a point lower ({d16[0]['edge_points']:.1f}, {d16[1]['edge_points']:.1f})" in text
+    d8 = [deltas[("micro-batch-8", seed)] for seed in (0, 1)]
+    edge8 = sorted(-d["edge_points"] for d in d8)
+    assert f"8 the agents lose {edge8[0]:.1f}-{edge8[1]:.1f} points and the server up to {-min(d['server_points'] for d in d8):.1f}" in text
+    for (mode, seed), d in deltas.items():  # the JSON's differences are its runs'
+        for figure, points in (("final_accuracy", d["server_points"]), ("final_edge_accuracy", d["edge_points"])):
+            assert _near(f"{points}", 100 * (runs[(mode, seed)][figure] - runs[("default", seed)][figure]))

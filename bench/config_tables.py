@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIG_BEGIN", "CONFIG_END", "ConfigDocError", "config_tables", "default_table", "key_rows",
+__all__ = ["CONFIG_BEGIN", "CONFIG_END", "ConfigDocError", "config_tables", "declared_meanings", "default_table", "key_rows",
            "method_section", "update_config_doc"]
 
 #: docs/configuration.md's method tables lie between these lines.

@@ -1,8 +1,9 @@
 """The other methods on Table 1's setting: every registered method that declares
 runs here (``MethodSpec.bench`` in its registry entry: today the FedAvg family's
-FedGKD, FedDistill and FedBE, all with ResNet-56, and FedKD), and FedGKT's
-knowledge-transfer ablation (the paper's Table 2), each cell run once per seed and
-reported as mean ± sd.
+FedGKD, FedDistill and FedBE, all with ResNet-56, and FedKD), and the methods' own
+tables (``BenchRun.results``: today FedGKT's knowledge-transfer ablation, the paper's
+Table 2, declared as variants of its Table 1 run on the ablation partition), each
+cell run once per seed and reported as mean ± sd. No run is written out here.
 
 The data, agents, rounds, batch, optimiser and seeds are ``bench/accuracy.py``'s
 (imported, not copied), so every cell here sits beside Table 1's FedAvg and
@@ -17,8 +18,9 @@ declared by each method beside its registry entry (``shared_protocol/methods/<na
   server work sized per scale (``BenchRun.per_scale``, recorded in the JSON's scale);
 * FedKD: a private ResNet-56 mentor and a shared ResNet-8 mentee per agent,
   Adam 0.001; its accuracy is the mentors' (its ``mentee`` label beside it);
-* Table 2: FedGKT with no KD and with S->E only; the S<->E row is Table 1's
-  ``fedgkt-noniid`` (``bench/results/accuracy.json``).
+* Table 2: FedGKT with no KD and with S->E only (``shared = "table1"``: Table 1's
+  FedGKT table with ``kd`` changed); the S<->E row is Table 1's ``fedgkt-noniid``
+  (``bench/results/accuracy.json``).
 
 Not part of Table 1's budget: another issue's work, kept runnable here. At the
 full scale (4 agents x 1,000 images, 5 rounds) one seed takes about 80 minutes
@@ -45,12 +47,14 @@ from typing import Any
 
 from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_logs, run_federation, write_json
 from _stats import DIFFERENCE_RULE
-from accuracy import (AGENTS, BATCH, FEDAVG, GKT, PARTITIONS, SCALES, SEEDS, budget, cells, eval_set_of, parse_seeds,
+from accuracy import (AGENTS, BATCH, FEDAVG, PARTITIONS, SCALES, SEEDS, budget, cells, eval_set_of, parse_seeds,
                       previous_runs, run_key, scale_folder, scale_key, summarize)
+from accuracy import runs as table1_runs
 
 from shared_protocol.registry import BenchRun, registered_methods
 
-#: The settings a method's runs here go on top of (``BenchRun.shared``): Table 1's.
+#: The settings a method's runs here go on top of (``BenchRun.shared``): Table 1's ("table1":
+#: the method's own table in Table 1's run of it, :func:`table1_table`).
 SHARED: dict[str, dict[str, Any]] = {"whole_model": FEDAVG, "batch": {"batch_size": BATCH, "local_epochs": 1}, "": {}}
 #: Minutes on 2 idle cores for all seeds of the scale (the estimate in the module's docstring).
 BUDGET_MINUTES = {"full": 250, "quick": 15}
@@ -62,9 +66,19 @@ def method_runs() -> list[tuple[str, BenchRun]]:
     return sorted(declared, key=lambda item: (item[1].order, item[1].name))
 
 
-def method_table(run: BenchRun, scale: str, train_samples: int) -> dict[str, Any]:
+def table1_table(method: str) -> dict[str, Any]:
+    """``method``'s ``[<method>]`` table in its Table 1 run (``bench/accuracy.py``)."""
+    tables = {run.method: run.method_config for _, _, run in table1_runs(1)}
+    if method not in tables:
+        raise ValueError(f"a bench run of {method!r} goes on top of its Table 1 run (shared = 'table1'), "
+                         f"but Table 1 runs only {sorted(tables)}")
+    return dict(tables[method])
+
+
+def method_table(method: str, run: BenchRun, scale: str, train_samples: int) -> dict[str, Any]:
     """The ``[<method>]`` table of one of a method's runs at ``scale``."""
-    table = {**SHARED[run.shared], **run.table, **run.per_scale.get(scale, {})}
+    shared = table1_table(method) if run.shared == "table1" else SHARED[run.shared]
+    table = {**shared, **run.table, **run.per_scale.get(scale, {})}
     if run.train_samples_key:
         table[run.train_samples_key] = train_samples
     return table
@@ -76,14 +90,19 @@ def per_scale_settings(scale: str) -> dict[str, dict[str, Any]]:
 
 
 def runs(rounds: int, train_samples: int, ablation_partition: str = "noniid", scale: str = "full") -> list[tuple[str, str, RunSpec]]:
-    """(table, partition key, run): every run of this benchmark, for one seed."""
+    """(table, partition key, run): every run of this benchmark, for one seed: per partition every
+    declared run of the other methods' table, then the runs of the methods' own tables (an
+    ablation: on ``ablation_partition`` only, unless declared for every partition)."""
+    if ablation_partition not in PARTITIONS:
+        raise ValueError(f"the ablation partition is one of {sorted(PARTITIONS)}, got {ablation_partition!r}")
     out: list[tuple[str, str, RunSpec]] = []
-    for key in PARTITIONS:
-        for method, run in method_runs():
-            out.append(("methods", key, RunSpec(f"{run.name}-{key}", method, method_table(run, scale, train_samples), rounds)))
-    # The S<->E sync run of the ablation partition is Table 1's; only the variants run here.
-    out.append(("table2", ablation_partition, RunSpec(f"fedgkt-kd-none-{ablation_partition}", "fedgkt", {**GKT, "mode": "sync", "kd": "none"}, rounds)))
-    out.append(("table2", ablation_partition, RunSpec(f"fedgkt-kd-s2e-{ablation_partition}", "fedgkt", {**GKT, "mode": "sync", "kd": "s2e"}, rounds)))
+    declared = method_runs()
+    for results in ["methods", *sorted({run.results for _, run in declared} - {"methods"})]:
+        for key in PARTITIONS:
+            for method, run in declared:
+                if run.results != results or (run.partitions == "ablation" and key != ablation_partition):
+                    continue
+                out.append((results, key, RunSpec(f"{run.name}-{key}", method, method_table(method, run, scale, train_samples), rounds)))
     return out
 
 

@@ -26,6 +26,10 @@ that it awaits re-measurement, and the page quotes none of its accuracies.
 * ``metrics_overhead.json`` (``bench/metrics_overhead.py``): issue 29's cost of watching a
   run, ``make demo`` with metrics off vs on.
 
+It also rewrites the README's table of methods (from the method registry) and
+docs/configuration.md's tables of the methods' keys (from each method's config,
+``bench/config_tables.py``).
+
     python bench/render_results.py [--results bench/results] [--out docs/results.md]
 """
 
@@ -46,6 +50,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
+from config_tables import update_config_doc  # noqa: E402
+
 DASH = "—"
 
 
@@ -494,10 +500,12 @@ def cost_curves(data: dict[str, Any], image_dir: Path | None) -> list[str]:
 
 def method_rows() -> list[tuple[str, str, str, str]]:
     """(label, run name, evaluation label, BatchNorm statistics) of every row of the other methods'
-    table: the rows each registered method's benchmark runs declare (``MethodSpec.bench``)."""
+    table: the rows each registered method's benchmark runs for that table declare (``MethodSpec.bench``,
+    ``results = "methods"``)."""
     from shared_protocol.registry import registered_methods
 
-    runs = sorted((run for spec in registered_methods().values() for run in spec.bench), key=lambda r: (r.order, r.name))
+    runs = sorted((run for spec in registered_methods().values() for run in spec.bench if run.results == "methods"),
+                  key=lambda r: (r.order, r.name))
     return [(row.label, run.name, row.which, row.batchnorm) for run in runs for row in run.rows]
 
 
@@ -1455,6 +1463,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "results.md")
     parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="whose table of methods to rewrite")
+    parser.add_argument("--config-doc", type=Path, default=REPO_ROOT / "docs" / "configuration.md",
+                        help="whose tables of the methods' keys to rewrite")
     args = parser.parse_args(argv)
     text = render(args.results, args.out.parent / "img")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -1462,6 +1472,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     if update_readme(args.readme):
         print(f"rewrote the table of methods in {args.readme}")
+    if update_config_doc(args.config_doc):
+        print(f"rewrote the tables of the methods' keys in {args.config_doc}")
     return 0
 
 

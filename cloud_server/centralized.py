@@ -39,7 +39,8 @@ from .records import RoundEvaluation
 from .methods.base import RoundOutcome
 from .recorder import RunRecorder, server_info
 from .records import RunReport
-from .server_step import RowBank, TrainStep, normalised_images, staging_budget_bytes
+from .row_bank import RowBank, normalised_images, staging_budget_bytes
+from .server_step import TrainStep
 from shared_protocol.configs import check_choice, check_optimizer, config_from_table
 
 log = logging.getLogger("cloud_server.centralized")

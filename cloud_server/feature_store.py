@@ -65,7 +65,7 @@ class ArrayStaging:
                  copy_to_device: bool | None = None) -> None:
         """``device``: the training device; arrays are also copied there as they are staged when
         ``copy_to_device`` (None: when the device is a CUDA device), at most ``device_bytes`` of
-        them (None: :func:`cloud_server.server_step.staging_budget_bytes` when the first arrives)."""
+        them (None: :func:`cloud_server.row_bank.staging_budget_bytes` when the first arrives)."""
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
         if device_bytes is not None and device_bytes < 0:
@@ -111,7 +111,7 @@ class ArrayStaging:
         with the staged array's rows) if the device bound allows; True if it did."""
         nbytes = staged.nbytes
         if self.device_bytes is None:
-            from .server_step import staging_budget_bytes
+            from .row_bank import staging_budget_bytes
 
             budget = staging_budget_bytes(self.device)  # type: ignore[arg-type]
             self.device_bytes = budget if budget is not None else 1 << 62

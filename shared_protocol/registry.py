@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "BENCH_PARTITIONS",
+    "BENCH_SHARED",
     "DEFAULT_METHOD",
     "PLUGINS_ENV",
     "BenchRun",
@@ -108,6 +110,12 @@ class ResultsRow:
     batchnorm: str = ""  # whose BatchNorm statistics the scored model uses
 
 
+#: What a bench run's table may go on top of (``BenchRun.shared``).
+BENCH_SHARED = ("whole_model", "batch", "table1", "")
+#: Which of the benchmark's partitions a bench run runs on (``BenchRun.partitions``).
+BENCH_PARTITIONS = ("every", "ablation")
+
+
 @dataclass(frozen=True)
 class BenchRun:
     """One run of the method in the methods benchmark (``bench/methods.py``), on the
@@ -116,9 +124,16 @@ class BenchRun:
     ``table`` holds the method's own keys; ``shared`` names the benchmark's settings
     they go on top of (``"whole_model"``: the model, local epochs, batch and
     optimiser every whole-model method there trains with; ``"batch"``: only the batch
-    and local epochs; ``""``: none). ``per_scale`` adds keys per scale (``"quick"``,
-    ``"full"``) for server work that does not shrink with the agents' data;
-    ``train_samples_key`` names the key that gets the agents' training subset size.
+    and local epochs; ``"table1"``: the method's own table in Table 1's run of it, for a
+    variant of that run, e.g. an ablation; ``""``: none). ``per_scale`` adds keys per
+    scale (``"quick"``, ``"full"``) for server work that does not shrink with the agents'
+    data; ``train_samples_key`` names the key that gets the agents' training subset size.
+
+    ``partitions``: ``"every"`` partition of the benchmark, or only the ``"ablation"``
+    partition (its ``--ablation-partition``). ``results`` names the results table the run's
+    cells go to: ``"methods"``, the other methods beside Table 1 (its rows are ``rows``), or
+    a table of the method's own (e.g. ``"table2"``, the paper's ablation), whose runs the
+    benchmark plans after every run of the ``"methods"`` table.
     """
 
     name: str
@@ -128,10 +143,16 @@ class BenchRun:
     train_samples_key: str = ""
     rows: tuple[ResultsRow, ...] = ()
     order: int = 0  # where its runs and rows go among the other methods' (lower first; ties by name)
+    partitions: str = "every"
+    results: str = "methods"
 
     def __post_init__(self) -> None:
-        if self.shared not in ("whole_model", "batch", ""):
-            raise ValueError(f"bench run {self.name!r}: shared must be 'whole_model', 'batch' or '', got {self.shared!r}")
+        if self.shared not in BENCH_SHARED:
+            raise ValueError(f"bench run {self.name!r}: shared must be one of {BENCH_SHARED}, got {self.shared!r}")
+        if self.partitions not in BENCH_PARTITIONS:
+            raise ValueError(f"bench run {self.name!r}: partitions must be one of {BENCH_PARTITIONS}, got {self.partitions!r}")
+        if not self.results or not self.results.replace("_", "").isalnum():
+            raise ValueError(f"bench run {self.name!r}: results names a table (letters, digits, '_'), got {self.results!r}")
 
 
 @dataclass(frozen=True)

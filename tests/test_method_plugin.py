@@ -1,8 +1,9 @@
 """A method is its own files: a throw-away method written only into a temporary package
 (outside the repository, found through ``EDGESPLIT_METHODS``) registers, runs two rounds
 over the in-memory transport, shows in ``edgesplit local --help`` and in the methods
-benchmark's list of runs, and no file of the repository changes. The shared modules
-name no registered method (their one default aside)."""
+benchmark's list of runs and in docs/configuration.md's tables of keys, and no file of
+the repository changes. The shared modules name no registered method (their one default
+aside)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ TOY_FILES = {
         """Toy mean server step: sum the agents' counts; the deployed model predicts the top class."""
 
         from dataclasses import dataclass
+        from typing import ClassVar
 
         import numpy as np
         import torch
@@ -110,6 +112,7 @@ TOY_FILES = {
 
         @dataclass(frozen=True)
         class ToyConfig:
+            KEY_MEANINGS: ClassVar[dict[str, str]] = {"scale": "how much each agent weighs its counts"}
             scale: float = 1.0
 
             def __post_init__(self):
@@ -244,6 +247,20 @@ def test_a_method_in_its_own_files_registers_runs_and_is_listed(toy_method: list
     # The method needed exactly its own four files; the repository is as it was.
     print("files the throw-away method needed:", ", ".join(toy_method))
     assert toy_method == ["toymean/__init__.py", "toymean/edge.py", "toymean/messages.py", "toymean/server.py"]
+    assert _git_status() == before
+
+
+def test_a_method_in_its_own_files_gets_its_table_of_keys(toy_method: list[str], tmp_path: Path) -> None:
+    before = _git_status()
+    render = _load_bench("config_tables")
+    tables = render.config_tables()
+    assert "`[toymean]` (`toymean/server.py`, `ToyConfig`)" in tables
+    assert "| `scale` | float | `1.0` | how much each agent weighs its counts |" in tables
+    # Rewriting a copy of the page puts it there; the repository's page is as it was.
+    page = tmp_path / "configuration.md"
+    page.write_text((ROOT / "docs" / "configuration.md").read_text())
+    assert render.update_config_doc(page) is True
+    assert "| `scale` | float | `1.0` | how much each agent weighs its counts |" in page.read_text().splitlines()
     assert _git_status() == before
 
 

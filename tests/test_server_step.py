@@ -1,4 +1,5 @@
-"""The shared server training step (cloud_server/server_step.py): modes, fallbacks, staging.
+"""The shared server training step (cloud_server/server_step.py) and its rows staged on the
+device (cloud_server/row_bank.py): modes, fallbacks, staging.
 
 Tolerances: the compiled and captured steps run the same arithmetic as the eager one in
 another kernel order, so per-step losses and logits agree to float32 rounding accumulated
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cloud_server import row_bank
 from cloud_server import server_step as ss
 from cloud_server.feature_store import ArrayStaging, RowSource
 from cloud_server.server_step import DeviceSum, RowBank, TrainStep, resolve_server_step
@@ -231,12 +233,15 @@ def test_uploads_are_copied_to_the_device_as_they_arrive_until_the_device_bound(
 
 
 def test_the_device_budget_is_capped_by_free_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert ss.staging_budget_bytes("cpu") is None
-    assert ss.staging_budget_bytes("cpu", 123) == 123
-    assert ss.device_free_bytes("cpu") is None
-    monkeypatch.setattr(ss, "device_free_bytes", lambda device: 1000)
-    assert ss.staging_budget_bytes("cuda", None) == int(1000 * ss.DEVICE_STAGING_FRACTION)
-    assert ss.staging_budget_bytes("cuda", 100) == 100
+    assert row_bank.staging_budget_bytes("cpu") is None
+    assert row_bank.staging_budget_bytes("cpu", 123) == 123
+    assert row_bank.device_free_bytes("cpu") is None
+    # Patched where staging_budget_bytes looks it up (cloud_server/row_bank.py).
+    monkeypatch.setattr(row_bank, "device_free_bytes", lambda device: 1000)
+    assert row_bank.staging_budget_bytes("cuda", None) == int(1000 * row_bank.DEVICE_STAGING_FRACTION)
+    assert row_bank.staging_budget_bytes("cuda", 100) == 100
+    # The old import path is the same function.
+    assert ss.staging_budget_bytes is row_bank.staging_budget_bytes and ss.RowBank is row_bank.RowBank
 
 
 def test_server_optimizer_is_unchanged_on_cpu() -> None:

@@ -65,6 +65,16 @@ class FedAvgConfig:
     lr 0.001, wd 1e-4, batch 64, 20 local epochs) are in ``deploy/configs/paper``."""
 
     TABLE: ClassVar[str] = "fedavg"  # the TOML table (the FedAvg family's configs extend this one)
+    # One line per key of the [fedavg] table, which the FedAvg family's tables extend
+    # (docs/configuration.md is rendered from it by bench/render_results.py).
+    KEY_MEANINGS: ClassVar[dict[str, str]] = {
+        "model": "the full model every agent trains: `resnet56`, `resnet110`, or `resnet8` as a small one",
+        "local_epochs, optimizer, lr, momentum, weight_decay, batch_size":
+            "local training, sent with every round (`FedAvgRoundConfig`; the paper: 20 local epochs)",
+        "upload_codec, download_codec": "weights codec up / down: `zstd` (lossless), `fp16-zstd`, `raw`; BatchNorm "
+                                        "counters always travel exactly",
+    }
+
     model: str = "resnet56"  # resnet56 | resnet110 | resnet8 (a small full model)
     # The agents' local training, sent as RoundStart.config: local_epochs, optimizer, lr,
     # momentum, weight_decay, batch_size, upload_codec (zstd (lossless) | fp16-zstd | raw);

@@ -48,6 +48,12 @@ class FedDistillConfig(FedAvgConfig):
     """
 
     TABLE: ClassVar[str] = "feddistill"
+    KEY_MEANINGS: ClassVar[dict[str, str]] = {
+        "alpha_t, alpha_r, alpha_f": "group-distillation weights of TC-KD, RC-KD, FC-KD (Eq. 3)",
+        "beta_l, beta_e, beta_fc": "weights of `L_L`, `L_E`, `L_FC` in the local loss (Eq. 10)",
+        "few_sample_threshold": "gamma: a class is rich on an agent iff its share of the agent's samples exceeds it; "
+                                "unset: 1/|C|",
+    }
 
     alpha_t: float = 0.0
     alpha_r: float = 0.5

@@ -4,7 +4,7 @@ the agents' half (``GktRoundConfig``) written in the table itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from models.training import LR_SCHEDULES
 from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
@@ -50,6 +50,63 @@ EDGE_KEYS = EmbeddedRoundConfig(GktRoundConfig, "edge", {"batch_size": "edge_bat
 
 @dataclass(frozen=True)
 class FedGktConfig:
+    # One line per key of the [fedgkt] table (docs/configuration.md is rendered from it by
+    # bench/render_results.py; keys sharing a line are comma-separated).
+    KEY_MEANINGS: ClassVar[dict[str, str]] = {
+        "preset": "`\"paper-iid\"` or `\"paper-noniid\"`: the paper's Table 10 (optimiser, lr, weight decay, batch 256, "
+                  "1 edge epoch, 20 / 40 server epochs) and Algorithm 1 (`server_order = \"per_agent\"`, "
+                  "`train_extractor = true`) fill every key this table does not set; `\"\"`: the defaults below, sized "
+                  "for a CPU server ([why they differ](methods/fedgkt.md#defaults-and-the-papers-table-10))",
+        "mode": "`sync`: Algorithm 1 with a round barrier; `async`: the server trains on each agent's upload as it "
+                "arrives and answers at once",
+        "kd": "`bidirectional` (S<->E, Eqs. 6-7), `s2e` (server CE only, edges distil), `none`",
+        "server_model, edge_model": "from the model registry",
+        "server_epochs": "E_s, the server's epochs per round",
+        "server_optimizer, server_lr, server_momentum, server_weight_decay":
+            "the paper uses Adam (lr 0.001, wd 1e-4) for IID, SGD (lr 0.005, momentum 0.9) for non-IID",
+        "server_batch_size": "the server's training batch",
+        "server_order": "`mixed`: every server batch drawn from the union of all agents' maps (Eq. 8's sum); "
+                        "`shuffled`: one agent's maps per batch, the agents' batches in random order; `per_agent`: "
+                        "Algorithm 1's agent-by-agent walk ([why mixed](methods/fedgkt.md#non-iid-agents-and-the-balanced-test-set))",
+        "async_replay": "`mode = \"async\"` only: each arrival's server training draws its batches (by `server_order`) "
+                        "from the arriving agent's new maps **and the other agents' latest maps**, which the server "
+                        "keeps (one upload per agent, in the staging; not checkpointed), as many samples an epoch as "
+                        "the arriving agent sent, so over a round every map is drawn about as often as in a sync round "
+                        "and no arrival trains on one agent's label-skewed maps alone; the arriving agent's logits come "
+                        "from the trained model (running BatchNorm averages). `false`: an arrival trains on its agent's "
+                        "maps alone, as the reference code does ([why, measured](methods/fedgkt.md#asynchronous-training)). "
+                        "Refused with `server_order = \"per_agent\"`; the presets set it `false`",
+        "lr_schedule": "`plateau`: halve the server lr after 2 rounds without a lower training loss (the round's "
+                       "sample-weighted server loss, stepped once per round when it closes, in async mode too); or `none`",
+        "temperature, alpha": "KD: `CE + alpha * T^2 * KL(p_teacher || p_student)`; sent to agents with every round",
+        "edge_epochs, edge_optimizer, edge_lr, edge_momentum, edge_weight_decay, edge_batch_size":
+            "the agents' local training, sent to agents with every round",
+        "train_extractor": "sent to agents: `false`, the agents' extractors (conv stem, its BatchNorm statistics "
+                           "included) keep the shared initial weights and only the classifier trains, so all agents' "
+                           "maps stay in one feature space; `true`: Algorithm 1 line 22, the whole ResNet-8 trains "
+                           "([why](methods/fedgkt.md#non-iid-agents-and-the-balanced-test-set)). Both backends; the "
+                           "ort backend's artifacts freeze it the same way",
+        "upload_codec": "feature-map codec, any registered one (`shared_protocol/codecs.py`: `raw`, `zstd`, "
+                        "`fp16-zstd`, `u8-zstd`, `svd`); an unknown name is refused at start-up with the list of known "
+                        "codecs. The default is `GktFeatures`' declared codec for maps",
+        "upload_batch_samples": "samples per upload message (the agent holds one such batch of maps at a time)",
+        "max_staged_samples_per_agent": "an agent cannot make the server stage more than this per round",
+        "staged_memory_bytes": "staged float16 feature maps held in memory (all agents; default 2 GiB); beyond it "
+                               "uploads are staged in memory-mapped files",
+        "spill_dir": "where those files go (`\"\"`: `staged/` in the run directory); deleted after each round's training",
+        "edge_init": "`shared`: every agent's ResNet-8 starts from the server's initial weights (drawn from "
+                     "`[server] seed`, sent with an agent's RoundStarts until it has finished a round, about 42 KB), "
+                     "so all extractors start in one feature space; `per_agent`: each agent draws its own",
+        "personalised_eval": "the evaluation's headline scores agent k's extractor + the server model with the "
+                             "server's running BatchNorm statistics (as the reference code evaluates); "
+                             "`personalised_bn` scores it with agent k's own statistics, recomputed on its training "
+                             "maps (kept in the checkpoint): in the run's last round (`final`), in `every` evaluated "
+                             "round (twice the server's scoring work), or `off`",
+        "bn_calibration_samples": "at most this many of an agent's training maps (an even spread) for its statistics",
+        "eval_diagnostics": "also record the server's training accuracy in its last epoch (`report.json` "
+                            "`rounds[].method`)",
+    }
+
     preset: str = ""  # "" (the defaults below) | "paper-iid" | "paper-noniid" (PAPER_PRESETS)
     server_model: str = "resnet55_server"
     edge_model: str = "resnet8"

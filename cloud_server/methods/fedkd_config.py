@@ -4,7 +4,7 @@ and the keys of the agents' half (``FedKdRoundConfig``) written in the table its
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. resnet20)
 from models import get_model_spec
@@ -31,6 +31,25 @@ class FedKdConfig:
     ``schedule_rounds`` is the round in which T reaches T_end (Eq. 9's t = 1);
     0 (the default) means the run's last round (``[server] rounds``).
     """
+
+    # One line per key of the [fedkd] table (docs/configuration.md is rendered from it by
+    # bench/render_results.py; keys sharing a line are comma-separated).
+    KEY_MEANINGS: ClassVar[dict[str, str]] = {
+        "mentor_model, mentee_model": "each agent's private mentor, and the shared mentee that travels "
+                                      "(`resnet20` is a mentor three times cheaper for CPUs)",
+        "threshold_start, threshold_end, schedule_rounds": "the SVD energy threshold T of the uploads rises from "
+                                                           "T_start to T_end (Eq. 9), reached in round "
+                                                           "`schedule_rounds` (0: the run's last round)",
+        "upload": "`update`: the round's mentee change, factored; `gradient`: the mean gradient at the global mentee, "
+                  "which the server steps along",
+        "gradient_lr": "eta_s of the server's step in `gradient` mode",
+        "weighting": "`samples`: the agents' uploads weighted by their samples (FedAvg); `uniform`: Algorithm 1's g / N",
+        "local_epochs, batch_size, optimizer, mentor_lr, mentee_lr, momentum, weight_decay":
+            "the agents' local training, sent with every round (`FedKdRoundConfig`)",
+        "hidden_loss, attention_loss": "sent to agents: Eq. 5's MSE(H_t, W_h H_s) of the hidden states, and "
+                                       "MSE(A_t, A_s) of the attention maps of the last feature maps",
+        "sync_codec": "the whole mentee, for agents that do not hold the current one",
+    }
 
     mentee_model: str = "resnet8"
     mentor_model: str = "resnet56"

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -57,6 +57,18 @@ EDGE_KEYS = EmbeddedRoundConfig(SplitRoundConfig, "edge", {
 
 @dataclass(frozen=True)
 class SplitNNConfig:
+    # One line per key of the [splitnn] table (docs/configuration.md is rendered from it by
+    # bench/render_results.py; keys sharing a line are comma-separated).
+    KEY_MEANINGS: ClassVar[dict[str, str]] = {
+        "server_model, edge_model": "the server's part, and the model whose stem the agents hold",
+        "server_optimizer, server_lr, server_momentum, server_weight_decay": "one step per agent batch",
+        "local_epochs, edge_optimizer, edge_lr, edge_momentum, edge_weight_decay, batch_size":
+            "each agent's turn, sent with every round (`SplitRoundConfig`)",
+        "upload_codec": "activations up (gradients come back fp32): `raw`, `zstd`, `fp16-zstd`, `u8-zstd`",
+        "reply_timeout_s, reply_attempts": "an agent asks again for a gradient that did not come",
+        "eval_batch_samples": "test activations per message in evaluation",
+    }
+
     server_model: str = "resnet55_server"  # or resnet109_server
     edge_model: str = "resnet8"  # the agents hold this model's stem (its extractor)
     server_optimizer: str = "adam"

@@ -10,7 +10,7 @@ import numpy as np
 from ..configs import check_codec, check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..message_base import Message, check_same_length, register_message, tensor
-from ..registry import LauncherFlag, MethodSpec, register_method
+from ..registry import BenchRun, LauncherFlag, MethodSpec, register_method
 
 SPLITS = ("train", "test")
 
@@ -150,4 +150,8 @@ register_method(MethodSpec(
     ),
     backends={"ort": "edge_agent.backends.ort_fedgkt:OrtFedGktEdge"},
     docs="docs/methods/fedgkt.md",
+    # The paper's Table 2 (knowledge transfer), in the methods benchmark: Table 1's sync run with no KD
+    # and with S->E only, on the ablation partition; the S<->E row is Table 1's run itself.
+    bench=(BenchRun("fedgkt-kd-none", {"mode": "sync", "kd": "none"}, shared="table1", partitions="ablation", results="table2"),
+           BenchRun("fedgkt-kd-s2e", {"mode": "sync", "kd": "s2e"}, shared="table1", partitions="ablation", results="table2")),
 ))

@@ -1,0 +1,117 @@
+"""docs/configuration.md's tables of the methods' keys are rendered from each method's config
+(bench/config_tables.py): the page holds exactly what the code renders, every key of every
+registered method's table has a declared meaning, and a key without one stops the render."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pytest
+
+from fedhelpers import ROOT
+
+
+def _load_bench(name: str):  # type: ignore[no-untyped-def]
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.append(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_holds_the_rendered_tables() -> None:
+    render = _load_bench("config_tables")
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    block = page[page.index(render.CONFIG_BEGIN):page.index(render.CONFIG_END) + len(render.CONFIG_END)]
+    assert block.splitlines() == render.config_tables(), "rerun `python bench/render_results.py` (it rewrites the tables)"
+
+
+def test_every_registered_method_with_a_config_has_its_table_with_every_key() -> None:
+    from shared_protocol.registry import import_part, registered_methods
+
+    render = _load_bench("config_tables")
+    lines = render.config_tables()
+    for name, spec in registered_methods().items():
+        if not spec.config:
+            continue
+        heading = next((i for i, line in enumerate(lines) if line.startswith(f"`[{name}]`")), None)
+        assert heading is not None, f"no table for [{name}]"
+        start = heading + 2  # the heading, a blank line, the table
+        end = next((i for i in range(start, len(lines)) if lines[i] == ""), len(lines))
+        table = "\n".join(lines[start:end])
+        for key in render.default_table(import_part(spec.config)):
+            assert f"`{key}`" in table, f"[{name}].{key} is not in its table"
+
+
+def test_a_row_shows_the_keys_types_defaults_and_meaning() -> None:
+    render = _load_bench("config_tables")
+
+    @dataclass(frozen=True)
+    class Inner:
+        rate: float = 0.5
+        codec: str = "zstd"
+
+    @dataclass(frozen=True)
+    class Outer:
+        KEY_MEANINGS: ClassVar[dict[str, str]] = {"name, limit": "who and how far", "rate": "a | rate",
+                                                  "codec, optional": "how, and maybe"}
+        name: str = "x"
+        limit: int = 3
+        optional: float | None = None
+        inner: Inner = field(default_factory=Inner)
+
+        def to_table(self) -> dict[str, Any]:
+            own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "inner"}
+            return {**own, **dataclasses.asdict(self.inner)}
+
+    assert render.key_rows(Outer) == [
+        ("`name`, `limit`", "str, int", '`"x"`, `3`', "who and how far"),
+        ("`rate`", "float", "`0.5`", "a | rate"),
+        ("`codec`, `optional`", "str, float | None", '`"zstd"`, unset', "how, and maybe"),
+    ]
+
+    @dataclass(frozen=True)
+    class Child(Outer):
+        KEY_MEANINGS: ClassVar[dict[str, str]] = {"extra": "the child's own"}
+        extra: bool = True
+
+    assert render.key_rows(Child)[-1] == ("`extra`", "bool", "`true`", "the child's own")  # after its base's rows
+
+
+def test_a_key_without_a_meaning_or_a_meaning_without_a_key_stops_the_render() -> None:
+    render = _load_bench("config_tables")
+
+    @dataclass(frozen=True)
+    class Undescribed:
+        KEY_MEANINGS: ClassVar[dict[str, str]] = {"lr": "the learning rate"}
+        lr: float = 0.1
+        epochs: int = 1
+
+    with pytest.raises(render.ConfigDocError, match=r"no meaning declared for \['epochs'\]"):
+        render.key_rows(Undescribed)
+
+    @dataclass(frozen=True)
+    class Stale:
+        KEY_MEANINGS: ClassVar[dict[str, str]] = {"lr": "the learning rate", "gone": "a key that was removed"}
+        lr: float = 0.1
+
+    with pytest.raises(render.ConfigDocError, match=r"describes \['gone'\]"):
+        render.key_rows(Stale)
+
+
+def test_a_page_without_the_block_is_an_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    render = _load_bench("config_tables")
+    page = tmp_path / "configuration.md"
+    page.write_text("# Configuration\n")
+    with pytest.raises(render.ConfigDocError, match="no methods' tables"):
+        render.update_config_doc(page)
+    page.write_text(f"before\n{render.CONFIG_BEGIN}\nstale\n{render.CONFIG_END}\nafter\n")
+    assert render.update_config_doc(page) is True
+    assert page.read_text() == "before\n" + "\n".join(render.config_tables()) + "\nafter\n"
+    assert render.update_config_doc(page) is False

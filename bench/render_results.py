@@ -1244,7 +1244,9 @@ def _direct_cost_lines(data: dict[str, Any]) -> list[str]:
         "Measured directly: every endpoint counts its own cost (`edgesplit_metrics_cpu_seconds_total`, the CPU seconds of "
         "its threads serving requests and of the metrics hooks, `time.thread_time`), read from each endpoint's last scrape of "
         "the on runs. That CPU time bounds what the metrics can add to the rounds, were every second of it on a round's "
-        "critical path.", "",
+        "critical path. What thread CPU time cannot see: the wait of a training thread for the GIL while a metrics thread "
+        "holds it (at most that thread's own CPU time, so inside the bound) and cache effects on other threads (not "
+        "measured).", "",
         *_table(["Run", "Server serve / update, ms CPU", "Agent mean, ms CPU", "All endpoints, ms CPU", "Rounds, s",
                  "Share of its own round time"], rows, right_from=1),
         "",

@@ -55,11 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--partition", default="dirichlet:0.5", help="iid | dirichlet:A | step:K | table:FILE")
     local.add_argument("--train-samples", type=int, default=4000, help="seeded subset of the training set (0 = all)")
     local.add_argument("--test-samples", type=int, default=1000, help="seeded subset of the test set (0 = all)")
-    # The methods' own flags, as their registry entries declare them (MethodSpec.flags).
+    # The methods' own flags, as their registry entries declare them (MethodSpec.flags). Left
+    # out, a flag is None here and LocalRunOptions.flag gives the method's declared default: a
+    # method's launcher table can tell a flag given from one left at its default (FedGKT's
+    # preset fills only the keys its table leaves unset).
     for launch in launcher_flags():
         flag = launch.flag
-        local.add_argument(flag.name, type=flag.parse, default=flag.default, choices=flag.choices or None,
-                           help=launch.help_text())
+        local.add_argument(flag.name, type=flag.parse, default=None, choices=flag.choices or None,
+                           help=launch.help_text() + ("" if flag.default is None else f" (default {flag.default})"))
     local.add_argument("--deadline", type=float, default=900.0, help="round deadline in seconds")
     local.add_argument("--eval-every", type=int, default=1)
     local.add_argument("--client-fraction", type=float, default=1.0, help="sync methods: fraction of the agents drawn each round")

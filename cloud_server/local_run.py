@@ -109,6 +109,10 @@ class LocalRunOptions:
             if dest in declared:
                 declared[dest].check(value)
 
+    def given(self, dest: str) -> bool:
+        """Whether the flag ``dest`` was given (rather than left at the method's default)."""
+        return dest in self.flags
+
     def flag(self, dest: str) -> Any:
         """The value of the flag ``dest`` (``"server_model"`` for ``--server-model``): as given,
         else the default the method declares; a flag the method does not declare is a KeyError."""
@@ -207,7 +211,8 @@ def apply_settings(documents: Iterable[Mapping[str, dict[str, Any]]], settings: 
 
 def local_options(args: argparse.Namespace) -> LocalRunOptions:
     """The flags a method's launcher table may use, typed."""
-    flags = {launch.flag.dest: getattr(args, launch.flag.dest) for launch in launcher_flags()}
+    flags = {launch.flag.dest: getattr(args, launch.flag.dest) for launch in launcher_flags()
+             if getattr(args, launch.flag.dest, None) is not None}  # the flags given; the rest: LocalRunOptions.flag's default
     return LocalRunOptions(method=args.method, dataset=args.dataset, data_root=args.data_root, train_samples=args.train_samples,
                            test_samples=args.test_samples, seed=args.seed, flags=flags)
 

@@ -59,6 +59,36 @@ def test_a_preset_fills_only_what_the_table_leaves_out() -> None:
     assert set(PAPER_PRESETS) == {"paper-iid", "paper-noniid"}
 
 
+def test_edgesplit_local_leaves_a_preset_its_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`edgesplit local --set fedgkt.preset=paper-iid` runs Table 10's 20 server epochs: the
+    launcher writes only the flags given (it wrote their defaults, so the GPU run of session
+    13 trained 1 server epoch a round under the paper preset); a flag given still wins."""
+    from cloud_server.config import ServerConfig
+    from cloud_server.launcher import build_parser, write_configs
+    from shared_protocol.tomlio import read_toml
+
+    def resolved(*flags: str) -> FedGktConfig:
+        args = build_parser().parse_args(["local", "--method", "fedgkt", "--agents", "1", "--dataset", "synthetic", *flags])
+        path, _ = write_configs(args, "p", tmp_path / str(len(flags)), "mqtt://127.0.0.1:1883")
+        return FedGktConfig.from_dict(ServerConfig.from_dict(read_toml(path)).method_config)
+
+    assert resolved("--set", "fedgkt.preset=paper-iid").server_epochs == 20
+    noniid = resolved("--set", "fedgkt.preset=paper-noniid", "--kd", "s2e")
+    assert (noniid.server_epochs, noniid.server_optimizer, noniid.kd) == (40, "sgd", "s2e")
+    given = resolved("--set", "fedgkt.preset=paper-iid", "--server-epochs", "1", "--edge-epochs", "2", "--codec", "raw")
+    assert (given.server_epochs, given.edge.edge_epochs, given.edge.upload_codec) == (1, 2, "raw")
+    # Without a preset, leaving a flag out gives what its help calls the default: the flags'
+    # declared defaults are FedGktConfig's.
+    from shared_protocol.registry import get_method
+
+    plain = resolved()
+    for flag in get_method("fedgkt").flags:
+        if flag.default is not None:
+            field = {"edge_epochs": None}.get(flag.dest, flag.dest)
+            value = plain.edge.edge_epochs if field is None else getattr(plain, field)
+            assert value == flag.default, flag.name
+
+
 def test_the_paper_configs_match_the_presets() -> None:
     """deploy/configs/paper/ writes the same values as the presets (one source of truth checked)."""
     from cloud_server.config import ServerConfig

@@ -352,8 +352,15 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
 from ..local_run import LocalRunOptions  # noqa: E402
 
 
+LAUNCHER_KEYS = {"mode": "mode", "kd": "kd", "server_model": "server_model", "server_epochs": "server_epochs",
+                 "edge_epochs": "edge_epochs", "codec": "upload_codec"}  # flag dest -> [fedgkt] key
+
+
 def launcher_table(options: LocalRunOptions) -> dict[str, Any]:
-    """Mode, KD direction, the server's model and epochs; feature maps fp16-zstd unless ``--codec``."""
-    return {"mode": options.flag("mode"), "kd": options.flag("kd"), "server_model": options.flag("server_model"),
-            "server_epochs": options.flag("server_epochs"), "edge_epochs": options.flag("edge_epochs"),
-            **({"upload_codec": options.flag("codec")} if options.flag("codec") else {})}  # else GktRoundConfig's default
+    """Mode, KD direction, the server's model and epochs, the feature maps' codec: the flags
+    given, and only those. A flag left out leaves its key unset, so FedGktConfig's default
+    holds, or the preset's value when ``--set fedgkt.preset=paper-iid`` names one (a preset
+    fills every key the table does not set: writing the flags' defaults here ran a "paper-iid"
+    run with 1 server epoch instead of Table 10's 20). The flags' declared defaults are
+    FedGktConfig's own (tests/test_fedgkt_defaults.py checks it)."""
+    return {key: options.flag(dest) for dest, key in LAUNCHER_KEYS.items() if options.given(dest)}

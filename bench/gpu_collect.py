@@ -149,7 +149,7 @@ def fullscale(folder: Path, windows: dict[str, tuple[float, float]], samples: li
     }
 
 
-def methods(methods_dir: Path, tests_log: Path | None) -> dict[str, Any]:
+def methods(methods_dir: Path, tests_log: Path | None, note: str) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     for name in METHODS:
         path = methods_dir / name / "report.json"
@@ -170,7 +170,8 @@ def methods(methods_dir: Path, tests_log: Path | None) -> dict[str, Any]:
         tests = {"file": "tests/test_server_step.py -k cuda", "summary": summary[-1][0] if summary else None,
                  "durations": re.findall(r"^\s*([\d.]+)s call\s+(\S+)", text, re.M), "failed": "failed" in text.lower()}
     return {"benchmark": "gpu_methods", "setup": "2 agents x 2 rounds, 1,000 training / 500 test images, IID, server on CUDA, "
-            "the seven federated methods at once (and centralized on the GPU)", "runs": runs, "cuda_tests": tests}
+            "the seven federated methods at once (and centralized on the GPU)", "runs": runs, "cuda_tests": tests,
+            "note": note}
 
 
 def main() -> None:
@@ -180,13 +181,14 @@ def main() -> None:
     parser.add_argument("--tests-log", type=Path)
     parser.add_argument("--note", default="")
     parser.add_argument("--fullscale-note", default="")
+    parser.add_argument("--methods-note", default="")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     windows, samples = steps(args.folder), smi_samples(args.folder)
     write_json(args.out / "server_gpu.json", server_gpu(args.folder, windows, samples, args.note))
     write_json(args.out / "fedgkt_fullscale.json", fullscale(args.folder, windows, samples, args.fullscale_note))
     write_json(args.out / "gpu_methods.json", methods(args.methods_dir or args.folder / "methods",
-                                                       args.tests_log or args.folder / "tests.log"))
+                                                       args.tests_log or args.folder / "tests.log", args.methods_note))
 
 
 if __name__ == "__main__":

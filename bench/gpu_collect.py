@@ -185,10 +185,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     windows, samples = steps(args.folder), smi_samples(args.folder)
-    write_json(args.out / "server_gpu.json", server_gpu(args.folder, windows, samples, args.note))
-    write_json(args.out / "fedgkt_fullscale.json", fullscale(args.folder, windows, samples, args.fullscale_note))
-    write_json(args.out / "gpu_methods.json", methods(args.methods_dir or args.folder / "methods",
-                                                       args.tests_log or args.folder / "tests.log", args.methods_note))
+    # A step the call skipped (gpu_checklist.sh's SKIP) leaves its recorded JSON as it is.
+    if (args.folder / "server_gpu_55.json").exists():
+        write_json(args.out / "server_gpu.json", server_gpu(args.folder, windows, samples, args.note))
+    if (args.folder / "fullscale" / "report.json").exists():
+        write_json(args.out / "fedgkt_fullscale.json", fullscale(args.folder, windows, samples, args.fullscale_note))
+    methods_dir = args.methods_dir or args.folder / "methods"
+    if methods_dir.exists():
+        write_json(args.out / "gpu_methods.json", methods(methods_dir, args.tests_log or args.folder / "tests.log", args.methods_note))
 
 
 if __name__ == "__main__":

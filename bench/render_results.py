@@ -1124,6 +1124,74 @@ def _compile_check_lines(check: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None, methods: dict[str, Any] | None) -> list[str]:
+    """The server on a GPU (../shared/gpu/CHECKLIST.md, run by bench/gpu_checklist.sh and
+    bench/gpu_collect.py): the server step's speed, FedGKT at full scale, every method on CUDA."""
+    lines = ["## The server on a GPU", ""]
+    if server is None or not server.get("gpu_figures_measured"):
+        return lines + ["*No GPU figure recorded: on a GPU machine run `bash bench/gpu_checklist.sh`, then "
+                        "`python3 bench/gpu_collect.py` on what it brings back (bench/gpu_checklist.sh says how).*", ""]
+    machine = server["machine"]
+    lines += [f"From `bench/results/server_gpu.json` (`bench/server_gpu.py`), measured on one {server['device_name']} "
+              f"(torch {machine['torch']}, {machine['cores']} cores, {machine['date'][:10]}). One ResNet-55 server step on "
+              f"16x32x32 feature maps with FedGKT's CE + KD loss; {server['setup']['steps']} timed steps x "
+              f"{server['setup']['repeats']} repeats after {server['setup']['warmup']} warm-up steps; `bare` is the plain "
+              "PyTorch loop over ready batches, `eager` / `graph` the server's step (batches gathered by index from staged "
+              "rows; `graph`: one CUDA graph per step). Seconds for one epoch over 60,000 maps:", ""]
+    rows = []
+    for key, row in server["results"].items():
+        model, batch, precision = key.split("/")
+        cells = []
+        for mode in ("bare", "eager", "graph", "compiled"):
+            figure = row.get(mode, {})
+            cells.append(f"{figure['epoch_60k_s']:.1f}" if figure.get("measured") else "—")
+        graph = row.get("graph", {})
+        rows.append([model.replace("_server", ""), batch.removeprefix("bs"), precision, *cells,
+                     f"{graph['peak_memory_bytes'] / 2**20:,.0f}" if graph.get("measured") else "—"])
+    lines += _table(["Model", "Batch", "Precision", "bare s", "eager s", "graph s", "compiled s", "graph peak MiB"], rows, right_from=1)
+    lines.append("")
+    for batch, verdict in server["targets"]["verdicts"].items():
+        lines.append(f"- Batch {batch.removeprefix('bs')}: best {verdict['best_epoch_s']:.1f} s per epoch ({verdict['best_mode']}), "
+                     f"target <= {verdict['target_epoch_s']:g} s: {'met' if verdict['met'] else '**missed**'}.")
+    compiled = next((row["compiled"] for row in server["results"].values() if "compiled" in row), None)
+    if compiled is not None and not compiled.get("measured"):
+        lines.append(f"- Compiled: {compiled['why']}.")
+    util = server.get("gpu_utilization") or {}
+    if util.get("samples"):
+        lines.append(f"- GPU utilisation (nvidia-smi every {util['every_s']:g} s while the bench ran, set-up and model builds "
+                     f"included): mean {util['mean_percent']:.0f} %, max {util['max_percent']:.0f} %.")
+    lines += ["", server["note"], ""]
+    if fullscale is not None:
+        setup = fullscale["setup"]
+        method = setup["method_config"]
+        rows = [[str(r["round"]), _pct(r["accuracy"]), _pct(r["local_accuracy"]), _pct(r["edge_accuracy"]), f"{r['round_s']:.1f}",
+                 f"{r['server_train_s']:.1f}", f"{r['edge_compute_s_mean']:.1f}", f"{100 * r['agents_idle_share_mean']:.0f} %",
+                 f"{r['gpu_peak_memory_bytes'] / 2**20:,.0f}",
+                 "—" if r["gpu_utilization_percent"] is None else f"{r['gpu_utilization_percent']:.0f} %"]
+                for r in fullscale["rounds"]]
+        target = fullscale["target"]
+        lines += ["### FedGKT at full scale", "",
+                  f"From `bench/results/fedgkt_fullscale.json`: `{setup['command']}`, {setup['agents']} agent processes, "
+                  f"the server on {fullscale['device_name']}; the server trained {method['server_epochs']} epoch(s) a round at batch "
+                  f"{method['server_batch_size']} ({method['server_order']} order), the agents {method['edge_epochs']} epoch(s) at batch "
+                  f"{method['edge_batch_size']}. Global: the server model on the 10,000 test images; edge: the agents' ResNet-8.", "",
+                  *_table(["Round", "Global", "Local", "Edge", "Round s", "Server train s", "Agent compute s", "Agents idle",
+                           "GPU peak MiB", "GPU util."], rows),
+                  "", f"{fullscale['status']}. Target ({target['what']}): best {_pct(target['best_so_far'])} so far, "
+                  f"{'reached' if target['reached'] else 'not reached in the rounds run'}.", "", fullscale["note"], ""]
+    if methods is not None:
+        rows = [[name, "yes" if run["finished"] else "**no**", run.get("device") or "—",
+                 " / ".join(_pct(a) for a in run.get("accuracy", []))] for name, run in methods["runs"].items()]
+        tests = methods.get("cuda_tests") or {}
+        lines += ["### Every method on CUDA", "", f"From `bench/results/gpu_methods.json`: {methods['setup']}.", "",
+                  *_table(["Method", "Finished", "Server device", "Global accuracy per round"], rows), ""]
+        if tests:
+            lines += [f"CUDA tests (`{tests['file']}`): {tests['summary']}.", ""]
+        if methods.get("note"):
+            lines += [methods["note"], ""]
+    return lines
+
+
 def scale_section(data: dict[str, Any]) -> list[str]:
     rows = []
     for r in data["runs"]:
@@ -1430,6 +1498,11 @@ def render(results: Path, image_dir: Path | None = None) -> str:
                 lines += methods_section(sources["methods"], data)
         except KeyError as exc:
             raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun bench/{name}.py") from None
+    try:
+        lines += gpu_section(*(_load(results / f"{name}.json") for name in ("server_gpu", "fedgkt_fullscale", "gpu_methods")))
+    except KeyError as exc:
+        raise ResultsError(f"bench/results/server_gpu.json, fedgkt_fullscale.json or gpu_methods.json has no field {exc}; "
+                           "rerun bench/gpu_collect.py") from None
     return "\n".join(lines)
 
 

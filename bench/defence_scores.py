@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -99,6 +100,11 @@ def _rises(r: dict[str, Any], step: str) -> dict[str, float]:
     return {a: (float("inf") if v is None else float(v)) for a, v in (section.get(STEP_KEYS[step]) or {}).items()}
 
 
+def _finite(value: float | None) -> float | None:
+    """``value``, or None where it is missing or not finite (JSON holds no infinity)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
 def _agreement(r: dict[str, Any]) -> dict[str, float]:
     section = r.get("label_agreement") or {}
     return {a: float(f["server"]) for a, f in (section.get("agents") or {}).items() if f.get("server") is not None}
@@ -113,9 +119,12 @@ def replay(run: dict[str, Any]) -> dict[str, Any]:
     if run["check"] == "validation":
         for step in STEP_KEYS:
             per_round = [_rises(r, step) for r in run["rounds"]]
-            out[f"rises_{step}"] = per_round
+            # Recorded as JSON: a rise that is not finite (the rule refuses it at any margin) is null.
+            out[f"rises_{step}"] = [{a: _finite(v) for a, v in rs.items()} for rs in per_round]
             out[f"honest_max_rise_{step}"] = max((v for rs in per_round for a, v in rs.items() if honest(a)), default=None)
-            out[f"bad_rises_{step}"] = [rs.get(BAD) for rs in per_round] if bad_present else None
+            out[f"honest_nonfinite_{step}"] = sum(1 for rs in per_round for a, v in rs.items() if honest(a) and not math.isfinite(v))
+            out[f"bad_rises_{step}"] = [_finite(rs.get(BAD)) for rs in per_round] if bad_present else None
+            out[f"honest_max_rise_{step}"] = _finite(out[f"honest_max_rise_{step}"])
             for margin in MARGINS:
                 refused = [implausible_validation(rs, margin, MAD, 0.0) for rs in per_round]
                 out["per_threshold"][f"{step}-{margin}"] = {

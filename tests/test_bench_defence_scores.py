@@ -41,8 +41,9 @@ def test_replay_counts_honest_refusals_and_the_bad_agents_rounds() -> None:
     run = {"check": "validation", "attack": "sign_flip",
            "rounds": [_round({**honest, bad: 5.0}), _round({**honest, bad: 0.3}), _round({**honest, bad: None})]}
     r = ds.replay(run)
-    assert r["bad_rises_update"] == [5.0, 0.3, float("inf")]  # null (not finite) is the worst
-    assert r["honest_max_rise_update"] == 0.2
+    assert r["bad_rises_update"] == [5.0, 0.3, None]  # null: not finite, refused at any margin (below)
+    assert r["honest_max_rise_update"] == 0.2 and r["honest_nonfinite_update"] == 0
+    json.dumps(r, allow_nan=False)  # what the bench writes: no infinity in it
     # Margin 0.5: round 1 (5.0 > 0.125 + 0.5) and round 3; round 2's 0.3 is within it.
     at = r["per_threshold"]["update-0.5"]
     assert at == {"honest_refused": 0, "honest_judged": 12, "bad_refused_rounds": [1, 3]}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .robust import MAD_TO_SD, robust_median
 
-__all__ = ["LABEL_CHECK_FROM_ROUND", "VALIDATION_SPLITS", "VALIDATION_STEPS", "DefenceConfig", "implausible_labels", "implausible_validation"]
+__all__ = ["LABEL_CHECK_FROM_ROUND", "LABEL_MIN_OTHERS", "VALIDATION_MIN_AGENTS", "VALIDATION_SPLITS", "VALIDATION_STEPS", "DefenceConfig", "implausible_labels", "implausible_validation"]
 
 # Where the validation set comes from (cloud_server/methods/fedbe_distill.py's carving): the
 # training samples the agents of a simulation do not take, or a whole split of a dataset the
@@ -42,6 +42,7 @@ LABEL_CHECK_FROM_ROUND = 2
 # The default of ``validation_loss_margin`` (nats of cross-entropy); why, in DefenceConfig.
 VALIDATION_LOSS_MARGIN = 0.5
 VALIDATION_MIN_AGENTS = 3  # as the direction check's: two agents are no majority
+LABEL_MIN_OTHERS = 2  # the label check: one other agent is no majority
 # What an update is scored by: the global model plus the whole update ("update", the agent's own
 # model: Zeno's step 1) or plus its share of a plain mean of the n judged updates ("share", 1 / n).
 # Both are recorded; the refusal reads ``validation_step``.
@@ -145,7 +146,7 @@ def implausible_labels(agreement: Mapping[str, float], floor: float, mad_factor:
     everyone = {**(peers or {}), **agreement}
     for agent, value in agreement.items():
         others = [v for a, v in everyone.items() if a != agent]
-        if len(others) < 2 or value >= floor:
+        if len(others) < LABEL_MIN_OTHERS or value >= floor:
             continue
         med, mad = robust_median(others)
         limit = med - mad_factor * MAD_TO_SD * mad

@@ -70,7 +70,9 @@ class DefenceConfig:
     # is a floor under the MAD term, measured (docs/configuration.md): at Dirichlet(0.1) honest agents'
     # median rises were +0.02 to +0.19 (500 validation images; tests/test_robust_mqtt.py's 3 agents and
     # round 1 of bench/defence_scores.py's 5), their MAD term 0.14 to 0.80; the sign-flipped update's
-    # loss was not finite. The bench's grid (not recorded yet) is what must confirm it.
+    # loss was not finite. A flip of the weights alone (BatchNorm statistics honest) is finite and
+    # passes 0.5: IID, 5 agents, its rises were 0.11-0.40 above the honest median (docs/configuration.md).
+    # The bench's grid (not recorded yet) is what must set it.
     validation_loss_margin: float = VALIDATION_LOSS_MARGIN
     validation_step: str = "update"  # update | share (VALIDATION_STEPS)
     # FedGKT: an agent the server model agrees with on fewer than this fraction of its labels,

@@ -12,7 +12,10 @@ refusing nothing, so that honest and bad agents' figures are measured side by si
   (``validation_step`` update / share; ``validation_loss_margin`` 1e9: nothing refused). ``none``: five honest agents under the ``mean``; ``sign_flip``: agent-4 sends
   ``global - 4 (w - global)``, under the ``median`` (f = 1), so that the model trains as it would
   with the attacker kept out and every round judges the flip against a healthy model
-  (bench/update_directions.py's protocol);
+  (bench/update_directions.py's protocol); it flips BatchNorm's running statistics too, whose
+  negative variances make the loss NaN (refused as not finite at any margin);
+  ``sign_flip_weights``: the same flip of the trainable parameters only, the statistics as the
+  agent trained them: a finite rise, which is what the margin must catch;
 * ``labels`` (FedGKT, bench/robustness.py's table): the server model's agreement with each
   agent's labels from round 2 on (``plausible_min_label_agreement`` 1e-9: recorded, nothing below
   it); ``none``: five honest agents; ``random_labels``: agent-4 trains on its shard with the
@@ -59,7 +62,7 @@ FLOORS = (0.15, 0.2, 0.3, 0.4, 0.5)  # plausible_min_label_agreement candidates
 @dataclasses.dataclass(frozen=True)
 class Run:
     check: str  # validation | labels
-    attack: str  # none | sign_flip | random_labels
+    attack: str  # none | sign_flip | sign_flip_weights | random_labels
     partition: str  # a key of PARTITIONS
     seed: int = 0
 
@@ -73,7 +76,7 @@ class Run:
 
     @property
     def aggregation(self) -> str:
-        return "median" if self.attack == "sign_flip" else "mean"
+        return "median" if self.attack in ("sign_flip", "sign_flip_weights") else "mean"
 
     def server(self) -> dict[str, Any]:
         if self.check == "validation":
@@ -86,7 +89,8 @@ def grid() -> list[Run]:
     """The strongest skew first; the attacked runs first (four honest agents' figures beside the
     bad one's), then the clean ones (five honest agents, no attacker among the peers)."""
     parts = ("dir0.1", "dir0.5", "iid")
-    out = [Run(c, a, p) for p in parts for c, a in (("validation", "sign_flip"), ("labels", "random_labels"))]
+    out = [Run(c, a, p) for p in parts for c, a in (("validation", "sign_flip"), ("validation", "sign_flip_weights"),
+                                                    ("labels", "random_labels"))]
     out += [Run("validation", "none", p) for p in parts]
     out += [Run("labels", "none", p) for p in parts]
     return out
@@ -149,7 +153,7 @@ def replay(run: dict[str, Any]) -> dict[str, Any]:
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per check and partition, per threshold: honest uploads refused (of judged) over the clean
-    and attacked runs, and the rounds the bad agent was refused in."""
+    and attacked runs, and per attacked run the rounds the bad agent was refused in."""
     out: dict[str, Any] = {}
     validation = [f"{step}-{m}" for step in STEP_KEYS for m in MARGINS]
     for check, thresholds in (("validation", validation), ("labels", [str(f) for f in FLOORS])):
@@ -160,10 +164,11 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             entry: dict[str, Any] = {}
             for t in thresholds:
                 rows = [r["replay"]["per_threshold"][t] for r in mine]
+                # Per attacked run (two attacks of the validation check: the flip with and without BatchNorm's statistics).
                 entry[t] = {"honest_refused": sum(x["honest_refused"] for x in rows),
                             "honest_judged": sum(x["honest_judged"] for x in rows),
-                            "bad_refused_rounds": next((x["bad_refused_rounds"] for x in rows
-                                                        if x["bad_refused_rounds"] is not None), None)}
+                            "bad_refused_rounds": {r["name"]: x["bad_refused_rounds"] for r, x in zip(mine, rows)
+                                                   if x["bad_refused_rounds"] is not None}}
             keys = ([f"honest_max_rise_{s}" for s in STEP_KEYS] + [f"bad_rises_{s}" for s in STEP_KEYS]
                     if check == "validation" else ["honest_min_agreement", "bad_agreement"])
             for key in keys:

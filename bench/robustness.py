@@ -10,6 +10,9 @@ well-formed), as the issue measured it:
 * sign-flipped updates (FedAvg, FedGKD): the bad agent trains honestly, then sends
   ``global - SIGN_FLIP_SCALE x (w - global)``, its update negated and scaled (the
   sign-flipping attack of the Byzantine-robustness literature, e.g. Li et al. 2019, RSA);
+  ``sign_flip`` flips every float tensor, BatchNorm's running statistics too (a negative
+  variance: the model's loss is NaN); ``sign_flip_weights`` only the trainable parameters,
+  the statistics as the agent trained them (the model is finite, only its weights are wrong);
 * random labels (every method): the bad agent trains on its own shard with the labels
   shuffled (a seeded permutation; a hook on its data, not on its sends), and sends what it
   learnt honestly;
@@ -76,17 +79,44 @@ def _weights_x1e3(agent: EdgeAgent, msg: Message) -> Message:
     return msg
 
 
-def _sign_flip(agent: EdgeAgent, msg: Message) -> Message:
-    """The update (w - global) negated and scaled by SIGN_FLIP_SCALE, from the global model
-    the agent trained from (its method holds it: ``global_state``)."""
-    if not isinstance(msg, FedAvgUpdate):
-        return msg
+def _held_global(agent: EdgeAgent, msg: FedAvgUpdate, attack: str) -> dict[str, np.ndarray]:
+    """The global model the agent trained from (its method holds it: ``global_state``)."""
     method = agent.method
     base = getattr(method, "global_state", None)
     if base is None or getattr(method, "global_version", None) != msg.model_version:
-        raise RuntimeError(f"sign_flip: {agent.config.agent_id} does not hold global version {msg.model_version}")
-    return dataclasses.replace(msg, weights={
-        k: (base[k] - SIGN_FLIP_SCALE * (v.astype(np.float64) - base[k])).astype(v.dtype) for k, v in msg.weights.items()})
+        raise RuntimeError(f"{attack}: {agent.config.agent_id} does not hold global version {msg.model_version}")
+    return base
+
+
+def _flipped(base: np.ndarray, trained: np.ndarray) -> np.ndarray:
+    return (base - SIGN_FLIP_SCALE * (trained.astype(np.float64) - base)).astype(trained.dtype)
+
+
+def _sign_flip(agent: EdgeAgent, msg: Message) -> Message:
+    """The update (w - global) negated and scaled by SIGN_FLIP_SCALE, from the global model
+    the agent trained from. Every float tensor, BatchNorm's running statistics too: a running
+    variance goes negative, and the model's loss is NaN."""
+    if not isinstance(msg, FedAvgUpdate):
+        return msg
+    base = _held_global(agent, msg, "sign_flip")
+    return dataclasses.replace(msg, weights={k: _flipped(base[k], v) for k, v in msg.weights.items()})
+
+
+def _sign_flip_weights(agent: EdgeAgent, msg: Message) -> Message:
+    """As :func:`_sign_flip`, on the trainable parameters only (the agent's model's
+    ``named_parameters``): BatchNorm's buffers (``running_mean``, ``running_var``; the integer
+    ``num_batches_tracked``) are sent as the agent trained them, so the model it sends has a
+    finite loss, and a check sees the flip, not a NaN."""
+    if not isinstance(msg, FedAvgUpdate):
+        return msg
+    base = _held_global(agent, msg, "sign_flip_weights")
+    model = getattr(agent.method, "model", None)
+    if model is None:
+        raise RuntimeError(f"sign_flip_weights: {agent.config.agent_id}'s method has no model to name its parameters")
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    if not trainable <= set(msg.weights):
+        raise RuntimeError(f"sign_flip_weights: the update lacks parameters {sorted(trainable - set(msg.weights))[:5]}")
+    return dataclasses.replace(msg, weights={k: _flipped(base[k], v) if k in trainable else v for k, v in msg.weights.items()})
 
 
 def _factors_1e10(agent: EdgeAgent, msg: Message) -> Message:
@@ -114,6 +144,8 @@ ATTACKS: dict[str, Attack] = {
     "none": Attack("no bad agent (all five honest)"),
     "weights_x1e3": Attack("weights x 1e3", _weights_x1e3),
     "sign_flip": Attack(f"update negated and scaled x{SIGN_FLIP_SCALE:g}", _sign_flip),
+    "sign_flip_weights": Attack(f"weights' update negated and scaled x{SIGN_FLIP_SCALE:g} (BatchNorm statistics honest)",
+                                _sign_flip_weights),
     "random_labels": Attack("trains on shuffled labels", shuffle_labels=True),
     "factors_1e10": Attack("SVD factors 1e10", _factors_1e10),
     "maps_6e4": Attack("feature maps 6e4", _maps_6e4),
@@ -276,6 +308,10 @@ def cases(quick: bool) -> list[Case]:
     # The direction check, off by default (bench/results/update_directions.json), turned on at
     # 0, as a fleet whose data is close to IID may: against the sign flip, and its clean runs.
     out += [Case(m, a, True, "mean", 0.0) for m in ("fedavg", "fedgkd") for a in ("none", "sign_flip")]
+    # The weights-only flip: what the defaults, the median and the direction check do when the
+    # flipped model is finite (its scores on a validation set: bench/defence_scores.py).
+    out += [Case("fedavg", "sign_flip_weights"), Case("fedavg", "sign_flip_weights", True, "median"),
+            Case("fedavg", "sign_flip_weights", True, "mean", 0.0)]
     return out
 
 

@@ -100,6 +100,7 @@ class ServerConfig:
     logit_abs_limit: float = 1.0e4
     quarantine_after: int = 3  # 0: no quarantine
     quarantine_release: str = "plausible"  # plausible | never
+    quarantine_release_after: int = 1  # plausible: consecutive judged clean rounds that release
     server_grad_clip_norm: float = 0.0  # 0: off
     server_loss_skip_factor: float = 0.0  # 0: off
     # The checks that need the server's judgement (cloud_server/robust_validation.py): a labelled
@@ -185,7 +186,8 @@ class ServerConfig:
             plausible_global_ratio=self.plausible_global_ratio, plausible_peer_ratio=self.plausible_peer_ratio,
             plausible_mad=self.plausible_mad, plausible_min_cosine=self.plausible_min_cosine, feature_abs_limit=self.feature_abs_limit,
             logit_abs_limit=self.logit_abs_limit, quarantine_after=self.quarantine_after,
-            quarantine_release=self.quarantine_release, server_grad_clip_norm=self.server_grad_clip_norm,
+            quarantine_release=self.quarantine_release, quarantine_release_after=self.quarantine_release_after,
+            server_grad_clip_norm=self.server_grad_clip_norm,
             server_loss_skip_factor=self.server_loss_skip_factor, expected_agents=self.expected_agents,
         )
 

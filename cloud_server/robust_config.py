@@ -89,6 +89,9 @@ class RobustnessConfig:
     logit_abs_limit: float = 1.0e4  # FedGKT edge logits: |z_c| above this is out of range
     quarantine_after: int = 3  # 0: no quarantine
     quarantine_release: str = "plausible"
+    # "plausible": consecutive rounds in which the checks that refused it judged its uploads and
+    # refused none, before a quarantined agent is released (cloud_server/robust_ledger.py).
+    quarantine_release_after: int = 1
     server_grad_clip_norm: float = 0.0  # 0: the server's training steps are not clipped
     server_loss_skip_factor: float = 0.0  # 0: no step is skipped for its loss (non-finite ones always are)
     expected_agents: int = 1  # from [server], for the bound check
@@ -129,6 +132,9 @@ class RobustnessConfig:
             raise ValueError(f"server.server_loss_skip_factor must be 0 (off) or > 1, got {self.server_loss_skip_factor}")
         if not isinstance(self.quarantine_after, int) or self.quarantine_after < 0:
             raise ValueError(f"server.quarantine_after must be an integer >= 0 (0: no quarantine), got {self.quarantine_after!r}")
+        r = self.quarantine_release_after
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"server.quarantine_release_after must be an integer >= 1 (judged clean rounds), got {r!r}")
         if self.quarantine_release not in QUARANTINE_RELEASES:
             raise ValueError(f"server.quarantine_release must be one of {QUARANTINE_RELEASES}, got {self.quarantine_release!r}")
 

@@ -1,16 +1,24 @@
 """The :class:`RobustnessLedger`: per round and agent, what was refused and why (the first
 figure and threshold, logged once per agent, round and reason), what was clipped, which
-server steps were skipped, which rule ran; and quarantine: an agent refused as implausible
-in ``quarantine_after`` consecutive rounds is excluded until a round in which all its
-uploads were plausible (``quarantine_release = "plausible"``, used again from the round
-after) or for the run (``"never"``). Its state is kept in the checkpoint.
+server steps were skipped, which rule ran; and quarantine, decided on evidence.
+
+Each check notes the agents whose uploads it could judge in a round (:meth:`examined`, under
+the reason it refuses with; a refusal is a judgement too): a check may have no yardstick (the
+direction and validation checks need three agents, FedGKT's label check two others and a
+trained model), and a round it could not judge an agent in says nothing of that agent. An
+agent refused in ``quarantine_after`` consecutive rounds *judged by the checks that refused it*
+is quarantined: its uploads are still judged, never used. ``quarantine_release = "plausible"``
+releases it after ``quarantine_release_after`` consecutive rounds in which every check that
+refused it judged its uploads and none was refused (used again from the round after); a round
+those checks could not judge it in neither counts nor breaks the count, for the streak either.
+``"never"``: for the run. Its state is kept in the checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +41,7 @@ class _RoundEntry:
     update_norms: dict[str, float] = field(default_factory=dict)  # agent -> its update's L2 norm, as screened
     reference_norm: float = 0.0  # the global model's norm the updates were screened against (0: none)
     update_cosines: dict[str, float] = field(default_factory=dict)  # agent -> cosine with the round's median update
+    examined: dict[str, set[str]] = field(default_factory=dict)  # agent -> the checks (refusal reasons) that judged it
     sections: dict[str, Any] = field(default_factory=dict)  # more checks' figures (record), key -> section, verbatim
 
 
@@ -44,7 +53,8 @@ class RobustnessLedger:
     def __init__(self, cfg: RobustnessConfig | None = None) -> None:
         self.cfg = cfg or RobustnessConfig()
         self._rounds: dict[int, _RoundEntry] = {}
-        self.streaks: dict[str, int] = {}  # agent -> consecutive closed rounds with a refusal
+        self.streaks: dict[str, int] = {}  # agent -> consecutive judged rounds with a refusal
+        self.streak_reasons: dict[str, set[str]] = {}  # agent -> the reasons it was refused for in its streak
         self.quarantined: dict[str, dict[str, Any]] = {}  # agent -> {"since": round, "why": str}
         self.history: list[dict[str, Any]] = []  # quarantine events: {"round", "agent", "event", "why"}
 
@@ -52,11 +62,21 @@ class RobustnessLedger:
         return self._rounds.setdefault(round_, _RoundEntry())
 
     def refuse(self, round_: int, agent: str, reason: str, detail: str) -> None:
-        by_reason = self._entry(round_).refused.setdefault(agent, {})
+        entry = self._entry(round_)
+        entry.examined.setdefault(agent, set()).add(reason)
+        by_reason = entry.refused.setdefault(agent, {})
         if reason not in by_reason:
             by_reason[reason] = {"count": 0, "detail": detail}
             log.warning("round %d: refused %s's upload as implausible (%s): %s", round_, agent, reason, detail)
         by_reason[reason]["count"] += 1
+
+    def examined(self, round_: int, reason: str, agents: Iterable[str]) -> None:
+        """``agents``' uploads of ``round_`` were judged by the check that refuses with
+        ``reason`` (refused or not): the evidence quarantine is decided on (the module doc). A
+        check notes only the agents it had a yardstick for."""
+        entry = self._entry(round_)
+        for agent in agents:
+            entry.examined.setdefault(agent, set()).add(reason)
 
     def norms(self, round_: int, norms: Mapping[str, float], reference_norm: float) -> None:
         """The update norms the plausibility check judged (recorded whether refused or not:
@@ -114,28 +134,65 @@ class RobustnessLedger:
         q = self.quarantined[agent]
         return f"quarantined since round {q['since']} ({q['why']})"
 
-    def close_round(self, round_: int, judged: Sequence[str]) -> None:
-        """Update the quarantine after ``round_``: ``judged`` are the agents whose uploads
-        the round examined (they finished it); an agent that was not judged keeps its state."""
+    def close_round(self, round_: int, finished: Sequence[str]) -> None:
+        """Update the quarantine after ``round_``: ``finished`` are the agents that finished it
+        (an agent that did not keeps its state). An agent's round counts when it was refused, or
+        when the checks its streak (or quarantine) is for all judged it (:meth:`examined`)."""
         cfg = self.cfg
         entry = self._rounds.get(round_) or _RoundEntry()
-        for agent in judged:
-            refused = agent in entry.refused
-            self.streaks[agent] = self.streaks.get(agent, 0) + 1 if refused else 0
+        for agent in finished:
+            refused = set(entry.refused.get(agent, {}))
+            seen = entry.examined.get(agent, set())
             if agent in self.quarantined:
-                if not refused and cfg.quarantine_release == "plausible":
-                    del self.quarantined[agent]
-                    self.history.append({"round": round_, "agent": agent, "event": "released",
-                                         "why": "its uploads were plausible again"})
-                    log.warning("round %d: %s sent plausible data again; it leaves quarantine", round_, agent)
+                self._judge_quarantined(round_, agent, refused, seen)
+                continue
+            if refused:
+                self.streaks[agent] = self.streaks.get(agent, 0) + 1
+                self.streak_reasons[agent] = self.streak_reasons.get(agent, set()) | refused
+            elif self.streak_reasons.get(agent, set()) <= seen:  # judged, plausible: the streak ends
+                self.streaks[agent] = 0
+                self.streak_reasons.pop(agent, None)
+            else:
+                missing = ", ".join(sorted(self.streak_reasons[agent] - seen))
+                log.info("round %d: %s's uploads were not judged by %s: its streak of %d refused round(s) stands",
+                         round_, agent, missing, self.streaks.get(agent, 0))
                 continue
             if cfg.quarantine_after and self.streaks[agent] >= cfg.quarantine_after:
                 reasons = ", ".join(sorted(entry.refused[agent]))
                 why = f"refused as implausible in {self.streaks[agent]} consecutive rounds (last: {reasons})"
-                self.quarantined[agent] = {"since": round_ + 1, "why": why}
+                self.quarantined[agent] = {"since": round_ + 1, "why": why,
+                                           "checks": sorted(self.streak_reasons[agent]), "clean_rounds": 0}
                 self.history.append({"round": round_, "agent": agent, "event": "quarantined", "why": why})
-                until = "for the rest of the run" if cfg.quarantine_release == "never" else "until it sends plausible data"
+                until = ("for the rest of the run" if cfg.quarantine_release == "never" else
+                         f"until its uploads pass {', '.join(sorted(self.streak_reasons[agent]))} in "
+                         f"{cfg.quarantine_release_after} consecutive judged round(s)")
                 log.error("round %d: quarantining %s %s: %s", round_, agent, until, why)
+
+    def _judge_quarantined(self, round_: int, agent: str, refused: set[str], seen: set[str]) -> None:
+        """A quarantined agent's round: refused, its count of clean rounds starts again (and the
+        new reason must be passed too); judged clean by every check it must pass, one more clean
+        round (released at ``quarantine_release_after``); not judged by them, no evidence."""
+        q = self.quarantined[agent]
+        if self.cfg.quarantine_release != "plausible":
+            return
+        if refused:
+            q["clean_rounds"] = 0
+            q["checks"] = sorted(set(q["checks"]) | refused)
+            return
+        missing = set(q["checks"]) - seen
+        if missing:
+            log.info("round %d: %s stays quarantined: its uploads were not judged by %s this round",
+                     round_, agent, ", ".join(sorted(missing)))
+            return
+        q["clean_rounds"] += 1
+        if q["clean_rounds"] < self.cfg.quarantine_release_after:
+            return
+        del self.quarantined[agent]
+        self.streaks[agent] = 0
+        self.streak_reasons.pop(agent, None)
+        why = f"its uploads passed {', '.join(q['checks']) or 'the checks'} in {q['clean_rounds']} consecutive judged round(s)"
+        self.history.append({"round": round_, "agent": agent, "event": "released", "why": why})
+        log.warning("round %d: %s leaves quarantine: %s", round_, agent, why)
 
     def take(self, round_: int) -> tuple[dict[str, Any], list[str]]:
         """(the round record's ``robustness`` section, its warnings); empty when nothing happened
@@ -185,10 +242,14 @@ class RobustnessLedger:
     # -- checkpoints -------------------------------------------------------- #
 
     def state(self) -> dict[str, Any]:
-        return {"streaks": dict(self.streaks), "quarantined": {a: dict(q) for a, q in self.quarantined.items()},
-                "history": list(self.history)}
+        return {"streaks": dict(self.streaks), "streak_reasons": {a: sorted(r) for a, r in self.streak_reasons.items()},
+                "quarantined": {a: dict(q) for a, q in self.quarantined.items()}, "history": list(self.history)}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.streaks = {str(a): int(n) for a, n in state.get("streaks", {}).items()}
-        self.quarantined = {str(a): {"since": int(q["since"]), "why": str(q["why"])} for a, q in state.get("quarantined", {}).items()}
+        self.streak_reasons = {str(a): {str(r) for r in rs} for a, rs in state.get("streak_reasons", {}).items()}
+        # A checkpoint from before the evidence rule has no "checks": any plausible round releases, as it did then.
+        self.quarantined = {str(a): {"since": int(q["since"]), "why": str(q["why"]), "checks": [str(c) for c in q.get("checks", [])],
+                                     "clean_rounds": int(q.get("clean_rounds", 0))}
+                            for a, q in state.get("quarantined", {}).items()}
         self.history = [dict(e) for e in state.get("history", [])]

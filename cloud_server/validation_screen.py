@@ -26,7 +26,7 @@ from fldata.datasets import load_dataset, take
 from models import load_arrays_into, state_dict_to_arrays
 
 from .methods.fedbe_distill import train_holdout
-from .robust_validation import DefenceConfig, implausible_validation
+from .robust_validation import VALIDATION_MIN_AGENTS, DefenceConfig, implausible_validation
 from .server_step import normalised_images
 
 log = logging.getLogger("cloud_server.robust")
@@ -121,6 +121,8 @@ class ValidationScreen:
             shares = {a: loss_of(share(candidate(a), len(agents))) - base for a in agents}
             judged = rises if self.cfg.validation_step == "update" else shares
             refusals = implausible_validation(judged, self.cfg.validation_loss_margin, self.cfg.plausible_mad, base)
+            if len(judged) >= VALIDATION_MIN_AGENTS:  # fewer have no yardstick (implausible_validation)
+                ledger.examined(round_, "implausible_validation", judged)
             ledger.record(round_, "update_validation", {
                 "samples": self.samples, "global_loss": _json(base), "step": self.cfg.validation_step,
                 "margin": self.cfg.validation_loss_margin, "forward_passes": (2 * len(agents) + 1) * self.samples,

@@ -19,12 +19,14 @@ def test_the_grid_measures_both_checks_at_every_partition_recording_only() -> No
     names = [r.name for r in runs]
     assert len(names) == len(set(names))
     for part in ("iid", "dir0.5", "dir0.1"):
-        for name in (f"validation-none-{part}-s0", f"validation-sign_flip-{part}-s0", f"labels-none-{part}-s0",
-                     f"labels-random_labels-{part}-s0"):
+        for name in (f"validation-none-{part}-s0", f"validation-sign_flip-{part}-s0", f"validation-sign_flip_weights-{part}-s0",
+                     f"labels-none-{part}-s0", f"labels-random_labels-{part}-s0"):
             assert name in names
     assert runs[0].attack != "none"  # the bad agent beside four honest ones first
     flip = next(r for r in runs if r.attack == "sign_flip")
     assert flip.aggregation == "median" and flip.method == "fedavg"  # the model trains as with the flip kept out
+    weights_only = next(r for r in runs if r.attack == "sign_flip_weights")
+    assert weights_only.aggregation == "median" and weights_only.server() == flip.server()
     # Recorded, never refused: no margin is reached, no agreement is below the floor.
     assert flip.server()["validation_loss_margin"] >= 1e9
     assert 0 < next(r for r in runs if r.check == "labels").server()["plausible_min_label_agreement"] <= 1e-6
@@ -55,6 +57,23 @@ def test_replay_counts_honest_refusals_and_the_bad_agents_rounds() -> None:
     r = ds.replay(clean)  # no attack: agent-4 is honest, and its refusal counts against the floor
     assert r["honest_min_agreement"] == 0.1 and r["bad_agreement"] is None
     assert r["per_threshold"]["0.2"] == {"honest_refused": 1, "honest_judged": 4, "bad_refused_rounds": None}
+
+
+def test_the_summary_keeps_each_attacked_runs_refused_rounds_apart() -> None:
+    ds = load("defence_scores")
+    bad, honest = ds.BAD, {"agent-0": 0.1, "agent-1": 0.2, "agent-2": 0.0, "agent-3": 0.15}
+    runs = []
+    for attack, rises in (("sign_flip", [None, None]), ("sign_flip_weights", [0.3, 2.0]), ("none", [0.1, 0.1])):
+        run = {"name": f"validation-{attack}-iid-s0", "check": "validation", "attack": attack, "partition": "iid",
+               "final_accuracy": 0.5, "rounds": [_round({**honest, bad: x}) for x in rises]}
+        run["replay"] = ds.replay(run)
+        runs.append(run)
+    entry = ds.summary(runs)["validation"]["iid"]
+    # The NaN flip is refused in both rounds; the finite one only where its rise (2.0) clears 0.125 + 0.5.
+    assert entry["update-0.5"]["bad_refused_rounds"] == {"validation-sign_flip-iid-s0": [1, 2],
+                                                         "validation-sign_flip_weights-iid-s0": [2]}
+    assert entry["update-0.5"]["honest_refused"] == 0 and entry["update-0.5"]["honest_judged"] == 2 * 4 + 2 * 4 + 2 * 5
+    assert entry["bad_rises_update"]["validation-sign_flip_weights-iid-s0"] == [0.3, 2.0]
 
 
 def test_the_recorded_figures_back_the_defaults() -> None:

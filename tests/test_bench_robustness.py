@@ -4,6 +4,7 @@ what bench/render_results.py makes of the JSON."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,6 +41,45 @@ def test_sign_flip_sends_the_update_negated_and_scaled_from_the_global_the_agent
     np.testing.assert_allclose(x1e3.weights["w"], trained["w"] * 1e3)
 
 
+def test_sign_flip_weights_flips_the_trainable_parameters_and_sends_batchnorm_statistics_as_trained() -> None:
+    import torch
+
+    rb = load("robustness")
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2))  # names 0.weight ... 1.running_var
+    rng = np.random.default_rng(0)
+    base = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in model.state_dict().items() if v.dtype.is_floating_point}
+    base["1.running_var"] = np.array([0.5, 2.0], dtype=np.float32)
+    delta = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in base.items()}
+    delta["1.running_var"] = np.array([0.25, -1.0], dtype=np.float32)  # trained: 0.75, 1.0 (positive)
+    trained = {k: base[k] + delta[k] for k in base}
+    msg = dataclasses.replace(_update(trained), int_buffers={"1.num_batches_tracked": 7})
+    agent = SimpleNamespace(method=SimpleNamespace(global_state=base, global_version=3, model=model),
+                            config=SimpleNamespace(agent_id="agent-4"))
+    sent = rb.ATTACKS["sign_flip_weights"].corrupt(agent, msg)
+    s = rb.SIGN_FLIP_SCALE
+    parameters = {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert parameters == {n for n, _ in model.named_parameters()} and set(sent.weights) == set(trained)
+    for k in parameters:  # by hand: global - 4 (w - global) = base - 4 delta
+        np.testing.assert_allclose(sent.weights[k], base[k] - s * delta[k], rtol=1e-6, atol=1e-6, err_msg=k)
+        assert sent.weights[k].dtype == np.float32
+    for k in ("1.running_mean", "1.running_var"):  # as the agent trained them, bit for bit
+        np.testing.assert_array_equal(sent.weights[k], trained[k], err_msg=k)
+    assert sent.int_buffers == {"1.num_batches_tracked": 7}
+    # The plain sign_flip flips the statistics too: a running variance goes negative (0.5 - 4 x 0.25 = -0.5).
+    plain = rb.ATTACKS["sign_flip"].corrupt(agent, msg)
+    np.testing.assert_allclose(plain.weights["1.running_var"], [-0.5, 6.0])
+    for k in parameters:
+        np.testing.assert_array_equal(plain.weights[k], sent.weights[k])
+    # No held global, or no model to name the parameters by: an error, not a silent guess.
+    with pytest.raises(RuntimeError, match="sign_flip_weights: agent-4 does not hold global version 7"):
+        rb.ATTACKS["sign_flip_weights"].corrupt(agent, dataclasses.replace(msg, model_version=7))
+    modelless = SimpleNamespace(method=SimpleNamespace(global_state=base, global_version=3), config=agent.config)
+    with pytest.raises(RuntimeError, match="no model to name its parameters"):
+        rb.ATTACKS["sign_flip_weights"].corrupt(modelless, msg)
+    other = rb.ATTACKS["sign_flip_weights"].corrupt(agent, "not an update")  # type: ignore[arg-type]
+    assert other == "not an update"
+
+
 def test_random_labels_permute_the_bad_agents_own_training_labels_only(tmp_path: Path) -> None:
     rb = load("robustness")
     from edge_agent.agent import load_agent_data
@@ -72,6 +112,10 @@ def test_the_grid_covers_every_method_attack_and_rule_of_the_issue() -> None:
     assert {("fedgkd", "none", True, "mean"), ("fedgkd", "weights_x1e3", True, "mean"), ("fedgkd", "weights_x1e3", False, "mean"),
             ("fedgkd", "sign_flip", True, "mean"), ("fedkd", "random_labels", True, "mean"),
             ("fedgkt", "random_labels", True, "mean")} <= have
+    # The weights-only flip (BatchNorm statistics honest): the defaults, the median, the direction check.
+    assert {("fedavg", "sign_flip_weights", True, "mean", None), ("fedavg", "sign_flip_weights", True, "median", None),
+            ("fedavg", "sign_flip_weights", True, "mean", 0.0)} <= {(c.method, c.attack, c.checks, c.aggregation, c.min_cosine)
+                                                                    for c in grid}
     for rule in rb.RULES:
         assert ("fedavg", "none", True, rule) in have  # each rule's cost on clean data
         assert ("fedavg", "sign_flip", True, rule) in have and ("fedavg", "random_labels", True, rule) in have

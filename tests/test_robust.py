@@ -428,15 +428,27 @@ def test_quarantine_after_k_refused_rounds_and_release(release: str) -> None:
         assert section["refused"]["bad"]["out_of_range"]["detail"] == "|H| = 6e4"
     assert ledger.is_quarantined("bad") and not ledger.is_quarantined("good")
     assert section["quarantine_events"][0]["event"] == "quarantined" and section["quarantined"]["bad"]["since"] == 3
+    assert section["quarantined"]["bad"]["checks"] == ["out_of_range"]
     assert "quarantined" in ledger.exclude_quarantined(3, "bad")
-    ledger.close_round(3, ["good", "bad"])  # round 3: nothing refused
+    # Round 3: nothing refused, but the check that refused it did not judge it (only another did): no evidence.
+    ledger.examined(3, "implausible_norm", ["good", "bad"])
+    ledger.close_round(3, ["good", "bad"])
     section, warnings = ledger.take(3)
     assert section["quarantine_excluded"] == ["bad"] and any("quarantined" in w for w in warnings)
+    assert ledger.is_quarantined("bad") and "quarantine_events" not in section
+    # Round 4: its uploads passed the door check that refused it.
+    ledger.examined(4, "out_of_range", ["good", "bad"])
+    ledger.close_round(4, ["good", "bad"])
+    section, _ = ledger.take(4)
     assert ledger.is_quarantined("bad") == (release == "never")
+    if release == "plausible":
+        assert [e["event"] for e in section["quarantine_events"]] == ["released"]
+        assert "out_of_range" in section["quarantine_events"][0]["why"] and "quarantined" not in section
     # Checkpointed and restored.
     again = RobustnessLedger(ledger.cfg)
     again.load_state(ledger.state())
     assert again.is_quarantined("bad") == (release == "never") and again.streaks == ledger.streaks
+    assert again.state() == ledger.state()
 
 
 def test_one_refused_round_does_not_quarantine_and_a_plausible_one_resets_the_streak() -> None:
@@ -444,6 +456,8 @@ def test_one_refused_round_does_not_quarantine_and_a_plausible_one_resets_the_st
     for round_, refused in ((1, True), (2, False), (3, True)):
         if refused:
             ledger.refuse(round_, "x", "implausible_norm", "big")
+        else:  # judged by the norm check, and plausible
+            ledger.examined(round_, "implausible_norm", ["x"])
         ledger.close_round(round_, ["x"])
     assert not ledger.is_quarantined("x") and ledger.streaks["x"] == 1
     off = RobustnessLedger(RobustnessConfig(quarantine_after=0))
@@ -451,6 +465,63 @@ def test_one_refused_round_does_not_quarantine_and_a_plausible_one_resets_the_st
         off.refuse(round_, "x", "implausible_norm", "big")
         off.close_round(round_, ["x"])
     assert not off.is_quarantined("x")
+
+
+def test_a_round_the_checks_could_not_judge_an_agent_in_neither_breaks_nor_extends_its_streak() -> None:
+    ledger = RobustnessLedger(RobustnessConfig(quarantine_after=2))
+    ledger.refuse(1, "x", "implausible_direction", "cosine -0.9")
+    ledger.close_round(1, ["x"])
+    # Round 2: two agents, no direction judged; the norm check passed it (not what refused it).
+    ledger.examined(2, "implausible_norm", ["x"])
+    ledger.close_round(2, ["x"])
+    assert ledger.streaks["x"] == 1 and not ledger.is_quarantined("x")
+    ledger.refuse(3, "x", "implausible_direction", "cosine -0.8")
+    ledger.close_round(3, ["x"])
+    assert ledger.is_quarantined("x") and ledger.quarantined["x"]["checks"] == ["implausible_direction"]
+
+
+def test_release_takes_the_configured_consecutive_judged_clean_rounds_of_every_check_that_refused_it() -> None:
+    ledger = RobustnessLedger(RobustnessConfig(quarantine_after=1, quarantine_release_after=2))
+    ledger.refuse(1, "x", "implausible_labels", "agrees with 0%")
+    ledger.close_round(1, ["x"])
+    assert ledger.quarantined["x"]["checks"] == ["implausible_labels"]
+
+    def close(round_: int, examined: tuple[str, ...] = (), refused: str | None = None) -> bool:
+        for reason in examined:
+            ledger.examined(round_, reason, ["x"])
+        if refused:
+            ledger.refuse(round_, "x", refused, "again")
+        ledger.close_round(round_, ["x"])
+        ledger.take(round_)
+        return ledger.is_quarantined("x")
+
+    assert close(2, ("implausible_labels",)) and ledger.quarantined["x"]["clean_rounds"] == 1
+    assert close(3, refused="implausible_statistics")  # refused again: the count starts over, and this check is owed too
+    q = ledger.quarantined["x"]
+    assert (q["clean_rounds"], q["checks"]) == (0, ["implausible_labels", "implausible_statistics"])
+    assert close(4, ("implausible_labels", "implausible_statistics"))
+    assert close(5, ("implausible_labels",))  # the statistics were not judged (two agents): no evidence, no reset
+    assert close(6, ()) and ledger.quarantined["x"]["clean_rounds"] == 1
+    ledger.close_round(7, [])  # it did not finish round 7: its state stands
+    assert ledger.quarantined["x"]["clean_rounds"] == 1
+    assert not close(8, ("implausible_labels", "implausible_statistics"))
+    assert ledger.history[-1]["event"] == "released" and ledger.history[-1]["round"] == 8
+    assert ledger.streaks["x"] == 0 and "x" not in ledger.streak_reasons
+
+
+def test_a_checkpoint_from_before_the_evidence_rule_releases_as_it_did() -> None:
+    ledger = RobustnessLedger(RobustnessConfig(quarantine_after=2))
+    ledger.load_state({"streaks": {"x": 1, "y": 3}, "quarantined": {"y": {"since": 4, "why": "refused"}}, "history": []})
+    assert ledger.quarantined["y"] == {"since": 4, "why": "refused", "checks": [], "clean_rounds": 0}
+    ledger.close_round(4, ["x", "y"])  # nothing refused: as before, the streak ends and the quarantine lifts
+    assert ledger.streaks["x"] == 0 and not ledger.is_quarantined("y")
+
+
+def test_quarantine_release_after_is_a_count_of_rounds() -> None:
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="quarantine_release_after"):
+            RobustnessConfig(quarantine_release_after=bad)  # type: ignore[arg-type]
+    assert RobustnessConfig(quarantine_release_after=3).quarantine_release_after == 3
 
 
 # -- the server step's guard --------------------------------------------------------------------- #

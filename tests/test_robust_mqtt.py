@@ -264,7 +264,9 @@ def test_fedgkt_one_agent_training_on_shuffled_labels_with_and_without_the_label
     the agent, round 3), which this test prints but does not pin. With the check, from round 2 on
     the server model agrees with the agent's labels far less than with the others' and the agent
     is refused (implausible_labels) and named in report.json with the figure; the server model
-    ends within 5 points of the run without the agent."""
+    ends within 5 points of the run without the agent. Quarantined after its first refusal
+    (quarantine_after 1), it is still judged in round 3 and refused again, not released (a
+    quarantined agent's maps used to go unjudged: released the round after)."""
     table, label = FAMILIES["fedgkt"]
     clean = _run(tmp_path / "clean", mosquitto.url, "fedgkt", table, None, agents=(0, 1), server={**LABEL_CHECK, **GKT_DEADLINE})
     without, _ = _run(tmp_path / "without", mosquitto.url, "fedgkt", table, None, shuffle_labels=True, server=GKT_DEADLINE)
@@ -272,7 +274,7 @@ def test_fedgkt_one_agent_training_on_shuffled_labels_with_and_without_the_label
     for r in without["rounds"]:
         assert BAD not in r.get("excluded", {}) and "label_agreement" not in r.get("robustness", {}), r["round"]
     attacked = _run(tmp_path / "with", mosquitto.url, "fedgkt", table, None, shuffle_labels=True,
-                    server={**LABEL_CHECK, **GKT_DEADLINE})
+                    server={**LABEL_CHECK, **GKT_DEADLINE, "quarantine_after": 1})
     report = attacked[0]
     assert report["status"] == "finished" and [r["status"] for r in report["rounds"]] == ["ok"] * ROUNDS
     first, *later = report["rounds"]
@@ -285,6 +287,9 @@ def test_fedgkt_one_agent_training_on_shuffled_labels_with_and_without_the_label
         assert r["excluded"][BAD].startswith("implausible_labels"), r["round"]
     refused_rounds = [r["round"] for r in later if BAD in r["robustness"].get("refused", {})]
     assert refused_rounds == [2, 3], refused_rounds
+    events = [(e["round"], e["agent"], e["event"]) for r in later for e in r["robustness"].get("quarantine_events", [])]
+    assert events == [(2, BAD, "quarantined")], events
+    assert later[-1]["robustness"]["quarantined"][BAD]["checks"] == ["implausible_labels"]
     detail = later[0]["robustness"]["refused"][BAD]["implausible_labels"]["detail"]
     assert "of its labels, below plausible_min_label_agreement 0.3" in detail
     clean_acc, acc, without_acc = _accuracy(clean[0], label), _accuracy(report, label), _accuracy(without, label)

@@ -311,6 +311,48 @@ def test_fedgkt_label_check_is_off_by_default_and_trains_on_every_agent() -> Non
     assert "label_agreement" not in server.ctx.ledger.take(2)[0]
 
 
+def test_a_quarantined_fedgkt_agent_is_judged_every_round_and_released_only_once_its_labels_pass() -> None:
+    """Quarantine used to skip the label check: a quarantined agent was not judged, so it was
+    "plausible" the next round, released, and refused again (refused, quarantined, released...).
+    Its maps are scored while it is quarantined (never trained on) and only a judged clean round
+    releases it."""
+    ctx = ServerContext(run_id="u", num_classes=10, in_channels=1, device="cpu", seed=0,
+                        robustness=RobustnessConfig(quarantine_after=1),
+                        defence=DefenceConfig(plausible_min_label_agreement=0.3))
+    server = FedGktServer(ctx, {"server_batch_size": 8, "server_epochs": 1})
+    ledger, agents = ctx.ledger, ["a0", "a1", "a2", "a3"]
+
+    def play(round_: int, shuffled: str | None) -> tuple[object, dict]:  # type: ignore[type-arg]
+        outcome, _ = _gkt_round(server, round_, shuffled)
+        ledger.close_round(round_, agents)
+        return outcome, ledger.take(round_)[0]
+
+    play(1, "a3")  # round 1: the model has not trained, nothing judged
+    outcome, _ = play(2, "a3")
+    assert outcome.excluded["a3"].startswith("implausible_labels")
+    assert ledger.is_quarantined("a3") and ledger.quarantined["a3"]["since"] == 3
+    assert ledger.quarantined["a3"]["checks"] == ["implausible_labels"]
+    # Four more rounds on shuffled labels, where it used to be released after one: scored every
+    # round, refused every round, never released, never trained on.
+    for round_ in range(3, 7):
+        outcome, section = play(round_, "a3")
+        assert outcome.used_agents == ["a0", "a1", "a2"], round_
+        assert outcome.excluded["a3"].startswith("implausible_labels"), round_
+        assert section["label_agreement"]["agents"]["a3"]["server"] == 0.0, round_
+        assert set(section["refused"]) == {"a3"}, round_
+        assert "quarantine_events" not in section and ledger.is_quarantined("a3"), round_
+        assert section["quarantined"]["a3"]["clean_rounds"] == 0
+    # It turns honest: judged clean, released; the maps it sent while quarantined are not used.
+    outcome, section = play(7, None)
+    assert outcome.used_agents == ["a0", "a1", "a2"] and "quarantined since round 3" in outcome.excluded["a3"]
+    assert section["label_agreement"]["agents"]["a3"]["server"] == 1.0 and "refused" not in section
+    assert section["quarantine_excluded"] == ["a3"] and "a3" not in {a for a, _ in outcome.downloads}
+    assert [(e["agent"], e["event"]) for e in section["quarantine_events"]] == [("a3", "released")]
+    assert not ledger.is_quarantined("a3")
+    outcome, section = play(8, None)
+    assert outcome.used_agents == agents and "a3" in {a for a, _ in outcome.downloads}
+
+
 # -- wiring: the coordinator, the report ---------------------------------------------------------- #
 
 

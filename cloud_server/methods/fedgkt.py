@@ -281,6 +281,11 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
                 outcome.excluded[agent] = why
                 log.warning("round %d: not using %s's upload: %s", round_, agent, why)
                 self.staging.release(data.pop(agent)[0].staged)
+            # A quarantined agent's maps were judged like the others' (what releases it), never trained on.
+            for agent in [a for a in data if self.ctx.ledger.is_quarantined(a)]:
+                outcome.excluded[agent] = self.ctx.ledger.exclude_quarantined(round_, agent)
+                log.warning("round %d: not using %s's upload: %s", round_, agent, outcome.excluded[agent])
+                self.staging.release(data.pop(agent)[0].staged)
             outcome.used_agents = list(data)
             self.initialised_agents.update(data)
             if not data:

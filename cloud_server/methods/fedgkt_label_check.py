@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..feature_store import AgentRows
-from ..robust_validation import LABEL_CHECK_FROM_ROUND, implausible_labels
+from ..robust_validation import LABEL_CHECK_FROM_ROUND, LABEL_MIN_OTHERS, implausible_labels
 
 log = logging.getLogger("cloud_server.fedgkt")
 
@@ -72,7 +72,9 @@ class FedGktLabelCheck:
 
     def _check_labels(self, round_: int, data: dict[str, AgentRows]) -> dict[str, str]:
         """Agent -> why its maps are not trained on this round (``implausible_labels``, to the
-        ledger); the round's figures go to the ledger (``robustness.label_agreement``). Nothing
+        ledger); the round's figures go to the ledger (``robustness.label_agreement``), and the
+        agents it could judge (``examined``: a quarantined agent's maps are judged too, and only
+        a judged clean round releases it). Nothing
         when the check is off (``plausible_min_label_agreement`` 0), the plausibility checks are
         off, or before ``LABEL_CHECK_FROM_ROUND``."""
         defence = self.ctx.defence
@@ -82,6 +84,7 @@ class FedGktLabelCheck:
         server = {a: f[0] for a, f in figures.items()}
         peers = {a: v for a, v in self.label_agreement_latest.items() if a not in server}
         refusals = implausible_labels(server, defence.plausible_min_label_agreement, defence.plausible_mad, peers)
+        judged = [a for a, v in server.items() if v == v] if len({**peers, **server}) > LABEL_MIN_OTHERS else []  # NaN: no samples
         self.label_agreement_latest.update(server)
         # Async mode judges each arrival alone: the round's section gathers them.
         held_round, held = self.label_agreement_round
@@ -90,6 +93,7 @@ class FedGktLabelCheck:
         held.update({a: {"server": _rounded(s), "edge": _rounded(e), "samples": len(data[a][2])} for a, (s, e) in figures.items()})
         self.label_agreement_round = (round_, held)
         ledger = self.ctx.ledger
+        ledger.examined(round_, "implausible_labels", judged)
         ledger.record(round_, "label_agreement", {
             "threshold": defence.plausible_min_label_agreement, "agents": dict(sorted(held.items())),
             **({"peers": {a: round(v, 6) for a, v in sorted(peers.items())}} if peers else {})})

@@ -44,6 +44,7 @@ class FedGktPlausibility:
         if not peak <= cfg.logit_abs_limit:
             raise ImplausibleUploadError("out_of_range", f"{msg.split} edge logits reach |z| = {peak:.4g}, above "
                                                          f"server.logit_abs_limit = {cfg.logit_abs_limit:g}")
+        self.ctx.ledger.examined(msg.round, "out_of_range", [agent])
         if msg.split != "train":
             return
         held = self.upload_stats.get(agent)
@@ -56,16 +57,17 @@ class FedGktPlausibility:
         self.upload_stats[agent] = (msg.instance, msg.round, sumsq, held[3] + features.size // max(channels, 1),
                                     held[4] + float(np.sum(logits * logits)), held[5] + logits.size)
 
-    def _implausible_statistics(self, round_: int, agents: list[str]) -> dict[str, str]:
-        """Agent -> detail, for agents (three or more) whose maps' RMS in some channel, or
+    def _implausible_statistics(self, round_: int, agents: list[str]) -> tuple[list[str], dict[str, str]]:
+        """(the agents judged: three or more with statistics this round, else none; agent ->
+        detail, for the agents whose maps' RMS in some channel, or
         whose logits' RMS, is far above the other agents' (above ``plausible_peer_ratio`` x their
         median and median + ``plausible_mad`` x 1.4826 MAD, and the channel above
         ``plausible_peer_ratio`` x the median channel's RMS of all agents: a channel dead for the
-        others is not a yardstick)."""
+        others is not a yardstick))."""
         cfg = self.ctx.robustness
         stats = {a: self.upload_stats[a] for a in agents if a in self.upload_stats and self.upload_stats[a][1] == round_}
         if len(stats) < 3:
-            return {}
+            return [], {}
         names = sorted(stats)
         rms = np.stack([np.sqrt(stats[a][2] / max(stats[a][3], 1)) for a in names])  # (A, C)
         logit_rms = np.array([math.sqrt(stats[a][4] / max(stats[a][5], 1)) for a in names])  # (A,)
@@ -90,11 +92,13 @@ class FedGktPlausibility:
             if not logit_rms[i] <= llimit:
                 out[agent] = (f"edge logits' RMS {logit_rms[i]:.4g}, the other agents' median {lmed:.4g} "
                               f"(limit {llimit:.4g})")
-        return out
+        return names, out
 
     def _screen(self, round_: int, ends: dict[str, RoundEnd]) -> dict[str, str]:
-        """Agent -> why its round's maps are not used: a batch refused at the door, statistics
-        far from the other agents', or quarantine (cloud_server/robust.py)."""
+        """Agent -> why its round's maps are not used: a batch refused at the door, or statistics
+        far from the other agents'. A quarantined agent's maps are screened like the others' (and
+        label-checked) and left out after (:meth:`FedGktServer.complete`): a judged round is what
+        releases it (cloud_server/robust_ledger.py)."""
         ledger = self.ctx.ledger
         out: dict[str, str] = {}
         for agent in sorted(ends):
@@ -102,12 +106,11 @@ class FedGktPlausibility:
             if refused is not None and refused[:2] == (ends[agent].instance, ends[agent].round):
                 out[agent] = f"{len(refused[2])} upload(s) refused as implausible (robustness.refused)"
         if self.ctx.robustness.plausibility_checks:
-            for agent, detail in self._implausible_statistics(round_, [a for a in sorted(ends) if a not in out]).items():
+            judged, refusals = self._implausible_statistics(round_, [a for a in sorted(ends) if a not in out])
+            ledger.examined(round_, "implausible_statistics", judged)
+            for agent, detail in refusals.items():
                 ledger.refuse(round_, agent, "implausible_statistics", detail)
                 out[agent] = f"implausible_statistics: {detail}"
-        for agent in sorted(ends):
-            if agent not in out and ledger.is_quarantined(agent):
-                out[agent] = ledger.exclude_quarantined(round_, agent)
         for agent in ends:
             self.upload_stats.pop(agent, None)
             if agent in self.refused_seqs and self.refused_seqs[agent][1] <= round_:

@@ -184,6 +184,8 @@ class FedKdServer(FedKdReport, ServerMethod):
             delta[name] = p.reconstruct()
             if not np.isfinite(delta[name]).all():
                 raise ValueRangeError(f"update {name!r} rebuilds to non-finite values")
+        if self.ctx.robustness.plausibility_checks:  # judged at the door: evidence for quarantine
+            self.ctx.ledger.examined(msg.round, "implausible_factors", [agent])
         self.staged[agent] = _Staged(
             msg.instance, msg.round, msg.num_samples, delta, _ranks(packed),
             svd_bytes=sum(p.payload_bytes for p in packed.values()), dense_bytes=sum(4 * p.dense_elements for p in packed.values()),

@@ -76,6 +76,10 @@ def test_the_summary_keeps_each_attacked_runs_refused_rounds_apart() -> None:
     assert entry["bad_rises_update"]["validation-sign_flip_weights-iid-s0"] == [0.3, 2.0]
 
 
+def ds_bad() -> str:
+    return load("defence_scores").BAD  # type: ignore[no-any-return]
+
+
 def test_the_recorded_figures_back_the_defaults() -> None:
     """The defaults either are off or refuse no honest upload the bench recorded and refuse the
     bad agent in most judged rounds at every partition."""
@@ -87,7 +91,11 @@ def test_the_recorded_figures_back_the_defaults() -> None:
         pytest.skip("bench/results/defence_scores.json has not been recorded yet (python bench/defence_scores.py)")
     data = json.loads(RESULT.read_text())
     for run in data["runs"]:
-        assert run["refusals"] == {}, run["name"]  # recorded, nothing refused
+        # Recorded, nothing refused, except what every margin refuses: an update whose
+        # validation loss is not finite (the x4 sign flip negates BatchNorm's variances).
+        nonfinite = sum(1 for rise in (run["replay"].get("bad_rises_update") or []) if rise is None)
+        expected = {ds_bad(): nonfinite} if nonfinite else {}
+        assert {a: sum(r.values()) if isinstance(r, dict) else r for a, r in run["refusals"].items()} == expected, run["name"]
     default = DefenceConfig()
     summary = data["summary"]
     assert not default.validates  # a labelled set is the operator's to give: none by default
@@ -98,3 +106,37 @@ def test_the_recorded_figures_back_the_defaults() -> None:
         floor = str(default.plausible_min_label_agreement)
         for part, entry in summary.get("labels", {}).items():
             assert entry[floor]["honest_refused"] == 0, (part, entry[floor])
+
+
+def test_configuration_quotes_the_recorded_grid() -> None:
+    """docs/configuration.md's table of the defence grid, row by row, from the JSON."""
+    import pytest
+
+    if not RESULT.exists():
+        pytest.skip("bench/results/defence_scores.json has not been recorded yet (python bench/defence_scores.py)")
+    data = json.loads(RESULT.read_text())
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    labels = {"iid": "IID", "dir0.5": "Dirichlet(0.5)", "dir0.1": "Dirichlet(0.1)"}
+
+    def span(values: list[int]) -> str:
+        return "none" if not values else (f"{values[0]}" if len(values) == 1 else f"{values[0]}-{values[-1]}")
+
+    for part, label in labels.items():
+        v, lab = data["summary"]["validation"][part], data["summary"]["labels"][part]
+        margins = [k for k in v if k.startswith("update-")]
+        assert all(v[k]["honest_refused"] == 0 for k in margins)
+        rises = v["bad_rises_update"][f"validation-sign_flip_weights-{part}-s0"]
+        rounds = v["update-0.5"]["bad_refused_rounds"][f"validation-sign_flip_weights-{part}-s0"]
+        floors = [k for k in lab if k.replace(".", "").isdigit()]
+        assert all(lab[k]["honest_refused"] == 0 for k in floors)
+        bad = [a for a in lab["bad_agreement"][f"labels-random_labels-{part}-s0"] if a is not None]
+        honest_max = max(v["honest_max_rise_update"].values())
+
+        def nats(x: float) -> str:
+            return f"{x:+.2f}" if abs(x) < 10 else f"{x:+.1f}"
+
+        row = (f"| {label} | 0 of {v['update-0.5']['honest_judged']} | {nats(min(rises))} to {nats(max(rises))} "
+               f"({nats(honest_max)}) | {span(rounds)} of {len(rises)} | 0 of {lab['0.3']['honest_judged']} | "
+               f"{min(bad):.2f}-{max(bad):.2f} ({min(lab['honest_min_agreement'].values()):.2f}) | "
+               f"{span(lab['0.3']['bad_refused_rounds'][f'labels-random_labels-{part}-s0'])} |")
+        assert row.replace("-0.04", "−0.04") in page, row

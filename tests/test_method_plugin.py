@@ -200,6 +200,13 @@ def toy_method(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     EDGESPLIT_METHODS; the registries it joins are restored afterwards."""
     import importlib
 
+    from shared_protocol.registry import registered_methods
+
+    # The built-in methods' modules register themselves at their first import: imported now, they
+    # register into the registries restored afterwards, not into the copies this test works on.
+    for spec in registered_methods().values():
+        for part in (spec.server, spec.edge, *spec.messages):
+            importlib.import_module(part)
     for module, attr in _REGISTRIES:
         held = getattr(importlib.import_module(module), attr)
         monkeypatch.setattr(importlib.import_module(module), attr, type(held)(held))

@@ -532,3 +532,20 @@ def test_fedkd_notes_quote_the_runs_of_fedkd_json() -> None:
     per_round = iid["per_agent_all_rounds_bytes"]["fedavg_mentor_payload"] / runs["iid"]["setting"]["rounds"]
     assert (f"FedAvg of ResNet-56 moves {per_round / 1e6:.1f} MB (a {iid['fedavg_mentor_frame_bytes_zstd'] / 1e6:.1f} MB "
             f"zstd frame each way)") in text
+
+
+def test_fedkd_notes_quote_the_learning_run_against_fedavg_and_the_codec_alone() -> None:
+    text = _text("docs/methods/fedkd.md")
+    run = _load("fedkd.json")["runs"]["learning-iid"]
+    fedavg = run["fedavg_resnet56_same_setting"]
+    ours = [r["global_mentee_accuracy"] for r in run["rounds"]][:fedavg["rounds_compared"]]
+    assert (f"over the first {fedavg['rounds_compared']} rounds: "
+            f"{' / '.join(f'{100 * a:.1f}' for a in fedavg['accuracy_by_round'])}% where FedKD's global mentee had "
+            f"{' / '.join(f'{100 * a:.1f}' for a in ours)}%") in text
+    updates = _load("codecs.json")["results"]["model_updates"]
+    thresholds = ("0.9", "0.95", "0.98", "0.99")
+    ratios = {model: [updates[model]["epoch1_update"]["svd"][f"T={t}"]["ratio"] for t in thresholds] for model in ("resnet8", "resnet56")}
+    assert (f"one epoch's update of a ResNet-8 (ratio {' / '.join(f'{r:.2f}' for r in ratios['resnet8'])} at T = "
+            f"{' / '.join(thresholds)}) and of a ResNet-56 ({' / '.join(f'{r:.2f}' for r in ratios['resnet56'])})") in text
+    fp16 = [updates[model]["epoch1_update"]["other_codecs"]["fp16-zstd"]["ratio"] for model in ("resnet8", "resnet56")]
+    assert f"the lossy `fp16-zstd` makes the same updates {min(fp16):.1f}-{max(fp16):.1f}x smaller" in text

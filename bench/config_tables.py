@@ -5,7 +5,8 @@ A method's ``[<name>]`` table is read by the frozen dataclass its registry entry
 back from (``to_table()``: its own fields and those of the round config it embeds), its
 defaults the dataclass's, and the meaning of every key is declared beside the fields, in
 the class's ``KEY_MEANINGS`` (key, or comma-separated keys that share one row -> one line;
-a subclass adds its own to its bases'). A key without a meaning, or a meaning for no key, is
+a subclass adds its own to its bases'). The tables of configs that are no method's
+(``[centralized]``: :data:`OTHER_TABLES`) are rendered after them the same way. A key without a meaning, or a meaning for no key, is
 a :class:`ConfigDocError`: the page cannot drift from the code, and nothing about a method
 is written out by hand in the shared page.
 
@@ -20,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIG_BEGIN", "CONFIG_END", "ConfigDocError", "config_tables", "declared_meanings", "default_table", "key_rows",
-           "method_section", "update_config_doc"]
+__all__ = ["CONFIG_BEGIN", "CONFIG_END", "OTHER_TABLES", "ConfigDocError", "config_tables", "declared_meanings", "default_table",
+           "key_rows", "method_section", "table_section", "update_config_doc"]
 
 #: docs/configuration.md's method tables lie between these lines.
 CONFIG_BEGIN = ("<!-- The methods' tables: rendered from each method's config (MethodSpec.config, its KEY_MEANINGS) "
@@ -101,22 +102,33 @@ def key_rows(cls: type) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def method_section(name: str, spec: Any) -> list[str]:
-    """One method's heading line and table (``spec``: its MethodSpec)."""
+#: The tables read by a config that is no registered method's: (table, "module:Class", a note for
+#: its heading). Rendered after the methods', the same way.
+OTHER_TABLES = (("centralized", "cloud_server.centralized:CentralizedConfig", "run with `edgesplit centralized --config FILE`"),)
+
+
+def table_section(name: str, config: str, note: str = "") -> list[str]:
+    """The ``[name]`` table's heading line and table, read by ``config`` (``"module:Class"``)."""
     from shared_protocol.registry import import_part
 
-    cls = import_part(spec.config)
-    module, _, class_name = spec.config.partition(":")
-    notes = f"; notes in [{spec.docs.removeprefix('docs/')}]({spec.docs.removeprefix('docs/')})" if spec.docs else ""
-    lines = [f"`[{name}]` (`{module.replace('.', '/')}.py`, `{class_name}`{notes})", "",
+    cls = import_part(config)
+    module, _, class_name = config.partition(":")
+    lines = [f"`[{name}]` (`{module.replace('.', '/')}.py`, `{class_name}`{'; ' + note if note else ''})", "",
              "| key | type | default | meaning |", "|---|---|---|---|"]
     for row in key_rows(cls):
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
     return lines
 
 
+def method_section(name: str, spec: Any) -> list[str]:
+    """One method's heading line and table (``spec``: its MethodSpec)."""
+    notes = f"notes in [{spec.docs.removeprefix('docs/')}]({spec.docs.removeprefix('docs/')})" if spec.docs else ""
+    return table_section(name, spec.config, notes)
+
+
 def config_tables(methods: Mapping[str, Any] | None = None) -> list[str]:
-    """The block of docs/configuration.md: every registered method with a config, by name."""
+    """The block of docs/configuration.md: every registered method with a config, by name, then
+    :data:`OTHER_TABLES`."""
     if methods is None:
         from shared_protocol.registry import registered_methods
 
@@ -125,6 +137,8 @@ def config_tables(methods: Mapping[str, Any] | None = None) -> list[str]:
     for name, spec in methods.items():
         if spec.config:
             lines += ["", *method_section(name, spec)]
+    for name, config, note in OTHER_TABLES:
+        lines += ["", *table_section(name, config, note)]
     return [*lines, "", CONFIG_END]
 
 

@@ -38,15 +38,14 @@ import argparse
 import dataclasses
 import json
 import math
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._federation import RESULTS, machine, quiet_logs, write_json  # noqa: E402
+from bench._federation import RESULTS, quiet_logs  # noqa: E402
+from bench._runs import add_grid_arguments, run_grid  # noqa: E402
 from bench.robustness import AGENTS, BAD, LABEL_SEED, SIGN_FLIP_SCALE, TABLES, Case, run_case  # noqa: E402
 from cloud_server.robust_validation import implausible_labels, implausible_validation  # noqa: E402
 
@@ -178,56 +177,36 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _run_one(run: Run, work: Path) -> dict[str, Any]:
+    case = Case(run.method, run.attack, True, run.aggregation)
+    result = run_case(case, ROUNDS[run.check], TRAIN, TEST, work, partition=PARTITIONS[run.partition], seed=run.seed,
+                      server=run.server(), name=run.name, threads=1)  # no timings here: one thread
+    result.update({"name": run.name, "check": run.check, "partition": run.partition, "seed": run.seed})
+    result["replay"] = replay(result)
+    print(f"  final accuracy {result['final_accuracy']}, refusals {result['refusals']}, {result['wall_s']} s\n"
+          f"  {json.dumps({k: v for k, v in result['replay'].items() if not k.startswith(('rises', 'agreement', 'edge'))})}",
+          flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--resume", action="store_true", help="keep the runs already in --out and run only the others")
-    parser.add_argument("--only", nargs="*", default=None, help="run only these names (and keep the rest)")
+    add_grid_arguments(parser)
     parser.add_argument("--out", type=Path, default=RESULTS / "defence_scores.json")
     args = parser.parse_args(argv)
     quiet_logs()
     scale = {"agents": AGENTS, "bad_agent": BAD, "rounds": ROUNDS, "train_samples": TRAIN, "test_samples": TEST,
              "validation_samples": VALIDATION_SAMPLES, "dataset": "fashion-mnist"}
     runs = grid()
-    order = {r.name: i for i, r in enumerate(runs)}
-    done: dict[str, dict[str, Any]] = {}
-    started = machine()
-    if (args.resume or args.only is not None) and args.out.exists():
-        previous = json.loads(args.out.read_text())
-        if all(previous.get(k) == v for k, v in scale.items()):
-            done = {r["name"]: r for r in previous["runs"]}
-            started = previous.get("machine", started)
-    todo = [r for r in runs if (r.name in args.only if args.only is not None else r.name not in done)]
 
-    def save() -> None:
-        kept = sorted(done.values(), key=lambda r: order.get(r["name"], len(order)))
-        missing = [r.name for r in runs if r.name not in done]
-        write_json(args.out, {
-            "benchmark": "defence_scores", "generated_by": "bench/defence_scores.py", "machine": started, **scale,
-            "partitions": PARTITIONS, "method_config": {m: TABLES[m] for m in ("fedavg", "fedgkt")},
-            "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED, "plausible_mad": MAD,
-            "servers": {r.name: r.server() for r in runs},
-            "complete": not missing, "missing": missing, "summary": summary(kept), "runs": kept,
-        })
+    def head(started: dict[str, Any], kept: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"benchmark": "defence_scores", "generated_by": "bench/defence_scores.py", "machine": started, **scale,
+                "partitions": PARTITIONS, "method_config": {m: TABLES[m] for m in ("fedavg", "fedgkt")},
+                "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED, "plausible_mad": MAD,
+                "servers": {r.name: r.server() for r in runs}}
 
-    work = Path(tempfile.mkdtemp(prefix="defence-scores-"))
-    try:
-        for run in todo:
-            print(f"running {run.name}", flush=True)
-            case = Case(run.method, run.attack, True, run.aggregation)
-            result = run_case(case, ROUNDS[run.check], TRAIN, TEST, work, partition=PARTITIONS[run.partition], seed=run.seed,
-                              server=run.server(), name=run.name, threads=1)  # no timings here: one thread
-            result.update({"name": run.name, "check": run.check, "partition": run.partition, "seed": run.seed})
-            result["replay"] = replay(result)
-            done[run.name] = result
-            print(f"  final accuracy {result['final_accuracy']}, refusals {result['refusals']}, {result['wall_s']} s\n"
-                  f"  {json.dumps({k: v for k, v in result['replay'].items() if not k.startswith(('rises', 'agreement', 'edge'))})}",
-                  flush=True)
-            save()
-            shutil.rmtree(work / run.name, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if not todo:
-        save()
+    run_grid(runs, _run_one, args.out, scale, head, resume=args.resume, only=args.only, summary=summary,
+             work_prefix="defence-scores-")
 
 
 if __name__ == "__main__":

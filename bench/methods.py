@@ -20,7 +20,8 @@ declared by each method beside its registry entry (``shared_protocol/methods/<na
   Adam 0.001; its accuracy is the mentors' (its ``mentee`` label beside it);
 * Table 2: FedGKT with no KD and with S->E only (``shared = "table1"``: Table 1's
   FedGKT table with ``kd`` changed); the S<->E row is Table 1's ``fedgkt-noniid``
-  (``bench/results/accuracy.json``).
+  (``bench/results/accuracy.json``; declared with ``reuses_table1``, not run again). The
+  paper's figures are the rows' (``ResultsRow.paper``), written to the JSON's ``paper``.
 
 Not part of Table 1's budget: another issue's work, kept runnable here. At the
 full scale (4 agents x 1,000 images, 5 rounds) one seed takes about 80 minutes
@@ -84,6 +85,17 @@ def method_table(method: str, run: BenchRun, scale: str, train_samples: int) -> 
     return table
 
 
+def paper_figures() -> dict[str, dict[str, float | str]]:
+    """The papers' figures the methods declare beside their runs here (``ResultsRow.paper``), by
+    results table and run name, for the JSON."""
+    out: dict[str, dict[str, float | str]] = {}
+    for _, run in method_runs():
+        for row in run.rows:
+            if row.paper is not None:
+                out.setdefault(run.results, {})[run.name] = row.paper
+    return out
+
+
 def per_scale_settings(scale: str) -> dict[str, dict[str, Any]]:
     """``<method>_server``: the per-scale settings of the methods that have them, for the JSON's scale."""
     return {f"{method}_server": dict(run.per_scale[scale]) for method, run in method_runs() if scale in run.per_scale}
@@ -97,6 +109,12 @@ def runs(rounds: int, train_samples: int, ablation_partition: str = "noniid", sc
         raise ValueError(f"the ablation partition is one of {sorted(PARTITIONS)}, got {ablation_partition!r}")
     out: list[tuple[str, str, RunSpec]] = []
     declared = method_runs()
+    table1_names = {run.name for _, _, run in table1_runs(1)}
+    for method, run in declared:
+        if run.reuses_table1 and not {f"{run.name}-{key}" for key in PARTITIONS} <= table1_names:
+            raise ValueError(f"{method}'s bench run {run.name!r} reuses Table 1's run, but Table 1 runs no "
+                             f"{run.name}-<partition>: it runs {sorted(table1_names)}")
+    declared = [(method, run) for method, run in declared if not run.reuses_table1]  # Table 1's cells serve it
     for results in ["methods", *sorted({run.results for _, run in declared} - {"methods"})]:
         for key in PARTITIONS:
             for method, run in declared:
@@ -167,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget": budget(elapsed, BUDGET_MINUTES[scale_name], complete, recorded_as["name"] != "custom"),
         "difference_rule": DIFFERENCE_RULE,
         "cells": cells(results),
-        "paper": {"table2_cifar10": {"none": "diverge", "s2e": 92.97, "bidirectional": 90.53}},
+        "paper": paper_figures(),
         "machine": machine(),
         "runs": results,
         "generated_by": "bench/methods.py" + (" --quick" if args.quick else "") + (" (runs merged with --merge / --collect)" if args.merge or args.collect else ""),

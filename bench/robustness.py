@@ -40,10 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -54,7 +51,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._federation import RESULTS, machine, quiet_logs, write_json  # noqa: E402
+from bench._federation import RESULTS, quiet_logs  # noqa: E402
+from bench._runs import add_grid_arguments, run_grid  # noqa: E402
 from cloud_server.assemble import build_server  # noqa: E402
 from cloud_server.config import ServerConfig  # noqa: E402
 from cloud_server.evaluation import EvalSet  # noqa: E402
@@ -315,13 +313,17 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
+def _resumed_machine(previous: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """The machine as the first invocation found it; the date its runs started."""
+    first = previous.get("machine", {})
+    return {**previous.get("machine", now), "runs_started_utc": first.get("runs_started_utc") or first.get("date_utc")}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="FedAvg clean, x1e3, sign flip, random labels; 2 rounds, few images: a smoke run")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the runs already in --out (same scale) and run only the others")
-    parser.add_argument("--only", nargs="*", default=None, help="run only the cases with these names (and keep the rest)")
+    add_grid_arguments(parser)
     parser.add_argument("--out", type=Path, default=None,
                         help="default: bench/results/robustness.json (--quick: robustness_quick.json)")
     args = parser.parse_args(argv)
@@ -330,53 +332,26 @@ def main(argv: list[str] | None = None) -> None:
     out_path = args.out or RESULTS / ("robustness_quick.json" if args.quick else "robustness.json")
     scale = {"agents": AGENTS, "bad_agent": BAD, "rounds": rounds, "train_samples": train, "test_samples": test,
              "dataset": "fashion-mnist", "partition": "iid", "seed": 0}
-    grid = cases(args.quick)
-    done: dict[str, dict[str, Any]] = {}
-    started = machine()
-    if (args.resume or args.only is not None) and out_path.exists():
-        previous = json.loads(out_path.read_text())
-        if all(previous.get(k) == v for k, v in scale.items()):
-            done = {Case.of(r).name: r for r in previous["runs"]}
-            # The machine as the first invocation found it; the date its runs started.
-            started = {**previous.get("machine", started),
-                       "runs_started_utc": previous.get("machine", {}).get("runs_started_utc")
-                       or previous.get("machine", {}).get("date_utc")}
-        else:
-            print(f"{out_path} holds another scale: starting afresh", flush=True)
-    todo = [c for c in grid if (c.name in args.only if args.only is not None else c.name not in done)]
-    order = {c.name: i for i, c in enumerate(grid)}
 
     # The server's global test set, as every run's report describes it (the same spec for all).
     spec = ServerConfig(run_id="robustness", method="fedavg", dataset=scale["dataset"], eval_samples=test).eval_set_spec()
     loaded = EvalSet.load(spec)
     eval_set = loaded.describe() if loaded is not None else None
 
-    def save() -> None:
-        runs = sorted(done.values(), key=lambda r: order.get(Case.of(r).name, len(order)))
-        missing = [c.name for c in grid if c.name not in done]
-        write_json(out_path, {
-            "benchmark": "robustness", "generated_by": "bench/robustness.py" + (" --quick" if args.quick else ""),
-            "machine": started, **scale, "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED,
-            "method_config": TABLES, "attacks": {k: a.what for k, a in ATTACKS.items()},
-            "eval_set": eval_set, "eval_set_same_for_every_run": all(r.get("eval_set") in (None, eval_set) for r in runs),
-            "complete": not missing, "missing": missing, "runs": runs,
-        })
+    def head(started: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"benchmark": "robustness", "generated_by": "bench/robustness.py" + (" --quick" if args.quick else ""),
+                "machine": started, **scale, "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED,
+                "method_config": TABLES, "attacks": {k: a.what for k, a in ATTACKS.items()},
+                "eval_set": eval_set, "eval_set_same_for_every_run": all(r.get("eval_set") in (None, eval_set) for r in runs)}
 
-    work = Path(tempfile.mkdtemp(prefix="robustness-"))
-    try:
-        for case in todo:
-            print(f"running {case.name}", flush=True)
-            done[case.name] = run_case(case, rounds, train, test, work)
-            r = done[case.name]
-            print(f"  final accuracy {r['final_accuracy']}, rounds ok {r['rounds_ok']}/{rounds}, refusals {r['refusals']}, "
-                  f"largest weight {r['largest_weight']}, {r['wall_s']} s", flush=True)
-            save()
-            shutil.rmtree(work / case.name, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if not todo:
-        save()
+    def run_one(case: Case, work: Path) -> dict[str, Any]:
+        r = run_case(case, rounds, train, test, work)
+        print(f"  final accuracy {r['final_accuracy']}, rounds ok {r['rounds_ok']}/{rounds}, refusals {r['refusals']}, "
+              f"largest weight {r['largest_weight']}, {r['wall_s']} s", flush=True)
+        return r
 
+    run_grid(cases(args.quick), run_one, out_path, scale, head, resume=args.resume, only=args.only,
+             recorded_name=lambda r: Case.of(r).name, resumed_machine=_resumed_machine, work_prefix="robustness-")
 
 if __name__ == "__main__":
     main()

@@ -35,17 +35,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._federation import RESULTS, machine, quiet_logs, write_json  # noqa: E402
+from bench._federation import RESULTS, quiet_logs  # noqa: E402
+from bench._runs import add_grid_arguments, run_grid  # noqa: E402
 from bench.robustness import AGENTS, BAD, LABEL_SEED, SIGN_FLIP_SCALE, TABLES, Case, run_case  # noqa: E402
 
 PARTITIONS = {"iid": "iid", "dir0.5": "dirichlet:0.5", "dir0.1": "dirichlet:0.1"}
@@ -146,60 +144,36 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "fedavg_clean_accuracy_by_rule": dict(sorted(rule_cost.items()))}
 
 
+def _run_one(run: Run, work: Path) -> dict[str, Any]:
+    case = Case(run.method, run.attack, True, run.aggregation)
+    result = run_case(case, ROUNDS, TRAIN, TEST, work, partition=PARTITIONS[run.partition], seed=run.seed,
+                      server=dict(RECORD_ONLY), name=run.name)
+    result.update({"name": run.name, "partition": run.partition, "seed": run.seed, "purpose": run.purpose})
+    result["figures"] = summarise_run(result)
+    f = result["figures"]
+    print(f"  final accuracy {result['final_accuracy']}, honest min cosine {f['honest_min']} at {f['honest_min_at']}, "
+          f"bad agent {f['bad_agent_cosines']}, refusals {result['refusals']}, {result['wall_s']} s", flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--resume", action="store_true", help="keep the runs already in --out and run only the others")
-    parser.add_argument("--only", nargs="*", default=None, help="run only these names (and keep the rest)")
+    add_grid_arguments(parser)
     parser.add_argument("--out", type=Path, default=RESULTS / "update_directions.json")
     args = parser.parse_args(argv)
     quiet_logs()
     scale = {"agents": AGENTS, "bad_agent": BAD, "rounds": ROUNDS, "train_samples": TRAIN, "test_samples": TEST,
              "dataset": "fashion-mnist"}
-    runs = grid()
-    order = {r.name: i for i, r in enumerate(runs)}
-    done: dict[str, dict[str, Any]] = {}
-    started = machine()
-    if (args.resume or args.only is not None) and args.out.exists():
-        previous = json.loads(args.out.read_text())
-        if all(previous.get(k) == v for k, v in scale.items()):
-            done = {r["name"]: r for r in previous["runs"]}
-            started = previous.get("machine", started)
-        else:
-            print(f"{args.out} holds another scale: starting afresh", flush=True)
-    todo = [r for r in runs if (r.name in args.only if args.only is not None else r.name not in done)]
 
-    def save() -> None:
-        kept = sorted(done.values(), key=lambda r: order.get(r["name"], len(order)))
-        missing = [r.name for r in runs if r.name not in done]
-        write_json(args.out, {
-            "benchmark": "update_directions", "generated_by": "bench/update_directions.py", "machine": started, **scale,
-            "partitions": PARTITIONS, "seeds": list(SEEDS), "method_config": {m: TABLES[m] for m in METHODS},
-            "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED, "server": RECORD_ONLY,
-            "reference": "each update's cosine with the coordinate-wise median of the round's updates, its own "
-                         "included (cloud_server/robust.py direction_cosines)",
-            "complete": not missing, "missing": missing, "summary": summary(kept), "runs": kept,
-        })
+    def head(started: dict[str, Any], kept: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"benchmark": "update_directions", "generated_by": "bench/update_directions.py", "machine": started, **scale,
+                "partitions": PARTITIONS, "seeds": list(SEEDS), "method_config": {m: TABLES[m] for m in METHODS},
+                "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED, "server": RECORD_ONLY,
+                "reference": "each update's cosine with the coordinate-wise median of the round's updates, its own "
+                             "included (cloud_server/robust.py direction_cosines)"}
 
-    work = Path(tempfile.mkdtemp(prefix="update-directions-"))
-    try:
-        for run in todo:
-            print(f"running {run.name}", flush=True)
-            case = Case(run.method, run.attack, True, run.aggregation)
-            result = run_case(case, ROUNDS, TRAIN, TEST, work, partition=PARTITIONS[run.partition], seed=run.seed,
-                              server=dict(RECORD_ONLY), name=run.name)
-            result.update({"name": run.name, "partition": run.partition, "seed": run.seed, "purpose": run.purpose})
-            result["figures"] = summarise_run(result)
-            done[run.name] = result
-            f = result["figures"]
-            print(f"  final accuracy {result['final_accuracy']}, honest min cosine {f['honest_min']} at {f['honest_min_at']}, "
-                  f"bad agent {f['bad_agent_cosines']}, refusals {result['refusals']}, {result['wall_s']} s", flush=True)
-            save()
-            shutil.rmtree(work / run.name, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if not todo:
-        save()
-
+    run_grid(grid(), _run_one, args.out, scale, head, resume=args.resume, only=args.only, summary=summary,
+             work_prefix="update-directions-")
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,19 @@ VERSION = "0.1.0"
 class CentralizedConfig:
     """``[centralized]``. Defaults are CPU-friendly; the paper's (Tables 10-12: Adam,
     lr 0.003, wd 1e-4, batch 256, 300 epochs) are in ``deploy/configs/paper``."""
+
+    # One line per key of the [centralized] table (docs/configuration.md is rendered from it by
+    # bench/render_results.py).
+    KEY_MEANINGS: ClassVar[dict[str, str]] = {
+        "model": "the model trained on the union of the agents' data: `resnet56`, `resnet110`, `resnet8`",
+        "epochs_per_round, optimizer, lr, momentum, weight_decay, batch_size":
+            "the training (the paper: Adam, lr 0.003, batch 256, 300 epochs)",
+        "lr_schedule": "`none`, or `plateau`: the learning rate halved after 2 rounds without a lower training loss",
+        "train_samples, test_samples": "the seeded subsets (with `[server] seed`) a federation with the same settings "
+                                       "partitions; 0 = all",
+        "data_root, download": "as in an agent's `[data]`",
+        "augment": "random crops and flips; unset: on for CIFAR-10/100 and CINIC-10 (as in the paper), off otherwise",
+    }
 
     model: str = "resnet56"  # resnet56 | resnet110 | resnet8
     epochs_per_round: int = 1

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--test-samples", type=int, default=1000, help="seeded subset of the test set (0 = all)")
     # The methods' own flags, as their registry entries declare them (MethodSpec.flags). Left
     # out, a flag is None here and LocalRunOptions.flag gives the method's declared default: a
-    # method's launcher table can tell a flag given from one left at its default (FedGKT's
+    # method's launcher table can tell a flag given from one left at its default (a method's
     # preset fills only the keys its table leaves unset).
     for launch in launcher_flags():
         flag = launch.flag

@@ -108,6 +108,11 @@ class ResultsRow:
     label: str  # "MyMethod (ResNet-56)"
     which: str = "model"  # the evaluation label whose accuracy the row shows
     batchnorm: str = ""  # whose BatchNorm statistics the scored model uses
+    paper: float | str | None = None  # the paper's figure for the row (% or a word, e.g. "diverge"); None: it has none
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paper, bool) or not (self.paper is None or isinstance(self.paper, (int, float, str))):
+            raise ValueError(f"row {self.label!r}: paper is the paper's figure (a number or a word), got {self.paper!r}")
 
 
 #: What a bench run's table may go on top of (``BenchRun.shared``).
@@ -134,6 +139,10 @@ class BenchRun:
     cells go to: ``"methods"``, the other methods beside Table 1 (its rows are ``rows``), or
     a table of the method's own (e.g. ``"table2"``, the paper's ablation), whose runs the
     benchmark plans after every run of the ``"methods"`` table.
+
+    ``reuses_table1``: the run is the method's Table 1 run itself (``bench/accuracy.py``'s
+    ``<name>-<partition>``), declared so that a table of the method's own shows it as a row (e.g.
+    Table 2's S<->E): the benchmark does not run it again, and the row shows Table 1's cells.
     """
 
     name: str
@@ -145,8 +154,11 @@ class BenchRun:
     order: int = 0  # where its runs and rows go among the other methods' (lower first; ties by name)
     partitions: str = "every"
     results: str = "methods"
+    reuses_table1: bool = False
 
     def __post_init__(self) -> None:
+        if self.reuses_table1 and (self.shared != "table1" or self.table or self.per_scale or self.train_samples_key):
+            raise ValueError(f"bench run {self.name!r} reuses Table 1's run: shared = 'table1' and no keys of its own")
         if self.shared not in BENCH_SHARED:
             raise ValueError(f"bench run {self.name!r}: shared must be one of {BENCH_SHARED}, got {self.shared!r}")
         if self.partitions not in BENCH_PARTITIONS:

@@ -49,6 +49,32 @@ def test_every_registered_method_with_a_config_has_its_table_with_every_key() ->
             assert f"`{key}`" in table, f"[{name}].{key} is not in its table"
 
 
+def test_the_centralized_table_is_rendered_in_the_block_with_every_key() -> None:
+    """[centralized] is no registered method's table, and is rendered all the same: the page's
+    block (test_the_page_holds_the_rendered_tables) holds it, with every field of its config."""
+    from cloud_server.centralized import CentralizedConfig
+
+    render = _load_bench("config_tables")
+    assert ("centralized", "cloud_server.centralized:CentralizedConfig",
+            "run with `edgesplit centralized --config FILE`") in render.OTHER_TABLES
+    lines = render.config_tables()
+    heading = next(i for i, line in enumerate(lines) if line.startswith("`[centralized]`"))
+    assert lines[heading] == ("`[centralized]` (`cloud_server/centralized.py`, `CentralizedConfig`; "
+                              "run with `edgesplit centralized --config FILE`)")
+    start = heading + 2
+    end = next(i for i in range(start, len(lines)) if lines[i] == "")
+    table = "\n".join(lines[start:end])
+    fields = [f.name for f in dataclasses.fields(CentralizedConfig)]
+    assert fields and list(render.default_table(CentralizedConfig)) == fields
+    for key in fields:
+        assert f"`{key}`" in table, f"[centralized].{key} is not in its table"
+    assert "| `augment` | bool \\| None | unset |" in table
+    # Outside the block nothing is left of the hand-written table.
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    headings = [i for i, line in enumerate(page.splitlines()) if line.startswith("`[centralized]`")]
+    assert len(headings) == 1 and headings[0] < page.splitlines().index(render.CONFIG_END)
+
+
 def test_a_row_shows_the_keys_types_defaults_and_meaning() -> None:
     render = _load_bench("config_tables")
 

@@ -7,6 +7,7 @@ aside)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 import subprocess
@@ -199,6 +200,13 @@ def toy_method(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     EDGESPLIT_METHODS; the registries it joins are restored afterwards."""
     import importlib
 
+    from shared_protocol.registry import registered_methods
+
+    # The built-in methods' modules register themselves at their first import: imported now, they
+    # register into the registries restored afterwards, not into the copies this test works on.
+    for spec in registered_methods().values():
+        for part in (spec.server, spec.edge, *spec.messages):
+            importlib.import_module(part)
     for module, attr in _REGISTRIES:
         held = getattr(importlib.import_module(module), attr)
         monkeypatch.setattr(importlib.import_module(module), attr, type(held)(held))
@@ -298,6 +306,61 @@ def test_the_one_default_is_the_registrys() -> None:
 def test_the_grep_sees_a_method_name() -> None:
     assert method_mentions("the sample-weighted mean (FedAvg's C), fedgkt.mode", ["fedavg", "fedgkt"]) == ["FedAvg", "fedgkt"]
     assert method_mentions("not-fedavg or fedavg_x or myfedavg", ["fedavg"]) == []
+
+
+#: Modules kept so that outside code's imports keep working: they gather names other modules define.
+FACADES = ("cloud_server/robust.py", "cloud_server/server_step.py")
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The names a module defines at its top level (classes, functions, assignments), not those it imports."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def facade_imports(source: str, package: str) -> list[str]:
+    """``module.name`` of every name ``source`` (a module of ``package``, e.g. ``cloud_server.methods``)
+    imports through a facade that does not define it, and every facade imported whole."""
+    facades = {path.removesuffix(".py").replace("/", "."): _defined(ast.parse((ROOT / path).read_text()))
+               for path in FACADES}
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [alias.name for alias in node.names if alias.name in facades]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[:len(package.split(".")) + 1 - node.level]) if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            if module in facades:
+                out += [f"{module}.{alias.name}" for alias in node.names if alias.name not in facades[module]]
+            else:
+                out += [f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in facades]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "cloud_server" / "methods").glob("*.py")))
+def test_method_servers_import_names_from_the_modules_that_define_them(path: str) -> None:
+    assert facade_imports((ROOT / path).read_text(), "cloud_server.methods") == [], (
+        f"{path} imports through a facade ({', '.join(FACADES)}): import from the module that defines the name")
+
+
+def test_the_facade_check_sees_a_re_exported_name() -> None:
+    assert facade_imports("from ..robust import ImplausibleUploadError, screen_uploads\n", "cloud_server.methods") == [
+        "cloud_server.robust.ImplausibleUploadError", "cloud_server.robust.screen_uploads"]
+    assert facade_imports("from cloud_server.server_step import TrainStep, RowBank\n", "cloud_server.methods") == [
+        "cloud_server.server_step.RowBank"]  # TrainStep is server_step's own
+    assert facade_imports("from .. import robust\nimport cloud_server.server_step\n", "cloud_server.methods") == [
+        "cloud_server.robust", "cloud_server.server_step"]
+    assert facade_imports("from ..robust_config import ImplausibleUploadError\nfrom ..server_step import TrainStep\n",
+                          "cloud_server.methods") == []
+    # The facades still hand out what they gathered, for outside code.
+    from cloud_server.robust import ImplausibleUploadError, screen_uploads  # noqa: F401
+    from cloud_server.server_step import RowBank, normalised_images  # noqa: F401
 
 
 def test_the_readme_lists_every_registered_method_from_its_registry_entry() -> None:

@@ -52,7 +52,8 @@ class ServerContext:
     validation: Any = None  # cloud_server.validation_screen.ValidationScreen
 
     def __post_init__(self) -> None:
-        from ..robust import RobustnessConfig, RobustnessLedger
+        from ..robust_config import RobustnessConfig
+        from ..robust_ledger import RobustnessLedger
         from ..robust_validation import DefenceConfig
 
         if self.robustness is None:

@@ -46,8 +46,9 @@ from shared_protocol.methods.fedavg import (
 )
 
 from ..aggregation import weighted_mean
-from ..robust import robust_state_aggregate, screen_uploads
 from ..evaluation import HEADLINE, EvalModel, Evaluation
+from ..robust_rules import robust_state_aggregate
+from ..robust_screening import screen_uploads
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 

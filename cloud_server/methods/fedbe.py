@@ -54,7 +54,8 @@ from models import build_model, count_parameters, forward_flops_per_sample, load
 from models.swa import predict_probabilities, recompute_bn_statistics
 
 from ..aggregation import build_sampled_state, fit_diagonal_gaussian, sample_dirichlet, sample_gaussian
-from ..server_step import TrainStep, normalised_images
+from ..row_bank import normalised_images
+from ..server_step import TrainStep
 from .base import ServerContext, register_server_method
 from .fedavg import FedAvgConfig, FedAvgServer
 from .fedbe_distill import _accuracy, distill_swa, load_server_data

@@ -37,7 +37,7 @@ from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktSer
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
 from ..feature_store import AgentRows, ArrayStaging, StagedUploads, gather_batches
-from ..robust import ImplausibleUploadError
+from ..robust_config import ImplausibleUploadError
 from ..server_step import TrainStep
 from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, StreamedUploads, register_server_method
 from .fedgkt_config import ALGORITHM_1, EDGE_KEYS, KD_MODES, PAPER_PRESETS, SERVER_ORDERS, FedGktConfig

@@ -16,7 +16,7 @@ import numpy as np
 from shared_protocol.messages import RoundEnd
 from shared_protocol.methods.fedgkt import GktFeatures
 
-from ..robust import MAD_TO_SD, ImplausibleUploadError
+from ..robust_config import MAD_TO_SD, ImplausibleUploadError
 
 __all__ = ["FedGktPlausibility"]
 

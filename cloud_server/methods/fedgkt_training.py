@@ -17,10 +17,12 @@ import torch
 from tqdm.auto import tqdm
 
 from models.batchnorm import BnStatistics, measure_bn_statistics
+from models.train_step import DeviceSum
 from models.training import Batch, StepSkipped, Trainer
 
 from ..feature_store import AgentRows, RowSource
-from ..server_step import DeviceSum, TrainStep, banks_for_staged_rows
+from ..row_bank import banks_for_staged_rows
+from ..server_step import TrainStep
 
 log = logging.getLogger("cloud_server.fedgkt")
 

@@ -57,7 +57,8 @@ from shared_protocol.messages import EvalReport, Message, RoundEnd, RoundStart
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdUpdate, factor_state, unfactor_state
 
 from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
-from ..robust import aggregate_vectors, choose_rule, clip_rows, screen_uploads
+from ..robust_rules import aggregate_vectors, choose_rule, clip_rows
+from ..robust_screening import screen_uploads
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 from .fedkd_config import EDGE_KEYS, WEIGHTINGS, FedKdConfig

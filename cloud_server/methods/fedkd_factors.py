@@ -9,7 +9,7 @@ import numpy as np
 
 from shared_protocol import svd
 
-from ..robust import ImplausibleUploadError
+from ..robust_config import ImplausibleUploadError
 
 __all__ = ["FACTOR_TOLERANCE", "_check_factors", "_eq8_rank", "_ranks"]
 

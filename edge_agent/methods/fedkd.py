@@ -49,6 +49,7 @@ import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. re
 from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays
 from models.mentor import HiddenOutputs, forward_with_hidden, hidden_dim
+from models.seeding import build_seeded
 from models.training import accuracy, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
@@ -173,9 +174,11 @@ class FedKdEdge(EdgeMethod):
         self.mentor_name = str(settings.get("mentor_model", "resnet56"))
         self.mentee_name = str(settings.get("mentee_model", "resnet8"))
         in_channels = ctx.train.in_channels
-        self.mentor = build_model(self.mentor_name, self.num_classes, in_channels).to(ctx.device)
-        self.mentee = build_model(self.mentee_name, self.num_classes, in_channels).to(ctx.device)
-        self.projection = nn.Linear(hidden_dim(self.mentee), hidden_dim(self.mentor)).to(ctx.device)  # W_h
+        generator = ctx.weights_generator()  # the agent's own stream: mentor, mentee, then W_h
+        self.mentor = build_model(self.mentor_name, self.num_classes, in_channels, generator=generator).to(ctx.device)
+        self.mentee = build_model(self.mentee_name, self.num_classes, in_channels, generator=generator).to(ctx.device)
+        widths = (hidden_dim(self.mentee), hidden_dim(self.mentor))
+        self.projection = build_seeded(lambda: nn.Linear(*widths), generator).to(ctx.device)  # W_h
         self.pair = MutualPair(self.mentor, self.mentee, self.projection)
         self.global_state: dict[str, np.ndarray] | None = None  # the global mentee this agent holds
         self.global_version = -1

@@ -700,12 +700,16 @@ class Arm:
     base: str  # the METHODS run whose [method] table it starts from
     changes: dict[str, Any]  # what it sets on top of that table: its one factor
     factor: str  # the factor, in words
+    # A FedAvg baseline: read from the grid's recorded run of the same seed, up to the ablation's
+    # rounds, where the JSON holds one (FedAvg has no schedule over the run's rounds and the agents
+    # drawn in a round depend on (seed, round) alone: the grid's round R is a run of R rounds).
+    from_grid: bool = False
 
 
 FEDKD_ARMS: tuple[Arm, ...] = (
     Arm("fedkd", "fedkd", {}, "none: FedKD as the grid runs it (ConvNet mentors, SimpleCNN mentee, T 0.95 -> 0.98, "
                               "10 local epochs, adaptive mutual distillation and hidden losses)"),
-    Arm("fedavg-mentor", "fedavg-mentor", {}, "the claim's baseline: FedAvg of the mentors' model (ConvNet)"),
+    Arm("fedavg-mentor", "fedavg-mentor", {}, "the claim's baseline: FedAvg of the mentors' model (ConvNet)", from_grid=True),
     Arm("mentor-local", "fedkd", {"mentor_distillation": False},
         "the mentor learns from its own labels only (no distillation or hidden term from the mentee): a purely "
         "local model (the paper's Fig. 2, without mutual distillation)"),
@@ -718,14 +722,15 @@ FEDKD_ARMS: tuple[Arm, ...] = (
         "distillation and hidden terms weighted 1, not 1 / (L^t_t + L^t_s) (the paper's Fig. 3)"),
     Arm("epochs-2", "fedkd", {"local_epochs": 2}, "2 local epochs instead of 10"),
     Arm("mentee-convnet", "fedkd", {"mentee_model": MENTOR}, f"the mentee as large as the mentor ({MENTOR_LABEL})"),
-    Arm("fedavg", "fedavg", {}, "the mentee's baseline: FedAvg of the mentee's model (SimpleCNN)"),
+    Arm("fedavg", "fedavg", {}, "the mentee's baseline: FedAvg of the mentee's model (SimpleCNN)", from_grid=True),
 )
 ARMS_BY_NAME = {a.name: a for a in FEDKD_ARMS}
 
 ABLATION_SCALES = {
-    # Dirichlet(0.1), the grid's seeds and regime, 10 rounds: 9 runs a seed in about 45 minutes for
-    # the three seeds on 2 quiet cores (FedKD 149.8 s per 16 rounds in the pilots, FedAvg(ConvNet) 91.4).
-    "full": dataclasses.replace(SCALES["full"], name="ablation-fedkd", rounds=10, partitions=("dir0.1",), budget_minutes=45,
+    # Dirichlet(0.1), the grid's seeds and regime, 6 rounds (evaluated in rounds 2, 4, 6): on the
+    # machine shared with other jobs a FedKD round took 11-64 s (40 s on average; 9.4 s in the
+    # quiet pilots), so a run is about 4 minutes and three arms of three seeds fit 45 minutes.
+    "full": dataclasses.replace(SCALES["full"], name="ablation-fedkd", rounds=6, partitions=("dir0.1",), budget_minutes=45,
                                 fedbe_server={}),
     # The pipeline check the test suite runs: synthetic data, every arm, two seeds, one round.
     "quick": dataclasses.replace(SCALES["quick"], name="ablation-fedkd-quick", rounds=1, fedbe_server={}),
@@ -770,6 +775,37 @@ def local_majority_accuracy(report: Mapping[str, Any], data: DataSpec) -> float 
     counts = [np.bincount(np.asarray(tests[a].labels, dtype=np.int64)) for a in agents if len(tests[a])]
     total = sum(int(c.sum()) for c in counts)
     return sum(int(c.max()) for c in counts) / total if total else None
+
+
+def grid_baseline(grid_runs: Mapping[str, Any], grid_key: Mapping[str, Any] | None, scale: Scale, key: str, arm: Arm,
+                  run: RunSpec, seed: int) -> dict[str, Any] | None:
+    """``arm``'s run of ``seed`` read from the grid's recorded one (``grid_runs``, at ``grid_key``'s
+    scale), cut at the ablation's rounds; None unless the grid ran exactly this run on the same data
+    and regime for at least as many rounds, and evaluated the ablation's last round."""
+    if not arm.from_grid or grid_key is None:
+        return None
+    regime = ("dataset", "agents", "client_fraction", "train_samples", "test_samples", "eval_every", "local_epochs", "model", "mentor")
+    if any(grid_key.get(k) != scale.key()[k] for k in regime) or grid_key.get("rounds", 0) < scale.rounds:
+        return None
+    recorded = grid_runs.get(run_key(f"{arm.base}-{key}", seed))
+    if recorded is None or recorded.get("status") != "finished" or len(recorded["rounds"]) < scale.rounds:
+        return None
+    if any(recorded["method_config"].get(k) != v for k, v in run.method_config.items()):
+        return None
+    kept = recorded["rounds"][: scale.rounds]
+    last = kept[-1]
+    if last["accuracy"] is None:
+        return None
+    labels = (recorded.get("final_by_label") or {}).get("labels") or {}
+    return {**recorded, "name": run.name, "method_name": arm.name, "arm": arm.name, "rounds": kept,
+            "final_accuracy": last["accuracy"], "final_local_accuracy": last["local_accuracy"],
+            "best_accuracy": max(r["accuracy"] for r in kept if r["accuracy"] is not None),
+            "final_by_label": {"global": dict(last["by_label"].get("global") or {}), "local": dict(last["by_label"].get("local") or {}),
+                               "labels": labels},
+            "wire_total_bytes": last["cumulative_wire"], "edge_train_flops_total": sum(r["edge_train_flops"] for r in kept),
+            "server_flops_total": None, "local_majority_accuracy": None,
+            "run_wall_time_s": None, "run_cpu_s": None, "finished_at": None,
+            "from_grid": {"run": run_key(f"{arm.base}-{key}", seed), "grid_rounds": len(recorded["rounds"]), "cut_at_round": scale.rounds}}
 
 
 def _by_seed(runs: Mapping[str, Any], name: str, read: Any) -> dict[str, float | None]:
@@ -832,7 +868,8 @@ def ablation_document(runs: dict[str, Any], scale: Scale, generated_by: str) -> 
     """The ``ablations.fedkd`` section of the JSON: the arms, every run, the cells and the effects."""
     names = {run.name for _, _, run in ablation_plan(scale)}
     complete = {run_key(n, s) for n in names for s in scale.seeds} <= set(runs)
-    elapsed, elapsed_is = elapsed_s(runs) if runs else (0.0, "no runs")
+    made = {k: r for k, r in runs.items() if not r.get("from_grid")}  # the baselines read from the grid took no time here
+    elapsed, elapsed_is = elapsed_s(made) if made else (0.0, "no runs")
     walls: dict[str, list[float]] = {}
     for r in runs.values():
         if r.get("run_wall_time_s") is not None:
@@ -849,7 +886,8 @@ def ablation_document(runs: dict[str, Any], scale: Scale, generated_by: str) -> 
                   "local_epochs": scale.local_epochs, "partitions": {k: PARTITIONS[k] for k in scale.partitions},
                   "seeds": sorted({r["seed"] for r in runs.values()}), "planned_seeds": list(scale.seeds), "complete": complete},
         "arms": {a.name: {"factor": a.factor, "base": a.base, "changes": a.changes, "method": METHODS[a.base][0],
-                          "method_config": {**method_config(a.base, scale), **a.changes}} for a in FEDKD_ARMS},
+                          "method_config": {**method_config(a.base, scale), **a.changes}, "from_grid_if_recorded": a.from_grid}
+                 for a in FEDKD_ARMS},
         "figures": {fig: what for fig, (what, _) in ABLATION_FIGURES.items()},
         "paired_rule": PAIRED_RULE,
         "effects": ablation_effects(runs, scale),
@@ -891,10 +929,17 @@ def run_ablation(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if unknown:
         parser.error(f"--only: no arms named {unknown}; the ablation's runs are {sorted(names)}")
     run_root = scale_folder(args.run_dir, scale)
+    recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
+    grid_key = (recorded.get("scale") or {}).get("key")
     runs: dict[str, Any] = {}
     for seed in seeds:  # seed by seed: every finished seed is a complete paired comparison of the arms
         for key, arm, run in plan_:
             if args.collect or (args.only and run.name not in args.only):
+                continue
+            derived = grid_baseline(recorded.get("runs") or {}, grid_key, scale, key, arm, run, seed)
+            if derived is not None:
+                runs[run_key(run.name, seed)] = derived
+                print(f"== ablation {run.name} seed {seed}: the grid's {derived['from_grid']['run']} up to round {scale.rounds}")
                 continue
             if args.resume and (run_root / run_key(run.name, seed) / "summary.json").exists():
                 continue

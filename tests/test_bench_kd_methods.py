@@ -5,6 +5,7 @@ two seeds, a real broker), and what bench/render_results.py makes of the JSON; F
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -242,18 +243,46 @@ def test_the_full_scales_projected_budget_is_the_docstrings_arithmetic() -> None
 def test_each_ablation_arm_changes_one_factor_of_the_grids_fedkd() -> None:
     kd = load("kd_methods")
     scale = kd.ABLATION_SCALES["full"]
-    assert (scale.partitions, scale.seeds, scale.rounds, scale.agents, scale.client_fraction) == (("dir0.1",), (0, 1, 2), 10, 20, 0.2)
+    assert (scale.partitions, scale.seeds, scale.rounds, scale.agents, scale.client_fraction) == (("dir0.1",), (0, 1, 2), 6, 20, 0.2)
     plan = {arm.name: run for _key, arm, run in kd.ablation_plan(scale)}
     assert list(plan) == [a.name for a in kd.FEDKD_ARMS] and plan["fedkd"].method_config == kd.method_config("fedkd", scale)
     base = plan["fedkd"].method_config
     for arm in kd.FEDKD_ARMS:
         run = plan[arm.name]
-        assert run.name == f"{arm.name}-dir0.1" and run.server == {"client_fraction": 0.2} and run.rounds == 10
+        assert run.name == f"{arm.name}-dir0.1" and run.server == {"client_fraction": 0.2} and run.rounds == 6
         if run.method == "fedkd":
             changed = {k for k in set(base) | set(run.method_config) if base.get(k) != run.method_config.get(k)}
             assert changed == set(arm.changes), arm.name  # exactly its factor
             FedKdConfig.from_dict(run.method_config)  # every arm is a valid [fedkd] table
     assert plan["fedavg-mentor"].method_config["model"] == kd.MENTOR and plan["fedavg"].method_config["model"] == kd.MODEL
+
+
+def test_a_fedavg_baseline_is_the_grids_run_cut_at_the_ablations_rounds() -> None:
+    kd = load("kd_methods")
+    scale = kd.ABLATION_SCALES["full"]
+    grid_key = kd.SCALES["full"].key()
+    plan = {arm.name: (key, arm, run) for key, arm, run in kd.ablation_plan(scale)}
+    accuracies = [0.1 * (i + 1) if (i + 1) % 2 == 0 else None for i in range(20)]  # evaluated every second round
+    recorded = summary(kd, "fedavg-mentor", "dir0.1", 0, [0.5] * 20)
+    for r, acc in zip(recorded["rounds"], accuracies):
+        r["accuracy"], r["local_accuracy"] = acc, None if acc is None else acc + 0.3
+        r["by_label"] = {} if acc is None else {"global": {"model": acc}, "local": {"model": acc + 0.3}}
+    recorded["method_config"] = {**kd.method_config("fedavg-mentor", kd.SCALES["full"]), "aggregation": "mean"}  # resolved: more keys
+    grid = {"fedavg-mentor-dir0.1-seed0": recorded}
+    key, arm, run = plan["fedavg-mentor"]
+    cut = kd.grid_baseline(grid, grid_key, scale, key, arm, run, 0)
+    assert cut is not None and cut["name"] == "fedavg-mentor-dir0.1" and len(cut["rounds"]) == 6
+    assert cut["final_accuracy"] == pytest.approx(0.6) and cut["final_local_accuracy"] == pytest.approx(0.9)
+    assert cut["best_accuracy"] == pytest.approx(0.6) and cut["wire_total_bytes"] == pytest.approx(recorded["rounds"][5]["cumulative_wire"])
+    assert cut["from_grid"] == {"run": "fedavg-mentor-dir0.1-seed0", "grid_rounds": 20, "cut_at_round": 6} and cut["run_wall_time_s"] is None
+    # Never another seed, another regime, another model, a FedKD arm, or a round the grid did not evaluate.
+    assert kd.grid_baseline(grid, grid_key, scale, key, arm, run, 1) is None
+    assert kd.grid_baseline(grid, {**grid_key, "local_epochs": 2}, scale, key, arm, run, 0) is None
+    assert kd.grid_baseline({"fedavg-mentor-dir0.1-seed0": {**recorded, "method_config": {"model": "simplecnn"}}}, grid_key, scale,
+                            key, arm, run, 0) is None
+    assert kd.grid_baseline(grid, grid_key, scale, *plan["fedkd"], 0) is None
+    odd = dataclasses.replace(scale, rounds=5)
+    assert kd.grid_baseline(grid, grid_key, odd, *[x for x in kd.ablation_plan(odd) if x[1].name == "fedavg-mentor"][0], 0) is None
 
 
 def _arm_run(kd: Any, arm: str, seed: int, deployed: float, local: float, mentee: float | None, majority: float = 0.5) -> dict[str, Any]:

@@ -114,6 +114,7 @@ recorded before (invocations may run side by side, an interrupted grid resumes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -682,6 +683,297 @@ def document(results: dict[str, Any], scale: Scale, planned_seeds: Sequence[int]
     }
 
 
+# -- FedKD's ablation (--ablation fedkd) ------------------------------------------------------------ #
+#
+# The grid's FedKD fails its claim on the balanced global set (Dir(0.1): mentors 22.9 % against
+# FedAvg(ConvNet)'s 44.8 %). Which factor makes the gap? One factor at a time against the grid's
+# FedKD, at Dirichlet(0.1) (the largest gap), the same seeds (paired: each seed is one split that
+# every arm shares), fewer rounds than the grid to fit its budget. Every arm is scored as the grid
+# scores it: each agent's deployed model on the balanced set (global) and on its own test shard
+# (local: the paper's "average performance of local mentor models on the local data"), the
+# mentee beside the mentors; the two FedAvg arms are the baselines at the same rounds.
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str  # the run's name before its partition key
+    base: str  # the METHODS run whose [method] table it starts from
+    changes: dict[str, Any]  # what it sets on top of that table: its one factor
+    factor: str  # the factor, in words
+    # A FedAvg baseline: read from the grid's recorded run of the same seed, up to the ablation's
+    # rounds, where the JSON holds one (FedAvg has no schedule over the run's rounds and the agents
+    # drawn in a round depend on (seed, round) alone: the grid's round R is a run of R rounds).
+    from_grid: bool = False
+
+
+FEDKD_ARMS: tuple[Arm, ...] = (
+    Arm("fedkd", "fedkd", {}, "none: FedKD as the grid runs it (ConvNet mentors, SimpleCNN mentee, T 0.95 -> 0.98, "
+                              "10 local epochs, adaptive mutual distillation and hidden losses)"),
+    Arm("fedavg-mentor", "fedavg-mentor", {}, "the claim's baseline: FedAvg of the mentors' model (ConvNet)", from_grid=True),
+    Arm("mentor-local", "fedkd", {"mentor_distillation": False},
+        "the mentor learns from its own labels only (no distillation or hidden term from the mentee): a purely "
+        "local model (the paper's Fig. 2, without mutual distillation)"),
+    Arm("no-svd", "fedkd", {"threshold_start": 1.0, "threshold_end": 1.0},
+        "SVD compression off: T = 1 keeps every singular value, updates travel lossless both ways"),
+    Arm("mentee-ce", "fedkd", {"mentee_distillation": False},
+        "the mentee learns from its labels only (its mentor does not teach it): FedAvg of the mentee with "
+        "SVD-factored updates"),
+    Arm("fixed-weight", "fedkd", {"adaptive_weight": False},
+        "distillation and hidden terms weighted 1, not 1 / (L^t_t + L^t_s) (the paper's Fig. 3)"),
+    Arm("epochs-2", "fedkd", {"local_epochs": 2}, "2 local epochs instead of 10"),
+    Arm("mentee-convnet", "fedkd", {"mentee_model": MENTOR}, f"the mentee as large as the mentor ({MENTOR_LABEL})"),
+    Arm("fedavg", "fedavg", {}, "the mentee's baseline: FedAvg of the mentee's model (SimpleCNN)", from_grid=True),
+)
+ARMS_BY_NAME = {a.name: a for a in FEDKD_ARMS}
+
+ABLATION_SCALES = {
+    # Dirichlet(0.1), the grid's seeds and regime, 6 rounds (evaluated in rounds 2, 4, 6): on the
+    # machine shared with other jobs a FedKD round took 11-64 s (40 s on average; 9.4 s in the
+    # quiet pilots), so a run is about 4 minutes and three arms of three seeds fit 45 minutes.
+    "full": dataclasses.replace(SCALES["full"], name="ablation-fedkd", rounds=6, partitions=("dir0.1",), budget_minutes=45,
+                                fedbe_server={}),
+    # The pipeline check the test suite runs: synthetic data, every arm, two seeds, one round.
+    "quick": dataclasses.replace(SCALES["quick"], name="ablation-fedkd-quick", rounds=1, fedbe_server={}),
+}
+
+#: What each figure of an arm is, read from a run's summary (None where the arm has no such model).
+ABLATION_FIGURES: dict[str, tuple[str, Any]] = {
+    "deployed_global": ("the deployed model(s) on the balanced set: FedKD's mentors (mean over the round's agents), "
+                        "FedAvg's global model", lambda r: r["final_accuracy"]),
+    "deployed_local": ("the same on each agent's own test shard, sample-weighted over the last evaluated round's agents",
+                       lambda r: r.get("final_local_accuracy")),
+    "mentee_global": ("FedKD's global mentee on the balanced set", lambda r: r["final_by_label"]["global"].get("mentee")),
+    "mentee_local": ("FedKD's global mentee on the same agents' shards", lambda r: r["final_by_label"]["local"].get("mentee")),
+    "local_majority": ("a constant predictor of each agent's most common test class, on the same agents' shards: what "
+                       "local accuracy a model gets without telling classes apart", lambda r: r.get("local_majority_accuracy")),
+}
+
+
+def ablation_plan(scale: Scale, arms: Sequence[Arm] = FEDKD_ARMS) -> list[tuple[str, Arm, RunSpec]]:
+    """(partition key, arm, run) for one seed: every arm on every partition of ``scale``."""
+    return [(key, arm, RunSpec(f"{arm.name}-{key}", METHODS[arm.base][0], {**method_config(arm.base, scale), **arm.changes},
+                               scale.rounds, eval_every=scale.eval_every, server={"client_fraction": scale.client_fraction}))
+            for key in scale.partitions for arm in arms]
+
+
+def local_majority_accuracy(report: Mapping[str, Any], data: DataSpec) -> float | None:
+    """What predicting each agent's most common test class scores on its own test shard,
+    sample-weighted over the agents of the last evaluated round (those the run's local accuracy
+    is over): the floor that local accuracy is to be read against at strong skew."""
+    agents = next((list((r.get("evaluation") or {}).get("per_agent") or {}) for r in reversed(report["rounds"])
+                   if (r.get("evaluation") or {}).get("local_accuracy")), [])
+    if not agents:
+        return None
+    import numpy as np
+
+    from edge_agent.config import DataConfig
+    from edge_agent.simulate import shards
+
+    base = DataConfig(dataset=data.dataset, partition=data.partition, num_agents=data.agents, seed=data.seed,
+                      train_samples=data.train_samples, test_samples=data.test_samples)
+    tests = {f"agent-{i}": test for i, (_train, test) in enumerate(shards(base, data.agents))}  # as run_federation names them
+    counts = [np.bincount(np.asarray(tests[a].labels, dtype=np.int64)) for a in agents if len(tests[a])]
+    total = sum(int(c.sum()) for c in counts)
+    return sum(int(c.max()) for c in counts) / total if total else None
+
+
+def grid_baseline(grid_runs: Mapping[str, Any], grid_key: Mapping[str, Any] | None, scale: Scale, key: str, arm: Arm,
+                  run: RunSpec, seed: int) -> dict[str, Any] | None:
+    """``arm``'s run of ``seed`` read from the grid's recorded one (``grid_runs``, at ``grid_key``'s
+    scale), cut at the ablation's rounds; None unless the grid ran exactly this run on the same data
+    and regime for at least as many rounds, and evaluated the ablation's last round."""
+    if not arm.from_grid or grid_key is None:
+        return None
+    regime = ("dataset", "agents", "client_fraction", "train_samples", "test_samples", "eval_every", "local_epochs", "model", "mentor")
+    if any(grid_key.get(k) != scale.key()[k] for k in regime) or grid_key.get("rounds", 0) < scale.rounds:
+        return None
+    recorded = grid_runs.get(run_key(f"{arm.base}-{key}", seed))
+    if recorded is None or recorded.get("status") != "finished" or len(recorded["rounds"]) < scale.rounds:
+        return None
+    if any(recorded["method_config"].get(k) != v for k, v in run.method_config.items()):
+        return None
+    kept = recorded["rounds"][: scale.rounds]
+    last = kept[-1]
+    if last["accuracy"] is None:
+        return None
+    labels = (recorded.get("final_by_label") or {}).get("labels") or {}
+    return {**recorded, "name": run.name, "method_name": arm.name, "arm": arm.name, "rounds": kept,
+            "final_accuracy": last["accuracy"], "final_local_accuracy": last["local_accuracy"],
+            "best_accuracy": max(r["accuracy"] for r in kept if r["accuracy"] is not None),
+            "final_by_label": {"global": dict(last["by_label"].get("global") or {}), "local": dict(last["by_label"].get("local") or {}),
+                               "labels": labels},
+            "wire_total_bytes": last["cumulative_wire"], "edge_train_flops_total": sum(r["edge_train_flops"] for r in kept),
+            "server_flops_total": None, "local_majority_accuracy": None,
+            "run_wall_time_s": None, "run_cpu_s": None, "finished_at": None,
+            "from_grid": {"run": run_key(f"{arm.base}-{key}", seed), "grid_rounds": len(recorded["rounds"]), "cut_at_round": scale.rounds}}
+
+
+def _by_seed(runs: Mapping[str, Any], name: str, read: Any) -> dict[str, float | None]:
+    return {str(r["seed"]): read(r) for r in runs.values() if r["name"] == name}
+
+
+def ablation_effects(runs: Mapping[str, Any], scale: Scale) -> dict[str, Any]:
+    """Per partition, every arm's figures (mean ± sd over seeds, and per seed) and, paired over
+    seeds: each FedKD arm minus the FedKD arm (the factor's effect), its mentors minus
+    FedAvg(ConvNet) (global, and local: the paper's comparison), its mentee minus FedAvg(SimpleCNN)."""
+    out: dict[str, Any] = {}
+    for key in scale.partitions:
+        part: dict[str, Any] = {"arms": {}, "effect_vs_fedkd": {}, "versus_fedavg": {}}
+        base, big, small = f"fedkd-{key}", f"fedavg-mentor-{key}", f"fedavg-{key}"
+        for arm in FEDKD_ARMS:
+            name = f"{arm.name}-{key}"
+            if not any(r["name"] == name for r in runs.values()):
+                continue
+            figures = {fig: _by_seed(runs, name, read) for fig, (_, read) in ABLATION_FIGURES.items()}
+            part["arms"][arm.name] = {fig: {**mean_sd(v.values()), "by_seed": v} for fig, v in figures.items()}
+            if METHODS[arm.base][0] != "fedkd":
+                continue
+            if arm.name != "fedkd":
+                part["effect_vs_fedkd"][arm.name] = {
+                    fig: paired(figures[fig], _by_seed(runs, base, read))
+                    for fig, (_, read) in ABLATION_FIGURES.items() if fig != "local_majority"}
+            deployed = {where: _by_seed(runs, big, ABLATION_FIGURES[f"deployed_{where}"][1]) for where in ("global", "local")}
+            small_deployed = {where: _by_seed(runs, small, ABLATION_FIGURES[f"deployed_{where}"][1]) for where in ("global", "local")}
+            part["versus_fedavg"][arm.name] = {
+                **{f"mentors_vs_fedavg_mentor_{w}": paired(figures[f"deployed_{w}"], deployed[w]) for w in ("global", "local")},
+                **{f"mentee_vs_fedavg_{w}": paired(figures[f"mentee_{w}"], small_deployed[w]) for w in ("global", "local")},
+            }
+        out[key] = part
+    return out
+
+
+def previous_ablation_runs(out: Path, run_root: Path, scale: Scale, name: str = "fedkd") -> dict[str, Any]:
+    """The ablation's runs of this scale recorded before: in ``out``'s ``ablations`` section and
+    in the runs' ``summary.json`` (the newer wins; each summarised again from its report)."""
+    found: dict[str, Any] = {}
+    if out.exists():
+        section = (json.loads(out.read_text()).get("ablations") or {}).get(name) or {}
+        if (section.get("scale") or {}).get("key") == scale.key():
+            found.update(section.get("runs") or {})
+    specs = {run.name: (key, arm, run) for key, arm, run in ablation_plan(scale)}
+    for path in sorted(run_root.glob("*/summary.json")):
+        summary = json.loads(path.read_text())
+        if summary.get("scale") != scale.key():
+            continue
+        run = dict(summary["run"])
+        report_path = path.parent / "report.json"
+        if report_path.exists() and run.get("name") in specs:
+            key, arm, spec = specs[run["name"]]
+            run.update(summarize(key, arm.name, spec, run["seed"], json.loads(report_path.read_text())))
+        found[path.parent.name] = run
+    return found
+
+
+def ablation_document(runs: dict[str, Any], scale: Scale, generated_by: str) -> dict[str, Any]:
+    """The ``ablations.fedkd`` section of the JSON: the arms, every run, the cells and the effects."""
+    names = {run.name for _, _, run in ablation_plan(scale)}
+    complete = {run_key(n, s) for n in names for s in scale.seeds} <= set(runs)
+    made = {k: r for k, r in runs.items() if not r.get("from_grid")}  # the baselines read from the grid took no time here
+    elapsed, elapsed_is = elapsed_s(made) if made else (0.0, "no runs")
+    walls: dict[str, list[float]] = {}
+    for r in runs.values():
+        if r.get("run_wall_time_s") is not None:
+            walls.setdefault(r["name"], []).append(float(r["run_wall_time_s"]))
+    projected = sum(sum(w) / len(w) * len(scale.seeds) for w in walls.values()) / 60
+    eval_set, same_set = eval_set_of(runs)
+    return {
+        "description": "FedKD one factor at a time against the grid's FedKD at Dirichlet(0.1): which factor makes its "
+                       "mentors' gap to FedAvg(ConvNet) on the balanced set, and how the arms compare on the agents' own "
+                       "shards (the paper's evaluation); paired over seeds.",
+        "scale": {"key": scale.key(), "name": scale.name, "dataset": scale.dataset, "agents": scale.agents,
+                  "client_fraction": scale.client_fraction, "train_samples": scale.train_samples,
+                  "test_samples": scale.test_samples, "rounds": scale.rounds, "eval_every": scale.eval_every,
+                  "local_epochs": scale.local_epochs, "partitions": {k: PARTITIONS[k] for k in scale.partitions},
+                  "seeds": sorted({r["seed"] for r in runs.values()}), "planned_seeds": list(scale.seeds), "complete": complete},
+        "arms": {a.name: {"factor": a.factor, "base": a.base, "changes": a.changes, "method": METHODS[a.base][0],
+                          "method_config": {**method_config(a.base, scale), **a.changes}, "from_grid_if_recorded": a.from_grid}
+                 for a in FEDKD_ARMS},
+        "figures": {fig: what for fig, (what, _) in ABLATION_FIGURES.items()},
+        "paired_rule": PAIRED_RULE,
+        "effects": ablation_effects(runs, scale),
+        "cells": cells(runs) if runs else {},
+        "eval_set": eval_set, "eval_set_same_for_every_run": same_set,
+        "budget": {**budget(elapsed, scale.budget_minutes, complete, True), "wall_time_is": elapsed_is,
+                   "projected_minutes": projected},
+        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"),
+        "machine": machine(),
+        "runs": runs,
+        "generated_by": generated_by,
+    }
+
+
+def write_ablation(out: Path, name: str, section: dict[str, Any]) -> None:
+    """Put ``section`` at ``ablations[name]`` of the JSON at ``out``, keeping everything else in it."""
+    doc = json.loads(out.read_text()) if out.exists() else {"benchmark": "kd_methods"}
+    doc.setdefault("ablations", {})[name] = section
+    write_json(out, doc)
+
+
+def carry_ablations(out: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with the ``ablations`` section of the JSON already at ``out`` (the grid rewrites the
+    file from its runs; the ablations are not its runs and must not be lost)."""
+    if out.exists():
+        previous = json.loads(out.read_text()).get("ablations")
+        if previous:
+            doc = {**doc, "ablations": previous}
+    return doc
+
+
+def run_ablation(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--ablation fedkd``: every arm (or ``--only``'s), every seed, into ``ablations.fedkd`` of the JSON."""
+    scale = ABLATION_SCALES["quick" if args.quick else "full"]
+    seeds = args.seeds if args.seeds is not None else list(scale.seeds)
+    plan_ = ablation_plan(scale)
+    names = {run.name for _, _, run in plan_}
+    unknown = sorted(set(args.only or ()) - names)
+    if unknown:
+        parser.error(f"--only: no arms named {unknown}; the ablation's runs are {sorted(names)}")
+    run_root = scale_folder(args.run_dir, scale)
+    recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
+    grid_key = (recorded.get("scale") or {}).get("key")
+    runs: dict[str, Any] = {}
+    for seed in seeds:  # seed by seed: every finished seed is a complete paired comparison of the arms
+        for key, arm, run in plan_:
+            if args.collect or (args.only and run.name not in args.only):
+                continue
+            derived = grid_baseline(recorded.get("runs") or {}, grid_key, scale, key, arm, run, seed)
+            if derived is not None:
+                runs[run_key(run.name, seed)] = derived
+                print(f"== ablation {run.name} seed {seed}: the grid's {derived['from_grid']['run']} up to round {scale.rounds}")
+                continue
+            if args.resume and (run_root / run_key(run.name, seed) / "summary.json").exists():
+                continue
+            data = DataSpec(scale.dataset, PARTITIONS[key], scale.agents, scale.train_samples, scale.test_samples, seed=seed)
+            load_before = list(os.getloadavg())
+            print(f"== ablation {run.name} seed {seed}: {arm.factor}", flush=True)
+            started, cpu_started = time.monotonic(), _cpu_s()
+            report = run_federation(run, data, run_root / run_key(run.name, seed))
+            done = {**summarize(key, arm.name, run, seed, report), "arm": arm.name,
+                    "local_majority_accuracy": local_majority_accuracy(report, data),
+                    "run_wall_time_s": time.monotonic() - started, "run_cpu_s": _cpu_s() - cpu_started,
+                    "finished_at": time.time(), "load_average_before": load_before, "load_average_after": list(os.getloadavg())}
+            runs[run_key(run.name, seed)] = done
+            write_json(run_root / run_key(run.name, seed) / "summary.json", {"scale": scale.key(), "run": done})
+            mentee = done["final_by_label"]["global"].get("mentee")
+            print(f"   global {done['final_accuracy']}, local {done['final_local_accuracy']}, mentee {mentee}, "
+                  f"{done['run_wall_time_s']:.0f} s", flush=True)
+    if args.merge or args.collect or args.resume:
+        runs = {**previous_ablation_runs(args.out, run_root, scale), **runs}
+    if not runs:
+        parser.error("no ablation runs made or recorded for this scale")
+    merged = args.merge or args.collect or args.resume
+    section = ablation_document(runs, scale, "bench/kd_methods.py --ablation fedkd" + (" --quick" if args.quick else "")
+                                + (" (runs merged with --merge / --collect / --resume)" if merged else ""))
+    write_ablation(args.out, "fedkd", section)
+    for key, part in section["effects"].items():
+        for arm, figures in part["arms"].items():
+            line = ", ".join(f"{fig} {100 * f['mean']:.1f}" for fig, f in figures.items() if f["mean"] is not None)
+            print(f"{arm:15s} {key}: {line}")
+    print(f"ablation: {section['budget']['wall_time_min']:.1f} min for {len(runs)} runs; projected "
+          f"{section['budget']['projected_minutes']:.0f} min for every arm and seed", flush=True)
+    return 0
+
+
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -698,11 +990,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the runs whose summary.json is already in --run-dir (implies --merge): an interrupted grid goes on")
     parser.add_argument("--out", type=Path, help="default: bench/results/kd_methods.json (--quick: in --run-dir)")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench" / "kd_methods")
+    parser.add_argument("--ablation", choices=("fedkd",),
+                        help="run the ablation instead of the grid: FedKD one factor at a time at Dirichlet(0.1) "
+                             "(into the JSON's ablations section; --only names its runs, e.g. no-svd-dir0.1)")
     args = parser.parse_args(argv)
     quiet_logs()
     scale = SCALES["quick" if args.quick else "full"]
     if args.out is None:
         args.out = args.run_dir / "kd_methods-quick.json" if args.quick else RESULTS / "kd_methods.json"
+    if args.ablation == "fedkd":
+        return run_ablation(args, parser)
     seeds = args.seeds if args.seeds is not None else list(scale.seeds)
     runs = plan(scale)
     names = {run.name for _, _, run in runs}
@@ -740,7 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
     merged = args.merge or args.collect or args.resume
     doc = document(results, scale, None if merged else seeds, "bench/kd_methods.py" + (" --quick" if args.quick else "")
                    + (" (runs merged with --merge / --collect / --resume)" if merged else ""))
-    write_json(args.out, doc)
+    write_json(args.out, carry_ablations(args.out, doc))
     for row in doc["claims"]:
         m, b = row["method_accuracy"], row["baseline_accuracy"]
         print(f"{row['method']:12s} {row['partition']:7s} {100 * (m['mean'] or 0):5.1f} vs {row['baseline']} "

@@ -248,13 +248,11 @@ class EdgeAgent(AgentMessaging, AgentRounds, AgentLocalState):
             memory=self.config.memory,
             augment=self.config.data.augment if self.config.data.augment is not None else self.config.data.dataset in ("cifar10", "cifar100", "cinic10"),
         )
-        with self._compute_lock:  # simulated agents share the process and its global RNG
-            if self.config.backend == "torch":
-                import torch
-
-                # The agent's own models start from a seed of (run seed, agent index): two runs
-                # with the same config start alike (FedAvg-like methods then load the server's model).
-                torch.manual_seed(ctx.seed)
+        with self._compute_lock:  # simulated agents share the CPU: one builds or trains at a time
+            # The agent's own models start from ctx.seed = (run seed, agent index), drawn from the
+            # agent's own generator (ctx.weights_generator()), never from torch's global RNG, which
+            # every thread of a simulation shares: two runs with the same config start alike
+            # whatever the thread schedule (FedAvg-like methods then load the server's model).
             self.method = cls(ctx)
         self._load_local_state()
         log.info("welcomed into run %s, method %s", self.config.run_id, msg.method)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Protocol, TypeVar
 
+import torch
 import torch.nn as nn
 
 __all__ = [
@@ -121,7 +122,7 @@ def get_model_spec(name: str) -> ModelSpec:
     return spec
 
 
-def build_model(name: str, num_classes: int = 10, in_channels: int = 3) -> nn.Module:
+def build_model(name: str, num_classes: int = 10, in_channels: int = 3, generator: torch.Generator | None = None) -> nn.Module:
     """Build a freshly initialised model by registry name.
 
     ``in_channels`` is the channel count of the images in the federation.
@@ -129,10 +130,19 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3) -> nn.Mo
     extractor's feature maps) but still validate it, so one config drives
     every model of a run.
 
+    ``generator``: draw the initial weights from it (:func:`models.seeding.build_seeded`),
+    not from torch's global RNG, which every thread of the process shares; a generator
+    seeded with ``s`` gives the weights ``torch.manual_seed(s)`` and no generator give.
+
     Raises:
         ValueError: unknown name, or invalid ``num_classes`` / ``in_channels``.
     """
-    return get_model_spec(name).builder(num_classes=num_classes, in_channels=in_channels)
+    spec = get_model_spec(name)
+    if generator is None:
+        return spec.builder(num_classes=num_classes, in_channels=in_channels)
+    from models.seeding import build_seeded
+
+    return build_seeded(lambda: spec.builder(num_classes=num_classes, in_channels=in_channels), generator)
 
 
 def list_models() -> list[str]:

@@ -149,7 +149,11 @@ class ConvStem(nn.Module):
         self.conv = conv3x3(self.in_channels, self.out_channels)
         self.bn = norm_layer(self.out_channels)
         self.relu = nn.ReLU(inplace=True)
-        _init_weights(self)
+        self.init_weights()
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """He-normal convolutions, identity norms (``_init_weights``); ``generator`` as in :mod:`models.seeding`."""
+        _init_weights(self, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, in_channels, H, W)
         return self.relu(self.bn(self.conv(x)))  # (B, out_channels, H, W)
@@ -181,7 +185,11 @@ class ResNetTrunk(nn.Module):
         self.stages = nn.Sequential(stages)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(layout.out_channels, self.num_classes)
-        _init_weights(self)
+        self.init_weights()
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """He-normal convolutions, identity norms (``_init_weights``); ``generator`` as in :mod:`models.seeding`."""
+        _init_weights(self, generator)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, in_planes, H, W)
         x = self.stages(features)  # (B, out_channels, H / prod(strides), W / prod(strides))

@@ -52,14 +52,19 @@ def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
 
 
-def _init_weights(module: nn.Module) -> None:
+def _init_weights(module: nn.Module, generator: torch.Generator | None = None) -> None:
     """FedML/torchvision initialisation: He-normal (fan_out) convs, BN = identity.
 
-    Linear layers keep PyTorch's default init, as in FedML.
+    Linear layers keep PyTorch's default init, as in FedML. ``generator``: where the
+    convolutions' draws come from (None: torch's global RNG; see :mod:`models.seeding`).
     """
+    if any(p.is_meta for p in module.parameters()):
+        # Built on the meta device by models.seeding, which replays these draws once the memory
+        # exists; drawing into meta tensors would only import sympy (an agent stays light).
+        return
     for m in module.modules():
         if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu", generator=generator)
         elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)

@@ -1,9 +1,11 @@
 """bench/kd_methods.py (issue 24): the verdict on a paper's claim from hand-made numbers, the
 claim table computed from the cells, the quick mode end to end on synthetic data (every method,
-two seeds, a real broker), and what bench/render_results.py makes of the JSON."""
+two seeds, a real broker), and what bench/render_results.py makes of the JSON; FedKD's ablation
+(--ablation fedkd): one factor per arm, the paired effects, its section beside the grid's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from cloud_server.methods.fedkd_config import FedKdConfig
 from test_bench_baselines import RESULTS, load
 
 
@@ -232,3 +235,151 @@ def test_the_full_scales_projected_budget_is_the_docstrings_arithmetic() -> None
     again = kd.projection({"fedkd-dir0.1-seed0": run}, full)
     assert again["minutes"] == pytest.approx(projected["minutes"] + (100.0 - 149.8 * 20 / 16) * 3 / 60)
     assert "fedkd-dir0.1" not in again["cells_from_pilot"]
+
+
+# -- FedKD's ablation (--ablation fedkd) ------------------------------------------------------------ #
+
+
+def test_each_ablation_arm_changes_one_factor_of_the_grids_fedkd() -> None:
+    kd = load("kd_methods")
+    scale = kd.ABLATION_SCALES["full"]
+    assert (scale.partitions, scale.seeds, scale.rounds, scale.agents, scale.client_fraction) == (("dir0.1",), (0, 1, 2), 6, 20, 0.2)
+    plan = {arm.name: run for _key, arm, run in kd.ablation_plan(scale)}
+    assert list(plan) == [a.name for a in kd.FEDKD_ARMS] and plan["fedkd"].method_config == kd.method_config("fedkd", scale)
+    base = plan["fedkd"].method_config
+    for arm in kd.FEDKD_ARMS:
+        run = plan[arm.name]
+        assert run.name == f"{arm.name}-dir0.1" and run.server == {"client_fraction": 0.2} and run.rounds == 6
+        if run.method == "fedkd":
+            changed = {k for k in set(base) | set(run.method_config) if base.get(k) != run.method_config.get(k)}
+            assert changed == set(arm.changes), arm.name  # exactly its factor
+            FedKdConfig.from_dict(run.method_config)  # every arm is a valid [fedkd] table
+    assert plan["fedavg-mentor"].method_config["model"] == kd.MENTOR and plan["fedavg"].method_config["model"] == kd.MODEL
+
+
+def test_a_fedavg_baseline_is_the_grids_run_cut_at_the_ablations_rounds() -> None:
+    kd = load("kd_methods")
+    scale = kd.ABLATION_SCALES["full"]
+    grid_key = kd.SCALES["full"].key()
+    plan = {arm.name: (key, arm, run) for key, arm, run in kd.ablation_plan(scale)}
+    accuracies = [0.1 * (i + 1) if (i + 1) % 2 == 0 else None for i in range(20)]  # evaluated every second round
+    recorded = summary(kd, "fedavg-mentor", "dir0.1", 0, [0.5] * 20)
+    for r, acc in zip(recorded["rounds"], accuracies):
+        r["accuracy"], r["local_accuracy"] = acc, None if acc is None else acc + 0.3
+        r["by_label"] = {} if acc is None else {"global": {"model": acc}, "local": {"model": acc + 0.3}}
+    recorded["method_config"] = {**kd.method_config("fedavg-mentor", kd.SCALES["full"]), "aggregation": "mean"}  # resolved: more keys
+    grid = {"fedavg-mentor-dir0.1-seed0": recorded}
+    key, arm, run = plan["fedavg-mentor"]
+    cut = kd.grid_baseline(grid, grid_key, scale, key, arm, run, 0)
+    assert cut is not None and cut["name"] == "fedavg-mentor-dir0.1" and len(cut["rounds"]) == 6
+    assert cut["final_accuracy"] == pytest.approx(0.6) and cut["final_local_accuracy"] == pytest.approx(0.9)
+    assert cut["best_accuracy"] == pytest.approx(0.6) and cut["wire_total_bytes"] == pytest.approx(recorded["rounds"][5]["cumulative_wire"])
+    assert cut["from_grid"] == {"run": "fedavg-mentor-dir0.1-seed0", "grid_rounds": 20, "cut_at_round": 6} and cut["run_wall_time_s"] is None
+    # Never another seed, another regime, another model, a FedKD arm, or a round the grid did not evaluate.
+    assert kd.grid_baseline(grid, grid_key, scale, key, arm, run, 1) is None
+    assert kd.grid_baseline(grid, {**grid_key, "local_epochs": 2}, scale, key, arm, run, 0) is None
+    assert kd.grid_baseline({"fedavg-mentor-dir0.1-seed0": {**recorded, "method_config": {"model": "simplecnn"}}}, grid_key, scale,
+                            key, arm, run, 0) is None
+    assert kd.grid_baseline(grid, grid_key, scale, *plan["fedkd"], 0) is None
+    odd = dataclasses.replace(scale, rounds=5)
+    assert kd.grid_baseline(grid, grid_key, odd, *[x for x in kd.ablation_plan(odd) if x[1].name == "fedavg-mentor"][0], 0) is None
+
+
+def _arm_run(kd: Any, arm: str, seed: int, deployed: float, local: float, mentee: float | None, majority: float = 0.5) -> dict[str, Any]:
+    run = summary(kd, "fedkd" if kd.METHODS[kd.ARMS_BY_NAME[arm].base][0] == "fedkd" else "fedavg", "dir0.1", seed, [0.1, deployed],
+                  mentee=mentee)
+    run["final_local_accuracy"] = local
+    run["final_by_label"]["local"] = {"model": local} | ({"mentee": mentee + 0.2} if mentee is not None else {})
+    return {**run, "name": f"{arm}-dir0.1", "method_name": arm, "arm": arm, "local_majority_accuracy": majority}
+
+
+def test_the_ablations_effects_are_paired_over_the_seeds() -> None:
+    kd = load("kd_methods")
+    runs = {}
+    table = {  # arm -> per seed (deployed global, deployed local, mentee global)
+        "fedkd": [(0.20, 0.95, 0.30), (0.25, 0.96, 0.32), (0.22, 0.94, 0.31)],
+        "mentor-local": [(0.19, 0.95, 0.29), (0.25, 0.97, 0.33), (0.23, 0.94, 0.30)],
+        "no-svd": [(0.30, 0.95, 0.40), (0.33, 0.96, 0.42), (0.31, 0.94, 0.41)],
+        "fedavg-mentor": [(0.40, 0.70, None), (0.45, 0.68, None), (0.50, 0.90, None)],
+        "fedavg": [(0.38, 0.69, None), (0.40, 0.70, None), (0.45, 0.88, None)],
+    }
+    for arm, seeds in table.items():
+        for seed, (g, l, m) in enumerate(seeds):
+            runs[f"{arm}-dir0.1-seed{seed}"] = _arm_run(kd, arm, seed, g, l, m)
+    effects = kd.ablation_effects(runs, kd.ABLATION_SCALES["full"])["dir0.1"]
+    assert set(effects["arms"]) == set(table) and set(effects["effect_vs_fedkd"]) == {"mentor-local", "no-svd"}
+    assert effects["arms"]["fedkd"]["deployed_global"]["mean"] == pytest.approx(0.2233, abs=1e-4)
+    assert effects["arms"]["fedkd"]["local_majority"]["mean"] == 0.5
+    # No SVD: +0.10, +0.08, +0.09 on the mentors, seed by seed: a difference.
+    svd_off = effects["effect_vs_fedkd"]["no-svd"]
+    assert svd_off["deployed_global"]["differences"] == pytest.approx([0.10, 0.08, 0.09]) and svd_off["deployed_global"]["differ"]
+    assert svd_off["mentee_global"]["mean_difference"] == pytest.approx(0.10)
+    # The local-only mentor: -0.01, 0, +0.01: none.
+    assert effects["effect_vs_fedkd"]["mentor-local"]["deployed_global"]["differ"] is False
+    # The paper's comparison (the agents' own shards) and the balanced set's, against FedAvg(ConvNet).
+    versus = effects["versus_fedavg"]["fedkd"]
+    assert versus["mentors_vs_fedavg_mentor_local"]["differences"] == pytest.approx([0.25, 0.28, 0.04])
+    assert versus["mentors_vs_fedavg_mentor_global"]["differences"] == pytest.approx([-0.20, -0.20, -0.28])
+    assert versus["mentee_vs_fedavg_global"]["differences"] == pytest.approx([-0.08, -0.08, -0.14])
+    # The section keeps the grid's other sections when written into its JSON, and the grid keeps it.
+    section = kd.ablation_document(runs, kd.ABLATION_SCALES["full"], "test")
+    assert section["scale"]["complete"] is False and section["effects"]["dir0.1"] == json.loads(json.dumps(effects))
+
+
+def test_the_ablation_and_the_grid_keep_each_others_sections(tmp_path: Path) -> None:
+    kd = load("kd_methods")
+    out = tmp_path / "kd.json"
+    out.write_text(json.dumps({"benchmark": "kd_methods", "runs": {"fedkd-dir0.1-seed0": {"kept": True}}, "claims": ["kept"]}))
+    kd.write_ablation(out, "fedkd", {"runs": {"a": 1}})
+    doc = json.loads(out.read_text())
+    assert doc["runs"] == {"fedkd-dir0.1-seed0": {"kept": True}} and doc["claims"] == ["kept"]
+    assert doc["ablations"] == {"fedkd": {"runs": {"a": 1}}}
+    # The grid rewrites the file from its runs: the ablation stays.
+    assert kd.carry_ablations(out, {"benchmark": "kd_methods", "runs": {}})["ablations"] == {"fedkd": {"runs": {"a": 1}}}
+    assert "ablations" not in kd.carry_ablations(tmp_path / "none.json", {"runs": {}})
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+def test_the_fedkd_ablations_quick_mode_runs_every_arm_with_two_seeds(tmp_path: Path) -> None:
+    kd = load("kd_methods")
+    out = tmp_path / "kd.json"
+    out.write_text(json.dumps({"benchmark": "kd_methods", "claims": ["the grid's, kept"]}))
+    started = time.monotonic()
+    assert kd.main(["--quick", "--ablation", "fedkd", "--out", str(out), "--run-dir", str(tmp_path / "runs")]) == 0
+    took = time.monotonic() - started
+    doc = json.loads(out.read_text())
+    assert doc["claims"] == ["the grid's, kept"]
+    section = doc["ablations"]["fedkd"]
+    scale = section["scale"]
+    assert scale["name"] == "ablation-fedkd-quick" and scale["dataset"] == "synthetic" and scale["complete"] and scale["seeds"] == [0, 1]
+    assert set(section["runs"]) == {f"{a.name}-dir0.1-seed{s}" for a in kd.FEDKD_ARMS for s in (0, 1)}
+    for run in section["runs"].values():
+        assert run["status"] == "finished" and len(run["rounds"]) == scale["rounds"] and run["final_accuracy"] is not None
+        assert 0 < run["local_majority_accuracy"] <= 1
+        # The report's resolved [method] table has the arm's factor.
+        arm = kd.ARMS_BY_NAME[run["arm"]]
+        assert all(run["method_config"][k] == v for k, v in arm.changes.items())
+    # The effects are the function's on the section's own runs.
+    assert json.loads(json.dumps(kd.ablation_effects(section["runs"], kd.ABLATION_SCALES["quick"]))) == section["effects"]
+    effects = section["effects"]["dir0.1"]
+    assert set(effects["effect_vs_fedkd"]) == {a.name for a in kd.FEDKD_ARMS if a.base == "fedkd" and a.name != "fedkd"}
+    assert all(f["seeds"] == ["0", "1"] for e in effects["effect_vs_fedkd"].values() for f in e.values())
+    # --collect writes the same runs from their summaries, still beside the rest of the file.
+    assert kd.main(["--quick", "--ablation", "fedkd", "--collect", "--out", str(out), "--run-dir", str(tmp_path / "runs")]) == 0
+    again = json.loads(out.read_text())
+    assert set(again["ablations"]["fedkd"]["runs"]) == set(section["runs"]) and again["claims"] == ["the grid's, kept"]
+    print(f"ablation quick mode: {took:.0f} s")
+
+
+def test_the_recorded_ablation_is_what_the_bench_makes_of_its_runs() -> None:
+    path = RESULTS / "kd_methods.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    section = (data.get("ablations") or {}).get("fedkd")
+    if section is None:
+        pytest.skip("no FedKD ablation recorded in bench/results/kd_methods.json yet: run bench/kd_methods.py --ablation fedkd")
+    kd = load("kd_methods")
+    assert section["scale"]["key"] == kd.ABLATION_SCALES["full"].key()
+    assert all(key == f"{r['name']}-seed{r['seed']}" for key, r in section["runs"].items())
+    assert json.loads(json.dumps(kd.ablation_effects(section["runs"], kd.ABLATION_SCALES["full"]))) == section["effects"]
+    assert json.loads(json.dumps(kd.cells(section["runs"]))) == section["cells"]

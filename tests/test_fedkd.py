@@ -111,6 +111,37 @@ def test_hidden_terms_can_be_switched_off() -> None:
     assert parts.mentor.item() == pytest.approx(_ce(raw["z_t"], y) + weight * _kl(_softmax(raw["z_s"]), _softmax(raw["z_t"])), rel=1e-9)
 
 
+def test_the_ablation_switches_drop_exactly_their_terms() -> None:
+    """The paper's Fig. 2 (a model without mutual distillation learns from the labels only) and
+    Fig. 3 (no adaptive weighting: the terms weighted 1), against the hand computation."""
+    mentor, mentee, labels, projection, raw = _tiny_example()
+    y = labels.numpy()
+    ce_t, ce_s = _ce(raw["z_t"], y), _ce(raw["z_s"], y)
+    full = fedkd_losses(mentor, mentee, labels, projection, attention=True)
+    kl_t, kl_s = _kl(_softmax(raw["z_s"]), _softmax(raw["z_t"])), _kl(_softmax(raw["z_t"]), _softmax(raw["z_s"]))
+    hidden = full.hidden.item() / full.weight.item()  # the unweighted L^h of Eq. 5
+    # The mentor alone from the labels: L_t = CE; L_s untouched.
+    parts = fedkd_losses(mentor, mentee, labels, projection, attention=True, mentor_distillation=False)
+    assert parts.mentor.item() == pytest.approx(ce_t, rel=1e-9) and parts.distill_mentor.item() == 0.0
+    assert parts.mentee.item() == pytest.approx(full.mentee.item(), rel=1e-9)
+    assert torch.autograd.grad(parts.mentor, [mentee.logits, projection.weight], allow_unused=True) == (None, None)
+    # The mentee alone from the labels.
+    parts = fedkd_losses(mentor, mentee, labels, projection, attention=True, mentee_distillation=False)
+    assert parts.mentee.item() == pytest.approx(ce_s, rel=1e-9) and parts.mentor.item() == pytest.approx(full.mentor.item(), rel=1e-9)
+    # Weight 1 instead of 1 / (L^t_t + L^t_s).
+    parts = fedkd_losses(mentor, mentee, labels, projection, attention=True, adaptive_weight=False)
+    assert parts.weight.item() == 1.0
+    assert parts.mentor.item() == pytest.approx(ce_t + kl_t + hidden, rel=1e-6)
+    assert parts.mentee.item() == pytest.approx(ce_s + kl_s + hidden, rel=1e-6)
+    # On the wire only when off: a default round config is what older agents accept.
+    assert not set(FedKdRoundConfig.ADDED_LATER) & set(FedKdRoundConfig().to_dict())
+    off = FedKdRoundConfig(mentor_distillation=False).to_dict()
+    assert off["mentor_distillation"] is False and FedKdRoundConfig.from_dict(off) == FedKdRoundConfig(mentor_distillation=False)
+    with pytest.raises(ValueError, match="adaptive_weight must be true or false"):
+        FedKdRoundConfig(adaptive_weight=0)  # type: ignore[arg-type]
+    assert FedKdConfig.from_dict({"mentee_distillation": False}).round_config(1, 0, 2).mentee_distillation is False
+
+
 def test_each_model_gets_only_its_own_loss_gradient() -> None:
     """L_t reaches the mentor (and W_h) only, L_s the mentee (and W_h) only; the adaptive
     weight is a constant, so the KL term's gradient is weight * dKL."""

@@ -49,6 +49,10 @@ class FedKdConfig:
         "hidden_loss, attention_loss": "sent to agents: Eq. 5's MSE(H_t, W_h H_s) of the hidden states, and "
                                        "MSE(A_t, A_s) of the attention maps of the last feature maps",
         "sync_codec": "the whole mentee, for agents that do not hold the current one",
+        "mentor_distillation, mentee_distillation, adaptive_weight":
+            "ablations (the paper's Figs. 2-3), sent to agents only when off: `false` leaves the mentor's (mentee's) "
+            "task loss alone, so it learns from the labels only; `adaptive_weight = false` weights the distillation "
+            "and hidden terms 1 instead of 1 / (L^t_t + L^t_s)",
     }
 
     mentee_model: str = "resnet8"
@@ -60,7 +64,8 @@ class FedKdConfig:
     gradient_lr: float = 0.1  # eta_s of the server's step in gradient mode
     weighting: str = "samples"  # samples (FedAvg) | uniform (Algorithm 1's g / N)
     # The agents' local training, sent as RoundStart.config: local_epochs, batch_size, optimizer,
-    # mentor_lr, mentee_lr, momentum, weight_decay, hidden_loss, attention_loss; all written in
+    # mentor_lr, mentee_lr, momentum, weight_decay, hidden_loss, attention_loss and the ablation
+    # switches mentor_distillation, mentee_distillation, adaptive_weight; all written in
     # the [fedkd] table itself (EDGE_KEYS). Its upload follows ``upload``, its threshold Eq. 9.
     edge: FedKdRoundConfig = field(default_factory=FedKdRoundConfig)
     sync_codec: str = "zstd"  # the whole mentee, for agents that do not hold the current one

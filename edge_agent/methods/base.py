@@ -41,6 +41,19 @@ class EdgeContext:
     seed: int = 0
     augment: bool = False
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # how to trade speed for resident memory
+    _weights_generator: Any = field(default=None, init=False, repr=False)
+
+    def weights_generator(self) -> Any:
+        """The ``torch.Generator`` every initial weight of this agent's models is drawn from
+        (``models.build_model(..., generator=...)``), seeded with ``seed``; the same one on every
+        call, so that a method's models take consecutive draws of one stream. Never torch's
+        global RNG: simulated agents are threads of one process and share it, so what an agent
+        drew from it depended on the other threads' schedule (the run did too)."""
+        if self._weights_generator is None:
+            import torch  # lazily: a torch-free agent (--backend ort) never asks
+
+            self._weights_generator = torch.Generator().manual_seed(self.seed)
+        return self._weights_generator
 
 
 @dataclass

@@ -44,7 +44,7 @@ class FedAvgEdge(EdgeMethod):
         super().__init__(ctx)
         self.num_classes = int(ctx.settings["num_classes"])
         self.model_name = str(ctx.settings.get("model", "resnet56"))
-        self.model = build_model(self.model_name, self.num_classes, ctx.train.in_channels).to(ctx.device)
+        self.model = build_model(self.model_name, self.num_classes, ctx.train.in_channels, generator=ctx.weights_generator()).to(ctx.device)
         self.global_state: dict[str, np.ndarray] | None = None  # the last global model received
         self.global_version = -1
         self.input_shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)

@@ -223,7 +223,7 @@ class FedDistillEdge(FedAvgEdge):
         except TypeError as exc:
             raise ValueRangeError(f"feddistill needs a model with a linear classifier head: {exc}") from None
         # The round's global model, frozen: the teacher of Eqs. 7-9.
-        self.teacher = build_model(self.model_name, self.num_classes, ctx.train.in_channels).to(ctx.device)
+        self.teacher = build_model(self.model_name, self.num_classes, ctx.train.in_channels, generator=ctx.weights_generator()).to(ctx.device)
         self.teacher.eval()
         self.teacher.requires_grad_(False)
         self.class_counts = np.bincount(np.asarray(ctx.train.labels, dtype=np.int64), minlength=self.num_classes)[: self.num_classes]

@@ -125,7 +125,8 @@ class FedGkdEdge(FedAvgEdge):
 
     def _load_teachers(self, states: list[dict[str, np.ndarray]], coefficients: list[float]) -> None:
         while len(self._teacher_models) < len(states):
-            self._teacher_models.append(build_model(self.model_name, self.num_classes, self.ctx.train.in_channels).to(self.ctx.device))
+            self._teacher_models.append(build_model(self.model_name, self.num_classes, self.ctx.train.in_channels,
+                                                    generator=self.ctx.weights_generator()).to(self.ctx.device))
         self._teachers = []
         for i, (state, gamma) in enumerate(zip(states, coefficients)):
             teacher = self._teacher_models[i]

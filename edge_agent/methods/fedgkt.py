@@ -35,7 +35,7 @@ from .base import EdgeContext, register_edge_method
 class FedGktEdge(FedGktEdgeBase):
     def __init__(self, ctx: EdgeContext) -> None:
         super().__init__(ctx)
-        self.model = build_model(self.edge_model, self.num_classes, ctx.train.in_channels).to(ctx.device)
+        self.model = build_model(self.edge_model, self.num_classes, ctx.train.in_channels, generator=ctx.weights_generator()).to(ctx.device)
         self.trained = False  # True once this model has trained a round (or was restored)
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
         self.trains = Trains.of((self.model,), shape)

@@ -49,6 +49,7 @@ import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. re
 from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays
 from models.mentor import HiddenOutputs, forward_with_hidden, hidden_dim
+from models.seeding import build_seeded
 from models.training import accuracy, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
@@ -104,13 +105,23 @@ def fedkd_losses(
     labels: torch.Tensor,
     projection: nn.Module | None,
     attention: bool,
+    *,
+    mentor_distillation: bool = True,
+    mentee_distillation: bool = True,
+    adaptive_weight: bool = True,
 ) -> FedKdLosses:
     """Eqs. 1-7 for one batch. ``projection`` is W_h (None: no hidden-state term);
-    ``attention`` adds the attention-map term of Eq. 5."""
+    ``attention`` adds the attention-map term of Eq. 5. The ablations of the paper's Figs. 2-3:
+    ``mentor_distillation`` / ``mentee_distillation`` False leave that model's task loss alone
+    (it learns from the labels only); ``adaptive_weight`` False weights the distillation and
+    hidden terms 1 instead of ``1 / (L^t_t + L^t_s)``."""
     task_t = F.cross_entropy(mentor_out.logits, labels)  # Eq. 1
     task_s = F.cross_entropy(mentee_out.logits, labels)  # Eq. 2
     # A reliability gauge, not something to optimise: detached (see the module docstring).
-    weight = 1.0 / torch.clamp(task_t.detach() + task_s.detach(), min=ADAPTIVE_WEIGHT_FLOOR)
+    if adaptive_weight:
+        weight = 1.0 / torch.clamp(task_t.detach() + task_s.detach(), min=ADAPTIVE_WEIGHT_FLOOR)
+    else:
+        weight = task_t.new_ones(())
     log_t = F.log_softmax(mentor_out.logits, dim=1)  # (B, K)
     log_s = F.log_softmax(mentee_out.logits, dim=1)  # (B, K)
     kl_t = kl_divergence(log_s.detach(), log_t)  # KL(y^s || y^t): the mentor learns from the mentee
@@ -128,12 +139,16 @@ def fedkd_losses(
         att_t, att_s = attention_map(mentor_out.feature_map, size), attention_map(mentee_out.feature_map, size)
         hidden_t = hidden_t + F.mse_loss(att_t, att_s.detach())
         hidden_s = hidden_s + F.mse_loss(att_t.detach(), att_s)
-    mentor = task_t + weight * kl_t + weight * hidden_t  # Eq. 6
-    mentee = task_s + weight * kl_s + weight * hidden_s  # Eq. 7
+    distill_t = weight * kl_t if mentor_distillation else zero
+    distill_s = weight * kl_s if mentee_distillation else zero
+    hidden_t = weight * hidden_t if mentor_distillation else zero
+    hidden_s = weight * hidden_s if mentee_distillation else zero
+    mentor = task_t + distill_t + hidden_t  # Eq. 6
+    mentee = task_s + distill_s + hidden_s  # Eq. 7
     return FedKdLosses(
         mentor=mentor, mentee=mentee, task_mentor=task_t.detach(), task_mentee=task_s.detach(),
-        distill_mentor=(weight * kl_t).detach(), distill_mentee=(weight * kl_s).detach(),
-        hidden=(weight * hidden_t).detach(), weight=weight,
+        distill_mentor=distill_t.detach(), distill_mentee=distill_s.detach(),
+        hidden=(hidden_t if mentor_distillation else hidden_s).detach(), weight=weight,
     )
 
 
@@ -173,9 +188,11 @@ class FedKdEdge(EdgeMethod):
         self.mentor_name = str(settings.get("mentor_model", "resnet56"))
         self.mentee_name = str(settings.get("mentee_model", "resnet8"))
         in_channels = ctx.train.in_channels
-        self.mentor = build_model(self.mentor_name, self.num_classes, in_channels).to(ctx.device)
-        self.mentee = build_model(self.mentee_name, self.num_classes, in_channels).to(ctx.device)
-        self.projection = nn.Linear(hidden_dim(self.mentee), hidden_dim(self.mentor)).to(ctx.device)  # W_h
+        generator = ctx.weights_generator()  # the agent's own stream: mentor, mentee, then W_h
+        self.mentor = build_model(self.mentor_name, self.num_classes, in_channels, generator=generator).to(ctx.device)
+        self.mentee = build_model(self.mentee_name, self.num_classes, in_channels, generator=generator).to(ctx.device)
+        widths = (hidden_dim(self.mentee), hidden_dim(self.mentor))
+        self.projection = build_seeded(lambda: nn.Linear(*widths), generator).to(ctx.device)  # W_h
         self.pair = MutualPair(self.mentor, self.mentee, self.projection)
         self.global_state: dict[str, np.ndarray] | None = None  # the global mentee this agent holds
         self.global_version = -1
@@ -271,7 +288,9 @@ class FedKdEdge(EdgeMethod):
 
         def loss(output: object, labels: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
             mentor_out, mentee_out = output  # type: ignore[misc]
-            parts = fedkd_losses(mentor_out, mentee_out, labels, self.projection if cfg.hidden_loss else None, cfg.attention_loss)
+            parts = fedkd_losses(mentor_out, mentee_out, labels, self.projection if cfg.hidden_loss else None, cfg.attention_loss,
+                                 mentor_distillation=cfg.mentor_distillation, mentee_distillation=cfg.mentee_distillation,
+                                 adaptive_weight=cfg.adaptive_weight)
             n = int(labels.shape[0])
             stats["samples"] += n
             stats["mentor_loss"] += float(parts.mentor.detach()) * n

@@ -48,7 +48,8 @@ class SplitNNEdge(EdgeMethod):
         self.edge_model = str(ctx.settings.get("edge_model", "resnet8"))
         num_classes = int(ctx.settings["num_classes"])
         # Only the stem is used; the rest of the edge model is never built into the graph.
-        self.extractor = build_model(self.edge_model, num_classes, ctx.train.in_channels).extractor.to(ctx.device)
+        self.extractor = build_model(self.edge_model, num_classes, ctx.train.in_channels,
+                                     generator=ctx.weights_generator()).extractor.to(ctx.device)
         self.config = SplitRoundConfig()
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
         # The stem alone: its output has no loss of its own (the backward pass starts from the

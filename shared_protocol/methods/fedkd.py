@@ -178,8 +178,21 @@ class FedKdRoundConfig:
     hidden_loss: bool = True  # Eq. 5's MSE(H_t, W_h H_s)
     attention_loss: bool = True  # Eq. 5's MSE(A_t, A_s), attention maps of the last feature maps
     upload_codec: str = "svd"  # what the update travels as (for the cost report)
+    # Ablations (the paper's Figs. 2-3), all on by default. False: L_t (resp. L_s) is the task loss
+    # alone, the mentor (mentee) learning from the labels only ("without mutual distillation");
+    # adaptive_weight False: the distillation and hidden terms weighted 1, not 1 / (L^t_t + L^t_s).
+    mentor_distillation: bool = True
+    mentee_distillation: bool = True
+    adaptive_weight: bool = True
+
+    #: Keys added after agents were deployed: sent only when not at their default, so that a
+    #: default round config is what those agents (which refuse unknown keys) accept.
+    ADDED_LATER: ClassVar[tuple[str, ...]] = ("mentor_distillation", "mentee_distillation", "adaptive_weight")
 
     def __post_init__(self) -> None:
+        for name in self.ADDED_LATER:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.global_version < 0:
             raise ValueError(f"global_version must be >= 0, got {self.global_version}")
         svd.check_threshold(self.threshold)
@@ -194,7 +207,8 @@ class FedKdRoundConfig:
             raise ValueError(f"FedKD updates travel SVD-factored; upload_codec must be 'svd', got {self.upload_codec!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if not (f.name in self.ADDED_LATER and getattr(self, f.name) == f.default)}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "FedKdRoundConfig":

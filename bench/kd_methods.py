@@ -101,6 +101,8 @@ with ``fewer_bytes``, only if its mean wire bytes are below the baseline's).
     python bench/kd_methods.py                             # the full grid: 7 runs x 3 partitions x 3 seeds
     python bench/kd_methods.py --only fedavg-dir0.1 fedgkd-dir0.1 --seeds 0 --merge
     python bench/kd_methods.py --collect                   # write the JSON from the runs recorded so far
+    python bench/kd_methods.py --ablation fedkd --resume   # FedKD one factor at a time (its "ablations" section)
+    python bench/kd_methods.py --ablation fedkd --quick    # the same on synthetic data (the test suite runs it)
 
 Writes ``bench/results/kd_methods.json`` (``--quick``: ``runs/bench/kd_methods/kd_methods-quick.json``):
 the scale, the budget (stated, projected and kept), the runs (per seed, per round), the cells
@@ -109,6 +111,10 @@ its bytes-to-accuracy curve against FedAvg(ResNet-20). Every finished run leaves
 ``summary.json`` next to its report; ``--merge`` / ``--collect`` take the runs of the same scale
 recorded before (invocations may run side by side, an interrupted grid resumes).
 ``bench/render_results.py`` puts the claim table and the cells into ``docs/results.md``.
+
+``--ablation fedkd`` (the section "FedKD's ablation" below; docs/methods/fedkd.md reads it) runs
+FedKD one factor at a time at Dirichlet(0.1) and writes ``ablations.fedkd`` into the same JSON,
+keeping the rest of it (and the grid keeps that section when it rewrites the file).
 """
 
 from __future__ import annotations
@@ -729,7 +735,8 @@ ARMS_BY_NAME = {a.name: a for a in FEDKD_ARMS}
 ABLATION_SCALES = {
     # Dirichlet(0.1), the grid's seeds and regime, 6 rounds (evaluated in rounds 2, 4, 6): on the
     # machine shared with other jobs a FedKD round took 11-64 s (40 s on average; 9.4 s in the
-    # quiet pilots), so a run is about 4 minutes and three arms of three seeds fit 45 minutes.
+    # quiet pilots), a run about 4 minutes at that load. Recorded: the 21 FedKD runs (7 arms x 3
+    # seeds; the FedAvg baselines read from the grid) took 23-165 s each, 27.9 minutes in all.
     "full": dataclasses.replace(SCALES["full"], name="ablation-fedkd", rounds=6, partitions=("dir0.1",), budget_minutes=45,
                                 fedbe_server={}),
     # The pipeline check the test suite runs: synthetic data, every arm, two seeds, one round.

@@ -25,7 +25,8 @@ EDGE_KEYS = EmbeddedRoundConfig(FedKdRoundConfig, "edge", derived=("global_versi
 
 @dataclass(frozen=True)
 class FedKdConfig:
-    """``[fedkd]``. Defaults: the paper's T_start = 0.95, T_end = 0.98, ResNet-56 mentor and
+    """``[fedkd]``. Defaults: T_start = 0.95, T_end = 0.98 (the authors' code, ``wuch15/FedKD`` parameters.py: the
+    paper's text leaves them to its Supplementary Information), ResNet-56 mentor and
     ResNet-8 mentee; ``resnet20`` is a mentor three times cheaper for CPUs.
 
     ``schedule_rounds`` is the round in which T reaches T_end (Eq. 9's t = 1);

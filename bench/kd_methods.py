@@ -606,15 +606,11 @@ def scale_folder(run_dir: Path, scale: Scale) -> Path:
     return run_dir / "{name}-{agents}x-C{client_fraction}-{train_samples}-{test_samples}-r{rounds}-e{local_epochs}".format(**k)
 
 
-def previous_runs(out: Path, run_root: Path, scale: Scale) -> dict[str, Any]:
-    """Runs of this scale recorded before, in ``out`` and in the runs' ``summary.json`` (the
-    newer wins; each summarised again from its report, keeping what only the run measured)."""
+def runs_on_disk(run_root: Path, scale: Scale, specs: Mapping[str, tuple[str, str, RunSpec]]) -> dict[str, Any]:
+    """The runs of ``scale`` whose summary.json lies under ``run_root``, by folder; a run whose
+    report is there too (and is one of ``specs``: name -> (partition, method name, run)) is
+    summarised afresh from it."""
     found: dict[str, Any] = {}
-    if out.exists():
-        previous = json.loads(out.read_text())
-        if previous.get("scale", {}).get("key") == scale.key():
-            found.update(previous["runs"])
-    specs = {run.name: (key, name, run) for key, name, run in plan(scale)}
     for path in sorted(run_root.glob("*/summary.json")):
         summary = json.loads(path.read_text())
         if summary.get("scale") != scale.key():
@@ -625,6 +621,18 @@ def previous_runs(out: Path, run_root: Path, scale: Scale) -> dict[str, Any]:
             key, name, spec = specs[run["name"]]
             run.update(summarize(key, name, spec, run["seed"], json.loads(report_path.read_text())))
         found[path.parent.name] = run
+    return found
+
+
+def previous_runs(out: Path, run_root: Path, scale: Scale) -> dict[str, Any]:
+    """Runs of this scale recorded before, in ``out`` and in the runs' ``summary.json`` (the
+    newer wins; each summarised again from its report, keeping what only the run measured)."""
+    found: dict[str, Any] = {}
+    if out.exists():
+        previous = json.loads(out.read_text())
+        if previous.get("scale", {}).get("key") == scale.key():
+            found.update(previous["runs"])
+    found.update(runs_on_disk(run_root, scale, {run.name: (key, name, run) for key, name, run in plan(scale)}))
     return found
 
 
@@ -857,17 +865,7 @@ def previous_ablation_runs(out: Path, run_root: Path, scale: Scale, name: str = 
         section = (json.loads(out.read_text()).get("ablations") or {}).get(name) or {}
         if (section.get("scale") or {}).get("key") == scale.key():
             found.update(section.get("runs") or {})
-    specs = {run.name: (key, arm, run) for key, arm, run in ablation_plan(scale)}
-    for path in sorted(run_root.glob("*/summary.json")):
-        summary = json.loads(path.read_text())
-        if summary.get("scale") != scale.key():
-            continue
-        run = dict(summary["run"])
-        report_path = path.parent / "report.json"
-        if report_path.exists() and run.get("name") in specs:
-            key, arm, spec = specs[run["name"]]
-            run.update(summarize(key, arm.name, spec, run["seed"], json.loads(report_path.read_text())))
-        found[path.parent.name] = run
+    found.update(runs_on_disk(run_root, scale, {run.name: (key, arm.name, run) for key, arm, run in ablation_plan(scale)}))
     return found
 
 

@@ -659,6 +659,10 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
         said = KD_VERDICTS.get(r["verdict"], r["verdict"])
         if r.get("bytes_fraction") is not None:
             said += f" ({100 * r['bytes_fraction']:.1f}% of the bytes)"
+        if r.get("measure", "global") == "local":
+            plabel += ", on each agent's own test shard (the paper's evaluation)"
+        elif any(o.get("measure") == "local" and o["method"] == r["method"] for o in data["claims"]):
+            plabel += ", on the balanced set"
         claim_rows.append([r["label"], r["claim"], f"{r['source']}; {r['paper_regime']}", plabel,
                            f"{r['baseline_label']}: {_pm(r['baseline_accuracy'])}", _pm(r["method_accuracy"]), f"{diff} ({sd})", said])
     gain_lines = []
@@ -747,8 +751,10 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
         "judged by the unpaired rule). The verdict: for a claim of *above* FedAvg, **holds** when the mean per-seed "
         "difference is above zero by more than its sd, **fails** when below by more than that, *within noise* otherwise; "
         f"for FedKD's *comparable accuracy at fewer bytes*, **holds** unless its mentors are below FedAvg({mentor}) by more "
-        "than that or its wire bytes are not fewer. No verdict where both means are within 5 points of chance "
-        "(10 %).", "",
+        "than that or its wire bytes are not fewer. FedKD is judged twice: on each agent's own test shard (its mentor there "
+        f"against FedAvg({mentor})'s global model on the same shard), as its paper scores it (\"the average performance of "
+        "local mentor models on the local data\", docs/methods/fedkd.md), and on the balanced set, the headline every "
+        "other row uses. No verdict where both means are within 5 points of chance (10 %).", "",
         "### The claim table", "",
         *_table(["Method", "Paper's claim", "Paper's evidence and regime", "Here", "Baseline (mean ± sd)", "Method (mean ± sd)",
                  "Difference, points (sd of the per-seed differences)", "Verdict"], claim_rows, right_from=4),

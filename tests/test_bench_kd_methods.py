@@ -103,8 +103,12 @@ def test_the_claim_table_is_computed_from_the_cells() -> None:
     cells = kd.cells(runs)
     assert cells["fedgkd-dir0.1"]["final_accuracy"]["mean"] == pytest.approx(0.62)
     assert cells["fedgkd-dir0.1"]["final_accuracy"]["sd"] == pytest.approx(0.02)
-    rows = {r["method"]: r for r in kd.claims(cells, ["dir0.1"])}
+    table = kd.claims(cells, ["dir0.1"])
+    rows = {r["method"]: r for r in table if r["measure"] == "global"}
     assert set(rows) == {"fedgkd", "fedgkd-vote", "feddistill", "fedbe", "fedkd"}
+    # FedKD is judged twice: on the agents' own shards (its paper's evaluation) and on the balanced set.
+    assert sorted((r["method"], r["measure"]) for r in table if r["method"] == "fedkd") == [("fedkd", "global"), ("fedkd", "local")]
+    assert all(r["measure"] == "global" for r in table if r["method"] != "fedkd")
     assert rows["fedgkd"]["verdict"] == "holds" and rows["fedgkd"]["mean_difference"] == pytest.approx(0.10)
     assert all(r["rule"] == "paired" and r["paired"]["seeds"] == ["0", "1", "2"] for r in rows.values())
     # +0.03, -0.01, +0.01 seed by seed: mean 0.01, sd 0.02.
@@ -117,7 +121,20 @@ def test_the_claim_table_is_computed_from_the_cells() -> None:
     # The same table with FedDistill's numbers raised: its verdict follows the numbers.
     for seed in range(3):
         runs[f"feddistill-dir0.1-seed{seed}"] = summary(kd, "feddistill", "dir0.1", seed, [0.2, 0.70 + 0.02 * seed])
-    assert {r["method"]: r for r in kd.claims(kd.cells(runs), ["dir0.1"])}["feddistill"]["verdict"] == "holds"
+    assert {r["method"]: r for r in kd.claims(kd.cells(runs), ["dir0.1"]) if r["measure"] == "global"}["feddistill"]["verdict"] == "holds"
+    # FedKD's local row reads the local figures only: mentors far below FedAvg(mentor) on the balanced set, above it
+    # on their own shards, is "fails" globally and "holds" locally.
+    for seed in range(3):
+        for name, final, local in (("fedkd", 0.20, 0.95), ("fedavg-mentor", 0.45, 0.70)):
+            run = summary(kd, name, "dir0.1", seed, [0.1, final + 0.01 * seed], 1.0 if name == "fedkd" else 20.0)
+            run["final_local_accuracy"] = local + 0.01 * seed
+            runs[f"{name}-dir0.1-seed{seed}"] = run
+    fedkd = {r["measure"]: r for r in kd.claims(kd.cells(runs), ["dir0.1"]) if r["method"] == "fedkd"}
+    assert fedkd["global"]["verdict"] == "fails" and fedkd["global"]["mean_difference"] == pytest.approx(-0.25)
+    assert fedkd["local"]["verdict"] == "holds" and fedkd["local"]["mean_difference"] == pytest.approx(0.25)
+    assert fedkd["local"]["method_accuracy"]["mean"] == pytest.approx(0.96) and "own test shard" in fedkd["local"]["figure"]
+    with pytest.raises(ValueError, match="measure"):
+        kd.Claim("fedkd", "fedavg-mentor", ("iid",), "not_below", "c", "s", "r", measure="mentee")
     # Rounds to FedAvg's final accuracy (FedDistill's Table III measure), and FedKD's bytes-to-accuracy view.
     versus = kd.versus_fedavg(kd.cells(runs), ["dir0.1"])
     assert versus["fedgkd"]["dir0.1"]["rounds_to_fedavg_final"] == 2 and versus["fedgkd"]["dir0.1"]["global"]["differ"] is True
@@ -172,8 +189,9 @@ def test_quick_mode_runs_every_method_with_two_seeds_in_under_a_minute(tmp_path:
     assert {r["method"] for r in data["claims"]} == {"fedgkd", "fedgkd-vote", "feddistill", "fedbe", "fedkd"}
     for row in data["claims"]:
         mine, base = data["cells"][f"{row['method']}-{row['partition']}"], data["cells"][f"{row['baseline']}-{row['partition']}"]
-        assert row["method_accuracy"] == mine["final_accuracy"] and row["baseline_accuracy"] == base["final_accuracy"]
-        again = kd.verdict(mine["final_accuracy"], base["final_accuracy"], row["kind"],
+        figure = kd.MEASURES[row["measure"]][0]
+        assert row["method_accuracy"] == mine[figure] and row["baseline_accuracy"] == base[figure]
+        again = kd.verdict(mine[figure], base[figure], row["kind"],
                            *((mine["wire_mb"], base["wire_mb"]) if row["method"] == "fedkd" else (None, None)), chance=0.1)
         assert row["verdict"] == again["verdict"] in kd.VERDICTS
     assert data["budget"]["projected"]["minutes"] > 0 and data["budget"]["complete"]
@@ -215,6 +233,38 @@ def test_the_recorded_json_is_what_the_bench_makes_of_its_runs() -> None:
     cells = kd.cells(data["runs"])
     assert json.loads(json.dumps(cells)) == data["cells"]
     assert json.loads(json.dumps(kd.claims(cells, list(data["scale"]["partitions"])))) == data["claims"]
+
+
+def test_a_changed_method_setting_orphans_that_methods_runs_only(tmp_path: Path) -> None:
+    """Runs are kept under the scale's shared regime and checked run by run against the plan's
+    [method] table: FedBE's server work changing re-runs FedBE's cells and keeps every other one;
+    runs recorded when the key still held FedBE's server settings count by the same rule."""
+    kd = load("kd_methods")
+    full = kd.SCALES["full"]
+    assert "fedbe_server" not in full.key()
+    specs = {run.name: run for _, _, run in kd.plan(full)}
+    old_key = {**full.key(), "fedbe_server": {**full.fedbe_server, "unlabeled_samples": 64}}
+    fedavg = {"name": "fedavg-dir0.1", "method_config": {**specs["fedavg-dir0.1"].method_config, "aggregation": "mean"}}
+    fedbe_64 = {"name": "fedbe-dir0.1", "method_config": {**specs["fedbe-dir0.1"].method_config, "unlabeled_samples": 64}}
+    fedbe_now = {"name": "fedbe-dir0.1", "method_config": dict(specs["fedbe-dir0.1"].method_config)}
+    assert kd.recorded_for(old_key, fedavg, full, specs["fedavg-dir0.1"])
+    assert kd.recorded_for(full.key(), fedavg, full, specs["fedavg-dir0.1"])
+    assert not kd.recorded_for(old_key, fedbe_64, full, specs["fedbe-dir0.1"])
+    assert kd.recorded_for(old_key, fedbe_now, full, specs["fedbe-dir0.1"])
+    assert not kd.recorded_for({**full.key(), "local_epochs": 2}, fedavg, full, specs["fedavg-dir0.1"])  # another regime
+    assert kd.recorded_for(full.key(), {"name": "not-planned"}, full, None)
+    # On disk: --resume skips a matching summary only, and --collect keeps the same runs.
+    root = tmp_path / "runs"
+    for folder, key, run in (("fedavg-dir0.1-seed0", old_key, fedavg), ("fedbe-dir0.1-seed0", old_key, fedbe_64)):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "summary.json").write_text(json.dumps({"scale": key, "run": {**run, "seed": 0}}))
+    assert kd.summary_matches(root / "fedavg-dir0.1-seed0" / "summary.json", full, specs["fedavg-dir0.1"])
+    assert not kd.summary_matches(root / "fedbe-dir0.1-seed0" / "summary.json", full, specs["fedbe-dir0.1"])
+    assert not kd.summary_matches(root / "fedbe-dir0.1-seed1" / "summary.json", full, specs["fedbe-dir0.1"])
+    kept = kd.runs_on_disk(root, full, {})  # no reports there: the summaries as recorded
+    assert set(kept) == {"fedavg-dir0.1-seed0", "fedbe-dir0.1-seed0"}  # no spec given: judged by the regime alone
+    planned = {run.name: (key, name, run) for key, name, run in kd.plan(full)}
+    assert set(kd.runs_on_disk(root, full, planned)) == {"fedavg-dir0.1-seed0"}
 
 
 def test_the_full_scales_projected_budget_is_the_docstrings_arithmetic() -> None:

@@ -806,7 +806,8 @@ ABLATION_SCALES = {
     # Dirichlet(0.1), the grid's seeds and regime, 6 rounds (evaluated in rounds 2, 4, 6): on the
     # machine shared with other jobs a FedKD round took 11-64 s (40 s on average; 9.4 s in the
     # quiet pilots), a run about 4 minutes at that load. Recorded: the 21 FedKD runs (7 arms x 3
-    # seeds; the FedAvg baselines read from the grid) took 23-165 s each, 27.9 minutes in all.
+    # seeds; the FedAvg baselines read from the grid) took 23-165 s each, 27.9 minutes in all; the
+    # 6 IID runs (2 arms x 3 seeds) 98-342 s each, 15.1 minutes: 43.0 of the 75 allowed.
     # IID (FedKD's mentors fail there too, on both measures; the paper's MIND / ADR folds are IID):
     # the four arms that run everywhere, 2 of them FedKD runs a seed.
     "full": dataclasses.replace(SCALES["full"], name="ablation-fedkd", rounds=6, partitions=("dir0.1", "iid"), budget_minutes=75,

@@ -16,6 +16,8 @@ import pytest
 from cloud_server.methods.fedkd_config import FedKdConfig
 from test_bench_baselines import RESULTS, load
 
+ROOT = RESULTS.parents[1]
+
 
 def s(mean: float, sd: float, n: int = 3) -> dict[str, Any]:
     return {"mean": mean, "sd": sd, "n": n, "values": []}
@@ -293,9 +295,13 @@ def test_the_full_scales_projected_budget_is_the_docstrings_arithmetic() -> None
 def test_each_ablation_arm_changes_one_factor_of_the_grids_fedkd() -> None:
     kd = load("kd_methods")
     scale = kd.ABLATION_SCALES["full"]
-    assert (scale.partitions, scale.seeds, scale.rounds, scale.agents, scale.client_fraction) == (("dir0.1",), (0, 1, 2), 6, 20, 0.2)
-    plan = {arm.name: run for _key, arm, run in kd.ablation_plan(scale)}
+    assert (scale.partitions, scale.seeds, scale.rounds, scale.agents, scale.client_fraction) == (("dir0.1", "iid"), (0, 1, 2), 6, 20, 0.2)
+    everything = kd.ablation_plan(scale)
+    plan = {arm.name: run for key, arm, run in everything if key == "dir0.1"}
     assert list(plan) == [a.name for a in kd.FEDKD_ARMS] and plan["fedkd"].method_config == kd.method_config("fedkd", scale)
+    # At IID only the arms that name the cause there: FedKD, its local-only mentor and the two baselines.
+    assert [arm.name for key, arm, _ in everything if key == "iid"] == ["fedkd", "fedavg-mentor", "mentor-local", "fedavg"]
+    assert all(run.name == f"{arm.name}-iid" for key, arm, run in everything if key == "iid")
     base = plan["fedkd"].method_config
     for arm in kd.FEDKD_ARMS:
         run = plan[arm.name]
@@ -311,7 +317,7 @@ def test_a_fedavg_baseline_is_the_grids_run_cut_at_the_ablations_rounds() -> Non
     kd = load("kd_methods")
     scale = kd.ABLATION_SCALES["full"]
     grid_key = kd.SCALES["full"].key()
-    plan = {arm.name: (key, arm, run) for key, arm, run in kd.ablation_plan(scale)}
+    plan = {arm.name: (key, arm, run) for key, arm, run in kd.ablation_plan(scale) if key == "dir0.1"}
     accuracies = [0.1 * (i + 1) if (i + 1) % 2 == 0 else None for i in range(20)]  # evaluated every second round
     recorded = summary(kd, "fedavg-mentor", "dir0.1", 0, [0.5] * 20)
     for r, acc in zip(recorded["rounds"], accuracies):
@@ -433,3 +439,34 @@ def test_the_recorded_ablation_is_what_the_bench_makes_of_its_runs() -> None:
     assert all(key == f"{r['name']}-seed{r['seed']}" for key, r in section["runs"].items())
     assert json.loads(json.dumps(kd.ablation_effects(section["runs"], kd.ABLATION_SCALES["full"]))) == section["effects"]
     assert json.loads(json.dumps(kd.cells(section["runs"]))) == section["cells"]
+
+
+def test_fedkd_doc_quotes_the_iid_ablation_as_recorded() -> None:
+    """docs/methods/fedkd.md's IID table and paired figures are the recorded section's."""
+    path = RESULTS / "kd_methods.json"
+    section = ((json.loads(path.read_text()) if path.exists() else {}).get("ablations") or {}).get("fedkd")
+    if section is None or "iid" not in section["effects"]:
+        pytest.skip("no IID arms of the FedKD ablation recorded: run bench/kd_methods.py --ablation fedkd --resume")
+    doc = " ".join((ROOT / "docs" / "methods" / "fedkd.md").read_text().split())
+    iid = section["effects"]["iid"]
+
+    def pm(x: dict[str, Any] | None) -> str:
+        return "" if x is None or x["mean"] is None else f"{100 * x['mean']:.1f} ± {100 * x['sd']:.1f} %"
+
+    for arm in ("fedkd", "mentor-local", "fedavg-mentor", "fedavg"):
+        figures = iid["arms"][arm]
+        row = " | ".join(pm(figures[f]) for f in ("deployed_global", "deployed_local", "mentee_global", "mentee_local"))
+        assert f"| {row.rstrip(' |')}" in doc, (arm, row)
+    versus = iid["versus_fedavg"]
+
+    def d(p: dict[str, Any]) -> tuple[str, str]:
+        return f"{abs(100 * p['mean_difference']):.1f}", f"{100 * p['sd_difference']:.1f}"
+
+    below_global, below_local = (d(versus["fedkd"][f"mentors_vs_fedavg_mentor_{w}"]) for w in ("global", "local"))
+    assert (f"the mentors are {below_global[0]} points below FedAvg(ConvNet) on the balanced set (sd {below_global[1]}) "
+            f"and {below_local[0]} below on their own shards (sd {below_local[1]})") in doc
+    alone = d(versus["mentor-local"]["mentors_vs_fedavg_mentor_global"])
+    assert f"is {alone[0]} below (sd {alone[1]})" in doc
+    mutual = iid["effect_vs_fedkd"]["mentor-local"]["deployed_global"]
+    assert mutual["differ"] and mutual["mean_difference"] < 0
+    assert f"gives the mentor {d(mutual)[0]} points here (sd {d(mutual)[1]}: a difference" in doc

@@ -414,6 +414,11 @@ def screening_total(results: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: FedBE's per-round figures on its accuracy set (cloud_server/methods/fedbe.py): the weight
+#: average w_bar, the ensemble's pseudo-labels (the teacher), and the distilled global model.
+SERVER_ACCURACY = ("weight_average_accuracy", "pseudo_label_accuracy", "distilled_accuracy")
+
+
 def summarize(partition: str, name: str, run: RunSpec, seed: int, report: dict[str, Any]) -> dict[str, Any]:
     """One seed of one cell: final accuracies (every label the evaluation scored), costs, and
     the round series (global and local accuracy by label, wire bytes, FLOPs)."""
@@ -427,6 +432,10 @@ def summarize(partition: str, name: str, run: RunSpec, seed: int, report: dict[s
             "by_label": r["evaluation"], "wire": r["wire"], "cumulative_wire": r["cumulative_wire"],
             "edge_train_flops": r["edge_train_flops"], "round_s": r["round_s"], "participants": len(record.get("participants", [])),
             "server_flops": figures.get("server_flops"),
+            # FedBE: its teacher against the plain mean, on the server's unlabeled set (what its
+            # distillation can add: bench/kd_ablation_fedbe.py reads them); absent for the others.
+            **({"server_accuracy": {k: figures.get(k) for k in SERVER_ACCURACY}}
+               if any(figures.get(k) is not None for k in SERVER_ACCURACY) else {}),
         })
     labels = _last(report["rounds"], lambda r: (r.get("evaluation") or {}).get("labels"))
     server_flops = [r["server_flops"] for r in rounds if r["server_flops"] is not None]

@@ -647,7 +647,11 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
                    f"the whole grid ({len(methods)} runs × {len(keys)} partitions × {len(scale['planned_seeds'])} seeds) is projected at "
                    f"{projected.get('minutes', 0.0):.0f} min from the recorded runs"
                    + (f" and the pilot's ({len(projected.get('cells_from_pilot', []))} cells)" if projected.get("cells_from_pilot") else "")
-                   + f", against a budget of {b['minutes']:.0f} min on 2 cores: **{b['verdict']}**.")
+                   + f", against a budget of {b['minutes']:.0f} min on 2 cores: **{b['verdict']}**."
+                   + (f" The runs' processes used {b['cpu_time_min']:.1f} CPU min ({b['runs_with_cpu_time']} runs measured); the "
+                      f"machine was shared (load average up to {b['max_load_average']:.1f} around the runs), so the wall time "
+                      "includes other jobs' load." if b.get("cpu_time_min") is not None and b.get("max_load_average") is not None
+                      else ""))
     claim_rows = []
     for r in data["claims"]:
         plabel = dict(KD_PARTITIONS).get(r["partition"], r["partition"])

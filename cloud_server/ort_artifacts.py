@@ -56,9 +56,9 @@ class OrtArtifactServer:
             from models.onnx_export import OrtExportError, export_edge_artifacts
         except ImportError as exc:  # pragma: no cover - models.onnx_export only needs torch
             return ErrorReply(run=self.run_id, round=0, sender="server", code="ort_unavailable", reason=str(exc))
-        with torch.random.fork_rng():
-            torch.manual_seed(self.seed)
-            model = build_model(self.edge_model, self.num_classes, in_channels)
+        # The run's own stream (the weights torch.manual_seed(seed) gives): forking torch's global
+        # RNG does not keep other threads of the process from reseeding it meanwhile.
+        model = build_model(self.edge_model, self.num_classes, in_channels, generator=torch.Generator().manual_seed(self.seed))
         shape = (in_channels, image_size, image_size)
         try:
             artifacts = export_edge_artifacts(model, self.num_classes, in_channels, image_size, train_extractor=self.train_extractor)

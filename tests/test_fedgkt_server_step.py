@@ -26,6 +26,7 @@ from cloud_server.methods import fedgkt
 from cloud_server.feature_store import StagedBatch, gather_batches
 from cloud_server.methods.fedgkt import FedGktServer
 from models.losses import kd_loss
+from models.seeding import build_seeded
 from shared_protocol.methods.fedgkt import GktServerLogits
 
 from test_fedgkt_unit import _end, _features
@@ -46,8 +47,12 @@ class TinyServer(nn.Module):
 def tiny_server_model(monkeypatch: pytest.MonkeyPatch) -> None:
     real = fedgkt.build_model
 
-    def build(name: str, num_classes: int, *args: object) -> nn.Module:
-        return TinyServer(num_classes) if name == "resnet55_server" else real(name, num_classes, *args)
+    # build_model's signature: the server draws its initial weights from the run's generator
+    # (models.seeding), and the stand-in does too, so two servers of one seed start alike.
+    def build(name: str, num_classes: int, *args: object, generator: torch.Generator | None = None) -> nn.Module:
+        if name != "resnet55_server":
+            return real(name, num_classes, *args, generator=generator)
+        return TinyServer(num_classes) if generator is None else build_seeded(lambda: TinyServer(num_classes), generator)
 
     monkeypatch.setattr(fedgkt, "build_model", build)
 

@@ -116,9 +116,11 @@ class FedAvgServer(ServerMethod):
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
         self.config = self.config_class.from_dict(method_config)
-        torch.manual_seed(ctx.seed)
-        # The global model lives on the CPU: the server only averages arrays.
-        self.model = build_model(self.config.model, ctx.num_classes, ctx.in_channels)
+        # The global model lives on the CPU: the server only averages arrays. Its initial weights
+        # come from the run's own stream, not torch's global RNG, which other threads of the
+        # process (in-memory federations) draw from and reseed (models.seeding).
+        self.model = build_model(self.config.model, ctx.num_classes, ctx.in_channels,
+                                 generator=torch.Generator().manual_seed(ctx.seed))
         self.global_state = state_dict_to_arrays(self.model)
         self.version = 0  # round whose aggregate global_state is (0: the initial model)
         self.staged: ModelUploadStage[_Staged] = ModelUploadStage("model upload", log)

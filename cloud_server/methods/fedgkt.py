@@ -64,9 +64,11 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
         self.config = FedGktConfig.from_dict(method_config)
-        torch.manual_seed(ctx.seed)
         self.device = torch.device(ctx.device)
-        self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
+        # Drawn from the run's own stream, not torch's global RNG, which other threads of the
+        # process (in-memory federations) draw from and reseed (models.seeding).
+        self.model = build_model(self.config.server_model, ctx.num_classes,
+                                 generator=torch.Generator().manual_seed(ctx.seed)).to(self.device)
         self.optimizer = self._make_optimizer()
         self.scheduler = make_lr_schedule(self.config.lr_schedule, self.optimizer)
         self.staged: dict[str, StagedUploads] = {}
@@ -81,9 +83,8 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         # the run's seed, as the torch-free agents' artifacts are (cloud_server/ort_artifacts.py).
         self.edge_init_weights: dict[str, np.ndarray] = {}
         if self.config.edge_init == "shared":
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(ctx.seed)
-                edge = build_model(self.config.edge_model, ctx.num_classes, ctx.in_channels)
+            edge = build_model(self.config.edge_model, ctx.num_classes, ctx.in_channels,
+                               generator=torch.Generator().manual_seed(ctx.seed))
             self.edge_init_weights = state_dict_to_arrays(edge)
         self.initialised_agents: set[str] = set()  # agents that finished a round (no initial weights needed)
         self.figures: dict[int, dict[str, Any]] = {}  # round -> the round's own figures (round_report)

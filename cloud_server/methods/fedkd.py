@@ -96,13 +96,18 @@ class FedKdServer(FedKdReport, ServerMethod):
         super().__init__(ctx, method_config)
         self.config = FedKdConfig.from_dict(method_config)
         self.schedule_rounds = self.config.horizon(ctx.rounds)  # Eq. 9's t = 1: the run's last round by default
-        torch.manual_seed(ctx.seed)
-        mentee = build_model(self.config.mentee_model, ctx.num_classes, ctx.in_channels)
+        # The initial global mentee from the run's own stream, not torch's global RNG: in-memory
+        # federations build the server while other threads of the process draw from and reseed
+        # that one (the mentee torch.manual_seed(seed) gave before, bit for bit: models.seeding).
+        generator = torch.Generator().manual_seed(ctx.seed)
+        mentee = build_model(self.config.mentee_model, ctx.num_classes, ctx.in_channels, generator=generator)
         self.param_names = {name for name, _ in mentee.named_parameters()}
         # The global mentee as float32 arrays; integer counters stay with each agent.
         self.global_state = {k: v for k, v in state_dict_to_arrays(mentee).items() if v.dtype.kind == "f"}
         self.version = 0  # round whose aggregate global_state is (0: the initial mentee)
-        mentor = build_model(self.config.mentor_model, ctx.num_classes, ctx.in_channels)
+        # Only its size is used; drawn on the same stream, so that building the server never
+        # touches the global RNG (tests/test_server_seeding.py).
+        mentor = build_model(self.config.mentor_model, ctx.num_classes, ctx.in_channels, generator=generator)
         self.mentee_dense_bytes = sum(4 * v.size for v in self.global_state.values())
         # What FedAvg of a mentor-sized model moves per agent and direction (its float state).
         self.mentor_dense_bytes = sum(4 * v.size for v in state_dict_to_arrays(mentor).values() if v.dtype.kind == "f")

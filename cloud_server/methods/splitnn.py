@@ -127,13 +127,15 @@ class SplitNNServer(AnswersUploads, ServerMethod):
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
         self.config = SplitNNConfig.from_dict(method_config)
-        torch.manual_seed(ctx.seed)
         self.device = torch.device(ctx.device)
-        # The ring's starting extractor is made here, so every agent starts from the same one.
-        extractor = build_model(self.config.edge_model, ctx.num_classes, ctx.in_channels).extractor
+        # The ring's starting extractor is made here, so every agent starts from the same one;
+        # it and then the server model are drawn from the run's own stream, not torch's global
+        # RNG, which other threads of the process (in-memory federations) use (models.seeding).
+        generator = torch.Generator().manual_seed(ctx.seed)
+        extractor = build_model(self.config.edge_model, ctx.num_classes, ctx.in_channels, generator=generator).extractor
         self.extractor_state = state_dict_to_arrays(extractor)
         self.feature_channels = get_model_spec(self.config.server_model).feature_channels
-        self.model = build_model(self.config.server_model, ctx.num_classes).to(self.device)
+        self.model = build_model(self.config.server_model, ctx.num_classes, generator=generator).to(self.device)
         c = self.config
         self.optimizer = make_optimizer(c.server_optimizer, self.model.parameters(), c.server_lr, c.server_momentum,
                                         c.server_weight_decay, self.device)

@@ -295,13 +295,14 @@ def test_the_full_scales_projected_budget_is_the_docstrings_arithmetic() -> None
 def test_each_ablation_arm_changes_one_factor_of_the_grids_fedkd() -> None:
     kd = load("kd_methods")
     scale = kd.ABLATION_SCALES["full"]
-    assert (scale.partitions, scale.seeds, scale.rounds, scale.agents, scale.client_fraction) == (("dir0.1", "iid"), (0, 1, 2), 6, 20, 0.2)
+    assert (scale.partitions, scale.seeds, scale.rounds, scale.agents, scale.client_fraction) == (("dir0.1", "dir0.5", "iid"), (0, 1, 2), 6, 20, 0.2)
     everything = kd.ablation_plan(scale)
     plan = {arm.name: run for key, arm, run in everything if key == "dir0.1"}
     assert list(plan) == [a.name for a in kd.FEDKD_ARMS] and plan["fedkd"].method_config == kd.method_config("fedkd", scale)
-    # At IID only the arms that name the cause there: FedKD, its local-only mentor and the two baselines.
-    assert [arm.name for key, arm, _ in everything if key == "iid"] == ["fedkd", "fedavg-mentor", "mentor-local", "fedavg"]
-    assert all(run.name == f"{arm.name}-iid" for key, arm, run in everything if key == "iid")
+    # At Dir(0.5) and IID only the arms that name the cause there: FedKD, its local-only mentor and the two baselines.
+    for where in ("dir0.5", "iid"):
+        assert [arm.name for key, arm, _ in everything if key == where] == ["fedkd", "fedavg-mentor", "mentor-local", "fedavg"]
+        assert all(run.name == f"{arm.name}-{where}" for key, arm, run in everything if key == where)
     base = plan["fedkd"].method_config
     for arm in kd.FEDKD_ARMS:
         run = plan[arm.name]

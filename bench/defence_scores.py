@@ -232,12 +232,13 @@ def main(argv: list[str] | None = None) -> None:
     runs = grid(args.seeds)
 
     def head(started: dict[str, Any], kept: list[dict[str, Any]]) -> dict[str, Any]:
-        # The seeds asked for and those already recorded (--seeds 1 --resume keeps seed 0's runs).
+        # The grid's seeds: those asked for and those already recorded (--seeds 1 --resume keeps seed
+        # 0's runs); the summary's ``seeds`` are those with a run recorded.
         held = sorted({*args.seeds, *(int(r["seed"]) for r in kept)})
         return {"benchmark": "defence_scores", "generated_by": "bench/defence_scores.py", "machine": started, **scale,
                 "partitions": PARTITIONS, "method_config": {m: TABLES[m] for m in ("fedavg", "fedgkt")},
                 "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED, "plausible_mad": MAD,
-                "seeds": held, "servers": {r.name: r.server() for r in grid(tuple(held))}}
+                "grid_seeds": held, "servers": {r.name: r.server() for r in grid(tuple(held))}}
 
     run_grid(runs, _run_one, args.out, scale, head, resume=args.resume, only=args.only, summary=summary,
              work_prefix="defence-scores-")

@@ -161,8 +161,13 @@ def _nats(x: float) -> str:
     return (f"{x:+.2f}" if abs(x) < 10 else f"{x:+.1f}").replace("-", "\u2212")  # the page's minus sign
 
 
+NOT_RUN = "\u2014"  # the page's dash for a cell whose run is not recorded yet
+
+
 def _refused(per_threshold: dict[str, Any], keys: list[str], seed: str) -> str:
     """"0 of N" where no threshold refused an honest upload of this seed, else each one that did."""
+    if not keys or seed not in per_threshold[keys[0]]["by_seed"]:
+        return NOT_RUN
     counts = {k.split("-")[-1]: per_threshold[k]["by_seed"][seed]["honest_refused"] for k in keys}
     judged = per_threshold[keys[0]]["by_seed"][seed]["honest_judged"]
     if not any(counts.values()):
@@ -170,27 +175,43 @@ def _refused(per_threshold: dict[str, Any], keys: list[str], seed: str) -> str:
     return ", ".join(f"{n} at {t}" for t, n in counts.items() if n) + f" of {judged}"
 
 
+def _validation_cells(v: dict[str, Any], part: str, s: str) -> list[str]:
+    margins = [k for k in v if k.startswith("update-")]
+    name = f"validation-sign_flip_weights-{part}{s}"
+    honest = [x for n, x in v.get("honest_max_rise_update", {}).items() if n.endswith(s)]
+    most = f" ({_nats(max(honest))})" if honest else ""
+    if name not in v.get("bad_rises_update", {}):
+        return [_refused(v, margins, s[2:]), NOT_RUN + most, NOT_RUN]
+    rises = v["bad_rises_update"][name]
+    finite = [x for x in rises if x is not None]  # null: not finite, refused at any margin
+    spread = f"{_nats(min(finite))} to {_nats(max(finite))}" if finite else "not finite"
+    return [_refused(v, margins, s[2:]), spread + most, f"{_span(v['update-0.5']['bad_refused_rounds'][name])} of {len(rises)}"]
+
+
+def _label_cells(lab: dict[str, Any], part: str, s: str) -> list[str]:
+    floors = [k for k in lab if k.replace(".", "").isdigit()]
+    name = f"labels-random_labels-{part}{s}"
+    honest = [x for n, x in lab.get("honest_min_agreement", {}).items() if n.endswith(s)]
+    least = f" ({min(honest):.2f})" if honest else ""
+    if name not in lab.get("bad_agreement", {}):
+        return [_refused(lab, floors, s[2:]), NOT_RUN + least, NOT_RUN]
+    bad = [a for a in lab["bad_agreement"][name] if a is not None]
+    return [_refused(lab, floors, s[2:]), f"{min(bad):.2f}-{max(bad):.2f}{least}", _span(lab["0.3"]["bad_refused_rounds"][name])]
+
+
 def grid_rows(data: dict[str, Any]) -> list[str]:
-    """docs/configuration.md's rows of the defence grid, one per partition and seed, from the JSON."""
+    """docs/configuration.md's rows of the defence grid, one per partition and seed with a run
+    recorded, from the JSON (a seed still running: its missing runs' cells are a dash)."""
     labels = {"iid": "IID", "dir0.5": "Dirichlet(0.5)", "dir0.1": "Dirichlet(0.1)"}
     rows = []
     for part, label in labels.items():
-        v, lab = data["summary"]["validation"][part], data["summary"]["labels"][part]
-        margins = [k for k in v if k.startswith("update-")]
-        floors = [k for k in lab if k.replace(".", "").isdigit()]
+        v, lab = data["summary"].get("validation", {}).get(part, {}), data["summary"].get("labels", {}).get(part, {})
         for seed in data["summary"]["seeds"]:
             s = f"-s{seed}"
-            rises = v["bad_rises_update"][f"validation-sign_flip_weights-{part}{s}"]
-            rounds = v["update-0.5"]["bad_refused_rounds"][f"validation-sign_flip_weights-{part}{s}"]
-            honest_max = max(x for n, x in v["honest_max_rise_update"].items() if n.endswith(s))
-            bad = [a for a in lab["bad_agreement"][f"labels-random_labels-{part}{s}"] if a is not None]
-            honest_min = min(x for n, x in lab["honest_min_agreement"].items() if n.endswith(s))
-            finite = [x for x in rises if x is not None]  # null: not finite, refused at any margin
-            rows.append(
-                f"| {label} | {seed} | {_refused(v, margins, str(seed))} | {_nats(min(finite))} to {_nats(max(finite))} "
-                f"({_nats(honest_max)}) | {_span(rounds)} of {len(rises)} | {_refused(lab, floors, str(seed))} | "
-                f"{min(bad):.2f}-{max(bad):.2f} ({honest_min:.2f}) | "
-                f"{_span(lab['0.3']['bad_refused_rounds'][f'labels-random_labels-{part}{s}'])} |")
+            if not any(r["partition"] == part and r["seed"] == seed for r in data["runs"]):
+                continue
+            cells = [label, str(seed), *_validation_cells(v, part, s), *_label_cells(lab, part, s)]
+            rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 
@@ -203,8 +224,25 @@ def test_configuration_quotes_the_recorded_grid() -> None:
     data = json.loads(RESULT.read_text())
     page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     seeds = data["summary"]["seeds"]
-    assert seeds == sorted({r["seed"] for r in data["runs"]}) == data["seeds"]
+    assert seeds == sorted({r["seed"] for r in data["runs"]}) and set(seeds) <= set(data["grid_seeds"])
     held = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ", ".join(map(str, seeds[:-1])) + f" and {seeds[-1]}"
     assert f"Recorded, {held}, {len(data['runs'])} runs" in page
+    if data["missing"]:  # a seed still running: the page says how much of it is not in the table
+        assert f"{len(data['missing'])} of the grid's runs not yet recorded" in page
     for row in grid_rows(data):
         assert row in page, row
+
+
+def test_the_rows_of_a_seed_still_running_show_what_is_not_recorded() -> None:
+    """A seed with some runs recorded gets its rows; the cells of its missing runs are a dash."""
+    ds = load("defence_scores")
+    bad, honest = ds.BAD, {"agent-0": 0.1, "agent-1": 0.2, "agent-2": 0.0, "agent-3": 0.15}
+    runs = []
+    for seed, attack, rises in ((0, "sign_flip_weights", [0.3, 2.0]), (0, "none", [0.1, 0.1]), (1, "none", [0.1, 0.1])):
+        run = {"name": f"validation-{attack}-iid-s{seed}", "check": "validation", "attack": attack, "partition": "iid",
+               "seed": seed, "final_accuracy": 0.5, "rounds": [_round({**honest, bad: x}) for x in rises]}
+        run["replay"] = ds.replay(run)
+        runs.append(run)
+    rows = grid_rows({"summary": ds.summary(runs), "runs": runs})
+    assert rows == [f"| IID | 0 | 0 of 18 | +0.30 to +2.00 (+0.20) | 2 of 2 | {NOT_RUN} | {NOT_RUN} | {NOT_RUN} |",
+                    f"| IID | 1 | 0 of 10 | {NOT_RUN} (+0.20) | {NOT_RUN} | {NOT_RUN} | {NOT_RUN} | {NOT_RUN} |"]

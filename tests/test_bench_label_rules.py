@@ -3,6 +3,10 @@ hand-made figures (what each rule refuses, what is counted as honest and as judg
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 from test_bench_baselines import load
 
 
@@ -45,3 +49,47 @@ def test_kappa_measures_agreement_above_what_a_permutation_keeps() -> None:
     cell = lr.replay_rules([run], bad, chance, {"kappa-0.0": lr.RULES["kappa-0.0"]})["kappa-0.0"]["dir0.1"]["0"]
     # 0.38 is below the 0.46 a permutation of its own labels keeps; honest agent-2's 0.35 is above its 0.3.
     assert cell == {"honest_refused": 0, "honest_judged": 4, "bad_refused_rounds": [2], "bad_judged": 1}
+
+
+RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "label_rules.json"
+SCORES = RESULT.with_name("defence_scores.json")
+# The rules docs/configuration.md's table of the blind spot quotes (the JSON holds more).
+DOC_RULES = ("current-0.3", "floor-0.3", "floor-0.4", "mad1-0.3", "mad2-0.3", "ratio-0.5", "ratio-0.6", "kappa-0.0", "kappa-0.1")
+
+
+def rule_rows(data: dict[str, Any]) -> list[str]:
+    """The page's rows: per rule and seed, per partition, honest uploads refused of judged and the
+    rounds the shuffled agent was caught in (it is judged in rounds 2 and 3)."""
+    rows = []
+    for rule in DOC_RULES:
+        for seed in data["seeds"]:
+            cells = []
+            for part in ("iid", "dir0.5", "dir0.1"):
+                c = data["rules"][rule].get(part, {}).get(str(seed))
+                if c is None:
+                    cells.append("\u2014")
+                    continue
+                r = c["bad_refused_rounds"]
+                caught = "none" if not r else (f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}")
+                cells.append(f"{c['honest_refused']} of {c['honest_judged']}; {caught}")
+            rows.append(f"| `{rule}` | {seed} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def test_the_recorded_replay_is_the_defence_grids_and_the_page_quotes_it() -> None:
+    import pytest
+
+    if not RESULT.exists():
+        pytest.skip("bench/results/label_rules.json has not been written yet (python bench/label_rules.py --chance)")
+    lr = load("label_rules")
+    data = json.loads(RESULT.read_text())
+    scores = json.loads(SCORES.read_text())
+    runs = [r for r in scores["runs"] if r["name"] in data["runs"]]
+    assert len(runs) == len(data["runs"])  # every run it replayed is still recorded
+    # Replayed again from the grid's recorded agreements (and the stored label histograms): the same counts.
+    assert lr.replay_rules(runs, scores["bad_agent"], data["chance"]) == data["rules"]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    for row in rule_rows(data):
+        assert row in page, row
+    held = f"seed {data['seeds'][0]}" if len(data["seeds"]) == 1 else "seeds " + " and ".join(map(str, data["seeds"]))
+    assert f"Replayed on {held}, {len(data['runs'])} label runs" in page

@@ -187,12 +187,12 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             entry: dict[str, Any] = {}
             for t in thresholds:
                 rows = [r["replay"]["per_threshold"][t] for r in mine]
-                # Per attacked run (two attacks of the validation check: the flip with and without BatchNorm's statistics).
                 by_seed: dict[str, dict[str, int]] = {}
                 for r, x in zip(mine, rows):
-                    seed = by_seed.setdefault(str(r["seed"]), {"honest_refused": 0, "honest_judged": 0})
-                    seed["honest_refused"] += x["honest_refused"]
-                    seed["honest_judged"] += x["honest_judged"]
+                    cell = by_seed.setdefault(str(r["seed"]), {"honest_refused": 0, "honest_judged": 0})
+                    cell["honest_refused"] += x["honest_refused"]
+                    cell["honest_judged"] += x["honest_judged"]
+                # Per attacked run (two attacks of the validation check: the flip with and without BatchNorm's statistics).
                 entry[t] = {"honest_refused": sum(x["honest_refused"] for x in rows),
                             "honest_judged": sum(x["honest_judged"] for x in rows), "by_seed": by_seed,
                             "bad_refused_rounds": {r["name"]: x["bad_refused_rounds"] for r, x in zip(mine, rows)

@@ -25,9 +25,14 @@ The summary replays the rules (:func:`implausible_validation`, :func:`implausibl
 the recorded figures for a range of thresholds: per partition, how many honest uploads each
 would refuse and in how many rounds it refuses the bad agent. The defaults are read off it.
 
-    python bench/defence_scores.py            # the whole grid
-    python bench/defence_scores.py --resume   # go on after an interruption
+    python bench/defence_scores.py                       # the whole grid, seeds 0 and 1
+    python bench/defence_scores.py --resume              # go on after an interruption
+    python bench/defence_scores.py --seeds 0,1,2 --resume  # one more seed, the recorded ones kept
     python bench/defence_scores.py --only validation-none-dir0.1-s0
+
+Each run's seed is the data split's and the server's (bench/robustness.py's
+``run_case``); the shuffled-labels permutation stays ``LABEL_SEED``. The seed is not part of the
+JSON's scale: resuming with more seeds keeps the runs recorded with fewer.
 
 Writes ``bench/results/defence_scores.json`` after every run.
 """
@@ -84,15 +89,32 @@ class Run:
         return {"plausible_min_label_agreement": 1e-9}
 
 
-def grid() -> list[Run]:
-    """The strongest skew first; the attacked runs first (four honest agents' figures beside the
-    bad one's), then the clean ones (five honest agents, no attacker among the peers)."""
+SEEDS = (0, 1)  # one seed per cell is noise (issue #25): every threshold is read off both
+
+
+def grid(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
+    """Seed by seed (a seed's whole grid before the next, so that an interrupted bench leaves whole
+    seeds); within a seed the strongest skew first; the attacked runs first (four honest agents'
+    figures beside the bad one's), then the clean ones (five honest agents, no attacker among the peers)."""
     parts = ("dir0.1", "dir0.5", "iid")
-    out = [Run(c, a, p) for p in parts for c, a in (("validation", "sign_flip"), ("validation", "sign_flip_weights"),
-                                                    ("labels", "random_labels"))]
-    out += [Run("validation", "none", p) for p in parts]
-    out += [Run("labels", "none", p) for p in parts]
+    out: list[Run] = []
+    for s in seeds:
+        out += [Run(c, a, p, s) for p in parts for c, a in (("validation", "sign_flip"),
+                                                            ("validation", "sign_flip_weights"), ("labels", "random_labels"))]
+        out += [Run("validation", "none", p, s) for p in parts]
+        out += [Run("labels", "none", p, s) for p in parts]
     return out
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``--seeds 0,1``: distinct non-negative integers, in the order given."""
+    try:
+        seeds = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds: expected comma-separated integers such as 0,1, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"--seeds: expected distinct non-negative integers, got {text!r}")
+    return seeds
 
 
 STEP_KEYS = {"update": "agents", "share": "agents_share"}  # validation_step -> its figures in update_validation
@@ -152,8 +174,10 @@ def replay(run: dict[str, Any]) -> dict[str, Any]:
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per check and partition, per threshold: honest uploads refused (of judged) over the clean
-    and attacked runs, and per attacked run the rounds the bad agent was refused in."""
-    out: dict[str, Any] = {}
+    and attacked runs of every seed held, and seed by seed (``by_seed``: one seed's zero is not
+    another's), and per attacked run (its name ends in its seed) the rounds the bad agent was
+    refused in. ``seeds``: the seeds the runs hold."""
+    out: dict[str, Any] = {"seeds": sorted({int(r["seed"]) for r in runs})}
     validation = [f"{step}-{m}" for step in STEP_KEYS for m in MARGINS]
     for check, thresholds in (("validation", validation), ("labels", [str(f) for f in FLOORS])):
         for part in PARTITIONS:
@@ -163,9 +187,14 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             entry: dict[str, Any] = {}
             for t in thresholds:
                 rows = [r["replay"]["per_threshold"][t] for r in mine]
+                by_seed: dict[str, dict[str, int]] = {}
+                for r, x in zip(mine, rows):
+                    cell = by_seed.setdefault(str(r["seed"]), {"honest_refused": 0, "honest_judged": 0})
+                    cell["honest_refused"] += x["honest_refused"]
+                    cell["honest_judged"] += x["honest_judged"]
                 # Per attacked run (two attacks of the validation check: the flip with and without BatchNorm's statistics).
                 entry[t] = {"honest_refused": sum(x["honest_refused"] for x in rows),
-                            "honest_judged": sum(x["honest_judged"] for x in rows),
+                            "honest_judged": sum(x["honest_judged"] for x in rows), "by_seed": by_seed,
                             "bad_refused_rounds": {r["name"]: x["bad_refused_rounds"] for r, x in zip(mine, rows)
                                                    if x["bad_refused_rounds"] is not None}}
             keys = ([f"honest_max_rise_{s}" for s in STEP_KEYS] + [f"bad_rises_{s}" for s in STEP_KEYS]
@@ -193,17 +222,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_grid_arguments(parser)
     parser.add_argument("--out", type=Path, default=RESULTS / "defence_scores.json")
+    parser.add_argument("--seeds", type=parse_seeds, default=SEEDS,
+                        help="comma-separated seeds of the grid (default %(default)s); with --resume the seeds "
+                             "recorded in --out are kept and only the missing runs are run")
     args = parser.parse_args(argv)
     quiet_logs()
     scale = {"agents": AGENTS, "bad_agent": BAD, "rounds": ROUNDS, "train_samples": TRAIN, "test_samples": TEST,
              "validation_samples": VALIDATION_SAMPLES, "dataset": "fashion-mnist"}
-    runs = grid()
+    runs = grid(args.seeds)
 
     def head(started: dict[str, Any], kept: list[dict[str, Any]]) -> dict[str, Any]:
+        # The grid's seeds: those asked for and those already recorded (--seeds 1 --resume keeps seed
+        # 0's runs); the summary's ``seeds`` are those with a run recorded.
+        held = sorted({*args.seeds, *(int(r["seed"]) for r in kept)})
         return {"benchmark": "defence_scores", "generated_by": "bench/defence_scores.py", "machine": started, **scale,
                 "partitions": PARTITIONS, "method_config": {m: TABLES[m] for m in ("fedavg", "fedgkt")},
                 "sign_flip_scale": SIGN_FLIP_SCALE, "label_seed": LABEL_SEED, "plausible_mad": MAD,
-                "servers": {r.name: r.server() for r in runs}}
+                "grid_seeds": held, "servers": {r.name: r.server() for r in grid(tuple(held))}}
 
     run_grid(runs, _run_one, args.out, scale, head, resume=args.resume, only=args.only, summary=summary,
              work_prefix="defence-scores-")

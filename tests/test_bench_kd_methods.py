@@ -442,6 +442,38 @@ def test_the_recorded_ablation_is_what_the_bench_makes_of_its_runs() -> None:
     assert json.loads(json.dumps(kd.cells(section["runs"]))) == section["cells"]
 
 
+def test_fedkd_doc_quotes_the_dir05_ablation_as_recorded() -> None:
+    """docs/methods/fedkd.md's Dir(0.5) table and paired figures are the recorded section's."""
+    path = RESULTS / "kd_methods.json"
+    section = ((json.loads(path.read_text()) if path.exists() else {}).get("ablations") or {}).get("fedkd")
+    if section is None or "dir0.5" not in section["effects"]:
+        pytest.skip("no Dir(0.5) arms of the FedKD ablation recorded: run bench/kd_methods.py --ablation fedkd --resume")
+    doc = " ".join((ROOT / "docs" / "methods" / "fedkd.md").read_text().split())
+    part = section["effects"]["dir0.5"]
+    for arm in ("fedkd", "mentor-local", "fedavg-mentor", "fedavg"):
+        figures = part["arms"][arm]
+        row = " | ".join("" if figures[f]["mean"] is None else f"{100 * figures[f]['mean']:.1f} ± {100 * figures[f]['sd']:.1f} %"
+                         for f in ("deployed_global", "deployed_local", "mentee_global", "mentee_local"))
+        assert f"| {row.rstrip(' |')}" in doc, (arm, row)
+    fedkd, alone = part["versus_fedavg"]["fedkd"], part["versus_fedavg"]["mentor-local"]
+
+    def d(p: dict[str, Any]) -> str:
+        return f"{abs(100 * p['mean_difference']):.1f}"
+
+    def sd(p: dict[str, Any]) -> str:
+        return f"{100 * p['sd_difference']:.1f}"
+
+    g, loc = fedkd["mentors_vs_fedavg_mentor_global"], fedkd["mentors_vs_fedavg_mentor_local"]
+    assert g["mean_difference"] < 0 < loc["mean_difference"] and g["differ"] and loc["differ"]
+    assert (f"the mentors are {d(g)} points below FedAvg(ConvNet) on the balanced set (sd {sd(g)}) and {d(loc)} above it on "
+            f"their own shards (sd {sd(loc)})") in doc
+    ag, al = alone["mentors_vs_fedavg_mentor_global"], alone["mentors_vs_fedavg_mentor_local"]
+    assert f"is {d(ag)} below on the balanced set (sd {sd(ag)}) and {d(al)} above on its shard (sd {sd(al)})" in doc
+    better = part["effect_vs_fedkd"]["mentor-local"]["deployed_global"]
+    assert better["differ"] and better["mean_difference"] > 0
+    assert f"it is {d(better)} points *above* FedKD's own mentor (sd {sd(better)})" in doc
+
+
 def test_fedkd_doc_quotes_the_iid_ablation_as_recorded() -> None:
     """docs/methods/fedkd.md's IID table and paired figures are the recorded section's."""
     path = RESULTS / "kd_methods.json"

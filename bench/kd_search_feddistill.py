@@ -210,7 +210,8 @@ def table_rows(table: Mapping[str, Any]) -> list[str]:
         entry = table.get(arm.name)
         if entry is None:
             continue
-        label = {"default": "default (the grid's)", "fedavg": "FedAvg (the grid's)"}.get(arm.name) or (
+        label = {"default": "default (the grid's)", "fedavg": "FedAvg (the grid's)",
+                 "default-rerun": "default, run again"}.get(arm.name) or (
             arm.name if not arm.changes else " ".join(f"{k} {DEFAULTS[k]} → {v}" for k, v in arm.changes.items()))
         versus = entry.get("vs_default") or {}
         verdict = entry.get("verdict") or ("–" if arm is DEFAULT else "")

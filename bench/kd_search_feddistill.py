@@ -40,7 +40,7 @@ The scores, each run's global accuracy on the balanced 1,000-image set:
 * ``final``: at round 10;
 * ``late_mean``: the mean over the evaluated rounds 6, 8 and 10 (``LATE_ROUNDS``): the paper's
   Fig. 9d reads "the average top-1 accuracy of last 10 epochs" beside the last one, and at
-  Dir(0.1) a run's accuracy moves by 8.6 points from one of rounds 6, 8, 10 to the next in the
+  Dir(0.1) a run's largest move from one of rounds 6, 8, 10 to the next is 8.6 points in the
   median run of the search (up to 26.8).
 
 Each arm is paired seed by seed (``bench/_stats.py``'s ``paired``; |mean d| > sd d) against the

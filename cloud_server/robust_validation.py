@@ -72,14 +72,15 @@ class DefenceConfig:
     # round 1 of bench/defence_scores.py's 5), their MAD term 0.14 to 0.80; the sign-flipped update's
     # loss was not finite. A flip of the weights alone (BatchNorm statistics honest) is finite and
     # passes 0.5 at a small scale (IID, 1,500 images: 0.11-0.40 above the honest median); in
-    # bench/defence_scores.py's grid (3,000 images, seed 0) no honest update was refused at any margin
-    # from 0.1 to 2 and the weights-only flip was refused at 0.5 in 14 of 15 rounds (docs/configuration.md).
+    # bench/defence_scores.py's grid (3,000 images, seeds 0 and 1) no honest update was refused at 0.5 or
+    # above (seed 1 at Dirichlet(0.1): 2 of 65 at 0.1 and 0.25; 0.12 nats to spare at 0.5) and the
+    # weights-only flip was refused at 0.5 in 29 of 30 rounds (docs/configuration.md).
     validation_loss_margin: float = VALIDATION_LOSS_MARGIN
     validation_step: str = "update"  # update | share (VALIDATION_STEPS)
     # FedGKT: an agent the server model agrees with on fewer than this fraction of its labels,
     # and far below the other agents (plausible_mad), is refused (implausible_labels). 0: off, by
-    # default: bench/defence_scores.py at 0.3 refused no honest upload and caught shuffled labels at
-    # IID and Dirichlet(0.5), never at Dirichlet(0.1) (docs/configuration.md).
+    # default: bench/defence_scores.py at 0.3 (seeds 0 and 1) refused no honest upload and caught
+    # shuffled labels at IID and Dirichlet(0.5), never at Dirichlet(0.1) (docs/configuration.md).
     plausible_min_label_agreement: float = 0.0
     plausible_mad: float = 6.0  # [server] plausible_mad, shared with the norm check
     seed: int = 0  # [server] seed

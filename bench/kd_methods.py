@@ -92,8 +92,8 @@ The claims (each row of the claim table; ``CLAIMS``) and where they are printed:
   round, 5 runs): the mentors as accurate as FedAvg of the large model ("UniLM (Fed)": AUC 71.0
   vs 70.9, F-score 60.7 vs 60.6) at 10.8-11.4x less communication; scored as "the average
   performance of local mentor models on the local data" (the passages are quoted in
-  docs/methods/fedkd.md; the stored ``shared/papers`` text is the Methods section only, whose
-  "Complexity analysis" gives the communication O(R |Theta_s| / rho) vs O(R |Theta_t|)). Two rows:
+  docs/methods/fedkd.md, with the paper's "Complexity analysis": communication O(R |Theta_s| / rho)
+  vs O(R |Theta_t|)). Two rows:
   the mentors on their agents' own test shards against FedAvg(ConvNet)'s global model on the same
   shards (``measure`` "local", the paper's evaluation), and both on the balanced set (``measure``
   "global", the project's headline); each with FedKD's wire bytes against that run's.
@@ -1018,15 +1018,19 @@ def carry_ablations(out: Path, doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def check_only(parser: argparse.ArgumentParser, only: Sequence[str] | None, names: set[str]) -> None:
+    """``--only`` names runs of the plan (the grid's or the ablation's), or the command stops naming them."""
+    unknown = sorted(set(only or ()) - names)
+    if unknown:
+        parser.error(f"--only: no runs named {unknown}; the runs are {sorted(names)}")
+
+
 def run_ablation(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``--ablation fedkd``: every arm (or ``--only``'s), every seed, into ``ablations.fedkd`` of the JSON."""
     scale = ABLATION_SCALES["quick" if args.quick else "full"]
     seeds = args.seeds if args.seeds is not None else list(scale.seeds)
     plan_ = ablation_plan(scale)
-    names = {run.name for _, _, run in plan_}
-    unknown = sorted(set(args.only or ()) - names)
-    if unknown:
-        parser.error(f"--only: no arms named {unknown}; the ablation's runs are {sorted(names)}")
+    check_only(parser, args.only, {run.name for _, _, run in plan_})
     run_root = scale_folder(args.run_dir, scale)
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
     grid_key = (recorded.get("scale") or {}).get("key")
@@ -1101,10 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_ablation(args, parser)
     seeds = args.seeds if args.seeds is not None else list(scale.seeds)
     runs = plan(scale)
-    names = {run.name for _, _, run in runs}
-    unknown = sorted(set(args.only or ()) - names)
-    if unknown:
-        parser.error(f"--only: no runs named {unknown}; the runs are {sorted(names)}")
+    check_only(parser, args.only, {run.name for _, _, run in runs})
     run_root = scale_folder(args.run_dir, scale)
     results: dict[str, Any] = {}
     for seed in seeds:

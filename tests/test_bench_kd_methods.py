@@ -442,19 +442,29 @@ def test_the_recorded_ablation_is_what_the_bench_makes_of_its_runs() -> None:
     assert json.loads(json.dumps(kd.cells(section["runs"]))) == section["cells"]
 
 
-def test_fedkd_doc_quotes_the_dir05_ablation_as_recorded() -> None:
-    """docs/methods/fedkd.md's Dir(0.5) table and paired figures are the recorded section's."""
+def _recorded_ablation_partition(partition: str) -> tuple[dict[str, Any], str]:
+    """The FedKD ablation's recorded effects at ``partition`` and docs/methods/fedkd.md (whitespace
+    folded); skips, naming the command, where the JSON holds no arms there."""
     path = RESULTS / "kd_methods.json"
     section = ((json.loads(path.read_text()) if path.exists() else {}).get("ablations") or {}).get("fedkd")
-    if section is None or "dir0.5" not in section["effects"]:
-        pytest.skip("no Dir(0.5) arms of the FedKD ablation recorded: run bench/kd_methods.py --ablation fedkd --resume")
-    doc = " ".join((ROOT / "docs" / "methods" / "fedkd.md").read_text().split())
-    part = section["effects"]["dir0.5"]
+    if section is None or partition not in section["effects"]:
+        pytest.skip(f"no {partition} arms of the FedKD ablation recorded: run bench/kd_methods.py --ablation fedkd --resume")
+    return section["effects"][partition], " ".join((ROOT / "docs" / "methods" / "fedkd.md").read_text().split())
+
+
+def _assert_arm_rows(part: dict[str, Any], doc: str) -> None:
+    """Each arm's row of the doc's table (mentors and mentee, global and local) is the recorded one."""
     for arm in ("fedkd", "mentor-local", "fedavg-mentor", "fedavg"):
         figures = part["arms"][arm]
         row = " | ".join("" if figures[f]["mean"] is None else f"{100 * figures[f]['mean']:.1f} ± {100 * figures[f]['sd']:.1f} %"
                          for f in ("deployed_global", "deployed_local", "mentee_global", "mentee_local"))
         assert f"| {row.rstrip(' |')}" in doc, (arm, row)
+
+
+def test_fedkd_doc_quotes_the_dir05_ablation_as_recorded() -> None:
+    """docs/methods/fedkd.md's Dir(0.5) table and paired figures are the recorded section's."""
+    part, doc = _recorded_ablation_partition("dir0.5")
+    _assert_arm_rows(part, doc)
     fedkd, alone = part["versus_fedavg"]["fedkd"], part["versus_fedavg"]["mentor-local"]
 
     def d(p: dict[str, Any]) -> str:
@@ -476,20 +486,8 @@ def test_fedkd_doc_quotes_the_dir05_ablation_as_recorded() -> None:
 
 def test_fedkd_doc_quotes_the_iid_ablation_as_recorded() -> None:
     """docs/methods/fedkd.md's IID table and paired figures are the recorded section's."""
-    path = RESULTS / "kd_methods.json"
-    section = ((json.loads(path.read_text()) if path.exists() else {}).get("ablations") or {}).get("fedkd")
-    if section is None or "iid" not in section["effects"]:
-        pytest.skip("no IID arms of the FedKD ablation recorded: run bench/kd_methods.py --ablation fedkd --resume")
-    doc = " ".join((ROOT / "docs" / "methods" / "fedkd.md").read_text().split())
-    iid = section["effects"]["iid"]
-
-    def pm(x: dict[str, Any] | None) -> str:
-        return "" if x is None or x["mean"] is None else f"{100 * x['mean']:.1f} ± {100 * x['sd']:.1f} %"
-
-    for arm in ("fedkd", "mentor-local", "fedavg-mentor", "fedavg"):
-        figures = iid["arms"][arm]
-        row = " | ".join(pm(figures[f]) for f in ("deployed_global", "deployed_local", "mentee_global", "mentee_local"))
-        assert f"| {row.rstrip(' |')}" in doc, (arm, row)
+    iid, doc = _recorded_ablation_partition("iid")
+    _assert_arm_rows(iid, doc)
     versus = iid["versus_fedavg"]
 
     def d(p: dict[str, Any]) -> tuple[str, str]:

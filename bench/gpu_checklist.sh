@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checklist (../shared/gpu/CHECKLIST.md) as one device call, inside a fixed time budget.
+# The GPU measurements (the CUDA tests, the server step's speed, FedGKT at full scale, every method
+# on CUDA) as one call on a GPU machine, inside a fixed time budget.
 #
-# Run on the GPU machine from the project root, after `bash ../shared/gpu/prepare.sh` here:
+# Run on the GPU machine from the project root, with an ignored `.gpu/` folder beside it that holds
+# what the machine cannot download (paho-mqtt / zstandard wheels, mosquitto, the dataset) and a
+# `.gpu/setup.sh` that installs them:
 #     device run, carry [".gpu"]:  bash bench/gpu_checklist.sh
 # Every step has its own deadline (the whole script ends by BUDGET_S, default 560 s, so one
 # 600 s call returns everything); what each step wrote lands in $OUT/gpu.tgz, with the log in

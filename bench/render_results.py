@@ -1162,7 +1162,7 @@ def _compile_check_lines(check: dict[str, Any] | None) -> list[str]:
 
 
 def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None, methods: dict[str, Any] | None) -> list[str]:
-    """The server on a GPU (../shared/gpu/CHECKLIST.md, run by bench/gpu_checklist.sh and
+    """The server on a GPU (measured by bench/gpu_checklist.sh and collected by
     bench/gpu_collect.py): the server step's speed, FedGKT at full scale, every method on CUDA."""
     lines = ["## The server on a GPU", ""]
     if server is None or not server.get("gpu_figures_measured"):

@@ -85,15 +85,6 @@ def test_two_agents_two_rounds_over_mosquitto(mosquitto, tmp_path: Path, mode: s
     assert report["totals"]["edge_train_flops"] > 0
 
 
-def test_server_accuracy_rises_above_chance(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    cfg = server_config(tmp_path, run_id="learn", rounds=4, eval_every=1, method_config={"server_epochs": 3, "edge_epochs": 2})
-    fed = mqtt_federation(cfg, [agent_config(cfg.run_id, i, 2, train_samples=400, test_samples=200) for i in range(2)], mosquitto.url)
-    report = fed.start().join(600)
-    accs = [r["accuracy"] for r in report["rounds"]]
-    # 10 balanced classes, 200 test samples: chance is 0.10 +- 0.02.
-    assert accs[-1] > 0.35 and accs[-1] > accs[0], accs
-
-
 def _wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -17,7 +17,9 @@ import pytest
 
 import fldata.downloads as downloads
 import fldata.loaders as loaders
+from cloud_server.config import ServerConfig
 from fldata import DOWNLOAD_TIMEOUT_S, DownloadError, load_dataset
+from shared_protocol.mqtt_config import TransportConfig
 from shared_protocol.tomlio import write_toml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,9 @@ def _env() -> dict[str, str]:
                 http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9")
 
 
-def test_offline_agent_without_its_dataset_exits_within_10_s_naming_the_fix(tmp_path: Path) -> None:
+def test_offline_agent_without_its_dataset_exits_before_trying_the_broker_naming_the_fix(tmp_path: Path) -> None:
+    """It gives up on the data before it would have finished trying to connect (the transport's
+    connect timeout): a bound no loaded machine comes near, unlike a fixed number of seconds."""
     empty = tmp_path / "no-data"
     empty.mkdir()
     config = tmp_path / "agent.toml"
@@ -44,7 +48,7 @@ def test_offline_agent_without_its_dataset_exits_within_10_s_naming_the_fix(tmp_
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
-    assert elapsed < 10, f"the agent took {elapsed:.1f} s to give up"
+    assert elapsed < TransportConfig.connect_timeout_s, f"the agent took {elapsed:.1f} s to give up"
     for fix in FIXES:
         assert fix in output, f"{fix!r} missing from:\n{output}"
 
@@ -109,7 +113,7 @@ def test_watch_returns_at_once_with_the_log_tail_of_an_agent_that_died(tmp_path:
             p.wait()
     out = capsys.readouterr().out
     assert code == 2
-    assert elapsed < 10
+    assert elapsed < 30  # the server and the live agent would run on for 60 s
     assert "agent-1 exited with code 2" in out
     assert "FileNotFoundError: no data here" in out
     assert "agent-0" not in out
@@ -123,11 +127,11 @@ def test_edgesplit_local_surfaces_an_agent_that_exits_at_start(tmp_path: Path) -
     result = subprocess.run(
         [sys.executable, "-m", "cloud_server.launcher", "local", "--agents", "2", "--rounds", "1", "--data-root", str(empty),
          "--train-samples", "100", "--test-samples", "50", "--out", str(tmp_path / "run")],
-        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=240,
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=ServerConfig.registration_timeout_s + 60,
     )
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "failed before the federation started" in output, output
     assert "apt-get install dataset-fashion-mnist" in output, output  # the agent's own words, from its log
-    assert elapsed < 120, f"took {elapsed:.0f} s (the registration timeout is 300 s)"
+    assert elapsed < ServerConfig.registration_timeout_s, f"took {elapsed:.0f} s: the server waited out its registration timeout"

@@ -1,45 +1,52 @@
-"""One bad device must not spoil the model (cloud_server/robust.py), over a real mosquitto.
+"""One bad device must not spoil the model (cloud_server/robust.py): whole federations, three
+agents on Fashion-MNIST, one of which (agent-2) misbehaves.
 
-Per method family (FedAvg, FedKD, FedGKT): three agents on Fashion-MNIST, one of which
-sends finite garbage -- well-formed frames, only the numbers are bad: its upload tensors are
-overwritten just before encoding, by a test-only hook on that agent's ``send``. The run must
-finish every round with the honest agents; the global (FedAvg, FedKD's mentee) or server
-(FedGKT) model must stay within 5 points of the same run without the bad agent (same seeds);
-the checkpoint must hold no weight above 100x the clean run's largest; report.json must name
-the agent, the reason and the rounds.
+The bad agent sends finite garbage -- well-formed frames, only the numbers are bad: its upload
+tensors are overwritten just before encoding, by a test-only hook on that agent's ``send``. The
+run must finish every round with the honest agents, report.json must name the agent, the reason
+and the rounds, and the checkpoint must hold no weight above 100x the largest of the model the
+run started from. One such run per method family (FedAvg, FedKD, FedGKT) goes over a real
+mosquitto; the other attacks run the same agents and server over the in-memory transport.
 
-Besides the garbage, two attacks of plausible size, each its own test: a sign-flipped update
+Besides the garbage, two attacks of plausible size: a sign-flipped update
 (``global - 4 (w - global)``, bench/robustness.py's; FedAvg and FedKD, refused by the direction
 check, which is off by default and turned on here as a fleet close to IID may; and FedAvg under
-Dirichlet(0.1), where the direction check cannot tell it from honest agents, refused by the
-server's validation set, also off by default), and an agent that trains on shuffled labels (a
-test-only hook on its data; FedAvg and FedKD: nothing refuses it and nothing needs to; FedGKT,
-whose server trains on the agents' labels: refused by the label-agreement check, off by default,
-and what happens without it).
+Dirichlet(0.1), refused by the server's validation set, also off by default), and labels that do
+not match the images (FedAvg and FedKD: an agent training on shuffled labels, which nothing
+refuses and nothing needs to; FedGKT, whose server trains on the agents' labels: refused by the
+label-agreement check, off by default, against a server model held fixed so that the honest
+agents' labels agree with it by construction).
+
+No verdict here depends on how far a three-round federation learnt: what a defence buys in
+accuracy is measured by bench/robustness.py and bench/defence_scores.py, not asserted here.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from cloud_server.report import validate_report
 from edge_agent.agent import EdgeAgent, load_agent_data
 from edge_agent.config import DataConfig, EdgeConfig
+from models.state_io import flatten_state
 from shared_protocol.messages import Message
 from shared_protocol.methods.fedavg import FedAvgUpdate
 from shared_protocol.methods.fedgkt import GktFeatures
 from shared_protocol.methods.fedkd import FedKdUpdate, factor_state, unfactor_state
 
-from fedhelpers import FAST_GKT, method_server_config, mqtt_federation
+from fedhelpers import FAST_GKT, Federation, in_memory_federation, method_server_config, mqtt_federation
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 ROUNDS = 3
 BAD = "agent-2"
@@ -95,58 +102,87 @@ def _logits_1e30(agent: EdgeAgent, msg: Message) -> Message:
 
 
 TRAIN_SAMPLES = 900  # each run's seeded subset of Fashion-MNIST, partitioned among the three agents
+# FedGKT's runs are smaller: the ResNet-55 server step is most of their time, and no verdict here
+# depends on what the server model learnt.
+GKT_SIZES = {"train_samples": 300, "test_samples": 60, "eval_samples": 100}
 
 
-def _agent(run_id: str, index: int, partition: str = "iid") -> EdgeConfig:
+def _agent(run_id: str, index: int, partition: str = "iid", train_samples: int = TRAIN_SAMPLES,
+           test_samples: int = 150) -> EdgeConfig:
     data = DataConfig(dataset="fashion-mnist", partition=partition, num_agents=3, agent_index=index, seed=0,
-                      train_samples=TRAIN_SAMPLES, test_samples=150)
+                      train_samples=train_samples, test_samples=test_samples)
     return EdgeConfig(agent_id=f"agent-{index}", run_id=run_id, data=data, progress=False)
 
 
-def _run(tmp: Path, broker_url: str, method: str, table: dict[str, Any], corrupt: Corrupt | None,
-         agents: tuple[int, ...] = (0, 1, 2), shuffle_labels: bool = False,
-         server: dict[str, Any] | None = None, partition: str = "iid") -> tuple[dict[str, Any], float]:
-    """(report.json, the checkpoint's largest |weight|) of a 3-round run of ``agents``;
-    ``corrupt`` overwrites agent-2's uploads; ``shuffle_labels``: agent-2 trains on its
-    shard with the labels permuted (seeded); ``server``: more [server] keys; ``partition``:
-    the agents' shares of the 900 images."""
+def _largest(state: Any) -> float:
+    """The largest |value| among a method state's float tensors (the checkpoint's method.npz)."""
+    _, arrays = flatten_state(state)
+    return max(float(np.max(np.abs(a))) for a in arrays.values() if a.dtype.kind == "f" and a.size)
+
+
+@dataclasses.dataclass
+class Run:
+    report: dict[str, Any]
+    largest: float  # the checkpoint's largest |weight|
+    initial_largest: float  # the same of the model the run started from
+
+
+def _federation(tmp: Path, broker_url: str | None, method: str, table: dict[str, Any], *, agents: tuple[int, ...] = (0, 1, 2),
+                shuffle_labels: bool = False, server: dict[str, Any] | None = None, partition: str = "iid",
+                train_samples: int = TRAIN_SAMPLES, test_samples: int = 150, eval_samples: int = 400) -> Federation:
+    """A 3-round federation of ``agents``, over mosquitto at ``broker_url`` or in memory (None);
+    ``shuffle_labels``: agent-2 trains on its shard with the labels permuted (seeded);
+    ``server``: more [server] keys; ``partition``: the agents' shares of the ``train_samples``."""
     run_id = f"rb-{method}-{tmp.name}"[:60]
     cfg = method_server_config(tmp, method, table, run_id=run_id, agents=len(agents), rounds=ROUNDS, min_agents=1,
-                               dataset="fashion-mnist", eval_samples=400, **(server or {}))
-    fed = mqtt_federation(cfg, [_agent(run_id, i, partition) for i in agents], broker_url)
+                               dataset="fashion-mnist", eval_samples=eval_samples, **(server or {}))
+    configs = [_agent(run_id, i, partition, train_samples, test_samples) for i in agents]
+    fed = in_memory_federation(cfg, configs) if broker_url is None else mqtt_federation(cfg, configs, broker_url)
     if shuffle_labels:
         k = next(i for i, a in enumerate(fed.agents) if a.config.agent_id == BAD)
         config = fed.agents[k].config
         train, test = load_agent_data(config)
         train = dataclasses.replace(train, labels=np.random.default_rng(LABEL_SEED).permutation(train.labels))
-        fed.agents[k] = EdgeAgent(config, data=(train, test))
-    if corrupt is not None:
-        bad = next(a for a in fed.agents if a.config.agent_id == BAD)
-        honest_send = bad.send  # the hook: the method's context captures agent.send when it is welcomed
+        fed.agents[k] = EdgeAgent(config, data=(train, test), transport=fed.agents[k].transport)
+    return fed
 
-        def send(msg: Message, *args: Any, **kwargs: Any) -> Any:
-            return honest_send(corrupt(bad, msg), *args, **kwargs)
 
-        bad.send = send  # type: ignore[method-assign]
+def _hook_send(agent: EdgeAgent, corrupt: Corrupt) -> None:
+    """``corrupt`` rewrites every message ``agent`` sends, just before it is encoded."""
+    honest_send = agent.send  # the hook: the method's context captures agent.send when it is welcomed
+
+    def send(msg: Message, *args: Any, **kwargs: Any) -> Any:
+        return honest_send(corrupt(agent, msg), *args, **kwargs)
+
+    agent.send = send  # type: ignore[method-assign]
+
+
+def _finish(tmp: Path, fed: Federation) -> Run:
+    initial = _largest(fed.coordinator.method.state())
     fed.start().join(timeout_s=900)
     report = json.loads((tmp / "run" / "report.json").read_text())
     validate_report(report)
     with np.load(tmp / "run" / "checkpoint" / "method.npz", allow_pickle=False) as npz:
         largest = max(float(np.max(np.abs(npz[k]))) for k in npz.files if npz[k].dtype.kind == "f" and npz[k].size)
-    return report, largest
+    return Run(report, largest, initial)
 
 
-def _accuracy(report: dict[str, Any], label: str) -> float:
-    return report["rounds"][-1]["evaluation"]["accuracy"][label]
+def _run(tmp: Path, broker_url: str | None, method: str, table: dict[str, Any], corrupt: Corrupt | None,
+         **kw: Any) -> Run:
+    """A 3-round run (see ``_federation``); ``corrupt`` overwrites agent-2's uploads."""
+    fed = _federation(tmp, broker_url, method, table, **kw)
+    if corrupt is not None:
+        _hook_send(next(a for a in fed.agents if a.config.agent_id == BAD), corrupt)
+    return _finish(tmp, fed)
 
 
 # Reasons found when the round closes, among the round's uploads (not messages refused at the door).
 JUDGED_AT_THE_CLOSE = ("implausible_norm", "implausible_direction", "implausible_validation", "implausible_labels")
 
 
-def _check(clean: tuple[dict, float], attacked: tuple[dict, float], label: str, reason: str) -> None:
-    (clean_report, clean_largest), (report, largest) = clean, attacked
-    assert report["status"] == "finished" and clean_report["status"] == "finished"
+def _check(run: Run, reason: str) -> None:
+    report = run.report
+    assert report["status"] == "finished"
     assert [r["status"] for r in report["rounds"]] == ["ok"] * ROUNDS
     for r in report["rounds"]:
         assert set(r["completed"]) == {"agent-0", "agent-1"}, r["round"]  # the honest agents, every round
@@ -159,34 +195,37 @@ def _check(clean: tuple[dict, float], attacked: tuple[dict, float], label: str, 
     assert reason in named, named
     if reason not in JUDGED_AT_THE_CLOSE:  # refused at the door: counted with the run's rejected messages too
         assert report["totals"]["rejected_by_reason"][reason] >= 1
-    clean_acc, acc = _accuracy(clean_report, label), _accuracy(report, label)
-    assert acc >= clean_acc - 0.05, (acc, clean_acc)
-    assert largest <= 100 * clean_largest, (largest, clean_largest)
+    # Not one of the bad agent's numbers reached the model: nothing blown up against where it began.
+    assert run.largest <= 100 * run.initial_largest, (run.largest, run.initial_largest)
 
 
+# -- over mosquitto: one federation per method family --------------------------------------------- #
+
+
+@pytest.mark.broker
 def test_fedavg_one_agent_sending_weights_x1000(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    table = {"model": "resnet8", "batch_size": 32}
-    clean = _run(tmp_path / "clean", mosquitto.url, "fedavg", table, None, agents=(0, 1))
-    attacked = _run(tmp_path / "bad", mosquitto.url, "fedavg", table, _weights_x1000)
-    _check(clean, attacked, "model", "implausible_norm")
+    run = _run(tmp_path, mosquitto.url, "fedavg", {"model": "resnet8", "batch_size": 32}, _weights_x1000)
+    _check(run, "implausible_norm")
 
 
+@pytest.mark.broker
 def test_fedkd_one_agent_sending_factors_1e10(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     table = {"mentor_model": "resnet20", "mentee_model": "resnet8", "batch_size": 32}
-    clean = _run(tmp_path / "clean", mosquitto.url, "fedkd", table, None, agents=(0, 1))
-    attacked = _run(tmp_path / "bad", mosquitto.url, "fedkd", table, _factors_1e10)
-    _check(clean, attacked, "mentee", "implausible_factors")
+    _check(_run(tmp_path, mosquitto.url, "fedkd", table, _factors_1e10), "implausible_factors")
 
 
-def test_fedgkt_one_agent_sending_maps_6e4_or_logits_1e30(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    table = dict(FAST_GKT)
-    clean = _run(tmp_path / "clean", mosquitto.url, "fedgkt", table, None, agents=(0, 1))
-    for name, corrupt in (("maps", _maps_6e4), ("logits", _logits_1e30)):
-        attacked = _run(tmp_path / name, mosquitto.url, "fedgkt", table, corrupt)
-        _check(clean, attacked, "model", "out_of_range")
-        detail = attacked[0]["rounds"][0]["robustness"]["refused"][BAD]["out_of_range"]["detail"]
-        assert ("feature maps reach" if name == "maps" else "edge logits reach") in detail
+@pytest.mark.broker
+@pytest.mark.parametrize("what", ["maps", "logits"])
+def test_fedgkt_one_agent_sending_maps_6e4_or_logits_1e30(what: str, mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Maps over mosquitto, logits in memory: the same server path, one broker run for the family.
+    url = mosquitto.url if what == "maps" else None
+    run = _run(tmp_path, url, "fedgkt", dict(FAST_GKT), _maps_6e4 if what == "maps" else _logits_1e30, **GKT_SIZES)
+    _check(run, "out_of_range")
+    detail = run.report["rounds"][0]["robustness"]["refused"][BAD]["out_of_range"]["detail"]
+    assert ("feature maps reach" if what == "maps" else "edge logits reach") in detail
 
+
+# -- in memory: the same agents and server, the other attacks ------------------------------------ #
 
 # The direction check is off by default (honest agents under label skew point away from the
 # round's median: bench/results/update_directions.json); a fleet whose data is close to IID
@@ -194,109 +233,125 @@ def test_fedgkt_one_agent_sending_maps_6e4_or_logits_1e30(mosquitto, tmp_path: P
 DIRECTION = {"plausible_min_cosine": 0.0}
 
 
-def test_fedavg_one_agent_sending_its_update_sign_flipped(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    table = {"model": "resnet8", "batch_size": 32}
-    clean = _run(tmp_path / "clean", mosquitto.url, "fedavg", table, None, agents=(0, 1), server=DIRECTION)
-    attacked = _run(tmp_path / "bad", mosquitto.url, "fedavg", table, _sign_flip, server=DIRECTION)
-    _check(clean, attacked, "model", "implausible_direction")
-    detail = attacked[0]["rounds"][0]["robustness"]["refused"][BAD]["implausible_direction"]["detail"]
+def test_fedavg_one_agent_sending_its_update_sign_flipped(tmp_path: Path) -> None:
+    run = _run(tmp_path, None, "fedavg", {"model": "resnet8", "batch_size": 32}, _sign_flip, server=DIRECTION)
+    _check(run, "implausible_direction")
+    detail = run.report["rounds"][0]["robustness"]["refused"][BAD]["implausible_direction"]["detail"]
     assert "< plausible_min_cosine 0" in detail
-    for r in attacked[0]["rounds"]:  # the flipped agent points away; the honest ones along the median
+    for r in run.report["rounds"]:  # the flipped agent points away; the honest ones along the median
         cosines = r["robustness"]["update_directions"]["agents"]
         assert cosines[BAD] < 0 < min(cosines["agent-0"], cosines["agent-1"]), r["round"]
 
 
-def test_fedkd_one_agent_sending_its_update_sign_flipped(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_fedkd_one_agent_sending_its_update_sign_flipped(tmp_path: Path) -> None:
     table = {"mentor_model": "resnet20", "mentee_model": "resnet8", "batch_size": 32}
-    clean = _run(tmp_path / "clean", mosquitto.url, "fedkd", table, None, agents=(0, 1), server=DIRECTION)
-    attacked = _run(tmp_path / "bad", mosquitto.url, "fedkd", table, _fedkd_sign_flip, server=DIRECTION)
-    _check(clean, attacked, "mentee", "implausible_direction")
+    _check(_run(tmp_path, None, "fedkd", table, _fedkd_sign_flip, server=DIRECTION), "implausible_direction")
 
 
-
-FAMILIES = {  # method -> (its table, the model the test scores)
-    "fedavg": ({"model": "resnet8", "batch_size": 32}, "model"),
-    "fedkd": ({"mentor_model": "resnet20", "mentee_model": "resnet8", "batch_size": 32}, "mentee"),
-    "fedgkt": (dict(FAST_GKT), "model"),
+FAMILIES = {  # method -> its table
+    "fedavg": {"model": "resnet8", "batch_size": 32},
+    "fedkd": {"mentor_model": "resnet20", "mentee_model": "resnet8", "batch_size": 32},
 }
 
 
-def _no_refusal_with_every_agent(report: dict[str, Any], method: str) -> None:
+@pytest.mark.parametrize("method", ["fedavg", "fedkd"])
+def test_one_agent_training_on_shuffled_labels(method: str, tmp_path: Path) -> None:
+    """Shuffled labels make uploads of honest size and, in weight-sharing methods, of honest
+    direction: no check tells them from an honest agent's, and none is refused. What must hold
+    is the rest: every round ok with every agent, no weight blown up; the report records the
+    agent's figures every round (its update's norm and cosine), the numbers a user would look at.
+    What the agent costs the global model is bench/robustness.py's figure."""
+    run = _run(tmp_path, None, method, FAMILIES[method], None, shuffle_labels=True)
+    report = run.report
     assert report["status"] == "finished" and [r["status"] for r in report["rounds"]] == ["ok"] * ROUNDS
     for r in report["rounds"]:
         assert set(r["completed"]) == {"agent-0", "agent-1", BAD}, r["round"]
-        robustness = r.get("robustness", {})  # FedGKT's: only when something happened
+        robustness = r["robustness"]
         assert not robustness.get("refused"), r["round"]
-        if method != "fedgkt":
-            assert BAD in robustness["update_norms"]["agents"]
-            assert robustness["update_directions"]["agents"][BAD] > 0, r["round"]  # even a check at 0 passes it
-
-
-@pytest.mark.parametrize("method", ["fedavg", "fedkd"])
-def test_one_agent_training_on_shuffled_labels(method: str, mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Shuffled labels make uploads of honest size and, in weight-sharing methods, of honest
-    direction (the agent's cosine with the round's median stays above 0, 0.8 and more here): no check can
-    tell them from an honest agent's, and none is refused. What must hold is the rest: every
-    round ok with every agent, within 5 points of the run without it, no weight blown up; the
-    report records the agent's figures every round (its update's norm and cosine), the numbers a
-    user would look at."""
-    table, label = FAMILIES[method]
-    clean_report, clean_largest = _run(tmp_path / "clean", mosquitto.url, method, table, None, agents=(0, 1))
-    report, largest = _run(tmp_path / "bad", mosquitto.url, method, table, None, shuffle_labels=True)
-    _no_refusal_with_every_agent(report, method)
-    assert _accuracy(report, label) >= _accuracy(clean_report, label) - 0.05, (_accuracy(report, label), _accuracy(clean_report, label))
-    assert largest <= 100 * clean_largest, (largest, clean_largest)
+        assert BAD in robustness["update_norms"]["agents"]
+        assert BAD in robustness["update_directions"]["agents"]
+    assert run.largest <= 100 * run.initial_largest, (run.largest, run.initial_largest)
 
 
 # FedGKT's label-agreement check (cloud_server/methods/fedgkt_label_check.py), off by default: see
 # LABEL_CHECK's value and docs/configuration.md for the measurement behind it.
 LABEL_CHECK = {"plausible_min_label_agreement": 0.3}
-# The check adds a forward pass of the server model over the round's maps to the server step: on a
-# loaded 2-core machine round 3's evaluation reports came after the helper's 120 s round deadline
-# (evaluated without them, no accuracy). The deadline bounds waiting only: no figure depends on it.
+# The check adds a forward pass of the server model over the round's maps to the server step; the
+# deadline bounds waiting only, no figure depends on it.
 GKT_DEADLINE = {"round_deadline_s": 600.0}
 
 
-def test_fedgkt_one_agent_training_on_shuffled_labels_with_and_without_the_label_check(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """FedGKT's server trains on the labels the agents send. Without the label check nothing
-    refuses an agent on shuffled labels (its maps and logits are in range) and its maps are
-    trained on every round: it cost the server model 16 points here (37.5% against 53.5% without
-    the agent, round 3), which this test prints but does not pin. With the check, from round 2 on
-    the server model agrees with the agent's labels far less than with the others' and the agent
-    is refused (implausible_labels) and named in report.json with the figure; the server model
-    ends within 5 points of the run without the agent. Quarantined after its first refusal
-    (quarantine_after 1), it is still judged in round 3 and refused again, not released (a
-    quarantined agent's maps used to go unjudged: released the round after)."""
-    table, label = FAMILIES["fedgkt"]
-    clean = _run(tmp_path / "clean", mosquitto.url, "fedgkt", table, None, agents=(0, 1), server={**LABEL_CHECK, **GKT_DEADLINE})
-    without, _ = _run(tmp_path / "without", mosquitto.url, "fedgkt", table, None, shuffle_labels=True, server=GKT_DEADLINE)
-    _no_refusal_with_every_agent(without, "fedgkt")
+def _labels_by_a_fixed_server_model(fed: Federation) -> None:
+    """Make the honest agents' labels agree with the server model by construction, and the bad
+    agent's with none of it: the server model is held at its initial weights (restored after each
+    round's training, which still runs and answers with logits), and every agent's training
+    uploads are relabelled by that model's own prediction on the maps, the bad agent's moved one
+    class on. The maps are rounded to fp16 first, the precision the default codec carries, so
+    the server scores exactly the maps the labels were made from."""
+    server = fed.coordinator.method
+    fixed = {k: v.clone() for k, v in server.model.state_dict().items()}
+    judge = copy.deepcopy(server.model).eval()
+    lock = threading.Lock()
+    train = server._train
+
+    def train_and_restore(*args: Any, **kwargs: Any) -> Any:
+        out = train(*args, **kwargs)
+        server.model.load_state_dict(fixed)
+        return out
+
+    server._train = train_and_restore
+
+    def relabel(agent: EdgeAgent, msg: Message) -> Message:
+        if not (isinstance(msg, GktFeatures) and msg.split == "train"):
+            return msg
+        maps = msg.features.astype(np.float16).astype(np.float32)  # (N, 16, H, W)
+        with lock, torch.no_grad():
+            predicted = judge(torch.from_numpy(maps)).argmax(1).numpy()
+        labels = (predicted + 1) % 10 if agent.config.agent_id == BAD else predicted
+        return dataclasses.replace(msg, features=maps, labels=labels.astype(msg.labels.dtype))
+
+    for agent in fed.agents:
+        _hook_send(agent, relabel)
+
+
+def _label_run(tmp: Path, server: dict[str, Any]) -> Run:
+    fed = _federation(tmp, None, "fedgkt", dict(FAST_GKT), server={**GKT_DEADLINE, **server}, **GKT_SIZES)
+    _labels_by_a_fixed_server_model(fed)
+    return _finish(tmp, fed)
+
+
+def test_fedgkt_label_check_refuses_labels_the_server_model_does_not_agree_with(tmp_path: Path) -> None:
+    """FedGKT's server trains on the labels the agents send. Positive control: with the check
+    on, from round 2 the server model agrees with the honest agents' labels (by construction)
+    and with none of the bad agent's: it is refused (implausible_labels), named in report.json
+    with the figure, quarantined after its first refusal (quarantine_after 1) and still judged
+    and refused in round 3, not released. Negative control: the same federation with the check
+    off trains on every agent and judges none."""
+    without = _label_run(tmp_path / "without", {}).report
+    assert without["status"] == "finished" and [r["status"] for r in without["rounds"]] == ["ok"] * ROUNDS
     for r in without["rounds"]:
+        assert set(r["completed"]) == {"agent-0", "agent-1", BAD}, r["round"]
+        assert not r.get("robustness", {}).get("refused"), r["round"]
         assert BAD not in r.get("excluded", {}) and "label_agreement" not in r.get("robustness", {}), r["round"]
-    attacked = _run(tmp_path / "with", mosquitto.url, "fedgkt", table, None, shuffle_labels=True,
-                    server={**LABEL_CHECK, **GKT_DEADLINE, "quarantine_after": 1})
-    report = attacked[0]
+
+    run = _label_run(tmp_path / "with", {**LABEL_CHECK, "quarantine_after": 1})
+    report = run.report
     assert report["status"] == "finished" and [r["status"] for r in report["rounds"]] == ["ok"] * ROUNDS
     first, *later = report["rounds"]
     assert "label_agreement" not in first.get("robustness", {}) and BAD not in first.get("excluded", {})  # round 1: not judged
     for r in later:
         robustness = r["robustness"]
         figures = robustness["label_agreement"]["agents"]
-        assert figures[BAD]["server"] < min(figures["agent-0"]["server"], figures["agent-1"]["server"]), r["round"]
-        assert set(robustness.get("refused", {})) == {BAD} or BAD in robustness.get("quarantine_excluded", []), r["round"]
+        assert figures[BAD]["server"] <= 0.05, (r["round"], figures)
+        assert min(figures["agent-0"]["server"], figures["agent-1"]["server"]) >= 0.95, (r["round"], figures)
+        assert set(robustness.get("refused", {})) == {BAD}, r["round"]
         assert r["excluded"][BAD].startswith("implausible_labels"), r["round"]
-    refused_rounds = [r["round"] for r in later if BAD in r["robustness"].get("refused", {})]
-    assert refused_rounds == [2, 3], refused_rounds
+        assert BAD not in r["completed"] and {"agent-0", "agent-1"} <= set(r["completed"]), r["round"]
     events = [(e["round"], e["agent"], e["event"]) for r in later for e in r["robustness"].get("quarantine_events", [])]
     assert events == [(2, BAD, "quarantined")], events
     assert later[-1]["robustness"]["quarantined"][BAD]["checks"] == ["implausible_labels"]
     detail = later[0]["robustness"]["refused"][BAD]["implausible_labels"]["detail"]
     assert "of its labels, below plausible_min_label_agreement 0.3" in detail
-    clean_acc, acc, without_acc = _accuracy(clean[0], label), _accuracy(report, label), _accuracy(without, label)
-    print(f"fedgkt server model, round {ROUNDS}: without the agent {clean_acc:.3f}, with it and no check "
-          f"{without_acc:.3f}, with the check {acc:.3f}")
-    assert acc >= clean_acc - 0.05, (acc, clean_acc, without_acc)
-    assert attacked[1] <= 100 * clean[1]
 
 
 # The server validation set (cloud_server/robust_validation.py), off by default: 500 of the
@@ -304,21 +359,16 @@ def test_fedgkt_one_agent_training_on_shuffled_labels_with_and_without_the_label
 VALIDATION = {"validation_samples": 500, "validation_agent_train_samples": TRAIN_SAMPLES}
 
 
-def test_fedavg_sign_flip_under_dirichlet_0_1_with_the_validation_set(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_fedavg_sign_flip_under_dirichlet_0_1_with_the_validation_set(tmp_path: Path) -> None:
     """Under Dirichlet(0.1) honest agents point away from the round's median as far as a
     sign-flipped one (bench/results/update_directions.json): the direction check cannot tell
     them apart. The server's validation set can: the global model plus the flipped update does
     far worse on it than plus an honest one. The agent is refused every round it is judged
-    (implausible_validation, named in report.json with the figure), and the global model ends
-    within 5 points of the run without it."""
-    table = {"model": "resnet8", "batch_size": 32}
-    dirichlet = "dirichlet:0.1"
-    clean = _run(tmp_path / "clean", mosquitto.url, "fedavg", table, None, agents=(0, 1), server=VALIDATION, partition=dirichlet)
-    for r in clean[0]["rounds"]:
-        assert not r.get("robustness", {}).get("refused"), r["round"]  # no honest agent refused
-    attacked = _run(tmp_path / "bad", mosquitto.url, "fedavg", table, _sign_flip, server=VALIDATION, partition=dirichlet)
-    _check(clean, attacked, "model", "implausible_validation")
-    for r in attacked[0]["rounds"]:
+    (implausible_validation, named in report.json with the figure)."""
+    run = _run(tmp_path, None, "fedavg", {"model": "resnet8", "batch_size": 32}, _sign_flip, server=VALIDATION,
+               partition="dirichlet:0.1")
+    _check(run, "implausible_validation")
+    for r in run.report["rounds"]:
         figures = r["robustness"]["update_validation"]
         assert figures["samples"] == 500
         rises = figures["agents"]
@@ -326,5 +376,5 @@ def test_fedavg_sign_flip_under_dirichlet_0_1_with_the_validation_set(mosquitto,
         # null: not finite. The flip negates BatchNorm's running variances with the weights, and a
         # negative variance makes the model's output NaN: refused as not finite.
         assert rises[BAD] is None or rises[BAD] > max(rises["agent-0"], rises["agent-1"]), r["round"]
-    detail = attacked[0]["rounds"][0]["robustness"]["refused"][BAD]["implausible_validation"]["detail"]
+    detail = run.report["rounds"][0]["robustness"]["refused"][BAD]["implausible_validation"]["detail"]
     assert "validation_loss_margin" in detail

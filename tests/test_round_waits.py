@@ -161,7 +161,7 @@ def test_the_server_says_whom_it_waits_for_asks_again_and_closes_at_the_deadline
     validate_report(report)
     (record,) = report["rounds"]
     assert record["status"] == "failed_quorum" and record["missing"] == ["agent-0", "agent-1"]
-    assert elapsed < 4.0 + 5.0  # the deadline closed it
+    assert elapsed < 60  # the deadline closed it: agent-0 would train forever
     messages = [r.getMessage() for r in caplog.records]
     waiting = [m for m in messages if m.startswith("round 1 open for")]
     assert len(waiting) >= 2

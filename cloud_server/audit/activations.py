@@ -15,9 +15,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from models.seeding import draw_initial_values
+
 from .errors import AttackInputError
 from .image_prior import ImageVariable, total_variation
 from .scoring import PixelSpace
+
+# Added to the surrogate's seed: a run seeds its agents' initial models with its own seed, and the
+# surrogate must not start from the very weights it stands in for.
+_SURROGATE_SEED_SALT = 0x5A77_0F5E
 
 __all__ = [
     "ArchitectureOnlyConfig",
@@ -54,26 +60,29 @@ class WhiteBoxConfig:
 
 @dataclass(frozen=True)
 class ArchitectureOnlyConfig:
-    """UnSplit-style joint optimisation of the images and a surrogate extractor's weights.
+    """Joint optimisation of the images and a surrogate extractor's weights.
 
     Attributes:
-        steps: joint steps; each moves the images, then the surrogate.
+        warmup_steps: Adam steps fitting the surrogate to the first estimate before the joint steps.
+        steps: joint steps; each moves the images and the surrogate's weights.
         image_lr: Adam's initial learning rate for the images.
         weight_lr: Adam's learning rate for the surrogate's weights.
-        tv_weight: weight of the total-variation prior; without the true weights the prior
-            is what picks a natural image among the many the maps allow.
-        seed: seeds the surrogate's initial weights and the starting images.
+        tv_weight: weight of the total-variation prior against the relative feature error.
+        seed: seeds the surrogate's initial weights (salted, so that they are never the
+            initialisation a run with the same seed gives its agents).
     """
 
-    steps: int = 600
-    image_lr: float = 0.05
-    weight_lr: float = 0.01
-    tv_weight: float = 0.05
+    warmup_steps: int = 300
+    steps: int = 1000
+    image_lr: float = 0.03
+    weight_lr: float = 0.03
+    tv_weight: float = 0.01
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise AttackInputError(f"ArchitectureOnlyConfig.steps must be >= 1, got {self.steps}")
+        if self.warmup_steps < 0 or self.steps < 1:
+            raise AttackInputError(f"ArchitectureOnlyConfig needs warmup_steps >= 0 and steps >= 1, "
+                                   f"got {self.warmup_steps} and {self.steps}")
         if not self.image_lr > 0 or not self.weight_lr > 0:
             raise AttackInputError(f"ArchitectureOnlyConfig learning rates must be > 0, got {self.image_lr} and {self.weight_lr}")
         if self.tv_weight < 0:
@@ -137,54 +146,99 @@ def invert_features_white_box(extractor: nn.Module, features: torch.Tensor, pixe
 
 
 def invert_features_architecture_only(surrogate: nn.Module, features: torch.Tensor, pixels: PixelSpace,
-                                      image_shape: tuple[int, int, int],
+                                      public: torch.Tensor,
                                       config: ArchitectureOnlyConfig = ArchitectureOnlyConfig()) -> torch.Tensor:
-    """Reconstruct images from maps of an extractor whose weights the server does not hold
-    (UnSplit, Erdogan et al.): the images and a surrogate of the extractor's architecture are
-    optimised together so that the surrogate maps the images onto the received maps.
+    """Reconstruct images from maps of an extractor whose weights the server does not hold.
+
+    The server knows the extractor's architecture and holds public images, nothing else.
+    Three steps:
+
+    1. A first estimate from the maps alone: at every position the map is a function of the
+       image's neighbourhood there, and the leading principal directions of the maps'
+       channel vectors (one per image channel) follow the local pixel values.
+    2. UnSplit (Erdogan et al.): a surrogate of the architecture, with weights of its own, is
+       fitted to map the estimate onto the received maps, then the images and the surrogate
+       are optimised together.
+    3. The maps fix the images only up to an affine map of each channel's values (a convolution
+       absorbs any scale and offset of its input), so each channel is mapped to the public
+       images' mean and spread, with the sign that lies closer to the public mean image.
+
+    Mixing between the channels of a colour image is not resolved by step 3.
 
     Args:
-        surrogate: a module of the extractor's architecture; its weights are re-drawn from
-            ``config.seed`` (whatever they were is not used) and trained in eval mode.
-        features: the received maps ``(N, C_f, H_f, W_f)``.
+        surrogate: a module of the extractor's architecture; its weights and normalisation
+            statistics are re-drawn from ``config.seed`` (whatever they were is not used).
+        features: the received maps ``(N, C_f, H, W)``; the extractor must keep the spatial size.
         pixels: the normalisation the agent's loader applied before the extractor.
-        image_shape: ``(C, H, W)`` of one private image.
+        public: the server's public images ``(M, C, H, W)`` in ``[0, 1]``: their statistics only.
         config: the optimisation.
 
     Returns:
         The reconstructions ``(N, C, H, W)`` in ``[0, 1]`` pixel units.
 
     Raises:
-        AttackInputError: as :func:`invert_features_white_box`.
+        AttackInputError: as :func:`invert_features_white_box`, or maps whose spatial size is
+            not the public images'.
     """
+    if public.dim() != 4 or public.shape[0] == 0:
+        raise AttackInputError(f"expected public images (M, C, H, W), got shape {tuple(public.shape)}")
+    image_shape = (int(public.shape[1]), int(public.shape[2]), int(public.shape[3]))
     _check_features(features, image_shape)
+    if features.shape[-2:] != public.shape[-2:] or features.shape[1] < public.shape[1]:
+        raise AttackInputError(f"maps {tuple(features.shape[1:])} do not keep the spatial size of images {image_shape}, "
+                               "or have fewer channels than the images")
+    target = features.detach().float()
     model = copy.deepcopy(surrogate).float().eval()
     _redraw_weights(model, config.seed)
-    target = features.detach().float()
-    image = ImageVariable(_start_images(target.shape[0], image_shape, config.seed), config.image_lr, config.steps)
-    _check_output_shape(model, image.pixels, pixels, target)
-    weights = [p for p in model.parameters() if p.requires_grad]
-    weight_optimizer = torch.optim.Adam(weights, lr=config.weight_lr)
+    _check_output_shape(model, public[:1].float(), pixels, target)
+    reference = public.detach().float()
+    first = _match_public_statistics(_principal_images(target, image_shape[0]), reference)
+    weight_optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=config.weight_lr)
+    first_model = pixels.to_model(first)
+    for _ in range(config.warmup_steps):
+        loss = _relative_error(model(first_model), target)
+        weight_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        weight_optimizer.step()
+    image = ImageVariable(first, config.image_lr, config.steps)
     for _ in range(config.steps):
         loss = _relative_error(model(pixels.to_model(image.pixels)), target) + config.tv_weight * total_variation(image.pixels)
         weight_optimizer.zero_grad(set_to_none=True)
         image.step(loss)  # also leaves the loss's gradient on the surrogate's weights
         weight_optimizer.step()
-    return image.result()
+    return _match_public_statistics(image.result(), reference)
+
+
+def _principal_images(features: torch.Tensor, channels: int) -> torch.Tensor:  # (N, C_f, H, W)
+    """The maps' channel vectors projected on their ``channels`` leading principal directions."""
+    n, c_f, h, w = features.shape
+    vectors = features.permute(0, 2, 3, 1).reshape(-1, c_f).double()  # (N H W, C_f)
+    centred = vectors - vectors.mean(0)
+    _, directions = torch.linalg.eigh(centred.T @ centred)  # ascending eigenvalues
+    leading = directions[:, -channels:].flip(1)  # (C_f, C)
+    return (centred @ leading).float().reshape(n, h, w, channels).permute(0, 3, 1, 2)  # (N, C, H, W)
+
+
+def _match_public_statistics(images: torch.Tensor, public: torch.Tensor) -> torch.Tensor:  # (N, C, H, W)
+    """Each channel standardised over the batch, given the public images' mean and spread, with
+    the sign whose result lies closer to the public mean image."""
+    mean_image = public.mean(0, keepdim=True)  # (1, C, H, W)
+    matched = torch.empty_like(images)
+    for c in range(images.shape[1]):
+        values = images[:, c]
+        z = (values - values.mean()) / values.std().clamp_min(1e-12)
+        scale, offset = public[:, c].std(), public[:, c].mean()
+        candidates = [(sign * z * scale + offset).clamp(0.0, 1.0) for sign in (1.0, -1.0)]
+        distances = [float((candidate - mean_image[:, c]).square().mean()) for candidate in candidates]
+        matched[:, c] = candidates[0] if distances[0] <= distances[1] else candidates[1]
+    return matched
 
 
 def _redraw_weights(model: nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.requires_grad_(True)
-            if p.dim() > 1:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=generator) * (2.0 / fan_in) ** 0.5)
-            elif name.endswith("weight"):
-                p.fill_(1.0)
-            else:
-                p.zero_()
+    """The architecture's own initialisation (normalisation statistics reset), drawn from ``seed``."""
+    draw_initial_values(model, torch.Generator().manual_seed(_SURROGATE_SEED_SALT + seed))
+    for p in model.parameters():
+        p.requires_grad_(True)
 
 
 def _check_output_shape(model: nn.Module, images: torch.Tensor, pixels: PixelSpace, target: torch.Tensor) -> None:

@@ -32,15 +32,18 @@ class ImageVariable:
         init: the starting images ``(N, C, H, W)`` in ``[0, 1]`` (copied).
         lr: Adam's initial learning rate.
         steps: the number of steps the decay spans.
+        signed: step on the sign of the gradient (as Inverting Gradients does), which keeps
+            layers with tiny gradients moving.
     """
 
-    def __init__(self, init: torch.Tensor, lr: float, steps: int) -> None:
+    def __init__(self, init: torch.Tensor, lr: float, steps: int, signed: bool = False) -> None:
         if init.dim() != 4:
             raise AttackInputError(f"expected initial images (N, C, H, W), got {tuple(init.shape)}")
         self.pixels = init.detach().clone().clamp(0.0, 1.0).requires_grad_(True)  # (N, C, H, W)
         self.optimizer = torch.optim.Adam([self.pixels], lr=lr)
         self.steps = steps
         self.lr = lr
+        self.signed = signed
         self._step = 0
 
     def step(self, loss: torch.Tensor) -> None:
@@ -50,6 +53,8 @@ class ImageVariable:
             group["lr"] = self.lr * (0.01 + 0.99 * 0.5 * (1.0 + math.cos(math.pi * progress)))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.signed and self.pixels.grad is not None:
+            self.pixels.grad.sign_()
         self.optimizer.step()
         with torch.no_grad():
             self.pixels.clamp_(0.0, 1.0)

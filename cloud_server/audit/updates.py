@@ -95,6 +95,8 @@ class UpdateInversionConfig:
             first layers, which carry the image, weigh as much as the large last ones;
             ``"whole"``: ``1 - cos`` over the whole update at once (Inverting Gradients').
             Which recovers more depends on the model.
+        adam_softening: for an Adam schedule, :func:`unrolled_update`'s softening of the
+            dummy update (the received one is used as it is).
         signed_gradients: step on the gradient's sign, as Inverting Gradients does.
         seed: seeds the starting images.
     """
@@ -103,6 +105,7 @@ class UpdateInversionConfig:
     lr: float = 0.1
     tv_weight: float = 1e-3
     weighting: str = "per_tensor"
+    adam_softening: float = 0.1
     signed_gradients: bool = False
     seed: int = 0
 
@@ -110,6 +113,8 @@ class UpdateInversionConfig:
         if self.steps < 1 or not self.lr > 0 or self.tv_weight < 0:
             raise AttackInputError(f"UpdateInversionConfig needs steps >= 1, lr > 0, tv_weight >= 0, "
                                    f"got {self.steps}, {self.lr}, {self.tv_weight}")
+        if self.adam_softening < 0:
+            raise AttackInputError(f"UpdateInversionConfig.adam_softening must be >= 0, got {self.adam_softening}")
         if self.weighting not in UPDATE_WEIGHTINGS:
             raise AttackInputError(f"UpdateInversionConfig.weighting must be one of {UPDATE_WEIGHTINGS}, got {self.weighting!r}")
 
@@ -178,12 +183,17 @@ def infer_single_label(model: nn.Module, update: Mapping[str, torch.Tensor]) -> 
 
 
 def unrolled_update(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
-                    schedule: LocalSchedule) -> dict[str, torch.Tensor]:
+                    schedule: LocalSchedule, adam_softening: float = 0.0) -> dict[str, torch.Tensor]:
     """``trained - initial`` for every trainable parameter after ``schedule`` on
     ``(images, labels)`` from the model's current weights, differentiable in ``images``.
 
     ``images`` are what the model takes (normalised), ``(N, C, H, W)``. The model is run in
     train mode, as agents train; its own weights and buffers are left untouched.
+
+    ``adam_softening`` > 0 adds that multiple of each tensor's mean second-moment root to
+    Adam's denominator: an early Adam step is close to ``-lr * sign(gradient)``, whose
+    derivative in the images vanishes almost everywhere, and the softened step keeps the
+    direction while giving the images a gradient. 0 replays the agent's Adam exactly.
     """
     params = {name: p.clone().requires_grad_(True) for name, p in _trainable(model).items()}
     initial = {name: p.detach() for name, p in params.items()}
@@ -198,7 +208,7 @@ def unrolled_update(model: nn.Module, images: torch.Tensor, labels: torch.Tensor
             logits = _logits(functional_call(model, {**params, **buffers}, (images[index],)))
             loss = F.cross_entropy(logits, labels[index])
             grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
-            params = {name: _step(p, g, state[name], schedule, step + 1) for (name, p), g in zip(params.items(), grads)}
+            params = {name: _step(p, g, state[name], schedule, step + 1, adam_softening) for (name, p), g in zip(params.items(), grads)}
     finally:
         model.train(was_training)
     return {name: params[name] - initial[name] for name in params}
@@ -209,7 +219,8 @@ def _logits(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-def _step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], schedule: LocalSchedule, t: int) -> torch.Tensor:
+def _step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], schedule: LocalSchedule, t: int,
+          adam_softening: float) -> torch.Tensor:
     """One optimiser step as models.optimizers takes it, out of place."""
     if schedule.weight_decay:
         grad = grad + schedule.weight_decay * p
@@ -223,7 +234,8 @@ def _step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], s
     exp_avg_sq = (1 - beta2) * grad * grad + beta2 * state.get("exp_avg_sq", torch.zeros_like(grad))
     max_sq = exp_avg_sq if "max_sq" not in state else torch.maximum(state["max_sq"], exp_avg_sq)
     state.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_sq=max_sq)
-    denom = (max_sq + _SQRT_FLOOR).sqrt() / (1 - beta2**t) ** 0.5 + schedule.eps
+    root = (max_sq + _SQRT_FLOOR).sqrt() / (1 - beta2**t) ** 0.5
+    denom = root + schedule.eps + (adam_softening * root.mean() if adam_softening else 0.0)
     return p - schedule.lr / (1 - beta1**t) * exp_avg / denom
 
 
@@ -284,7 +296,7 @@ def invert_update(model: nn.Module, update: Mapping[str, torch.Tensor], pixels: 
     image = ImageVariable(init, config.lr, config.steps, config.signed_gradients)
     distance = torch.tensor(1.0)
     for _ in range(config.steps):
-        produced = unrolled_update(model, pixels.to_model(image.pixels), labels, schedule)
+        produced = unrolled_update(model, pixels.to_model(image.pixels), labels, schedule, config.adam_softening)
         distance = _cosine_distance(produced, observed, config.weighting)
         image.step(distance + config.tv_weight * total_variation(image.pixels))
     return UpdateInversionResult(images=image.result(), labels=labels, labels_inferred=inferred,

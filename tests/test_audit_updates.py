@@ -1,0 +1,135 @@
+"""Attack strength on weight updates (the FedAvg family's uploads): the unrolled schedule is
+the agents' own, one image's label and pixels come back from its update, and an update the
+attack cannot explain (another start model, noise) gives nothing back."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from audithelpers import FASHION, IMAGE_SHAPE, fashion_sets
+from cloud_server.audit import (AttackInputError, LocalSchedule, UnsupportedScheduleError, UpdateInversionConfig,
+                                infer_single_label, invert_update, mean_image_baseline, score_images, unrolled_update)
+from models.optimizers import make_optimizer
+from models.registry import build_model
+
+torch.set_num_threads(1)
+
+INVERSION = UpdateInversionConfig(steps=800)
+
+
+def lenet(seed: int) -> nn.Module:
+    """DLG's small model (Zhu et al.): strided 5 x 5 convolutions with sigmoids, one linear layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 12, 5, padding=2, stride=2), nn.Sigmoid(),  # (N, 12, 16, 16)
+        nn.Conv2d(12, 12, 5, padding=2, stride=2), nn.Sigmoid(),  # (N, 12, 8, 8)
+        nn.Conv2d(12, 12, 5, padding=2, stride=1), nn.Sigmoid(),
+        nn.Flatten(), nn.Linear(12 * 8 * 8, 10),
+    )
+
+
+def agent_update(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, schedule: LocalSchedule) -> dict[str, torch.Tensor]:
+    """What an agent uploads minus the global model: ``schedule`` run with the agents' optimisers."""
+    trained = copy.deepcopy(model).train()
+    optimizer = make_optimizer(schedule.optimizer, trained.parameters(), schedule.lr, momentum=schedule.momentum,
+                               weight_decay=schedule.weight_decay)
+    for step in range(schedule.local_steps):
+        index = torch.arange(step * schedule.batch_size, (step + 1) * schedule.batch_size) % images.shape[0]
+        output = trained(FASHION.to_model(images[index]))
+        logits = output[0] if isinstance(output, tuple) else output
+        optimizer.zero_grad()
+        F.cross_entropy(logits, labels[index]).backward()
+        optimizer.step()
+    start = dict(model.named_parameters())
+    return {name: (p - start[name]).detach() for name, p in trained.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", [
+    LocalSchedule(lr=0.05, local_steps=3, batch_size=2, momentum=0.9, weight_decay=1e-3),
+    LocalSchedule(lr=0.01, local_steps=3, batch_size=2, optimizer="adam", weight_decay=1e-4),
+], ids=["sgd-momentum", "adam"])
+def test_the_unrolled_schedule_is_the_agents_training(schedule: LocalSchedule) -> None:
+    private, labels, _ = fashion_sets(4, 50)
+    for model in (lenet(0), build_model("resnet8", 10, 1, generator=torch.Generator().manual_seed(0))):
+        expected = agent_update(model, private, labels, schedule)
+        unrolled = unrolled_update(model, FASHION.to_model(private), labels, schedule)
+        assert unrolled.keys() == expected.keys()
+        for name, delta in expected.items():
+            torch.testing.assert_close(unrolled[name].detach(), delta, rtol=1e-3, atol=1e-4 * float(delta.abs().max()) + 1e-9)
+
+
+@pytest.mark.parametrize("model_name", ["lenet", "simplecnn", "resnet8"])
+def test_the_label_of_one_image_is_read_from_its_update(model_name: str) -> None:
+    private, labels, _ = fashion_sets(8, 50)
+    model = lenet(0) if model_name == "lenet" else build_model(model_name, 10, 1, generator=torch.Generator().manual_seed(0))
+    schedule = LocalSchedule(lr=0.01)
+    read = [infer_single_label(model, agent_update(model, private[i : i + 1], labels[i : i + 1], schedule)) for i in range(8)]
+    assert read == labels.tolist()
+
+
+def test_one_image_comes_back_from_its_one_step_update() -> None:
+    private, labels, public = fashion_sets(1, 200)
+    model, schedule = lenet(0), LocalSchedule(lr=0.01)
+    result = invert_update(model, agent_update(model, private, labels, schedule), FASHION, IMAGE_SHAPE, 1, schedule,
+                           config=INVERSION)
+    assert result.labels_inferred and result.labels.tolist() == labels.tolist()
+    scores = score_images(result.images, private)
+    assert scores.psnr_db > 30.0
+    assert scores.psnr_db > mean_image_baseline(public, private).psnr_db + 15.0
+    assert scores.ssim > 0.85
+
+
+def test_one_image_comes_back_through_an_unrolled_momentum_schedule() -> None:
+    private, labels, _ = fashion_sets(1, 200)
+    model = lenet(0)
+    schedule = LocalSchedule(lr=0.01, local_steps=3, momentum=0.9, weight_decay=1e-4)
+    result = invert_update(model, agent_update(model, private, labels, schedule), FASHION, IMAGE_SHAPE, 1, schedule,
+                           config=INVERSION)
+    scores = score_images(result.images, private)
+    assert scores.psnr_db > 28.0
+    assert scores.ssim > 0.8
+
+
+def test_an_update_from_another_start_model_gives_nothing_back() -> None:
+    private, labels, public = fashion_sets(1, 200)
+    schedule = LocalSchedule(lr=0.01)
+    update = agent_update(lenet(0), private, labels, schedule)
+    result = invert_update(lenet(1), update, FASHION, IMAGE_SHAPE, 1, schedule, labels=labels, config=INVERSION)
+    scores = score_images(result.images, private)
+    assert scores.psnr_db < mean_image_baseline(public, private).psnr_db + 2.0
+    assert scores.ssim < 0.3
+
+
+def test_a_noise_update_gives_nothing_back() -> None:
+    private, labels, public = fashion_sets(1, 200)
+    model, schedule = lenet(0), LocalSchedule(lr=0.01)
+    generator = torch.Generator().manual_seed(3)
+    noise = {name: torch.randn(p.shape, generator=generator) * 1e-3 for name, p in model.named_parameters()}
+    result = invert_update(model, noise, FASHION, IMAGE_SHAPE, 1, schedule, labels=labels, config=INVERSION)
+    scores = score_images(result.images, private)
+    assert scores.psnr_db < mean_image_baseline(public, private).psnr_db + 2.0
+    assert scores.ssim < 0.3
+
+
+def test_invert_update_refuses_what_it_cannot_use() -> None:
+    private, labels, _ = fashion_sets(2, 50)
+    model, schedule = lenet(0), LocalSchedule(lr=0.01)
+    update = agent_update(model, private[:1], labels[:1], schedule)
+    with pytest.raises(AttackInputError, match="lacks"):
+        invert_update(model, {k: v for k, v in update.items() if not k.startswith("0.")}, FASHION, IMAGE_SHAPE, 1, schedule)
+    with pytest.raises(AttackInputError, match="one image only"):
+        invert_update(model, update, FASHION, IMAGE_SHAPE, 2, schedule)
+    with pytest.raises(AttackInputError, match="expected 2 labels"):
+        invert_update(model, update, FASHION, IMAGE_SHAPE, 2, schedule, labels=labels[:1])
+    with pytest.raises(AttackInputError, match="zero everywhere"):
+        invert_update(model, {k: torch.zeros_like(v) for k, v in update.items()}, FASHION, IMAGE_SHAPE, 1, schedule,
+                      labels=labels[:1], config=UpdateInversionConfig(steps=1))
+    with pytest.raises(UnsupportedScheduleError):
+        LocalSchedule(lr=0.01, optimizer="rmsprop")
+    with pytest.raises(AttackInputError):
+        UpdateInversionConfig(weighting="layerwise")

@@ -1,14 +1,20 @@
-"""Small Fashion-MNIST sets for the leakage audit's tests: private images (an agent's) and
-public ones (the server's test split), as pixels in [0, 1], and the agents' normalisation."""
+"""What the leakage audit's tests share: small Fashion-MNIST sets (private images, an agent's,
+and public ones, the server's test split) as pixels in [0, 1], the agents' normalisation,
+the models attacked, and an agent's local training as the agents run it."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-from cloud_server.audit import PixelSpace
+from cloud_server.audit import LocalSchedule, PixelSpace
 from fldata import seeded_subset
+from models.optimizers import make_optimizer
+from models.registry import build_model
 
 #: The normalisation every Fashion-MNIST loader applies (fldata.stats).
 FASHION = PixelSpace.of_dataset("fashion-mnist", 1)
@@ -32,6 +38,32 @@ def fashion_sets(private: int, public: int) -> tuple[torch.Tensor, torch.Tensor,
 
 def stem(seed: int) -> torch.nn.Module:
     """FedGKT's extractor for Fashion-MNIST (ResNet-8's conv stem) as drawn from ``seed``, in eval mode."""
-    from models.registry import build_model
-
     return build_model("resnet8", 10, 1, generator=torch.Generator().manual_seed(seed)).extractor.eval()
+
+
+def lenet(seed: int) -> nn.Module:
+    """DLG's small model (Zhu et al.): strided 5 x 5 convolutions with sigmoids, one linear layer."""
+    with torch.random.fork_rng():  # the layers draw from the global generator; leave it as it was
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Conv2d(1, 12, 5, padding=2, stride=2), nn.Sigmoid(),  # (N, 12, 16, 16)
+            nn.Conv2d(12, 12, 5, padding=2, stride=2), nn.Sigmoid(),  # (N, 12, 8, 8)
+            nn.Conv2d(12, 12, 5, padding=2, stride=1), nn.Sigmoid(),
+            nn.Flatten(), nn.Linear(12 * 8 * 8, 10),
+        )
+
+
+def agent_update(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, schedule: LocalSchedule) -> dict[str, torch.Tensor]:
+    """What an agent uploads minus the global model: ``schedule`` run with the agents' optimisers."""
+    trained = copy.deepcopy(model).train()
+    optimizer = make_optimizer(schedule.optimizer, trained.parameters(), schedule.lr, momentum=schedule.momentum,
+                               weight_decay=schedule.weight_decay)
+    for step in range(schedule.local_steps):
+        index = torch.arange(step * schedule.batch_size, (step + 1) * schedule.batch_size) % images.shape[0]
+        output = trained(FASHION.to_model(images[index]))
+        logits = output[0] if isinstance(output, tuple) else output
+        optimizer.zero_grad()
+        F.cross_entropy(logits, labels[index]).backward()
+        optimizer.step()
+    start = dict(model.named_parameters())
+    return {name: (p - start[name]).detach() for name, p in trained.named_parameters()}

@@ -4,49 +4,17 @@ attack cannot explain (another start model, noise) gives nothing back."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from audithelpers import FASHION, IMAGE_SHAPE, fashion_sets
+from audithelpers import FASHION, IMAGE_SHAPE, agent_update, fashion_sets, lenet
 from cloud_server.audit import (AttackInputError, LocalSchedule, UnsupportedScheduleError, UpdateInversionConfig,
                                 infer_single_label, invert_update, mean_image_baseline, score_images, unrolled_update)
-from models.optimizers import make_optimizer
 from models.registry import build_model
 
 torch.set_num_threads(1)
 
 INVERSION = UpdateInversionConfig(steps=800)
-
-
-def lenet(seed: int) -> nn.Module:
-    """DLG's small model (Zhu et al.): strided 5 x 5 convolutions with sigmoids, one linear layer."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Conv2d(1, 12, 5, padding=2, stride=2), nn.Sigmoid(),  # (N, 12, 16, 16)
-        nn.Conv2d(12, 12, 5, padding=2, stride=2), nn.Sigmoid(),  # (N, 12, 8, 8)
-        nn.Conv2d(12, 12, 5, padding=2, stride=1), nn.Sigmoid(),
-        nn.Flatten(), nn.Linear(12 * 8 * 8, 10),
-    )
-
-
-def agent_update(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, schedule: LocalSchedule) -> dict[str, torch.Tensor]:
-    """What an agent uploads minus the global model: ``schedule`` run with the agents' optimisers."""
-    trained = copy.deepcopy(model).train()
-    optimizer = make_optimizer(schedule.optimizer, trained.parameters(), schedule.lr, momentum=schedule.momentum,
-                               weight_decay=schedule.weight_decay)
-    for step in range(schedule.local_steps):
-        index = torch.arange(step * schedule.batch_size, (step + 1) * schedule.batch_size) % images.shape[0]
-        output = trained(FASHION.to_model(images[index]))
-        logits = output[0] if isinstance(output, tuple) else output
-        optimizer.zero_grad()
-        F.cross_entropy(logits, labels[index]).backward()
-        optimizer.step()
-    start = dict(model.named_parameters())
-    return {name: (p - start[name]).detach() for name, p in trained.named_parameters()}
 
 
 @pytest.mark.parametrize("schedule", [

@@ -8,6 +8,7 @@
 - :mod:`~cloud_server.audit.updates`: weight updates inverted with the agents' local
   schedule unrolled;
 - :mod:`~cloud_server.audit.labels`: label distributions from labels, logits and bias updates;
+- :mod:`~cloud_server.audit.received`: decoded messages turned into the attacks' tensors;
 - :mod:`~cloud_server.audit.registry`: which attacks apply to which method, and what the
   server is assumed to know.
 """
@@ -18,6 +19,7 @@ from .errors import AttackInputError, AuditError, UnknownAuditMethodError, Unsup
 from .inverse_network import FeatureDecoder, InverseNetworkConfig, decode_features, train_inverse_network
 from .labels import (LabelDistributionEstimate, histogram_error, label_histogram_from_bias_update,
                      label_histogram_from_labels, label_histogram_from_logits, true_histogram)
+from .received import ReceivedActivations, activations_from_messages, update_from_fedavg, update_from_fedkd
 from .registry import (ATTACKS, PAYLOADS, AttackSpec, AuditPlan, MethodExposure, ServerKnowledge, attacks_for,
                        audited_methods, register_exposure)
 from .scoring import MAX_PSNR_DB, ImageScores, PixelSpace, mean_image_baseline, score_images
@@ -40,12 +42,14 @@ __all__ = [
     "LocalSchedule",
     "MethodExposure",
     "PixelSpace",
+    "ReceivedActivations",
     "ServerKnowledge",
     "UnknownAuditMethodError",
     "UnsupportedScheduleError",
     "UpdateInversionConfig",
     "UpdateInversionResult",
     "WhiteBoxConfig",
+    "activations_from_messages",
     "attacks_for",
     "audited_methods",
     "decode_features",
@@ -64,4 +68,6 @@ __all__ = [
     "train_inverse_network",
     "true_histogram",
     "unrolled_update",
+    "update_from_fedavg",
+    "update_from_fedkd",
 ]

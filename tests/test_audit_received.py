@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from audithelpers import FASHION, IMAGE_SHAPE, agent_update, fashion_sets, lenet, stem
-from cloud_server.audit import (AttackInputError, LocalSchedule, WhiteBoxConfig, invert_features_white_box,
-                                score_images)
-from cloud_server.audit import activations_from_messages, update_from_fedavg, update_from_fedkd
+from cloud_server.audit import (AttackInputError, LocalSchedule, WhiteBoxConfig, activations_from_messages,
+                                invert_features_white_box, score_images, update_from_fedavg, update_from_fedkd)
 from shared_protocol.message_base import decode_message, encode_message
 from shared_protocol.methods.fedavg import FedAvgUpdate
 from shared_protocol.methods.fedgkt import GktFeatures

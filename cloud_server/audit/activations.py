@@ -21,16 +21,20 @@ from .errors import AttackInputError
 from .image_prior import ImageVariable, total_variation
 from .scoring import PixelSpace
 
-# Added to the surrogate's seed: a run seeds its agents' initial models with its own seed, and the
-# surrogate must not start from the very weights it stands in for.
-_SURROGATE_SEED_SALT = 0x5A77_0F5E
-
 __all__ = [
     "ArchitectureOnlyConfig",
     "WhiteBoxConfig",
     "invert_features_architecture_only",
     "invert_features_white_box",
 ]
+
+# Added to the surrogate's seed: a run seeds its agents' initial models with its own seed, and the
+# surrogate must not start from the very weights it stands in for.
+_SURROGATE_SEED_SALT = 0x5A77_0F5E
+#: The low and high quantiles of pixel values the architecture-only attack calibrates on.
+_CALIBRATION_QUANTILES = (0.001, 0.999)
+# torch.quantile refuses inputs of more elements than this.
+_QUANTILE_SAMPLE = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -160,8 +164,8 @@ def invert_features_architecture_only(surrogate: nn.Module, features: torch.Tens
        fitted to map the estimate onto the received maps, then the images and the surrogate
        are optimised together.
     3. The maps fix the images only up to an affine map of each channel's values (a convolution
-       absorbs any scale and offset of its input), so each channel is mapped to the public
-       images' mean and spread, with the sign that lies closer to the public mean image.
+       absorbs any scale and offset of its input), so each channel's extreme values are mapped
+       to the public images', with the sign that lies closer to the public mean image.
 
     Mixing between the channels of a colour image is not resolved by step 3.
 
@@ -170,7 +174,7 @@ def invert_features_architecture_only(surrogate: nn.Module, features: torch.Tens
             statistics are re-drawn from ``config.seed`` (whatever they were is not used).
         features: the received maps ``(N, C_f, H, W)``; the extractor must keep the spatial size.
         pixels: the normalisation the agent's loader applied before the extractor.
-        public: the server's public images ``(M, C, H, W)`` in ``[0, 1]``: their statistics only.
+        public: the server's public images ``(M, C, H, W)`` in ``[0, 1]``: their pixel statistics only.
         config: the optimisation.
 
     Returns:
@@ -220,18 +224,32 @@ def _principal_images(features: torch.Tensor, channels: int) -> torch.Tensor:  #
 
 
 def _match_public_statistics(images: torch.Tensor, public: torch.Tensor) -> torch.Tensor:  # (N, C, H, W)
-    """Each channel standardised over the batch, given the public images' mean and spread, with
-    the sign whose result lies closer to the public mean image."""
+    """Each channel's values mapped affinely so that their extreme quantiles over the batch are
+    the public images' (:data:`_CALIBRATION_QUANTILES`), with the sign whose result lies
+    closer to the public mean image. Extremes, not the mean and spread: those follow the
+    classes in the batch (a label-skewed agent's images are darker or brighter than the
+    public set on average), while most images of a kind span the same range."""
     mean_image = public.mean(0, keepdim=True)  # (1, C, H, W)
     matched = torch.empty_like(images)
     for c in range(images.shape[1]):
-        values = images[:, c]
-        z = (values - values.mean()) / values.std().clamp_min(1e-12)
-        scale, offset = public[:, c].std(), public[:, c].mean()
-        candidates = [(sign * z * scale + offset).clamp(0.0, 1.0) for sign in (1.0, -1.0)]
+        public_low, public_high = _quantiles(public[:, c])
+        candidates = []
+        for sign in (1.0, -1.0):
+            values = sign * images[:, c]  # (N, H, W)
+            low, high = _quantiles(values)
+            candidates.append(((values - low) / (high - low).clamp_min(1e-12) * (public_high - public_low) + public_low).clamp(0.0, 1.0))
         distances = [float((candidate - mean_image[:, c]).square().mean()) for candidate in candidates]
         matched[:, c] = candidates[0] if distances[0] <= distances[1] else candidates[1]
     return matched
+
+
+def _quantiles(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The :data:`_CALIBRATION_QUANTILES` of ``values`` (a strided sample of at most
+    :data:`_QUANTILE_SAMPLE` of them, torch.quantile's input limit)."""
+    flat = values.detach().flatten()
+    flat = flat[:: max(1, -(-flat.numel() // _QUANTILE_SAMPLE))]
+    low, high = torch.quantile(flat.double(), torch.tensor(_CALIBRATION_QUANTILES, dtype=torch.float64))
+    return low.to(values.dtype), high.to(values.dtype)
 
 
 def _redraw_weights(model: nn.Module, seed: int) -> None:

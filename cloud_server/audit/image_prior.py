@@ -9,7 +9,7 @@ import torch
 
 from .errors import AttackInputError
 
-__all__ = ["ImageVariable", "check_probability", "total_variation"]
+__all__ = ["ImageVariable", "total_variation"]
 
 
 def total_variation(pixels: torch.Tensor) -> torch.Tensor:  # (N, C, H, W)
@@ -17,11 +17,6 @@ def total_variation(pixels: torch.Tensor) -> torch.Tensor:  # (N, C, H, W)
     dx = (pixels[..., :, 1:] - pixels[..., :, :-1]).abs().mean()
     dy = (pixels[..., 1:, :] - pixels[..., :-1, :]).abs().mean()
     return dx + dy
-
-
-def check_probability(name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise AttackInputError(f"{name} must be in [0, 1], got {value}")
 
 
 class ImageVariable:

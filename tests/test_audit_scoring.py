@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from audithelpers import FASHION, fashion_sets
-from cloud_server.audit import MAX_PSNR_DB, AttackInputError, PixelSpace, mean_image_baseline, score_images
+from cloud_server.audit import (MAX_PSNR_DB, AttackInputError, PixelSpace, mean_image_baseline, score_attack,
+                                score_images)
 
 
 def test_identical_images_score_the_cap_and_ssim_one() -> None:
@@ -74,3 +75,12 @@ def test_pixel_space_validates_its_statistics() -> None:
         PixelSpace((0.5, 0.5), (0.2,))
     with pytest.raises(AttackInputError, match="expected images"):
         PixelSpace.identity(3).to_model(torch.zeros(1, 1, 32, 32))
+
+
+def test_an_attack_outcome_carries_its_baseline() -> None:
+    private, _, public = fashion_sets(4, 50)
+    outcome = score_attack("white_box_inversion", private.clone(), private, public, wall_s=1.5)
+    assert outcome.gain_db == pytest.approx(MAX_PSNR_DB - mean_image_baseline(public, private).psnr_db)
+    row = outcome.to_dict()
+    assert row["attack"] == "white_box_inversion" and row["num_images"] == 4 and row["wall_s"] == 1.5
+    assert row["baseline_psnr_db"] < row["psnr_db"]

@@ -22,7 +22,7 @@ from .labels import (LabelDistributionEstimate, histogram_error, label_histogram
 from .received import ReceivedActivations, activations_from_messages, update_from_fedavg, update_from_fedkd
 from .registry import (ATTACKS, PAYLOADS, AttackSpec, AuditPlan, MethodExposure, ServerKnowledge, attacks_for,
                        audited_methods, register_exposure)
-from .scoring import MAX_PSNR_DB, ImageScores, PixelSpace, mean_image_baseline, score_images
+from .scoring import MAX_PSNR_DB, ImageAttackOutcome, ImageScores, PixelSpace, mean_image_baseline, score_attack, score_images
 from .updates import (LocalSchedule, UpdateInversionConfig, UpdateInversionResult, infer_single_label, invert_update,
                       last_linear_layer, unrolled_update)
 
@@ -36,6 +36,7 @@ __all__ = [
     "AuditError",
     "AuditPlan",
     "FeatureDecoder",
+    "ImageAttackOutcome",
     "ImageScores",
     "InverseNetworkConfig",
     "LabelDistributionEstimate",
@@ -64,6 +65,7 @@ __all__ = [
     "last_linear_layer",
     "mean_image_baseline",
     "register_exposure",
+    "score_attack",
     "score_images",
     "train_inverse_network",
     "true_histogram",

@@ -36,7 +36,7 @@ class InverseNetworkConfig:
 
     hidden_channels: int = 32
     hidden_layers: int = 2
-    steps: int = 300
+    steps: int = 1000
     batch_size: int = 32
     lr: float = 3e-3
     seed: int = 0

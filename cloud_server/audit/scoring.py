@@ -25,7 +25,8 @@ from fldata.stats import dataset_stats
 
 from .errors import AttackInputError
 
-__all__ = ["MAX_PSNR_DB", "ImageScores", "PixelSpace", "mean_image_baseline", "score_images"]
+__all__ = ["MAX_PSNR_DB", "ImageAttackOutcome", "ImageScores", "PixelSpace", "mean_image_baseline", "score_attack",
+           "score_images"]
 
 #: The PSNR reported for a reconstruction whose error is below float32's resolution.
 MAX_PSNR_DB = 100.0
@@ -158,6 +159,40 @@ def mean_image_baseline(public: torch.Tensor, private: torch.Tensor) -> ImageSco
         raise AttackInputError(f"public images {tuple(public.shape[1:])} and private {tuple(private.shape[1:])} differ in shape")
     guess = public.detach().to(torch.float64).mean(0, keepdim=True).expand_as(private)  # (N, C, H, W)
     return score_images(guess, private)
+
+
+@dataclass(frozen=True)
+class ImageAttackOutcome:
+    """One attack's reconstructions scored, beside the mean-image baseline on the same images.
+
+    Attributes:
+        attack: the attack's name (a key of :data:`cloud_server.audit.registry.ATTACKS`).
+        scores: the reconstructions' scores.
+        baseline: the mean-image baseline's scores on the same private images.
+        wall_s: the attack's wall time, in seconds.
+    """
+
+    attack: str
+    scores: ImageScores
+    baseline: ImageScores
+    wall_s: float
+
+    @property
+    def gain_db(self) -> float:
+        """How far the attack rises above the baseline, in dB of PSNR."""
+        return self.scores.psnr_db - self.baseline.psnr_db
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        """The row a report stores."""
+        return {"attack": self.attack, "psnr_db": self.scores.psnr_db, "ssim": self.scores.ssim,
+                "baseline_psnr_db": self.baseline.psnr_db, "baseline_ssim": self.baseline.ssim,
+                "num_images": self.scores.num_images, "wall_s": self.wall_s}
+
+
+def score_attack(attack: str, reconstructed: torch.Tensor, private: torch.Tensor, public: torch.Tensor,
+                 wall_s: float) -> ImageAttackOutcome:
+    """Score ``reconstructed`` against ``private`` and the baseline from ``public`` (all in ``[0, 1]``)."""
+    return ImageAttackOutcome(attack, score_images(reconstructed, private), mean_image_baseline(public, private), wall_s)
 
 
 def _mean(values: Sequence[float]) -> float:

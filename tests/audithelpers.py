@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Iterator
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,6 +21,19 @@ from models.registry import build_model
 #: The normalisation every Fashion-MNIST loader applies (fldata.stats).
 FASHION = PixelSpace.of_dataset("fashion-mnist", 1)
 IMAGE_SHAPE = (1, 32, 32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """The attacks' tests on one torch thread (the machine's other core is someone else's), and
+    the process's setting back afterwards. Imported by each audit test module, which makes it
+    apply there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=2)

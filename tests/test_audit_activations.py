@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from audithelpers import FASHION, IMAGE_SHAPE, fashion_sets, stem
+from audithelpers import one_torch_thread  # noqa: F401 (a fixture: importing it applies it here)
 from cloud_server.audit import (ArchitectureOnlyConfig, AttackInputError, FeatureDecoder, InverseNetworkConfig,
                                 WhiteBoxConfig, decode_features, invert_features_architecture_only,
                                 invert_features_white_box, mean_image_baseline, score_images, train_inverse_network)
-
-torch.set_num_threads(1)
 
 PRIVATE = 8
 PUBLIC = 200

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from audithelpers import FASHION, agent_update, fashion_sets
+from audithelpers import one_torch_thread  # noqa: F401 (a fixture: importing it applies it here)
 from cloud_server.audit import (AttackInputError, LocalSchedule, histogram_error, label_histogram_from_bias_update,
                                 label_histogram_from_labels, label_histogram_from_logits, last_linear_layer,
                                 true_histogram)
 from models.registry import build_model
-
-torch.set_num_threads(1)
 
 SGD = LocalSchedule(lr=0.01, batch_size=8, local_steps=4)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from audithelpers import FASHION, IMAGE_SHAPE, agent_update, fashion_sets, lenet, stem
+from audithelpers import one_torch_thread  # noqa: F401 (a fixture: importing it applies it here)
 from cloud_server.audit import (AttackInputError, LocalSchedule, WhiteBoxConfig, activations_from_messages,
                                 invert_features_white_box, score_images, update_from_fedavg, update_from_fedkd)
 from shared_protocol.message_base import decode_message, encode_message
@@ -15,8 +16,6 @@ from shared_protocol.methods.fedavg import FedAvgUpdate
 from shared_protocol.methods.fedgkt import GktFeatures
 from shared_protocol.methods.fedkd import FedKdUpdate, factor_state
 from shared_protocol.methods.splitnn import SplitActivations
-
-torch.set_num_threads(1)
 
 
 def over_the_wire(msg, codecs=None):  # type: ignore[no-untyped-def]

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from audithelpers import FASHION, IMAGE_SHAPE, agent_update, fashion_sets, lenet
+from audithelpers import one_torch_thread  # noqa: F401 (a fixture: importing it applies it here)
 from cloud_server.audit import (AttackInputError, LocalSchedule, UnsupportedScheduleError, UpdateInversionConfig,
                                 infer_single_label, invert_update, mean_image_baseline, score_images, unrolled_update)
 from models.registry import build_model
-
-torch.set_num_threads(1)
 
 INVERSION = UpdateInversionConfig(steps=800)
 

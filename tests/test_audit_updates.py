@@ -11,6 +11,7 @@ from audithelpers import FASHION, IMAGE_SHAPE, agent_update, fashion_sets, lenet
 from audithelpers import one_torch_thread  # noqa: F401 (a fixture: importing it applies it here)
 from cloud_server.audit import (AttackInputError, LocalSchedule, UnsupportedScheduleError, UpdateInversionConfig,
                                 infer_single_label, invert_update, mean_image_baseline, score_images, unrolled_update)
+from cloud_server.audit.linear_inputs import capture_input, recover_linear_input
 from models.registry import build_model
 
 INVERSION = UpdateInversionConfig(steps=800)
@@ -100,3 +101,23 @@ def test_invert_update_refuses_what_it_cannot_use() -> None:
         LocalSchedule(lr=0.01, optimizer="rmsprop")
     with pytest.raises(AttackInputError):
         UpdateInversionConfig(weighting="layerwise")
+
+
+@pytest.mark.parametrize("model_name", ["simplecnn", "resnet8"])
+def test_a_linear_layers_input_is_read_exactly_off_a_one_step_update(model_name: str) -> None:
+    private, labels, _ = fashion_sets(1, 50)
+    model = build_model(model_name, 10, 1, generator=torch.Generator().manual_seed(0))
+    schedule = LocalSchedule(lr=0.01, weight_decay=1e-3)
+    recovered = recover_linear_input(model, agent_update(model, private, labels, schedule), schedule)
+    assert recovered is not None
+    with capture_input(model, recovered.module_name) as seen:
+        model.train()(FASHION.to_model(private))
+    true_input = seen[0].detach().flatten()
+    assert float((recovered.values - true_input).norm() / true_input.norm()) < 1e-4
+
+
+def test_no_linear_input_is_read_where_the_update_does_not_give_it() -> None:
+    private, labels, _ = fashion_sets(2, 50)
+    model = lenet(0)
+    for schedule in (LocalSchedule(lr=0.01, local_steps=2), LocalSchedule(lr=0.01, optimizer="adam")):
+        assert recover_linear_input(model, agent_update(model, private[:1], labels[:1], schedule), schedule) is None

@@ -23,7 +23,8 @@ from .received import ReceivedActivations, activations_from_messages, update_fro
 from .registry import (ATTACKS, PAYLOADS, AttackSpec, AuditPlan, MethodExposure, ServerKnowledge, attacks_for,
                        audited_methods, register_exposure)
 from .scoring import MAX_PSNR_DB, ImageAttackOutcome, ImageScores, PixelSpace, mean_image_baseline, score_attack, score_images
-from .updates import (LocalSchedule, UpdateInversionConfig, UpdateInversionResult, infer_single_label, invert_update,
+from .schedule import LocalSchedule
+from .updates import (UpdateInversionConfig, UpdateInversionResult, infer_single_label, invert_update,
                       last_linear_layer, unrolled_update)
 
 __all__ = [

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import AttackInputError
-from .updates import LocalSchedule
+from .schedule import LocalSchedule
 
 __all__ = [
     "LabelDistributionEstimate",

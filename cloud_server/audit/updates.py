@@ -20,12 +20,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from .errors import AttackInputError, UnsupportedScheduleError
+from .errors import AttackInputError
 from .image_prior import ImageVariable, total_variation
+from .linear_inputs import capture_input, recover_linear_input
+from .schedule import LocalSchedule
 from .scoring import PixelSpace
 
 __all__ = [
-    "LocalSchedule",
     "UpdateInversionConfig",
     "UpdateInversionResult",
     "infer_single_label",
@@ -34,53 +35,11 @@ __all__ = [
     "unrolled_update",
 ]
 
-#: The optimisers :func:`unrolled_update` replays: those the agents train with (models.optimizers).
-SCHEDULE_OPTIMIZERS = ("sgd", "adam")
 #: How the distance between two updates weighs their parameter tensors (UpdateInversionConfig.weighting).
 UPDATE_WEIGHTINGS = ("per_tensor", "whole")
 # Under the square root of Adam's second moment, so that its gradient stays finite where a
 # parameter's gradient is exactly zero; far below any second moment a real gradient makes.
 _SQRT_FLOOR = 1e-30
-
-
-@dataclass(frozen=True)
-class LocalSchedule:
-    """What an agent did between receiving the global model and uploading its own, as the
-    server configured it.
-
-    Attributes:
-        lr: the local learning rate.
-        local_steps: optimiser steps taken.
-        batch_size: samples per step; step ``s`` uses samples ``s * batch_size ...`` of the
-            dummy set, wrapping around.
-        optimizer: ``"sgd"`` (momentum, L2 weight decay) or ``"adam"`` (AMSGrad, L2 weight
-            decay), as :func:`models.optimizers.make_optimizer` builds them.
-        momentum: SGD's momentum.
-        weight_decay: L2 weight decay, added to the gradient.
-        betas, eps: Adam's.
-    """
-
-    lr: float
-    local_steps: int = 1
-    batch_size: int = 1
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in SCHEDULE_OPTIMIZERS:
-            raise UnsupportedScheduleError(f"LocalSchedule.optimizer must be one of {SCHEDULE_OPTIMIZERS}, got {self.optimizer!r}")
-        if not self.lr > 0 or self.local_steps < 1 or self.batch_size < 1:
-            raise AttackInputError(f"LocalSchedule needs lr > 0, local_steps >= 1 and batch_size >= 1, "
-                                   f"got {self.lr}, {self.local_steps} and {self.batch_size}")
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise AttackInputError(f"LocalSchedule momentum and weight_decay must be >= 0, got {self.momentum} and {self.weight_decay}")
-
-    @property
-    def samples_seen(self) -> int:
-        return self.local_steps * self.batch_size
 
 
 @dataclass(frozen=True)
@@ -95,6 +54,9 @@ class UpdateInversionConfig:
             first layers, which carry the image, weigh as much as the large last ones;
             ``"whole"``: ``1 - cos`` over the whole update at once (Inverting Gradients').
             Which recovers more depends on the model.
+        linear_input_weight: for one image and one SGD step, the weight of matching the input
+            of the first linear layer with a bias, read exactly off its update
+            (:func:`~cloud_server.audit.linear_inputs.recover_linear_input`); 0 leaves it out.
         adam_softening: for an Adam schedule, :func:`unrolled_update`'s softening of the
             dummy update (the received one is used as it is).
         signed_gradients: step on the gradient's sign, as Inverting Gradients does.
@@ -105,6 +67,7 @@ class UpdateInversionConfig:
     lr: float = 0.1
     tv_weight: float = 1e-3
     weighting: str = "per_tensor"
+    linear_input_weight: float = 1.0
     adam_softening: float = 0.1
     signed_gradients: bool = False
     seed: int = 0
@@ -113,6 +76,8 @@ class UpdateInversionConfig:
         if self.steps < 1 or not self.lr > 0 or self.tv_weight < 0:
             raise AttackInputError(f"UpdateInversionConfig needs steps >= 1, lr > 0, tv_weight >= 0, "
                                    f"got {self.steps}, {self.lr}, {self.tv_weight}")
+        if self.linear_input_weight < 0:
+            raise AttackInputError(f"UpdateInversionConfig.linear_input_weight must be >= 0, got {self.linear_input_weight}")
         if self.adam_softening < 0:
             raise AttackInputError(f"UpdateInversionConfig.adam_softening must be >= 0, got {self.adam_softening}")
         if self.weighting not in UPDATE_WEIGHTINGS:
@@ -295,9 +260,16 @@ def invert_update(model: nn.Module, update: Mapping[str, torch.Tensor], pixels: 
         init = start.detach().float().expand_as(init) + 0.05 * (init - 0.5)
     image = ImageVariable(init, config.lr, config.steps, config.signed_gradients)
     distance = torch.tensor(1.0)
-    for _ in range(config.steps):
-        produced = unrolled_update(model, pixels.to_model(image.pixels), labels, schedule, config.adam_softening)
-        distance = _cosine_distance(produced, observed, config.weighting)
-        image.step(distance + config.tv_weight * total_variation(image.pixels))
+    linear_input = recover_linear_input(model, observed, schedule) if num_images == 1 and config.linear_input_weight else None
+    with capture_input(model, linear_input.module_name if linear_input else "") as captured:
+        for _ in range(config.steps):
+            captured.clear()
+            produced = unrolled_update(model, pixels.to_model(image.pixels), labels, schedule, config.adam_softening)
+            distance = _cosine_distance(produced, observed, config.weighting)
+            loss = distance + config.tv_weight * total_variation(image.pixels)
+            if linear_input is not None:  # the first forward pass is at the start weights, where the reading holds
+                target = linear_input.values
+                loss = loss + config.linear_input_weight * (captured[0].flatten() - target).square().mean() / target.square().mean().clamp_min(1e-12)
+            image.step(loss)
     return UpdateInversionResult(images=image.result(), labels=labels, labels_inferred=inferred,
                                  cosine_distance=float(distance.detach()))

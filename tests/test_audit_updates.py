@@ -121,3 +121,15 @@ def test_no_linear_input_is_read_where_the_update_does_not_give_it() -> None:
     model = lenet(0)
     for schedule in (LocalSchedule(lr=0.01, local_steps=2), LocalSchedule(lr=0.01, optimizer="adam")):
         assert recover_linear_input(model, agent_update(model, private[:1], labels[:1], schedule), schedule) is None
+
+
+def test_two_images_come_back_from_a_batch_of_two_with_known_labels() -> None:
+    private, labels, public = fashion_sets(2, 200)
+    model, schedule = lenet(0), LocalSchedule(lr=0.01, batch_size=2)
+    result = invert_update(model, agent_update(model, private, labels, schedule), FASHION, IMAGE_SHAPE, 2, schedule,
+                           labels=labels, config=INVERSION)
+    assert not result.labels_inferred
+    scores = score_images(result.images, private)
+    assert scores.psnr_db > 25.0
+    assert scores.psnr_db > mean_image_baseline(public, private).psnr_db + 10.0
+    assert scores.ssim > 0.75

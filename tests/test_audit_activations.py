@@ -56,6 +56,18 @@ def test_white_box_through_the_wrong_weights_scores_near_the_baseline(sets: tupl
     assert scores.ssim < 0.3
 
 
+def test_white_box_with_batch_statistics_recovers_a_training_batch(sets: tuple[torch.Tensor, torch.Tensor, float]) -> None:
+    # Split learning's agents upload maps of a training forward pass: BatchNorm normalises with
+    # the batch's own statistics, and the attack must run the stem the same way.
+    private, _, _ = sets
+    with torch.no_grad():
+        received = stem(0).train()(FASHION.to_model(private))
+    as_trained = invert_features_white_box(stem(0), received, FASHION, IMAGE_SHAPE, WhiteBoxConfig(steps=400, batch_statistics=True))
+    in_eval_mode = invert_features_white_box(stem(0), received, FASHION, IMAGE_SHAPE, WhiteBoxConfig(steps=400))
+    assert score_images(as_trained, private).psnr_db > 60.0
+    assert score_images(in_eval_mode, private).psnr_db < 30.0
+
+
 def test_white_box_refuses_maps_the_extractor_cannot_produce(sets: tuple[torch.Tensor, torch.Tensor, float]) -> None:
     private, _, _ = sets
     with pytest.raises(AttackInputError, match="received maps"):

@@ -45,12 +45,17 @@ class WhiteBoxConfig:
         steps: Adam steps.
         lr: Adam's initial learning rate (pixel units), decayed to a hundredth.
         tv_weight: weight of the total-variation prior against the relative feature error.
+        batch_statistics: run the extractor as in training, its normalisation layers using the
+            batch's own statistics (split learning's uploads during training); the received
+            maps are then one whole batch, in order. Otherwise eval mode (FedGKT's uploads,
+            every evaluation's).
         seed: seeds the starting images (uniform noise around mid-grey).
     """
 
     steps: int = 400
     lr: float = 0.05
     tv_weight: float = 1e-4
+    batch_statistics: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -124,7 +129,8 @@ def invert_features_white_box(extractor: nn.Module, features: torch.Tensor, pixe
     """Reconstruct the images whose maps the server received, through the extractor it holds.
 
     Args:
-        extractor: the agent's extractor as the server holds it (copied, used in eval mode).
+        extractor: the agent's extractor as the server holds it (copied, used in eval mode
+            unless ``config.batch_statistics``).
         features: the received maps ``(N, C_f, H_f, W_f)``, decoded as the server stores them.
         pixels: the normalisation the agent's loader applied before the extractor.
         image_shape: ``(C, H, W)`` of one private image.
@@ -138,7 +144,7 @@ def invert_features_white_box(extractor: nn.Module, features: torch.Tensor, pixe
             (its output on an image of ``image_shape`` has another shape).
     """
     _check_features(features, image_shape)
-    model = _frozen_eval_copy(extractor)
+    model = _frozen_eval_copy(extractor).train(config.batch_statistics)
     target = features.detach().float()
     image = ImageVariable(_start_images(target.shape[0], image_shape, config.seed), config.lr, config.steps)
     _check_output_shape(model, image.pixels, pixels, target)

@@ -205,7 +205,9 @@ register_exposure(MethodExposure("fedgkt", ("activations", "logits", "labels"), 
          "there; every agent also uploads its ResNet-8 with each evaluation report")))
 register_exposure(MethodExposure("splitnn", ("activations", "labels"), ServerKnowledge(
     extractor_weights=True,
-    note="the extractor travels from agent to agent through the server (SplitExtractorWeights)")))
+    note="the extractor travels from agent to agent through the server (SplitExtractorWeights): the server holds "
+         "it at the start and end of every turn; within a turn it moves every batch, and training activations "
+         "come from a training forward pass (the batch's own normalisation statistics)")))
 for _name in ("fedavg", "fedbe", "feddistill", "fedgkd"):
     register_exposure(MethodExposure(_name, ("weight_update",), _WEIGHT_SHARING))
 register_exposure(MethodExposure("fedkd", ("factored_update",), replace(

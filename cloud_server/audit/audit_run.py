@@ -23,7 +23,7 @@ from ..evaluation import EvalSet, EvalSetSpec
 from .activations import ArchitectureOnlyConfig, WhiteBoxConfig, invert_features_architecture_only, invert_features_white_box
 from .errors import AuditError
 from .inverse_network import InverseNetworkConfig, decode_features, train_inverse_network
-from .audit_updates import attack_update, image_row
+from .audit_updates import attack_update, image_row, match_private
 from .kept import AgentImages, KeptMaps, KeptRun, agent_images, load_kept_run
 from .labels import label_histogram_from_labels, label_histogram_from_logits
 from .registry import AuditPlan, ServerKnowledge, attacks_for
@@ -117,9 +117,11 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
     rows: list[dict[str, Any]] = []
     pictures: dict[str, torch.Tensor] = {}
     private: torch.Tensor | None = None
-    if (maps.sample_ids >= 0).all():
+    by_id = bool((maps.sample_ids >= 0).all())
+    if by_id:
         private, _ = images.by_sample_id(maps.agent, maps.sample_ids)
-    # else split learning's uploads carry no ids: scoring them would need the agent's batch order
+    else:  # split learning's uploads carry no ids: each reconstruction is matched to an image of the shard
+        shard, _ = images.all_of(maps.agent)
     image_shape = tuple(public.shape[1:])
     extractor = _extractor(kept, maps)
     batch_statistics = kept.method == "splitnn"
@@ -129,9 +131,6 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
         extra: dict[str, str] = {}
         if spec.scores == "labels":
             rows.append(_label_row(spec.name, maps, images))
-            continue
-        if private is None:
-            rows.append({"attack": spec.name, "skipped": "the uploads carry no sample ids to find the private images by"})
             continue
         if batch_statistics and not maps.whole_batch:
             rows.append({"attack": spec.name, "skipped": "the kept rows are part of a training batch, whose normalisation "
@@ -162,6 +161,10 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
             rows.append({"attack": spec.name, "skipped": f"{spec.name} does not read activation uploads"})
             continue
         wall_s = time.perf_counter() - started
+        if not by_id:
+            private = match_private(reconstructed, shard)
+            extra["matched"] = "each reconstruction scored against the image of the agent's shard it fits best"
+        assert private is not None
         rows.append(image_row(spec.name, reconstructed, private, public, wall_s, **extra))
         pictures[spec.name] = reconstructed
     return rows, pictures, private

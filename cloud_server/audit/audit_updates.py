@@ -30,7 +30,7 @@ from .schedule import LocalSchedule
 from .scoring import PixelSpace, mean_image_baseline, score_images
 from .updates import UpdateInversionConfig, invert_update, last_linear_layer
 
-__all__ = ["attack_update", "image_row"]
+__all__ = ["attack_update", "image_row", "local_schedule", "match_private", "received_update", "start_model"]
 
 Progress = Callable[[str], None]
 
@@ -44,7 +44,7 @@ def image_row(attack: str, reconstructed: torch.Tensor, private: torch.Tensor, p
             "wall_s": wall_s, **extra}
 
 
-def _schedule(update: KeptUpdate) -> tuple[LocalSchedule, str]:
+def local_schedule(update: KeptUpdate) -> tuple[LocalSchedule, str]:
     """The agent's local training as the round config set it, and what the unrolled attack leaves out."""
     cfg = update.round_config
     if update.kind == "fedkd.update":
@@ -63,7 +63,8 @@ def _schedule(update: KeptUpdate) -> tuple[LocalSchedule, str]:
     return schedule, note
 
 
-def _start_model(kept: KeptRun, update: KeptUpdate) -> nn.Module:
+def start_model(kept: KeptRun, update: KeptUpdate) -> nn.Module:
+    """The global model ``update`` started from, as the server sent it, in the run's architecture."""
     name = str(kept.method_config.get("mentee_model" if update.kind == "fedkd.update" else "model",
                                       "resnet8" if update.kind == "fedkd.update" else "resnet56"))
     model = build_model(name, kept.num_classes, kept.in_channels)
@@ -73,7 +74,8 @@ def _start_model(kept: KeptRun, update: KeptUpdate) -> nn.Module:
     return model
 
 
-def _received_update(update: KeptUpdate) -> dict[str, torch.Tensor]:
+def received_update(update: KeptUpdate) -> dict[str, torch.Tensor]:
+    """The kept upload as ``uploaded - global`` per parameter (:mod:`cloud_server.audit.received`)."""
     from shared_protocol.methods.fedavg import FedAvgUpdate
     from shared_protocol.methods.fedkd import FedKdUpdate
 
@@ -99,20 +101,23 @@ def _labels_from_shares(shares: np.ndarray, n: int) -> torch.Tensor:
     return torch.from_numpy(np.repeat(np.arange(len(shares)), counts)).long()
 
 
-def _matched(reconstructed: torch.Tensor, private: torch.Tensor) -> torch.Tensor:
-    """The private images reordered to the reconstructions they fit best (greedy on PSNR): the
-    update carries no order of its images."""
-    n = reconstructed.shape[0]
-    mse = (reconstructed.flatten(1)[:, None, :] - private.flatten(1)[None, :, :]).square().mean(-1)  # (N, N)
+def match_private(reconstructed: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """For each reconstruction ``(N, C, H, W)``, the candidate private image ``(M >= N)`` it fits
+    best, no candidate twice (greedy on the squared error): for uploads that carry no order or id
+    of their images. The baseline is then scored on the same images."""
+    n, m = reconstructed.shape[0], candidates.shape[0]
+    mse = (reconstructed.flatten(1)[:, None, :] - candidates.flatten(1)[None, :, :]).square().mean(-1)  # (N, M)
     order = [-1] * n
-    free_r, free_p = set(range(n)), set(range(n))
+    free_r, free_p = set(range(n)), set(range(m))
     for flat in torch.argsort(mse.flatten()).tolist():
-        r, p = divmod(flat, n)
+        r, p = divmod(flat, m)
         if r in free_r and p in free_p:
             order[r] = p
             free_r.discard(r)
             free_p.discard(p)
-    return private[order]
+            if not free_r:
+                break
+    return candidates[order]
 
 
 def attack_update(kept: KeptRun, update: KeptUpdate, plan: AuditPlan, images: AgentImages, public: torch.Tensor,
@@ -123,9 +128,9 @@ def attack_update(kept: KeptRun, update: KeptUpdate, plan: AuditPlan, images: Ag
     rows: list[dict[str, Any]] = []
     pictures: dict[str, torch.Tensor] = {}
     private_all, true_labels = images.all_of(update.agent)
-    schedule, left_out = _schedule(update)
-    model = _start_model(kept, update)
-    received = _received_update(update)
+    schedule, left_out = local_schedule(update)
+    model = start_model(kept, update)
+    received = received_update(update)
     _, head = last_linear_layer(model)
     head_name = next(name for name, module in model.named_modules() if module is head)
     bias_update = received.get(f"{head_name}.bias")
@@ -158,8 +163,8 @@ def attack_update(kept: KeptRun, update: KeptUpdate, plan: AuditPlan, images: Ag
                                start=public.mean(0), config=UpdateInversionConfig(
                                    steps=UpdateInversionConfig.steps if steps is None else steps, seed=seed))
         wall_s = time.perf_counter() - started
-        private = _matched(result.images, private_all)
-        rows.append(image_row(spec.name, result.images, private, public, wall_s, labels_inferred=True,
+        private = match_private(result.images, private_all)
+        rows.append(image_row(spec.name, result.images, private, public, wall_s, labels_inferred=True, matched=True,
                                cosine_distance=result.cosine_distance, schedule=vars(schedule) | {"betas": list(schedule.betas)},
                                **({"left_out": left_out} if left_out else {})))
         pictures[spec.name] = result.images

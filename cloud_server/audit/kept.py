@@ -214,5 +214,6 @@ def agent_images(run_dir: Path, agents: list[str]) -> AgentImages:
             by_spec[spec] = load_agent_subsets(spec)  # the dataset loaded and partitioned once
         shards[agent_id] = by_spec[spec][index][0]
     source = ("this is a local simulation: each agent's private images were derived from its seeded data spec "
-              "(RUN_DIR/configs/agent-*.toml) and looked up by sample id; a real deployment's auditor must supply them")
+              "(RUN_DIR/configs/agent-*.toml) and looked up by sample id (uploads without ids: matched to the shard's "
+              "images); a real deployment's auditor must supply them")
     return AgentImages(shards, source)

@@ -119,3 +119,12 @@ def test_a_run_that_kept_nothing_names_the_fix(tmp_path: Path, capsys) -> None: 
     (tmp_path / "report.json").write_text(json.dumps({"config": {"method": "fedgkt"}}))
     assert edgesplit(["audit", str(tmp_path)]) == 2
     assert "rerun with `edgesplit local --audit`" in capsys.readouterr().err
+
+
+def test_uploads_the_audit_does_not_read_are_named_not_reported_safe(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "report.json").write_text(json.dumps({"config": {"method": "mymethod"}}))
+    (tmp_path / "audit").mkdir()
+    (tmp_path / "audit" / "kept.json").write_text(json.dumps({"method": "mymethod", "files": {},
+                                                              "not_kept": {"mymethod.upload": 3}}))
+    assert edgesplit(["audit", str(tmp_path)]) == 2
+    assert "mymethod.upload" in capsys.readouterr().err

@@ -84,3 +84,13 @@ def test_an_upload_the_audit_does_not_read_is_named(tmp_path: Path) -> None:
                                                  gradients=np.zeros((1, 1, 1, 1), np.float32)))
     manifest = json.loads((tmp_path / "audit" / "kept.json").read_text())
     assert manifest["not_kept"] == {"splitnn.gradients": 1} and manifest["files"] == {}
+
+
+def test_a_resumed_server_keeps_what_the_first_process_kept(tmp_path: Path) -> None:
+    AuditKeeper(tmp_path, "fedgkt", samples_per_agent=4).on_received("agent-0", features(1, 0, 6))
+    resumed = AuditKeeper(tmp_path, "fedgkt", samples_per_agent=4)
+    resumed.on_received("agent-0", features(3, 0, 6))  # agent-0 was covered before the restart
+    resumed.on_received("agent-1", features(3, 0, 6, agent="agent-1"))
+    manifest = json.loads((tmp_path / "audit" / "kept.json").read_text())
+    assert sorted(manifest["files"]) == ["maps-agent-0.npz", "maps-agent-1.npz"]
+    assert int(load(tmp_path / "audit" / "maps-agent-0.npz")["round"]) == 1

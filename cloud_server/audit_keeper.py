@@ -1,14 +1,16 @@
 """What the leakage audit needs, kept as the server received it (``[server] audit``).
 
 The coordinator hands the keeper every message it sends (:meth:`AuditKeeper.on_sent`) and
-every upload it decoded (:meth:`AuditKeeper.on_received`), before the method sees it, so
-that no method keeps anything itself. What is kept, under ``RUN_DIR/audit/`` as ``.npz``
+every message from a known agent it decoded (:meth:`AuditKeeper.on_received`), before the
+method sees it, so that no method keeps anything itself. What is kept, under ``RUN_DIR/audit/`` as ``.npz``
 files (``np.savez``; read back with ``allow_pickle=False``):
 
 - ``maps-<agent>.npz``: activation uploads (FedGKT's feature maps, split learning's
   activations): the first ``samples_per_agent`` training rows the agent uploaded, decoded,
   with their labels, sample ids (FedGKT) and round, and every label of that round's uploads
-  (FedGKT also the edge logits' argmax), which the label attacks read. Split learning's
+  (FedGKT also the edge logits' argmax), which the label attacks read; FedGKT also the
+  ResNet-8 the agent sent with its evaluation report of that round (the model that extracted
+  the round's maps: an agent extracts after training). Split learning's
   rows come from the first batch of the agent's first turn, with the extractor the server
   sent it at that turn's start (within a turn the extractor moves every batch).
 - ``extractor.npz``: FedGKT's initial edge model, when the server sends one
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from shared_protocol.messages import EvalReport, Message, RoundStart
+from shared_protocol.messages import ErrorReply, EvalReport, Hello, Message, RoundEnd, RoundStart, Status
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgUpdate, join_state
 from shared_protocol.methods.fedgkt import GktFeatures
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdUpdate
@@ -79,6 +81,7 @@ class _Maps:
     round_labels: list[np.ndarray] = field(default_factory=list)  # every label of the round's uploads
     round_predicted: list[np.ndarray] = field(default_factory=list)  # FedGKT: the edge logits' argmax
     whole_batch: bool = True  # split learning: the kept rows are one whole training batch
+    eval_model: dict[str, np.ndarray] = field(default_factory=dict)  # FedGKT: the round's evaluation ResNet-8
 
     @property
     def rows(self) -> int:
@@ -155,7 +158,9 @@ class AuditKeeper:
             self._keep_fedavg_update(agent, msg)
         elif isinstance(msg, FedKdUpdate):
             self._keep_fedkd_update(agent, msg)
-        elif isinstance(msg, (EvalReport, SplitExtractorWeights)) or msg.TYPE in _NOT_ATTACKED:
+        elif isinstance(msg, EvalReport):
+            self._keep_eval_model(agent, msg)
+        elif isinstance(msg, (Hello, Status, RoundEnd, ErrorReply, SplitExtractorWeights)) or msg.TYPE in _NOT_ATTACKED:
             pass
         else:
             self._unsupported[msg.TYPE] = self._unsupported.get(msg.TYPE, 0) + 1
@@ -204,6 +209,14 @@ class AuditKeeper:
                 kept.whole_batch = take == len(features)
         self._write_maps(agent, kept)
 
+    def _keep_eval_model(self, agent: str, msg: EvalReport) -> None:
+        kept = self._maps.get(agent)
+        edge = {name[len("edge/"):]: value for name, value in msg.models.items() if name.startswith("edge/")}
+        if kept is None or msg.round != kept.round or not edge or kept.eval_model:
+            return
+        kept.eval_model = edge
+        self._write_maps(agent, kept)
+
     def _write_maps(self, agent: str, kept: _Maps) -> None:
         if not kept.features:
             return
@@ -218,6 +231,7 @@ class AuditKeeper:
         }
         if kept.round_predicted:
             arrays["round_predicted"] = np.concatenate(kept.round_predicted)
+        arrays.update({f"eval_weights/{k}": v for k, v in kept.eval_model.items()})
         extractor = self._turn_extractor.get(agent)
         if self.method == "splitnn" and extractor is not None:
             arrays.update({f"weights/{k}": v for k, v in extractor.items()})

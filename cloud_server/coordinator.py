@@ -215,6 +215,8 @@ class Coordinator(RoundHostOps):
             return
         if state is not None:
             state.last_heard_at = time.monotonic()
+        if self.audit is not None and state is not None:
+            self.audit.on_received(agent, msg)  # before any method sees it
         if isinstance(msg, Status):
             if state is not None:
                 self.registry.on_status(state, msg)
@@ -253,8 +255,6 @@ class Coordinator(RoundHostOps):
 
     def _on_upload(self, agent: str, msg: Message) -> None:
         method = self.method
-        if self.audit is not None:
-            self.audit.on_received(agent, msg)
         try:
             if isinstance(method, AnswersUploads) and isinstance(msg, method.answered_types):
                 with self.hook_clock.timing(msg.round, "answer"):

@@ -61,6 +61,8 @@ def test_audit_of_a_fedgkt_run_recovers_the_private_images(tmp_path: Path, mosqu
         white_box = rows["white_box_inversion"]
         assert white_box["num_images"] == 4
         assert white_box["psnr_db"] > white_box["baseline_psnr_db"] + 25.0 and white_box["ssim"] > 0.95
+        # Every round is evaluated here: the extractor is the ResNet-8 that came with the round's evaluation report.
+        assert white_box["extractor"] == "the edge model of the agent's evaluation report of the round"
         assert rows["labels_in_the_clear"]["histogram_error"] < 1e-9  # every label of the round went up in the clear
         assert all("wall_s" in row and "assumes" in row for row in agent["attacks"] if "psnr_db" in row)
     assert (run_dir / "audit" / "leakage.png").stat().st_size > 0

@@ -12,7 +12,7 @@ import pytest
 from cloud_server.audit_keeper import AuditKeeper
 from cloud_server.config import ServerConfig
 from fedhelpers import make_server, server_config
-from shared_protocol.messages import RoundStart
+from shared_protocol.messages import EvalReport, RoundEnd, RoundStart
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgUpdate
 from shared_protocol.methods.fedgkt import GktFeatures
 from shared_protocol.methods.splitnn import SplitGradients
@@ -94,3 +94,17 @@ def test_a_resumed_server_keeps_what_the_first_process_kept(tmp_path: Path) -> N
     manifest = json.loads((tmp_path / "audit" / "kept.json").read_text())
     assert sorted(manifest["files"]) == ["maps-agent-0.npz", "maps-agent-1.npz"]
     assert int(load(tmp_path / "audit" / "maps-agent-0.npz")["round"]) == 1
+
+
+def test_fedgkt_keeps_the_resnet8_of_the_kept_rounds_evaluation_report(tmp_path: Path) -> None:
+    # An agent extracts its maps after training: the ResNet-8 it reports that round produced them.
+    keeper = AuditKeeper(tmp_path, "fedgkt", samples_per_agent=4)
+    keeper.on_received("agent-0", features(1, 0, 6))
+    keeper.on_received("agent-0", RoundEnd(run="r", round=1, sender="agent-0", num_samples=6))
+    model = {"edge/extractor.conv.weight": np.full((16, 1, 3, 3), 2.0, np.float32)}
+    keeper.on_received("agent-0", EvalReport(run="r", round=2, sender="agent-0", models=model))  # another round: not kept
+    assert "eval_weights/extractor.conv.weight" not in load(tmp_path / "audit" / "maps-agent-0.npz")
+    keeper.on_received("agent-0", EvalReport(run="r", round=1, sender="agent-0", models=model))
+    kept = load(tmp_path / "audit" / "maps-agent-0.npz")
+    assert np.array_equal(kept["eval_weights/extractor.conv.weight"], model["edge/extractor.conv.weight"])
+    assert json.loads((tmp_path / "audit" / "kept.json").read_text())["not_kept"] == {}

@@ -5,6 +5,7 @@ the mean-image baseline, written to ``RUN_DIR/audit/leakage.json`` and ``leakage
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -75,9 +76,9 @@ def _knowledge(kept: KeptRun) -> tuple[ServerKnowledge, list[str]]:
     """What the server held in this run: the method's defaults, less what it did not keep."""
     plan = attacks_for(kept.method)
     knowledge, notes = plan.knowledge, []
-    if kept.method == "fedgkt" and not kept.extractor:
+    if kept.method == "fedgkt" and not kept.extractor and not any(m.eval_model for m in kept.maps.values()):
         knowledge = replace(knowledge, extractor_weights=False, note="the server sent no initial edge model (edge_init is "
-                            "not 'shared'): it holds no agent's stem until the evaluation reports' ResNet-8s, not kept")
+                            "not 'shared') and no evaluation report of the kept round came with a ResNet-8")
         notes.append("no extractor kept: the white-box and inverse-network attacks do not apply")
     if kept.method == "splitnn" and not any(m.extractor for m in kept.maps.values()):
         knowledge = replace(knowledge, extractor_weights=False)
@@ -85,17 +86,25 @@ def _knowledge(kept: KeptRun) -> tuple[ServerKnowledge, list[str]]:
     return knowledge, notes
 
 
-def _extractor(kept: KeptRun, maps: KeptMaps) -> nn.Module | None:
-    """The extractor the server held for ``maps``, loaded into its architecture."""
-    weights = maps.extractor or kept.extractor
-    if not weights:
+def _extractor(kept: KeptRun, maps: KeptMaps) -> tuple[nn.Module, str, str] | None:
+    """The extractor the server held for ``maps``, loaded into its architecture, where it came
+    from, and a digest of its weights (agents with the same extractor share one decoder)."""
+    for weights, source in ((maps.extractor, "the extractor the server sent for the agent's turn"),
+                            (maps.eval_model, "the edge model of the agent's evaluation report of the round"),
+                            (kept.extractor, "the initial edge model the server sent")):
+        if weights:
+            break
+    else:
         return None
     name = str(kept.method_config.get("edge_model", "resnet8"))
     model = build_model(name, kept.num_classes, kept.in_channels)
     target: nn.Module = model if any(k.startswith("extractor.") for k in weights) else model.extractor
     state = target.state_dict()
     target.load_state_dict({k: torch.from_numpy(np.asarray(weights[k])).to(state[k].dtype) for k in state})
-    return model.extractor.eval()
+    digest = hashlib.sha256()
+    for value in model.extractor.state_dict().values():
+        digest.update(value.numpy().tobytes())
+    return model.extractor.eval(), source, digest.hexdigest()
 
 
 def _public(kept: KeptRun, options: AuditOptions) -> torch.Tensor:
@@ -112,7 +121,7 @@ def _public(kept: KeptRun, options: AuditOptions) -> torch.Tensor:
 
 
 def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentImages, public: torch.Tensor,
-                 pixels: PixelSpace, options: AuditOptions, decoders: dict[int, nn.Module],
+                 pixels: PixelSpace, options: AuditOptions, decoders: dict[str, nn.Module],
                  progress: Progress) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor], torch.Tensor | None]:
     rows: list[dict[str, Any]] = []
     pictures: dict[str, torch.Tensor] = {}
@@ -123,7 +132,8 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
     else:  # split learning's uploads carry no ids: each reconstruction is matched to an image of the shard
         shard, _ = images.all_of(maps.agent)
     image_shape = tuple(public.shape[1:])
-    extractor = _extractor(kept, maps)
+    held = _extractor(kept, maps)
+    extractor, source, digest = held if held is not None else (None, "", "")
     batch_statistics = kept.method == "splitnn"
     for spec in plan.attacks:
         if options.attacks and spec.name not in options.attacks:
@@ -136,27 +146,29 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
             rows.append({"attack": spec.name, "skipped": "the kept rows are part of a training batch, whose normalisation "
                          "used the whole batch: set [server] audit_samples_per_agent to the batch size or more"})
             continue
+        if "extractor_weights" in spec.needs:
+            if extractor is None:
+                rows.append({"attack": spec.name, "skipped": "no extractor kept for this agent"})
+                continue
+            extra["extractor"] = source
         progress(f"  {maps.agent}: {spec.name} on {len(maps.features)} maps ...")
         started = time.perf_counter()
-        if spec.name == "white_box_inversion":
-            assert extractor is not None
-            config = WhiteBoxConfig(steps=_steps(options, WhiteBoxConfig.steps), batch_statistics=batch_statistics,
-                                    seed=options.seed)
-            reconstructed = invert_features_white_box(extractor, maps.features, pixels, image_shape, config)
-        elif spec.name == "inverse_network":
-            assert extractor is not None
-            # One decoder per extractor: FedGKT's agents share theirs, split learning's moves every turn.
-            key = id(maps.extractor) if maps.extractor else id(kept.extractor)
-            extra = {"decoder": "trained here" if key not in decoders or maps.extractor else "the first agent's, reused"}
-            if key not in decoders or maps.extractor:
-                decoders[key] = train_inverse_network(extractor, public, pixels, InverseNetworkConfig(
+        if spec.name == "white_box_inversion" and extractor is not None:
+            white_box = WhiteBoxConfig(steps=_steps(options, WhiteBoxConfig.steps), batch_statistics=batch_statistics,
+                                       seed=options.seed)
+            reconstructed = invert_features_white_box(extractor, maps.features, pixels, image_shape, white_box)
+        elif spec.name == "inverse_network" and extractor is not None:
+            # One decoder per extractor: FedGKT's agents share theirs while the stems stay at the shared start.
+            extra["decoder"] = "trained here" if digest not in decoders else "an earlier agent's, same extractor"
+            if digest not in decoders:
+                decoders[digest] = train_inverse_network(extractor, public, pixels, InverseNetworkConfig(
                     steps=_steps(options, InverseNetworkConfig.steps), seed=options.seed))
-            reconstructed = decode_features(decoders[key], maps.features)
+            reconstructed = decode_features(decoders[digest], maps.features)
         elif spec.name == "architecture_only":
             surrogate = build_model(str(kept.method_config.get("edge_model", "resnet8")), kept.num_classes, kept.in_channels).extractor
-            config = ArchitectureOnlyConfig(warmup_steps=_steps(options, ArchitectureOnlyConfig.warmup_steps),
-                                            steps=_steps(options, ArchitectureOnlyConfig.steps), seed=options.seed)
-            reconstructed = invert_features_architecture_only(surrogate, maps.features, pixels, public, config)
+            architecture = ArchitectureOnlyConfig(warmup_steps=_steps(options, ArchitectureOnlyConfig.warmup_steps),
+                                                  steps=_steps(options, ArchitectureOnlyConfig.steps), seed=options.seed)
+            reconstructed = invert_features_architecture_only(surrogate, maps.features, pixels, public, architecture)
         else:
             rows.append({"attack": spec.name, "skipped": f"{spec.name} does not read activation uploads"})
             continue
@@ -218,7 +230,7 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
     not_kept = kept.manifest.get("not_kept", {})
     per_agent: dict[str, Any] = {}
     grid: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]] = []
-    decoders: dict[int, nn.Module] = {}
+    decoders: dict[str, nn.Module] = {}
     for agent in agents:
         rows: list[dict[str, Any]] = []
         private: torch.Tensor | None = None

@@ -45,6 +45,7 @@ class KeptMaps:
     round_predicted: np.ndarray | None  # FedGKT: the edge logits' argmax of the round's uploads
     whole_batch: bool
     extractor: dict[str, np.ndarray]  # split learning: the extractor of the agent's turn (else empty)
+    eval_model: dict[str, np.ndarray]  # FedGKT: the edge model of the agent's evaluation report of the round (else empty)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def load_kept_run(run_dir: str | Path) -> KeptRun:
                 agent=agent, round=int(arrays["round"]), features=torch.from_numpy(arrays["features"].astype(np.float32)),
                 labels=arrays["labels"], sample_ids=arrays["sample_ids"], round_labels=arrays["round_labels"],
                 round_predicted=arrays.get("round_predicted"), whole_batch=bool(arrays["whole_batch"]),
-                extractor=_prefixed(arrays, "weights/"))
+                extractor=_prefixed(arrays, "weights/"), eval_model=_prefixed(arrays, "eval_weights/"))
         elif name.startswith("update-"):
             agent = name[len("update-"):-len(".npz")]
             kept.updates[agent] = KeptUpdate(

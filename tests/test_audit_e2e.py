@@ -66,6 +66,12 @@ def test_audit_of_a_fedgkt_run_recovers_the_private_images(tmp_path: Path, mosqu
         assert rows["labels_in_the_clear"]["histogram_error"] < 1e-9  # every label of the round went up in the clear
         assert all("wall_s" in row and "assumes" in row for row in agent["attacks"] if "psnr_db" in row)
     assert (run_dir / "audit" / "leakage.png").stat().st_size > 0
+    # A deployment's server holds no agent data configs: the private images are on the devices.
+    for path in (run_dir / "configs").glob("agent-*.toml"):
+        path.unlink()
+    capsys.readouterr()
+    assert edgesplit(["audit", str(run_dir), "--attacks", "white_box_inversion"]) == 2
+    assert "private images are on their devices" in capsys.readouterr().err
 
 
 def test_audit_of_a_fedavg_run(tmp_path: Path, mosquitto: Broker) -> None:

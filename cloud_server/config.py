@@ -126,6 +126,11 @@ class ServerConfig:
     metrics_cert_file: str | None = None
     metrics_key_file: str | None = None
     metrics_linger_s: float = 0.0
+    # The leakage audit (`edgesplit audit RUN_DIR`, cloud_server/audit_keeper.py): keep what the
+    # audit reads under RUN_DIR/audit: per agent at most audit_samples_per_agent uploaded maps (and
+    # one round's labels), or one weight update and the global model it started from.
+    audit: bool = False
+    audit_samples_per_agent: int = 8
     method_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -165,6 +170,8 @@ class ServerConfig:
                 f"need 0 < unexpected_sender_max_bytes ({self.unexpected_sender_max_bytes}) <= "
                 f"unexpected_senders_total_bytes ({self.unexpected_senders_total_bytes})"
             )
+        if not isinstance(self.audit_samples_per_agent, int) or self.audit_samples_per_agent < 1:
+            raise ValueError(f"server.audit_samples_per_agent must be an integer >= 1, got {self.audit_samples_per_agent!r}")
         if self.metrics_linger_s < 0:
             raise ValueError(f"server.metrics_linger_s must be >= 0, got {self.metrics_linger_s}")
         self.transport_config()  # chunk size, credentials in the URL

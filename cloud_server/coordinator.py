@@ -39,6 +39,7 @@ from shared_protocol.topics import Topics
 from shared_protocol.transport import Transport
 
 from .agents import AgentRegistry, AgentState, RunAborted
+from .audit_keeper import AuditKeeper
 from .config import ServerConfig
 from .evaluation import EvalSet, Evaluator
 from .methods import AnswersUploads, ServerMethod, StreamedUploads
@@ -107,6 +108,8 @@ class Coordinator(RoundHostOps):
             method.ctx.validation = ValidationScreen(defence)
         self.ledger = method.ctx.ledger
         load_method_messages(method.name)
+        # The leakage audit's keeper (cloud_server/audit_keeper.py): sees what is sent and received.
+        self.audit: AuditKeeper | None = AuditKeeper(self.out_dir, method.name, config.audit_samples_per_agent) if config.audit else None
         # The live view (cloud_server/metrics.py): imported only when configured.
         endpoint = config.metrics_endpoint()
         self.metrics: ServerMetrics | None = None
@@ -150,6 +153,8 @@ class Coordinator(RoundHostOps):
         codecs = dict(self.method.download_codecs.get(msg.TYPE, {})) or None
         # An agent may ask for missing chunks only on its own up topic (the ACL allows no other).
         self.transport.publish(topic, encode_message(msg, codecs=codecs), reply_topic=self.topics.up(agent) if agent else None)
+        if self.audit is not None:
+            self.audit.on_sent(agent, msg)
         after = self.transport.stats.snapshot()
         self._account(msg.round, "down", after["payload_bytes_out"] - before["payload_bytes_out"],
                       after["wire_bytes_out"] - before["wire_bytes_out"], msg.for_evaluation, agent or "all")
@@ -210,6 +215,8 @@ class Coordinator(RoundHostOps):
             return
         if state is not None:
             state.last_heard_at = time.monotonic()
+        if self.audit is not None and state is not None:
+            self.audit.on_received(agent, msg)  # before any method sees it
         if isinstance(msg, Status):
             if state is not None:
                 self.registry.on_status(state, msg)

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                        help="set any key of the generated configs, e.g. server.round_deadline_s=60, data.download=true, "
                        "<method>.<key>=3 (repeatable; VALUE is read as TOML, a bare word as a string)")
+    local.add_argument("--audit", action="store_true",
+                       help="keep what the leakage audit needs under RUN_DIR/audit ([server] audit; "
+                       "server.audit_samples_per_agent bounds it); then run `edgesplit audit RUN_DIR`")
     local.add_argument("--log-json", action="store_true")
     local.add_argument("--metrics", nargs="?", const=f"127.0.0.1:{DEFAULT_METRICS_PORT}", default=None, metavar="HOST:PORT",
                        help="watch the run: the server serves Prometheus metrics and the status page on HOST:PORT (default "
@@ -88,7 +91,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_centralized_parser(sub)
     add_keys_parser(sub)
+    _add_audit_parser(sub)
     return parser
+
+
+def _add_audit_parser(sub: argparse._SubParsersAction) -> None:
+    # Here rather than beside the audit: importing cloud_server.audit imports torch, which
+    # `edgesplit local --help` should not wait for.
+    audit = sub.add_parser("audit", help="the leakage audit of a run kept with --audit: what the server could reconstruct "
+                           "from what it received; writes RUN_DIR/audit/leakage.json and leakage.png")
+    audit.add_argument("run_dir", metavar="RUN_DIR")
+    audit.add_argument("--steps", type=int, default=None, help="optimisation steps of every optimising attack "
+                       "(default: each attack's own; fewer is faster and weaker)")
+    audit.add_argument("--public-samples", type=int, default=500,
+                       help="public images (the server's global test set) the inverse network trains on (0: all)")
+    audit.add_argument("--max-update-images", type=int, default=16,
+                       help="invert a weight update only when it covers at most this many images")
+    audit.add_argument("--attacks", default="", help="comma-separated attack names (default: every one that applies)")
+    audit.add_argument("--seed", type=int, default=0)
+    audit.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    import torch
+
+    from .audit import AuditError
+    from .audit.audit_run import AuditOptions, run_audit
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        options = AuditOptions(steps=args.steps, public_samples=args.public_samples, max_update_images=args.max_update_images,
+                               attacks=tuple(a for a in args.attacks.split(",") if a), seed=args.seed)
+        run_audit(args.run_dir, options, progress=lambda line: print(line, flush=True))
+    except AuditError as exc:
+        print(f"edgesplit audit: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -163,7 +202,7 @@ def _watch(server: subprocess.Popen, agents: list[subprocess.Popen], logs: Path,
 
 
 #: What an `edgesplit local` run writes in its directory (replaced when the directory is reused).
-_RUN_DIRS = ("agent-state", "checkpoint", "logs", "configs", "broker")
+_RUN_DIRS = ("agent-state", "checkpoint", "logs", "configs", "broker", "audit")
 _RUN_FILES = ("report.json", "rounds.csv", "summary.md", "*.png")
 
 
@@ -265,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyToolError) as exc:
             print(f"edgesplit keys: error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "audit":
+        return cmd_audit(args)
     if args.command == "centralized":
         from .centralized_cli import cmd_centralized
 

@@ -296,6 +296,7 @@ def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str,
             **({"eval_root": args.data_root} if args.data_root else {}),
             **broker_keys,
             **({"metrics_address": server_metrics} if server_metrics else {}),
+            **({"audit": True} if getattr(args, "audit", False) else {}),
         },
         args.method: method_table(args),
     }

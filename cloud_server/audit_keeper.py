@@ -1,0 +1,293 @@
+"""What the leakage audit needs, kept as the server received it (``[server] audit``).
+
+The coordinator hands the keeper every message it sends (:meth:`AuditKeeper.on_sent`) and
+every message from a known agent it decoded (:meth:`AuditKeeper.on_received`), before the
+method sees it, so that no method keeps anything itself. What is kept, under ``RUN_DIR/audit/`` as ``.npz``
+files (``np.savez``; read back with ``allow_pickle=False``):
+
+- ``maps-<agent>.npz``: activation uploads (FedGKT's feature maps, split learning's
+  activations): the first ``samples_per_agent`` training rows the agent uploaded, decoded,
+  with their labels, sample ids (FedGKT) and round, and every label of that round's uploads
+  (FedGKT also the edge logits' argmax), which the label attacks read; FedGKT also the
+  ResNet-8 the agent sent with its evaluation report of that round (the model that extracted
+  the round's maps: an agent extracts after training). Split learning's
+  rows come from the first batch of the agent's first turn, with the extractor the server
+  sent it at that turn's start (within a turn the extractor moves every batch).
+- ``extractor.npz``: FedGKT's initial edge model, when the server sends one
+  (``edge_init = "shared"``): the model every agent's stem starts from.
+- ``update-<agent>.npz``: weight-sharing uploads (the FedAvg family's models, FedKD's
+  factored mentee update): the agent's first upload whose starting global model the keeper
+  saw go out, that global model, and the round config that set its local schedule.
+- ``kept.json``: the method, the bound, what each file holds, and the uploads the keeper
+  does not know how to keep (named, so that the audit can say so instead of reporting
+  safety).
+
+Everything is bounded: per agent at most ``samples_per_agent`` activation rows (and the
+labels of one round), one update and one global model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared_protocol.messages import ErrorReply, EvalReport, Hello, Message, RoundEnd, RoundStart, Status
+from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgUpdate, join_state
+from shared_protocol.methods.fedgkt import GktFeatures
+from shared_protocol.methods.fedkd import FedKdAggregate, FedKdUpdate
+from shared_protocol.methods.splitnn import SplitActivations, SplitExtractorWeights
+
+log = logging.getLogger("cloud_server")
+
+__all__ = ["AUDIT_DIR", "KEPT_MANIFEST", "AuditKeeper", "save_arrays"]
+
+#: The run directory's folder of what the audit reads.
+AUDIT_DIR = "audit"
+#: The keeper's manifest in :data:`AUDIT_DIR`.
+KEPT_MANIFEST = "kept.json"
+#: Uploads that carry nothing of the private data the audit attacks (requests, checksums of work done).
+_NOT_ATTACKED = ("fedgkt.ort_artifacts_request", "splitnn.extractor")
+
+
+def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``np.savez`` to exactly ``path``, atomically (a reader never sees half a file). Strings
+    go as numpy unicode arrays: nothing here needs pickle to load."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp_name, path)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
+@dataclass
+class _Maps:
+    """One agent's kept activation rows."""
+
+    round: int
+    features: list[np.ndarray] = field(default_factory=list)  # (n, C, H, W) each
+    labels: list[np.ndarray] = field(default_factory=list)
+    sample_ids: list[np.ndarray] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    round_labels: list[np.ndarray] = field(default_factory=list)  # every label of the round's uploads
+    round_predicted: list[np.ndarray] = field(default_factory=list)  # FedGKT: the edge logits' argmax
+    whole_batch: bool = True  # split learning: the kept rows are one whole training batch
+    eval_model: dict[str, np.ndarray] = field(default_factory=dict)  # FedGKT: the round's evaluation ResNet-8
+
+    @property
+    def rows(self) -> int:
+        return sum(len(f) for f in self.features)
+
+
+class AuditKeeper:
+    """Keeps a bounded sample of what the server received for ``edgesplit audit``.
+
+    Args:
+        run_dir: the run directory (files go to ``run_dir/audit``).
+        method: the run's method name.
+        samples_per_agent: activation rows kept per agent (>= 1).
+    """
+
+    def __init__(self, run_dir: str | Path, method: str, samples_per_agent: int) -> None:
+        if samples_per_agent < 1:
+            raise ValueError(f"audit samples_per_agent must be >= 1, got {samples_per_agent}")
+        self.dir = Path(run_dir) / AUDIT_DIR
+        self.method = method
+        self.samples_per_agent = samples_per_agent
+        self._maps: dict[str, _Maps] = {}
+        # agent (None: sent to all) -> (global version, weights) of the last model the server sent
+        self._global: dict[str | None, tuple[int, dict[str, np.ndarray]]] = {}
+        self._round_config: dict[str, dict[str, Any]] = {}  # agent -> its latest RoundStart.config
+        self._turn_extractor: dict[str, dict[str, np.ndarray]] = {}  # split learning: agent -> extractor of its turn
+        self._updates: set[str] = set()
+        self._extractor_kept = False
+        self._unsupported: dict[str, int] = {}
+        self._files: dict[str, dict[str, Any]] = {}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._resume()
+        self._write_manifest()
+
+    def _resume(self) -> None:
+        """A resumed run keeps what the first process kept, and adds none for the agents it covers."""
+        path = self.dir / KEPT_MANIFEST
+        if not path.exists():
+            return
+        self._files = {name: about for name, about in json.loads(path.read_text()).get("files", {}).items()
+                       if (self.dir / name).exists()}
+        for name, about in self._files.items():
+            if name.startswith("update-"):
+                self._updates.add(about["agent"])
+            elif name.startswith("maps-"):
+                self._maps[about["agent"]] = _Maps(round=-1)  # nothing more for this agent
+        self._extractor_kept = "extractor.npz" in self._files
+
+    # -- what the coordinator calls ----------------------------------------------------- #
+
+    def on_sent(self, agent: str | None, msg: Message) -> None:
+        """A message the server sent (``agent`` None: to every agent)."""
+        if isinstance(msg, RoundStart):
+            if agent is not None:
+                self._round_config[agent] = dict(msg.config)
+            if msg.weights:
+                self._on_model_sent(agent, msg)
+        elif isinstance(msg, FedAvgGlobalModel):
+            self._global[agent] = (msg.model_version, dict(msg.weights))
+        elif isinstance(msg, FedKdAggregate):
+            # The agents rebuild the next mentee from it; the keeper keeps only dense models it saw.
+            pass
+
+    def on_received(self, agent: str, msg: Message) -> None:
+        """An upload as the server decoded it, before the method takes it."""
+        if isinstance(msg, GktFeatures):
+            if msg.split == "train":
+                self._keep_maps(agent, msg.round, msg.seq, msg.features, msg.labels, msg.sample_ids,
+                                msg.logits.argmax(axis=1) if len(msg.logits) else np.zeros(0, np.int64))
+        elif isinstance(msg, SplitActivations):
+            if msg.split == "train":
+                self._keep_maps(agent, msg.round, msg.seq, msg.activations, msg.labels, None, None)
+        elif isinstance(msg, FedAvgUpdate):
+            self._keep_fedavg_update(agent, msg)
+        elif isinstance(msg, FedKdUpdate):
+            self._keep_fedkd_update(agent, msg)
+        elif isinstance(msg, EvalReport):
+            self._keep_eval_model(agent, msg)
+        elif isinstance(msg, (Hello, Status, RoundEnd, ErrorReply, SplitExtractorWeights)) or msg.TYPE in _NOT_ATTACKED:
+            pass
+        else:
+            self._unsupported[msg.TYPE] = self._unsupported.get(msg.TYPE, 0) + 1
+            if self._unsupported[msg.TYPE] == 1:
+                log.warning("audit: %s uploads are not kept (the audit does not read them yet)", msg.TYPE)
+                self._write_manifest()
+
+    # -- activations ------------------------------------------------------------------- #
+
+    def _on_model_sent(self, agent: str | None, msg: RoundStart) -> None:
+        weights = dict(msg.weights)
+        if self.method == "fedgkt":
+            if not self._extractor_kept:
+                # The shared initial edge model: every agent gets the same one (edge_init = "shared").
+                self._save("extractor.npz", {f"weights/{k}": v for k, v in weights.items()},
+                           {"what": "the initial edge model the server sent", "round": msg.round, "agent": agent})
+                self._extractor_kept = True
+            return
+        if self.method == "splitnn":
+            if agent is not None:
+                self._turn_extractor[agent] = weights
+            return
+        version = msg.config.get("model_version", msg.config.get("global_version"))
+        if isinstance(version, int):
+            self._global[agent] = (version, weights)
+
+    def _keep_maps(self, agent: str, round_: int, seq: int, features: np.ndarray, labels: np.ndarray,
+                   sample_ids: np.ndarray | None, predicted: np.ndarray | None) -> None:
+        kept = self._maps.get(agent)
+        if kept is None:
+            kept = self._maps[agent] = _Maps(round=round_)
+        if round_ != kept.round:
+            return  # one round's uploads per agent (-1: kept before a resume)
+        kept.round_labels.append(np.asarray(labels, np.int64))
+        if predicted is not None:
+            kept.round_predicted.append(np.asarray(predicted, np.int64))
+        room = self.samples_per_agent - kept.rows
+        split_learning = sample_ids is None
+        if room > 0 and (not split_learning or not kept.seqs):  # split learning: the turn's first batch only
+            take = min(room, len(features))
+            kept.features.append(np.array(features[:take], dtype=np.float32))
+            kept.labels.append(np.array(labels[:take], dtype=np.int64))
+            kept.sample_ids.append(np.array(sample_ids[:take] if sample_ids is not None else np.full(take, -1), dtype=np.int64))
+            kept.seqs.append(seq)
+            if split_learning:
+                kept.whole_batch = take == len(features)
+        self._write_maps(agent, kept)
+
+    def _keep_eval_model(self, agent: str, msg: EvalReport) -> None:
+        kept = self._maps.get(agent)
+        edge = {name[len("edge/"):]: value for name, value in msg.models.items() if name.startswith("edge/")}
+        if kept is None or msg.round != kept.round or not edge or kept.eval_model:
+            return
+        kept.eval_model = edge
+        self._write_maps(agent, kept)
+
+    def _write_maps(self, agent: str, kept: _Maps) -> None:
+        if not kept.features:
+            return
+        arrays: dict[str, np.ndarray] = {
+            "features": np.concatenate(kept.features),  # (N, C, H, W)
+            "labels": np.concatenate(kept.labels),
+            "sample_ids": np.concatenate(kept.sample_ids),
+            "seqs": np.asarray(kept.seqs, np.int64),
+            "round": np.asarray(kept.round, np.int64),
+            "round_labels": np.concatenate(kept.round_labels),
+            "whole_batch": np.asarray(kept.whole_batch),
+        }
+        if kept.round_predicted:
+            arrays["round_predicted"] = np.concatenate(kept.round_predicted)
+        arrays.update({f"eval_weights/{k}": v for k, v in kept.eval_model.items()})
+        extractor = self._turn_extractor.get(agent)
+        if self.method == "splitnn" and extractor is not None:
+            arrays.update({f"weights/{k}": v for k, v in extractor.items()})
+        self._save(f"maps-{agent}.npz", arrays, {"what": "activation uploads", "agent": agent, "round": kept.round,
+                                                 "rows": kept.rows})
+
+    # -- weight updates ------------------------------------------------------------------ #
+
+    def _start_model(self, agent: str, version: int) -> dict[str, np.ndarray] | None:
+        for key in (agent, None):
+            held = self._global.get(key)
+            if held is not None and held[0] == version:
+                return held[1]
+        return None
+
+    def _keep_fedavg_update(self, agent: str, msg: FedAvgUpdate) -> None:
+        if agent in self._updates:
+            return
+        start = self._start_model(agent, msg.model_version)
+        if start is None:
+            return
+        uploaded = join_state(msg.weights, msg.int_buffers)
+        arrays = {f"uploaded/{k}": v for k, v in uploaded.items()}
+        arrays.update({f"global/{k}": np.asarray(start[k]) for k in msg.weights if k in start})
+        self._keep_update(agent, msg.round, "fedavg.update", msg.num_samples, arrays)
+
+    def _keep_fedkd_update(self, agent: str, msg: FedKdUpdate) -> None:
+        if agent in self._updates:
+            return
+        start = self._start_model(agent, msg.base_version)
+        if start is None:
+            return
+        arrays = {f"global/{k}": np.asarray(v) for k, v in start.items()}
+        arrays.update({"factors": msg.factors, "layout": np.asarray(json.dumps(msg.layout)),
+                       "payload": np.asarray(msg.payload), "threshold": np.asarray(msg.threshold),
+                       "base_version": np.asarray(msg.base_version, np.int64)})
+        self._keep_update(agent, msg.round, "fedkd.update", msg.num_samples, arrays)
+
+    def _keep_update(self, agent: str, round_: int, kind: str, num_samples: int, arrays: dict[str, np.ndarray]) -> None:
+        arrays.update({"kind": np.asarray(kind), "round": np.asarray(round_, np.int64),
+                       "num_samples": np.asarray(num_samples, np.int64),
+                       "round_config": np.asarray(json.dumps(self._round_config.get(agent, {}), sort_keys=True))})
+        self._updates.add(agent)
+        self._save(f"update-{agent}.npz", arrays, {"what": f"one {kind} and the global model it started from",
+                                                   "agent": agent, "round": round_, "num_samples": num_samples})
+
+    # -- files ------------------------------------------------------------------------- #
+
+    def _save(self, name: str, arrays: dict[str, np.ndarray], about: dict[str, Any]) -> None:
+        save_arrays(self.dir / name, arrays)
+        self._files[name] = {**about, "bytes": (self.dir / name).stat().st_size}
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        manifest = {"method": self.method, "samples_per_agent": self.samples_per_agent, "files": self._files,
+                    "not_kept": dict(sorted(self._unsupported.items()))}
+        tmp = self.dir / f".{KEPT_MANIFEST}.tmp"
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, self.dir / KEPT_MANIFEST)

@@ -12,6 +12,10 @@ TEST_APT_OPTIONAL := chromium
 # torch/torchvision pinned to the pair that lies on disk on the dev machine;
 # override on other machines (e.g. TORCH_SPEC="torch torchvision").
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+# The suite runs in parallel processes (pytest-xdist), a test file per process at a time: many
+# tests wait on brokers, subprocesses and deadlines, so even 2 cores run more than 2 workers well.
+# `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 3
 
 .PHONY: all venv system-deps test test-fast demo bench bench-methods bench-quick clean
 
@@ -32,7 +36,7 @@ system-deps:
 test: venv system-deps
 	@bash deploy/ensure_system_deps.sh $(TEST_APT_PACKAGES)
 	@bash deploy/ensure_system_deps.sh $(TEST_APT_OPTIONAL) || echo "$(TEST_APT_OPTIONAL) not installed: the tests that need it skip and say why"
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: venv system-deps
 	$(VENV)/bin/edgesplit local --method fedgkt --agents 4 --rounds 6 --train-samples 3000 --test-samples 1000 --dataset fashion-mnist --partition dirichlet:0.5 --run-id demo --out runs/demo

@@ -42,3 +42,13 @@ def mosquitto(tmp_path: Path) -> Iterator[Broker]:
         yield broker
     finally:
         broker.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most slow tests first. Under pytest-xdist (``make test``) a file runs in one
+    worker, and files are handed out in this order: a long file left for last would keep one
+    worker busy while the others idle."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's own order is kept

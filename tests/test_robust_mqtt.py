@@ -118,7 +118,7 @@ def _agent(run_id: str, index: int, partition: str = "iid", train_samples: int =
 
 
 def _largest(state: Any) -> float:
-    """The largest |value| among a method state's float tensors (the checkpoint's method.npz)."""
+    """The largest |value| among the float tensors of a method state (or of the checkpoint's method.npz)."""
     _, arrays = flatten_state(state)
     return max(float(np.max(np.abs(a))) for a in arrays.values() if a.dtype.kind == "f" and a.size)
 
@@ -166,7 +166,7 @@ def _finish(tmp: Path, fed: Federation) -> Run:
     report = json.loads((tmp / "run" / "report.json").read_text())
     validate_report(report)
     with np.load(tmp / "run" / "checkpoint" / "method.npz", allow_pickle=False) as npz:
-        largest = max(float(np.max(np.abs(npz[k]))) for k in npz.files if npz[k].dtype.kind == "f" and npz[k].size)
+        largest = _largest({k: npz[k] for k in npz.files})
     return Run(report, largest, initial)
 
 

@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve Prometheus metrics (/metrics) and the status page (/) there ([server] metrics_address; "
                           "off by default; an address other than loopback needs metrics_password_file, metrics_cert_file and "
                           "metrics_key_file)")
-    report = sub.add_parser("report", help="re-render report.json, rounds.csv, plots and summary.md of a run")
-    report.add_argument("run_dir")
+    report = sub.add_parser("report", help="re-render report.json, rounds.csv, plots and summary.md of a run; with "
+                            "several runs, also print a table comparing them (accuracy, edge FLOPs, wire MB, leakage)")
+    report.add_argument("run_dir", nargs="+")
     return parser
 
 
@@ -121,11 +122,15 @@ def _run_held_in(run_dir: Path) -> str | None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import render_run_dir
+    from .report import compare_runs, render_run_dir
 
-    paths = render_run_dir(args.run_dir)
-    for name, path in sorted(paths.items()):
-        print(f"{name}: {path}")
+    for run_dir in args.run_dir:
+        paths = render_run_dir(run_dir)
+        for name, path in sorted(paths.items()):
+            print(f"{name}: {path}")
+    if len(args.run_dir) > 1:
+        print()
+        print(compare_runs(args.run_dir), end="")
     return 0
 
 

@@ -80,7 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "<method>.<key>=3 (repeatable; VALUE is read as TOML, a bare word as a string)")
     local.add_argument("--audit", action="store_true",
                        help="keep what the leakage audit needs under RUN_DIR/audit ([server] audit; "
-                       "server.audit_samples_per_agent bounds it); then run `edgesplit audit RUN_DIR`")
+                       "server.audit_samples_per_agent bounds it) and audit it when the run ends, as `edgesplit audit "
+                       "RUN_DIR` does: the leakage section of summary.md and report.json, leakage.png")
+    local.add_argument("--audit-steps", type=int, default=None, metavar="N",
+                       help="with --audit: optimisation steps of every optimising attack (default: each attack's own; "
+                       "fewer is faster and weaker)")
     local.add_argument("--log-json", action="store_true")
     local.add_argument("--metrics", nargs="?", const=f"127.0.0.1:{DEFAULT_METRICS_PORT}", default=None, metavar="HOST:PORT",
                        help="watch the run: the server serves Prometheus metrics and the status page on HOST:PORT (default "
@@ -223,6 +227,8 @@ def clear_previous_run(out: Path) -> bool:
 def cmd_local(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.rounds < 1:
         raise SystemExit("edgesplit: --agents and --rounds must be >= 1")
+    if args.audit_steps is not None and (not args.audit or args.audit_steps < 1):
+        raise SystemExit("edgesplit: --audit-steps needs --audit and a value >= 1")
     run_id = args.run_id or f"{args.method}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(args.out or f"runs/{run_id}").resolve()
     if clear_previous_run(out):
@@ -277,6 +283,12 @@ def cmd_local(args: argparse.Namespace) -> int:
         if code != 0:
             print(f"edgesplit: server exited with code {code}; see {logs / 'server.log'}", flush=True)
             return code
+        if args.audit:
+            print(f"edgesplit: auditing what the server received (`edgesplit audit {out}`)", flush=True)
+            steps = [] if args.audit_steps is None else ["--steps", str(args.audit_steps)]
+            audited = cmd_audit(build_parser().parse_args(["audit", str(out), *steps]))
+            if audited != 0:
+                return audited
         summary = out / "summary.md"
         if summary.exists():
             print()

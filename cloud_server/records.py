@@ -322,6 +322,9 @@ class RunReport(JsonRecord):
     # The global test set every round's accuracy is measured on (cloud_server/evaluation.py):
     # dataset, split, samples, seed, ids_sha256, images_sha256, class_counts; None: no global set.
     eval_set: dict[str, Any] | None = optional_section()
+    # What the server could reconstruct from what it received, added by `edgesplit audit`
+    # (cloud_server.audit.audit_run.leakage_section); None: the run was not audited.
+    leakage: dict[str, Any] | None = optional_section()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -66,6 +67,18 @@ def test_audit_of_a_fedgkt_run_recovers_the_private_images(tmp_path: Path, mosqu
         assert rows["labels_in_the_clear"]["histogram_error"] < 1e-9  # every label of the round went up in the clear
         assert all("wall_s" in row and "assumes" in row for row in agent["attacks"] if "psnr_db" in row)
     assert (run_dir / "audit" / "leakage.png").stat().st_size > 0
+    # The fourth column: the run's own report carries the audit, summary.md shows it, the grid sits beside the plots.
+    report = json.loads((run_dir / "report.json").read_text())
+    section = report["leakage"]
+    assert section["strongest"] in ("white_box_inversion", "inverse_network", "architecture_only")
+    best = section["image_attacks"][section["strongest"]]
+    assert best["psnr_db"] == max(row["psnr_db"] for agent in leakage["agents"].values() for row in agent["attacks"]
+                                  if "psnr_db" in row)
+    assert section["label_attacks"]["labels_in_the_clear"]["histogram_error"] < 1e-9
+    summary = (run_dir / "summary.md").read_text()
+    assert "## What the server can reconstruct (leakage audit)" in summary
+    assert f"{best['psnr_db']:.1f}" in summary and "extractor_weights" in summary
+    assert (run_dir / "leakage.png").read_bytes() == (run_dir / "audit" / "leakage.png").read_bytes()
     # A deployment's server holds no agent data configs: the private images are on the devices.
     for path in (run_dir / "configs").glob("agent-*.toml"):
         path.unlink()
@@ -136,3 +149,34 @@ def test_uploads_the_audit_does_not_read_are_named_not_reported_safe(tmp_path: P
                                                               "not_kept": {"mymethod.upload": 3}}))
     assert edgesplit(["audit", str(tmp_path)]) == 2
     assert "mymethod.upload" in capsys.readouterr().err
+
+
+# The other weight-sharing methods (FedGKD, FedDistill and FedBE upload as FedAvg does): each keeps
+# its upload and its audit reads it (the update attacks' strength is tested in test_audit_updates.py).
+OTHER_METHODS = {
+    "fedgkd": ("fedavg.update", {"model": "resnet8", "batch_size": 4, "buffer_size": 2}),
+    "feddistill": ("fedavg.update", {"model": "resnet8", "batch_size": 4}),
+    "fedbe": ("fedavg.update", {"model": "resnet8", "batch_size": 4, "unlabeled_dataset": "fashion-mnist", "agent_train_samples": 8,
+                               "unlabeled_samples": 16, "sampled_models": 2, "distill_steps": 2, "distill_batch_size": 8,
+                               "swa_warmup_steps": 1, "swa_cycle_steps": 1}),
+    "fedkd": ("fedkd.update", {"mentor_model": "resnet20", "mentee_model": "resnet8", "batch_size": 4}),
+}
+
+
+@pytest.mark.parametrize("method", sorted(OTHER_METHODS))
+def test_audit_of_every_other_weight_sharing_method(method: str, tmp_path: Path, mosquitto: Broker) -> None:
+    kind, table = OTHER_METHODS[method]
+    config = method_server_config(tmp_path, method, table, run_id=f"audit-{method}", agents=AGENTS, rounds=1,
+                                  dataset="fashion-mnist", eval_samples=40, audit=True)
+    run_dir = run_and_keep(config, agent_configs(f"audit-{method}", 8), mosquitto)
+    assert edgesplit(["audit", str(run_dir), "--steps", "10", "--public-samples", "40", "--threads", "1"]) == 0
+    leakage = json.loads((run_dir / "audit" / "leakage.json").read_text())
+    assert leakage["method"] == method and set(leakage["agents"]) == {"agent-0", "agent-1"}
+    for agent in leakage["agents"].values():
+        assert agent["kept"] == kind and agent["num_samples"] == 4
+        rows = {row["attack"]: row for row in agent["attacks"]}
+        assert set(rows) == {"update_inversion", "bias_update_labels"}
+        assert rows["update_inversion"]["num_images"] == 4
+        assert 0.0 <= rows["bias_update_labels"]["histogram_error"] <= 1.0
+    section = json.loads((run_dir / "report.json").read_text())["leakage"]
+    assert section["strongest"] == "update_inversion" and "start_model" in section["knowledge"]

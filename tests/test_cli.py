@@ -49,6 +49,7 @@ def test_edgesplit_local_runs_a_federation_of_processes(tmp_path: Path) -> None:
     result = run(
         "cloud_server.launcher", "local", "--agents", "2", "--rounds", "2", "--dataset", "synthetic", "--partition", "iid",
         "--train-samples", "128", "--test-samples", "64", "--out", str(out), "--run-id", "cli-smoke",
+        "--audit", "--audit-steps", "3",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "held a previous run; replaced" in result.stderr
@@ -59,6 +60,10 @@ def test_edgesplit_local_runs_a_federation_of_processes(tmp_path: Path) -> None:
     validate_report(report)
     assert report["status"] == "finished" and len(report["rounds"]) == 2
     assert sorted(report["agents"]) == ["agent-0", "agent-1"]
+    # --audit: the audit ran when the run ended, and the printed summary already shows it.
+    assert "edgesplit audit: best white_box_inversion" in result.stdout
+    assert report["leakage"]["strongest"] is not None and (out / "leakage.png").exists()
+    assert result.stdout.index("edgesplit audit: wrote") < result.stdout.index("## What the server can reconstruct")
     for name in ("server.log", "agent-0.log", "agent-1.log"):
         assert (out / "logs" / name).exists()
     # Every process is gone: nothing is left listening or running. (psutil, a dependency, rather

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import copy
 import csv
 import json
@@ -339,3 +341,35 @@ def test_compare_runs_lists_both_runs(tmp_path: Path) -> None:
     assert "avg-run" in lines[3] and "fedavg" in lines[3]
     with pytest.raises(ReportError, match="does not exist"):
         compare_runs([tmp_path / "nowhere"])
+
+
+LEAKAGE = {"knowledge": ["extractor_weights", "public_images", "architecture"], "note": "the server sent the stem",
+           "image_attacks": {"white_box_inversion": {"agent": "agent-1", "psnr_db": 41.25, "ssim": 0.99,
+                                                     "baseline_psnr_db": 12.0, "baseline_ssim": 0.3},
+                             "architecture_only": {"agent": "agent-0", "psnr_db": 15.5, "ssim": 0.5,
+                                                   "baseline_psnr_db": 12.0, "baseline_ssim": 0.3}},
+           "label_attacks": {"labels_in_the_clear": {"histogram_error": 0.0}}, "strongest": "white_box_inversion",
+           "skipped": {"inverse_network": "no public set"}, "picture": "leakage.png"}
+
+
+def test_the_leakage_section_is_checked_shown_and_compared(tmp_path: Path) -> None:
+    audited = make_report(run_id="gkt-run", method="fedgkt")
+    audited["leakage"] = LEAKAGE
+    write_report(tmp_path / "a", audited)
+    write_report(tmp_path / "b", make_report(run_id="avg-run", method="fedavg"))
+
+    summary = (tmp_path / "a" / "summary.md").read_text()
+    section = summary[summary.index("## What the server can reconstruct"):]
+    assert "extractor_weights, public_images, architecture" in section
+    # The strongest attack first, beside the mean image's scores.
+    assert section.index("white_box_inversion | agent-1 | 41.2") < section.index("architecture_only")
+    assert "inverse_network not run: no public set" in section and "`leakage.png`" in section
+    assert "Not audited: run with `edgesplit local --audit`" in (tmp_path / "b" / "summary.md").read_text()
+    lines = compare_runs([tmp_path / "a", tmp_path / "b"]).strip().splitlines()
+    assert "Strongest attack PSNR" in lines[0] and "41.2 (12.0)" in lines[2] and "41.2" not in lines[3]
+
+    for broken, problem in ((dict(LEAKAGE, strongest="dlg"), "leakage.strongest is 'dlg'"),
+                            (dict(LEAKAGE, image_attacks={"x": {"agent": "a", "psnr_db": 1.0}}), "image_attacks[x].ssim: missing"),
+                            (dict(LEAKAGE, label_attacks={"y": {"histogram_error": 2.0}}), "must be <= 1.0")):
+        with pytest.raises(ReportError, match=re.escape(problem)):
+            write_report(tmp_path / "c", dict(audited, leakage=broken))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ from .labels import label_histogram_from_labels, label_histogram_from_logits
 from .registry import AuditPlan, ServerKnowledge, attacks_for
 from .scoring import PixelSpace
 
-__all__ = ["AuditOptions", "run_audit"]
+__all__ = ["AuditOptions", "attach_to_report", "leakage_section", "run_audit"]
 
 LEAKAGE_JSON = "leakage.json"
 LEAKAGE_PNG = "leakage.png"
@@ -265,6 +266,9 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
     (out / LEAKAGE_JSON).write_text(json.dumps(result, indent=1) + "\n")
     if grid:
         _picture_grid(grid, out / LEAKAGE_PNG)
+        shutil.copyfile(out / LEAKAGE_PNG, kept.run_dir / LEAKAGE_PNG)
+    if attach_to_report(kept.run_dir, leakage_section(result, picture=LEAKAGE_PNG if grid else None)):
+        progress(f"edgesplit audit: added the leakage section to {kept.run_dir / 'report.json'} and summary.md")
     if not_kept:
         progress(f"edgesplit audit: NOT SUPPORTED: {result['not_supported']}")
     for attack, best in summary.items():
@@ -272,6 +276,41 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
                  f"(baseline {best['baseline_psnr_db']:.1f} dB) on {best['agent']}")
     progress(f"edgesplit audit: wrote {out / LEAKAGE_JSON}" + (f" and {out / LEAKAGE_PNG}" if grid else ""))
     return result
+
+
+def leakage_section(result: dict[str, Any], picture: str | None = None) -> dict[str, Any]:
+    """The run report's ``leakage`` section from an audit's result: per image attack the agent
+    where it scored highest, per label attack the histogram error on the most exposed agent, the strongest
+    image attack, what the server was assumed to hold and what was not run or not audited."""
+    labels: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    for entry in result["agents"].values():
+        for row in entry["attacks"]:
+            if "skipped" in row:
+                skipped.setdefault(row["attack"], row["skipped"])
+            elif "histogram_error" in row:
+                worst = labels.get(row["attack"])
+                if worst is None or row["histogram_error"] < worst["histogram_error"]:
+                    labels[row["attack"]] = {"histogram_error": float(row["histogram_error"])}
+    images = {name: dict(best) for name, best in result["best"].items()}
+    strongest = max(images, key=lambda name: images[name]["psnr_db"]) if images else None
+    return {"knowledge": list(result["knowledge"]["holds"]), "note": result["knowledge"]["note"],
+            "image_attacks": images, "label_attacks": labels, "strongest": strongest,
+            "skipped": {k: v for k, v in skipped.items() if k not in images and k not in labels},
+            "not_supported": result.get("not_supported"), "picture": picture, "audit_wall_s": result["wall_s"]}
+
+
+def attach_to_report(run_dir: Path, section: dict[str, Any]) -> bool:
+    """Put ``section`` into ``run_dir``'s report.json as ``leakage`` and rewrite summary.md and
+    the plots; False when the run directory holds no report (the server's own directory)."""
+    from ..report import load_report, write_report
+
+    if not (run_dir / "report.json").exists():
+        return False
+    report = load_report(run_dir)
+    report["leakage"] = section
+    write_report(run_dir, report)
+    return True
 
 
 def _line(agent: str, row: dict[str, Any]) -> str:

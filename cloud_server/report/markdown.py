@@ -11,7 +11,7 @@ import numpy as np
 from .formatting import DASH, EDGE_PHASES, duration, figure_cell, gflops, is_scalar, mb, pct, ratio, seconds, table
 from .schema import BYTE_KEYS, kind_ok
 
-__all__ = ["summary_md", "comparison_md"]
+__all__ = ["summary_md", "comparison_md", "strongest_attack_cell"]
 
 
 def _server_device_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -191,6 +191,44 @@ def _outside_and_rejected(totals: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _leakage_md(report: Mapping[str, Any]) -> list[str]:
+    """What the server could reconstruct, once `edgesplit audit` has run on the run directory."""
+    leakage = report.get("leakage")
+    lines = ["## What the server can reconstruct (leakage audit)", ""]
+    if leakage is None:
+        return lines + ["Not audited: run with `edgesplit local --audit` (or `[server] audit = true`), then "
+                        "`edgesplit audit RUN_DIR`.", ""]
+    lines.append(f"The server is assumed to hold: {', '.join(leakage['knowledge']) or 'the uploads only'}."
+                 + (f" {leakage['note']}." if leakage.get("note") else ""))
+    lines.append("")
+    rows = [[name, entry["agent"], f"{entry['psnr_db']:.1f}", f"{entry['baseline_psnr_db']:.1f}",
+             f"{entry['ssim']:.3f}", f"{entry['baseline_ssim']:.3f}"]
+            for name, entry in sorted(leakage["image_attacks"].items(), key=lambda item: -item[1]["psnr_db"])]
+    if rows:
+        lines += table(["Image attack", "Best on", "PSNR dB", "Mean image dB", "SSIM", "Mean image SSIM"], rows, right_from=2)
+        lines.append("")
+    label_rows = [[name, f"{entry['histogram_error']:.3f}"] for name, entry in sorted(leakage["label_attacks"].items())]
+    if label_rows:
+        lines += table(["Label attack", "Histogram error, most exposed agent (0 = exact)"], label_rows, right_from=1)
+        lines.append("")
+    for attack, reason in sorted(leakage.get("skipped", {}).items()):
+        lines.append(f"- {attack} not run: {reason}")
+    if leakage.get("not_supported"):
+        lines.append(f"- Not audited: {leakage['not_supported']}")
+    if leakage.get("picture"):
+        lines.append(f"- Private images beside their reconstructions: `{leakage['picture']}`.")
+    return lines + [""]
+
+
+def strongest_attack_cell(report: Mapping[str, Any]) -> str:
+    """``PSNR (mean image PSNR)`` of the run's strongest image attack, or a dash."""
+    leakage = report.get("leakage")
+    if not leakage or leakage.get("strongest") is None:
+        return DASH
+    best = leakage["image_attacks"][leakage["strongest"]]
+    return f"{best['psnr_db']:.1f} ({best['baseline_psnr_db']:.1f})"
+
+
 def _rounds_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     if not rounds:
         return ["## Rounds", "", "No rounds yet.", ""]
@@ -313,6 +351,7 @@ def summary_md(report: Mapping[str, Any]) -> str:
         _accuracy_md(report),
         _edge_cost_md(report["models"]),
         _communication_md(rounds, report["totals"]),
+        _leakage_md(report),
         _rounds_md(rounds),
         _robustness_md(rounds),
         _server_device_md(rounds),
@@ -333,8 +372,8 @@ def comparison_md(reports: Sequence[Mapping[str, Any]]) -> str:
             pct(totals["final_accuracy"]), pct(totals["best_accuracy"]), pct(totals.get("final_local_accuracy")),
             pct(totals["final_edge_accuracy"]),
             gflops(None if edge is None else edge["train_flops_per_sample"]),
-            mb(totals["wire_total"]), duration(totals["wall_time_s"]),
+            mb(totals["wire_total"]), strongest_attack_cell(report), duration(totals["wall_time_s"]),
         ])
     header = ["Run", "Method", "Status", "Rounds", "Global acc.", "Best global", "Local acc.", "Edge acc.",
-              "Edge GFLOPs / sample", "Wire MB", "Wall time"]
+              "Edge GFLOPs / sample", "Wire MB", "Strongest attack PSNR dB (mean image)", "Wall time"]
     return "\n".join(table(header, rows, right_from=3)) + "\n"

@@ -208,6 +208,35 @@ def _check_agents(ck: _Checker, agents: Any) -> None:
             ck.add(f"agents[{agent_id}].class_counts: expected non-negative ints, got {describe(counts)}")
 
 
+_IMAGE_ATTACK_FIELDS: tuple[dict[str, _Spec], dict[str, _Spec]] = ({
+    "agent": ("str", False, None, None),
+    "psnr_db": ("number", False, None, None),
+    "ssim": ("number", False, -1.0, 1.0),
+    "baseline_psnr_db": ("number", False, None, None),
+    "baseline_ssim": ("number", False, -1.0, 1.0),
+}, {})
+
+
+def _check_leakage(ck: _Checker, leakage: Any) -> None:
+    """The audit's section (optional): what the server held, each image attack's best agent
+    and scores beside the mean-image baseline, each label attack's worst histogram error."""
+    if leakage is None:
+        return
+    good = ck.fields(leakage, "leakage", ({
+        "knowledge": ("list", False, None, None),
+        "image_attacks": ("dict", False, None, None),
+        "label_attacks": ("dict", False, None, None),
+        "strongest": ("str", True, None, None),
+    }, {}))
+    for name, entry in (good.get("image_attacks") or {}).items():
+        ck.fields(entry, f"leakage.image_attacks[{name}]", _IMAGE_ATTACK_FIELDS)
+    for name, entry in (good.get("label_attacks") or {}).items():
+        ck.fields(entry, f"leakage.label_attacks[{name}]", ({"histogram_error": ("number", False, 0.0, 1.0)}, {}))
+    strongest = good.get("strongest")
+    if strongest is not None and strongest not in (good.get("image_attacks") or {}):
+        ck.add(f"leakage.strongest is {strongest!r}, which is not among leakage.image_attacks")
+
+
 def _check_round(ck: _Checker, index: int, rnd: Any) -> dict[str, Any]:
     """Check one round record; return its good fields (with ``bytes`` and ``time_s`` checked)."""
     path = f"rounds[{index}]"
@@ -332,6 +361,7 @@ def validate_report(report: dict[str, Any]) -> None:
         ck.fields(top["server"], "server", _SERVER_FIELDS)
     _check_agents(ck, top.get("agents"))
     _check_models(ck, top.get("models"))
+    _check_leakage(ck, report.get("leakage"))
 
     rounds: list[dict[str, Any]] = []
     rounds_ok = "rounds" in top

@@ -18,9 +18,10 @@ files (``np.savez``; read back with ``allow_pickle=False``):
 - ``update-<agent>.npz``: weight-sharing uploads (the FedAvg family's models, FedKD's
   factored mentee update): the agent's first upload whose starting global model the keeper
   saw go out, that global model, and the round config that set its local schedule.
-- ``kept.json``: the method, the bound, what each file holds, and the uploads the keeper
+- ``kept.json``: the method, the bound, what each file holds, the uploads the keeper
   does not know how to keep (named, so that the audit can say so instead of reporting
-  safety).
+  safety), and per agent the models its evaluation reports carried (FedKD's mentor, FedGKT's
+  ResNet-8: models trained on private data, in the server's hands).
 
 Everything is bounded: per agent at most ``samples_per_agent`` activation rows (and the
 labels of one round), one update and one global model.
@@ -111,6 +112,9 @@ class AuditKeeper:
         self._updates: set[str] = set()
         self._extractor_kept = False
         self._unsupported: dict[str, int] = {}
+        # agent -> the models (by label) and bytes its first evaluation report carried: trained on
+        # private data and handed to the server, which the audit names but does not invert
+        self._eval_models: dict[str, dict[str, Any]] = {}
         self._files: dict[str, dict[str, Any]] = {}
         self.dir.mkdir(parents=True, exist_ok=True)
         self._resume()
@@ -159,6 +163,7 @@ class AuditKeeper:
         elif isinstance(msg, FedKdUpdate):
             self._keep_fedkd_update(agent, msg)
         elif isinstance(msg, EvalReport):
+            self._note_eval_models(agent, msg)
             self._keep_eval_model(agent, msg)
         elif isinstance(msg, (Hello, Status, RoundEnd, ErrorReply, SplitExtractorWeights)) or msg.TYPE in _NOT_ATTACKED:
             pass
@@ -208,6 +213,14 @@ class AuditKeeper:
             if split_learning:
                 kept.whole_batch = take == len(features)
         self._write_maps(agent, kept)
+
+    def _note_eval_models(self, agent: str, msg: EvalReport) -> None:
+        if not msg.models or agent in self._eval_models:
+            return
+        labels = sorted({name.split("/", 1)[0] for name in msg.models})
+        self._eval_models[agent] = {"models": labels, "bytes": int(sum(np.asarray(v).nbytes for v in msg.models.values())),
+                                    "round": msg.round}
+        self._write_manifest()
 
     def _keep_eval_model(self, agent: str, msg: EvalReport) -> None:
         kept = self._maps.get(agent)
@@ -287,7 +300,8 @@ class AuditKeeper:
 
     def _write_manifest(self) -> None:
         manifest = {"method": self.method, "samples_per_agent": self.samples_per_agent, "files": self._files,
-                    "not_kept": dict(sorted(self._unsupported.items()))}
+                    "not_kept": dict(sorted(self._unsupported.items())),
+                    "eval_models": dict(sorted(self._eval_models.items()))}
         tmp = self.dir / f".{KEPT_MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, self.dir / KEPT_MANIFEST)

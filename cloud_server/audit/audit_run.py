@@ -229,6 +229,10 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
     public = _public(kept, options)
     pixels = PixelSpace.of_dataset(kept.dataset, kept.in_channels)
     not_kept = kept.manifest.get("not_kept", {})
+    handed = _eval_models_note(kept.method, kept.manifest.get("eval_models", {}))
+    if handed:
+        notes.append(handed)
+        progress(f"edgesplit audit: {handed}")
     per_agent: dict[str, Any] = {}
     grid: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]] = []
     decoders: dict[str, nn.Module] = {}
@@ -278,6 +282,21 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
     return result
 
 
+# What an evaluation report's models are, for the methods whose reports carry one.
+_EVAL_MODELS = {"fedkd": "the agent's private mentor", "fedgkt": "the agent's ResNet-8, extractor included"}
+
+
+def _eval_models_note(method: str, eval_models: dict[str, Any]) -> str:
+    """What the agents' evaluation reports handed the server besides figures, in words."""
+    if not eval_models:
+        return ""
+    what = _EVAL_MODELS.get(method, "the models " + ", ".join(sorted({m for e in eval_models.values() for m in e["models"]})))
+    sizes = sorted(entry["bytes"] for entry in eval_models.values())
+    return (f"the evaluation reports of {len(eval_models)} agents carried {what} ({sizes[0] / 1e6:.2f}-{sizes[-1] / 1e6:.2f} "
+            "MB each, trained on the private data): the audit uses an edge model as the extractor where one applies and "
+            "does not invert trained models otherwise")
+
+
 def leakage_section(result: dict[str, Any], picture: str | None = None) -> dict[str, Any]:
     """The run report's ``leakage`` section from an audit's result: per image attack the agent
     where it scored highest, per label attack the histogram error on the most exposed agent, the strongest
@@ -297,7 +316,8 @@ def leakage_section(result: dict[str, Any], picture: str | None = None) -> dict[
     return {"knowledge": list(result["knowledge"]["holds"]), "note": result["knowledge"]["note"],
             "image_attacks": images, "label_attacks": labels, "strongest": strongest,
             "skipped": {k: v for k, v in skipped.items() if k not in images and k not in labels},
-            "not_supported": result.get("not_supported"), "picture": picture, "audit_wall_s": result["wall_s"]}
+            "not_supported": result.get("not_supported"), "notes": list(result.get("notes", [])), "picture": picture,
+            "audit_wall_s": result["wall_s"]}
 
 
 def attach_to_report(run_dir: Path, section: dict[str, Any]) -> bool:

@@ -215,6 +215,7 @@ def _leakage_md(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"- {attack} not run: {reason}")
     if leakage.get("not_supported"):
         lines.append(f"- Not audited: {leakage['not_supported']}")
+    lines += [f"- {note[0].upper()}{note[1:]}." for note in leakage.get("notes", [])]
     if leakage.get("picture"):
         lines.append(f"- Private images beside their reconstructions: `{leakage['picture']}`.")
     return lines + [""]

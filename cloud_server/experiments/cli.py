@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .results import ResultsError, load_results
     from .runner import SubprocessExecutor, default_paths, run_experiment
-    from .spec import ExperimentError, load_experiment
+    from .experiment_file import load_experiment
+    from .spec import ExperimentError
 
     try:
         if args.bench_command == "check":

@@ -76,6 +76,14 @@ def test_every_experiment_file_parses_expands_and_resolves(path: Path) -> None:
         assert args.method == cell.method and args.seed == cell.seed and args.partition == cell.partition
 
 
+def test_the_example_of_the_docs_is_a_valid_experiment(tmp_path: Path) -> None:
+    page = (ROOT / "docs" / "experiments.md").read_text()
+    example = page.split("```toml\n", 1)[1].split("```", 1)[0]
+    experiment = load_experiment(write_experiment(tmp_path, example, name="leakage"))
+    keys = [c.key for c in experiment.cells()]
+    assert "fedgkt-u8-dirichlet0.5-s0" in keys and "fedavg-dirichlet0.5-s1" in keys and experiment.claims
+
+
 def test_every_scale_key_is_an_edgesplit_local_flag() -> None:
     from cloud_server.launcher import build_parser
 

@@ -126,6 +126,8 @@ def test_a_new_method_joins_a_star_grid_with_no_edit(monkeypatch: pytest.MonkeyP
     (lambda t: t + '[set]\n"nowhere.key" = 1\n', ["set nowhere.key", "no table 'nowhere'", "server"]),
     (lambda t: t + '[[claims]]\ntext = "x"\nmethod = "fedgkt"\nfigure = "final_accuracy"\nop = "=="\nvalue = 1\n',
      ["claims: op", ">="]),
+    (lambda t: t + '[[claims]]\ntext = "x"\nmethod = "fedgkt"\nfigure = "accuracy"\nop = ">="\nvalue = 1\n',
+     ["claims: no figure 'accuracy'", "final_accuracy"]),
 ])
 def test_a_bad_file_names_the_file_the_key_and_the_fix(tmp_path: Path, edit: Any, expected: list[str]) -> None:
     path = write_experiment(tmp_path, edit(SMALL.format(name="small", method="fedgkt", rounds=1)))

@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "RUN_FIGURES", "CELL_STATUSES", "ResultsError", "leakage_figures", "load_results", "machine",
+__all__ = ["SCHEMA", "RUN_FIGURES", "LEAKAGE_FIGURES", "CELL_STATUSES", "ResultsError", "leakage_figures", "load_results", "machine",
            "run_figures", "validate_results", "write_results"]
 
 SCHEMA = 1
@@ -40,6 +40,8 @@ RUN_FIGURES = (
     "peak_agent_rss_bytes", "run_wall_s",
 )
 _IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
+#: The strongest image attack's scores as figures of the long table.
+LEAKAGE_FIGURES = tuple(f"leakage_{k}" for k in _IMAGE_SCORES)
 _CELL_KEYS = ("key", "method", "partition", "seed", "variant", "overrides", "status", "wall_s", "run", "leakage")
 
 

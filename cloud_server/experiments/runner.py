@@ -74,17 +74,29 @@ def _run_bounded(argv: list[str], log: Path, timeout_s: float, env: dict[str, st
             code: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             code = None
-            os.killpg(proc.pid, signal.SIGINT)  # the launcher stops its server, agents and broker
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever of the session is left
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            _stop_session(proc)
+        except KeyboardInterrupt:  # its own session does not get the terminal's Ctrl-C: pass it on
+            _stop_session(proc)
+            raise
     return code, _tail(log.read_text(errors="replace"))
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    """Interrupt ``proc``'s session (the launcher then stops its server, agents and broker), then
+    kill whatever of it is left after the grace."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from typing import Any
 from fldata.partition_spec import PartitionSpec
 from shared_protocol.registry import LauncherFlag, registered_methods
 
+from .results import LEAKAGE_FIGURES, RUN_FIGURES
+
 __all__ = ["AuditSpec", "Cell", "Claim", "Experiment", "ExperimentError", "Overrides", "Scale", "Variant", "CLAIM_OPERATORS",
            "DEFAULT_VARIANT", "RUN_TABLES"]
 
@@ -164,8 +166,8 @@ class Claim:
             raise ExperimentError(f"claims: op must be one of {' | '.join(CLAIM_OPERATORS)}, got {self.op!r}")
         if not _number(self.value):
             raise ExperimentError(f"claims: value must be a number, got {self.value!r}")
-        if not isinstance(self.figure, str) or not self.figure:
-            raise ExperimentError(f"claims: figure names a figure of the table (e.g. \"final_accuracy\"), got {self.figure!r}")
+        if self.figure not in (*RUN_FIGURES, *LEAKAGE_FIGURES):
+            raise ExperimentError(f"claims: no figure {self.figure!r}; figures: {', '.join((*RUN_FIGURES, *LEAKAGE_FIGURES))}")
 
     def describe(self) -> str:
         where = ", ".join(x for x in (self.partition, self.variant) if x)

@@ -15,14 +15,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .results import RUN_FIGURES
+from .results import LEAKAGE_FIGURES, RUN_FIGURES
 from .spec import CLAIM_OPERATORS, Claim
 
 __all__ = ["claims_md", "evaluate_claims", "long_md", "long_table", "plot", "render", "summary", "summary_md"]
 
 Row = dict[str, Any]
 GROUP = ("method", "partition", "variant")
-LEAKAGE_FIGURES = ("leakage_psnr_db", "leakage_ssim", "leakage_baseline_psnr_db", "leakage_baseline_ssim")
 #: The summary's markdown columns: (figure, header, scale, decimals).
 SUMMARY_COLUMNS = (
     ("final_accuracy", "Global acc. %", 100, 1), ("best_accuracy", "Best global %", 100, 1),

@@ -91,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                        f"127.0.0.1:{DEFAULT_METRICS_PORT}, or a free port if that one is taken) and every agent its metrics on "
                        "a free loopback port; the addresses are printed at start")
     from .centralized_cli import add_parser as add_centralized_parser
+    from .experiments.cli import add_parser as add_bench_parser
     from .keys import add_parser as add_keys_parser
 
     add_centralized_parser(sub)
+    add_bench_parser(sub)
     add_keys_parser(sub)
     _add_audit_parser(sub)
     return parser
@@ -318,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.command == "audit":
         return cmd_audit(args)
+    if args.command == "bench":
+        from .experiments.cli import cmd_bench
+
+        return cmd_bench(args)
     if args.command == "centralized":
         from .centralized_cli import cmd_centralized
 

@@ -1,0 +1,232 @@
+"""The one result schema of every experiment, and the figures a cell takes from its run.
+
+A results file (``bench/results/NAME.json``)::
+
+    {"schema": 1,
+     "experiment": {...the parsed experiment file...},
+     "machine": {"cpu_model", "cores", "torch", "python"},
+     "cells": [{"key", "method", "partition", "seed", "variant", "overrides", "command",
+                "status": "done" | "failed", "wall_s", "error",
+                "run": {RUN_FIGURES: number or null} or null,
+                "leakage": {"attacks": {name: {...}}, "strongest": {...} or null} or null}]}
+
+``run`` is read from the run's ``report.json`` by :func:`run_figures` and ``leakage`` from
+its ``audit/leakage.json`` by :func:`leakage_figures`; :func:`validate_results` checks a
+document (the runner on every write, the suite on every committed file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SCHEMA", "RUN_FIGURES", "LEAKAGE_FIGURES", "CELL_STATUSES", "ResultsError", "leakage_figures", "load_results", "machine",
+           "run_figures", "validate_results", "write_results"]
+
+SCHEMA = 1
+CELL_STATUSES = ("done", "failed")
+#: The figures of a run, each a number or null (not measured by that method or that run).
+RUN_FIGURES = (
+    "final_accuracy", "best_accuracy", "local_accuracy", "edge_accuracy", "personalised_accuracy",
+    "rounds", "rounds_planned", "edge_train_gflops", "edge_train_gflops_per_agent",
+    "train_up_payload_bytes", "train_up_wire_bytes", "train_down_payload_bytes", "train_down_wire_bytes",
+    "eval_up_payload_bytes", "eval_up_wire_bytes", "eval_down_payload_bytes", "eval_down_wire_bytes",
+    "peak_agent_rss_bytes", "run_wall_s",
+)
+_IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
+#: The strongest image attack's scores as figures of the long table.
+LEAKAGE_FIGURES = tuple(f"leakage_{k}" for k in _IMAGE_SCORES)
+_CELL_KEYS = ("key", "method", "partition", "seed", "variant", "overrides", "status", "wall_s", "run", "leakage")
+
+
+class ResultsError(ValueError):
+    """A results document that does not follow the schema; ``problems`` lists every finding."""
+
+    def __init__(self, problems: list[str], where: str = "results") -> None:
+        self.problems = problems
+        super().__init__(f"{where} does not follow the results schema {SCHEMA} (see docs/experiments.md): "
+                         + "; ".join(problems))
+
+
+def machine() -> dict[str, Any]:
+    """Where the cells ran: CPU model, cores, torch and Python versions (torch is not imported)."""
+    from shared_protocol.hostinfo import host_info
+
+    host = host_info()
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    return {"cpu_model": host.cpu_model, "cores": host.cores, "torch": torch, "python": platform.python_version()}
+
+
+def _last_evaluation(report: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return next((r["evaluation"] for r in reversed(report.get("rounds", [])) if r.get("evaluation")), None)
+
+
+def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
+    """A cell's figures from its run's ``report.json``: what the report holds, null where it has none.
+
+    Bytes are the server connection's, training (the rounds) apart from evaluation; edge FLOPs are
+    training's, forward + backward; the personalised accuracy is the last evaluation's model whose
+    label starts with ``personalised``, where a method scores one."""
+    totals = report["totals"]
+    evaluation = _last_evaluation(report) or {}
+    personalised = [v for k, v in evaluation.get("accuracy", {}).items() if k.startswith("personalised")]
+    eval_bytes = totals.get("eval_bytes", {})
+    agents = len(report.get("agents", {})) or None
+    peaks = [costs.get("peak_rss_bytes", 0) for r in report.get("rounds", []) for costs in r.get("per_agent", {}).values()]
+    flops = totals.get("edge_train_flops", 0)
+    return {
+        "final_accuracy": totals.get("final_accuracy"),
+        "best_accuracy": totals.get("best_accuracy"),
+        "local_accuracy": totals.get("final_local_accuracy"),
+        "edge_accuracy": totals.get("final_edge_accuracy"),
+        "personalised_accuracy": personalised[0] if personalised else None,
+        "rounds": totals.get("rounds_completed"),
+        "rounds_planned": report.get("config", {}).get("rounds"),
+        "edge_train_gflops": flops / 1e9,
+        "edge_train_gflops_per_agent": flops / 1e9 / agents if agents else None,
+        **{f"train_{k}_bytes": totals.get(k) for k in ("up_payload", "up_wire", "down_payload", "down_wire")},
+        **{f"eval_{k}_bytes": eval_bytes.get(k) for k in ("up_payload", "up_wire", "down_payload", "down_wire")},
+        "peak_agent_rss_bytes": max(peaks) if any(peaks) else None,
+        "run_wall_s": totals.get("wall_time_s"),
+    }
+
+
+def leakage_figures(leakage: Mapping[str, Any]) -> dict[str, Any]:
+    """A cell's leakage from its ``audit/leakage.json``: per attack the agent where it did best
+    (image attacks: highest PSNR; label attacks: lowest histogram error), and the strongest
+    image attack (highest PSNR), or null when no image attack ran."""
+    attacks: dict[str, dict[str, Any]] = {
+        name: {"agent": best["agent"], **{k: best[k] for k in _IMAGE_SCORES}} for name, best in leakage.get("best", {}).items()}
+    for agent, entry in leakage.get("agents", {}).items():
+        for row in entry.get("attacks", []):
+            if "histogram_error" in row and (row["attack"] not in attacks
+                                             or row["histogram_error"] < attacks[row["attack"]]["histogram_error"]):
+                attacks[row["attack"]] = {"agent": agent, "histogram_error": row["histogram_error"]}
+    images = [(scores["psnr_db"], name) for name, scores in attacks.items() if "psnr_db" in scores]
+    strongest = None
+    if images:
+        _, name = max(images)
+        strongest = {"attack": name, **{k: attacks[name][k] for k in _IMAGE_SCORES}}
+    return {"attacks": attacks, "strongest": strongest, "not_supported": leakage.get("not_supported")}
+
+
+# -- the schema -------------------------------------------------------------------------------- #
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_leakage(leakage: Any, where: str, problems: list[str]) -> None:
+    if leakage is None:
+        return
+    if not isinstance(leakage, dict) or not isinstance(leakage.get("attacks"), dict) or "strongest" not in leakage:
+        problems.append(f"{where}.leakage: expected {{\"attacks\": {{...}}, \"strongest\": ...}} or null")
+        return
+    for name, scores in leakage["attacks"].items():
+        wanted = _IMAGE_SCORES if "psnr_db" in scores else ("histogram_error",)
+        bad = [k for k in wanted if not _is_number(scores.get(k))]
+        if bad or not isinstance(scores.get("agent"), str):
+            problems.append(f"{where}.leakage.attacks.{name}: needs agent and numbers {', '.join(wanted)}")
+    strongest = leakage["strongest"]
+    if strongest is not None and (not isinstance(strongest, dict) or strongest.get("attack") not in leakage["attacks"]
+                                  or not all(_is_number(strongest.get(k)) for k in _IMAGE_SCORES)):
+        problems.append(f"{where}.leakage.strongest: expected null or an image attack of attacks with {', '.join(_IMAGE_SCORES)}")
+
+
+def _check_cell(cell: Any, i: int, problems: list[str]) -> None:
+    where = f"cells[{i}]"
+    if not isinstance(cell, dict):
+        problems.append(f"{where}: expected an object")
+        return
+    missing = [k for k in _CELL_KEYS if k not in cell]
+    if missing:
+        problems.append(f"{where}: missing {', '.join(missing)}")
+        return
+    where = f"cells[{i}] ({cell['key']})"
+    for key in ("key", "method", "partition", "variant"):
+        if not isinstance(cell[key], str) or not cell[key]:
+            problems.append(f"{where}.{key}: expected a non-empty string")
+    if not isinstance(cell["seed"], int) or isinstance(cell["seed"], bool):
+        problems.append(f"{where}.seed: expected an integer")
+    if cell["status"] not in CELL_STATUSES:
+        problems.append(f"{where}.status: expected one of {CELL_STATUSES}, got {cell['status']!r}")
+    if not (cell["wall_s"] is None or _is_number(cell["wall_s"])):
+        problems.append(f"{where}.wall_s: expected a number")
+    overrides = cell["overrides"]
+    if not isinstance(overrides, dict) or not isinstance(overrides.get("flags"), dict) or not isinstance(overrides.get("settings"), dict):
+        problems.append(f"{where}.overrides: expected {{\"flags\": {{...}}, \"settings\": {{...}}}}")
+    run = cell["run"]
+    if run is None:
+        if cell["status"] == "done":
+            problems.append(f"{where}.run: a done cell has its run's figures")
+    elif not isinstance(run, dict):
+        problems.append(f"{where}.run: expected an object or null")
+    else:
+        missing = [k for k in RUN_FIGURES if k not in run]
+        if missing:
+            problems.append(f"{where}.run: missing {', '.join(missing)}")
+        bad = [k for k in RUN_FIGURES if k in run and not (run[k] is None or _is_number(run[k]))]
+        if bad:
+            problems.append(f"{where}.run: expected a number or null for {', '.join(bad)}")
+        for key in ("final_accuracy", "best_accuracy", "local_accuracy", "edge_accuracy", "personalised_accuracy"):
+            if _is_number(run.get(key)) and not 0 <= run[key] <= 1:
+                problems.append(f"{where}.run.{key}: an accuracy is a fraction in [0, 1], got {run[key]!r}")
+    _check_leakage(cell["leakage"], where, problems)
+
+
+def validate_results(doc: Any, where: str = "results") -> None:
+    """Raise :class:`ResultsError` listing every way ``doc`` departs from the schema."""
+    problems: list[str] = []
+    if not isinstance(doc, dict):
+        raise ResultsError(["expected a JSON object"], where)
+    if doc.get("schema") != SCHEMA:
+        problems.append(f"schema: expected {SCHEMA}, got {doc.get('schema')!r}")
+    experiment = doc.get("experiment")
+    if not isinstance(experiment, dict) or not isinstance(experiment.get("name"), str):
+        problems.append("experiment: expected the parsed experiment (an object with its name)")
+    host = doc.get("machine")
+    if not isinstance(host, dict) or [k for k in ("cpu_model", "cores", "torch", "python") if k not in host]:
+        problems.append("machine: expected cpu_model, cores, torch and python")
+    cells = doc.get("cells")
+    if not isinstance(cells, list):
+        problems.append("cells: expected a list")
+        cells = []
+    for i, cell in enumerate(cells):
+        _check_cell(cell, i, problems)
+    keys = [c.get("key") for c in cells if isinstance(c, dict)]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        problems.append(f"cells: a key is recorded twice: {', '.join(map(str, twice))}")
+    if problems:
+        raise ResultsError(problems, where)
+
+
+def write_results(path: Path, doc: Mapping[str, Any]) -> None:
+    """Validate, then write ``doc`` to ``path`` atomically (a reader never sees half a file)."""
+    validate_results(doc, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def load_results(path: Path) -> dict[str, Any] | None:
+    """The results at ``path``, validated; None when there is no file yet."""
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ResultsError([f"not JSON: {exc}"], str(path)) from None
+    validate_results(doc, str(path))
+    return doc  # type: ignore[no-any-return]

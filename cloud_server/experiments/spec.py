@@ -1,0 +1,346 @@
+"""An experiment (``bench/experiments/NAME.toml``, read by :mod:`.experiment_file`) as frozen
+dataclasses, and its grid.
+
+The file says which methods (registry names, or ``"*"`` for every registered one), which
+partitions and seeds, at what scale (exactly ``edgesplit local``'s flags), with which
+``--set`` overrides and method flags (for every run, per method, per variant), under what
+budget, whether every run is audited, and the paper's claims it checks. Nothing here
+names a method: ``"*"`` is read from the registry when the grid is expanded, so a new
+method appears in every ``"*"`` experiment without an edit.
+
+Every problem is an :class:`ExperimentError` naming the file, the key and the fix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import operator
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from fldata.partition_spec import PartitionSpec
+from shared_protocol.registry import LauncherFlag, registered_methods
+
+from .results import LEAKAGE_FIGURES, RUN_FIGURES
+
+__all__ = ["AuditSpec", "Cell", "Claim", "Experiment", "ExperimentError", "Overrides", "Scale", "Variant", "CLAIM_OPERATORS",
+           "DEFAULT_VARIANT", "RUN_TABLES"]
+
+#: The variant of an experiment that declares none.
+DEFAULT_VARIANT = "default"
+#: The tables a ``--set`` may name besides a method's own (the configs ``edgesplit local`` writes).
+RUN_TABLES = ("server", "agent", "data")
+CLAIM_OPERATORS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+class ExperimentError(ValueError):
+    """An experiment file that cannot be run as written; the message names the key and the fix."""
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(key: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ExperimentError(f"{key} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The ``edgesplit local`` flags every run of the experiment shares (defaults: the launcher's)."""
+
+    agents: int = 4
+    rounds: int = 8
+    dataset: str = "fashion-mnist"
+    data_root: str | None = None
+    train_samples: int = 4000
+    test_samples: int = 1000
+    eval_every: int = 1
+    deadline: float = 900.0
+    client_fraction: float = 1.0
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _int("scale.agents", self.agents, 1)
+        _int("scale.rounds", self.rounds, 1)
+        _int("scale.train_samples", self.train_samples, 0)
+        _int("scale.test_samples", self.test_samples, 0)
+        _int("scale.eval_every", self.eval_every, 1)
+        if self.chunk_size is not None:
+            _int("scale.chunk_size", self.chunk_size, 1)
+        if not isinstance(self.dataset, str) or not self.dataset:
+            raise ExperimentError(f"scale.dataset names a dataset (e.g. \"fashion-mnist\"), got {self.dataset!r}")
+        if self.data_root is not None and not isinstance(self.data_root, str):
+            raise ExperimentError(f"scale.data_root is a path (a string), got {self.data_root!r}")
+        if not _number(self.deadline) or self.deadline <= 0:
+            raise ExperimentError(f"scale.deadline is the round deadline in seconds (> 0), got {self.deadline!r}")
+        if not _number(self.client_fraction) or not 0 < self.client_fraction <= 1:
+            raise ExperimentError(f"scale.client_fraction must be in (0, 1], got {self.client_fraction!r}")
+
+    def local_args(self) -> list[str]:
+        args = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                args += [f"--{f.name.replace('_', '-')}", str(value)]
+        return args
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Method flags (by their ``LauncherFlag.dest``: ``model``, ``codec``) and ``--set`` settings
+    (``"TABLE.KEY"`` -> value)."""
+
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in self.settings.items():
+            table, _, key = name.partition(".")
+            if not table or not key or "." in key:
+                raise ExperimentError(f"set: {name!r} is not TABLE.KEY (e.g. \"server.round_deadline_s\" = 60)")
+            if isinstance(value, dict):
+                raise ExperimentError(f"set: {name} takes a scalar or a list, not a table")
+
+    def then(self, other: Overrides) -> Overrides:
+        """These overrides with ``other``'s on top."""
+        return Overrides({**self.flags, **other.flags}, {**self.settings, **other.settings})
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named set of overrides every method of the grid runs with (``methods``: only these)."""
+
+    name: str
+    overrides: Overrides = Overrides()
+    methods: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AuditSpec:
+    """``edgesplit audit``'s options for every run (``None``: each option's default)."""
+
+    steps: int | None = None
+    public_samples: int | None = None
+    max_update_images: int | None = None
+    max_wall_s: float | None = None  # the audit's own budget (None: the run's)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "max_update_images"):
+            if getattr(self, name) is not None:
+                _int(f"audit.{name}", getattr(self, name), 1)
+        if self.public_samples is not None:
+            _int("audit.public_samples", self.public_samples, 0)
+        if self.max_wall_s is not None and (not _number(self.max_wall_s) or self.max_wall_s <= 0):
+            raise ExperimentError(f"audit.max_wall_s is seconds (> 0), got {self.max_wall_s!r}")
+
+    def audit_args(self) -> list[str]:
+        args = []
+        for name in ("steps", "public_samples", "max_update_images"):
+            if getattr(self, name) is not None:
+                args += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
+        return args
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A paper's claim checked on the collected table: the mean over seeds of ``figure`` for
+    the cells of ``method`` (and ``partition`` / ``variant`` when given) ``op`` ``value``."""
+
+    text: str
+    method: str
+    figure: str
+    op: str
+    value: float
+    partition: str | None = None
+    variant: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in CLAIM_OPERATORS:
+            raise ExperimentError(f"claims: op must be one of {' | '.join(CLAIM_OPERATORS)}, got {self.op!r}")
+        if not _number(self.value):
+            raise ExperimentError(f"claims: value must be a number, got {self.value!r}")
+        if self.figure not in (*RUN_FIGURES, *LEAKAGE_FIGURES):
+            raise ExperimentError(f"claims: no figure {self.figure!r}; figures: {', '.join((*RUN_FIGURES, *LEAKAGE_FIGURES))}")
+
+    def describe(self) -> str:
+        where = ", ".join(x for x in (self.partition, self.variant) if x)
+        return f"{self.method}{f' ({where})' if where else ''} {self.figure} {self.op} {self.value:g}"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: a method on a partition with a seed, in a variant."""
+
+    key: str
+    method: str
+    partition: str
+    seed: int
+    variant: str
+    overrides: Overrides
+
+    def local_args(self, scale: Scale) -> list[str]:
+        """``edgesplit local``'s arguments for this cell (without ``--out`` and ``--run-id``)."""
+        args = ["--method", self.method, "--partition", self.partition, "--seed", str(self.seed), *scale.local_args()]
+        for dest, value in self.overrides.flags.items():
+            args += [f"--{dest.replace('_', '-')}", str(value)]
+        for name, value in self.overrides.settings.items():
+            args += ["--set", f"{name}={_toml_value(value)}"]
+        return args
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A parsed experiment file. ``methods`` as written (``("*",)`` stays a wildcard until
+    :meth:`cells` reads the registry)."""
+
+    name: str
+    question: str
+    methods: tuple[str, ...]
+    partitions: tuple[str, ...]
+    seeds: tuple[int, ...]
+    scale: Scale = Scale()
+    max_wall_s: float = 3600.0
+    overrides: Overrides = Overrides()
+    per_method: Mapping[str, Overrides] = field(default_factory=dict)
+    variants: tuple[Variant, ...] = (Variant(DEFAULT_VARIANT),)
+    audit: AuditSpec | None = None
+    claims: tuple[Claim, ...] = ()
+    source: str = ""  # the file it was read from
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", self.name or ""):
+            raise ExperimentError(f"name is letters, digits, '-' and '_' (the results are bench/results/NAME.json), got {self.name!r}")
+        if not isinstance(self.question, str) or not self.question.strip() or "\n" in self.question.strip():
+            raise ExperimentError("question is the one line the experiment answers, e.g. \"Which method leaks least?\"")
+        for key, values in (("methods", self.methods), ("partitions", self.partitions), ("seeds", self.seeds)):
+            if not values:
+                raise ExperimentError(f"{key} is empty: the grid has no cell; list at least one")
+        for seed in self.seeds:
+            _int("seeds[]", seed, 0)
+        for partition in self.partitions:
+            try:
+                PartitionSpec.parse(partition, self.scale.agents)
+            except ValueError as exc:
+                raise ExperimentError(f"partitions: {exc}") from None
+        if not _number(self.max_wall_s) or self.max_wall_s <= 0:
+            raise ExperimentError(f"budget.max_wall_s is the most seconds one run may take (> 0), got {self.max_wall_s!r}")
+        if len({v.name for v in self.variants}) != len(self.variants):
+            raise ExperimentError("variants: a variant is named once")
+        self._check_names()
+
+    def method_names(self) -> tuple[str, ...]:
+        """The grid's methods: ``"*"`` is every registered method; an unknown name is an error."""
+        known = registered_methods()
+        names: list[str] = []
+        for name in self.methods:
+            for found in (list(known) if name == "*" else [name]):
+                if found not in known:
+                    raise ExperimentError(f"methods: unknown method {found!r}; registered: {', '.join(known)} (or \"*\" for all)")
+                if found not in names:
+                    names.append(found)
+        return tuple(names)
+
+    def _check_names(self) -> None:
+        methods = self.method_names()
+        known = registered_methods()
+        for name in self.per_method:
+            if name not in methods:
+                raise ExperimentError(f"method.{name}: {name!r} is not a method of this grid ({', '.join(methods)}); "
+                                      "add it to methods or remove the table")
+        every_flag = {f.dest for m in methods for f in known[m].flags}
+        tables = (*RUN_TABLES, *known)
+        for where, overrides, own in [("flags", self.overrides, None),
+                                      *((f"method.{m}", o, m) for m, o in self.per_method.items()),
+                                      *((f"variants.{v.name}", v.overrides, None) for v in self.variants)]:
+            allowed = {f.dest for f in known[own].flags} if own else every_flag
+            for dest, value in overrides.flags.items():
+                if dest not in allowed:
+                    raise ExperimentError(f"{where}: no method flag {dest!r} here; flags: {', '.join(sorted(allowed)) or 'none'} "
+                                          "(an `edgesplit local` scale flag goes in [scale])")
+                for flag in _declarations(dest, [own] if own else methods):
+                    expected = {"str": (str,), "int": (int,), "float": (int, float)}[flag.type]
+                    if isinstance(value, bool) or not isinstance(value, expected):
+                        raise ExperimentError(f"{where}: flags.{dest} is of type {flag.type} ({flag.name}), got {value!r}")
+                    try:
+                        flag.check(value)
+                    except ValueError as exc:
+                        raise ExperimentError(f"{where}: {exc}") from None
+            for name in overrides.settings:
+                if name.partition(".")[0] not in tables:
+                    raise ExperimentError(f"{where}: set {name}: no table {name.partition('.')[0]!r}; tables: "
+                                          f"{', '.join(tables)}")
+        for variant in self.variants:
+            for method in variant.methods:
+                if method not in methods:
+                    raise ExperimentError(f"variants.{variant.name}.methods: {method!r} is not a method of this grid")
+        for claim in self.claims:
+            if claim.method not in methods:
+                raise ExperimentError(f"claims: method {claim.method!r} is not in the grid ({', '.join(methods)})")
+
+    def cells(self) -> list[Cell]:
+        """The grid: method x variant x partition x seed, each with its overrides (every run's,
+        then the method's, then the variant's; a ``--set`` of a method's table and a method flag
+        go only to the methods that have them)."""
+        known = registered_methods()
+        cells = []
+        for method in self.method_names():
+            flags = {f.dest for f in known[method].flags}
+            for variant in self.variants:
+                if variant.methods and method not in variant.methods:
+                    continue
+                merged = self.overrides.then(self.per_method.get(method, Overrides())).then(variant.overrides)
+                mine = Overrides({d: v for d, v in merged.flags.items() if d in flags},
+                                 {n: v for n, v in merged.settings.items()
+                                  if n.partition(".")[0] in (*RUN_TABLES, method)})
+                for partition in self.partitions:
+                    for seed in self.seeds:
+                        parts = [method, *([variant.name] if variant.name != DEFAULT_VARIANT else []),
+                                 re.sub(r"[^A-Za-z0-9_.-]+", "", partition), f"s{seed}"]
+                        cells.append(Cell("-".join(parts), method, partition, seed, variant.name, mine))
+        if not cells:
+            raise ExperimentError("the grid is empty: no variant applies to any method; check variants.*.methods")
+        keys = [c.key for c in cells]
+        if len(set(keys)) != len(keys):
+            raise ExperimentError(f"two cells share a key: {sorted({k for k in keys if keys.count(k) > 1})}; rename a variant")
+        for key in keys:
+            if not _RUN_ID.match(key):
+                raise ExperimentError(f"cell {key!r} is not a run id (64 characters at most): shorten the variant's name")
+        return cells
+
+    def select(self, only: str | None) -> list[Cell]:
+        """The cells whose key matches the glob ``only`` (all when None); none is an error listing the keys."""
+        cells = self.cells()
+        if only is None:
+            return cells
+        chosen = [c for c in cells if fnmatch.fnmatchcase(c.key, only)]
+        if not chosen:
+            raise ExperimentError(f"--only {only!r} matches no cell; cells: {', '.join(c.key for c in cells)}")
+        return chosen
+
+    def as_data(self) -> dict[str, Any]:
+        """The experiment as JSON data (what a results file records)."""
+        data: dict[str, Any] = json.loads(json.dumps(asdict(self)))
+        data["methods_resolved"] = list(self.method_names())
+        return data
+
+
+def _declarations(dest: str, methods: list[str] | tuple[str, ...]) -> list[LauncherFlag]:
+    known = registered_methods()
+    return [f for m in methods for f in known[m].flags if f.dest == dest][:1]

@@ -1,0 +1,183 @@
+"""Collected results as tables, claims and plots, the same for every experiment.
+
+- :func:`long_table`: one row per cell, its figures flat (``leakage_*`` for the strongest attack);
+- :func:`summary`: per method x partition x variant, mean, sd and n over the seeds of every figure;
+- :func:`evaluate_claims`: each claim of the experiment met, not met, or without data;
+- :func:`summary_md`, :func:`claims_md`, :func:`long_md`: markdown;
+- :func:`plot`: accuracy against bytes up and, where audited, against the strongest attack's PSNR;
+- :func:`render`: an experiment's template (``NAME.md``, ``{{table}}``, ``{{plot}}``...) filled in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .results import LEAKAGE_FIGURES, RUN_FIGURES
+from .spec import CLAIM_OPERATORS, Claim
+
+__all__ = ["claims_md", "evaluate_claims", "long_md", "long_table", "plot", "render", "summary", "summary_md"]
+
+Row = dict[str, Any]
+GROUP = ("method", "partition", "variant")
+#: The summary's markdown columns: (figure, header, scale, decimals).
+SUMMARY_COLUMNS = (
+    ("final_accuracy", "Global acc. %", 100, 1), ("best_accuracy", "Best global %", 100, 1),
+    ("local_accuracy", "Local acc. %", 100, 1), ("personalised_accuracy", "Personalised %", 100, 1),
+    ("edge_train_gflops_per_agent", "Edge GFLOPs / agent", 1, 1), ("train_up_wire_bytes", "Up MB (wire)", 1e-6, 2),
+    ("train_down_wire_bytes", "Down MB (wire)", 1e-6, 2), ("peak_agent_rss_bytes", "Peak agent RSS MB", 1e-6, 0),
+    ("leakage_psnr_db", "Strongest attack PSNR dB", 1, 1), ("leakage_baseline_psnr_db", "Baseline PSNR dB", 1, 1),
+)
+
+
+def long_table(results: Mapping[str, Any]) -> list[Row]:
+    """One row per cell: its key, method, partition, variant, seed, status, wall time and figures."""
+    rows = []
+    for cell in results["cells"]:
+        row: Row = {k: cell[k] for k in ("key", "method", "partition", "variant", "seed", "status", "wall_s")}
+        row.update({k: (cell["run"] or {}).get(k) for k in RUN_FIGURES})
+        strongest = (cell.get("leakage") or {}).get("strongest") or {}
+        row["leakage_attack"] = strongest.get("attack")
+        row.update({f"leakage_{k}": strongest.get(k) for k in ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")})
+        rows.append(row)
+    return rows
+
+
+def _mean_sd(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
+    return mean, sd
+
+
+def summary(rows: Sequence[Row]) -> list[Row]:
+    """Per method x partition x variant (in the rows' order): ``n`` done seeds and, per figure,
+    ``{"mean", "sd", "n"}`` over the seeds that measured it (sd: sample sd, None for one seed)."""
+    groups: dict[tuple[str, ...], list[Row]] = {}
+    for row in rows:
+        if row["status"] == "done":
+            groups.setdefault(tuple(row[k] for k in GROUP), []).append(row)
+    out = []
+    for group, members in groups.items():
+        entry: Row = {**dict(zip(GROUP, group)), "n": len(members), "seeds": [m["seed"] for m in members]}
+        for figure in (*RUN_FIGURES, *LEAKAGE_FIGURES):
+            values = [m[figure] for m in members if m.get(figure) is not None]
+            mean, sd = _mean_sd(values)
+            entry[figure] = {"mean": mean, "sd": sd, "n": len(values)}
+        out.append(entry)
+    return out
+
+
+def evaluate_claims(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> list[Row]:
+    """Each claim against the mean over seeds of its cells: ``met`` True / False, or None when
+    no done cell measured the figure (several matching groups: each must meet it)."""
+    out = []
+    for claim in claims:
+        groups = [s for s in summary_rows if s["method"] == claim.method
+                  and claim.partition in (None, s["partition"]) and claim.variant in (None, s["variant"])]
+        observed = [s[claim.figure]["mean"] for s in groups if s.get(claim.figure, {}).get("mean") is not None]
+        met = all(CLAIM_OPERATORS[claim.op](v, claim.value) for v in observed) if observed else None
+        out.append({"claim": claim.text, "check": claim.describe(), "observed": observed, "met": met})
+    return out
+
+
+def _cell(stat: Mapping[str, Any] | None, scale: float, decimals: int) -> str:
+    if not stat or stat.get("mean") is None:
+        return "—"
+    text = f"{stat['mean'] * scale:,.{decimals}f}"
+    return text + (f" ± {stat['sd'] * scale:,.{decimals}f}" if stat.get("sd") is not None else "")
+
+
+def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def summary_md(summary_rows: Sequence[Row]) -> str:
+    """The summary as markdown: mean ± sd over the seeds (n), only the columns some group measured."""
+    if not summary_rows:
+        return "No cell is done yet."
+    columns = [c for c in SUMMARY_COLUMNS if any(s[c[0]]["mean"] is not None for s in summary_rows)]
+    variants = any(s["variant"] != summary_rows[0]["variant"] for s in summary_rows)
+    header = ["Method", "Partition", *(["Variant"] if variants else []), "n", *(h for _, h, _, _ in columns)]
+    rows = [[f"`{s['method']}`", s["partition"], *([s["variant"]] if variants else []), str(s["n"]),
+             *(_cell(s[f], scale, d) for f, _, scale, d in columns)] for s in summary_rows]
+    return _md(header, rows) + "\n\nMean ± sd over the seeds (n); — where no run measured it."
+
+
+def claims_md(claims: Sequence[Row]) -> str:
+    if not claims:
+        return ""
+    word = {True: "met", False: "**not met**", None: "no data"}
+    rows = [[c["claim"], f"`{c['check']}`", ", ".join(f"{v:.4g}" for v in c["observed"]) or "—", word[c["met"]]]
+            for c in claims]
+    return _md(["Claim", "Check", "Observed (mean over seeds)", "Result"], rows)
+
+
+def long_md(rows: Sequence[Row]) -> str:
+    def fmt(value: Any) -> str:
+        if value is None:
+            return "—"
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    keys = ("key", "status", "final_accuracy", "best_accuracy", "local_accuracy", "edge_train_gflops", "train_up_wire_bytes",
+            "train_down_wire_bytes", "eval_up_wire_bytes", "peak_agent_rss_bytes", "leakage_attack", "leakage_psnr_db", "wall_s")
+    return _md(list(keys), [[fmt(r.get(k)) for k in keys] for r in rows])
+
+
+def plot(summary_rows: Sequence[Row], path: Path, title: str = "") -> bool:
+    """Global accuracy against bytes up (wire, training) and, when any cell was audited, against
+    the strongest attack's PSNR; one point per group, error bars the sd. False: nothing to plot."""
+    points = [s for s in summary_rows if s["final_accuracy"]["mean"] is not None]
+    if not points:
+        return False
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = [("train_up_wire_bytes", 1e-6, "bytes up, training (MB, wire)")]
+    if any(s["leakage_psnr_db"]["mean"] is not None for s in points):
+        panels.append(("leakage_psnr_db", 1, "strongest attack PSNR (dB; higher leaks more)"))
+    fig = Figure(figsize=(6.5 * len(panels), 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (figure, scale, label) in zip(axes, panels):
+        for s in points:
+            x, y = s[figure], s["final_accuracy"]
+            if x["mean"] is None:
+                continue
+            ax.errorbar(x["mean"] * scale, y["mean"] * 100, xerr=(x["sd"] or 0) * scale, yerr=(y["sd"] or 0) * 100,
+                        fmt="o", capsize=3, label=" ".join(str(s[k]) for k in GROUP if s[k] != "default"))
+        ax.set_xlabel(label)
+        ax.set_ylabel("global accuracy (%)")
+        ax.grid(True, alpha=0.3)
+        if figure == "train_up_wire_bytes":
+            ax.set_xscale("log")
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path)
+    return True
+
+
+DEFAULT_TEMPLATE = "# {{name}}\n\n{{question}}\n\n{{table}}\n\n{{claims}}\n\n{{plot}}\n"
+
+
+def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], out: Path) -> str:
+    """Fill ``template``'s placeholders (``{{name}}``, ``{{question}}``, ``{{table}}`` the summary,
+    ``{{claims}}``, ``{{cells}}`` the long table, ``{{plot}}`` a picture written beside ``out``)."""
+    rows = long_table(results)
+    groups = summary(rows)
+    text = template
+    if "{{plot}}" in text:
+        picture = out.with_suffix(".png")
+        text = text.replace("{{plot}}", f"![{results['experiment']['name']}]({picture.name})"
+                            if plot(groups, picture, results["experiment"]["name"]) else "")
+    fills = {"name": results["experiment"]["name"], "question": results["experiment"]["question"],
+             "table": summary_md(groups), "claims": claims_md(evaluate_claims(claims, groups)), "cells": long_md(rows)}
+    for key, value in fills.items():
+        text = text.replace("{{" + key + "}}", value)
+    return text

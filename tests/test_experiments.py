@@ -1,0 +1,368 @@
+"""Experiments as data: every experiment file parses and expands with every name resolved in
+the registry, a new method joins a ``"*"`` grid with no edit, bad files fail naming the key and
+the fix, the runner resumes, the result schema holds, claims evaluate, and one small
+experiment runs end to end over a real broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from cloud_server.experiments import runner as runner_module
+from cloud_server.experiments.results import (RUN_FIGURES, ResultsError, leakage_figures, load_results, run_figures,
+                                              validate_results)
+from cloud_server.experiments.runner import CellOutcome, run_experiment
+from cloud_server.experiments.experiment_file import load_experiment
+from cloud_server.experiments.spec import Claim, ExperimentError, Scale
+from cloud_server.experiments.tables import evaluate_claims, long_table, render, summary, summary_md
+from shared_protocol import registry
+from shared_protocol.registry import MethodSpec, registered_methods
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted((ROOT / "bench" / "experiments").glob("*.toml"))
+
+SMALL = """
+name = "{name}"
+question = "Does the runner resume?"
+methods = ["{method}"]
+partitions = ["iid"]
+seeds = [0, 1, 2]
+
+[scale]
+agents = 2
+rounds = {rounds}
+"""
+
+
+def write_experiment(directory: Path, text: str, name: str = "small") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def small(tmp_path: Path, rounds: int = 1, method: str = "fedgkt") -> Path:
+    return write_experiment(tmp_path / "experiments", SMALL.format(name="small", method=method, rounds=rounds))
+
+
+# -- every file of bench/experiments ------------------------------------------------------------ #
+
+
+def test_there_are_experiment_files() -> None:
+    assert {p.stem for p in EXPERIMENTS} >= {"leakage", "smoke"}
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_every_experiment_file_parses_expands_and_resolves(path: Path) -> None:
+    from cloud_server.launcher import build_parser
+
+    experiment = load_experiment(path)
+    cells = experiment.cells()
+    assert cells and len({c.key for c in cells}) == len(cells)
+    methods = registered_methods()
+    parser = build_parser()
+    for cell in cells:
+        assert cell.method in methods
+        # The cell's command is one `edgesplit local` takes: every scale flag and method flag exists.
+        args = parser.parse_args(["local", *cell.local_args(experiment.scale), "--out", "unused"])
+        assert args.method == cell.method and args.seed == cell.seed and args.partition == cell.partition
+
+
+def test_the_example_of_the_docs_is_a_valid_experiment(tmp_path: Path) -> None:
+    page = (ROOT / "docs" / "experiments.md").read_text()
+    example = page.split("```toml\n", 1)[1].split("```", 1)[0]
+    experiment = load_experiment(write_experiment(tmp_path, example, name="leakage"))
+    keys = [c.key for c in experiment.cells()]
+    assert "fedgkt-u8-dirichlet0.5-s0" in keys and "fedavg-dirichlet0.5-s1" in keys and experiment.claims
+
+
+def test_every_scale_key_is_an_edgesplit_local_flag() -> None:
+    from cloud_server.launcher import build_parser
+
+    scale = Scale(data_root="/data", chunk_size=4096)
+    args = build_parser().parse_args(["local", *scale.local_args()])
+    assert args.data_root == "/data" and args.chunk_size == 4096 and args.agents == scale.agents
+
+
+def test_the_leakage_experiment_is_every_method_at_make_demos_scale() -> None:
+    experiment = load_experiment(ROOT / "bench" / "experiments" / "leakage.toml")
+    assert experiment.method_names() == tuple(registered_methods())
+    assert experiment.seeds == (0, 1) and experiment.audit is not None
+    assert (experiment.scale.agents, experiment.scale.rounds, experiment.scale.train_samples) == (4, 6, 3000)
+
+
+def test_a_new_method_joins_a_star_grid_with_no_edit(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = MethodSpec(name="throwaway", summary="a method registered by this test only", server="throwaway.server",
+                      edge="throwaway.edge")
+    monkeypatch.setitem(registry._METHODS, "throwaway", spec)
+    keys = [c.key for c in load_experiment(ROOT / "bench" / "experiments" / "leakage.toml").cells()]
+    assert "throwaway-dirichlet0.5-s0" in keys and "throwaway-dirichlet0.5-s1" in keys
+    for source in [*(ROOT / "bench").rglob("*"), *(ROOT / "cloud_server" / "experiments").rglob("*.py")]:
+        if source.is_file() and source.suffix in (".py", ".toml", ".md"):
+            assert "throwaway" not in source.read_text(errors="replace"), source
+
+
+# -- bad files ---------------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda t: t.replace('methods = ["fedgkt"]', 'methods = ["fedgktt"]'), ["methods", "'fedgktt'", "fedavg", "fedgkt"]),
+    (lambda t: 'colour = "blue"\n' + t, ["unknown key 'colour'", "question"]),
+    (lambda t: t.replace("agents = 2", "agents = 2\nagentz = 3"), ["scale: unknown key 'agentz'", "train_samples"]),
+    (lambda t: t.replace('partitions = ["iid"]', 'partitions = ["dirichlet:lots"]'), ["partitions", "dirichlet:ALPHA"]),
+    (lambda t: t.replace("seeds = [0, 1, 2]", "seeds = []"), ["seeds is empty", "at least one"]),
+    (lambda t: t + '[variants.only-fedavg]\nmethods = ["fedavg"]\n', ["variants.only-fedavg.methods", "'fedavg'"]),
+    (lambda t: t.replace('name = "small"', 'name = "other"'), ["name is 'other'", "small.toml", "make them agree"]),
+    (lambda t: t + '[method.fedgkt]\nflags = { model = "resnet8" }\n', ["method.fedgkt", "no method flag 'model'", "server_model"]),
+    (lambda t: t + '[method.fedgkt]\nflags = { server_epochs = "two" }\n', ["flags.server_epochs", "int"]),
+    (lambda t: t + '[set]\n"nowhere.key" = 1\n', ["set nowhere.key", "no table 'nowhere'", "server"]),
+    (lambda t: t + '[[claims]]\ntext = "x"\nmethod = "fedgkt"\nfigure = "final_accuracy"\nop = "=="\nvalue = 1\n',
+     ["claims: op", ">="]),
+    (lambda t: t + '[[claims]]\ntext = "x"\nmethod = "fedgkt"\nfigure = "accuracy"\nop = ">="\nvalue = 1\n',
+     ["claims: no figure 'accuracy'", "final_accuracy"]),
+])
+def test_a_bad_file_names_the_file_the_key_and_the_fix(tmp_path: Path, edit: Any, expected: list[str]) -> None:
+    path = write_experiment(tmp_path, edit(SMALL.format(name="small", method="fedgkt", rounds=1)))
+    with pytest.raises(ExperimentError) as caught:
+        load_experiment(path)
+    message = str(caught.value)
+    assert message.startswith(str(path))
+    for text in expected:
+        assert text in message
+
+
+def test_a_grid_no_variant_applies_to_is_empty(tmp_path: Path) -> None:
+    text = SMALL.format(name="small", method="fedgkt", rounds=1).replace(
+        'methods = ["fedgkt"]', 'methods = ["fedgkt", "fedavg"]') + '[variants.v]\nmethods = ["fedavg"]\n'
+    experiment = load_experiment(write_experiment(tmp_path, text))
+    assert [c.key for c in experiment.cells()] == ["fedavg-v-iid-s0", "fedavg-v-iid-s1", "fedavg-v-iid-s2"]
+
+
+def test_overrides_layer_every_run_then_method_then_variant(tmp_path: Path) -> None:
+    text = SMALL.format(name="small", method="fedgkt", rounds=1).replace('methods = ["fedgkt"]', 'methods = ["fedgkt", "fedavg"]') + """
+[flags]
+edge_epochs = 2
+[set]
+"server.round_deadline_s" = 60
+"fedgkt.server_epochs" = 3
+[method.fedavg]
+flags = { model = "resnet8" }
+[variants.default]
+[variants.long]
+set = { server = { round_deadline_s = 120 } }
+"""
+    cells = {c.key: c for c in load_experiment(write_experiment(tmp_path, text)).cells()}
+    fedavg, fedgkt_long = cells["fedavg-iid-s0"], cells["fedgkt-long-iid-s0"]
+    assert dict(fedavg.overrides.flags) == {"edge_epochs": 2, "model": "resnet8"}
+    assert dict(fedavg.overrides.settings) == {"server.round_deadline_s": 60}  # fedgkt's table is not fedavg's
+    assert dict(fedgkt_long.overrides.settings) == {"server.round_deadline_s": 120, "fedgkt.server_epochs": 3}
+    args = fedgkt_long.local_args(Scale())
+    assert "--set" in args and "server.round_deadline_s=120" in args and "--model" not in args
+
+
+# -- the runner --------------------------------------------------------------------------------- #
+
+
+FIGURES = {k: None for k in RUN_FIGURES} | {"final_accuracy": 0.5, "edge_train_gflops": 1.0, "train_up_wire_bytes": 1000}
+
+
+class FakeExecutor:
+    """Records the cells it is asked to run; fails those named in ``fail``."""
+
+    def __init__(self, fail: tuple[str, ...] = ()) -> None:
+        self.fail = fail
+        self.ran: list[str] = []
+
+    def __call__(self, experiment: Any, cell: Any, run_dir: Path) -> CellOutcome:
+        self.ran.append(cell.key)
+        if cell.key in self.fail:
+            return CellOutcome("failed", error="it broke")
+        return CellOutcome("done", run={**FIGURES, "final_accuracy": 0.5 + 0.1 * cell.seed})
+
+
+def test_the_runner_skips_done_cells_and_reruns_failed_ones(tmp_path: Path) -> None:
+    path = small(tmp_path)
+    results, runs = tmp_path / "results" / "small.json", tmp_path / "runs"
+    lines: list[str] = []
+    first = FakeExecutor(fail=("fedgkt-iid-s1",))
+    run_experiment(load_experiment(path), results_path=results, runs_dir=runs, executor=first, progress=lines.append)
+    assert first.ran == ["fedgkt-iid-s0", "fedgkt-iid-s1", "fedgkt-iid-s2"]
+    doc = load_results(results)
+    assert [c["status"] for c in doc["cells"]] == ["done", "failed", "done"]
+    assert any("[2/3] fedgkt-iid-s1: FAILED: it broke" in line for line in lines)
+    assert any(line.startswith("[1/3] fedgkt-iid-s0: running (2 left") for line in lines)
+
+    again = FakeExecutor()
+    run_experiment(load_experiment(path), results_path=results, runs_dir=runs, executor=again, progress=lines.append)
+    assert again.ran == ["fedgkt-iid-s1"]  # the done cells are skipped, the failed one runs again
+    assert [c["status"] for c in load_results(results)["cells"]] == ["done", "done", "done"]
+
+    nothing = FakeExecutor()
+    run_experiment(load_experiment(path), results_path=results, runs_dir=runs, executor=nothing, progress=lines.append)
+    assert nothing.ran == []
+
+    # A cell whose command changed (here the scale) is not the cell recorded: it runs again.
+    changed = small(tmp_path, rounds=2)
+    rerun = FakeExecutor()
+    run_experiment(load_experiment(changed), results_path=results, runs_dir=runs, executor=rerun, only="*-s2",
+                   progress=lines.append)
+    assert rerun.ran == ["fedgkt-iid-s2"]
+
+
+def test_a_dry_run_runs_nothing_and_only_picks_cells_by_glob(tmp_path: Path) -> None:
+    lines: list[str] = []
+    fake = FakeExecutor()
+    run_experiment(load_experiment(small(tmp_path)), results_path=tmp_path / "r.json", runs_dir=tmp_path, only="*-s[01]",
+                   dry_run=True, executor=fake, progress=lines.append)
+    assert fake.ran == [] and not (tmp_path / "r.json").exists()
+    assert [line.split(":")[0].strip() for line in lines[1:]] == ["fedgkt-iid-s0", "fedgkt-iid-s1"]
+    with pytest.raises(ExperimentError, match="matches no cell; cells: fedgkt-iid-s0"):
+        run_experiment(load_experiment(small(tmp_path)), results_path=tmp_path / "r.json", runs_dir=tmp_path, only="fedavg-*",
+                       executor=fake)
+
+
+def test_a_run_past_its_budget_is_stopped_with_its_children(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner_module, "STOP_GRACE_S", 1.0)
+    pids = tmp_path / "pids"
+    # A parent and a child that both ignore Ctrl-C, as a hung run might.
+    script = (f"import os, signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              f"child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)']); "
+              f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}'); print('started', flush=True); time.sleep(60)")
+    started = time.monotonic()
+    code, tail = runner_module._run_bounded([sys.executable, "-c", script], tmp_path / "log", 4.0, dict(os.environ))
+    assert code is None and "started" in tail and time.monotonic() - started < 20
+    for pid in map(int, pids.read_text().split()):
+        deadline = time.monotonic() + 10
+        while True:  # gone, or killed and not yet reaped by its new parent
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            assert time.monotonic() < deadline, f"process {pid} outlived its run's budget"
+            time.sleep(0.1)
+
+
+# -- the schema, the figures, the tables -------------------------------------------------------- #
+
+
+def good_results() -> dict[str, Any]:
+    def cell(method: str, seed: int, accuracy: float, psnr: float | None) -> dict[str, Any]:
+        leakage = None if psnr is None else {
+            "attacks": {"white_box": {"agent": "agent-0", "psnr_db": psnr, "ssim": 0.5, "baseline_psnr_db": 10.0, "baseline_ssim": 0.1},
+                        "labels_in_the_clear": {"agent": "agent-1", "histogram_error": 0.0}},
+            "strongest": {"attack": "white_box", "psnr_db": psnr, "ssim": 0.5, "baseline_psnr_db": 10.0, "baseline_ssim": 0.1},
+            "not_supported": None}
+        return {"key": f"{method}-iid-s{seed}", "method": method, "partition": "iid", "seed": seed, "variant": "default",
+                "overrides": {"flags": {}, "settings": {}}, "command": [], "status": "done", "wall_s": 10.0, "error": None,
+                "run": {**FIGURES, "final_accuracy": accuracy}, "leakage": leakage}
+
+    return {"schema": 1, "experiment": {"name": "hand", "question": "?"},
+            "machine": {"cpu_model": "x", "cores": 2, "torch": "2", "python": "3.11"},
+            "cells": [cell("fedgkt", 0, 0.70, 20.0), cell("fedgkt", 1, 0.80, 22.0), cell("fedavg", 0, 0.60, None)]}
+
+
+def test_the_validator_accepts_good_results_and_rejects_broken_ones() -> None:
+    validate_results(good_results())
+    breakages = [
+        (lambda d: d.pop("machine"), "machine"),
+        (lambda d: d.update(schema=2), "schema: expected 1"),
+        (lambda d: d["cells"][0].pop("run"), "missing run"),
+        (lambda d: d["cells"][0]["run"].update(final_accuracy=78.9), "fraction in [0, 1]"),
+        (lambda d: d["cells"][0]["run"].pop("train_up_wire_bytes"), "missing train_up_wire_bytes"),
+        (lambda d: d["cells"][0].update(status="ok"), "status"),
+        (lambda d: d["cells"][0].update(run=None), "a done cell has its run's figures"),
+        (lambda d: d["cells"][1].update(key=d["cells"][0]["key"]), "recorded twice"),
+        (lambda d: d["cells"][0]["leakage"]["strongest"].update(attack="nothing"), "leakage.strongest"),
+        (lambda d: d["cells"][0]["leakage"]["attacks"]["white_box"].pop("ssim"), "leakage.attacks.white_box"),
+    ]
+    for breakage, expected in breakages:
+        doc = good_results()
+        breakage(doc)
+        with pytest.raises(ResultsError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+            validate_results(doc)
+
+
+def test_every_committed_results_file_of_the_schema_is_valid() -> None:
+    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and "cells" in doc and "schema" in doc:
+            validate_results(doc, str(path))
+
+
+def test_claims_are_met_not_met_or_without_data() -> None:
+    groups = summary(long_table(good_results()))
+    fedgkt = next(g for g in groups if g["method"] == "fedgkt")
+    assert fedgkt["n"] == 2 and fedgkt["final_accuracy"]["mean"] == pytest.approx(0.75)
+    assert fedgkt["final_accuracy"]["sd"] == pytest.approx(0.0707, abs=1e-4)
+    claims = [Claim("FedGKT reaches 70%", "fedgkt", "final_accuracy", ">=", 0.7),
+              Claim("FedGKT reaches 80%", "fedgkt", "final_accuracy", ">=", 0.8, partition="iid"),
+              Claim("FedAvg leaks less than 15 dB", "fedavg", "leakage_psnr_db", "<", 15.0),
+              Claim("FedAvg on step:2", "fedavg", "final_accuracy", ">", 0.1, partition="step:2")]
+    assert [c["met"] for c in evaluate_claims(claims, groups)] == [True, False, None, None]
+
+
+def test_the_tables_and_the_template(tmp_path: Path) -> None:
+    results = good_results()
+    groups = summary(long_table(results))
+    md = summary_md(groups)
+    assert "| `fedgkt` | iid | 2 | 75.0 ± 7.1 |" in md and "| `fedavg` | iid | 1 | 60.0 |" in md
+    assert "Strongest attack PSNR dB" in md
+    out = tmp_path / "page.md"
+    text = render("# {{name}}\n{{question}}\n{{table}}\n{{claims}}\n{{plot}}\n", results,
+                  [Claim("FedGKT reaches 70%", "fedgkt", "final_accuracy", ">=", 0.7)], out)
+    assert "# hand" in text and "| FedGKT reaches 70% |" in text and "| met |" in text and "![hand](page.png)" in text
+    assert (tmp_path / "page.png").stat().st_size > 0
+
+
+def test_leakage_figures_take_each_attacks_best_agent_and_the_strongest_image_attack() -> None:
+    leakage = {
+        "best": {"white_box": {"agent": "agent-1", "psnr_db": 18.0, "ssim": 0.4, "baseline_psnr_db": 11.0, "baseline_ssim": 0.2},
+                 "inverse_network": {"agent": "agent-0", "psnr_db": 21.0, "ssim": 0.6, "baseline_psnr_db": 11.0, "baseline_ssim": 0.2}},
+        "agents": {"agent-0": {"attacks": [{"attack": "label_histogram", "histogram_error": 0.3}]},
+                   "agent-1": {"attacks": [{"attack": "label_histogram", "histogram_error": 0.1}, {"attack": "x", "skipped": "no"}]}},
+    }
+    figures = leakage_figures(leakage)
+    assert figures["strongest"]["attack"] == "inverse_network" and figures["strongest"]["psnr_db"] == 21.0
+    assert figures["attacks"]["label_histogram"] == {"agent": "agent-1", "histogram_error": 0.1}
+    assert "x" not in figures["attacks"]
+
+
+# -- one experiment end to end ------------------------------------------------------------------ #
+
+
+def test_the_smoke_experiment_runs_end_to_end(mosquitto: Any, tmp_path: Path) -> None:
+    from cloud_server.launcher import main
+
+    results, runs = tmp_path / "smoke.json", tmp_path / "runs"
+    smoke = ROOT / "bench" / "experiments" / "smoke.toml"
+    started = time.monotonic()
+    assert main(["bench", "run", str(smoke), "--results", str(results), "--runs-dir", str(runs), "--broker", mosquitto.url]) == 0
+    wall_s = time.monotonic() - started
+    print(f"the smoke experiment took {wall_s:.1f} s")
+    assert wall_s < 60
+    doc = load_results(results)
+    (cell,) = doc["cells"]
+    assert cell["status"] == "done", cell["error"]
+    report = json.loads((runs / cell["key"] / "report.json").read_text())
+    assert cell["run"] == run_figures(report)
+    assert cell["run"]["final_accuracy"] == report["totals"]["final_accuracy"] is not None
+    assert cell["run"]["train_up_wire_bytes"] == report["totals"]["up_wire"] > 0
+    assert cell["run"]["rounds"] == 1 and cell["leakage"] is None
+    assert report["config"]["round_deadline_s"] == 60  # the method's --set reached the run
+
+    # The table from the results, and the page from a template.
+    out = tmp_path / "page.md"
+    assert main(["bench", "table", str(smoke), "--results", str(results), "--render", str(out)]) == 0
+    assert "| `fedgkt` | iid | 1 |" in out.read_text()
+    listing = subprocess.run([sys.executable, "-m", "cloud_server.launcher", "bench", "check", str(smoke)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert listing.returncode == 0 and "fedgkt-iid-s0" in listing.stdout

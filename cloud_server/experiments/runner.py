@@ -117,7 +117,8 @@ class SubprocessExecutor:
         run_dir.mkdir(parents=True, exist_ok=True)
         argv = [self.python, "-m", "cloud_server.launcher", "local", *cell.local_args(experiment.scale),
                 "--out", str(run_dir), "--run-id", cell.key, *(["--broker", self.broker] if self.broker else []),
-                *(["--audit"] if experiment.audit else [])]
+                # Keep what the audit reads, but leave the audit to the step below, with the experiment's options and budget.
+                *(["--set", "server.audit=true"] if experiment.audit else [])]
         report_path = run_dir / "report.json"
         report_path.unlink(missing_ok=True)  # a figure read from an old run would pass for this one's
         code, tail = _run_bounded(argv, run_dir / "bench-local.log", experiment.max_wall_s, self._env())

@@ -51,6 +51,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
+from leakage_docs import copy_pictures, leakage_cell, method_figures, update_method_notes  # noqa: E402
 
 DASH = "—"
 
@@ -1488,6 +1489,36 @@ def long_run_section(footprint: dict[str, Any], image_dir: Path | None) -> list[
     ]
 
 
+EXPERIMENTS = REPO_ROOT / "bench" / "experiments"
+
+
+def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -> list[str]:
+    """Each experiment with a template (``bench/experiments/NAME.md``) and results, rendered by
+    the experiment runner's generic tables and plots; its pictures copied beside the page's."""
+    from cloud_server.experiments.experiment_file import load_experiment
+    from cloud_server.experiments.tables import render as render_experiment
+
+    lines: list[str] = []
+    for template in sorted(EXPERIMENTS.glob("*.md")):
+        data = _load(results / f"{template.stem}.json")
+        if data is None:
+            continue
+        experiment = load_experiment(template.with_suffix(".toml"))
+        images = image_dir if image_dir is not None else results
+        images.mkdir(parents=True, exist_ok=True)
+        text = render_experiment(template.read_text(), data, experiment.claims, images / f"{template.stem}.md", "img/")
+        pictures = copy_pictures(data, runs_dir / template.stem, images) if template.stem == "leakage" else {}
+        grid = "\n\n".join(f"`{method}` at its defaults, seed {_first_seed(data, method)}: each agent's private images, "
+                            f"each attack's reconstructions beneath.\n\n![{method}](img/{name})"
+                            for method, name in sorted(pictures.items()))
+        lines += [text.replace("{{pictures}}", grid).rstrip(), ""]
+    return lines
+
+
+def _first_seed(data: dict[str, Any], method: str) -> int:
+    return next(cell["seed"] for cell in data["cells"] if cell["method"] == method and cell["status"] == "done")
+
+
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
                for name in ("edge_cost", "comm_cost", "accuracy", "methods", "fedgkt_async", "fedgkt_ablation", "gkt_server_epochs",
@@ -1535,6 +1566,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
                 lines += methods_section(sources["methods"], data)
         except KeyError as exc:
             raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun bench/{name}.py") from None
+    lines += experiment_sections(results, image_dir, REPO_ROOT / "bench" / "runs")
     try:
         lines += gpu_section(*(_load(results / f"{name}.json") for name in ("server_gpu", "fedgkt_fullscale", "gpu_methods")))
     except KeyError as exc:
@@ -1548,23 +1580,26 @@ README_BEGIN = "<!-- The methods: rendered from their registry entries by bench/
 README_END = "<!-- end of the methods -->"
 
 
-def readme_methods() -> list[str]:
+def readme_methods(leakage: dict[str, Any] | None = None) -> list[str]:
     """The README's table of methods: one row per registered method, from its registry entry
-    (``MethodSpec.summary`` and ``docs``), between :data:`README_BEGIN` and :data:`README_END`."""
+    (``MethodSpec.summary`` and ``docs``), and what the server rebuilds at its defaults (from
+    ``leakage``, the leakage experiment's results), between :data:`README_BEGIN` and :data:`README_END`."""
     from shared_protocol.registry import registered_methods
 
-    rows = [[f"`{name}`", spec.summary, f"[notes]({spec.docs})" if spec.docs else DASH]
+    figures = method_figures(leakage)
+    rows = [[f"`{name}`", spec.summary, leakage_cell(figures, name), f"[notes]({spec.docs})" if spec.docs else DASH]
             for name, spec in registered_methods().items()]
-    return [README_BEGIN, *_table(["`--method`", "what", "notes"], rows, right_from=3), README_END]
+    return [README_BEGIN, *_table(["`--method`", "what", "the server rebuilds, at the defaults", "notes"], rows,
+                                  right_from=4), README_END]
 
 
-def update_readme(path: Path) -> bool:
+def update_readme(path: Path, leakage: dict[str, Any] | None = None) -> bool:
     """Rewrite the table of methods in the README at ``path``; True if it changed."""
     text = path.read_text()
     if README_BEGIN not in text or README_END not in text:
         raise ResultsError(f"{path} has no table of methods between {README_BEGIN!r} and {README_END!r}")
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
-    updated = text[:start] + "\n".join(readme_methods()) + text[end:]
+    updated = text[:start] + "\n".join(readme_methods(leakage)) + text[end:]
     if updated != text:
         path.write_text(updated)
     return updated != text
@@ -1582,8 +1617,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")
-    if update_readme(args.readme):
+    leakage = _load(args.results / "leakage.json")
+    if update_readme(args.readme, leakage):
         print(f"rewrote the table of methods in {args.readme}")
+    for path in update_method_notes(args.out.parent / "methods", method_figures(leakage)):
+        print(f"rewrote the leakage figure in {path}")
     if update_config_doc(args.config_doc):
         print(f"rewrote the tables of the methods' keys in {args.config_doc}")
     return 0

@@ -367,4 +367,23 @@ def test_the_readme_lists_every_registered_method_from_its_registry_entry() -> N
     render = _load_bench("render_results")
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index(render.README_BEGIN):readme.index(render.README_END) + len(render.README_END)]
-    assert block.splitlines() == render.readme_methods(), "rerun `python bench/render_results.py` (it rewrites the table)"
+    leakage = render._load(ROOT / "bench" / "results" / "leakage.json")
+    assert block.splitlines() == render.readme_methods(leakage), "rerun `python bench/render_results.py` (it rewrites the table)"
+
+
+def test_every_method_notes_say_what_the_server_sees_with_the_current_figure(tmp_path: Path) -> None:
+    import shutil
+
+    render = _load_bench("render_results")
+    leakage_docs = _load_bench("leakage_docs")
+    from shared_protocol.registry import registered_methods
+
+    docs = ROOT / "docs" / "methods"
+    text = "".join(path.read_text() for path in sorted(docs.glob("*.md")))
+    for method in registered_methods():
+        assert leakage_docs.METHOD_NOTE_BEGIN.format(method=method) in text, f"docs/methods lacks {method}'s leakage figure"
+    # The figures between the markers are the renderer's from the committed JSON.
+    copy = tmp_path / "methods"
+    shutil.copytree(docs, copy)
+    figures = leakage_docs.method_figures(render._load(ROOT / "bench" / "results" / "leakage.json"))
+    assert leakage_docs.update_method_notes(copy, figures) == [], "rerun `python bench/render_results.py`"

@@ -166,15 +166,16 @@ def plot(summary_rows: Sequence[Row], path: Path, title: str = "") -> bool:
 DEFAULT_TEMPLATE = "# {{name}}\n\n{{question}}\n\n{{table}}\n\n{{claims}}\n\n{{plot}}\n"
 
 
-def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], out: Path) -> str:
+def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], out: Path, link_prefix: str = "") -> str:
     """Fill ``template``'s placeholders (``{{name}}``, ``{{question}}``, ``{{table}}`` the summary,
-    ``{{claims}}``, ``{{cells}}`` the long table, ``{{plot}}`` a picture written beside ``out``)."""
+    ``{{claims}}``, ``{{cells}}`` the long table, ``{{plot}}`` a picture written beside ``out``,
+    linked as ``link_prefix`` + its file name)."""
     rows = long_table(results)
     groups = summary(rows)
     text = template
     if "{{plot}}" in text:
         picture = out.with_suffix(".png")
-        text = text.replace("{{plot}}", f"![{results['experiment']['name']}]({picture.name})"
+        text = text.replace("{{plot}}", f"![{results['experiment']['name']}]({link_prefix}{picture.name})"
                             if plot(groups, picture, results["experiment"]["name"]) else "")
     fills = {"name": results["experiment"]["name"], "question": results["experiment"]["question"],
              "table": summary_md(groups), "claims": claims_md(evaluate_claims(claims, groups)), "cells": long_md(rows)}

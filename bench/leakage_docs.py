@@ -1,0 +1,128 @@
+"""The leakage experiment's figures in the docs: README's column, each method's "What the
+server sees" figure, and the reconstructions beside the private images.
+
+Everything here reads ``bench/results/leakage.json`` (the experiment runner's schema, written
+by ``edgesplit bench run bench/experiments/leakage.toml``); a method without a done cell reads
+"not measured yet".
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cloud_server.experiments.tables import long_table, summary
+
+__all__ = ["METHOD_NOTE_BEGIN", "method_figures", "copy_pictures", "leakage_cell", "update_method_notes"]
+
+#: Each method's notes carry its figure between these lines (``{method}`` filled in).
+METHOD_NOTE_BEGIN = "<!-- leakage: {method} (rendered from bench/results/leakage.json by bench/render_results.py) -->"
+METHOD_NOTE_END = "<!-- end of leakage: {method} -->"
+
+Figures = dict[str, dict[str, Any]]
+
+
+def _label_error(results: Mapping[str, Any], method: str) -> tuple[str, float] | None:
+    """The label attack with the lowest histogram error over the method's done cells (the most
+    the server learns about a label distribution), and that error."""
+    best: tuple[str, float] | None = None
+    for cell in results["cells"]:
+        if cell["method"] != method or cell["status"] != "done" or not cell.get("leakage"):
+            continue
+        for name, scores in cell["leakage"]["attacks"].items():
+            if "histogram_error" in scores and (best is None or scores["histogram_error"] < best[1]):
+                best = (name, float(scores["histogram_error"]))
+    return best
+
+
+def method_figures(results: Mapping[str, Any] | None) -> Figures:
+    """Per method: seeds, the strongest image attack's PSNR / SSIM (mean, sd) beside the mean
+    image's, the attack's name, and the most revealing label attack."""
+    if results is None:
+        return {}
+    rows = long_table(results)
+    out: Figures = {}
+    for group in summary(rows):
+        method = group["method"]
+        attacks = sorted({r["leakage_attack"] for r in rows if r["method"] == method and r["leakage_attack"]})
+        out[method] = {"n": group["n"], "attacks": attacks, "psnr": group["leakage_psnr_db"], "ssim": group["leakage_ssim"],
+                       "baseline_psnr": group["leakage_baseline_psnr_db"], "accuracy": group["final_accuracy"],
+                       "labels": _label_error(results, method)}
+    return out
+
+
+def _db(stat: Mapping[str, Any]) -> str:
+    return f"{stat['mean']:.1f}" + (f" ± {stat['sd']:.1f}" if stat.get("sd") is not None else "")
+
+
+def leakage_cell(figures: Figures, method: str) -> str:
+    """README's cell: what the server rebuilds at the method's defaults."""
+    entry = figures.get(method)
+    if entry is None:
+        return "not measured yet"
+    if entry["psnr"]["mean"] is None:
+        labels = entry["labels"]
+        return "no image attack ran" + (f"; label shares to {labels[1]:.2f} (histogram error)" if labels else "")
+    return f"images at {_db(entry['psnr'])} dB PSNR (mean image {entry['baseline_psnr']['mean']:.1f})"
+
+
+def _method_note(figures: Figures, method: str) -> str:
+    entry = figures.get(method)
+    if entry is None:
+        return ("Not measured yet: `edgesplit bench run bench/experiments/leakage.toml`, then "
+                "`python bench/render_results.py`.")
+    text = (f"Measured on `make demo`'s setting at this method's defaults ({entry['n']} seeds, "
+            "`bench/experiments/leakage.toml`): ")
+    if entry["psnr"]["mean"] is not None:
+        text += (f"the strongest attack ({', '.join(entry['attacks'])}) rebuilds the private images at {_db(entry['psnr'])} dB "
+                 f"PSNR, SSIM {entry['ssim']['mean']:.3f}, against {entry['baseline_psnr']['mean']:.1f} dB for the mean image")
+    else:
+        text += "no image attack ran on what the server kept (see the audit's reasons in the run's summary.md)"
+    if entry["labels"]:
+        name, error = entry["labels"]
+        text += f"; the label distribution comes out to a histogram error of {error:.3f} ({name}; 0 is exact)"
+    return text + "."
+
+
+def update_method_notes(docs: Path, figures: Figures) -> list[Path]:
+    """Rewrite the figure between each method's markers in ``docs`` (every ``*.md`` below it);
+    the notes that changed."""
+    changed = []
+    for path in sorted(docs.rglob("*.md")):
+        text = original = path.read_text()
+        for method in {**figures, **{m: {} for m in _methods_marked(text)}}:
+            begin, end = METHOD_NOTE_BEGIN.format(method=method), METHOD_NOTE_END.format(method=method)
+            if begin in text and end in text:
+                start, stop = text.index(begin) + len(begin), text.index(end)
+                text = text[:start] + "\n" + _method_note(figures, method) + "\n" + text[stop:]
+        if text != original:
+            path.write_text(text)
+            changed.append(path)
+    return changed
+
+
+def _methods_marked(text: str) -> list[str]:
+    head = METHOD_NOTE_BEGIN.split("{method}")[0]
+    return [chunk.split(" ", 1)[0] for chunk in text.split(head)[1:]]
+
+
+def copy_pictures(results: Mapping[str, Any] | None, runs_dir: Path, image_dir: Path) -> dict[str, str]:
+    """Each method's picture grid from its first done cell's run directory, copied to
+    ``image_dir/leakage-METHOD.png`` when the run directory is still there; method -> file name
+    of every picture present in ``image_dir`` (copied now or earlier)."""
+    if results is None:
+        return {}
+    present: dict[str, str] = {}
+    for cell in results["cells"]:
+        name = f"leakage-{cell['method']}.png"
+        source = runs_dir / cell["key"] / "leakage.png"
+        if cell["method"] in present or cell["status"] != "done":
+            continue
+        if source.exists():
+            image_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, image_dir / name)
+        if (image_dir / name).exists():
+            present[cell["method"]] = name
+    return present

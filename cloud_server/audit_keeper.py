@@ -13,6 +13,8 @@ files (``np.savez``; read back with ``allow_pickle=False``):
   the round's maps: an agent extracts after training). Split learning's
   rows come from the first batch of the agent's first turn, with the extractor the server
   sent it at that turn's start (within a turn the extractor moves every batch).
+- ``evalmaps-<agent>.npz``: FedGKT's evaluation uploads: the maps of the agent's local test
+  images (as many rows, one round), with their labels and sample ids, and that round's ResNet-8.
 - ``extractor.npz``: FedGKT's initial edge model, when the server sends one
   (``edge_init = "shared"``): the model every agent's stem starts from.
 - ``update-<agent>.npz``: weight-sharing uploads (the FedAvg family's models, FedKD's
@@ -105,6 +107,7 @@ class AuditKeeper:
         self.method = method
         self.samples_per_agent = samples_per_agent
         self._maps: dict[str, _Maps] = {}
+        self._eval_maps: dict[str, _Maps] = {}  # FedGKT: the maps of the agents' local test images, evaluation's upload
         # agent (None: sent to all) -> (global version, weights) of the last model the server sent
         self._global: dict[str | None, tuple[int, dict[str, np.ndarray]]] = {}
         self._round_config: dict[str, dict[str, Any]] = {}  # agent -> its latest RoundStart.config
@@ -132,6 +135,8 @@ class AuditKeeper:
                 self._updates.add(about["agent"])
             elif name.startswith("maps-"):
                 self._maps[about["agent"]] = _Maps(round=-1)  # nothing more for this agent
+            elif name.startswith("evalmaps-"):
+                self._eval_maps[about["agent"]] = _Maps(round=-1)
         self._extractor_kept = "extractor.npz" in self._files
 
     # -- what the coordinator calls ----------------------------------------------------- #
@@ -155,6 +160,8 @@ class AuditKeeper:
             if msg.split == "train":
                 self._keep_maps(agent, msg.round, msg.seq, msg.features, msg.labels, msg.sample_ids,
                                 msg.logits.argmax(axis=1) if len(msg.logits) else np.zeros(0, np.int64))
+            else:
+                self._keep_eval_maps(agent, msg.round, msg.seq, msg.features, msg.labels, msg.sample_ids)
         elif isinstance(msg, SplitActivations):
             if msg.split == "train":
                 self._keep_maps(agent, msg.round, msg.seq, msg.activations, msg.labels, None, None)
@@ -214,6 +221,23 @@ class AuditKeeper:
                 kept.whole_batch = take == len(features)
         self._write_maps(agent, kept)
 
+    def _keep_eval_maps(self, agent: str, round_: int, seq: int, features: np.ndarray, labels: np.ndarray,
+                        sample_ids: np.ndarray) -> None:
+        """FedGKT's evaluation upload: the maps of the agent's local test images (one round's, bounded as the training rows)."""
+        kept = self._eval_maps.get(agent)
+        if kept is None:
+            kept = self._eval_maps[agent] = _Maps(round=round_)
+        room = self.samples_per_agent - kept.rows
+        if round_ != kept.round or room <= 0:
+            return
+        take = min(room, len(features))
+        kept.features.append(np.array(features[:take], dtype=np.float32))
+        kept.labels.append(np.array(labels[:take], dtype=np.int64))
+        kept.round_labels.append(np.array(labels[:take], dtype=np.int64))
+        kept.sample_ids.append(np.array(sample_ids[:take], dtype=np.int64))
+        kept.seqs.append(seq)
+        self._write_maps(agent, kept, "evalmaps", "activation uploads of evaluation (the agent's local test images)")
+
     def _note_eval_models(self, agent: str, msg: EvalReport) -> None:
         if not msg.models or agent in self._eval_models:
             return
@@ -223,14 +247,16 @@ class AuditKeeper:
         self._write_manifest()
 
     def _keep_eval_model(self, agent: str, msg: EvalReport) -> None:
-        kept = self._maps.get(agent)
         edge = {name[len("edge/"):]: value for name, value in msg.models.items() if name.startswith("edge/")}
-        if kept is None or msg.round != kept.round or not edge or kept.eval_model:
-            return
-        kept.eval_model = edge
-        self._write_maps(agent, kept)
+        for store, prefix, what in ((self._maps, "maps", "activation uploads"),
+                                    (self._eval_maps, "evalmaps", "activation uploads of evaluation (the agent's local test images)")):
+            kept = store.get(agent)
+            if kept is None or msg.round != kept.round or not edge or kept.eval_model:
+                continue
+            kept.eval_model = edge
+            self._write_maps(agent, kept, prefix, what)
 
-    def _write_maps(self, agent: str, kept: _Maps) -> None:
+    def _write_maps(self, agent: str, kept: _Maps, prefix: str = "maps", what: str = "activation uploads") -> None:
         if not kept.features:
             return
         arrays: dict[str, np.ndarray] = {
@@ -248,8 +274,7 @@ class AuditKeeper:
         extractor = self._turn_extractor.get(agent)
         if self.method == "splitnn" and extractor is not None:
             arrays.update({f"weights/{k}": v for k, v in extractor.items()})
-        self._save(f"maps-{agent}.npz", arrays, {"what": "activation uploads", "agent": agent, "round": kept.round,
-                                                 "rows": kept.rows})
+        self._save(f"{prefix}-{agent}.npz", arrays, {"what": what, "agent": agent, "round": kept.round, "rows": kept.rows})
 
     # -- weight updates ------------------------------------------------------------------ #
 

@@ -66,6 +66,11 @@ def test_audit_of_a_fedgkt_run_recovers_the_private_images(tmp_path: Path, mosqu
         assert white_box["extractor"] == "the edge model of the agent's evaluation report of the round"
         assert rows["labels_in_the_clear"]["histogram_error"] < 1e-9  # every label of the round went up in the clear
         assert all("wall_s" in row and "assumes" in row for row in agent["attacks"] if "psnr_db" in row)
+    # Evaluation's upload, the maps of the agents' local test images, is attacked too: private images as well.
+    for agent in leakage["agents"].values():
+        evaluation = {row["attack"]: row for row in agent["evaluation_uploads"]["attacks"]}
+        assert set(evaluation) == {"white_box_inversion", "inverse_network", "architecture_only"}
+        assert evaluation["white_box_inversion"]["psnr_db"] > evaluation["white_box_inversion"]["baseline_psnr_db"] + 25.0
     assert (run_dir / "audit" / "leakage.png").stat().st_size > 0
     # The fourth column: the run's own report carries the audit, summary.md shows it, the grid sits beside the plots.
     report = json.loads((run_dir / "report.json").read_text())

@@ -24,9 +24,9 @@ def load(path: Path) -> dict[str, np.ndarray]:
         return {name: npz[name] for name in npz.files}
 
 
-def features(round_: int, seq: int, rows: int, agent: str = "agent-0") -> GktFeatures:
+def features(round_: int, seq: int, rows: int, agent: str = "agent-0", split: str = "train") -> GktFeatures:
     ids = np.arange(seq * rows, (seq + 1) * rows, dtype=np.int64)
-    return GktFeatures(run="r", round=round_, sender=agent, split="train", seq=seq, instance="i",
+    return GktFeatures(run="r", round=round_, sender=agent, split=split, seq=seq, instance="i",
                        features=np.full((rows, 16, 4, 4), seq, np.float32), logits=np.eye(10, dtype=np.float32)[ids % 10],
                        labels=ids % 10, sample_ids=ids)
 
@@ -55,6 +55,22 @@ def test_activation_uploads_are_kept_up_to_the_bound(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "audit" / "kept.json").read_text())
     assert manifest["samples_per_agent"] == 8 and sorted(manifest["files"]) == ["extractor.npz", "maps-agent-0.npz"]
     assert manifest["files"]["maps-agent-0.npz"]["rows"] == 8
+
+
+def test_evaluation_maps_of_the_local_test_images_are_kept_apart_with_the_round_model(tmp_path: Path) -> None:
+    keeper = AuditKeeper(tmp_path, "fedgkt", samples_per_agent=5)
+    keeper.on_received("agent-0", features(1, 0, 6))
+    for seq in range(2):  # evaluation's upload of the local test images: 5 of 12 rows kept, apart from training's
+        keeper.on_received("agent-0", features(1, seq, 6, split="test"))
+    keeper.on_received("agent-0", features(2, 0, 6, split="test"))  # a later round adds nothing
+    edge = {"edge/extractor.conv.weight": np.ones((16, 1, 3, 3), np.float32)}
+    keeper.on_received("agent-0", EvalReport(run="r", round=1, sender="agent-0", models=edge))
+    kept = load(tmp_path / "audit" / "evalmaps-agent-0.npz")
+    assert kept["features"].shape == (5, 16, 4, 4) and kept["sample_ids"].tolist() == list(range(5))
+    assert np.array_equal(kept["eval_weights/extractor.conv.weight"], edge["edge/extractor.conv.weight"])
+    assert load(tmp_path / "audit" / "maps-agent-0.npz")["features"].shape[0] == 5  # training's rows unchanged
+    manifest = json.loads((tmp_path / "audit" / "kept.json").read_text())
+    assert manifest["files"]["evalmaps-agent-0.npz"]["rows"] == 5 and manifest["eval_models"]["agent-0"]["round"] == 1
 
 
 def test_one_update_per_agent_with_the_global_model_it_started_from(tmp_path: Path) -> None:

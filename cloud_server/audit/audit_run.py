@@ -129,7 +129,7 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
     private: torch.Tensor | None = None
     by_id = bool((maps.sample_ids >= 0).all())
     if by_id:
-        private, _ = images.by_sample_id(maps.agent, maps.sample_ids)
+        private, _ = images.by_sample_id(maps.agent, maps.sample_ids, maps.split)
     else:  # split learning's uploads carry no ids: each reconstruction is matched to an image of the shard
         shard, _ = images.all_of(maps.agent)
     image_shape = tuple(public.shape[1:])
@@ -183,6 +183,26 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
     return rows, pictures, private
 
 
+def _attack_eval_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentImages, public: torch.Tensor,
+                      pixels: PixelSpace, options: AuditOptions, decoders: dict[str, nn.Module], progress: Progress,
+                      grid: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, Any]:
+    """The image attacks on evaluation's upload of the agent's local test images (private too)."""
+    image_plan = replace(plan, attacks=tuple(spec for spec in plan.attacks if spec.scores == "images"))
+    rows, pictures, private = _attack_maps(kept, maps, image_plan, images, public, pixels, options, decoders, progress)
+    for row in rows:
+        row["assumes"] = _assumed(row_needs(plan, row["attack"]))
+        progress(_line(f"{maps.agent} (evaluation)", row))
+    if private is not None and pictures:
+        grid.append((f"{maps.agent} (evaluation)", private, pictures))
+    return {"kept": "activations of the agent's local test images", "round": maps.round, "maps": len(maps.features),
+            "attacks": rows}
+
+
+def row_needs(plan: AuditPlan, attack: str) -> tuple[str, ...]:
+    """What the attack named ``attack`` in ``plan`` assumes the server holds."""
+    return next(spec.needs for spec in plan.attacks if spec.name == attack)
+
+
 def _label_row(attack: str, maps: KeptMaps, images: AgentImages) -> dict[str, Any]:
     _, true_labels = images.all_of(maps.agent)
     num_classes = int(max(true_labels.max(), maps.round_labels.max())) + 1
@@ -219,7 +239,7 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
     unknown = sorted(set(options.attacks) - {spec.name for spec in plan.attacks})
     if unknown:
         raise AuditError(f"--attacks {unknown} do not apply to {kept.method} here; those that do: {', '.join(plan.attack_names)}")
-    agents = sorted(set(kept.maps) | set(kept.updates))
+    agents = sorted(set(kept.maps) | set(kept.updates) | set(kept.eval_maps))
     progress(f"edgesplit audit: {kept.method}, {len(agents)} agents; the server is assumed to hold: "
              f"{', '.join(_describe(knowledge)['holds'])}")
     for note in notes:
@@ -244,18 +264,22 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
             maps = kept.maps[agent]
             rows, pictures, private = _attack_maps(kept, maps, plan, images, public, pixels, options, decoders, progress)
             where = {"kept": "activations", "round": maps.round, "maps": len(maps.features)}
+        elif agent not in kept.updates:
+            where = {"kept": "evaluation activations only"}
         else:
             update = kept.updates[agent]
             rows, pictures, private = attack_update(kept, update, plan, images, public, pixels, options.steps,
                                                     options.max_update_images, options.attacks, options.seed, progress)
             where = {"kept": update.kind, "round": update.round, "num_samples": update.num_samples}
         for row in rows:
-            spec_needs = plan.attacks[[s.name for s in plan.attacks].index(row["attack"])].needs
-            row["assumes"] = _assumed(spec_needs)
+            row["assumes"] = _assumed(row_needs(plan, row["attack"]))
             progress(_line(agent, row))
         per_agent[agent] = {**where, "attacks": rows}
         if private is not None and pictures:
             grid.append((agent, private, pictures))
+        if agent in kept.eval_maps:
+            per_agent[agent]["evaluation_uploads"] = _attack_eval_maps(kept, kept.eval_maps[agent], plan, images, public,
+                                                                       pixels, options, decoders, progress, grid)
     summary = _best(per_agent)
     result = {
         "method": kept.method, "run_dir": str(kept.run_dir), "knowledge": _describe(knowledge), "notes": notes,
@@ -345,12 +369,13 @@ def _line(agent: str, row: dict[str, Any]) -> str:
 
 
 def _best(per_agent: dict[str, Any]) -> dict[str, Any]:
-    """Per image attack, the agent where it scored highest."""
+    """Per image attack, the agent (training or evaluation upload) where it scored highest."""
     best: dict[str, Any] = {}
     for agent, entry in per_agent.items():
-        for row in entry["attacks"]:
+        evaluation = entry.get("evaluation_uploads", {}).get("attacks", [])
+        for who, row in [(agent, row) for row in entry["attacks"]] + [(f"{agent} (evaluation)", row) for row in evaluation]:
             if "psnr_db" in row and (row["attack"] not in best or row["psnr_db"] > best[row["attack"]]["psnr_db"]):
-                best[row["attack"]] = {"agent": agent, **{k: row[k] for k in ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")}}
+                best[row["attack"]] = {"agent": who, **{k: row[k] for k in ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")}}
     return best
 
 

@@ -46,6 +46,7 @@ class KeptMaps:
     whole_batch: bool
     extractor: dict[str, np.ndarray]  # split learning: the extractor of the agent's turn (else empty)
     eval_model: dict[str, np.ndarray]  # FedGKT: the edge model of the agent's evaluation report of the round (else empty)
+    split: str = "train"  # "test": evaluation's upload of the agent's local test images (``evalmaps-<agent>.npz``)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class KeptRun:
     config: dict[str, Any]  # the run's resolved server config (report.json)
     manifest: dict[str, Any]
     maps: dict[str, KeptMaps] = field(default_factory=dict)
+    eval_maps: dict[str, KeptMaps] = field(default_factory=dict)  # FedGKT: evaluation's maps of the local test images
     updates: dict[str, KeptUpdate] = field(default_factory=dict)
     extractor: dict[str, np.ndarray] = field(default_factory=dict)  # FedGKT's initial edge model
 
@@ -125,13 +127,15 @@ def load_kept_run(run_dir: str | Path) -> KeptRun:
         arrays = _load(path)
         if name == "extractor.npz":
             kept.extractor = _prefixed(arrays, "weights/")
-        elif name.startswith("maps-"):
-            agent = name[len("maps-"):-len(".npz")]
-            kept.maps[agent] = KeptMaps(
+        elif name.startswith(("maps-", "evalmaps-")):
+            evaluation = name.startswith("evalmaps-")
+            agent = name[len("evalmaps-" if evaluation else "maps-"):-len(".npz")]
+            (kept.eval_maps if evaluation else kept.maps)[agent] = KeptMaps(
                 agent=agent, round=int(arrays["round"]), features=torch.from_numpy(arrays["features"].astype(np.float32)),
                 labels=arrays["labels"], sample_ids=arrays["sample_ids"], round_labels=arrays["round_labels"],
                 round_predicted=arrays.get("round_predicted"), whole_batch=bool(arrays["whole_batch"]),
-                extractor=_prefixed(arrays, "weights/"), eval_model=_prefixed(arrays, "eval_weights/"))
+                extractor=_prefixed(arrays, "weights/"), eval_model=_prefixed(arrays, "eval_weights/"),
+                split="test" if evaluation else "train")
         elif name.startswith("update-"):
             agent = name[len("update-"):-len(".npz")]
             kept.updates[agent] = KeptUpdate(
@@ -152,14 +156,18 @@ class AgentImages:
 
     shards: dict[str, ArrayDataset]  # agent id -> its training shard
     source: str  # how they were found, in words
+    test_shards: dict[str, ArrayDataset] = field(default_factory=dict)  # agent id -> its local test shard
 
-    def by_sample_id(self, agent: str, sample_ids: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """``(images (N, C, H, W) in [0, 1], labels (N,))`` of ``agent``'s samples ``sample_ids``.
+    def by_sample_id(self, agent: str, sample_ids: np.ndarray, split: str = "train") -> tuple[torch.Tensor, np.ndarray]:
+        """``(images (N, C, H, W) in [0, 1], labels (N,))`` of ``agent``'s samples ``sample_ids``
+        (``split`` "test": of its local test shard).
 
         Raises:
             AuditError: an id the agent's shard does not hold (the data config is not the run's).
         """
-        shard = self._shard(agent)
+        shard = self._shard(agent) if split == "train" else self.test_shards.get(agent)
+        if shard is None:
+            raise AuditError(f"no local test shard for {agent} among the run's data configs")
         position = {int(i): p for p, i in enumerate(shard.sample_ids)}
         missing = [int(i) for i in sample_ids if int(i) not in position]
         if missing:
@@ -209,12 +217,13 @@ def agent_images(run_dir: Path, agents: list[str]) -> AgentImages:
                                          train_samples=int(data.get("train_samples", 0)),
                                          test_samples=int(data.get("test_samples", 0))), int(data.get("agent_index", 0)))
     shards: dict[str, ArrayDataset] = {}
+    test_shards: dict[str, ArrayDataset] = {}
     by_spec: dict[AgentDataSpec, list[tuple[ArrayDataset, ArrayDataset]]] = {}
     for agent_id, (spec, index) in specs.items():
         if spec not in by_spec:
             by_spec[spec] = load_agent_subsets(spec)  # the dataset loaded and partitioned once
-        shards[agent_id] = by_spec[spec][index][0]
+        shards[agent_id], test_shards[agent_id] = by_spec[spec][index]
     source = ("this is a local simulation: each agent's private images were derived from its seeded data spec "
               "(RUN_DIR/configs/agent-*.toml) and looked up by sample id (uploads without ids: matched to the shard's "
               "images); a real deployment's auditor must supply them")
-    return AgentImages(shards, source)
+    return AgentImages(shards, source, test_shards)

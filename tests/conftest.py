@@ -8,10 +8,14 @@ import sys
 
 # numpy's OpenBLAS on one thread, as each agent process of `edgesplit local` has (OMP_NUM_THREADS=1):
 # here the agents are threads of the test process, and OpenBLAS's own threads spin while they wait
-# for a core. On the loaded 2-core machine one SVD of a 120 x 400 float64 matrix (FedKD's codec)
-# took 2.2 CPU s on two OpenBLAS threads and 0.005 s on one; tests/test_fedkd_determinism.py took
-# 43.6 CPU s and 10.6. Set before anything imports numpy (a value already set is kept).
+# for a core (FedKD's SVD codec was many times slower on two threads than on one, on a loaded
+# machine). Set before anything imports numpy (a value already set is kept).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Under pytest-xdist (`make test`) several worker processes share the cores: one torch thread each
+# (and for the processes they start), as `edgesplit local` gives each of its processes, rather than
+# every worker spinning a thread per core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 from pathlib import Path
 from typing import Iterator
 

@@ -308,8 +308,17 @@ def cmd_local(args: argparse.Namespace) -> int:
             f.close()
 
 
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (kill, systemd, the bench runner's budget) takes the Ctrl-C path: the broker, server
+        # and agents this process started are stopped, not orphaned. Ctrl-C itself may be ignored
+        # when started in the background (`cmd &` in a script).
+        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     if args.command == "keys":
         from .keys import KeyToolError, cmd_keys
 

@@ -4,8 +4,10 @@ config errors; and coordinator policies (allow-list, target accuracy)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,29 @@ def test_edgesplit_local_runs_a_federation_of_processes(tmp_path: Path) -> None:
     rendered = run("cloud_server.cli", "report", str(out))
     assert rendered.returncode == 0, rendered.stderr
     assert (out / "summary.md").exists() and (out / "accuracy_vs_round.png").exists()
+
+
+def test_edgesplit_local_stopped_by_sigterm_stops_what_it_started(tmp_path: Path) -> None:
+    # Started as a script's background job, whose Ctrl-C is ignored: SIGTERM still stops the broker,
+    # the server and the agents rather than orphaning them.
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cloud_server.launcher", "local", "--agents", "1", "--rounds", "50", "--dataset", "synthetic",
+         "--partition", "iid", "--train-samples", "64", "--test-samples", "32", "--out", str(out), "--run-id", "sigterm"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the federation is up: a round finished
+        if line.startswith("round 1/50"):
+            break
+    assert len(processes_mentioning(str(out))) >= 3  # the server, the agent and the broker at least
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=120)[0]
+    assert "interrupted; stopping processes" in rest and proc.returncode == 130
+    deadline = time.monotonic() + 30
+    while processes_mentioning(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(out)) == []
 
 
 def test_config_errors_are_clear(tmp_path: Path) -> None:

@@ -232,9 +232,10 @@ def test_a_dry_run_runs_nothing_and_only_picks_cells_by_glob(tmp_path: Path) -> 
 def test_a_run_past_its_budget_is_stopped_with_its_children(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner_module, "STOP_GRACE_S", 1.0)
     pids = tmp_path / "pids"
-    # A parent and a child that both ignore Ctrl-C, as a hung run might.
-    script = (f"import os, signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-              f"child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)']); "
+    # A parent and a child that both ignore Ctrl-C and SIGTERM, as a hung run might: the kill after the grace.
+    ignore = "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+    script = (f"import os, signal, subprocess, sys, time; {ignore}; "
+              f"child = subprocess.Popen([sys.executable, '-c', 'import signal, time; {ignore}; time.sleep(60)']); "
               f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}'); print('started', flush=True); time.sleep(60)")
     started = time.monotonic()
     code, tail = runner_module._run_bounded([sys.executable, "-c", script], tmp_path / "log", 4.0, dict(os.environ))

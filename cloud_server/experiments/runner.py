@@ -82,10 +82,11 @@ def _run_bounded(argv: list[str], log: Path, timeout_s: float, env: dict[str, st
 
 
 def _stop_session(proc: subprocess.Popen) -> None:
-    """Interrupt ``proc``'s session (the launcher then stops its server, agents and broker), then
-    kill whatever of it is left after the grace."""
+    """Terminate ``proc``'s session (the launcher then stops its server, agents and broker; SIGINT
+    may be ignored by a runner started in the background), then kill whatever of it is left after
+    the grace."""
     try:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     try:

@@ -43,13 +43,16 @@ def method_figures(results: Mapping[str, Any] | None) -> Figures:
     if results is None:
         return {}
     rows = long_table(results)
+    scale = results["experiment"].get("scale", {})
+    setting = (f"{scale.get('agents', '?')} agents, {scale.get('rounds', '?')} rounds, {scale.get('train_samples', 0):,} "
+               f"{scale.get('dataset', '')} training images")
     out: Figures = {}
     for group in summary(rows):
         method = group["method"]
         attacks = sorted({r["leakage_attack"] for r in rows if r["method"] == method and r["leakage_attack"]})
         out[method] = {"n": group["n"], "attacks": attacks, "psnr": group["leakage_psnr_db"], "ssim": group["leakage_ssim"],
                        "baseline_psnr": group["leakage_baseline_psnr_db"], "accuracy": group["final_accuracy"],
-                       "labels": _label_error(results, method)}
+                       "labels": _label_error(results, method), "setting": setting}
     return out
 
 
@@ -73,7 +76,7 @@ def _method_note(figures: Figures, method: str) -> str:
     if entry is None:
         return ("Not measured yet: `edgesplit bench run bench/experiments/leakage.toml`, then "
                 "`python bench/render_results.py`.")
-    text = (f"Measured on `make demo`'s setting at this method's defaults ({entry['n']} seeds, "
+    text = (f"Measured at this method's defaults ({entry['setting']}, {entry['n']} seeds, "
             "`bench/experiments/leakage.toml`): ")
     if entry["psnr"]["mean"] is not None:
         text += (f"the strongest attack ({', '.join(entry['attacks'])}) rebuilds the private images at {_db(entry['psnr'])} dB "

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from shared_protocol.errors import SizeLimitError
+from shared_protocol.errors import MapsNotHeldError, SizeLimitError
 from shared_protocol.messages import RoundEnd
 
 log = logging.getLogger("cloud_server.feature_store")
@@ -235,13 +235,56 @@ class FeatureBatch(Protocol):
 
 
 @dataclass
-class StagedBatch:
-    """One staged upload batch: its feature maps float16 in memory or in a mapped file."""
+class HeldMaps:
+    """One agent's maps of one split, kept across rounds so that the agent sends them once:
+    the rows its last accepted upload gave (de-duplicated, in upload order), their labels and
+    sample ids, and the digest the agent gave them (its extractor and codec). The staged array
+    belongs to the holder (released when the maps are replaced or dropped)."""
 
-    features: StagedArray  # (n, 16, H, W) float16
+    digest: str
+    rows: RowSource  # (n, 16, H, W) float16
+    labels: np.ndarray  # (n,) int64
+    sample_ids: np.ndarray  # (n,) int64
+    _sorted_ids: np.ndarray = field(init=False, repr=False)
+    _order: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._order = np.argsort(self.sample_ids, kind="stable")
+        self._sorted_ids = self.sample_ids[self._order]
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.staged.nbytes
+
+    def rows_of(self, digest: str, sample_ids: np.ndarray) -> np.ndarray:
+        """The rows holding ``sample_ids``' maps, in their order; :class:`MapsNotHeldError` when the
+        maps were made with another ``digest`` or some of the ids were never received."""
+        if digest != self.digest:
+            raise MapsNotHeldError(f"maps digest {digest[:12]}... is not the held maps' {self.digest[:12]}... "
+                                   "(another extractor or codec)")
+        at = np.searchsorted(self._sorted_ids, sample_ids)
+        at = np.minimum(at, len(self._sorted_ids) - 1)
+        known = self._sorted_ids[at] == sample_ids if len(self._sorted_ids) else np.zeros(len(sample_ids), bool)
+        if not known.all():
+            raise MapsNotHeldError(f"{int((~known).sum())} of {len(sample_ids)} sample ids (e.g. "
+                                   f"{int(sample_ids[~known][0])}) are not among the {len(self)} held")
+        return self._order[at]
+
+
+@dataclass
+class StagedBatch:
+    """One staged upload batch: its feature maps float16 in memory or in a mapped file, or
+    (``held``) the rows of maps held from an earlier upload that the batch reuses."""
+
+    features: StagedArray | None  # (n, 16, H, W) float16; None for a reused batch
     logits: np.ndarray  # (n, K)
     labels: np.ndarray  # (n,)
     sample_ids: np.ndarray  # (n,)
+    held: HeldMaps | None = None  # a reused batch's maps ...
+    rows: np.ndarray | None = None  # ... and their rows there (n,)
 
 
 @dataclass
@@ -253,22 +296,39 @@ class StagedUploads:
     train: dict[int, StagedBatch] = field(default_factory=dict)  # by seq: a resent batch replaces, never duplicates
     test: dict[int, StagedBatch] = field(default_factory=dict)
     samples: int = 0
+    digests: dict[str, set[str]] = field(default_factory=dict)  # split -> the maps digests its batches gave
 
     def batches(self) -> list[StagedBatch]:
         return [*self.train.values(), *self.test.values()]
 
-    def add(self, msg: FeatureBatch, staging: ArrayStaging, max_samples: int, agent: str) -> None:
+    def staged_arrays(self) -> list[StagedArray]:
+        """The arrays these uploads staged themselves (a reused batch's maps are the holder's)."""
+        return [b.features for b in self.batches() if b.features is not None]
+
+    def digest(self, split: str) -> str:
+        """The one maps digest every batch of ``split`` gave, or "" (none, or several)."""
+        digests = self.digests.get(split, set())
+        return next(iter(digests)) if len(digests) == 1 else ""
+
+    def add(self, msg: FeatureBatch, staging: ArrayStaging, max_samples: int, agent: str,
+            reused: tuple[HeldMaps, np.ndarray] | None = None) -> None:
         """Stage one uploaded batch of this round (a resent batch replaces its first copy),
-        refusing more than ``max_samples`` samples in all."""
+        refusing more than ``max_samples`` samples in all. ``reused``: the batch carries no maps
+        (nor labels); they are these rows of the held maps."""
         batches = self.train if msg.split == "train" else self.test
         replaced = batches.get(msg.seq)
-        samples = self.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.labels)
+        samples = self.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.sample_ids)
         if samples > max_samples:
             raise SizeLimitError(f"agent {agent} uploaded more than {max_samples} samples this round")
-        if replaced is not None:
+        if replaced is not None and replaced.features is not None:
             staging.release(replaced.features)
-        # float16 now, not at training time: the bound is on what is actually held.
-        batches[msg.seq] = StagedBatch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
+        if reused is not None:
+            held, rows = reused
+            batches[msg.seq] = StagedBatch(None, msg.logits, held.labels[rows], msg.sample_ids, held=held, rows=rows)
+        else:
+            # float16 now, not at training time: the bound is on what is actually held.
+            batches[msg.seq] = StagedBatch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
+        self.digests.setdefault(msg.split, set()).add(getattr(msg, "maps_digest", ""))
         self.samples = samples
 
     def why_unusable(self, end: RoundEnd) -> str | None:
@@ -285,6 +345,28 @@ class StagedUploads:
 
 # (features, edge logits, labels, sample ids) of one agent, rows aligned.
 AgentRows = tuple[RowSource, torch.Tensor, torch.Tensor, np.ndarray]
+
+
+def reused_whole(batches: list[StagedBatch]) -> AgentRows | None:
+    """When every batch reuses the same held maps and together they name exactly the held
+    rows in the held order (an agent re-sending its shard as before), those maps as they are,
+    with the batches' logits: no copy. Else None."""
+    held = batches[0].held if batches else None
+    if held is None or any(b.held is not held for b in batches):
+        return None
+    ids = np.concatenate([b.sample_ids for b in batches])
+    if len(ids) != len(held) or not np.array_equal(ids, held.sample_ids):
+        return None
+    logits = torch.from_numpy(np.concatenate([b.logits for b in batches]))
+    return held.rows, logits, torch.from_numpy(held.labels), held.sample_ids
+
+
+def materialise(batch: StagedBatch, staging: ArrayStaging) -> StagedBatch:
+    """A reused batch as if its maps had been sent: its rows of the held maps staged anew
+    (a full batch is returned as it is)."""
+    if batch.held is None or batch.rows is None:
+        return batch
+    return StagedBatch(staging.stage(batch.held.rows.staged.array[batch.rows]), batch.logits, batch.labels, batch.sample_ids)
 
 
 def gather_batches(batches: list[StagedBatch], staging: ArrayStaging) -> AgentRows:

@@ -23,13 +23,16 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from shared_protocol.errors import MapsNotHeldError, SizeLimitError
+from shared_protocol.errors import SizeLimitError
 from shared_protocol.messages import RoundEnd
+
+if TYPE_CHECKING:
+    from .held_maps import HeldMaps
 
 log = logging.getLogger("cloud_server.feature_store")
 
@@ -235,46 +238,6 @@ class FeatureBatch(Protocol):
 
 
 @dataclass
-class HeldMaps:
-    """One agent's maps of one split, kept across rounds so that the agent sends them once:
-    the rows its last accepted upload gave (de-duplicated, in upload order), their labels and
-    sample ids, and the digest the agent gave them (its extractor and codec). The staged array
-    belongs to the holder (released when the maps are replaced or dropped)."""
-
-    digest: str
-    rows: RowSource  # (n, 16, H, W) float16
-    labels: np.ndarray  # (n,) int64
-    sample_ids: np.ndarray  # (n,) int64
-    _sorted_ids: np.ndarray = field(init=False, repr=False)
-    _order: np.ndarray = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._order = np.argsort(self.sample_ids, kind="stable")
-        self._sorted_ids = self.sample_ids[self._order]
-
-    def __len__(self) -> int:
-        return len(self.sample_ids)
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows.staged.nbytes
-
-    def rows_of(self, digest: str, sample_ids: np.ndarray) -> np.ndarray:
-        """The rows holding ``sample_ids``' maps, in their order; :class:`MapsNotHeldError` when the
-        maps were made with another ``digest`` or some of the ids were never received."""
-        if digest != self.digest:
-            raise MapsNotHeldError(f"maps digest {digest[:12]}... is not the held maps' {self.digest[:12]}... "
-                                   "(another extractor or codec)")
-        at = np.searchsorted(self._sorted_ids, sample_ids)
-        at = np.minimum(at, len(self._sorted_ids) - 1)
-        known = self._sorted_ids[at] == sample_ids if len(self._sorted_ids) else np.zeros(len(sample_ids), bool)
-        if not known.all():
-            raise MapsNotHeldError(f"{int((~known).sum())} of {len(sample_ids)} sample ids (e.g. "
-                                   f"{int(sample_ids[~known][0])}) are not among the {len(self)} held")
-        return self._order[at]
-
-
-@dataclass
 class StagedBatch:
     """One staged upload batch: its feature maps float16 in memory or in a mapped file, or
     (``held``) the rows of maps held from an earlier upload that the batch reuses."""
@@ -345,28 +308,6 @@ class StagedUploads:
 
 # (features, edge logits, labels, sample ids) of one agent, rows aligned.
 AgentRows = tuple[RowSource, torch.Tensor, torch.Tensor, np.ndarray]
-
-
-def reused_whole(batches: list[StagedBatch]) -> AgentRows | None:
-    """When every batch reuses the same held maps and together they name exactly the held
-    rows in the held order (an agent re-sending its shard as before), those maps as they are,
-    with the batches' logits: no copy. Else None."""
-    held = batches[0].held if batches else None
-    if held is None or any(b.held is not held for b in batches):
-        return None
-    ids = np.concatenate([b.sample_ids for b in batches])
-    if len(ids) != len(held) or not np.array_equal(ids, held.sample_ids):
-        return None
-    logits = torch.from_numpy(np.concatenate([b.logits for b in batches]))
-    return held.rows, logits, torch.from_numpy(held.labels), held.sample_ids
-
-
-def materialise(batch: StagedBatch, staging: ArrayStaging) -> StagedBatch:
-    """A reused batch as if its maps had been sent: its rows of the held maps staged anew
-    (a full batch is returned as it is)."""
-    if batch.held is None or batch.rows is None:
-        return batch
-    return StagedBatch(staging.stage(batch.held.rows.staged.array[batch.rows]), batch.logits, batch.labels, batch.sample_ids)
 
 
 def gather_batches(batches: list[StagedBatch], staging: ArrayStaging) -> AgentRows:

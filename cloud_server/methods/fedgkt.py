@@ -14,13 +14,8 @@ memory-mapped files (``spill_dir``) that the training loop reads back, deleted
 once the round's training is done (``cloud_server/feature_store.py``).
 
 Maps go up once (``reuse_maps``, with a frozen extractor): the server holds each agent's
-last accepted training and test maps across rounds (:class:`HeldMaps`, in the same
-staging), names their digest in the agent's round config (``held_maps``), and takes a
-:class:`GktReusedMaps` batch (logits and sample ids) as the held rows of those ids. A claim
-it cannot serve (maps lost with a restart or dropped, another digest, unknown ids) is never
-trained on: the batch counts as missing and the agent is asked for it in full
-(:class:`GktMapsRequest`) before the round completes; a test batch's local figure is left
-out of that evaluation and the next one uploads in full.
+accepted maps across rounds and takes later batches that reuse them as their rows
+(``fedgkt_reuse.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +37,11 @@ from models.losses import kd_loss
 from models.training import make_lr_schedule, make_optimizer
 from shared_protocol.errors import MapsNotHeldError, ShapeMismatchError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
-from shared_protocol.methods.fedgkt import GktFeatures, GktMapsRequest, GktResendRequest, GktReusedMaps, GktServerLogits
+from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktReusedMaps, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
-from ..feature_store import (
-    AgentRows,
-    ArrayStaging,
-    HeldMaps,
-    StagedArray,
-    StagedBatch,
-    StagedUploads,
-    gather_batches,
-    materialise,
-    reused_whole,
-)
+from ..feature_store import AgentRows, ArrayStaging, StagedUploads
+from ..held_maps import HeldMaps
 from ..robust_config import ImplausibleUploadError
 from ..server_step import TrainStep
 from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, StreamedUploads, register_server_method
@@ -63,6 +49,7 @@ from .fedgkt_config import ALGORITHM_1, EDGE_KEYS, KD_MODES, PAPER_PRESETS, SERV
 from .fedgkt_evaluation import FedGktEvaluation
 from .fedgkt_label_check import FedGktLabelCheck
 from .fedgkt_plausibility import FedGktPlausibility
+from .fedgkt_reuse import FedGktReuse
 from .fedgkt_training import FedGktTraining
 
 __all__ = ["ALGORITHM_1", "EDGE_KEYS", "KD_MODES", "PAPER_PRESETS", "SERVER_ORDERS", "FedGktConfig", "FedGktServer", "launcher_table"]
@@ -70,10 +57,11 @@ __all__ = ["ALGORITHM_1", "EDGE_KEYS", "KD_MODES", "PAPER_PRESETS", "SERVER_ORDE
 log = logging.getLogger("cloud_server.fedgkt")
 
 @register_server_method
-class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktLabelCheck, StreamedUploads, AnswersUploads,
-                   ServerMethod):
-    """The server step; its training, evaluation and plausibility checks are in the ``fedgkt_training``,
-    ``fedgkt_evaluation``, ``fedgkt_plausibility`` and ``fedgkt_label_check`` modules beside it."""
+class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktLabelCheck, FedGktReuse, StreamedUploads,
+                   AnswersUploads, ServerMethod):
+    """The server step; its training, evaluation, plausibility checks and held maps are in the
+    ``fedgkt_training``, ``fedgkt_evaluation``, ``fedgkt_plausibility``, ``fedgkt_label_check``
+    and ``fedgkt_reuse`` modules beside it."""
 
     name = "fedgkt"
     # Torch-free (--backend ort) agents ask for their training artifacts within their first round.
@@ -117,12 +105,7 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         # Async replay: agent -> its latest training maps (held in the staging, not checkpointed:
         # a resumed server replays what arrives after the resume).
         self.replay: dict[str, AgentRows] = {}
-        # Maps sent once (reuse_maps): (agent, split) -> its last accepted maps, held in the
-        # staging across rounds (not checkpointed: a resumed server asks for them again).
-        self.held: dict[tuple[str, str], HeldMaps] = {}
-        # (agent, split) -> (instance, round, {seq: why}) of the reuse claims it could not serve:
-        # asked for in full (train) or left out of the evaluation (test).
-        self.maps_wanted: dict[tuple[str, str], tuple[str, int, dict[int, str]]] = {}
+        self._init_held_maps()  # maps sent once (fedgkt_reuse.py)
         # Plausibility (cloud_server/robust.py): agent -> (instance, round, {(split, seq)}) of the
         # batches refused at the door (held as arrived: not asked for again), and per agent
         # its round's training maps' per-channel sums of squares, element counts and the
@@ -164,77 +147,7 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         # round (a lost RoundStart must not leave it on its own initialisation); an agent that
         # has already trained ignores them.
         weights = self.edge_init_weights if agent not in self.initialised_agents else {}
-        cfg = self.config.round_config()
-        if self._holds_maps:
-            cfg = replace(cfg, held_maps={split: held.digest for (a, split), held in sorted(self.held.items()) if a == agent})
-        return asdict(cfg), dict(weights)
-
-    # -- maps sent once ------------------------------------------------------- #
-
-    @property
-    def _holds_maps(self) -> bool:
-        """Whether agents' maps are held across rounds: reuse on and the extractors frozen (a
-        trained extractor gives other maps every round)."""
-        edge = self.config.edge
-        return edge.reuse_maps and not edge.train_extractor
-
-    def _in_use(self, staged: StagedArray) -> bool:
-        return any(h.rows.staged is staged for h in self.held.values()) or \
-            any(rows[0].staged is staged for rows in self.replay.values())
-
-    def _release_rows(self, staged: StagedArray) -> None:
-        """Release a gathered array unless held maps or async replay still use it."""
-        if not self._in_use(staged):
-            self.staging.release(staged)
-
-    def _hold(self, agent: str, split: str, digest: str, rows: AgentRows) -> None:
-        """Keep ``rows`` as ``agent``'s ``split`` maps (digest ``digest``), replacing what was held."""
-        old = self.held.get((agent, split))
-        if old is not None and old.rows.staged is rows[0].staged:
-            return  # the held maps, reused as they are
-        self.held[(agent, split)] = HeldMaps(digest, rows[0], rows[2].numpy().astype(np.int64, copy=False), rows[3])
-        if old is not None:
-            self._release_rows(old.rows.staged)
-
-    def drop_held_maps(self, agent: str | None = None) -> None:
-        """Forget the maps held for ``agent`` (None: every agent), as a restart would: the
-        next claims to reuse them are refused and the maps asked for again."""
-        for key in [k for k in self.held if agent is None or k[0] == agent]:
-            self._release_rows(self.held.pop(key).rows.staged)
-
-    def _want_maps(self, agent: str, msg: GktReusedMaps, why: str) -> None:
-        instance, round_, wanted = self.maps_wanted.get((agent, msg.split), (msg.instance, msg.round, {}))
-        if (instance, round_) != (msg.instance, msg.round):
-            wanted = {}
-        wanted[msg.seq] = why
-        self.maps_wanted[(agent, msg.split)] = (msg.instance, msg.round, wanted)
-        self._count(msg.round, msg.split, "requested_batches", 1)
-        log.warning("round %d: %s's %s batch %d reuses maps the server does not hold (%s); asking for them in full",
-                    msg.round, agent, msg.split, msg.seq, why)
-
-    def _wanted(self, agent: str, instance: str, round_: int, split: str) -> dict[int, str]:
-        held = self.maps_wanted.get((agent, split))
-        if held is None or held[:2] != (instance, round_):
-            return {}
-        return dict(held[2])
-
-    def _count(self, round_: int, split: str, what: str, value: int) -> None:
-        """The round's figures of maps sent once (report.json ``rounds[].method``)."""
-        key = f"{'maps' if split == 'train' else 'test_maps'}_{what}"
-        figures = self.figures.setdefault(round_, {})
-        figures[key] = figures.get(key, 0) + value
-
-    def _agent_rows(self, agent: str, split: str, batches: list[StagedBatch]) -> AgentRows:
-        """One agent's batches of ``split`` as rows: the held maps as they are when the batches
-        reuse all of them in order, else gathered (reused batches copied from the held maps).
-        :class:`MapsNotHeldError` when maps a batch reused were dropped since it arrived."""
-        held = self.held.get((agent, split))
-        if any(b.held is not None and (b.held is not held or b.held.rows.staged.released) for b in batches):
-            raise MapsNotHeldError(f"the held {split} maps some batches reused were dropped before they were used")
-        whole = reused_whole(batches)
-        if whole is not None:
-            return whole
-        return gather_batches([materialise(b, self.staging) for b in batches], self.staging)
+        return asdict(self._with_held_maps(self.config.round_config(), agent)), dict(weights)
 
     def end_round(self, round_: int) -> None:
         """Step the lr schedule once per round with the round's sample-weighted server loss. In
@@ -329,37 +242,6 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
             held = store[agent] = StagedUploads(msg.instance, msg.round)
         held.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent, reused=reused)
 
-    def _on_reused(self, agent: str, msg: GktReusedMaps) -> None:
-        """A batch that reuses held maps: staged as their rows, with the batch's logits; a claim
-        the server cannot serve is not staged, and its maps are asked for in full."""
-        if msg.logits.shape[1] != self.ctx.num_classes:
-            raise ShapeMismatchError(f"edge logits have {msg.logits.shape[1]} classes, run has {self.ctx.num_classes}")
-        cfg = self.ctx.robustness
-        peak = float(np.max(np.abs(msg.logits)))
-        if self.ctx.robustness.plausibility_checks and not peak <= cfg.logit_abs_limit:
-            raise ImplausibleUploadError("out_of_range", f"{msg.split} edge logits reach |z| = {peak:.4g}, above "
-                                                         f"server.logit_abs_limit = {cfg.logit_abs_limit:g}")
-        try:
-            rows = self.reused_rows(agent, msg)
-        except MapsNotHeldError as exc:
-            self._want_maps(agent, msg, f"{exc.code}: {exc}")
-            return
-        self._stage(agent, msg, reused=(self.held[(agent, msg.split)], rows))
-        n = len(msg.sample_ids)
-        self._count(msg.round, msg.split, "reused_batches", 1)
-        self._count(msg.round, msg.split, "reused_samples", n)
-        self._count(msg.round, msg.split, "reused_fp32_bytes", 4 * n * math.prod(self.feature_shape or ()))
-
-    def reused_rows(self, agent: str, msg: GktReusedMaps) -> np.ndarray:
-        """The rows of the maps ``agent``'s claim reuses; :class:`MapsNotHeldError` (a specific
-        reason) when the server holds none for the split, or other ones."""
-        held = self.held.get((agent, msg.split)) if self._holds_maps else None
-        if held is None:
-            raise MapsNotHeldError(f"no {msg.split} maps of {agent} are held (none sent yet, a restarted or resumed "
-                                   "server, or dropped)" if self._holds_maps else "this run does not hold maps (reuse_maps "
-                                   "= false or train_extractor = true)")
-        return held.rows_of(msg.maps_digest, msg.sample_ids)
-
     def _release(self, store: dict[str, StagedUploads], agent: str) -> None:
         held = store.pop(agent, None)
         if held is not None:
@@ -387,13 +269,8 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
             have = set() if staged is None else set(staged.train if split == "train" else staged.test)
             have |= {seq for s, seq in refused_seqs if s == split}  # arrived, refused: not asked for again
             missing = sorted(set(range(info["batches"])) - have)
-            # Claims to reuse maps the server does not hold: those batches in full.
-            wanted = self._wanted(agent, end.instance, end.round, split)
-            in_full = [seq for seq in missing if seq in wanted]
-            again = [seq for seq in missing if seq not in wanted]
-            if in_full:
-                requests.append(GktMapsRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split,
-                                               seqs=in_full, reason=wanted[in_full[0]][:500]))
+            requests += self._maps_requests(agent, end, split, missing)  # claims it could not serve: in full
+            again = [seq for seq in missing if seq not in self._wanted(agent, end.instance, end.round, split)]
             if again:
                 requests.append(GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=again))
         return requests
@@ -456,10 +333,7 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
                 # maps they just sent (the same extractor is evaluated).
                 for agent in data:
                     self.agent_bn[agent] = self._calibrate(data[agent][0])
-            if self._holds_maps:  # held for the next rounds' claims (what the agent's digest vouches for)
-                for agent, rows in data.items():
-                    if digests.get(agent):
-                        self._hold(agent, "train", digests[agent], rows)
+            self._hold_trained(data, digests)  # for the next rounds' claims
             if self._replaying:
                 for agent, rows in data.items():  # kept for the other agents' arrivals; the agent's older maps go
                     old = self.replay.pop(agent, None)

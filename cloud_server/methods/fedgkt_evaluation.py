@@ -22,7 +22,8 @@ from shared_protocol.messages import EvalReport
 from shared_protocol.errors import MapsNotHeldError
 
 from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
-from ..feature_store import AgentRows, HeldMaps, StagedUploads
+from ..feature_store import AgentRows, StagedUploads
+from ..held_maps import HeldMaps
 
 log = logging.getLogger("cloud_server.fedgkt")
 

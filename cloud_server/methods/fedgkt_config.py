@@ -100,7 +100,8 @@ class FedGktConfig:
         "max_staged_samples_per_agent": "an agent cannot make the server stage more than this per round",
         "staged_memory_bytes": "staged float16 feature maps held in memory (all agents; default 2 GiB); beyond it "
                                "uploads are staged in memory-mapped files",
-        "spill_dir": "where those files go (`\"\"`: `staged/` in the run directory); deleted after each round's training",
+        "spill_dir": "where those files go (`\"\"`: `staged/` in the run directory); deleted after each round's training, "
+                     "except those of maps held for reuse (`reuse_maps`: deleted when replaced)",
         "edge_init": "`shared`: every agent's ResNet-8 starts from the server's initial weights (drawn from "
                      "`[server] seed`, sent with an agent's RoundStarts until it has finished a round, about 42 KB), "
                      "so all extractors start in one feature space; `per_agent`: each agent draws its own",

@@ -43,7 +43,7 @@ import numpy as np
 
 from shared_protocol.messages import ErrorReply, EvalReport, Hello, Message, RoundEnd, RoundStart, Status
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgUpdate, join_state
-from shared_protocol.methods.fedgkt import GktFeatures
+from shared_protocol.methods.fedgkt import GktFeatures, GktReusedMaps
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdUpdate
 from shared_protocol.methods.splitnn import SplitActivations, SplitExtractorWeights
 
@@ -162,6 +162,8 @@ class AuditKeeper:
                                 msg.logits.argmax(axis=1) if len(msg.logits) else np.zeros(0, np.int64))
             else:
                 self._keep_eval_maps(agent, msg.round, msg.seq, msg.features, msg.labels, msg.sample_ids)
+        elif isinstance(msg, GktReusedMaps):
+            pass  # names maps uploaded before (kept, if at all, when they were uploaded)
         elif isinstance(msg, SplitActivations):
             if msg.split == "train":
                 self._keep_maps(agent, msg.round, msg.seq, msg.activations, msg.labels, None, None)

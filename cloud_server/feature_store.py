@@ -23,13 +23,16 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from shared_protocol.errors import SizeLimitError
 from shared_protocol.messages import RoundEnd
+
+if TYPE_CHECKING:
+    from .held_maps import HeldMaps
 
 log = logging.getLogger("cloud_server.feature_store")
 
@@ -236,12 +239,15 @@ class FeatureBatch(Protocol):
 
 @dataclass
 class StagedBatch:
-    """One staged upload batch: its feature maps float16 in memory or in a mapped file."""
+    """One staged upload batch: its feature maps float16 in memory or in a mapped file, or
+    (``held``) the rows of maps held from an earlier upload that the batch reuses."""
 
-    features: StagedArray  # (n, 16, H, W) float16
+    features: StagedArray | None  # (n, 16, H, W) float16; None for a reused batch
     logits: np.ndarray  # (n, K)
     labels: np.ndarray  # (n,)
     sample_ids: np.ndarray  # (n,)
+    held: HeldMaps | None = None  # a reused batch's maps ...
+    rows: np.ndarray | None = None  # ... and their rows there (n,)
 
 
 @dataclass
@@ -253,22 +259,39 @@ class StagedUploads:
     train: dict[int, StagedBatch] = field(default_factory=dict)  # by seq: a resent batch replaces, never duplicates
     test: dict[int, StagedBatch] = field(default_factory=dict)
     samples: int = 0
+    digests: dict[str, set[str]] = field(default_factory=dict)  # split -> the maps digests its batches gave
 
     def batches(self) -> list[StagedBatch]:
         return [*self.train.values(), *self.test.values()]
 
-    def add(self, msg: FeatureBatch, staging: ArrayStaging, max_samples: int, agent: str) -> None:
+    def staged_arrays(self) -> list[StagedArray]:
+        """The arrays these uploads staged themselves (a reused batch's maps are the holder's)."""
+        return [b.features for b in self.batches() if b.features is not None]
+
+    def digest(self, split: str) -> str:
+        """The one maps digest every batch of ``split`` gave, or "" (none, or several)."""
+        digests = self.digests.get(split, set())
+        return next(iter(digests)) if len(digests) == 1 else ""
+
+    def add(self, msg: FeatureBatch, staging: ArrayStaging, max_samples: int, agent: str,
+            reused: tuple[HeldMaps, np.ndarray] | None = None) -> None:
         """Stage one uploaded batch of this round (a resent batch replaces its first copy),
-        refusing more than ``max_samples`` samples in all."""
+        refusing more than ``max_samples`` samples in all. ``reused``: the batch carries no maps
+        (nor labels); they are these rows of the held maps."""
         batches = self.train if msg.split == "train" else self.test
         replaced = batches.get(msg.seq)
-        samples = self.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.labels)
+        samples = self.samples - (len(replaced.labels) if replaced is not None else 0) + len(msg.sample_ids)
         if samples > max_samples:
             raise SizeLimitError(f"agent {agent} uploaded more than {max_samples} samples this round")
-        if replaced is not None:
+        if replaced is not None and replaced.features is not None:
             staging.release(replaced.features)
-        # float16 now, not at training time: the bound is on what is actually held.
-        batches[msg.seq] = StagedBatch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
+        if reused is not None:
+            held, rows = reused
+            batches[msg.seq] = StagedBatch(None, msg.logits, held.labels[rows], msg.sample_ids, held=held, rows=rows)
+        else:
+            # float16 now, not at training time: the bound is on what is actually held.
+            batches[msg.seq] = StagedBatch(staging.stage(msg.features), msg.logits, msg.labels, msg.sample_ids)
+        self.digests.setdefault(msg.split, set()).add(getattr(msg, "maps_digest", ""))
         self.samples = samples
 
     def why_unusable(self, end: RoundEnd) -> str | None:

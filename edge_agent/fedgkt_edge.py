@@ -5,7 +5,10 @@ ResNet-8: parse the round's :class:`GktRoundConfig`, train ``edge_epochs`` with
 ``CE + alpha * KD(server logits)``, then stream eval-mode feature maps, edge
 logits, labels and sample ids batch by batch (never all maps in memory), keep
 the server logits that come back by sample id, re-extract exactly the batches a
-:class:`GktResendRequest` names, and persist model and teacher in one format.
+:class:`GktResendRequest` names, and persist model and teacher in one format. Maps
+go up once: a batch whose maps the server holds (the round config's ``held_maps``
+names the digest this agent's extractor and codec give) goes up as its logits and
+sample ids (:class:`GktReusedMaps`); a :class:`GktMapsRequest` gets them in full.
 :class:`FedGktEdgeBase` does all of that; a backend fills in the model:
 
 * ``edge_agent/methods/fedgkt.py`` -- torch (the shared training loop);
@@ -15,20 +18,49 @@ the server logits that come back by sample id, re-extract exactly the batches a
 
 from __future__ import annotations
 
+import hashlib
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from shared_protocol.messages import EvalRequest, Message, RoundStart
-from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktRoundConfig, GktServerLogits
+from shared_protocol.methods.fedgkt import (
+    GktFeatures,
+    GktMapsRequest,
+    GktResendRequest,
+    GktReusedMaps,
+    GktRoundConfig,
+    GktServerLogits,
+)
 
 from .costs import DeclaredFlops, RoundMeter, SampleFlops
 from .methods.base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, shard_result
 from .teacher import EXTRACT_BATCH_SAMPLES, TeacherLogits
 
-__all__ = ["FedGktEdgeBase"]
+__all__ = ["FedGktEdgeBase", "maps_digest"]
+
+#: The prefix of the extractor's entries in the edge model's state (torch state-dict names, which
+#: the ort backend keeps too).
+EXTRACTOR_PREFIX = "extractor."
+
+
+def maps_digest(model_arrays: Mapping[str, np.ndarray], codec: str) -> str:
+    """sha256 over what determines the maps an agent uploads: the extractor's weights and
+    BatchNorm buffers (every ``extractor.*`` entry of the model's state, by name, with dtype
+    and shape) and the codec they are encoded with. The same digest on the same sample ids
+    means the same maps, byte for byte after the codec (extraction runs in eval mode).
+    ``""`` for a model without extractor entries (nothing to vouch for)."""
+    names = sorted(k for k in model_arrays if k.startswith(EXTRACTOR_PREFIX))
+    if not names:
+        return ""
+    h = hashlib.sha256(f"codec={codec}\n".encode())
+    for name in names:
+        array = np.ascontiguousarray(model_arrays[name])
+        h.update(f"{name}|{array.dtype.str}|{array.shape}\n".encode())
+        h.update(array.tobytes())
+    return h.hexdigest()
 
 
 class FedGktEdgeBase(EdgeMethod):
@@ -94,18 +126,20 @@ class FedGktEdgeBase(EdgeMethod):
         if isinstance(msg, GktServerLogits):
             self.teacher.update(msg.sample_ids, msg.logits)
             return True
-        if isinstance(msg, GktResendRequest):
+        if isinstance(msg, (GktResendRequest, GktMapsRequest)):
             self._resend(msg)
             return True
         return False
 
-    def _resend(self, request: GktResendRequest) -> None:
+    def _resend(self, request: GktResendRequest | GktMapsRequest) -> None:
         """Re-extract the requested batches (the model has not changed since the upload:
-        the same deterministic order gives the same batches) and send them again."""
+        the same deterministic order gives the same batches) and send them again; in full
+        (maps included) when the server asks for maps it does not hold."""
         if self._last_round is None or self._last_round[0].round != request.round or not self._ready():
             return  # not our latest round: nothing to resend
         start, cfg = self._last_round
-        self._stream_features(request.split, start.round, cfg, RoundMeter(), only=set(request.seqs))
+        self._stream_features(request.split, start.round, cfg, RoundMeter(), only=set(request.seqs),
+                              full=isinstance(request, GktMapsRequest))
         self.ctx.resend_round_end()
 
     # -- the round --------------------------------------------------------------- #
@@ -142,11 +176,17 @@ class FedGktEdgeBase(EdgeMethod):
                           uploads={"test": test})
 
     def _stream_features(self, split: str, round_: int, cfg: GktRoundConfig, meter: RoundMeter,
-                         only: set[int] | None = None) -> dict[str, int]:
+                         only: set[int] | None = None, full: bool = False) -> dict[str, int]:
         """Extract (eval mode) and send batch by batch; at most one batch of maps in memory.
-        For the test split also counts the edge model's correct predictions (``correct``)."""
+        For the test split also counts the edge model's correct predictions (``correct``).
+        When the server holds this split's maps with the digest this extractor and codec give
+        (and ``full`` is not asked), a batch goes up as its logits and sample ids (``reused``
+        counts those batches): the logits still need the extraction, the maps not the link."""
         ctx = self.ctx
-        batches = samples = correct = 0
+        batches = samples = correct = reused = 0
+        digest = maps_digest(self._model_arrays(), cfg.upload_codec)
+        reuse = (cfg.reuse_maps and not cfg.train_extractor and not full
+                 and cfg.held_maps.get(split) == digest)
         # A memory-saving agent sends smaller messages than the server allows (the server bounds
         # their size from above only); the same size every time, so a resend names the same batches.
         batch_samples = ctx.memory.upload_batch_samples(cfg.upload_batch_samples)
@@ -156,18 +196,23 @@ class FedGktEdgeBase(EdgeMethod):
             with meter.phase("compute"):
                 features, logits = self._extract(images)  # (B, 16, H, W), (B, K)
             correct += int((logits.argmax(axis=1) == labels).sum())
-            msg = GktFeatures(
-                run=ctx.run_id, round=round_, sender=ctx.agent_id, split=split, seq=seq, instance=ctx.instance,
-                features=features, logits=logits,
-                labels=labels.astype(np.int64), sample_ids=sample_ids.astype(np.int64),
-            )
-            ctx.send(msg, meter, codecs={"features": cfg.upload_codec})
+            base = dict(run=ctx.run_id, round=round_, sender=ctx.agent_id, split=split, seq=seq, instance=ctx.instance,
+                        maps_digest=digest)
+            if reuse:
+                del features  # the server holds them
+                ctx.send(GktReusedMaps(**base, logits=logits, sample_ids=sample_ids.astype(np.int64)), meter)
+                reused += 1
+            else:
+                msg = GktFeatures(**base, features=features, logits=logits,
+                                  labels=labels.astype(np.int64), sample_ids=sample_ids.astype(np.int64))
+                ctx.send(msg, meter, codecs={"features": cfg.upload_codec})
             batches += 1
             samples += len(labels)
+        info = {"batches": batches, "samples": samples, **({"reused": reused} if reused else {})}
         if split == "train":
             meter.forward(self.flops, samples)
-            return {"batches": batches, "samples": samples}
-        return {"batches": batches, "samples": samples, "correct": correct}
+            return info
+        return {**info, "correct": correct}
 
     @staticmethod
     def _fill_slices(total: int, parts: Iterable[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

@@ -109,4 +109,12 @@ class UnknownSenderError(ProtocolError):
     code = "unknown_sender"
 
 
+class MapsNotHeldError(ProtocolError):
+    """A claim to reuse uploaded data (maps sent once) that the receiver does not hold: another
+    digest than the one it staged, sample ids it never received, or nothing staged at all
+    (a restart, a resume). The sender is asked for the data in full; never used as it is."""
+
+    code = "maps_not_held"
+
+
 __all__ = [name for name in dir() if name.endswith("Error")]

@@ -12,6 +12,10 @@ Staged features are kept as float16 to halve server memory, at most
 ``staged_memory_bytes`` of them in memory; beyond that, uploads are staged in
 memory-mapped files (``spill_dir``) that the training loop reads back, deleted
 once the round's training is done (``cloud_server/feature_store.py``).
+
+Maps go up once (``reuse_maps``, with a frozen extractor): the server holds each agent's
+accepted maps across rounds and takes later batches that reuse them as their rows
+(``fedgkt_reuse.py``).
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ from models import build_model, count_parameters, load_arrays_into, state_dict_t
 from models.batchnorm import BnStatistics, batchnorm_layers
 from models.losses import kd_loss
 from models.training import make_lr_schedule, make_optimizer
-from shared_protocol.errors import ShapeMismatchError, ValueRangeError
+from shared_protocol.errors import MapsNotHeldError, ShapeMismatchError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, check_labels
-from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktServerLogits
+from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktReusedMaps, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
-from ..feature_store import AgentRows, ArrayStaging, StagedUploads, gather_batches
+from ..feature_store import AgentRows, ArrayStaging, StagedUploads
+from ..held_maps import HeldMaps
 from ..robust_config import ImplausibleUploadError
 from ..server_step import TrainStep
 from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, StreamedUploads, register_server_method
@@ -44,6 +49,7 @@ from .fedgkt_config import ALGORITHM_1, EDGE_KEYS, KD_MODES, PAPER_PRESETS, SERV
 from .fedgkt_evaluation import FedGktEvaluation
 from .fedgkt_label_check import FedGktLabelCheck
 from .fedgkt_plausibility import FedGktPlausibility
+from .fedgkt_reuse import FedGktReuse
 from .fedgkt_training import FedGktTraining
 
 __all__ = ["ALGORITHM_1", "EDGE_KEYS", "KD_MODES", "PAPER_PRESETS", "SERVER_ORDERS", "FedGktConfig", "FedGktServer", "launcher_table"]
@@ -51,14 +57,15 @@ __all__ = ["ALGORITHM_1", "EDGE_KEYS", "KD_MODES", "PAPER_PRESETS", "SERVER_ORDE
 log = logging.getLogger("cloud_server.fedgkt")
 
 @register_server_method
-class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktLabelCheck, StreamedUploads, AnswersUploads,
-                   ServerMethod):
-    """The server step; its training, evaluation and plausibility checks are in the ``fedgkt_training``,
-    ``fedgkt_evaluation``, ``fedgkt_plausibility`` and ``fedgkt_label_check`` modules beside it."""
+class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktLabelCheck, FedGktReuse, StreamedUploads,
+                   AnswersUploads, ServerMethod):
+    """The server step; its training, evaluation, plausibility checks and held maps are in the
+    ``fedgkt_training``, ``fedgkt_evaluation``, ``fedgkt_plausibility``, ``fedgkt_label_check``
+    and ``fedgkt_reuse`` modules beside it."""
 
     name = "fedgkt"
     # Torch-free (--backend ort) agents ask for their training artifacts within their first round.
-    upload_types = (GktFeatures, GktOrtArtifactsRequest)
+    upload_types = (GktFeatures, GktReusedMaps, GktOrtArtifactsRequest)
     answered_types = (GktOrtArtifactsRequest,)
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
@@ -98,6 +105,7 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         # Async replay: agent -> its latest training maps (held in the staging, not checkpointed:
         # a resumed server replays what arrives after the resume).
         self.replay: dict[str, AgentRows] = {}
+        self._init_held_maps()  # maps sent once (fedgkt_reuse.py)
         # Plausibility (cloud_server/robust.py): agent -> (instance, round, {(split, seq)}) of the
         # batches refused at the door (held as arrived: not asked for again), and per agent
         # its round's training maps' per-channel sums of squares, element counts and the
@@ -139,7 +147,7 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         # round (a lost RoundStart must not leave it on its own initialisation); an agent that
         # has already trained ignores them.
         weights = self.edge_init_weights if agent not in self.initialised_agents else {}
-        return asdict(self.config.round_config()), dict(weights)
+        return asdict(self._with_held_maps(self.config.round_config(), agent)), dict(weights)
 
     def end_round(self, round_: int) -> None:
         """Step the lr schedule once per round with the round's sample-weighted server loss. In
@@ -195,6 +203,9 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         return self._ort.reply(msg)
 
     def on_upload(self, agent: str, msg: Message) -> None:
+        if isinstance(msg, GktReusedMaps):
+            self._on_reused(agent, msg)
+            return
         if not isinstance(msg, GktFeatures):
             raise ValueRangeError(f"fedgkt does not take {msg.TYPE} uploads")
         if msg.logits.shape[1] != self.ctx.num_classes:
@@ -217,6 +228,9 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
                 seqs.add((msg.split, msg.seq))
                 self.refused_seqs[agent] = (msg.instance, msg.round, seqs)
                 raise
+        self._stage(agent, msg)
+
+    def _stage(self, agent: str, msg: GktFeatures | GktReusedMaps, reused: tuple[HeldMaps, np.ndarray] | None = None) -> None:
         # Test maps are evaluation's: kept apart (in async mode the agent is in its next round by
         # the time they arrive, and its next round's training maps must not void them).
         if any(h.instance != msg.instance for h in (self.staged.get(agent), self.eval_staged.get(agent)) if h is not None):
@@ -226,14 +240,16 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         if held is None or held.round != msg.round:
             self._release(store, agent)  # a new round: this kind's earlier uploads are void
             held = store[agent] = StagedUploads(msg.instance, msg.round)
-        held.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent)
+        held.add(msg, self.staging, self.config.max_staged_samples_per_agent, agent, reused=reused)
 
     def _release(self, store: dict[str, StagedUploads], agent: str) -> None:
         held = store.pop(agent, None)
         if held is not None:
-            self.staging.release_all([b.features for b in held.batches()])
+            self.staging.release_all(held.staged_arrays())
 
     def discard(self, agent: str) -> None:
+        """Forget ``agent``'s uploads of its current round; the maps held from rounds it
+        completed stay (their digest, not the process, says what they are)."""
         self._release(self.eval_staged, agent)
         self._release(self.staged, agent)
 
@@ -253,8 +269,10 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
             have = set() if staged is None else set(staged.train if split == "train" else staged.test)
             have |= {seq for s, seq in refused_seqs if s == split}  # arrived, refused: not asked for again
             missing = sorted(set(range(info["batches"])) - have)
-            if missing:
-                requests.append(GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=missing))
+            requests += self._maps_requests(agent, end, split, missing)  # claims it could not serve: in full
+            again = [seq for seq in missing if seq not in self._wanted(agent, end.instance, end.round, split)]
+            if again:
+                requests.append(GktResendRequest(run=self.ctx.run_id, round=end.round, sender="server", split=split, seqs=again))
         return requests
 
     # -- the server step ----------------------------------------------------- #
@@ -262,6 +280,7 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
         data: dict[str, AgentRows] = {}
+        digests: dict[str, str] = {}  # agent -> the maps digest its round's batches gave ("": none)
         implausible = self._screen(round_, ends)
         try:
             for agent in sorted(ends):
@@ -274,19 +293,23 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
                     continue
                 staged = self.staged.pop(agent)
                 try:
-                    data[agent] = gather_batches([staged.train[k] for k in sorted(staged.train)], self.staging)
+                    data[agent] = self._agent_rows(agent, "train", [staged.train[k] for k in sorted(staged.train)])
+                    digests[agent] = staged.digest("train")
+                except MapsNotHeldError as exc:  # never trained on maps it no longer holds
+                    outcome.excluded[agent] = f"{exc.code}: {exc}"
+                    log.warning("round %d: not using %s's upload: %s", round_, agent, outcome.excluded[agent])
                 finally:
                     # Normally already released by gather_batches; after a failed gather (disk full) this frees the rest.
-                    self.staging.release_all([b.features for b in staged.batches()])
+                    self.staging.release_all(staged.staged_arrays())
             for agent, why in self._check_labels(round_, data).items():  # before any training on them
                 outcome.excluded[agent] = why
                 log.warning("round %d: not using %s's upload: %s", round_, agent, why)
-                self.staging.release(data.pop(agent)[0].staged)
+                self._release_rows(data.pop(agent)[0].staged)
             # A quarantined agent's maps were judged like the others' (what releases it), never trained on.
             for agent in [a for a in data if self.ctx.ledger.is_quarantined(a)]:
                 outcome.excluded[agent] = self.ctx.ledger.exclude_quarantined(round_, agent)
                 log.warning("round %d: not using %s's upload: %s", round_, agent, outcome.excluded[agent])
-                self.staging.release(data.pop(agent)[0].staged)
+                self._release_rows(data.pop(agent)[0].staged)
             outcome.used_agents = list(data)
             self.initialised_agents.update(data)
             if not data:
@@ -310,17 +333,20 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
                 # maps they just sent (the same extractor is evaluated).
                 for agent in data:
                     self.agent_bn[agent] = self._calibrate(data[agent][0])
+            self._hold_trained(data, digests)  # for the next rounds' claims
             if self._replaying:
                 for agent, rows in data.items():  # kept for the other agents' arrivals; the agent's older maps go
                     old = self.replay.pop(agent, None)
-                    if old is not None:
-                        self.staging.release(old[0].staged)
                     self.replay[agent] = rows
+                    if old is not None:
+                        self._release_rows(old[0].staged)
                 data = {}
             return outcome
         finally:
-            # The round's training is done (or failed): its staged features, and spill files, go.
-            self.staging.release_all([d[0].staged for d in data.values()])
+            # The round's training is done (or failed): its staged features, and spill files, go
+            # (unless held for reuse or replay).
+            for rows in data.values():
+                self._release_rows(rows[0].staged)
 
     # -- checkpoints ---------------------------------------------------------- #
 

@@ -45,7 +45,7 @@ PAPER_PRESETS: dict[str, dict[str, Any]] = {
 
 
 # How the [fedgkt] table names the fields of the GktRoundConfig that FedGktConfig holds.
-EDGE_KEYS = EmbeddedRoundConfig(GktRoundConfig, "edge", {"batch_size": "edge_batch_size"}, derived=("edge_kd",))
+EDGE_KEYS = EmbeddedRoundConfig(GktRoundConfig, "edge", {"batch_size": "edge_batch_size"}, derived=("edge_kd", "held_maps"))
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,18 @@ class FedGktConfig:
                         "`fp16-zstd`, `u8-zstd`, `svd`); an unknown name is refused at start-up with the list of known "
                         "codecs. The default is `GktFeatures`' declared codec for maps",
         "upload_batch_samples": "samples per upload message (the agent holds one such batch of maps at a time)",
+        "reuse_maps": "sent to agents: `true`, maps go up once while they cannot change: the server keeps an agent's "
+                      "staged training and local test maps across rounds (in the staging, bounded by "
+                      "`staged_memory_bytes`; not checkpointed) and tells the agent their digest (its extractor's "
+                      "weights and BatchNorm buffers, and the codec); an agent whose maps would have that digest sends "
+                      "its logits and sample ids instead, and the server trains on the held maps as if re-sent (asking "
+                      "for them in full when it lost them). `train_extractor = true` uploads every round as before. "
+                      "`false`: every round uploads its maps in full ([how](methods/fedgkt.md#maps-go-up-once))",
         "max_staged_samples_per_agent": "an agent cannot make the server stage more than this per round",
         "staged_memory_bytes": "staged float16 feature maps held in memory (all agents; default 2 GiB); beyond it "
                                "uploads are staged in memory-mapped files",
-        "spill_dir": "where those files go (`\"\"`: `staged/` in the run directory); deleted after each round's training",
+        "spill_dir": "where those files go (`\"\"`: `staged/` in the run directory); deleted after each round's training, "
+                     "except those of maps held for reuse (`reuse_maps`: deleted when replaced)",
         "edge_init": "`shared`: every agent's ResNet-8 starts from the server's initial weights (drawn from "
                      "`[server] seed`, sent with an agent's RoundStarts until it has finished a round, about 42 KB), "
                      "so all extractors start in one feature space; `per_agent`: each agent draws its own",

@@ -19,8 +19,11 @@ from models.batchnorm import BnStatistics, load_bn_statistics, restoring_bn_stat
 from models.weights import WeightsMismatchError
 from shared_protocol.messages import EvalReport
 
+from shared_protocol.errors import MapsNotHeldError
+
 from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
-from ..feature_store import AgentRows, StagedUploads, gather_batches
+from ..feature_store import AgentRows, StagedUploads
+from ..held_maps import HeldMaps
 
 log = logging.getLogger("cloud_server.fedgkt")
 
@@ -36,6 +39,9 @@ class FedGktEvaluation:
     device: torch.device
     agent_bn: dict[str, BnStatistics]
     eval_staged: dict[str, StagedUploads]
+    held: dict[tuple[str, str], HeldMaps]
+    staging: Any  # ArrayStaging
+    _holds_maps: bool
 
     # -- evaluation ------------------------------------------------------------ #
 
@@ -71,18 +77,48 @@ class FedGktEvaluation:
                     if personalised and agent in self.agent_bn:
                         ev.global_models.setdefault("personalised_bn", {})[agent] = self._pipeline(edge, self.agent_bn[agent])
         ev.local = local_results(reports)  # "edge": the ResNet-8 on the agent's shard
+        for agent, report in sorted(reports.items()):
+            wanted = self._wanted(agent, report.instance, round_, "test")
+            if wanted:
+                # Claims to reuse test maps the server did not hold: a figure would be on a part of
+                # the shard. Left out; the next evaluation uploads them in full (none held then).
+                log.warning("round %d: %s's local figure left out: %d test batches reused maps the server does not "
+                            "hold (%s)", round_, agent, len(wanted), next(iter(wanted.values())))
+                self.drop_held_test_maps(agent)
+                self._release(self.eval_staged, agent)
         for agent, held in sorted(self.eval_staged.items()):
             if held.round != round_ or agent not in reports or not held.test:
                 continue
-            maps = gather_batches([held.test[k] for k in sorted(held.test)], self.staging)
+            sent = reports[agent].uploads.get("test", {}).get("batches") if isinstance(reports[agent].uploads.get("test"), dict) else None
+            if isinstance(sent, int) and sent != len(held.test):
+                log.warning("round %d: %s's local figure left out: %d of the %d test batches it sent are staged",
+                            round_, agent, len(held.test), sent)
+                self._release(self.eval_staged, agent)
+                continue
+            staged = self.eval_staged.pop(agent)
+            try:
+                maps = self._agent_rows(agent, "test", [staged.test[k] for k in sorted(staged.test)])
+            except MapsNotHeldError as exc:
+                log.warning("round %d: %s's local figure left out: %s", round_, agent, exc)
+                continue
+            finally:
+                self.staging.release_all(staged.staged_arrays())
             try:
                 ev.local.setdefault(HEADLINE, {})[agent] = self._score_maps(maps, None)
                 if personalised and agent in self.agent_bn:
                     ev.local.setdefault("personalised_bn", {})[agent] = self._score_maps(maps, self.agent_bn[agent])
             finally:
-                self.staging.release(maps[0].staged)
-                del self.eval_staged[agent]
+                digest = staged.digest("test")
+                if self._holds_maps and digest:
+                    self._hold(agent, "test", digest, maps)  # the next evaluations' claims
+                else:
+                    self._release_rows(maps[0].staged)
         return ev
+
+    def drop_held_test_maps(self, agent: str) -> None:
+        held = self.held.pop((agent, "test"), None)
+        if held is not None:
+            self._release_rows(held.rows.staged)
 
     def _pipeline(self, edge: torch.nn.Module, bn: BnStatistics | None) -> EvalModel:
         """Extractor + server model as one model; with ``bn``, the server's BatchNorm layers use

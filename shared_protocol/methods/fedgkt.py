@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -14,6 +15,16 @@ from ..registry import BenchRun, LauncherFlag, MethodSpec, ResultsRow, register_
 
 SPLITS = ("train", "test")
 
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def check_maps_digest(type_name: str, digest: str, allow_empty: bool) -> None:
+    """A maps digest is 64 lowercase hex characters (sha256); ``""`` where ``allow_empty``."""
+    if (digest == "" and allow_empty) or (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+        return
+    raise ValueRangeError(f"{type_name}: maps_digest must be 64 lowercase hex characters (sha256)"
+                          f"{' or empty' if allow_empty else ''}, got {digest!r}")
+
 
 @register_message
 @dataclass(kw_only=True)
@@ -24,6 +35,9 @@ class GktFeatures(Message):
     classifier's logits z_c; ``labels`` (N,); ``sample_ids`` (N,) stable ids that
     the server's logits come back keyed by. ``instance`` names the agent process,
     so uploads of a killed process are never mixed with its successor's.
+    ``maps_digest``: sha256 of what determined the maps (the extractor's weights and
+    BatchNorm buffers, and the upload codec; :func:`edge_agent.fedgkt_edge.maps_digest`);
+    ``""`` from an agent that does not say, whose maps the server never keeps for reuse.
     """
 
     TYPE: ClassVar[str] = "fedgkt.features"
@@ -40,6 +54,7 @@ class GktFeatures(Message):
     logits: np.ndarray = tensor(("float32",), ndim=2)
     labels: np.ndarray = tensor(("int64",), ndim=1)
     sample_ids: np.ndarray = tensor(("int64",), ndim=1)
+    maps_digest: str = ""
 
     @property
     def for_evaluation(self) -> bool:
@@ -51,9 +66,65 @@ class GktFeatures(Message):
             raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
         if self.seq < 0:
             raise ValueRangeError(f"{self.TYPE}: seq must be >= 0")
+        check_maps_digest(self.TYPE, self.maps_digest, allow_empty=True)
         check_same_length(self.TYPE, features=self.features, logits=self.logits, labels=self.labels, sample_ids=self.sample_ids)
         if len(np.unique(self.sample_ids)) != len(self.sample_ids):
             raise ValueRangeError(f"{self.TYPE}: duplicate sample ids in one batch")
+
+
+@register_message
+@dataclass(kw_only=True)
+class GktReusedMaps(Message):
+    """Agent -> server: one batch as :class:`GktFeatures` would carry it, without the maps and
+    labels, which the server holds from an earlier upload made with the same ``maps_digest``
+    (the round config's ``held_maps`` said so). ``logits`` (N, K) are this round's edge logits
+    (the classifier trains every round); ``sample_ids`` (N,) name the rows of the held maps.
+    A server that does not hold them answers with :class:`GktMapsRequest`."""
+
+    TYPE: ClassVar[str] = "fedgkt.reused_maps"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"logits": "zstd", "sample_ids": "zstd"}
+    split: str
+    seq: int
+    instance: str
+    maps_digest: str
+    logits: np.ndarray = tensor(("float32",), ndim=2)
+    sample_ids: np.ndarray = tensor(("int64",), ndim=1)
+
+    @property
+    def for_evaluation(self) -> bool:
+        return self.split == "test"
+
+    def validate(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
+        if self.seq < 0:
+            raise ValueRangeError(f"{self.TYPE}: seq must be >= 0")
+        check_maps_digest(self.TYPE, self.maps_digest, allow_empty=False)
+        n = check_same_length(self.TYPE, logits=self.logits, sample_ids=self.sample_ids)
+        if n == 0:
+            raise ValueRangeError(f"{self.TYPE}: a batch names at least one sample")
+        if len(np.unique(self.sample_ids)) != n:
+            raise ValueRangeError(f"{self.TYPE}: duplicate sample ids in one batch")
+
+
+@register_message
+@dataclass(kw_only=True)
+class GktMapsRequest(Message):
+    """Server -> one agent: it does not hold the maps these batches of the round claimed to
+    reuse (``reason`` says why: lost with a restart, another digest, unknown sample ids);
+    extract and send them in full (:class:`GktFeatures`), then the round_end again."""
+
+    TYPE: ClassVar[str] = "fedgkt.maps_request"
+    split: str
+    seqs: list
+    reason: str = ""
+
+    def validate(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
+        if not self.seqs or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.seqs) \
+                or len(self.seqs) > 100_000:
+            raise ValueRangeError(f"{self.TYPE}: seqs must be 1..100000 non-negative ints")
 
 
 @register_message
@@ -115,6 +186,13 @@ class GktRoundConfig:
     train_extractor: bool = False
     upload_codec: str = GktFeatures.DEFAULT_CODECS["features"]
     upload_batch_samples: int = 256
+    # True: an agent whose maps the server holds (``held_maps`` names their digest, and the
+    # agent's extractor and codec give the same one) sends its logits and sample ids per batch
+    # (GktReusedMaps), not the maps again; False: every round uploads its maps in full.
+    reuse_maps: bool = True
+    # Set by the server per agent, never in the [fedgkt] table: split -> the maps digest of this
+    # agent's maps it holds, that a batch may reuse.
+    held_maps: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.edge_epochs < 1 or self.batch_size < 1 or self.upload_batch_samples < 1:
@@ -123,6 +201,11 @@ class GktRoundConfig:
         if self.edge_lr <= 0 or self.temperature <= 0 or self.alpha < 0:
             raise ValueError("edge_lr and temperature must be > 0 and alpha >= 0")
         check_codec(self.upload_codec)
+        if not isinstance(self.held_maps, dict) or not set(self.held_maps) <= set(SPLITS):
+            raise ValueError(f"held_maps must map splits {SPLITS} to digests, got {self.held_maps!r}")
+        for digest in self.held_maps.values():
+            if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+                raise ValueError(f"held_maps: a digest is 64 lowercase hex characters (sha256), got {digest!r}")
 
     @classmethod
     def from_dict(cls, raw: dict) -> "GktRoundConfig":

@@ -61,9 +61,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         runs_dir, results_path = default_paths(Path(args.experiment), experiment.name)
         results_path = Path(args.results) if args.results else results_path
         if args.bench_command == "run":
-            run_experiment(experiment, results_path=results_path, runs_dir=Path(args.runs_dir) if args.runs_dir else runs_dir,
-                           only=args.only, dry_run=args.dry_run, executor=SubprocessExecutor(broker=args.broker),
-                           progress=lambda line: print(line, flush=True))
+            try:
+                run_experiment(experiment, results_path=results_path, runs_dir=Path(args.runs_dir) if args.runs_dir else runs_dir,
+                               only=args.only, dry_run=args.dry_run, executor=SubprocessExecutor(broker=args.broker),
+                               progress=lambda line: print(line, flush=True))
+            except KeyboardInterrupt:
+                print(f"edgesplit bench: interrupted; the cell that was running was stopped, the cells done are in "
+                      f"{results_path} (rerun to go on)", flush=True)
+                return 130
             return 0
         results = load_results(results_path)
         if results is None:

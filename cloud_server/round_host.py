@@ -14,7 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from shared_protocol.messages import EvalRequest, RoundEnd, RoundStart
+from shared_protocol.messages import EvalRequest, PublicEvalSet, RoundEnd, RoundStart
 
 from .methods import RoundOutcome
 from .records import RoundEvaluation, RoundRecord
@@ -23,7 +23,7 @@ from .rounds import HookClock, OpenRound
 if TYPE_CHECKING:
     from .agents import AgentRegistry
     from .config import ServerConfig
-    from .evaluation import Evaluator
+    from .evaluation import EvalSet, Evaluator
     from .methods import ServerMethod
     from .recorder import RunRecorder
     from .robust import RobustnessLedger
@@ -43,6 +43,7 @@ class RoundHostOps:
     scheduler: RoundScheduler
     recorder: RunRecorder
     evaluator: Evaluator
+    eval_set: EvalSet | None
     ledger: RobustnessLedger
     metrics: Any  # ServerMetrics or None
     open_rounds: dict[int, OpenRound]
@@ -53,9 +54,13 @@ class RoundHostOps:
         """Ask ``agents`` to evaluate round ``rnd`` (after its downloads went out); their
         reports are awaited until the round's deadline, or ``wait_s`` from now."""
         deadline = rnd.deadline_at if wait_s is None else time.monotonic() + wait_s
+        # Agents that score a private model on the global set are told which set (and check it).
+        public = self.eval_set.public() if self.method.scores_on_device and self.eval_set is not None else PublicEvalSet()
         for agent in agents:
             rnd.eval_requested[agent] = deadline
-            self.send(agent, EvalRequest(**self._base(rnd.round)))
+            for download in self.method.evaluation_downloads(rnd.round, agent):
+                self.send(agent, download)
+            self.send(agent, EvalRequest(**self._base(rnd.round), public_set=public))
 
     # -- round mechanics (the scheduler's RoundHost) --------------------------------- #
 

@@ -19,16 +19,11 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from shared_protocol.errors import ProtocolError, StaleMessageError, UnknownEvalSetError, UnknownSenderError
+from shared_protocol.errors import ProtocolError, StaleMessageError, UnknownSenderError
 from shared_protocol.frame import FrameLimits
 from shared_protocol.messages import (
     Discover,
     ErrorReply,
-    EvalReport,
-    EvalSetData,
-    EvalSetRequest,
     Hello,
     Message,
     RoundEnd,
@@ -45,7 +40,7 @@ from shared_protocol.transport import Transport
 from .agents import AgentRegistry, AgentState, RunAborted
 from .audit_keeper import AuditKeeper
 from .config import ServerConfig
-from .evaluation import EvalSet, Evaluator, check_global_results
+from .evaluation import EvalSet, Evaluator
 from .methods import AnswersUploads, ServerMethod, StreamedUploads
 from .recorder import RunCounters, RunRecorder, server_info
 from .records import RunReport, now_iso
@@ -242,41 +237,6 @@ class Coordinator(RoundHostOps):
             self._on_upload(agent, msg)
         else:
             self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
-
-    def _on_evaluation_message(self, agent: str, msg: Message) -> None:
-        """An evaluation report, or a test activation a split method streams before it: taken
-        while the server awaits that agent's evaluation of ``msg.round`` (in async mode the
-        agent may be in its next round by then)."""
-        rnd = self.open_rounds.get(msg.round)
-        if rnd is None or agent not in rnd.eval_waiting():
-            self._reject(agent, StaleMessageError.code, f"{msg.TYPE} for round {msg.round}: no evaluation of it awaited")
-        elif isinstance(msg, EvalReport):
-            try:
-                check_global_results(msg, self.eval_set)
-            except ProtocolError as exc:
-                rnd.eval_requested[agent] = time.monotonic()  # answered, wrongly: no longer awaited, counted missing
-                self._reject(agent, exc.code, str(exc))
-                return
-            rnd.eval_reports[agent] = msg
-        elif isinstance(msg, EvalSetRequest):
-            self._send_eval_set(agent, msg)
-        elif isinstance(msg, self.method.upload_types):
-            self._on_upload(agent, msg)
-        else:
-            self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
-
-    def _send_eval_set(self, agent: str, msg: EvalSetRequest) -> None:
-        """The public global test set, to an agent that scores a private model on it and cannot
-        load it itself (its bytes are the round's evaluation's)."""
-        if self.eval_set is None or msg.images_sha256 != self.eval_set.images_sha256:
-            held = self.eval_set.images_sha256[:16] + "..." if self.eval_set is not None else "none"
-            self._reject(agent, UnknownEvalSetError.code, f"eval_set_request for images_sha256 {msg.images_sha256[:16]}...: "
-                                                          f"this run's global test set is {held}")
-            return
-        data = self.eval_set.data
-        self.send(agent, EvalSetData(**self._base(msg.round), name=data.name, num_classes=data.num_classes,
-                                     images=np.ascontiguousarray(data.images), labels=data.labels.astype(np.int64),
-                                     sample_ids=data.sample_ids.astype(np.int64)))
 
     def _on_upload(self, agent: str, msg: Message) -> None:
         method = self.method

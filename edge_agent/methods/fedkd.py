@@ -254,11 +254,9 @@ class FedKdEdge(EdgeMethod):
         self._load_global()
 
     def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
-        """FedKD infers with the mentor (the paper's test phase): it is the deployed model, and
-        it never leaves the device. It is scored here on the shard and, when the request names
-        the run's public global test set, on that set too (the server averages the figures as it
-        would its own scores). The global mentee (the federated model, with the round's aggregate
-        applied) stands beside it on the shard; the server scores it on the global set."""
+        """FedKD infers with the mentor (the paper's test phase): the deployed model, private, so
+        scored here on the shard and on the public global set the request names. The global
+        mentee (with the round's aggregate) stands beside it on the shard."""
         with meter.phase("compute"):
             mentor_correct, total, mentor_loss = self._scored(self.mentor, self.ctx.test)
             results = {"model": shard_result(mentor_correct, total, mentor_loss)}

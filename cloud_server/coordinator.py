@@ -24,7 +24,6 @@ from shared_protocol.frame import FrameLimits
 from shared_protocol.messages import (
     Discover,
     ErrorReply,
-    EvalReport,
     Hello,
     Message,
     RoundEnd,
@@ -234,20 +233,6 @@ class Coordinator(RoundHostOps):
             self._reject(agent, StaleMessageError.code, f"{msg.TYPE} for round {msg.round}, agent is in round {state.round}")
         elif isinstance(msg, RoundEnd):
             self._on_round_end(agent, msg)
-        elif isinstance(msg, self.method.upload_types):
-            self._on_upload(agent, msg)
-        else:
-            self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
-
-    def _on_evaluation_message(self, agent: str, msg: Message) -> None:
-        """An evaluation report, or a test activation a split method streams before it: taken
-        while the server awaits that agent's evaluation of ``msg.round`` (in async mode the
-        agent may be in its next round by then)."""
-        rnd = self.open_rounds.get(msg.round)
-        if rnd is None or agent not in rnd.eval_waiting():
-            self._reject(agent, StaleMessageError.code, f"{msg.TYPE} for round {msg.round}: no evaluation of it awaited")
-        elif isinstance(msg, EvalReport):
-            rnd.eval_reports[agent] = msg
         elif isinstance(msg, self.method.upload_types):
             self._on_upload(agent, msg)
         else:

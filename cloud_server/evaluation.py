@@ -18,9 +18,23 @@ How a round is evaluated (the coordinator, for every method): after the method's
 :class:`~shared_protocol.messages.EvalRequest`. It evaluates what it holds on its
 own shard and answers with an :class:`~shared_protocol.messages.EvalReport`: the
 figures, and the agent-side model(s) the server needs to score the deployed model
-on the global set (FedGKT's 10,586-parameter ResNet-8, about 42 KB, instead of
-thousands of test feature maps). A split method also streams its test
-activations before the report (the server holds the other half of the model).
+on the global set when they are no secret (FedGKT's ResNet-8 on a server-made
+frozen extractor, instead of thousands of test feature maps). A split method also
+streams its test activations before the report (the server holds the other half
+of the model).
+
+A model the method keeps private (FedKD's mentor; FedGKT's extractor when it is
+private) never leaves the device: as Flower's federated evaluation, the agent
+scores it on the global set itself and reports (correct, total) in
+``EvalReport.global_results``. The request names the set
+(:class:`~shared_protocol.messages.PublicEvalSet`: dataset, subset, seed and the
+sha256 of its ids and images); the agent loads it from its own copy of the public
+dataset and checks the digests, or asks the server for it
+(:class:`~shared_protocol.messages.EvalSetRequest` /
+:class:`~shared_protocol.messages.EvalSetData`, evaluation bytes), once per run.
+The server checks every such report against its set
+(:func:`check_global_results`) and averages the figures exactly as it averages
+its own scores (:attr:`Evaluation.global_reported`).
 When the round closes, the method's one evaluation hook,
 :meth:`~cloud_server.methods.base.ServerMethod.evaluation`, says which models
 to score and which local figures came in (:class:`Evaluation`), and
@@ -32,7 +46,6 @@ reports, test activations) and evaluation FLOPs are metered apart from training.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -43,9 +56,10 @@ import numpy as np
 import torch
 
 from fldata import ArrayDataset
-from fldata.datasets import load_dataset, take
+from fldata.public_set import load_public_test_set, public_set_digests
 from fldata.torch_data import TorchArrayDataset
-from shared_protocol.messages import EvalReport
+from shared_protocol.errors import UnknownEvalSetError, ValueRangeError
+from shared_protocol.messages import EvalReport, PublicEvalSet
 
 from .records import RoundEvaluation
 
@@ -53,7 +67,7 @@ log = logging.getLogger("cloud_server.evaluation")
 
 __all__ = [
     "EVAL_BATCH_SAMPLES", "EvalModel", "EvalSet", "EvalSetSpec", "Evaluation", "Evaluator", "HEADLINE",
-    "local_results", "models_from_report",
+    "check_global_results", "global_results", "local_results", "models_from_report",
 ]
 
 #: Images per forward pass when scoring a model on the global set.
@@ -90,16 +104,13 @@ class EvalSet:
         self.data = data
         self.spec = spec
         self._normalised = TorchArrayDataset(data)
+        self.ids_sha256, self.images_sha256 = public_set_digests(data)
 
     @classmethod
     def load(cls, spec: EvalSetSpec) -> "EvalSet | None":
         if spec.dataset == NO_EVAL_SET:
             return None
-        # As fldata.subsets.seeded_subset cuts the test split the agents' test shares come from.
-        test = load_dataset(spec.dataset, "test", spec.root, spec.download)
-        if spec.samples:
-            test = take(test, min(spec.samples, len(test)), spec.seed)
-        return cls(test, spec)
+        return cls(load_public_test_set(spec.dataset, spec.samples, spec.seed, spec.root, spec.download), spec)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -110,13 +121,17 @@ class EvalSet:
 
     def describe(self) -> dict[str, Any]:
         """What report.json says about the set: enough to tell two runs used the same images."""
-        ids = np.ascontiguousarray(self.data.sample_ids, dtype="<i8")
         return {
             "dataset": self.spec.dataset, "split": "test", "samples": len(self.data), "seed": self.spec.seed,
-            "ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
-            "images_sha256": hashlib.sha256(np.ascontiguousarray(self.data.images).tobytes()).hexdigest(),
+            "ids_sha256": self.ids_sha256, "images_sha256": self.images_sha256,
             "class_counts": [int(c) for c in self.data.class_counts()],
         }
+
+    def public(self) -> PublicEvalSet:
+        """The set as an :class:`~shared_protocol.messages.EvalRequest` names it to an agent that
+        scores a private model on it (loaded with :func:`fldata.public_set.load_public_test_set`)."""
+        return PublicEvalSet(dataset=self.spec.dataset, split="test", subset_samples=self.spec.samples, seed=self.spec.seed,
+                             samples=len(self.data), ids_sha256=self.ids_sha256, images_sha256=self.images_sha256)
 
     def batches(self, batch_samples: int = EVAL_BATCH_SAMPLES) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(normalised images (B, C, H, W) float32, labels (B,) int64), in a fixed order."""
@@ -152,6 +167,7 @@ class Evaluation:
     GLOBAL = "global"
 
     global_models: dict[str, dict[str, EvalModel]] = field(default_factory=dict)
+    global_reported: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     local: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     edge: str | None = None
@@ -166,6 +182,35 @@ def local_results(reports: Mapping[str, EvalReport], rename: Mapping[str, str] |
         for label, figures in report.results.items():
             out.setdefault((rename or {}).get(label, label), {})[agent] = (int(figures["correct"]), int(figures["total"]))
     return out
+
+
+def global_results(reports: Mapping[str, EvalReport], rename: Mapping[str, str] | None = None) -> dict[str, dict[str, tuple[int, int]]]:
+    """``Evaluation.global_reported`` from the agents' reports: label -> agent -> (correct, total)
+    of the private models they scored on the global set themselves."""
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for agent, report in sorted(reports.items()):
+        for label, figures in report.global_results.items():
+            out.setdefault((rename or {}).get(label, label), {})[agent] = (int(figures["correct"]), int(figures["total"]))
+    return out
+
+
+def check_global_results(report: EvalReport, eval_set: "EvalSet | None") -> None:
+    """Refuse a report whose ``global_results`` were not scored on the run's global set: the
+    set it names must be the server's (its images' sha256) and every figure's total that set's
+    size (``correct <= total`` is the message's own check)."""
+    if not report.global_results:
+        return
+    if eval_set is None:
+        raise UnknownEvalSetError("eval_report carries global_results, but this run has no global test set "
+                                  "([server] eval_dataset = \"none\"): nothing was asked to be scored on one")
+    if report.public_set_sha256 != eval_set.images_sha256:
+        raise UnknownEvalSetError(f"eval_report's global_results were scored on public set images_sha256 "
+                                  f"{report.public_set_sha256[:16]}..., this run's is {eval_set.images_sha256[:16]}... "
+                                  "(the agent's copy of the dataset differs, or the report is from another run)")
+    for label, figures in report.global_results.items():
+        if figures["total"] != len(eval_set):
+            raise ValueRangeError(f"eval_report: global_results.{label} total = {figures['total']}, the global test set "
+                                  f"has {len(eval_set)} images: every image must be scored once")
 
 
 def models_from_report(report: EvalReport, label: str) -> dict[str, np.ndarray]:
@@ -207,12 +252,14 @@ class Evaluator:
         per_agent: dict[str, dict[str, Any]] = {}
         accuracy: dict[str, float] = {}
         if self.eval_set is not None:
-            for label, models in evaluation.global_models.items():
-                if not models:
+            reported_only = [label for label in evaluation.global_reported if label not in evaluation.global_models]
+            for label in [*evaluation.global_models, *reported_only]:
+                scores = {who: self.score(model) for who, model in sorted(evaluation.global_models.get(label, {}).items())}
+                scores.update(evaluation.global_reported.get(label, {}))  # scored on the device, checked on arrival
+                if not scores:
                     continue
                 fractions = []
-                for who, model in sorted(models.items()):
-                    correct, total = self.score(model)
+                for who, (correct, total) in sorted(scores.items()):
                     fractions.append(correct / total)
                     if who != Evaluation.GLOBAL:
                         per_agent.setdefault(who, {}).setdefault("accuracy", {})[label] = correct / total

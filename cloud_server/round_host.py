@@ -14,8 +14,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from shared_protocol.messages import EvalRequest, RoundEnd, RoundStart
+import numpy as np
 
+from shared_protocol.errors import ProtocolError, StaleMessageError, UnknownEvalSetError
+from shared_protocol.messages import EvalReport, EvalRequest, EvalSetData, EvalSetRequest, Message, PublicEvalSet, RoundEnd, RoundStart
+
+from .evaluation import check_global_results
 from .methods import RoundOutcome
 from .records import RoundEvaluation, RoundRecord
 from .rounds import HookClock, OpenRound
@@ -23,7 +27,7 @@ from .rounds import HookClock, OpenRound
 if TYPE_CHECKING:
     from .agents import AgentRegistry
     from .config import ServerConfig
-    from .evaluation import Evaluator
+    from .evaluation import EvalSet, Evaluator
     from .methods import ServerMethod
     from .recorder import RunRecorder
     from .robust import RobustnessLedger
@@ -43,6 +47,7 @@ class RoundHostOps:
     scheduler: RoundScheduler
     recorder: RunRecorder
     evaluator: Evaluator
+    eval_set: EvalSet | None
     ledger: RobustnessLedger
     metrics: Any  # ServerMetrics or None
     open_rounds: dict[int, OpenRound]
@@ -53,9 +58,50 @@ class RoundHostOps:
         """Ask ``agents`` to evaluate round ``rnd`` (after its downloads went out); their
         reports are awaited until the round's deadline, or ``wait_s`` from now."""
         deadline = rnd.deadline_at if wait_s is None else time.monotonic() + wait_s
+        # Agents that score a private model on the global set are told which set (and check it).
+        public = self.eval_set.public() if self.method.scores_on_device and self.eval_set is not None else PublicEvalSet()
         for agent in agents:
             rnd.eval_requested[agent] = deadline
-            self.send(agent, EvalRequest(**self._base(rnd.round)))
+            for download in self.method.evaluation_downloads(rnd.round, agent):
+                self.send(agent, download)
+            self.send(agent, EvalRequest(**self._base(rnd.round), public_set=public))
+
+    # -- evaluation messages ------------------------------------------------------- #
+
+    def _on_evaluation_message(self, agent: str, msg: Message) -> None:
+        """An evaluation report, or a test activation a split method streams before it: taken
+        while the server awaits that agent's evaluation of ``msg.round`` (in async mode the
+        agent may be in its next round by then)."""
+        rnd = self.open_rounds.get(msg.round)
+        if rnd is None or agent not in rnd.eval_waiting():
+            self._reject(agent, StaleMessageError.code, f"{msg.TYPE} for round {msg.round}: no evaluation of it awaited")
+        elif isinstance(msg, EvalReport):
+            try:
+                check_global_results(msg, self.eval_set)
+            except ProtocolError as exc:
+                rnd.eval_requested[agent] = time.monotonic()  # answered, wrongly: no longer awaited, counted missing
+                self._reject(agent, exc.code, str(exc))
+                return
+            rnd.eval_reports[agent] = msg
+        elif isinstance(msg, EvalSetRequest):
+            self._send_eval_set(agent, msg)
+        elif isinstance(msg, self.method.upload_types):
+            self._on_upload(agent, msg)
+        else:
+            self._reject(agent, "unexpected_message", f"{msg.TYPE} is not expected from agents")
+
+    def _send_eval_set(self, agent: str, msg: EvalSetRequest) -> None:
+        """The public global test set, to an agent that scores a private model on it and cannot
+        load it itself (its bytes are the round's evaluation's)."""
+        if self.eval_set is None or msg.images_sha256 != self.eval_set.images_sha256:
+            held = self.eval_set.images_sha256[:16] + "..." if self.eval_set is not None else "none"
+            self._reject(agent, UnknownEvalSetError.code, f"eval_set_request for images_sha256 {msg.images_sha256[:16]}...: "
+                                                          f"this run's global test set is {held}")
+            return
+        data = self.eval_set.data
+        self.send(agent, EvalSetData(**self._base(msg.round), name=data.name, num_classes=data.num_classes,
+                                     images=np.ascontiguousarray(data.images), labels=data.labels.astype(np.int64),
+                                     sample_ids=data.sample_ids.astype(np.int64)))
 
     # -- round mechanics (the scheduler's RoundHost) --------------------------------- #
 

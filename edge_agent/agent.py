@@ -47,6 +47,7 @@ from .backends import get_backend_method
 from .config import EdgeConfig
 from .costs import RoundPeakRss
 from .methods import EdgeContext, EdgeMethod, get_edge_method
+from .public_set import PublicTestSet
 
 if TYPE_CHECKING:  # imported for real only when metrics are on
     from .metrics import AgentMetrics
@@ -86,6 +87,8 @@ class EdgeAgent(AgentMessaging, AgentRounds, AgentLocalState):
         if len(self.train) == 0:
             raise ValueError(f"agent {config.agent_id} has no training samples (check data.partition / train_samples)")
         self.transport = transport or MqttTransport(config.transport_config())
+        # The run's public global test set, for methods that score a private model on it.
+        self.public_test_set = PublicTestSet(config.data, self.request, self._base)
         self.method: EdgeMethod | None = None
         self.settings: dict[str, Any] = {}
         self.rejected: Counter[str] = Counter()
@@ -241,6 +244,7 @@ class EdgeAgent(AgentMessaging, AgentRounds, AgentLocalState):
             settings=self.settings,
             send=self.send,
             request=self.request,
+            public_set=self.public_test_set.get,
             resend_round_end=self._resend_round_end,
             device=self.config.device,
             progress=self.config.progress,

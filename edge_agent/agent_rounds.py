@@ -172,6 +172,8 @@ class AgentRounds:
         models = {f"{label}/{name}": array for label, arrays in answer.models.items() for name, array in arrays.items()}
         try:
             self._publish(EvalReport(**self._base(msg.round), instance=self.instance, results=answer.results,
+                                     global_results=answer.global_results,
+                                     public_set_sha256=msg.public_set.images_sha256 if answer.global_results else "",
                                      uploads=answer.uploads, costs=costs, models=models))
         except ProtocolError as exc:  # e.g. a model that is no longer finite: the server hears why, the agent goes on
             log.error("evaluation report of round %d cannot be sent: %s", msg.round, exc)
@@ -180,8 +182,10 @@ class AgentRounds:
         self._eval_s_since_round_end += time.monotonic() - started
         trim_malloc()
         model = answer.results.get("model")
-        log.info("round %d evaluated: %s%s", msg.round,
+        scored = answer.global_results.get("model")
+        log.info("round %d evaluated: %s%s%s", msg.round,
                  f"{model['correct']} / {model['total']} local test samples right" if model else "nothing held locally",
+                 f", {scored['correct']} / {scored['total']} of the global test set (scored here)" if scored else "",
                  f", {sum(a.nbytes for a in models.values()) / 1e3:.0f} KB of model(s) for the global set" if models else "")
 
     def _resend_round_end(self) -> None:

@@ -25,8 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from shared_protocol.errors import StaleMessageError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedgkt import (
+    GktEvalModel,
     GktFeatures,
     GktMapsRequest,
     GktResendRequest,
@@ -82,6 +84,8 @@ class FedGktEdgeBase(EdgeMethod):
         # Samples per inference pass (extraction, evaluation): the micro-batch when the agent
         # saves memory (eval-mode outputs do not depend on the slicing).
         self.slice_samples = min(ctx.memory.micro_batch_samples or EXTRACT_BATCH_SAMPLES, EXTRACT_BATCH_SAMPLES)
+        # A private extractor is scored here: the server model of the round being evaluated.
+        self.eval_model: GktEvalModel | None = None
 
     # -- what a backend provides ---------------------------------------------- #
 
@@ -129,6 +133,9 @@ class FedGktEdgeBase(EdgeMethod):
         if isinstance(msg, (GktResendRequest, GktMapsRequest)):
             self._resend(msg)
             return True
+        if isinstance(msg, GktEvalModel):
+            self.eval_model = msg
+            return True
         return False
 
     def _resend(self, request: GktResendRequest | GktMapsRequest) -> None:
@@ -168,12 +175,26 @@ class FedGktEdgeBase(EdgeMethod):
         (about 42 KB) for the server to score both on the global test set."""
         if self._last_round is None or not self._ready():
             return EvalAnswer()  # no model trained here yet (a restarted agent): nothing to evaluate
+        if request.public_set.dataset:  # the extractor is private: scored here, nothing of it sent
+            if self.eval_model is None or self.eval_model.round != request.round:
+                held = self.eval_model.round if self.eval_model is not None else None
+                raise StaleMessageError(f"eval_request for round {request.round} without the server model to score the "
+                                        f"private extractor with (held: round {held})")
+            return self._evaluate_private(request, self.eval_model, meter)
         _, cfg = self._last_round
         test = self._stream_features("test", request.round, cfg, meter)
         meter.forward(self.flops, test["samples"])
         correct = test.pop("correct")
         return EvalAnswer(results={"edge": shard_result(correct, test["samples"])}, models={"edge": self._model_arrays()},
                           uploads={"test": test})
+
+    def _evaluate_private(self, request: EvalRequest, server_model: GktEvalModel, meter: RoundMeter) -> EvalAnswer:
+        """Score this extractor + the server model (``model``; ``personalised_bn`` with the
+        statistics the server sent) and the ResNet-8 (``edge``) on the public global set the
+        request names and on the local test shard."""
+        raise ValueError(f"a private extractor is scored on the device with the server model, which the "
+                         f"{type(self).__name__} backend cannot run: use the torch backend, or a shared frozen extractor "
+                         "([fedgkt] edge_init = \"shared\", train_extractor = false)")
 
     def _stream_features(self, split: str, round_: int, cfg: GktRoundConfig, meter: RoundMeter,
                          only: set[int] | None = None, full: bool = False) -> dict[str, int]:

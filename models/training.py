@@ -208,6 +208,20 @@ class Trainer:
 
 
 @torch.no_grad()
+def accuracy_and_loss(predict: Callable[[torch.Tensor], torch.Tensor],
+                      batches: Iterable[tuple[torch.Tensor, torch.Tensor, Any]],
+                      device: torch.device | str = "cpu") -> tuple[int, int, float]:
+    """(correct, total, summed cross-entropy) of ``predict(images) -> logits`` over ``(images, labels, ids)`` batches."""
+    correct = total = 0
+    loss_sum = 0.0
+    for images, labels, _ in batches:
+        logits = predict(images.to(device))  # (B, K)
+        correct += int((logits.argmax(dim=1).cpu() == labels).sum())
+        total += int(labels.shape[0])
+        loss_sum += float(torch.nn.functional.cross_entropy(logits.float().cpu(), labels, reduction="sum"))
+    return correct, total, loss_sum
+
+
 def accuracy(predict: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[tuple[torch.Tensor, torch.Tensor, Any]],
              device: torch.device | str = "cpu") -> tuple[int, int]:
     """(correct, total) of ``predict(images) -> logits`` over ``(images, labels, ids)`` batches."""

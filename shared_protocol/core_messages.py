@@ -14,8 +14,8 @@ from typing import ClassVar
 import numpy as np
 
 from .errors import ValueRangeError
-from .message_base import Message, record, register_message, tensor_dict
-from .records import AgentRoundCosts, EvalCosts
+from .message_base import Message, check_labels, record, register_message, tensor, tensor_dict
+from .records import AgentRoundCosts, EvalCosts, JsonRecord, non_negative
 
 
 @register_message
@@ -148,6 +148,33 @@ def _numbers(table: dict, prefix: str = "") -> list[tuple[str, float]]:
     return out
 
 
+@dataclass(frozen=True)
+class PublicEvalSet(JsonRecord):
+    """The run's public global test set, named for an agent that scores a private model on
+    it: a seeded, stratified subset of ``dataset``'s ``split`` (``subset_samples`` 0: the whole
+    split; ``seed`` draws it), ``samples`` images, and the sha256 of its sample ids and images
+    (``fldata.public_set``), the digests report.json records as ``eval_set``. ``dataset`` "":
+    no set named (the method's agents score nothing on it)."""
+
+    dataset: str = ""
+    split: str = "test"
+    subset_samples: int = non_negative(0)
+    seed: int = 0
+    samples: int = non_negative(0)
+    ids_sha256: str = ""
+    images_sha256: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dataset and not (_is_sha256(self.ids_sha256) and _is_sha256(self.images_sha256) and self.samples > 0):
+            raise ValueRangeError(f"public set {self.dataset!r}: samples must be > 0 and ids_sha256 / images_sha256 "
+                                  f"64 hex digits, got {self.samples}, {self.ids_sha256!r}, {self.images_sha256!r}")
+
+
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
 @register_message
 @dataclass(kw_only=True)
 class EvalRequest(Message):
@@ -155,16 +182,35 @@ class EvalRequest(Message):
     ``round`` on your own test shard, and send what the server needs to evaluate your
     deployed model(s) on the run's global test set (cloud_server/evaluation.py).
 
-    The method's downloads of the round (the new global model, server logits...) were sent
-    before this request on the same topic. ``config`` is the method's (e.g. the global
-    model version the answer must be about)."""
+    The method's downloads of the round (the new global model, server logits, and for a
+    method whose agents score privately the models they need for it) were sent before this
+    request on the same topic. ``config`` is the method's (e.g. the global model version the
+    answer must be about). ``public_set`` names the global test set when the method's agents
+    score their private model(s) on it themselves (``EvalReport.global_results``)."""
 
     TYPE: ClassVar[str] = "eval_request"
     config: dict = field(default_factory=dict)
+    public_set: PublicEvalSet = record(PublicEvalSet)
 
     @property
     def for_evaluation(self) -> bool:
         return True
+
+
+def _check_figures(where: str, results: dict) -> None:
+    """``{label: {"correct": int, "total": int, "loss_sum"?: float}}`` with 0 <= correct <= total."""
+    for label, figures in results.items():
+        if not isinstance(figures, dict):
+            raise ValueRangeError(f"eval_report: {where}.{label} must be an object, got {type(figures).__name__}")
+        n, d = figures.get("correct"), figures.get("total")
+        if not (isinstance(n, int) and isinstance(d, int) and not isinstance(n, bool) and not isinstance(d, bool)
+                and 0 <= n <= d):
+            raise ValueRangeError(f"eval_report: {where}.{label} correct={n!r} / total={d!r} must be ints with "
+                                  "0 <= correct <= total")
+        loss = figures.get("loss_sum")
+        if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))
+                                 or not math.isfinite(loss) or loss < 0):
+            raise ValueRangeError(f"eval_report: {where}.{label}.loss_sum = {loss!r} must be a finite number >= 0")
 
 
 @register_message
@@ -175,8 +221,12 @@ class EvalReport(Message):
     ``results`` holds, per labelled model the agent evaluated on its own test shard
     (``"model"``: the method's deployed model; others such as ``"edge"``, ``"mentee"``),
     ``{"correct": int, "total": int}`` and optionally ``"loss_sum"`` (summed cross-entropy).
+    ``global_results`` holds the same figures of the model(s) the agent scored on the run's
+    public global test set itself (a model the method keeps private: FedKD's mentor), and
+    ``public_set_sha256`` that set's ``images_sha256`` (``EvalRequest.public_set``).
     ``models`` carries, as ``LABEL/PARAM`` arrays, the agent-side model(s) the server needs
-    to score the deployed model on the global test set (FedGKT's ResNet-8, FedKD's mentor).
+    to score the deployed model on the global test set when they are not private (FedGKT's
+    ResNet-8 on a server-made frozen extractor).
     ``uploads`` says what the agent streamed for evaluation before this report (a split
     method's test activations: batches and samples per split), ``costs`` what it cost."""
 
@@ -184,6 +234,8 @@ class EvalReport(Message):
     DEFAULT_CODECS: ClassVar[dict[str, str]] = {"models": "zstd"}
     instance: str = ""
     results: dict = field(default_factory=dict)
+    global_results: dict = field(default_factory=dict)
+    public_set_sha256: str = ""
     uploads: dict = field(default_factory=dict)
     costs: EvalCosts = record(EvalCosts)
     models: dict = tensor_dict()
@@ -193,18 +245,11 @@ class EvalReport(Message):
         return True
 
     def validate(self) -> None:
-        for label, figures in self.results.items():
-            if not isinstance(figures, dict):
-                raise ValueRangeError(f"eval_report: results.{label} must be an object, got {type(figures).__name__}")
-            n, d = figures.get("correct"), figures.get("total")
-            if not (isinstance(n, int) and isinstance(d, int) and not isinstance(n, bool) and not isinstance(d, bool)
-                    and 0 <= n <= d):
-                raise ValueRangeError(f"eval_report: results.{label} correct={n!r} / total={d!r} must be ints with "
-                                      "0 <= correct <= total")
-            loss = figures.get("loss_sum")
-            if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))
-                                     or not math.isfinite(loss) or loss < 0):
-                raise ValueRangeError(f"eval_report: results.{label}.loss_sum = {loss!r} must be a finite number >= 0")
+        _check_figures("results", self.results)
+        _check_figures("global_results", self.global_results)
+        if self.global_results and not _is_sha256(self.public_set_sha256):
+            raise ValueRangeError(f"eval_report: global_results need the public set they were scored on "
+                                  f"(public_set_sha256: 64 hex digits), got {self.public_set_sha256!r}")
         for key, value in _numbers(self.uploads):
             if not math.isfinite(value) or value < 0:
                 raise ValueRangeError(f"eval_report: uploads.{key} = {value} must be finite and >= 0")
@@ -213,6 +258,52 @@ class EvalReport(Message):
                 raise ValueRangeError(f"eval_report: model array {name!r} is not named LABEL/PARAM")
             if array.dtype.kind == "f" and not np.isfinite(array).all():
                 raise ValueRangeError(f"eval_report: model array {name!r} holds non-finite values")
+
+
+@register_message
+@dataclass(kw_only=True)
+class EvalSetRequest(Message):
+    """Agent -> server, while answering an :class:`EvalRequest`: send me the public set
+    ``images_sha256`` names (this agent cannot load it itself)."""
+
+    TYPE: ClassVar[str] = "eval_set_request"
+    images_sha256: str
+
+    @property
+    def for_evaluation(self) -> bool:
+        return True
+
+    def validate(self) -> None:
+        if not _is_sha256(self.images_sha256):
+            raise ValueRangeError(f"eval_set_request: images_sha256 must be 64 hex digits, got {self.images_sha256!r}")
+
+
+@register_message
+@dataclass(kw_only=True)
+class EvalSetData(Message):
+    """Server -> one agent, the answer to an :class:`EvalSetRequest`: the public global test
+    set itself, images (N, C, H, W) uint8, labels and sample ids (N,) int64, with the dataset
+    ``name`` (it picks the normalisation) and ``num_classes``. Its bytes are evaluation's."""
+
+    TYPE: ClassVar[str] = "eval_set_data"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"images": "zstd"}
+    name: str
+    num_classes: int
+    images: np.ndarray = tensor("uint8", 4)
+    labels: np.ndarray = tensor("int64", 1)
+    sample_ids: np.ndarray = tensor("int64", 1)
+
+    @property
+    def for_evaluation(self) -> bool:
+        return True
+
+    def validate(self) -> None:
+        if self.num_classes < 1:
+            raise ValueRangeError(f"eval_set_data: num_classes must be >= 1, got {self.num_classes}")
+        if not (self.images.shape[0] == self.labels.shape[0] == self.sample_ids.shape[0]):
+            raise ValueRangeError(f"eval_set_data: {self.images.shape[0]} images, {self.labels.shape[0]} labels and "
+                                  f"{self.sample_ids.shape[0]} sample ids must be as many")
+        check_labels(self.TYPE, self.labels, self.num_classes)
 
 
 @register_message

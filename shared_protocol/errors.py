@@ -83,6 +83,12 @@ class HashMismatchError(ProtocolError):
     code = "hash_mismatch"
 
 
+class UnknownEvalSetError(ProtocolError):
+    """A message names (or carries) a public evaluation set other than the run's."""
+
+    code = "unknown_eval_set"
+
+
 class UnknownMessageTypeError(ProtocolError):
     code = "unknown_message_type"
 

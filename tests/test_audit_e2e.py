@@ -185,10 +185,6 @@ def test_audit_of_every_other_weight_sharing_method(method: str, tmp_path: Path,
         assert 0.0 <= rows["bias_update_labels"]["histogram_error"] <= 1.0
     section = json.loads((run_dir / "report.json").read_text())["leakage"]
     assert section["strongest"] == "update_inversion" and "start_model" in section["knowledge"]
-    # Models the evaluation reports handed over are named, not passed over in silence.
+    # No evaluation report hands a model over: FedKD's mentor is scored on the device.
     handed = json.loads((run_dir / "audit" / "kept.json").read_text())["eval_models"]
-    if method == "fedkd":
-        assert set(handed) == {"agent-0", "agent-1"} and all(entry["bytes"] > 0 for entry in handed.values())
-        assert any("carried the agent's private mentor" in note for note in section["notes"])
-    else:
-        assert handed == {} and section["notes"] == []
+    assert handed == {} and section["notes"] == []

@@ -112,6 +112,11 @@ class ServerMethod(ABC):
     # Whether every round is evaluated whatever [server] eval_every says (a method that needs
     # the agents' evaluation answers to run, e.g. validation losses that weigh teachers).
     evaluate_every_round: ClassVar[bool] = False
+    # Whether the agents score the deployed model(s) on the run's global test set themselves
+    # (cloud_server/evaluation.py): a model the method keeps private never leaves the device.
+    # Their evaluation requests then name the set (EvalRequest.public_set). A method whose
+    # privacy is a config choice declares a property reading it.
+    scores_on_device: ClassVar[bool] = False
     # Codec per tensor field of the messages the server sends, by message type
     # ({"round_start": {"weights": "fp16-zstd"}}); a type not named travels with its defaults.
     download_codecs: ClassVar[Mapping[str, Mapping[str, str]]] = {}
@@ -162,6 +167,13 @@ class ServerMethod(ABC):
         if dataclasses.is_dataclass(config) and not isinstance(config, type):
             return dataclasses.asdict(config)
         return {}
+
+    def evaluation_downloads(self, round_: int, agent: str) -> list[Message]:
+        """What ``agent`` needs, besides the round's downloads, to score its private model(s)
+        on the global set itself (e.g. FedGKT's server model), sent just before its
+        :class:`~shared_protocol.messages.EvalRequest`; their bytes are evaluation's (such a
+        message's ``for_evaluation`` is true). Default: nothing."""
+        return []
 
     def discard(self, agent: str) -> None:
         """Forget what ``agent`` staged in its current round (it failed or timed out)."""

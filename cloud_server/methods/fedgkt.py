@@ -135,12 +135,20 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         return self._step
 
     @property
+    def scores_on_device(self) -> bool:  # type: ignore[override]
+        """A private extractor never leaves the device: the agents score it (fedgkt_evaluation.py)."""
+        return self.config.private_extractor
+
+    @property
     def schedule(self) -> str:  # type: ignore[override]
         """``mode``: "sync" or "async", the same method on either schedule."""
         return self.config.mode
 
     def welcome_settings(self) -> dict[str, Any]:
-        return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
+        settings = {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
+        if self.config.private_extractor:  # the agents score extractor + server model themselves
+            settings["server_model"] = self.config.server_model
+        return settings
 
     def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         # The initial edge weights go with every RoundStart until the agent has finished a

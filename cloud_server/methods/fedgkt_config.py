@@ -185,6 +185,15 @@ class FedGktConfig:
         # The agents distil from the server's logits unless KD is off (S<->E and S->E both send them).
         object.__setattr__(self, "edge", replace(self.edge, edge_kd=self.kd in ("bidirectional", "s2e")))
 
+    @property
+    def private_extractor(self) -> bool:
+        """Whether the agents' extractors are theirs alone: drawn by each agent (``edge_init =
+        "per_agent"``) or trained on its data (``train_extractor = true``). A server-made frozen
+        extractor (``"shared"`` and not trained) is no secret: the server holds it exactly. A
+        private extractor never leaves the device: the agents score their extractor + the
+        server model on the global set themselves (cloud_server/evaluation.py)."""
+        return self.edge_init != "shared" or self.edge.train_extractor
+
     def round_config(self) -> GktRoundConfig:
         return self.edge
 

@@ -2,6 +2,13 @@
 extractor followed by the server model, with the server's running BatchNorm averages
 (the headline) and, labelled ``personalised_bn``, with agent k's own statistics.
 
+With a server-made frozen extractor (no secret) the agents send their ResNet-8 and
+their test maps, and the server scores. With a private extractor
+(``FedGktConfig.private_extractor``) the ResNet-8 never leaves the device: the server
+sends each agent its model (and, when due, the agent's BatchNorm statistics) with the
+evaluation request (:class:`GktEvalModel`, evaluation bytes), and the agent scores
+every label on the public global set and on its shard itself.
+
 A mixin of :class:`cloud_server.methods.fedgkt.FedGktServer`: it reads the server's
 model, its staged test maps and the agents' BatchNorm statistics, which the server keeps.
 """
@@ -14,15 +21,15 @@ from typing import Any
 
 import torch
 
-from models import build_model, load_arrays_into
+from models import build_model, load_arrays_into, state_dict_to_arrays
 from models.batchnorm import BnStatistics, load_bn_statistics, restoring_bn_statistics
 from models.weights import WeightsMismatchError
-from shared_protocol.messages import EvalReport
-
 from shared_protocol.errors import MapsNotHeldError
+from shared_protocol.messages import EvalReport, Message
+from shared_protocol.methods.fedgkt import GktEvalModel
 
-from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
-from ..feature_store import AgentRows, StagedUploads
+from ..evaluation import HEADLINE, EvalModel, Evaluation, global_results, local_results, models_from_report
+from ..feature_store import AgentRows, StagedUploads, gather_batches
 from ..held_maps import HeldMaps
 
 log = logging.getLogger("cloud_server.fedgkt")
@@ -49,6 +56,17 @@ class FedGktEvaluation:
         mode = self.config.personalised_eval
         return mode == "every" or (mode == "final" and round_ == self.ctx.rounds)
 
+    def evaluation_downloads(self, round_: int, agent: str) -> list[Message]:
+        """A private extractor is scored on the device: the agent gets the server model it
+        needs (and its own BatchNorm statistics when the personalised figure is due)."""
+        if not self.config.private_extractor:
+            return []
+        bn = {}
+        if self._personalised(round_) and agent in self.agent_bn:
+            bn = {f"{i}/{part}": t.detach().cpu().numpy() for i, pair in enumerate(self.agent_bn[agent])
+                  for part, t in zip(("mean", "var"), pair)}
+        return [GktEvalModel(run=self.ctx.run_id, round=round_, sender="server", weights=state_dict_to_arrays(self.model), bn=bn)]
+
     def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
         """Agent k's deployed model is its extractor followed by the server model: on the global
         set through the ResNet-8 it reported, on its own shard through the test maps it streamed.
@@ -60,6 +78,10 @@ class FedGktEvaluation:
                                "(personalised; mean over agents)",
             "edge": "agent k's ResNet-8 on its device (mean over agents)",
         })
+        if self.config.private_extractor:  # every figure scored on the devices, checked on arrival
+            ev.global_reported = global_results(reports)
+            ev.local = local_results(reports)
+            return ev
         personalised = self._personalised(round_)
         self.model.eval()
         for agent, report in sorted(reports.items()):

@@ -18,11 +18,12 @@ step); BatchNorm statistics travel as their change in both modes.
 
 Evaluation (cloud_server/evaluation.py): FedKD infers with each agent's mentor
 (the paper's test phase), so the deployed model, the round's ``accuracy``, is
-the mean over agents of each agent's mentor on the global test set (the agents
-send their mentors with their evaluation reports, for that only) and
-``local_accuracy`` the mentors on their own shards; the global mentee (the
-federated model) stands beside it as ``mentee``, scored here on the global set
-and by the agents on their shards.
+the mean over agents of each agent's mentor on the global test set and
+``local_accuracy`` the mentors on their own shards. The mentor never leaves the
+device: each agent scores it on the run's public global test set itself (the
+evaluation request names the set) and reports the figures, which the server
+checks and averages. The global mentee (the federated model) stands beside it as
+``mentee``, scored here on the global set and by the agents on their shards.
 
 Per round the method keeps a record (:attr:`FedKdServer.history`, also in the
 checkpoint) of the threshold, the rank of every factored tensor in every
@@ -49,14 +50,14 @@ import numpy as np
 import torch
 
 import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. resnet20)
-from models import (WeightsMismatchError, build_model, count_parameters, load_arrays_into, state_dict_to_arrays,
+from models import (build_model, count_parameters, load_arrays_into, state_dict_to_arrays,
                     training_flops_per_sample)
 from models.mentor import forward_with_hidden, hidden_dim
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalReport, Message, RoundEnd, RoundStart
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdUpdate, factor_state, unfactor_state
 
-from ..evaluation import HEADLINE, EvalModel, Evaluation, local_results, models_from_report
+from ..evaluation import HEADLINE, EvalModel, Evaluation, global_results, local_results
 from ..robust_rules import aggregate_vectors, choose_rule, clip_rows
 from ..robust_screening import screen_uploads
 from ..staging import ModelUploadStage, StagedUpload
@@ -91,6 +92,7 @@ class FedKdServer(FedKdReport, ServerMethod):
     name = "fedkd"
     upload_types = (FedKdUpdate,)
     aggregates_weights = True
+    scores_on_device = True  # the mentor is private: the agents score it on the global set
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)
@@ -314,18 +316,8 @@ class FedKdServer(FedKdReport, ServerMethod):
             HEADLINE: f"agent k's private mentor ({self.config.mentor_model}), the model FedKD infers with (mean over agents)",
             "mentee": f"the global mentee ({self.config.mentee_model}), the federated model",
         })
-        for agent, report in sorted(reports.items()):
-            arrays = models_from_report(report, HEADLINE)
-            if not arrays:
-                continue
-            mentor = build_model(self.config.mentor_model, self.ctx.num_classes, self.ctx.in_channels)
-            try:
-                load_arrays_into(mentor, arrays)
-            except WeightsMismatchError as exc:
-                log.warning("round %d: %s's mentor cannot be evaluated: %s", round_, agent, exc)
-                continue
-            mentor = mentor.to(self.ctx.device).eval()
-            ev.global_models.setdefault(HEADLINE, {})[agent] = EvalModel(lambda x, m=mentor: forward_with_hidden(m, x).logits)
+        # Each agent's mentor, scored on the global set by the agent (checked on arrival).
+        ev.global_reported[HEADLINE] = global_results(reports).get(HEADLINE, {})
         mentee = build_model(self.config.mentee_model, self.ctx.num_classes, self.ctx.in_channels)
         ints = {k: v for k, v in state_dict_to_arrays(mentee).items() if v.dtype.kind != "f"}
         load_arrays_into(mentee, {**self.global_state, **ints})

@@ -21,6 +21,10 @@ def _no_request(*args: Any, **kwargs: Any) -> Message:
     raise NotImplementedError("this context cannot make requests (no agent behind it)")
 
 
+def _no_public_set(*args: Any, **kwargs: Any) -> ArrayDataset:
+    raise NotImplementedError("this context holds no public test set (no agent behind it)")
+
+
 @dataclass
 class EdgeContext:
     """What a method's edge step may use. It never sees the transport itself."""
@@ -36,6 +40,10 @@ class EdgeContext:
     # request(msg, meter, is_reply, timeout_s, codecs=None, attempts=3) -> the server's answer:
     # send and wait within the round (split learning's per-batch exchange); see EdgeAgent.request.
     request: Callable[..., Message] = _no_request
+    # public_set(ref: PublicEvalSet, meter, round) -> the run's public global test set, loaded or
+    # downloaded once and checked against ref's digests (edge_agent/public_set.py): for a method
+    # that scores its private model on it (EvalRequest.public_set, EvalAnswer.global_results).
+    public_set: Callable[..., ArrayDataset] = _no_public_set
     device: str = "cpu"
     progress: bool = False
     seed: int = 0
@@ -69,10 +77,14 @@ class EvalAnswer:
 
     ``results[label]``: ``{"correct", "total"}`` (and optionally ``"loss_sum"``) of a model
     the agent holds, on its own test shard; label ``"model"`` is the method's deployed model.
-    ``models[label]``: arrays of a model the server needs to score on the global test set.
+    ``global_results[label]``: the same figures of a model the method keeps private, scored
+    here on the public global test set the request names (``EvalRequest.public_set``).
+    ``models[label]``: arrays of a model the server needs to score on the global test set
+    (never a private one).
     ``uploads``: what was streamed for evaluation before the answer (split methods)."""
 
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    global_results: dict[str, dict[str, Any]] = field(default_factory=dict)
     models: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     uploads: dict[str, Any] = field(default_factory=dict)
 

@@ -17,18 +17,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fldata import ArrayDataset
 from fldata.torch_data import make_loader
-from models import build_model, load_arrays_into, state_dict_to_arrays
+from models import WeightsMismatchError, build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays
+from models.batchnorm import load_bn_statistics, restoring_bn_statistics
 from models.losses import kd_loss
 from models.training import make_optimizer
-from shared_protocol.messages import RoundStart
-from shared_protocol.methods.fedgkt import GktRoundConfig
+from shared_protocol.errors import ShapeMismatchError
+from shared_protocol.messages import EvalRequest, RoundStart
+from shared_protocol.methods.fedgkt import GktEvalModel, GktRoundConfig
 
-from ..costs import RoundMeter
+from ..costs import DeclaredFlops, RoundMeter
 from ..fedgkt_edge import FedGktEdgeBase
 from ..memory import lighten_model
 from ..trainer import LossFn, Trains, train_epochs
-from .base import EdgeContext, register_edge_method
+from .base import EdgeContext, EvalAnswer, register_edge_method, shard_result
 
 
 @register_edge_method
@@ -43,6 +46,65 @@ class FedGktEdge(FedGktEdgeBase):
         # After counting: the reported FLOPs are the method's; [memory] checkpoint_blocks' recomputation
         # (about +30 % of a training step's FLOPs for ResNet-8) is documented, not counted.
         self.model = lighten_model(self.model, ctx.memory)
+        self.server_model: torch.nn.Module | None = None  # built for the first private evaluation
+        self.server_flops = DeclaredFlops()
+
+    # -- a private extractor's evaluation --------------------------------------- #
+
+    def _server_model_for(self, msg: GktEvalModel, map_shape: tuple[int, ...]) -> torch.nn.Module:
+        """The server's model as ``msg`` sends it, in eval mode (built once, loaded every time)."""
+        if self.server_model is None:
+            name = str(self.ctx.settings.get("server_model", "resnet55_server"))
+            # Its initial weights are overwritten at once; a generator of its own keeps torch's global RNG untouched.
+            self.server_model = build_model(name, self.num_classes, generator=torch.Generator().manual_seed(0)).to(self.ctx.device)
+            self.server_flops = DeclaredFlops(forward=forward_flops_per_sample(self.server_model, map_shape))
+        try:
+            load_arrays_into(self.server_model, msg.weights)
+        except WeightsMismatchError as exc:
+            raise ShapeMismatchError(f"{msg.TYPE}: the server model does not fit {self.ctx.settings.get('server_model')}: {exc}") from None
+        return self.server_model.eval()
+
+    @torch.no_grad()
+    def _evaluate_private(self, request: EvalRequest, server_model: GktEvalModel, meter: RoundMeter) -> EvalAnswer:
+        public = self.ctx.public_set(request.public_set, meter, request.round)  # once per run; a download is network time
+        with meter.phase("compute"):
+            self.model.eval()
+            server = self._server_model_for(server_model, self._map_shape())
+            bn = [(torch.from_numpy(server_model.bn[f"{i}/mean"]), torch.from_numpy(server_model.bn[f"{i}/var"]))
+                  for i in range(len(server_model.bn) // 2)]
+            global_results, results = {}, {}
+            for data, out in ((public, global_results), (self.ctx.test, results)):
+                counts = self._score(server, data, bn)
+                for label, (correct, total, loss_sum) in counts.items():
+                    out[label] = shard_result(correct, total, loss_sum)
+                passes = 2 if bn else 1
+                meter.forward(self.flops, len(data))
+                meter.forward(self.server_flops, passes * len(data))
+        return EvalAnswer(results=results, global_results=global_results)
+
+    def _map_shape(self) -> tuple[int, ...]:
+        """One feature map's shape (C, H, W) for this agent's images."""
+        x = torch.zeros((1, *self.ctx.train.images.shape[1:]), device=self.ctx.device)
+        return tuple(self.model.extract(x).shape[1:])
+
+    def _score(self, server: torch.nn.Module, data: ArrayDataset, bn: list) -> dict[str, tuple[int, int, float]]:
+        """(correct, total, summed cross-entropy) on ``data`` of extractor + server model (``model``;
+        ``personalised_bn`` with ``bn`` loaded into the server model) and of the ResNet-8 (``edge``)."""
+        sums = {label: [0, 0, 0.0] for label in ("model", "edge", *(("personalised_bn",) if bn else ()))}
+        for images, labels, _ in make_loader(data, 256):
+            images = images.to(self.ctx.device)
+            maps = self.model.extract(images)  # (B, 16, H, W)
+            outputs = {"model": server(maps), "edge": self.model.classify(maps)}  # (B, K) each
+            if bn:
+                with restoring_bn_statistics(server):
+                    load_bn_statistics(server, bn)
+                    outputs["personalised_bn"] = server(maps)
+            for label, logits in outputs.items():
+                entry = sums[label]
+                entry[0] += int((logits.argmax(1).cpu() == labels).sum())
+                entry[1] += int(labels.shape[0])
+                entry[2] += float(F.cross_entropy(logits.float().cpu(), labels, reduction="sum"))
+        return {label: (int(c), int(t), float(l)) for label, (c, t, l) in sums.items()}
 
     def _prepare(self, start: RoundStart, meter: RoundMeter) -> None:
         if start.weights and not self.trained:

@@ -1,6 +1,7 @@
 """FedKD edge step (Wu et al. 2022, Algorithm 1 and Eqs. 1-9).
 
-Each agent keeps a private *mentor* (large; never leaves the device; it is the
+Each agent keeps a private *mentor* (large; never leaves the device, not even to
+be evaluated: the agent scores it on the run's public test set itself; it is the
 model used for inference) and a copy of the shared *mentee* (small). Every
 round, on the agent's own data, both learn at once from the labels and from
 each other (``fedkd_losses``, Eqs. 1-7):
@@ -46,11 +47,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import models.mentor  # noqa: F401  (registers the mentor architectures, e.g. resnet20)
+from fldata import ArrayDataset
 from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays
 from models.mentor import HiddenOutputs, forward_with_hidden, hidden_dim
 from models.seeding import build_seeded
-from models.training import accuracy, make_optimizer
+from models.training import accuracy_and_loss, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdRoundConfig, FedKdUpdate, factor_state, unfactor_state
@@ -252,19 +254,26 @@ class FedKdEdge(EdgeMethod):
         self._load_global()
 
     def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
-        """FedKD infers with the mentor (the paper's test phase): it is the deployed model, on
-        the shard here and, sent to the server, on the global set. The global mentee (the
-        federated model, with the round's aggregate applied) stands beside it."""
+        """FedKD infers with the mentor (the paper's test phase): the deployed model, private, so
+        scored here on the shard and on the public global set the request names. The global
+        mentee (with the round's aggregate) stands beside it on the shard."""
         with meter.phase("compute"):
-            mentor_correct, total = self._accuracy(self.mentor)
-            results = {"model": shard_result(mentor_correct, total)}
+            mentor_correct, total, mentor_loss = self._scored(self.mentor, self.ctx.test)
+            results = {"model": shard_result(mentor_correct, total, mentor_loss)}
             meter.forward(self.mentor_flops, total)
             if self.global_state is not None:
                 self._load_global()
-                mentee_correct, _ = self._accuracy(self.mentee)
+                mentee_correct, _, _ = self._scored(self.mentee, self.ctx.test)
                 meter.forward(self.mentee_flops, total)
                 results["mentee"] = shard_result(mentee_correct, total, version=self.global_version)
-        return EvalAnswer(results=results, models={"model": state_dict_to_arrays(self.mentor)})
+        global_results = {}
+        if request.public_set.dataset:
+            public = self.ctx.public_set(request.public_set, meter, request.round)  # once per run; a download is network time
+            with meter.phase("compute"):
+                correct, public_total, loss_sum = self._scored(self.mentor, public)
+                meter.forward(self.mentor_flops, public_total)
+            global_results["model"] = shard_result(correct, public_total, loss_sum)
+        return EvalAnswer(results=results, global_results=global_results)
 
     # -- the round ---------------------------------------------------------------- #
 
@@ -362,9 +371,10 @@ class FedKdEdge(EdgeMethod):
         }
 
     @torch.no_grad()
-    def _accuracy(self, model: nn.Module) -> tuple[int, int]:
+    def _scored(self, model: nn.Module, data: ArrayDataset) -> tuple[int, int, float]:
+        """(correct, total, summed cross-entropy) of ``model`` in eval mode on ``data``."""
         model.eval()
-        return accuracy(lambda x: forward_with_hidden(model, x).logits, make_loader(self.ctx.test, 256), self.ctx.device)
+        return accuracy_and_loss(lambda x: forward_with_hidden(model, x).logits, make_loader(data, 256), self.ctx.device)
 
     # -- local persistence ------------------------------------------------------- #
 

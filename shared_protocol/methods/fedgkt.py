@@ -10,7 +10,7 @@ import numpy as np
 
 from ..configs import check_codec, check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
-from ..message_base import Message, check_same_length, register_message, tensor
+from ..message_base import Message, check_same_length, register_message, tensor, tensor_dict
 from ..registry import BenchRun, LauncherFlag, MethodSpec, ResultsRow, register_method
 
 SPLITS = ("train", "test")
@@ -157,6 +157,36 @@ class GktResendRequest(Message):
             raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
         if not self.seqs or not all(isinstance(s, int) and s >= 0 for s in self.seqs) or len(self.seqs) > 100_000:
             raise ValueRangeError(f"{self.TYPE}: seqs must be 1..100000 non-negative ints")
+
+
+@register_message
+@dataclass(kw_only=True)
+class GktEvalModel(Message):
+    """Server -> one agent whose extractor is private, just before its ``EvalRequest``: the
+    server model (``weights``, its state dict) the agent needs to score its extractor +
+    server model itself, and, when the round's personalised evaluation is due, the agent's
+    own BatchNorm statistics for it (``bn``: ``LAYER/mean`` and ``LAYER/var`` per BatchNorm
+    layer of the server model, in order). Its bytes are evaluation's."""
+
+    TYPE: ClassVar[str] = "fedgkt.eval_model"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"weights": "zstd", "bn": "zstd"}
+    weights: dict = tensor_dict()
+    bn: dict = tensor_dict()
+
+    @property
+    def for_evaluation(self) -> bool:
+        return True
+
+    def validate(self) -> None:
+        if not self.weights:
+            raise ValueRangeError(f"{self.TYPE}: no server model weights")
+        for field_name, arrays in (("weights", self.weights), ("bn", self.bn)):
+            for name, array in arrays.items():
+                if array.dtype.kind == "f" and not np.isfinite(array).all():
+                    raise ValueRangeError(f"{self.TYPE}: {field_name} {name!r} holds non-finite values")
+        layers = {name.rsplit("/", 1)[0] for name in self.bn}
+        if set(self.bn) != {f"{layer}/{part}" for layer in layers for part in ("mean", "var")}:
+            raise ValueRangeError(f"{self.TYPE}: bn must hold LAYER/mean and LAYER/var for every layer, got {sorted(self.bn)[:6]}")
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,11 @@ from .inverse_network import InverseNetworkConfig, decode_features, train_invers
 from .audit_updates import attack_update, image_row, match_private
 from .kept import AgentImages, KeptMaps, KeptRun, agent_images, load_kept_run
 from .labels import label_histogram_from_labels, label_histogram_from_logits
+from .leakage_report import attach_to_report, eval_models_note, leakage_section
 from .registry import AuditPlan, ServerKnowledge, attacks_for
 from .scoring import PixelSpace
 
-__all__ = ["AuditOptions", "attach_to_report", "leakage_section", "run_audit"]
+__all__ = ["AuditOptions", "run_audit"]
 
 LEAKAGE_JSON = "leakage.json"
 LEAKAGE_PNG = "leakage.png"
@@ -249,7 +250,7 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
     public = _public(kept, options)
     pixels = PixelSpace.of_dataset(kept.dataset, kept.in_channels)
     not_kept = kept.manifest.get("not_kept", {})
-    handed = _eval_models_note(kept.method, kept.manifest.get("eval_models", {}))
+    handed = eval_models_note(kept.method, kept.manifest.get("eval_models", {}))
     if handed:
         notes.append(handed)
         progress(f"edgesplit audit: {handed}")
@@ -304,57 +305,6 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
                  f"(baseline {best['baseline_psnr_db']:.1f} dB) on {best['agent']}")
     progress(f"edgesplit audit: wrote {out / LEAKAGE_JSON}" + (f" and {out / LEAKAGE_PNG}" if grid else ""))
     return result
-
-
-# What an evaluation report's models are, for the methods whose reports carry one.
-_EVAL_MODELS = {"fedkd": "the agent's private mentor", "fedgkt": "the agent's ResNet-8, extractor included"}
-
-
-def _eval_models_note(method: str, eval_models: dict[str, Any]) -> str:
-    """What the agents' evaluation reports handed the server besides figures, in words."""
-    if not eval_models:
-        return ""
-    what = _EVAL_MODELS.get(method, "the models " + ", ".join(sorted({m for e in eval_models.values() for m in e["models"]})))
-    sizes = sorted(entry["bytes"] for entry in eval_models.values())
-    return (f"the evaluation reports of {len(eval_models)} agents carried {what} ({sizes[0] / 1e6:.2f}-{sizes[-1] / 1e6:.2f} "
-            "MB each, trained on the private data): the audit uses an edge model as the extractor where one applies and "
-            "does not invert trained models otherwise")
-
-
-def leakage_section(result: dict[str, Any], picture: str | None = None) -> dict[str, Any]:
-    """The run report's ``leakage`` section from an audit's result: per image attack the agent
-    where it scored highest, per label attack the histogram error on the most exposed agent, the strongest
-    image attack, what the server was assumed to hold and what was not run or not audited."""
-    labels: dict[str, dict[str, Any]] = {}
-    skipped: dict[str, str] = {}
-    for entry in result["agents"].values():
-        for row in entry["attacks"]:
-            if "skipped" in row:
-                skipped.setdefault(row["attack"], row["skipped"])
-            elif "histogram_error" in row:
-                worst = labels.get(row["attack"])
-                if worst is None or row["histogram_error"] < worst["histogram_error"]:
-                    labels[row["attack"]] = {"histogram_error": float(row["histogram_error"])}
-    images = {name: dict(best) for name, best in result["best"].items()}
-    strongest = max(images, key=lambda name: images[name]["psnr_db"]) if images else None
-    return {"knowledge": list(result["knowledge"]["holds"]), "note": result["knowledge"]["note"],
-            "image_attacks": images, "label_attacks": labels, "strongest": strongest,
-            "skipped": {k: v for k, v in skipped.items() if k not in images and k not in labels},
-            "not_supported": result.get("not_supported"), "notes": list(result.get("notes", [])), "picture": picture,
-            "audit_wall_s": result["wall_s"]}
-
-
-def attach_to_report(run_dir: Path, section: dict[str, Any]) -> bool:
-    """Put ``section`` into ``run_dir``'s report.json as ``leakage`` and rewrite summary.md and
-    the plots; False when the run directory holds no report (the server's own directory)."""
-    from ..report import load_report, write_report
-
-    if not (run_dir / "report.json").exists():
-        return False
-    report = load_report(run_dir)
-    report["leakage"] = section
-    write_report(run_dir, report)
-    return True
 
 
 def _line(agent: str, row: dict[str, Any]) -> str:

@@ -59,9 +59,8 @@ log = logging.getLogger("cloud_server.fedgkt")
 @register_server_method
 class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktLabelCheck, FedGktReuse, StreamedUploads,
                    AnswersUploads, ServerMethod):
-    """The server step; its training, evaluation, plausibility checks and held maps are in the
-    ``fedgkt_training``, ``fedgkt_evaluation``, ``fedgkt_plausibility``, ``fedgkt_label_check``
-    and ``fedgkt_reuse`` modules beside it."""
+    """The server step; its training, evaluation, plausibility and label checks and held maps are in
+    the modules beside it (``fedgkt_training``, ``_evaluation``, ``_plausibility``, ``_label_check``, ``_reuse``)."""
 
     name = "fedgkt"
     # Torch-free (--backend ort) agents ask for their training artifacts within their first round.
@@ -133,11 +132,6 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
 
             self._step = TrainStep(self.model, self.optimizer, loss_fn, self.ctx.server_step, name="fedgkt")
         return self._step
-
-    @property
-    def scores_on_device(self) -> bool:  # type: ignore[override]
-        """A private extractor never leaves the device: the agents score it (fedgkt_evaluation.py)."""
-        return self.config.private_extractor
 
     @property
     def schedule(self) -> str:  # type: ignore[override]

@@ -42,6 +42,11 @@ class FedGktEvaluation:
 
     ctx: Any  # ServerContext
     config: Any  # FedGktConfig
+
+    @property
+    def scores_on_device(self) -> bool:  # type: ignore[override]
+        """A private extractor never leaves the device: the agents score it."""
+        return bool(self.config.private_extractor)
     model: torch.nn.Module
     device: torch.device
     agent_bn: dict[str, BnStatistics]

@@ -70,6 +70,19 @@ def lenet(seed: int) -> nn.Module:
 
 def agent_update(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, schedule: LocalSchedule) -> dict[str, torch.Tensor]:
     """What an agent uploads minus the global model: ``schedule`` run with the agents' optimisers."""
+    trained = _trained(model, images, labels, schedule)
+    start = dict(model.named_parameters())
+    return {name: (p - start[name]).detach() for name, p in trained.named_parameters()}
+
+
+def agent_update_buffers(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, schedule: LocalSchedule) -> dict[str, torch.Tensor]:
+    """The change of the float buffers (BatchNorm's running statistics) in the same training."""
+    trained = _trained(model, images, labels, schedule)
+    start = dict(model.named_buffers())
+    return {name: (b - start[name]).detach() for name, b in trained.named_buffers() if b.dtype.is_floating_point}
+
+
+def _trained(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, schedule: LocalSchedule) -> nn.Module:
     trained = copy.deepcopy(model).train()
     optimizer = make_optimizer(schedule.optimizer, trained.parameters(), schedule.lr, momentum=schedule.momentum,
                                weight_decay=schedule.weight_decay)
@@ -80,5 +93,4 @@ def agent_update(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, s
         optimizer.zero_grad()
         F.cross_entropy(logits, labels[index]).backward()
         optimizer.step()
-    start = dict(model.named_parameters())
-    return {name: (p - start[name]).detach() for name, p in trained.named_parameters()}
+    return trained

@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from audithelpers import FASHION, IMAGE_SHAPE, agent_update, fashion_sets, lenet
+from audithelpers import FASHION, IMAGE_SHAPE, agent_update, agent_update_buffers, fashion_sets, lenet
 from audithelpers import one_torch_thread  # noqa: F401 (a fixture: importing it applies it here)
 from cloud_server.audit import (AttackInputError, LocalSchedule, UnsupportedScheduleError, UpdateInversionConfig,
                                 infer_single_label, invert_update, mean_image_baseline, score_images, unrolled_update)
 from cloud_server.audit.linear_inputs import capture_input, recover_linear_input
+from cloud_server.audit.update_matching import batchnorm_distance, observed_running_stats, record_batchnorm, sign_distance
 from models.registry import build_model
 
-INVERSION = UpdateInversionConfig(steps=800)
+INVERSION = UpdateInversionConfig(steps=800, restarts=1)
 
 
 @pytest.mark.parametrize("schedule", [
@@ -133,3 +134,63 @@ def test_two_images_come_back_from_a_batch_of_two_with_known_labels() -> None:
     assert scores.psnr_db > 25.0
     assert scores.psnr_db > mean_image_baseline(public, private).psnr_db + 10.0
     assert scores.ssim > 0.75
+
+
+# -- the project's own model at the agents' defaults: ResNet-8 (FedKD's mentee), BatchNorm in train mode -- #
+
+ADAM_DEFAULT = LocalSchedule(lr=0.001, optimizer="adam", weight_decay=1e-4)  # FedAvgRoundConfig's, one image
+SGD_ONE_STEP = LocalSchedule(lr=0.01, momentum=0.9, weight_decay=1e-4)
+
+
+def _resnet8_update(schedule: LocalSchedule, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """ResNet-8's update with BatchNorm's running statistics, as a FedAvg upload carries them."""
+    model = build_model("resnet8", 10, 1, generator=torch.Generator().manual_seed(0))
+    update = agent_update(model, images, labels, schedule)
+    trained_stats = agent_update_buffers(model, images, labels, schedule)
+    return model, {**update, **trained_stats}
+
+
+def test_one_adam_step_gives_every_gradient_sign_and_only_the_private_image_has_them() -> None:
+    private, labels, _ = fashion_sets(4, 50)
+    other = next(i for i in range(1, 4) if labels[i] != labels[0])
+    model, update = _resnet8_update(ADAM_DEFAULT, private[:1], labels[:1])
+    observed = {k: v for k, v in update.items() if not k.endswith(("running_mean", "running_var"))}
+    sign_step = LocalSchedule(lr=1.0, weight_decay=ADAM_DEFAULT.weight_decay)  # minus the first gradient
+    def distance(images: torch.Tensor) -> float:
+        gradient = {k: -v for k, v in unrolled_update(model, FASHION.to_model(images), labels[:1], sign_step).items()}
+        return float(sign_distance(gradient, observed, "per_tensor").detach())
+    assert distance(private[:1]) < 1e-6
+    assert distance(private[other : other + 1]) > 0.3
+
+
+def test_the_running_statistics_in_an_upload_pin_the_batch() -> None:
+    private, labels, _ = fashion_sets(2, 50)
+    model, update = _resnet8_update(SGD_ONE_STEP, private[:1], labels[:1])
+    observed = observed_running_stats(model, update)
+    assert observed
+    def distance(images: torch.Tensor) -> float:
+        with record_batchnorm(model) as moments:
+            unrolled_update(model, FASHION.to_model(images), labels[:1], SGD_ONE_STEP)
+        return float(batchnorm_distance(model, moments, observed).detach())
+    assert distance(private[:1]) < 1e-6
+    assert distance(private[1:2]) > 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [ADAM_DEFAULT, SGD_ONE_STEP], ids=["adam-default", "sgd"])
+def test_resnet8_one_image_update_gives_more_than_the_mean_image_and_another_update_does_not(schedule: LocalSchedule) -> None:
+    private, labels, public = fashion_sets(2, 200)
+    config = UpdateInversionConfig(steps=150, lr=0.03, restarts=1)
+    model, update = _resnet8_update(schedule, private[:1], labels[:1])
+    result = invert_update(model, update, FASHION, IMAGE_SHAPE, 1, schedule, start=public.mean(0), config=config)
+    assert result.labels.tolist() == labels[:1].tolist()
+    assert result.match == ("sign" if schedule.optimizer == "adam" else "cosine")
+    scores, baseline = score_images(result.images, private[:1]), mean_image_baseline(public, private[:1])
+    assert scores.psnr_db > baseline.psnr_db + 1.0
+    assert scores.ssim > baseline.ssim + 0.1
+    _, other_update = _resnet8_update(schedule, private[1:2], labels[1:2])
+    other = invert_update(model, other_update, FASHION, IMAGE_SHAPE, 1, schedule, labels=labels[:1], start=public.mean(0),
+                          config=config)
+    other_scores = score_images(other.images, private[:1])
+    assert other_scores.psnr_db < baseline.psnr_db + 0.5 and other_scores.ssim < baseline.ssim
+    assert other.loss > 2 * result.loss

@@ -3,9 +3,9 @@
 Every score here compares images in ``[0, 1]`` pixel units, ``(N, C, H, W)``, never the
 normalised tensors the models see: an attack that works on normalised inputs maps its
 result back with :class:`PixelSpace` first. SSIM is ``pytorch_msssim.ssim`` (Wang et al.'s
-Gaussian-window SSIM, 11 x 11, sigma 1.5), computed per image; PSNR is
-``10 log10(1 / MSE)`` per image, capped at :data:`MAX_PSNR_DB` so that an exact
-reconstruction has a finite score.
+Gaussian-window SSIM, 11 x 11, sigma 1.5), computed per image; PSNR is torchmetrics'
+``peak_signal_noise_ratio`` (``10 log10(1 / MSE)`` at data range 1) per image, capped at
+:data:`MAX_PSNR_DB` so that an exact reconstruction has a finite score.
 
 :func:`mean_image_baseline` is what an attacker who learnt nothing scores: predict the mean
 of the images it already holds (the server's public set) for every private image. An attack
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from pytorch_msssim import ssim
+from torchmetrics.functional.image import peak_signal_noise_ratio
 
 from fldata.stats import dataset_stats
 
@@ -30,8 +31,6 @@ __all__ = ["MAX_PSNR_DB", "ImageAttackOutcome", "ImageScores", "PixelSpace", "me
 
 #: The PSNR reported for a reconstruction whose error is below float32's resolution.
 MAX_PSNR_DB = 100.0
-# MSE at MAX_PSNR_DB: 10 log10(1 / mse) = MAX_PSNR_DB.
-_MIN_MSE = 10.0 ** (-MAX_PSNR_DB / 10.0)
 # pytorch_msssim's window: images must be at least this large on each side.
 _SSIM_WINDOW = 11
 # Images may sit this far outside [0, 1] (float rounding of an un-normalisation) before a score refuses them.
@@ -145,8 +144,9 @@ def score_images(reconstructed: torch.Tensor, private: torch.Tensor) -> ImageSco
         raise AttackInputError(f"SSIM needs images of at least {_SSIM_WINDOW} x {_SSIM_WINDOW}, got {tuple(private.shape[-2:])}")
     x = reconstructed.detach().to(torch.float64).clamp(0.0, 1.0)
     y = private.detach().to(torch.float64).clamp(0.0, 1.0)
-    mse = (x - y).square().flatten(1).mean(1).clamp_min(_MIN_MSE)  # (N,)
-    psnr = (-10.0 * torch.log10(mse)).tolist()
+    # Per image (reduction over each image's own dims); an exact match is +inf, hence the cap.
+    psnr = peak_signal_noise_ratio(x, y, data_range=1.0, reduction="none", dim=(1, 2, 3))  # (N,)
+    psnr = psnr.nan_to_num(posinf=MAX_PSNR_DB).clamp_max(MAX_PSNR_DB).tolist()
     ssim_values = ssim(x, y, data_range=1.0, size_average=False).tolist()  # (N,)
     return ImageScores(psnr_db=_mean(psnr), ssim=_mean(ssim_values),
                        psnr_db_per_image=tuple(psnr), ssim_per_image=tuple(ssim_values))

@@ -8,12 +8,18 @@ the server sent and holds.
 Labels are either given (the attacker knows them) or, for one image, read from the update
 of the last linear layer (iDLG, Zhao et al.): with a cross-entropy loss only the true
 class's bias (or weight row, for non-negative inputs) moves up.
+
+What the update is compared by, and the other evidence it carries, are in
+:mod:`~cloud_server.audit.update_matching`: the cosine for SGD and multi-step Adam, the
+gradient's signs for one Adam step (the agents' default first step), and BatchNorm's running
+statistics where the upload carries them. Several restarts keep the one that explains the
+update best (never the one closest to the private images, which the server does not have).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -25,6 +31,8 @@ from .image_prior import ImageVariable, total_variation
 from .linear_inputs import capture_input, recover_linear_input
 from .schedule import LocalSchedule
 from .scoring import PixelSpace
+from .update_matching import (batchnorm_distance, cosine_distance, observed_running_stats, record_batchnorm,
+                              sign_distance)
 
 __all__ = [
     "UpdateInversionConfig",
@@ -37,6 +45,9 @@ __all__ = [
 
 #: How the distance between two updates weighs their parameter tensors (UpdateInversionConfig.weighting).
 UPDATE_WEIGHTINGS = ("per_tensor", "whole")
+#: What the dummy update is compared with the received one by (UpdateInversionConfig.match):
+#: ``"auto"`` is ``"sign"`` for one Adam step and ``"cosine"`` otherwise.
+UPDATE_MATCHES = ("auto", "cosine", "sign")
 # Under the square root of Adam's second moment, so that its gradient stays finite where a
 # parameter's gradient is exactly zero; far below any second moment a real gradient makes.
 _SQRT_FLOOR = 1e-30
@@ -60,7 +71,19 @@ class UpdateInversionConfig:
         adam_softening: for an Adam schedule, :func:`unrolled_update`'s softening of the
             dummy update (the received one is used as it is).
         signed_gradients: step on the gradient's sign, as Inverting Gradients does.
-        seed: seeds the starting images.
+        match: ``"cosine"`` through the unrolled schedule; ``"sign"``: the dummy images'
+            gradient against the signs a one-step Adam update gives
+            (:func:`~cloud_server.audit.update_matching.sign_distance`); ``"auto"``: sign for
+            one Adam step, cosine otherwise.
+        batchnorm_weight: the weight of matching the BatchNorm running statistics the upload
+            carries (:func:`~cloud_server.audit.update_matching.batchnorm_distance`); 0, or
+            an update without them, leaves it out.
+        restarts: optimisations from different starting noise, restart ``r`` at learning rate
+            ``lr * restart_lr_factor ** r`` (the rate that suits a small sigmoid network is too
+            large for a deep one with BatchNorm); the one with the lowest final matching loss
+            is kept.
+        restart_lr_factor: see ``restarts``.
+        seed: seeds the starting images (restart ``r`` uses ``seed + r``).
     """
 
     steps: int = 1000
@@ -70,6 +93,10 @@ class UpdateInversionConfig:
     linear_input_weight: float = 1.0
     adam_softening: float = 0.1
     signed_gradients: bool = False
+    match: str = "auto"
+    batchnorm_weight: float = 10.0
+    restarts: int = 2
+    restart_lr_factor: float = 0.3
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -80,6 +107,11 @@ class UpdateInversionConfig:
             raise AttackInputError(f"UpdateInversionConfig.linear_input_weight must be >= 0, got {self.linear_input_weight}")
         if self.adam_softening < 0:
             raise AttackInputError(f"UpdateInversionConfig.adam_softening must be >= 0, got {self.adam_softening}")
+        if self.match not in UPDATE_MATCHES:
+            raise AttackInputError(f"UpdateInversionConfig.match must be one of {UPDATE_MATCHES}, got {self.match!r}")
+        if self.batchnorm_weight < 0 or self.restarts < 1 or not self.restart_lr_factor > 0:
+            raise AttackInputError(f"UpdateInversionConfig needs batchnorm_weight >= 0, restarts >= 1 and restart_lr_factor > 0, "
+                                   f"got {self.batchnorm_weight}, {self.restarts} and {self.restart_lr_factor}")
         if self.weighting not in UPDATE_WEIGHTINGS:
             raise AttackInputError(f"UpdateInversionConfig.weighting must be one of {UPDATE_WEIGHTINGS}, got {self.weighting!r}")
 
@@ -92,13 +124,19 @@ class UpdateInversionResult:
         images: ``(N, C, H, W)`` in ``[0, 1]`` pixel units.
         labels: ``(N,)`` the labels the dummy images were optimised with.
         labels_inferred: whether ``labels`` were read from the update (else given).
-        cosine_distance: the final ``1 - cos`` between the dummy and the received update.
+        cosine_distance: the final distance between the dummy and the received update
+            (``1 - cos``, or the sign distance where ``match`` was the sign).
+        match: the comparison used, ``"cosine"`` or ``"sign"``.
+        loss: the kept restart's final matching loss (the distance plus the weighted
+            BatchNorm and linear-input terms, without the image prior).
     """
 
     images: torch.Tensor
     labels: torch.Tensor
     labels_inferred: bool
     cosine_distance: float
+    match: str = "cosine"
+    loss: float = 0.0
 
 
 def last_linear_layer(model: nn.Module) -> tuple[str, nn.Linear]:
@@ -204,19 +242,6 @@ def _step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], s
     return p - schedule.lr / (1 - beta1**t) * exp_avg / denom
 
 
-def _cosine_distance(produced: dict[str, torch.Tensor], observed: dict[str, torch.Tensor], weighting: str) -> torch.Tensor:
-    """``1 - cos`` between the updates, over the whole update at once or per parameter tensor
-    (averaged over the tensors that moved)."""
-    moved = [k for k in observed if observed[k].abs().max() > 0]
-    if not moved:
-        raise AttackInputError("the update is zero everywhere: nothing to invert")
-    if weighting == "whole":
-        return 1.0 - F.cosine_similarity(torch.cat([produced[k].flatten() for k in moved]),
-                                         torch.cat([observed[k].flatten() for k in moved]), dim=0, eps=1e-12)
-    return torch.stack([1.0 - F.cosine_similarity(produced[k].flatten(), observed[k].flatten(), dim=0, eps=1e-12)
-                        for k in moved]).mean()
-
-
 def invert_update(model: nn.Module, update: Mapping[str, torch.Tensor], pixels: PixelSpace,
                   image_shape: tuple[int, int, int], num_images: int, schedule: LocalSchedule,
                   labels: torch.Tensor | None = None, start: torch.Tensor | None = None,
@@ -225,7 +250,8 @@ def invert_update(model: nn.Module, update: Mapping[str, torch.Tensor], pixels: 
 
     Args:
         model: the global model the agent started from (its weights are not changed).
-        update: ``uploaded - global`` per trainable parameter name.
+        update: ``uploaded - global`` per trainable parameter name, and per BatchNorm
+            running statistic where the upload carries them (FedAvg's does).
         pixels: the normalisation the agent's loader applied.
         image_shape: ``(C, H, W)`` of one image.
         num_images: how many images the schedule went through (the agent's sample count, or
@@ -252,24 +278,42 @@ def invert_update(model: nn.Module, update: Mapping[str, torch.Tensor], pixels: 
     labels = labels.detach().long().reshape(-1)
     if labels.numel() != num_images:
         raise AttackInputError(f"expected {num_images} labels, got {labels.numel()}")
-    generator = torch.Generator().manual_seed(config.seed)
-    init = torch.rand((num_images, *image_shape), generator=generator)  # (N, C, H, W)
-    if start is not None:
-        if tuple(start.shape) != tuple(image_shape):
-            raise AttackInputError(f"start has shape {tuple(start.shape)}, the images {tuple(image_shape)}")
-        init = start.detach().float().expand_as(init) + 0.05 * (init - 0.5)
-    image = ImageVariable(init, config.lr, config.steps, config.signed_gradients)
-    distance = torch.tensor(1.0)
+    if start is not None and tuple(start.shape) != tuple(image_shape):
+        raise AttackInputError(f"start has shape {tuple(start.shape)}, the images {tuple(image_shape)}")
+    match = config.match if config.match != "auto" else (
+        "sign" if schedule.optimizer == "adam" and schedule.local_steps == 1 else "cosine")
+    # One Adam step's signs are those of the first gradient (weight decay included): one SGD
+    # step of rate 1 from the same weights is minus that gradient.
+    unrolled = replace(schedule, optimizer="sgd", lr=1.0, momentum=0.0) if match == "sign" else schedule
+    running_stats = observed_running_stats(model, update) if config.batchnorm_weight else {}
     linear_input = recover_linear_input(model, observed, schedule) if num_images == 1 and config.linear_input_weight else None
-    with capture_input(model, linear_input.module_name if linear_input else "") as captured:
-        for _ in range(config.steps):
-            captured.clear()
-            produced = unrolled_update(model, pixels.to_model(image.pixels), labels, schedule, config.adam_softening)
-            distance = _cosine_distance(produced, observed, config.weighting)
-            loss = distance + config.tv_weight * total_variation(image.pixels)
-            if linear_input is not None:  # the first forward pass is at the start weights, where the reading holds
-                target = linear_input.values
-                loss = loss + config.linear_input_weight * (captured[0].flatten() - target).square().mean() / target.square().mean().clamp_min(1e-12)
-            image.step(loss)
-    return UpdateInversionResult(images=image.result(), labels=labels, labels_inferred=inferred,
-                                 cosine_distance=float(distance.detach()))
+    best: tuple[float, torch.Tensor, float] | None = None
+    for restart in range(config.restarts):
+        generator = torch.Generator().manual_seed(config.seed + restart)
+        init = torch.rand((num_images, *image_shape), generator=generator)  # (N, C, H, W)
+        if start is not None:
+            init = start.detach().float().expand_as(init) + 0.05 * (init - 0.5)
+        image = ImageVariable(init, config.lr * config.restart_lr_factor**restart, config.steps, config.signed_gradients)
+        distance, matching = torch.tensor(1.0), torch.tensor(1.0)
+        with capture_input(model, linear_input.module_name if linear_input else "") as captured, \
+                record_batchnorm(model, bool(running_stats)) as moments:
+            for _ in range(config.steps):
+                captured.clear()
+                moments.clear()
+                produced = unrolled_update(model, pixels.to_model(image.pixels), labels, unrolled, config.adam_softening)
+                if match == "sign":
+                    distance = sign_distance({k: -v for k, v in produced.items()}, observed, config.weighting)
+                else:
+                    distance = cosine_distance(produced, observed, config.weighting)
+                matching = distance
+                if running_stats:
+                    matching = matching + config.batchnorm_weight * batchnorm_distance(model, moments, running_stats)
+                if linear_input is not None:  # the first forward pass is at the start weights, where the reading holds
+                    target = linear_input.values
+                    matching = matching + config.linear_input_weight * (captured[0].flatten() - target).square().mean() / target.square().mean().clamp_min(1e-12)
+                image.step(matching + config.tv_weight * total_variation(image.pixels))
+        if best is None or float(matching.detach()) < best[0]:
+            best = (float(matching.detach()), image.result(), float(distance.detach()))
+    assert best is not None  # restarts >= 1
+    return UpdateInversionResult(images=best[1], labels=labels, labels_inferred=inferred, cosine_distance=best[2],
+                                 match=match, loss=best[0])

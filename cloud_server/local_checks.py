@@ -6,7 +6,9 @@ Three stages, cheapest first: argparse's own (the ``type=`` functions here: numb
 range, an unknown method, dataset or partition spec exit at parse time), the flags that
 depend on each other (:func:`check_local_args`: the ``--set`` tables and keys, the models
 the method's flags name), then the configs as the run would write them, read by the
-server's and the agents' own config classes (:func:`check_generated_configs`). A mistake
+server's config class and method here and by ``edge-agent check`` for the agents (the server
+never imports the agent's package), and the partition for that many agents
+(:func:`check_generated_configs`). A mistake
 is a :class:`LaunchConfigError`; the launcher exits with :data:`EXIT_CONFIG`, as argparse,
 ``cloud-server run`` and ``edge-agent run`` do for a configuration error.
 """

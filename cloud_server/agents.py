@@ -183,24 +183,34 @@ class AgentRegistry:
         self.transport.expect_sender(self.topics.up(agent), limits)
         self.transport.expect_sender(self.topics.status(agent), self.STATUS_LIMITS)
 
+    def refused_devices(self) -> list[str]:
+        """The run's devices refused at join (their data or their methods do not fit) that
+        have not joined since: none of them is still to come. An agent id outside the
+        allow-list is not one of the run's devices and counts for nothing."""
+        active = set(self.active())
+        return sorted({r["agent"] for r in self.refused if r["code"] != "not_allowed" and r["agent"] not in active})
+
     def wait_for_agents(self, pump: Callable[[float], None]) -> None:
-        """Before the first round: pump until ``expected_agents`` joined or the registration
-        timeout; fewer than ``min_agents`` then ends the run."""
+        """Before the first round: pump until every expected agent has joined or been refused
+        (one refused at join does not hold the run up) or the registration timeout; fewer than
+        ``min_agents`` joined then ends the run."""
         deadline = time.monotonic() + self.config.registration_timeout_s
         last_count = -1
-        while time.monotonic() < deadline and len(self.active()) < self.config.expected_agents:
+        while time.monotonic() < deadline and len(self.active()) + len(self.refused_devices()) < self.config.expected_agents:
             count = len(self.active())
             if count != last_count:
                 log.info("waiting for agents: %d of %d joined", count, self.config.expected_agents)
                 last_count = count
             pump(min(1.0, deadline - time.monotonic()))
-        joined = len(self.active())
+        joined, refused = len(self.active()), self.refused_devices()
         if joined < self.config.min_agents:
             raise RunAborted(
                 f"only {joined} agents joined within {self.config.registration_timeout_s}s; need at least {self.config.min_agents}"
+                + (f" ({len(refused)} refused at join: {', '.join(refused)}; see the server's log)" if refused else "")
             )
         if joined < self.config.expected_agents:
-            log.warning("starting with %d of %d expected agents", joined, self.config.expected_agents)
+            log.warning("starting with %d of %d expected agents%s", joined, self.config.expected_agents,
+                        f" ({len(refused)} refused at join: {', '.join(refused)})" if refused else "")
 
     # -- liveness ---------------------------------------------------------------- #
 

@@ -13,22 +13,29 @@ from pathlib import Path
 from shared_protocol.logs import setup_logging
 from shared_protocol.tomlio import read_toml
 from shared_protocol.transport import TransportError
+from shared_protocol.version import add_version_flag
 
 from .assemble import build_server
 from .config import ServerConfig
+from .local_checks import int_at_least
 
 log = logging.getLogger("cloud_server")
+
+#: Exit codes: 2 a configuration error (a bad config or flag, the TLS files, a run directory
+#: already holding a run), as `edgesplit local` and `edge-agent run` give.
+EXIT_CONFIG = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cloud-server", description="EdgeSplit cloud server (coordinator + server side of each method).")
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a federation")
     run.add_argument("--config", required=True, help="server TOML ([server] and a table for the method)")
     run.add_argument("--broker", help="override the broker URL, mqtt://HOST:PORT or mqtts://HOST:PORT")
     run.add_argument("--out", help="override the run directory")
     run.add_argument("--run-id", help="override the run id")
-    run.add_argument("--rounds", type=int, help="override the number of rounds")
+    run.add_argument("--rounds", type=int_at_least(1), help="override the number of rounds")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint in the run directory")
     run.add_argument("--resume-if-checkpoint", action="store_true",
                      help="continue from the run directory's checkpoint when there is one, else start (for systemd restarts)")
@@ -67,7 +74,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from .coordinator import RunAborted
 
-    config = load_config(args)
+    try:
+        config = load_config(args)
+    except (ValueError, OSError) as exc:  # OSError: the config or a file it names is missing or unreadable
+        print(f"cloud-server: error: {exc}\n  -> fix {args.config} (keys in docs/configuration.md)", file=sys.stderr)
+        return EXIT_CONFIG
     setup_logging(config.log_json, name="server ")
     run_dir = Path(config.out_dir)
     checkpoint = run_dir / "checkpoint" / "coordinator.json"
@@ -76,7 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.force:
             print(f"cloud-server: error: {run_dir} already holds {held}: --resume to continue it, --force to start a new "
                   f"run there (its report and checkpoint are replaced), or --out DIR for another directory", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG
         log.warning("--force: starting a new run in %s, which held %s; its report and checkpoint are replaced", run_dir, held)
         shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
     try:
@@ -84,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except TransportError as exc:  # the TLS files (ca_file, cert_file, key_file), before any connection
         log.error("%s", exc)
         log.error("  -> fix ca_file / cert_file / key_file in [server] of %s", args.config)
-        return 2
+        return EXIT_CONFIG
     method = coordinator.method
     log.info("run %s: method %s (%s), %d rounds, device %s, out %s", config.run_id, config.method,
              method.schedule, config.rounds, method.ctx.device, config.out_dir)
@@ -95,7 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             time.sleep(config.metrics_linger_s)
     except (RunAborted, TransportError, FileNotFoundError, MetricsEndpointError) as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_CONFIG  # not a configuration error, but not to be restarted either (cloud-server.service)
     finally:
         coordinator.close_metrics()
     totals = report["totals"]
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_report(args)
     except ValueError as exc:
         print(f"cloud-server: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

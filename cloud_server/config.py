@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shared_protocol.configs import unknown_keys_error
 from shared_protocol.metrics_endpoint import MetricsEndpointConfig
 from shared_protocol.registry import DEFAULT_METHOD
 from shared_protocol.tomlio import read_secret
@@ -272,12 +273,18 @@ class ServerConfig:
         return out
 
     @classmethod
+    def table_keys(cls) -> tuple[str, ...]:
+        """The keys ``[server]`` may hold (``password_file`` for ``password``; the method's
+        table is its own)."""
+        return tuple(f for f in cls.__dataclass_fields__ if f != "method_config") + ("password_file",)
+
+    @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ServerConfig":
         """From a parsed TOML document: ``[server]`` plus a table named after the method."""
         server = dict(raw.get("server", {}))
-        unknown = set(server) - set(cls.__dataclass_fields__) - {"password_file"}
+        unknown = set(server) - set(cls.table_keys())
         if unknown:
-            raise ValueError(f"unknown [server] keys: {sorted(unknown)}")
+            raise unknown_keys_error("server", unknown, cls.table_keys())
         password_file = server.pop("password_file", None)
         if password_file:
             server["password"] = read_secret(password_file)

@@ -32,7 +32,10 @@ from shared_protocol.local_broker import BrokerNotFoundError, BrokerStartError, 
 from shared_protocol.metrics_endpoint import DEFAULT_METRICS_PORT
 from shared_protocol.registry import DEFAULT_METHOD, registered_methods
 from shared_protocol.transport import redact_url
+from shared_protocol.version import add_version_flag
 
+from .local_checks import (EXIT_CONFIG, PARTITION_FORMS, LaunchConfigError, check_generated_configs, check_local_args,
+                           dataset_name, float_in, int_at_least, method_name, partition_spec)
 from .local_run import (broker_settings, check_server_config, launcher_flags, local_options, method_table, metrics_addresses,
                         metrics_banner, write_configs)
 
@@ -40,21 +43,57 @@ __all__ = ["broker_settings", "build_parser", "check_server_config", "clear_prev
            "method_table", "metrics_addresses", "metrics_banner", "write_configs"]
 
 
+class LocalHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``edgesplit local --help``: every flag's default (unless its help already says it), and
+    for a flag naming a model, the models registered for it (read from the models registry,
+    and so torch, only when the help is printed)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == [] or action.default == argparse.SUPPRESS
+        if action.option_strings and "default" not in text and not unset:
+            text += " (default: %(default)s)"
+        named = _model_flags().get(action.option_strings[0]) if action.option_strings else None
+        if named is not None and not all(model in text for model in named[1]):
+            text += f"; registered: {' | '.join(named[1])}"
+        return text
+
+
+def _model_flags() -> dict[str, tuple[str, list[str]]]:
+    from .local_checks import model_flags
+
+    return model_flags()
+
+
+def dataset_names() -> list[str]:
+    from fldata.registry import list_datasets
+
+    import fldata  # noqa: F401  (its import registers the built-in datasets)
+
+    return list(list_datasets())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgesplit", description="EdgeSplit tools.")
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     local = sub.add_parser("local", help="run a federation on this machine: broker + server + N agents",
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           formatter_class=LocalHelpFormatter,
+                           description="Run a federation on this machine: a broker, the server and N agents as separate\n"
+                           "processes. Every flag and --set is checked before anything starts; a configuration\n"
+                           f"error exits with code {EXIT_CONFIG}.",
                            epilog="methods (--method):\n" + "\n".join(
                                f"  {name:<12} {spec.summary}" for name, spec in registered_methods().items()))
-    local.add_argument("--method", default=DEFAULT_METHOD, help=" | ".join(registered_methods()))
-    local.add_argument("--agents", type=int, default=4)
-    local.add_argument("--rounds", type=int, default=8)
-    local.add_argument("--dataset", default="fashion-mnist")
-    local.add_argument("--data-root", default=None)
-    local.add_argument("--partition", default="dirichlet:0.5", help="iid | dirichlet:A | step:K | table:FILE")
-    local.add_argument("--train-samples", type=int, default=4000, help="seeded subset of the training set (0 = all)")
-    local.add_argument("--test-samples", type=int, default=1000, help="seeded subset of the test set (0 = all)")
+    local.add_argument("--method", type=method_name, default=DEFAULT_METHOD, help=" | ".join(registered_methods()))
+    local.add_argument("--agents", type=int_at_least(1), default=4, help="agents, each its own process")
+    local.add_argument("--rounds", type=int_at_least(1), default=8, help="rounds of the run")
+    local.add_argument("--dataset", type=dataset_name, default="fashion-mnist",
+                       help=f"the dataset the agents share out: {' | '.join(dataset_names())}")
+    local.add_argument("--data-root", default=None, help="the directory holding the dataset (default: the loader's own place)")
+    local.add_argument("--partition", type=partition_spec, default="dirichlet:0.5",
+                       help=f"how the training set is shared out among the agents: {PARTITION_FORMS}")
+    local.add_argument("--train-samples", type=int_at_least(0), default=4000, help="seeded subset of the training set (0 = all)")
+    local.add_argument("--test-samples", type=int_at_least(0), default=1000, help="seeded subset of the test set (0 = all)")
     # The methods' own flags, as their registry entries declare them (MethodSpec.flags). Left
     # out, a flag is None here and LocalRunOptions.flag gives the method's declared default: a
     # method's launcher table can tell a flag given from one left at its default (a method's
@@ -63,11 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         flag = launch.flag
         local.add_argument(flag.name, type=flag.parse, default=None, choices=flag.choices or None,
                            help=launch.help_text() + ("" if flag.default is None else f" (default {flag.default})"))
-    local.add_argument("--deadline", type=float, default=900.0, help="round deadline in seconds")
-    local.add_argument("--eval-every", type=int, default=1)
-    local.add_argument("--client-fraction", type=float, default=1.0, help="sync methods: fraction of the agents drawn each round")
-    local.add_argument("--seed", type=int, default=0)
-    local.add_argument("--run-id", default=None)
+    local.add_argument("--deadline", type=float_in(0.0), default=900.0, help="round deadline in seconds")
+    local.add_argument("--eval-every", type=int_at_least(1), default=1, help="evaluate every N rounds (and the last)")
+    local.add_argument("--client-fraction", type=float_in(0.0, 1.0), default=1.0,
+                       help="sync methods: fraction of the agents drawn each round")
+    local.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the data subsets, the partition and the models")
+    local.add_argument("--run-id", default=None, help="the run's name (default <method>-<date>-<time>)")
     local.add_argument("--out", default=None, help="run directory (default runs/<run id>)")
     local.add_argument("--broker", default=None, help="use this broker instead of starting one (mqtt[s]://[user[:password]@]host:port)")
     local.add_argument("--username", default=None, help="broker user name for the server and every agent")
@@ -82,10 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep what the leakage audit needs under RUN_DIR/audit ([server] audit; "
                        "server.audit_samples_per_agent bounds it) and audit it when the run ends, as `edgesplit audit "
                        "RUN_DIR` does: the leakage section of summary.md and report.json, leakage.png")
-    local.add_argument("--audit-steps", type=int, default=None, metavar="N",
+    local.add_argument("--audit-steps", type=int_at_least(1), default=None, metavar="N",
                        help="with --audit: optimisation steps of every optimising attack (default: each attack's own; "
                        "fewer is faster and weaker)")
-    local.add_argument("--log-json", action="store_true")
+    local.add_argument("--log-json", action="store_true", help="the server and the agents log JSON lines")
     local.add_argument("--metrics", nargs="?", const=f"127.0.0.1:{DEFAULT_METRICS_PORT}", default=None, metavar="HOST:PORT",
                        help="watch the run: the server serves Prometheus metrics and the status page on HOST:PORT (default "
                        f"127.0.0.1:{DEFAULT_METRICS_PORT}, or a free port if that one is taken) and every agent its metrics on "
@@ -227,12 +267,16 @@ def clear_previous_run(out: Path) -> bool:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    if args.agents < 1 or args.rounds < 1:
-        raise SystemExit("edgesplit: --agents and --rounds must be >= 1")
-    if args.audit_steps is not None and (not args.audit or args.audit_steps < 1):
-        raise SystemExit("edgesplit: --audit-steps needs --audit and a value >= 1")
     run_id = args.run_id or f"{args.method}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(args.out or f"runs/{run_id}").resolve()
+    try:  # everything, before anything starts or is written
+        if args.audit_steps is not None and not args.audit:
+            raise LaunchConfigError("--audit-steps needs --audit")
+        check_local_args(args)
+        check_generated_configs(args, run_id, out, args.broker)
+    except LaunchConfigError as exc:
+        print(f"edgesplit local: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     if clear_previous_run(out):
         print(f"edgesplit: {out} held a previous run; replaced", file=sys.stderr)
     logs = out / "logs"
@@ -250,12 +294,11 @@ def cmd_local(args: argparse.Namespace) -> int:
                 raise SystemExit(f"edgesplit: {exc}") from None
             broker = local_broker.url
         print(f"edgesplit: broker {redact_url(broker)}; run {run_id}; {args.agents} agents x {args.rounds} rounds of {args.method} on {args.dataset} ({args.partition})", flush=True)
-        try:
+        try:  # as checked above, now with the broker's address
             server_cfg, agent_cfgs = write_configs(args, run_id, out, broker)
-            check_server_config(server_cfg)
         except ValueError as exc:
-            print(f"edgesplit: error: {exc}", file=sys.stderr)
-            return 2
+            print(f"edgesplit local: error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
         banner = metrics_banner(server_cfg, agent_cfgs)
         if banner is not None:
             print(banner, flush=True)

@@ -50,9 +50,10 @@ __all__ = [
     "parse_setting",
 ]
 
-#: Tables of the files ``edgesplit local`` writes, besides the method's own (named after it).
+#: Tables of the files ``edgesplit local`` writes, besides the method's own (named after it):
+#: the server's, and each agent's (``[memory]`` is written only when ``--set`` gives a key of it).
 SERVER_TABLE = "server"
-AGENT_TABLES = ("agent", "data")
+AGENT_TABLES = ("agent", "data", "memory")
 
 
 @dataclass(frozen=True)
@@ -193,17 +194,19 @@ def apply_settings(documents: Iterable[Mapping[str, dict[str, Any]]], settings: 
     """Set each setting in every document that holds its table (in place).
 
     The server's file holds ``[server]`` and ``[<method>]``, each agent's
-    ``[agent]`` and ``[data]``; a setting for any other table is refused here,
-    and an unknown key by the config class that reads the file.
+    ``[agent]``, ``[data]`` and ``[memory]`` (added by the first setting of it);
+    a setting for any other table is refused here, and an unknown key by the
+    config class that reads the file.
     """
     documents = list(documents)
     known = (SERVER_TABLE, method, *AGENT_TABLES)
     for setting in settings:
         if setting.table not in known:
             raise ValueError(f"--set {setting}: no table [{setting.table}] in this run's configs; tables: {', '.join(known)}")
+        side = "agent" if setting.table in AGENT_TABLES else SERVER_TABLE
         for doc in documents:
-            if setting.table in doc:
-                doc[setting.table][setting.key] = setting.value
+            if side in doc:
+                doc.setdefault(setting.table, {})[setting.key] = setting.value
 
 
 # -- the files: the server's and every agent's config -------------------------------------- #
@@ -235,12 +238,12 @@ def broker_settings(args: argparse.Namespace, broker: str, configs: Path) -> tup
     password_file = getattr(args, "password_file", None)
     if address.username is not None:
         if username is not None and username != address.username:
-            raise SystemExit(f"edgesplit: --broker names user {address.username!r} but --username is {username!r}")
+            raise ValueError(f"--broker names user {address.username!r} but --username is {username!r}: give the user once")
         username = address.username
         broker = f"{'mqtts' if address.tls else 'mqtt'}://{address.host}:{address.port}"
     if address.password is not None:
         if password_file is not None:
-            raise SystemExit("edgesplit: give the broker password once: in --broker or with --password-file")
+            raise ValueError("give the broker password once: in --broker or with --password-file")
         secret = configs / "broker.password"
         secret.touch(mode=0o600, exist_ok=True)
         secret.chmod(0o600)
@@ -248,7 +251,7 @@ def broker_settings(args: argparse.Namespace, broker: str, configs: Path) -> tup
         password_file = str(secret)
     if password_file is not None:
         if not Path(password_file).is_file():
-            raise SystemExit(f"edgesplit: --password-file {password_file}: no such file")
+            raise ValueError(f"--password-file {password_file}: no such file")
         keys["password_file"] = str(Path(password_file).resolve())
     if username is not None:
         keys["username"] = username
@@ -279,8 +282,11 @@ def metrics_addresses(requested: str | None, agents: int) -> tuple[str | None, l
     return str(address), [f"127.0.0.1:{free_port()}" for _ in range(agents)]
 
 
-def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None) -> tuple[Path, list[Path]]:
-    configs = out / "configs"
+def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str, agents: int | None = None,
+                  configs_dir: Path | None = None) -> tuple[Path, list[Path]]:
+    """The server's and every agent's config of a run in ``out``, written to ``configs_dir``
+    (default ``out/configs``); a bad ``--set`` or broker flag is a ValueError."""
+    configs = configs_dir or out / "configs"
     configs.mkdir(parents=True, exist_ok=True)
     broker, broker_keys = broker_settings(args, broker, configs)
     n_agents = args.agents if agents is None else agents

@@ -12,6 +12,7 @@ from pathlib import Path
 from shared_protocol.logs import setup_logging
 from shared_protocol.tomlio import read_toml
 from shared_protocol.transport_interface import TransportError
+from shared_protocol.version import add_version_flag
 
 from .config import EdgeConfig, MemoryConfig
 from .memory import apply_process_memory
@@ -25,6 +26,7 @@ EXIT_UNREACHABLE, EXIT_CONFIG = 1, 2
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-agent", description="EdgeSplit edge agent.")
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="join a federation and train")
     run.add_argument("--config", required=True, help="agent TOML ([agent] and [data] tables)")
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--no-load-data", action="store_true", help="only look at the data directory, do not load the dataset")
     doctor.add_argument("--data-root", help="check this data directory instead of [data] root (as run's --data-root)")
     doctor.add_argument("--state-dir", help="check this state directory instead of [agent] state_dir (as run's --state-dir)")
+    check = sub.add_parser("check", help="read a config as run reads it, without joining: exit 0, or 2 naming the mistake "
+                           "(what edgesplit local asks of its agents' configs before it starts anything)")
+    check.add_argument("--config", required=True, help="agent TOML")
     sim = sub.add_parser("simulate", help="many agents in one process (each its own MQTT client), for scale tests")
     sim.add_argument("--config", required=True, help="agent TOML; [data] is partitioned across the simulated agents")
     sim.add_argument("--agents", type=int, required=True)
@@ -92,15 +97,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sim = SimulationConfig(base, args.agents, prefix=args.prefix)
     except (ValueError, FileNotFoundError) as exc:
         print(f"edge-agent: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     setup_logging(args.log_json, name="sim ")
     apply_process_memory(base.memory)  # before the first big allocation; see edge_agent.memory
     codes = run_simulation(sim)
     return max(codes) if codes else 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        EdgeConfig.from_dict(read_toml(args.config), base_dir=Path(args.config).resolve().parent)
+    except (ValueError, OSError) as exc:
+        print(f"edge-agent: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "check":
+        return cmd_check(args)
     if args.command == "simulate":
         return cmd_simulate(args)
     if args.command == "doctor":

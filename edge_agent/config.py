@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared_protocol.configs import unknown_keys_error
 from shared_protocol.metrics_endpoint import MetricsEndpointConfig
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
@@ -217,20 +218,29 @@ class EdgeConfig:
         return out
 
     @classmethod
+    def table_keys(cls) -> dict[str, tuple[str, ...]]:
+        """The keys each table of an agent's config may hold: ``[agent]`` (``password_file``
+        for ``password``), ``[data]`` and ``[memory]``."""
+        return {
+            "agent": tuple(f for f in cls.__dataclass_fields__ if f not in ("data", "memory")) + ("password_file",),
+            "data": tuple(DataConfig.__dataclass_fields__),
+            "memory": tuple(MemoryConfig.__dataclass_fields__),
+        }
+
+    @classmethod
     def from_dict(cls, raw: dict[str, Any], base_dir: str | Path | None = None) -> "EdgeConfig":
         """From a parsed TOML document (``[agent]``, ``[data]`` and ``[memory]`` tables);
         relative credential paths are taken relative to ``base_dir`` (the config file's
         directory) when given: see :func:`resolve_credential_paths`."""
+        keys = cls.table_keys()
+        for table in keys:
+            unknown = set(raw.get(table, {})) - set(keys[table])
+            if unknown:
+                raise unknown_keys_error(table, unknown, keys[table])
         agent = resolve_credential_paths(dict(raw.get("agent", {})), base_dir)
         data = DataConfig(**raw.get("data", {}))
-        unknown_memory = set(raw.get("memory", {})) - set(MemoryConfig.__dataclass_fields__)
-        if unknown_memory:
-            raise ValueError(f"unknown [memory] keys: {sorted(unknown_memory)} (known: {sorted(MemoryConfig.__dataclass_fields__)})")
         memory = MemoryConfig(**raw.get("memory", {}))
         password_file = agent.pop("password_file", None)
-        unknown = set(agent) - {f for f in cls.__dataclass_fields__ if f not in ("data", "memory")}
-        if unknown:
-            raise ValueError(f"unknown [agent] keys: {sorted(unknown)}")
         if password_file:
             agent["password"] = read_secret(password_file)
         return cls(data=data, memory=memory, **agent)

@@ -10,7 +10,8 @@ which the receiver rejects like any other bad message.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from .codecs import list_codecs
@@ -19,12 +20,29 @@ from .errors import ValueRangeError
 T = TypeVar("T")
 
 __all__ = ["OPTIMIZERS", "EmbeddedRoundConfig", "check_choice", "check_codec", "check_optimizer", "config_from_table",
-           "round_config_from_wire"]
+           "did_you_mean", "round_config_from_wire", "unknown_keys_error"]
 
 #: The optimisers a config may name (``models.optimizers.make_optimizer`` builds them, the ort
 #: backend's numpy optimisers mirror them; a test keeps the lists equal). Kept here, torch-free,
 #: so that every config -- a TOML table or a round config off the wire -- checks against one list.
 OPTIMIZERS = ("sgd", "adam")
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``" did you mean X?"`` for the closest of ``known`` to a mistyped ``word``, or ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" did you mean {close[0]}?" if close else ""
+
+
+def unknown_keys_error(table: str, unknown: Iterable[str], known: Iterable[str]) -> ValueError:
+    """The error for keys of the TOML table ``[table]`` that its config does not have: each
+    one with the closest known key, then every key the table has."""
+    unknown, known = sorted(unknown), sorted(known)
+    if len(unknown) == 1:
+        hints = did_you_mean(unknown[0], known)
+    else:
+        hints = "".join(f" {key}:{hint}" for key in unknown if (hint := did_you_mean(key, known)))
+    return ValueError(f"unknown [{table}] keys: {unknown};{hints} keys of [{table}]: {', '.join(known)}")
 
 
 def check_choice(value: T, allowed: tuple[T, ...], key: str) -> T:
@@ -73,6 +91,10 @@ class EmbeddedRoundConfig:
         names = [f.name for f in dataclasses.fields(self.round_config) if f.name not in self.derived]
         return {self.table_keys.get(name, name): name for name in names}
 
+    def table_keys_known(self) -> tuple[str, ...]:
+        """The keys of the table that set the round config's fields."""
+        return tuple(self._keys())
+
     def split(self, raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the server's own keys, the round config's fields) of a table."""
         keys = self._keys()
@@ -92,12 +114,13 @@ def config_from_table(cls: type[T], raw: Mapping[str, Any], table: str, embedded
     if embedded is None:
         unknown = _unknown_keys(cls, raw)
         if unknown:
-            raise ValueError(f"unknown [{table}] keys: {unknown}")
+            raise unknown_keys_error(table, unknown, (f.name for f in dataclasses.fields(cls)))
         return cls(**raw)
     own, wire = embedded.split(raw)
-    unknown = sorted(set(own) - {f.name for f in dataclasses.fields(cls) if f.name != embedded.field})
+    own_keys = {f.name for f in dataclasses.fields(cls) if f.name != embedded.field}
+    unknown = sorted(set(own) - own_keys)
     if unknown:
-        raise ValueError(f"unknown [{table}] keys: {unknown}")
+        raise unknown_keys_error(table, unknown, own_keys | set(embedded.table_keys_known()))
     try:
         round_config = embedded.round_config(**wire)
     except ValueError as exc:

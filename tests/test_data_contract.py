@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import logging
+import time
+
 from fldata import make_synthetic
+from cloud_server.coordinator import Coordinator
 from cloud_server.report import validate_report
 from edge_agent.agent import EXIT_CONFIG, EXIT_OK, EdgeAgent
 from shared_protocol.messages import Hello, Status, Welcome, decode_message, encode_message
@@ -24,9 +28,15 @@ def _hello(agent: str, run: str, **kw: object) -> Hello:
 
 def _answer(tmp_path: Path, hellos: list[Hello], **server_kw: object) -> list[Welcome]:
     """The server's welcome to each hello, in order."""
+    return _answered(tmp_path, hellos, **server_kw)[1]
+
+
+def _answered(tmp_path: Path, hellos: list[Hello], **server_kw: object) -> tuple[Coordinator, list[Welcome]]:
+    """The server and its welcome to each hello, in order."""
     run = hellos[0].run
     broker = InMemoryBroker()
-    coordinator = make_server(server_config(tmp_path, run_id=run, agents=2, **server_kw), InMemoryTransport(broker, "server"))
+    server_kw = {"agents": 2, **server_kw}
+    coordinator = make_server(server_config(tmp_path, run_id=run, **server_kw), InMemoryTransport(broker, "server"))  # type: ignore[arg-type]
     coordinator.transport.subscribe(Topics(run).up_any)
     coordinator.transport.connect()
     replies = []
@@ -39,7 +49,7 @@ def _answer(tmp_path: Path, hellos: list[Hello], **server_kw: object) -> list[We
         reply = decode_message(client.receive(1.0).payload)
         assert isinstance(reply, Welcome)
         replies.append(reply)
-    return replies
+    return coordinator, replies
 
 
 def test_first_agent_fixes_the_size_and_a_different_size_is_refused_naming_both(tmp_path: Path) -> None:
@@ -87,8 +97,40 @@ def test_channels_and_classes_name_their_server_keys(tmp_path: Path) -> None:
     assert not classes.accepted and "9 classes" in classes.reason and "num_classes" in classes.reason
 
 
+def test_a_device_refused_at_join_does_not_hold_the_first_round_up(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Three devices expected, one refused for its image size, the other two joined: the first
+    round starts at once, not at the end of the join window; the log says why it starts short."""
+    coordinator, replies = _answered(tmp_path, [
+        _hello("a", "c6", input_shape=[3, 32, 32], num_classes=10),
+        _hello("b", "c6", input_shape=[3, 48, 48], num_classes=10),
+        _hello("c", "c6", input_shape=[3, 32, 32], num_classes=10),
+    ], agents=3, min_agents=1, registration_timeout_s=300, image_size=(32, 32))
+    assert [r.accepted for r in replies] == [True, False, True] and replies[1].code == "data_mismatch"
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="cloud_server"):
+        coordinator.registry.wait_for_agents(coordinator.pump)
+    assert time.monotonic() - start < 10
+    assert "starting with 2 of 3 expected agents (1 refused at join: b)" in caplog.text
+
+
+def test_the_join_window_still_waits_for_a_device_not_heard_from(tmp_path: Path) -> None:
+    """One device joined and one refused of three: the third may still come, so the window is
+    waited out; an agent outside the allow-list is no device of the run and shortens nothing."""
+    coordinator, replies = _answered(tmp_path, [
+        _hello("a", "c7", input_shape=[3, 32, 32], num_classes=10),
+        _hello("b", "c7", input_shape=[3, 48, 48], num_classes=10),
+        _hello("stranger", "c7", input_shape=[3, 32, 32], num_classes=10),
+    ], agents=3, min_agents=1, registration_timeout_s=2, image_size=(32, 32), allow_list=("a", "b", "c"))
+    assert [r.code for r in replies] == ["", "data_mismatch", "not_allowed"]
+    assert coordinator.registry.refused_devices() == ["b"]
+    start = time.monotonic()
+    coordinator.registry.wait_for_agents(coordinator.pump)
+    assert time.monotonic() - start >= 1.5
+
+
 def test_mis_sized_agent_is_refused_at_join_and_the_others_finish(tmp_path: Path) -> None:
-    cfg = server_config(tmp_path, run_id="c4", agents=2, rounds=1, min_agents=1, registration_timeout_s=20, image_size=(32, 32))
+    # A join window far longer than the test may take: the refused agent does not hold round 1 up.
+    cfg = server_config(tmp_path, run_id="c4", agents=2, rounds=1, min_agents=1, registration_timeout_s=600, image_size=(32, 32))
     broker = InMemoryBroker()
     coordinator = make_server(cfg, InMemoryTransport(broker, "server"))
     good = EdgeAgent(agent_config("c4", 0, 2), transport=InMemoryTransport(broker, "agent-0"))

@@ -157,7 +157,7 @@ class FedAvgRoundConfig:
 
 #: The `edgesplit local` flags a whole-model method's launcher table reads (the FedAvg family's).
 WHOLE_MODEL_FLAGS = (
-    LauncherFlag("--model", "resnet56", "the full model every agent trains: resnet56 | resnet110 | resnet8"),
+    LauncherFlag("--model", "resnet56", "the full model every agent trains (a registered model fed images)"),
     LauncherFlag("--edge-epochs", 1, "epochs of local training per round", type="int", minimum=1),
     LauncherFlag("--codec", None, "weights, both ways: zstd (default, lossless) | fp16-zstd"),
 )

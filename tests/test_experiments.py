@@ -92,11 +92,17 @@ def test_every_scale_key_is_an_edgesplit_local_flag() -> None:
     assert args.data_root == "/data" and args.chunk_size == 4096 and args.agents == scale.agents
 
 
-def test_the_leakage_experiment_is_every_method_at_make_demos_scale() -> None:
+def test_the_leakage_experiment_is_every_method_on_make_demos_data_and_agents() -> None:
     experiment = load_experiment(ROOT / "bench" / "experiments" / "leakage.toml")
     assert experiment.method_names() == tuple(registered_methods())
-    assert experiment.seeds == (0, 1) and experiment.audit is not None
-    assert (experiment.scale.agents, experiment.scale.rounds, experiment.scale.train_samples) == (4, 6, 3000)
+    assert len(experiment.seeds) >= 2 and experiment.audit is not None
+    # The same agents and data as `make demo` (fewer rounds: the audit reads the first round's uploads).
+    demo = next(line for line in (ROOT / "Makefile").read_text().splitlines() if "edgesplit local" in line and "demo" in line)
+    flags = dict(zip(demo.split()[1::1], demo.split()[2::1]))
+    scale = experiment.scale
+    assert (str(scale.agents), str(scale.train_samples), str(scale.test_samples), scale.dataset) == (
+        flags["--agents"], flags["--train-samples"], flags["--test-samples"], flags["--dataset"])
+    assert list(experiment.partitions) == [flags["--partition"]]
 
 
 def test_a_new_method_joins_a_star_grid_with_no_edit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -170,7 +170,7 @@ class ServerMethod(ABC):
 
     def evaluation_downloads(self, round_: int, agent: str) -> list[Message]:
         """What ``agent`` needs, besides the round's downloads, to score its private model(s)
-        on the global set itself (e.g. FedGKT's server model), sent just before its
+        on the global set itself (e.g. the server-side half of a split model), sent just before its
         :class:`~shared_protocol.messages.EvalRequest`; their bytes are evaluation's (such a
         message's ``for_evaluation`` is true). Default: nothing."""
         return []

@@ -22,7 +22,7 @@ from cloud_server.report import (
     validate_report,
     write_report,
 )
-from cloud_server.report.markdown import summary_md  # the summary without plotting, for speed
+from cloud_server.report.markdown import sanity_warnings, summary_md  # the summary without plotting, for speed
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -373,3 +373,27 @@ def test_the_leakage_section_is_checked_shown_and_compared(tmp_path: Path) -> No
                             (dict(LEAKAGE, label_attacks={"y": {"histogram_error": 2.0}}), "must be <= 1.0")):
         with pytest.raises(ReportError, match=re.escape(problem)):
             write_report(tmp_path / "c", dict(audited, leakage=broken))
+
+
+def test_a_run_at_chance_or_far_below_its_own_local_figure_is_warned_about(tmp_path: Path) -> None:
+    at_chance = make_report(accuracies=[0.1, 0.1, 0.1])
+    (warning,) = sanity_warnings(at_chance)
+    assert "at chance (10.00%, chance 10.00%) after 3 evaluated rounds" in warning
+    assert "400-600 training images per agent" in warning and "--train-samples" in warning and "--rounds" in warning
+    write_report(tmp_path / "chance", at_chance)
+    summary = (tmp_path / "chance" / "summary.md").read_text()
+    assert summary.index("## Warnings") < summary.index("## Accuracy")  # read before the figures
+
+    learning = make_report()
+    assert sanity_warnings(learning) == []
+    write_report(tmp_path / "ok", learning)
+    assert "## Warnings" not in (tmp_path / "ok" / "summary.md").read_text()
+    # One evaluated round is too early to say.
+    assert sanity_warnings(make_report(accuracies=[0.1, None, None])) == []
+
+    # Learning locally, not globally: the global figure far below the run's local one.
+    skewed = make_report(accuracies=[0.3, 0.3, 0.3])
+    for record in skewed["rounds"]:
+        record["local_accuracy"] = 0.9
+    (warning,) = sanity_warnings(skewed)
+    assert "far below this run's local 90.00%" in warning and "--partition iid" in warning

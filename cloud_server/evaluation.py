@@ -46,6 +46,7 @@ reports, test activations) and evaluation FLOPs are metered apart from training.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -151,6 +152,21 @@ class EvalModel:
     forward: Callable[[torch.Tensor], torch.Tensor]
     setup: Callable[[], ContextManager[Any]] | None = None
     device: str | torch.device | None = None  # where the model lives (None: the evaluator's device)
+    # A digest of everything ``forward`` depends on (weights, buffers, statistics; see
+    # :func:`module_digest`): models of one round with the same identity are scored once.
+    # None: scored on its own.
+    identity: str | None = None
+
+
+def module_digest(*modules: torch.nn.Module, extra: str = "") -> str:
+    """sha256 over the modules' whole state (parameters and buffers, by name) and ``extra``:
+    equal digests, equal functions."""
+    digest = hashlib.sha256(extra.encode())
+    for module in modules:
+        for name, value in module.state_dict().items():
+            digest.update(name.encode())
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -251,10 +267,23 @@ class Evaluator:
         started = time.perf_counter()
         per_agent: dict[str, dict[str, Any]] = {}
         accuracy: dict[str, float] = {}
+        scored: dict[str, tuple[int, int]] = {}  # identity -> its (correct, total), this round
+        counts = {"scored": 0, "reused": 0}
+
+        def score_once(model: EvalModel) -> tuple[int, int]:
+            if model.identity is not None and model.identity in scored:
+                counts["reused"] += 1
+                return scored[model.identity]
+            counts["scored"] += 1
+            result = self.score(model)
+            if model.identity is not None:
+                scored[model.identity] = result
+            return result
+
         if self.eval_set is not None:
             reported_only = [label for label in evaluation.global_reported if label not in evaluation.global_models]
             for label in [*evaluation.global_models, *reported_only]:
-                scores = {who: self.score(model) for who, model in sorted(evaluation.global_models.get(label, {}).items())}
+                scores = {who: score_once(model) for who, model in sorted(evaluation.global_models.get(label, {}).items())}
                 scores.update(evaluation.global_reported.get(label, {}))  # scored on the device, checked on arrival
                 if not scores:
                     continue
@@ -276,4 +305,5 @@ class Evaluator:
                     entry.setdefault("local_accuracy", {})[label] = c / t
                 entry["local_samples"] = max(int(entry.get("local_samples", 0)), t)
         return RoundEvaluation(accuracy=accuracy, local_accuracy=local, labels=dict(evaluation.labels), per_agent=per_agent,
-                               server_eval_s=time.perf_counter() - started, figures=dict(evaluation.figures))
+                               server_eval_s=time.perf_counter() - started, figures=dict(evaluation.figures),
+                               models_scored=counts["scored"], models_reused=counts["reused"])

@@ -172,6 +172,10 @@ class RoundEvaluation(JsonRecord):
     edge_eval_s: float = non_negative(0.0)  # mean over the agents that answered
     bytes: ByteCounts = field(default_factory=ByteCounts)
     figures: dict[str, Any] = optional_section(default_factory=dict)  # the method's own evaluation figures
+    # Models the server scored on the global set, and those it did not score again because a
+    # model with the same weights had been scored that round (EvalModel.identity).
+    models_scored: int = non_negative(0, added_later=True)
+    models_reused: int = non_negative(0, added_later=True)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 
 import cloud_server.methods as server_methods
 from cloud_server.centralized import CentralizedTrainer
-from cloud_server.evaluation import EvalModel, EvalSet, EvalSetSpec, Evaluation, Evaluator
+from cloud_server.evaluation import EvalModel, EvalSet, EvalSetSpec, Evaluation, Evaluator, module_digest
 from cloud_server.report import validate_report
 from edge_agent.agent import EdgeAgent
 from fldata import load_agent_subset
@@ -154,9 +154,10 @@ def test_fedgkt_scores_every_agent_on_the_whole_balanced_set(tmp_path: Path, mon
     report = Federation(coordinator, agents).start().join()
     assert report["status"] == "finished"
     ev = report["rounds"][0]["evaluation"]
-    # 2 agents x (pipeline with the server's statistics, with the agent's own, its ResNet-8): 6 passes,
-    # each over the whole global set, every class present in equal numbers.
-    assert len(scored) == 6
+    # 2 agents x (pipeline with the server's statistics, with the agent's own, its ResNet-8), each over the
+    # whole global set, every class present in equal numbers; the two agents' stems are the shared, frozen
+    # one, so their pipelines with the server's statistics are one model, scored once: 5 passes.
+    assert len(scored) == 5 and ev["models_scored"] == 5 and ev["models_reused"] == 1
     for total, counts in scored:
         assert total == 80 and counts == [8] * 10
     one_class = ev["per_agent"]["agent-0"]
@@ -164,6 +165,7 @@ def test_fedgkt_scores_every_agent_on_the_whole_balanced_set(tmp_path: Path, mon
     assert one_class["local_samples"] == len(shards[0][1])
     # The round's figure is the plain mean of the two agents' global figures.
     per_agent = [ev["per_agent"][a]["accuracy"]["model"] for a in ("agent-0", "agent-1")]
+    assert per_agent[0] == per_agent[1]  # one pipeline
     assert report["rounds"][0]["accuracy"] == pytest.approx(sum(per_agent) / 2)
     assert report["rounds"][0]["edge_accuracy"] == pytest.approx(
         sum(ev["per_agent"][a]["accuracy"]["edge"] for a in ("agent-0", "agent-1")) / 2)
@@ -218,3 +220,29 @@ def test_evaluator_means_over_agents_and_weights_local_by_samples() -> None:
     assert figures.local_accuracy["model"] == pytest.approx(31 / 40)  # sample-weighted, not a mean of 0.25 and 0.83
     assert figures.per_agent["b"]["local_accuracy"]["model"] == pytest.approx(30 / 36)
     assert Evaluator(None).run(ev).accuracy == {}  # no global set: local figures only
+
+
+def test_models_with_the_same_identity_are_scored_once_per_round() -> None:
+    eval_set = EvalSet.load(EvalSetSpec("synthetic", samples=40, seed=0))
+    calls: dict[str, int] = {}
+
+    def counted(name: str, k: int, identity: str | None) -> EvalModel:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            calls[name] = calls.get(name, 0) + 1
+            return torch.nn.functional.one_hot(torch.full((x.shape[0],), k), 10).float()
+        return EvalModel(forward, identity=identity)
+
+    ev = Evaluation(global_models={"model": {"a": counted("a", 0, "same"), "b": counted("b", 0, "same"),
+                                             "c": counted("c", 1, "other"), "d": counted("d", 2, None)},
+                                   "edge": {"a": counted("e", 0, "same")}})
+    figures = Evaluator(eval_set).run(ev)
+    assert "b" not in calls and "e" not in calls and calls["a"] >= 1 and calls["c"] >= 1 and calls["d"] >= 1
+    assert figures.per_agent["b"]["accuracy"]["model"] == figures.per_agent["a"]["accuracy"]["model"]
+    assert figures.per_agent["a"]["accuracy"]["edge"] == figures.per_agent["a"]["accuracy"]["model"]
+    assert (figures.models_scored, figures.models_reused) == (3, 2)
+    # The digest tells equal weights from different ones, buffers included.
+    one, two = build_model("resnet8", 10, 1), build_model("resnet8", 10, 1)
+    two.load_state_dict(one.state_dict())
+    assert module_digest(one) == module_digest(two)
+    next(iter(b for name, b in two.named_buffers() if name.endswith("running_mean"))).add_(1.0)
+    assert module_digest(one) != module_digest(two)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from shared_protocol.errors import MapsNotHeldError
 from shared_protocol.messages import EvalReport, Message
 from shared_protocol.methods.fedgkt import GktEvalModel
 
-from ..evaluation import HEADLINE, EvalModel, Evaluation, global_results, local_results, models_from_report
+from ..evaluation import HEADLINE, EvalModel, Evaluation, global_results, local_results, models_from_report, module_digest
 from ..feature_store import AgentRows, StagedUploads, gather_batches
 from ..held_maps import HeldMaps
 
@@ -99,8 +100,11 @@ class FedGktEvaluation:
                     log.warning("round %d: %s's edge model cannot be evaluated: %s", round_, agent, exc)
                 else:
                     edge = edge.to(self.device).eval()
-                    ev.global_models.setdefault(HEADLINE, {})[agent] = self._pipeline(edge, None)
-                    ev.global_models.setdefault("edge", {})[agent] = EvalModel(lambda x, e=edge: e(x)[0])
+                    # Agents whose extractors are equal (the shared, frozen stem) have one pipeline: scored once.
+                    ev.global_models.setdefault(HEADLINE, {})[agent] = replace(
+                        self._pipeline(edge, None), identity=module_digest(edge.extractor, extra="extractor+server"))
+                    ev.global_models.setdefault("edge", {})[agent] = EvalModel(lambda x, e=edge: e(x)[0],
+                                                                               identity=module_digest(edge, extra="edge"))
                     if personalised and agent in self.agent_bn:
                         ev.global_models.setdefault("personalised_bn", {})[agent] = self._pipeline(edge, self.agent_bn[agent])
         ev.local = local_results(reports)  # "edge": the ResNet-8 on the agent's shard

@@ -176,6 +176,9 @@ def _accuracy_md(report: Mapping[str, Any]) -> list[str]:
                 for label, text in last["labels"].items()]
         lines += ["Last evaluated round, every model scored:", "",
                   *table(["Model", "What it is", "Global", "Local"], rows, right_from=2), ""]
+    if last is not None and last.get("models_reused"):
+        lines += [f"The server scored {last['models_scored']} model(s) on the global set in that round; "
+                  f"{last['models_reused']} more had the same weights as one scored already and took its score.", ""]
     return lines
 
 

@@ -37,6 +37,18 @@ def _label_error(results: Mapping[str, Any], method: str) -> tuple[str, float] |
     return best
 
 
+def _image_attacks(results: Mapping[str, Any], method: str) -> dict[str, float]:
+    """Each image attack's PSNR (its best agent), mean over the method's done cells, highest first."""
+    scores: dict[str, list[float]] = {}
+    for cell in results["cells"]:
+        if cell["method"] == method and cell["status"] == "done" and cell.get("leakage"):
+            for name, attack in cell["leakage"]["attacks"].items():
+                if "psnr_db" in attack:
+                    scores.setdefault(name, []).append(float(attack["psnr_db"]))
+    means = {name: sum(values) / len(values) for name, values in scores.items()}
+    return dict(sorted(means.items(), key=lambda item: -item[1]))
+
+
 def method_figures(results: Mapping[str, Any] | None) -> Figures:
     """Per method: seeds, the strongest image attack's PSNR / SSIM (mean, sd) beside the mean
     image's, the attack's name, and the most revealing label attack."""
@@ -52,7 +64,8 @@ def method_figures(results: Mapping[str, Any] | None) -> Figures:
         attacks = sorted({r["leakage_attack"] for r in rows if r["method"] == method and r["leakage_attack"]})
         out[method] = {"n": group["n"], "attacks": attacks, "psnr": group["leakage_psnr_db"], "ssim": group["leakage_ssim"],
                        "baseline_psnr": group["leakage_baseline_psnr_db"], "accuracy": group["final_accuracy"],
-                       "labels": _label_error(results, method), "setting": setting}
+                       "labels": _label_error(results, method), "setting": setting,
+                       "image_attacks": _image_attacks(results, method)}
     return out
 
 
@@ -81,6 +94,9 @@ def _method_note(figures: Figures, method: str) -> str:
     if entry["psnr"]["mean"] is not None:
         text += (f"the strongest attack ({', '.join(entry['attacks'])}) rebuilds the private images at {_db(entry['psnr'])} dB "
                  f"PSNR, SSIM {entry['ssim']['mean']:.3f}, against {entry['baseline_psnr']['mean']:.1f} dB for the mean image")
+        others = [f"{name} {psnr:.1f} dB" for name, psnr in entry["image_attacks"].items() if name not in entry["attacks"]]
+        if others:
+            text += f" (the other attacks: {', '.join(others)})"
     else:
         text += "no image attack ran on what the server kept (see the audit's reasons in the run's summary.md)"
     if entry["labels"]:

@@ -1492,6 +1492,13 @@ def long_run_section(footprint: dict[str, Any], image_dir: Path | None) -> list[
 EXPERIMENTS = REPO_ROOT / "bench" / "experiments"
 
 
+def load_experiment_results(path: Path) -> dict[str, Any] | None:
+    """An experiment's results (the runner's schema, validated), or None when not run yet."""
+    from cloud_server.experiments.results import load_results
+
+    return load_results(path)
+
+
 def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -> list[str]:
     """Each experiment with a template (``bench/experiments/NAME.md``) and results, rendered by
     the experiment runner's generic tables and plots; its pictures copied beside the page's."""
@@ -1500,7 +1507,7 @@ def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -
 
     lines: list[str] = []
     for template in sorted(EXPERIMENTS.glob("*.md")):
-        data = _load(results / f"{template.stem}.json")
+        data = load_experiment_results(results / f"{template.stem}.json")
         if data is None:
             continue
         experiment = load_experiment(template.with_suffix(".toml"))
@@ -1617,7 +1624,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")
-    leakage = _load(args.results / "leakage.json")
+    leakage = load_experiment_results(args.results / "leakage.json")
     if update_readme(args.readme, leakage):
         print(f"rewrote the table of methods in {args.readme}")
     for path in update_method_notes(args.out.parent / "methods", method_figures(leakage)):

@@ -367,7 +367,7 @@ def test_the_readme_lists_every_registered_method_from_its_registry_entry() -> N
     render = _load_bench("render_results")
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index(render.README_BEGIN):readme.index(render.README_END) + len(render.README_END)]
-    leakage = render._load(ROOT / "bench" / "results" / "leakage.json")
+    leakage = render.load_experiment_results(ROOT / "bench" / "results" / "leakage.json")
     assert block.splitlines() == render.readme_methods(leakage), "rerun `python bench/render_results.py` (it rewrites the table)"
 
 
@@ -385,5 +385,5 @@ def test_every_method_notes_say_what_the_server_sees_with_the_current_figure(tmp
     # The figures between the markers are the renderer's from the committed JSON.
     copy = tmp_path / "methods"
     shutil.copytree(docs, copy)
-    figures = leakage_docs.method_figures(render._load(ROOT / "bench" / "results" / "leakage.json"))
+    figures = leakage_docs.method_figures(render.load_experiment_results(ROOT / "bench" / "results" / "leakage.json"))
     assert leakage_docs.update_method_notes(copy, figures) == [], "rerun `python bench/render_results.py`"

@@ -117,6 +117,9 @@ class ServerConfig:
     plausible_min_label_agreement: float = 0.0  # 0: off
     log_json: bool = False
     progress: bool = True
+    # A console line every this many seconds while the server works on a round longer than that
+    # (cloud_server/phase_ticker.py); 0: none.
+    progress_interval_s: float = 30.0
     # The live view (cloud_server/metrics.py): Prometheus /metrics and the status page at /,
     # served on HOST:PORT (None: off, nothing of it imported). Any address but loopback needs
     # basic auth (metrics_password_file, user metrics_username) and TLS (metrics_cert_file,
@@ -162,6 +165,8 @@ class ServerConfig:
             raise ValueError(f"server.image_size must be [height, width] in pixels (e.g. [32, 32]), or left out; got {list(self.image_size)!r}")
         if self.eval_samples < 0:
             raise ValueError(f"server.eval_samples must be >= 0 (0: the whole test split), got {self.eval_samples}")
+        if not self.progress_interval_s >= 0:
+            raise ValueError(f"server.progress_interval_s must be >= 0 seconds (0: no progress lines), got {self.progress_interval_s}")
         if self.server_step not in SERVER_STEPS:
             raise ValueError(f"server.server_step must be one of {SERVER_STEPS}, got {self.server_step!r}")
         if self.no_agents_policy not in ("wait", "end"):

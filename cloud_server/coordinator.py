@@ -46,6 +46,7 @@ from .recorder import RunCounters, RunRecorder, server_info
 from .records import RunReport, now_iso
 from .robust import ImplausibleUploadError
 from .round_host import RoundHostOps
+from .phase_ticker import PhaseTicker
 from .rounds import HookClock, OpenRound
 from .schedulers import make_scheduler
 
@@ -356,6 +357,7 @@ class Coordinator(RoundHostOps):
         self.transport.subscribe(self.topics.status_any)
         self.transport.connect()
         self.discover(None, self.completed_round)
+        ticker = PhaseTicker(self.hook_clock, self.config.rounds, self.config.progress_interval_s).start()
         try:
             self.registry.wait_for_agents(self.pump)
             first = self.completed_round + 1
@@ -368,6 +370,7 @@ class Coordinator(RoundHostOps):
             self.report.status = "aborted"
             raise
         finally:
+            ticker.stop()
             self.recorder.finish()
             if self.metrics is not None:
                 self.metrics.refresh(force=True)

@@ -17,6 +17,7 @@ split by ``traffic``: ``round`` (a round's training messages), ``evaluation`` an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -32,6 +33,7 @@ from shared_protocol.messages import RoundEnd
 from shared_protocol.metrics_endpoint import MetricsEndpointConfig
 from shared_protocol.metrics_http import MetricsServer, SelfCost, timed_update
 
+from .phase_ticker import describe_phase
 from .records import RoundRecord
 
 if TYPE_CHECKING:
@@ -107,6 +109,9 @@ class LiveState:
     rejected_chunks: dict[str, int]
     history: tuple[RoundPoint, ...]
     updated_at: float  # time.time()
+    # What the server is working on now, in words ("" between works): read when the page is
+    # served, so a long server step shows while the snapshot above waits for it to end.
+    server_phase: str = ""
 
     @property
     def round_in_progress(self) -> int:
@@ -179,11 +184,20 @@ class ServerMetrics:
         from .status_page import fragment, render_page
 
         self._server = MetricsServer(self.endpoint, self.registry, self_cost=self.self_cost, pages={
-            "/": lambda: (render_page(self.state).encode(), "text/html; charset=utf-8"),
-            "/live": lambda: (fragment(self.state).encode(), "text/html; charset=utf-8"),
-            "/status.json": lambda: (json.dumps(self.state.to_json()).encode(), "application/json"),
+            "/": lambda: (render_page(self.live()).encode(), "text/html; charset=utf-8"),
+            "/live": lambda: (fragment(self.live()).encode(), "text/html; charset=utf-8"),
+            "/status.json": lambda: (json.dumps(self.live().to_json()).encode(), "application/json"),
         }).start()
         return self._server.url
+
+    def live(self) -> LiveState:
+        """The latest snapshot with the server's work as it is now (HTTP thread)."""
+        current = self.loop.hook_clock.current()
+        if current is None:
+            return self.state
+        round_, what, started = current
+        return dataclasses.replace(self.state, server_phase=f"{describe_phase(what)} (round {round_}, "
+                                                           f"{time.monotonic() - started:.0f} s)")
 
     @property
     def url(self) -> str | None:

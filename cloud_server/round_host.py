@@ -144,8 +144,10 @@ class RoundHostOps:
         with self.hook_clock.timing(rnd.round, "evaluation"):
             evaluation = self.method.evaluation(rnd.round, reports)
         costs = [r.costs for r in reports.values()]
+        with self.hook_clock.phase(rnd.round, "scoring"):
+            figures = self.evaluator.run(evaluation)
         scored = dataclasses.replace(
-            self.evaluator.run(evaluation), missing=missing, edge_eval_flops=sum(c.flops for c in costs),
+            figures, missing=missing, edge_eval_flops=sum(c.flops for c in costs),
             edge_eval_s=sum(c.compute_s + c.encode_s + c.network_s for c in costs) / len(costs) if costs else 0.0,
         )
         return scored, evaluation.edge

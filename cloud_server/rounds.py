@@ -63,16 +63,34 @@ class HookClock:
 
     def __init__(self) -> None:
         self._seconds: dict[int, dict[str, float]] = {}
+        # (round, what, monotonic start) of the work the server is in now, for a progress line
+        # from another thread (a tuple, swapped whole: no lock needed to read it)
+        self._current: tuple[int, str, float] | None = None
 
     @contextmanager
     def timing(self, round_: int, hook: str) -> Iterator[None]:
         """Count the enclosed call to ``hook`` as ``round_``'s, whether it returns or raises."""
         started = time.perf_counter()
         try:
-            yield
+            with self.phase(round_, hook):
+                yield
         finally:
             spent = self._seconds.setdefault(round_, {})
             spent[hook] = spent.get(hook, 0.0) + time.perf_counter() - started
+
+    @contextmanager
+    def phase(self, round_: int, what: str) -> Iterator[None]:
+        """Say that the server is in ``what`` (a hook's name, or other work such as scoring) for
+        ``round_`` while the block runs; not timed."""
+        outer, self._current = self._current, (round_, what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._current = outer
+
+    def current(self) -> tuple[int, str, float] | None:
+        """(round, what, monotonic start) of the server's work now, or None between works."""
+        return self._current
 
     def take(self, round_: int) -> dict[str, float]:
         """``round_``'s seconds by hook (empty when none ran); forgets them."""

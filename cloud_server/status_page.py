@@ -139,6 +139,8 @@ def fragment(state: "LiveState") -> str:
                     f"{waiting}</span>")
     elif state.status != "running":
         progress = '<span id="progress">no round open</span>'
+    if state.server_phase:
+        progress += f'<span id="server-phase">server: {escape(state.server_phase)}</span>'
     last = state.history[-1] if state.history else None
     acc = "—" if last is None or last.accuracy is None else f"{last.accuracy:.2%} (round {last.round})"
     rejected = sum(state.rejected.values())

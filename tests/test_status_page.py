@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cloud_server.rounds import HookClock
 from shared_protocol.metrics_endpoint import MetricsAddress, MetricsEndpointConfig
 from shared_protocol.transport import TrafficStats
 
@@ -28,7 +29,7 @@ def fake_loop(deadline_in_s: float = 60.0) -> SimpleNamespace:
         config=SimpleNamespace(run_id="r<1>", rounds=5), method=SimpleNamespace(name="fedgkt", schedule="sync"),
         registry=SimpleNamespace(agents={"pi-1": agent}), transport=transport, topics=SimpleNamespace(up=lambda a: a),
         open_rounds={3: rnd}, recorder=SimpleNamespace(_report=SimpleNamespace(status="running")), completed_round=2,
-        rejected={"stale_message": 2},
+        rejected={"stale_message": 2}, hook_clock=HookClock(),
     )
 
 
@@ -75,3 +76,18 @@ def test_an_async_round_has_no_deadline_series() -> None:
     metrics = ServerMetrics(loop, MetricsEndpointConfig(MetricsAddress("127.0.0.1", 0)))  # type: ignore[arg-type]
     assert not [k for k in samples(metrics.registry) if k[0] == "edgesplit_round_deadline_remaining_seconds"]
     assert "deadline in" not in render_page(metrics.state)
+
+
+def test_the_page_says_what_the_server_is_working_on_while_it_works() -> None:
+    from cloud_server.metrics import ServerMetrics
+    from cloud_server.status_page import fragment
+
+    loop = fake_loop()
+    metrics = ServerMetrics(loop, MetricsEndpointConfig(MetricsAddress("127.0.0.1", 0)))  # type: ignore[arg-type]
+    assert metrics.live().server_phase == "" and 'id="server-phase"' not in fragment(metrics.live())
+    with loop.hook_clock.timing(3, "complete"):  # the coordinator thread is busy: its snapshot is not refreshed
+        live = metrics.live()
+        assert live.server_phase.startswith("working on the round's uploads (training, aggregating or distilling) (round 3, ")
+        assert 'id="server-phase">server: working on the round' in fragment(live)
+        assert json.loads(json.dumps(live.to_json()))["server_phase"] == live.server_phase
+    assert metrics.live().server_phase == ""

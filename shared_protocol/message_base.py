@@ -256,6 +256,20 @@ def check_same_length(type_name: str, **arrays: np.ndarray | None) -> int:
     return next(iter(lengths.values()), 0)
 
 
+def check_split(type_name: str, split: str, splits: tuple[str, ...], seq: int | None = None) -> None:
+    """``split`` is one of ``splits`` and ``seq``, when given, a batch number >= 0."""
+    if split not in splits:
+        raise ValueRangeError(f"{type_name}: split must be one of {splits}, got {split!r}")
+    if seq is not None and seq < 0:
+        raise ValueRangeError(f"{type_name}: seq must be >= 0")
+
+
+def check_seqs(type_name: str, seqs: list[Any], most: int = 100_000) -> None:
+    """A request's batch numbers: 1 to ``most`` non-negative ints."""
+    if not seqs or len(seqs) > most or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seqs):
+        raise ValueRangeError(f"{type_name}: seqs must be 1..{most} non-negative ints")
+
+
 def check_labels(type_name: str, labels: np.ndarray, num_classes: int) -> None:
     if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
         raise ValueRangeError(

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..configs import check_codec, check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
-from ..message_base import Message, check_same_length, register_message, tensor, tensor_dict
+from ..message_base import Message, check_same_length, check_seqs, check_split, register_message, tensor, tensor_dict
 from ..registry import BenchRun, LauncherFlag, MethodSpec, ResultsRow, register_method
 
 SPLITS = ("train", "test")
@@ -62,10 +62,7 @@ class GktFeatures(Message):
         return self.split == "test"
 
     def validate(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
-        if self.seq < 0:
-            raise ValueRangeError(f"{self.TYPE}: seq must be >= 0")
+        check_split(self.TYPE, self.split, SPLITS, self.seq)
         check_maps_digest(self.TYPE, self.maps_digest, allow_empty=True)
         check_same_length(self.TYPE, features=self.features, logits=self.logits, labels=self.labels, sample_ids=self.sample_ids)
         if len(np.unique(self.sample_ids)) != len(self.sample_ids):
@@ -95,10 +92,7 @@ class GktReusedMaps(Message):
         return self.split == "test"
 
     def validate(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
-        if self.seq < 0:
-            raise ValueRangeError(f"{self.TYPE}: seq must be >= 0")
+        check_split(self.TYPE, self.split, SPLITS, self.seq)
         check_maps_digest(self.TYPE, self.maps_digest, allow_empty=False)
         n = check_same_length(self.TYPE, logits=self.logits, sample_ids=self.sample_ids)
         if n == 0:
@@ -120,11 +114,8 @@ class GktMapsRequest(Message):
     reason: str = ""
 
     def validate(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
-        if not self.seqs or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.seqs) \
-                or len(self.seqs) > 100_000:
-            raise ValueRangeError(f"{self.TYPE}: seqs must be 1..100000 non-negative ints")
+        check_split(self.TYPE, self.split, SPLITS)
+        check_seqs(self.TYPE, self.seqs)
 
 
 @register_message
@@ -153,10 +144,8 @@ class GktResendRequest(Message):
     seqs: list
 
     def validate(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
-        if not self.seqs or not all(isinstance(s, int) and s >= 0 for s in self.seqs) or len(self.seqs) > 100_000:
-            raise ValueRangeError(f"{self.TYPE}: seqs must be 1..100000 non-negative ints")
+        check_split(self.TYPE, self.split, SPLITS)
+        check_seqs(self.TYPE, self.seqs)
 
 
 @register_message

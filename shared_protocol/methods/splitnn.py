@@ -19,7 +19,7 @@ import numpy as np
 
 from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
-from ..message_base import Message, check_same_length, register_message, tensor, tensor_dict
+from ..message_base import Message, check_same_length, check_split, register_message, tensor, tensor_dict
 from ..registry import LauncherFlag, MethodSpec, register_method
 
 SPLITS = ("train", "test")
@@ -51,10 +51,7 @@ class SplitActivations(Message):
         return self.split == "test"
 
     def validate(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueRangeError(f"{self.TYPE}: split must be one of {SPLITS}, got {self.split!r}")
-        if self.seq < 0:
-            raise ValueRangeError(f"{self.TYPE}: seq must be >= 0")
+        check_split(self.TYPE, self.split, SPLITS, self.seq)
         if check_same_length(self.TYPE, activations=self.activations, labels=self.labels) == 0:
             raise ShapeMismatchError(f"{self.TYPE}: empty batch")
 

@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                        help="set any key of the generated configs, e.g. server.round_deadline_s=60, data.download=true, "
                        "<method>.<key>=3 (repeatable; VALUE is read as TOML, a bare word as a string)")
+    local.add_argument("--low-memory", action="store_true",
+                       help="every agent in the low-memory mode a 2 GB Raspberry Pi uses (`edge-agent run --low-memory`: "
+                       "micro-batches, a shard on disk, a small resend cache); the agents report it in their hello")
+    local.add_argument("--backend", choices=("torch", "ort"), default=None,
+                       help="every agent's training backend (ort: onnxruntime-training, no torch, as on a device without "
+                       "it; only methods that implement it). Default: each agent config's, torch")
     local.add_argument("--audit", action="store_true",
                        help="keep what the leakage audit needs under RUN_DIR/audit ([server] audit; "
                        "server.audit_samples_per_agent bounds it) and audit it when the run ends, as `edgesplit audit "
@@ -316,7 +322,8 @@ def cmd_local(args: argparse.Namespace) -> int:
             f = open(logs / f"agent-{i}.log", "w")
             files.append(f)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "edge_agent.cli", "run", "--config", str(cfg), "--no-progress", *extra],
+                [sys.executable, "-m", "edge_agent.cli", "run", "--config", str(cfg), "--no-progress", *extra,
+                 *(["--low-memory"] if args.low_memory else []), *(["--backend", args.backend] if args.backend else [])],
                 stdout=f, stderr=subprocess.STDOUT, env=agent_env,
             ))
         assert server.stdout is not None

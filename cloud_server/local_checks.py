@@ -169,6 +169,11 @@ def check_local_args(args: argparse.Namespace) -> None:
             raise LaunchConfigError(
                 f"--set {setting}: [{setting.table}] has no key {setting.key!r};{did_you_mean(setting.key, keys)} "
                 f"keys of [{setting.table}]: {', '.join(sorted(keys))}")
+    backend = getattr(args, "backend", None)
+    if backend not in (None, "torch") and backend not in registered_methods()[args.method].backends:
+        offering = sorted(name for name, spec in registered_methods().items() if backend in spec.backends)
+        raise LaunchConfigError(f"--backend {backend}: --method {args.method} has no {backend} edge step; methods with one: "
+                                f"{', '.join(offering) or 'none'}")
     declared = {flag.name for flag in registered_methods()[args.method].flags}
     for launch in launcher_flags():
         if getattr(args, launch.flag.dest, None) is not None and launch.flag.name not in declared:

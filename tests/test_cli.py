@@ -51,7 +51,7 @@ def test_edgesplit_local_runs_a_federation_of_processes(tmp_path: Path) -> None:
     result = run(
         "cloud_server.launcher", "local", "--agents", "2", "--rounds", "2", "--dataset", "synthetic", "--partition", "iid",
         "--train-samples", "128", "--test-samples", "64", "--out", str(out), "--run-id", "cli-smoke",
-        "--audit", "--audit-steps", "3",
+        "--audit", "--audit-steps", "3", "--low-memory",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "held a previous run; replaced" in result.stderr
@@ -62,6 +62,9 @@ def test_edgesplit_local_runs_a_federation_of_processes(tmp_path: Path) -> None:
     validate_report(report)
     assert report["status"] == "finished" and len(report["rounds"]) == 2
     assert sorted(report["agents"]) == ["agent-0", "agent-1"]
+    # --low-memory: every agent ran in the Pi's low-memory mode and said so in its hello.
+    for info in report["agents"].values():
+        assert info["memory"]["micro_batch_samples"] == 16 and info["memory"]["shard_on_disk"] is True
     # --audit: the audit ran when the run ended, and the printed summary already shows it.
     assert "edgesplit audit: best white_box_inversion" in result.stdout
     assert report["leakage"]["strongest"] is not None and (out / "leakage.png").exists()

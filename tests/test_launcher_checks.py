@@ -60,6 +60,7 @@ def _run_local(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[st
     (["--dataset", "fashion-mnst"], ["argument --dataset", "did you mean fashion-mnist?"]),
     (["--partition", "table:no-such-counts.csv"], ["argument --partition", "no-such-counts.csv: no such file"]),
     (["--audit-steps", "3"], ["--audit-steps needs --audit"]),
+    (["--method", "fedkd", "--backend", "ort"], ["--backend ort: --method fedkd has no ort edge step", "methods with one: fedgkt"]),
 ])
 def test_a_mistake_stops_edgesplit_local_before_anything_starts(argv: list[str], expected: list[str], tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str],

@@ -197,7 +197,8 @@ def test_micro_batching_agents_of_both_backends_send_smaller_uploads_and_learn_t
     from shared_protocol.methods.fedgkt import GktFeatures
 
     monkeypatch.setenv("EDGESPLIT_ORT_CACHE", str(tmp_path / "cache"))
-    cfg = server_config(tmp_path, run_id="mixed-micro")
+    # Maps sent every round (reuse off): each round's uploads show the cap.
+    cfg = server_config(tmp_path, run_id="mixed-micro", method_config={"reuse_maps": False})
     memory = MemoryConfig(micro_batch_samples=16, upload_batch_samples_cap=32)
     agents = [agent_config(cfg.run_id, 0, 2, memory=memory), agent_config(cfg.run_id, 1, 2, backend="ort", memory=memory)]
     fed = in_memory_federation(cfg, agents)

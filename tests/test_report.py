@@ -22,7 +22,8 @@ from cloud_server.report import (
     validate_report,
     write_report,
 )
-from cloud_server.report.markdown import sanity_warnings, summary_md  # the summary without plotting, for speed
+from cloud_server.report.markdown import summary_md  # the summary without plotting, for speed
+from cloud_server.report.sanity import sanity_warnings
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

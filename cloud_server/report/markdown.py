@@ -9,9 +9,11 @@ from typing import Any
 import numpy as np
 
 from .formatting import DASH, EDGE_PHASES, duration, figure_cell, gflops, is_scalar, mb, pct, ratio, seconds, table
+from .leakage_md import leakage_md, strongest_attack_cell
+from .sanity import sanity_warnings
 from .schema import BYTE_KEYS, kind_ok
 
-__all__ = ["comparison_md", "sanity_warnings", "strongest_attack_cell", "summary_md"]
+__all__ = ["comparison_md", "summary_md"]
 
 
 def _server_device_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -101,45 +103,6 @@ def _header_md(report: Mapping[str, Any]) -> list[str]:
         f"EdgeSplit {report['edgesplit_version']}.",
         "",
     ]
-
-
-#: A global accuracy within this factor of chance (1 / classes) after ``_CHANCE_AFTER_ROUNDS``
-#: evaluated rounds is called "at chance".
-_CHANCE_FACTOR = 1.5
-_CHANCE_AFTER_ROUNDS = 2
-#: The deployed model's global accuracy this far (absolute) below another figure of the same run.
-_GAP = 0.25
-
-
-def sanity_warnings(report: Mapping[str, Any]) -> list[str]:
-    """What a user should not read past: a run whose global accuracy stays at chance, or far
-    below the same run's local or personalised figure, with the likely causes and the settings
-    to change (empty when neither)."""
-    evaluated = [r for r in report["rounds"] if r.get("accuracy") is not None]
-    if len(evaluated) < _CHANCE_AFTER_ROUNDS:
-        return []
-    num_classes = int(report["config"].get("num_classes") or 10)
-    last, chance = evaluated[-1], 1.0 / num_classes
-    samples = [info.get("num_samples", 0) for info in report["agents"].values()]
-    per_agent = f"{min(samples):,}-{max(samples):,}" if samples else "?"
-    warnings = []
-    if max(r["accuracy"] for r in evaluated) <= _CHANCE_FACTOR * chance:
-        warnings.append(
-            f"Global accuracy is at chance ({pct(last['accuracy'])}, chance {pct(chance)}) after {len(evaluated)} evaluated "
-            f"rounds. Likely causes: too little training for this model ({per_agent} training images per agent, "
-            f"{len(evaluated)} rounds), or a learning rate that does not suit it. Try more data (`--train-samples`), more "
-            "rounds (`--rounds`) or fewer, larger agents (`--agents`), and check the method's learning rate (`--set "
-            "<method>.lr=...`).")
-    figures = {**(last.get("evaluation") or {}).get("accuracy", {}), "local": last.get("local_accuracy")}
-    higher = {label: acc for label, acc in figures.items() if label != "model" and acc is not None
-              and acc - last["accuracy"] >= _GAP}
-    if higher and not warnings:
-        named = ", ".join(f"{label} {pct(acc)}" for label, acc in sorted(higher.items()))
-        warnings.append(
-            f"The deployed model's global accuracy ({pct(last['accuracy'])}) is far below this run's {named}. On "
-            "label-skewed shards (`--partition dirichlet:A` with a small A) a shared model can trail what each agent "
-            "reaches on its own classes; compare with `--partition iid`, and see the method's notes on non-IID agents.")
-    return warnings
 
 
 def _warnings_md(report: Mapping[str, Any]) -> list[str]:
@@ -236,45 +199,6 @@ def _outside_and_rejected(totals: Mapping[str, Any]) -> list[str]:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(totals.get("rejected_chunks_by_reason", {}).items()))
         lines.append(f"Rejected chunks (never became messages): {totals['rejected_chunks']} ({reasons}).")
     return lines
-
-
-def _leakage_md(report: Mapping[str, Any]) -> list[str]:
-    """What the server could reconstruct, once `edgesplit audit` has run on the run directory."""
-    leakage = report.get("leakage")
-    lines = ["## What the server can reconstruct (leakage audit)", ""]
-    if leakage is None:
-        return lines + ["Not audited: run with `edgesplit local --audit` (or `[server] audit = true`), then "
-                        "`edgesplit audit RUN_DIR`.", ""]
-    lines.append(f"The server is assumed to hold: {', '.join(leakage['knowledge']) or 'the uploads only'}."
-                 + (f" {leakage['note']}." if leakage.get("note") else ""))
-    lines.append("")
-    rows = [[name, entry["agent"], f"{entry['psnr_db']:.1f}", f"{entry['baseline_psnr_db']:.1f}",
-             f"{entry['ssim']:.3f}", f"{entry['baseline_ssim']:.3f}"]
-            for name, entry in sorted(leakage["image_attacks"].items(), key=lambda item: -item[1]["psnr_db"])]
-    if rows:
-        lines += table(["Image attack", "Best on", "PSNR dB", "Mean image dB", "SSIM", "Mean image SSIM"], rows, right_from=2)
-        lines.append("")
-    label_rows = [[name, f"{entry['histogram_error']:.3f}"] for name, entry in sorted(leakage["label_attacks"].items())]
-    if label_rows:
-        lines += table(["Label attack", "Histogram error, most exposed agent (0 = exact)"], label_rows, right_from=1)
-        lines.append("")
-    for attack, reason in sorted(leakage.get("skipped", {}).items()):
-        lines.append(f"- {attack} not run: {reason}")
-    if leakage.get("not_supported"):
-        lines.append(f"- Not audited: {leakage['not_supported']}")
-    lines += [f"- {note[0].upper()}{note[1:]}." for note in leakage.get("notes", [])]
-    if leakage.get("picture"):
-        lines.append(f"- Private images beside their reconstructions: `{leakage['picture']}`.")
-    return lines + [""]
-
-
-def strongest_attack_cell(report: Mapping[str, Any]) -> str:
-    """``PSNR (mean image PSNR)`` of the run's strongest image attack, or a dash."""
-    leakage = report.get("leakage")
-    if not leakage or leakage.get("strongest") is None:
-        return DASH
-    best = leakage["image_attacks"][leakage["strongest"]]
-    return f"{best['psnr_db']:.1f} ({best['baseline_psnr_db']:.1f})"
 
 
 def _rounds_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -400,7 +324,7 @@ def summary_md(report: Mapping[str, Any]) -> str:
         _accuracy_md(report),
         _edge_cost_md(report["models"]),
         _communication_md(rounds, report["totals"]),
-        _leakage_md(report),
+        leakage_md(report),
         _rounds_md(rounds),
         _robustness_md(rounds),
         _server_device_md(rounds),

@@ -11,8 +11,9 @@ files (``np.savez``; read back with ``allow_pickle=False``):
   (FedGKT also the edge logits' argmax), which the label attacks read; FedGKT also the
   ResNet-8 the agent sent with its evaluation report of that round (the model that extracted
   the round's maps: an agent extracts after training). Split learning's
-  rows come from the first batch of the agent's first turn, with the extractor the server
-  sent it at that turn's start (within a turn the extractor moves every batch).
+  rows are the first batch of the agent's first turn, whole (whatever ``samples_per_agent``
+  says: the batch's normalisation used all of it), with the extractor the server sent it at
+  that turn's start (within a turn the extractor moves every batch).
 - ``evalmaps-<agent>.npz``: FedGKT's evaluation uploads: the maps of the agent's local test
   images (as many rows, one round), with their labels and sample ids, and that round's ResNet-8.
 - ``extractor.npz``: FedGKT's initial edge model, when the server sends one
@@ -213,6 +214,10 @@ class AuditKeeper:
             kept.round_predicted.append(np.asarray(predicted, np.int64))
         room = self.samples_per_agent - kept.rows
         split_learning = sample_ids is None
+        if split_learning and not kept.seqs:
+            # The turn's first batch, whole: its activations came from a training pass whose
+            # normalisation used the whole batch, so no part of it can be inverted alone.
+            room = len(features)
         if room > 0 and (not split_learning or not kept.seqs):  # split learning: the turn's first batch only
             take = min(room, len(features))
             kept.features.append(np.array(features[:take], dtype=np.float32))

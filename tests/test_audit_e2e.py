@@ -125,10 +125,11 @@ def test_audit_of_a_fedavg_run(tmp_path: Path, mosquitto: Broker) -> None:
 
 
 def test_audit_of_a_split_learning_run(tmp_path: Path, mosquitto: Broker) -> None:
-    # A turn's first batch, kept whole, with the extractor the server sent at the turn's start: the
-    # white box runs it with the batch's own normalisation statistics, as the agent's training did.
-    config = method_server_config(tmp_path, "splitnn", {"batch_size": 8}, run_id="audit-sl", agents=AGENTS, rounds=1,
-                                  dataset="fashion-mnist", eval_samples=40, audit=True, audit_samples_per_agent=8)
+    # A turn's first batch, kept whole however few rows audit_samples_per_agent asks for, with the extractor
+    # the server sent at the turn's start: the white box runs it with the batch's own normalisation
+    # statistics, as the agent's training did.
+    config = method_server_config(tmp_path, "splitnn", {"batch_size": 16}, run_id="audit-sl", agents=AGENTS, rounds=1,
+                                  dataset="fashion-mnist", eval_samples=40, audit=True, audit_samples_per_agent=4)
     run_dir = run_and_keep(config, agent_configs("audit-sl", 32), mosquitto)
     assert edgesplit(["audit", str(run_dir), "--steps", "150", "--public-samples", "40", "--threads", "1",
                       "--attacks", "white_box_inversion,labels_in_the_clear"]) == 0
@@ -137,7 +138,7 @@ def test_audit_of_a_split_learning_run(tmp_path: Path, mosquitto: Broker) -> Non
         rows = {row["attack"]: row for row in agent["attacks"]}
         assert set(rows) == {"white_box_inversion", "labels_in_the_clear"}
         white_box = rows["white_box_inversion"]
-        assert white_box["num_images"] == 8 and "matched" in white_box  # the uploads carry no sample ids
+        assert white_box["num_images"] == 16 and "matched" in white_box  # the uploads carry no sample ids
         assert white_box["psnr_db"] > white_box["baseline_psnr_db"] + 15.0
 
 

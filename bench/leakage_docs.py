@@ -24,16 +24,17 @@ METHOD_NOTE_END = "<!-- end of leakage: {method} -->"
 Figures = dict[str, dict[str, Any]]
 
 
-def _label_error(results: Mapping[str, Any], method: str) -> tuple[str, float] | None:
+def _label_error(results: Mapping[str, Any], method: str) -> tuple[str, float, float | None] | None:
     """The label attack with the lowest histogram error over the method's done cells (the most
-    the server learns about a label distribution), and that error."""
-    best: tuple[str, float] | None = None
+    the server learns about a label distribution), that error and a uniform guess's there."""
+    best: tuple[str, float, float | None] | None = None
     for cell in results["cells"]:
         if cell["method"] != method or cell["status"] != "done" or not cell.get("leakage"):
             continue
         for name, scores in cell["leakage"]["attacks"].items():
             if "histogram_error" in scores and (best is None or scores["histogram_error"] < best[1]):
-                best = (name, float(scores["histogram_error"]))
+                baseline = scores.get("baseline_histogram_error")
+                best = (name, float(scores["histogram_error"]), None if baseline is None else float(baseline))
     return best
 
 
@@ -80,7 +81,8 @@ def leakage_cell(figures: Figures, method: str) -> str:
         return "not measured yet"
     if entry["psnr"]["mean"] is None:
         labels = entry["labels"]
-        return "no image attack ran" + (f"; label shares to {labels[1]:.2f} (histogram error)" if labels else "")
+        guess = "" if not labels or labels[2] is None else f", uniform guess {labels[2]:.2f}"
+        return "no image attack ran" + (f"; label shares to {labels[1]:.2f} histogram error{guess}" if labels else "")
     return f"images at {_db(entry['psnr'])} dB PSNR (mean image {entry['baseline_psnr']['mean']:.1f})"
 
 
@@ -100,8 +102,9 @@ def _method_note(figures: Figures, method: str) -> str:
     else:
         text += "no image attack ran on what the server kept (see the audit's reasons in the run's summary.md)"
     if entry["labels"]:
-        name, error = entry["labels"]
-        text += f"; the label distribution comes out to a histogram error of {error:.3f} ({name}; 0 is exact)"
+        name, error, baseline = entry["labels"]
+        guess = "" if baseline is None else f", a uniform guess {baseline:.3f}"
+        text += f"; the label distribution comes out to a histogram error of {error:.3f} ({name}; 0 is exact{guess})"
     return text + "."
 
 

@@ -184,6 +184,7 @@ def test_audit_of_every_other_weight_sharing_method(method: str, tmp_path: Path,
         assert set(rows) == {"update_inversion", "bias_update_labels"}
         assert rows["update_inversion"]["num_images"] == 4
         assert 0.0 <= rows["bias_update_labels"]["histogram_error"] <= 1.0
+        assert 0.0 <= rows["bias_update_labels"]["baseline_histogram_error"] <= 1.0  # a uniform guess, beside it
     section = json.loads((run_dir / "report.json").read_text())["leakage"]
     assert section["strongest"] == "update_inversion" and "start_model" in section["knowledge"]
     # No evaluation report hands a model over: FedKD's mentor is scored on the device.

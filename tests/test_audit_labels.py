@@ -12,7 +12,7 @@ from audithelpers import FASHION, agent_update, fashion_sets
 from audithelpers import one_torch_thread  # noqa: F401 (a fixture: importing it applies it here)
 from cloud_server.audit import (AttackInputError, LocalSchedule, histogram_error, label_histogram_from_bias_update,
                                 label_histogram_from_labels, label_histogram_from_logits, last_linear_layer,
-                                true_histogram)
+                                true_histogram, uniform_guess_error)
 from models.registry import build_model
 
 SGD = LocalSchedule(lr=0.01, batch_size=8, local_steps=4)
@@ -81,6 +81,9 @@ def test_histogram_error_is_the_total_variation_distance() -> None:
     assert histogram_error(np.array([1, 0, 0]), np.array([2, 0, 0])) == 0.0
     assert histogram_error(np.array([1, 0]), np.array([0, 1])) == 1.0
     assert histogram_error(np.array([1, 1]), np.array([1, 0])) == pytest.approx(0.5)
+    # The baseline: a uniform guess is exact on a balanced shard and 1 - 1/K off on a one-class one.
+    assert uniform_guess_error(np.arange(10), 10) == pytest.approx(0.0)
+    assert uniform_guess_error(np.full(7, 3), 10) == pytest.approx(0.9)
 
 
 def test_label_inference_refuses_what_it_cannot_use() -> None:

@@ -18,7 +18,7 @@ from .activations import (ArchitectureOnlyConfig, WhiteBoxConfig, invert_feature
 from .errors import AttackInputError, AuditError, UnknownAuditMethodError, UnsupportedScheduleError
 from .inverse_network import FeatureDecoder, InverseNetworkConfig, decode_features, train_inverse_network
 from .labels import (LabelDistributionEstimate, histogram_error, label_histogram_from_bias_update,
-                     label_histogram_from_labels, label_histogram_from_logits, true_histogram)
+                     label_histogram_from_labels, label_histogram_from_logits, true_histogram, uniform_guess_error)
 from .received import ReceivedActivations, activations_from_messages, update_from_fedavg, update_from_fedkd
 from .registry import (ATTACKS, PAYLOADS, AttackSpec, AuditPlan, MethodExposure, ServerKnowledge, attacks_for,
                        audited_methods, register_exposure)
@@ -70,6 +70,7 @@ __all__ = [
     "score_images",
     "train_inverse_network",
     "true_histogram",
+    "uniform_guess_error",
     "unrolled_update",
     "update_from_fedavg",
     "update_from_fedkd",

@@ -27,7 +27,7 @@ from .errors import AuditError
 from .inverse_network import InverseNetworkConfig, decode_features, train_inverse_network
 from .audit_updates import attack_update, image_row, match_private
 from .kept import AgentImages, KeptMaps, KeptRun, agent_images, load_kept_run
-from .labels import label_histogram_from_labels, label_histogram_from_logits
+from .labels import label_histogram_from_labels, label_histogram_from_logits, uniform_guess_error
 from .leakage_report import attach_to_report, eval_models_note, leakage_section
 from .registry import AuditPlan, ServerKnowledge, attacks_for
 from .scoring import PixelSpace
@@ -214,7 +214,8 @@ def _label_row(attack: str, maps: KeptMaps, images: AgentImages) -> dict[str, An
         estimate = label_histogram_from_logits(np.eye(num_classes, dtype=np.float32)[maps.round_predicted])
     else:
         return {"attack": attack, "skipped": "no logits kept"}
-    return {"attack": attack, "histogram_error": estimate.error(true_labels), "exact": estimate.exact,
+    return {"attack": attack, "histogram_error": estimate.error(true_labels),
+            "baseline_histogram_error": uniform_guess_error(true_labels, num_classes), "exact": estimate.exact,
             "estimate": [round(float(s), 4) for s in estimate.shares], "num_labels": int(len(maps.round_labels))}
 
 
@@ -314,7 +315,8 @@ def _line(agent: str, row: dict[str, Any]) -> str:
     if "psnr_db" in row:
         return (f"{head} PSNR {row['psnr_db']:6.1f} dB (baseline {row['baseline_psnr_db']:.1f}), SSIM {row['ssim']:.3f} "
                 f"(baseline {row['baseline_ssim']:.3f}), {row['num_images']} images, {row['wall_s']:.1f} s; assumes: {row['assumes']}")
-    return (f"{head} label-histogram error {row['histogram_error']:.3f} (total variation) over {row['num_labels']} labels; "
+    return (f"{head} label-histogram error {row['histogram_error']:.3f} (total variation; a uniform guess "
+            f"{row['baseline_histogram_error']:.3f}) over {row['num_labels']} labels; "
             f"assumes: {row['assumes']}")
 
 

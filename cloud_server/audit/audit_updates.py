@@ -23,7 +23,7 @@ import torch.nn as nn
 from models.registry import build_model
 
 from .kept import AgentImages, KeptRun, KeptUpdate
-from .labels import label_histogram_from_bias_update
+from .labels import label_histogram_from_bias_update, uniform_guess_error
 from .received import update_from_fedavg, update_from_fedkd
 from .registry import AuditPlan
 from .schedule import LocalSchedule
@@ -145,7 +145,8 @@ def attack_update(kept: KeptRun, update: KeptUpdate, plan: AuditPlan, images: Ag
             if shares is None:
                 rows.append({"attack": spec.name, "skipped": "the update carries no classifier bias"})
             else:
-                rows.append({"attack": spec.name, "histogram_error": shares.error(true_labels), "exact": False,
+                rows.append({"attack": spec.name, "histogram_error": shares.error(true_labels),
+                             "baseline_histogram_error": uniform_guess_error(true_labels, kept.num_classes), "exact": False,
                              "source": shares.source, "estimate": [round(float(s), 4) for s in shares.shares],
                              "num_labels": int(len(true_labels))})
             continue

@@ -32,6 +32,7 @@ __all__ = [
     "label_histogram_from_labels",
     "label_histogram_from_logits",
     "true_histogram",
+    "uniform_guess_error",
 ]
 
 
@@ -91,6 +92,12 @@ def histogram_error(estimate: np.ndarray, truth: np.ndarray) -> float:
     if estimate.shape != truth.shape:
         raise AttackInputError(f"histograms of {estimate.shape} and {truth.shape} classes cannot be compared")
     return float(0.5 * np.abs(_shares(estimate, "estimate") - _shares(truth, "truth")).sum())
+
+
+def uniform_guess_error(true_labels: np.ndarray, num_classes: int) -> float:
+    """The error of a server that received nothing and guesses equal class shares (the public
+    set's, which is balanced): the baseline a label attack is read against."""
+    return histogram_error(np.full(num_classes, 1.0 / num_classes), true_histogram(true_labels, num_classes))
 
 
 def label_histogram_from_labels(labels: np.ndarray, num_classes: int) -> LabelDistributionEstimate:

@@ -36,7 +36,8 @@ def leakage_section(result: dict[str, Any], picture: str | None = None) -> dict[
             elif "histogram_error" in row:
                 worst = labels.get(row["attack"])
                 if worst is None or row["histogram_error"] < worst["histogram_error"]:
-                    labels[row["attack"]] = {"histogram_error": float(row["histogram_error"])}
+                    labels[row["attack"]] = {"histogram_error": float(row["histogram_error"]),
+                                             "baseline_histogram_error": float(row["baseline_histogram_error"])}
     images = {name: dict(best) for name, best in result["best"].items()}
     strongest = max(images, key=lambda name: images[name]["psnr_db"]) if images else None
     return {"knowledge": list(result["knowledge"]["holds"]), "note": result["knowledge"]["note"],

@@ -110,7 +110,9 @@ def leakage_figures(leakage: Mapping[str, Any]) -> dict[str, Any]:
         for row in entry.get("attacks", []):
             if "histogram_error" in row and (row["attack"] not in attacks
                                              or row["histogram_error"] < attacks[row["attack"]]["histogram_error"]):
-                attacks[row["attack"]] = {"agent": agent, "histogram_error": row["histogram_error"]}
+                attacks[row["attack"]] = {"agent": agent, "histogram_error": row["histogram_error"],
+                                          **({"baseline_histogram_error": row["baseline_histogram_error"]}
+                                             if "baseline_histogram_error" in row else {})}
     images = [(scores["psnr_db"], name) for name, scores in attacks.items() if "psnr_db" in scores]
     strongest = None
     if images:

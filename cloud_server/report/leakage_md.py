@@ -26,9 +26,12 @@ def leakage_md(report: Mapping[str, Any]) -> list[str]:
     if rows:
         lines += table(["Image attack", "Best on", "PSNR dB", "Mean image dB", "SSIM", "Mean image SSIM"], rows, right_from=2)
         lines.append("")
-    label_rows = [[name, f"{entry['histogram_error']:.3f}"] for name, entry in sorted(leakage["label_attacks"].items())]
+    label_rows = [[name, f"{entry['histogram_error']:.3f}",
+                   f"{entry['baseline_histogram_error']:.3f}" if "baseline_histogram_error" in entry else DASH]
+                  for name, entry in sorted(leakage["label_attacks"].items())]
     if label_rows:
-        lines += table(["Label attack", "Histogram error, most exposed agent (0 = exact)"], label_rows, right_from=1)
+        lines += table(["Label attack", "Histogram error, most exposed agent (0 = exact)", "Uniform guess"], label_rows,
+                       right_from=1)
         lines.append("")
     for attack, reason in sorted(leakage.get("skipped", {}).items()):
         lines.append(f"- {attack} not run: {reason}")

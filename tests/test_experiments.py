@@ -193,6 +193,14 @@ class FakeExecutor:
             return CellOutcome("failed", error="it broke")
         return CellOutcome("done", run={**FIGURES, "final_accuracy": 0.5 + 0.1 * cell.seed})
 
+    def audit(self, experiment: Any, run_dir: Path) -> CellOutcome:
+        self.ran.append(f"audit {run_dir.name}")
+        if run_dir.name in self.fail:
+            return CellOutcome("failed", error="the audit broke")
+        scores = {"psnr_db": 40.0, "ssim": 0.9, "baseline_psnr_db": 12.0, "baseline_ssim": 0.2}
+        return CellOutcome("done", leakage={"attacks": {"white_box_inversion": {"agent": "agent-0", **scores}},
+                                            "strongest": {"attack": "white_box_inversion", **scores}, "not_supported": None})
+
 
 def test_the_runner_skips_done_cells_and_reruns_failed_ones(tmp_path: Path) -> None:
     path = small(tmp_path)
@@ -221,6 +229,30 @@ def test_the_runner_skips_done_cells_and_reruns_failed_ones(tmp_path: Path) -> N
     run_experiment(load_experiment(changed), results_path=results, runs_dir=runs, executor=rerun, only="*-s2",
                    progress=lines.append)
     assert rerun.ran == ["fedgkt-iid-s2"]
+
+
+def test_reaudit_audits_the_done_cells_again_on_what_their_runs_kept(tmp_path: Path) -> None:
+    path = write_experiment(tmp_path / "experiments", SMALL.format(name="small", method="fedgkt", rounds=1))
+    path.write_text(path.read_text().replace('seeds = [0, 1, 2]\n', 'seeds = [0, 1, 2]\naudit = true\n'))
+    results, runs = tmp_path / "results" / "small.json", tmp_path / "runs"
+    run_experiment(load_experiment(path), results_path=results, runs_dir=runs, executor=FakeExecutor(), progress=lambda _: None)
+    assert [c["leakage"] for c in load_results(results)["cells"]] == [None, None, None]
+    for key in ("fedgkt-iid-s0", "fedgkt-iid-s1"):  # s2's run directory is gone
+        (runs / key / "audit").mkdir(parents=True)
+        (runs / key / "audit" / "kept.json").write_text("{}")
+    lines: list[str] = []
+    again = FakeExecutor(fail=("fedgkt-iid-s1",))
+    run_experiment(load_experiment(path), results_path=results, runs_dir=runs, executor=again, reaudit=True,
+                   progress=lines.append)
+    assert again.ran == ["audit fedgkt-iid-s0", "audit fedgkt-iid-s1"]  # nothing trained again
+    cells = load_results(results)["cells"]
+    assert cells[0]["leakage"]["strongest"]["psnr_db"] == 40.0 and cells[0]["run"]["final_accuracy"] == 0.5
+    assert cells[1]["leakage"] is None and cells[2]["leakage"] is None  # a failed audit and a lost run keep theirs
+    assert any("fedgkt-iid-s1: the audit failed" in line for line in lines)
+    assert any("fedgkt-iid-s2: not audited again" in line for line in lines)
+    with pytest.raises(ExperimentError, match="--reaudit needs an experiment that audits"):
+        run_experiment(load_experiment(small(tmp_path / "plain")), results_path=tmp_path / "p.json", runs_dir=runs,
+                       executor=FakeExecutor(), reaudit=True, progress=lambda _: None)
 
 
 def test_a_dry_run_runs_nothing_and_only_picks_cells_by_glob(tmp_path: Path) -> None:

@@ -16,12 +16,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from .results import SCHEMA, leakage_figures, load_results, machine, run_figures, write_results
-from .spec import Cell, Experiment
+from .spec import Cell, Experiment, ExperimentError
 
 __all__ = ["CellExecutor", "CellOutcome", "SubprocessExecutor", "default_paths", "run_experiment"]
 
@@ -45,6 +45,10 @@ class CellOutcome:
 
 class CellExecutor(Protocol):
     def __call__(self, experiment: Experiment, cell: Cell, run_dir: Path) -> CellOutcome: ...
+
+    def audit(self, experiment: Experiment, run_dir: Path) -> CellOutcome:
+        """The experiment's audit of the run in ``run_dir`` alone: ``leakage`` or ``error``."""
+        ...
 
 
 def default_paths(experiment_file: Path, name: str) -> tuple[Path, Path]:
@@ -130,6 +134,10 @@ class SubprocessExecutor:
         run = run_figures(json.loads(report_path.read_text()))
         if experiment.audit is None:
             return CellOutcome("done", run=run)
+        return replace(self.audit(experiment, run_dir), run=run)
+
+    def audit(self, experiment: Experiment, run_dir: Path) -> CellOutcome:
+        assert experiment.audit is not None
         audit = experiment.audit
         leakage_path = run_dir / "audit" / "leakage.json"
         leakage_path.unlink(missing_ok=True)
@@ -138,8 +146,8 @@ class SubprocessExecutor:
                                   run_dir / "bench-audit.log", budget, self._env())
         if code != 0 or not leakage_path.exists():
             why = f"stopped after {budget:g} s (audit.max_wall_s)" if code is None else f"exited with code {code}"
-            return CellOutcome("failed", run=run, error=f"edgesplit audit {why}\n{tail}")
-        return CellOutcome("done", run=run, leakage=leakage_figures(json.loads(leakage_path.read_text())))
+            return CellOutcome("failed", error=f"edgesplit audit {why}\n{tail}")
+        return CellOutcome("done", leakage=leakage_figures(json.loads(leakage_path.read_text())))
 
 
 def _elapsed(seconds: float) -> str:
@@ -166,9 +174,12 @@ def result_line(record: dict[str, Any]) -> str:
 
 
 def run_experiment(experiment: Experiment, *, results_path: Path, runs_dir: Path, only: str | None = None,
-                   dry_run: bool = False, executor: CellExecutor | None = None, progress: Progress = print) -> dict[str, Any]:
+                   dry_run: bool = False, executor: CellExecutor | None = None, progress: Progress = print,
+                   reaudit: bool = False) -> dict[str, Any]:
     """Run the cells of ``experiment`` (those matching the glob ``only``) not yet done, writing
-    ``results_path`` after each; return the results document."""
+    ``results_path`` after each; return the results document. ``reaudit``: instead, audit the
+    done cells again on what their runs kept (their run directories must still be there), as
+    after a change to the audit; their runs' figures stay."""
     chosen = experiment.select(only)
     grid = experiment.cells()
     commands = {c.key: cell_command(experiment, c) for c in grid}
@@ -191,6 +202,10 @@ def run_experiment(experiment: Experiment, *, results_path: Path, runs_dir: Path
             progress(f"  {cell.key}: {' '.join(commands[cell.key])}")
         return document()
     run = executor or SubprocessExecutor()
+    if reaudit:
+        _reaudit(experiment, [c for c in chosen if c.key in recorded and recorded[c.key]["status"] == "done"],
+                 recorded, runs_dir, run, lambda: write_results(results_path, document()), progress)
+        return document()
     started = time.monotonic()
     for i, cell in enumerate(todo, 1):
         progress(f"[{i}/{len(todo)}] {cell.key}: running ({len(todo) - i} left after it; {_elapsed(time.monotonic() - started)} elapsed)")
@@ -209,3 +224,21 @@ def run_experiment(experiment: Experiment, *, results_path: Path, runs_dir: Path
     progress(f"edgesplit bench: {experiment.name}: {len(recorded) - len(failed)} of {len(grid)} cells done"
              + (f"; failed: {', '.join(failed)} (rerun to retry them)" if failed else "") + f"; results in {results_path}")
     return document()
+
+
+def _reaudit(experiment: Experiment, cells: list[Cell], recorded: dict[str, dict[str, Any]], runs_dir: Path,
+             run: CellExecutor, write: Callable[[], None], progress: Progress) -> None:
+    if experiment.audit is None:
+        raise ExperimentError(f"{experiment.name}: --reaudit needs an experiment that audits (audit = true)")
+    for i, cell in enumerate(cells, 1):
+        run_dir = runs_dir / cell.key
+        if not (run_dir / "audit" / "kept.json").exists():
+            progress(f"[{i}/{len(cells)}] {cell.key}: not audited again: {run_dir} no longer holds what the run kept")
+            continue
+        outcome = run.audit(experiment, run_dir)
+        if outcome.status != "done":
+            progress(f"[{i}/{len(cells)}] {cell.key}: the audit failed, the recorded leakage stays: {outcome.error}")
+            continue
+        recorded[cell.key]["leakage"] = outcome.leakage
+        write()
+        progress(f"[{i}/{len(cells)}] {cell.key}: audited again: {result_line(recorded[cell.key])}")

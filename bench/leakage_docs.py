@@ -15,7 +15,7 @@ from typing import Any
 
 from cloud_server.experiments.tables import long_table, summary
 
-__all__ = ["METHOD_NOTE_BEGIN", "method_figures", "copy_pictures", "leakage_cell", "update_method_notes"]
+__all__ = ["METHOD_NOTE_BEGIN", "copy_pictures", "leakage_cell", "method_figures", "present_pictures", "update_method_notes"]
 
 #: Each method's notes carry its figure between these lines (``{method}`` filled in).
 METHOD_NOTE_BEGIN = "<!-- leakage: {method} (rendered from bench/results/leakage.json by bench/render_results.py) -->"
@@ -128,6 +128,12 @@ def update_method_notes(docs: Path, figures: Figures) -> list[Path]:
 def _methods_marked(text: str) -> list[str]:
     head = METHOD_NOTE_BEGIN.split("{method}")[0]
     return [chunk.split(" ", 1)[0] for chunk in text.split(head)[1:]]
+
+
+def present_pictures(results: Mapping[str, Any] | None, image_dir: Path) -> dict[str, str]:
+    """Method -> file name of each done method's picture grid already in ``image_dir``."""
+    methods = {cell["method"] for cell in (results or {}).get("cells", []) if cell["status"] == "done"}
+    return {m: f"leakage-{m}.png" for m in sorted(methods) if (image_dir / f"leakage-{m}.png").exists()}
 
 
 def copy_pictures(results: Mapping[str, Any] | None, runs_dir: Path, image_dir: Path) -> dict[str, str]:

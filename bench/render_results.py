@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
-from leakage_docs import copy_pictures, leakage_cell, method_figures, update_method_notes  # noqa: E402
+from leakage_docs import copy_pictures, leakage_cell, method_figures, present_pictures, update_method_notes  # noqa: E402
 
 DASH = "—"
 
@@ -1511,10 +1512,15 @@ def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -
         if data is None:
             continue
         experiment = load_experiment(template.with_suffix(".toml"))
-        images = image_dir if image_dir is not None else results
-        images.mkdir(parents=True, exist_ok=True)
-        text = render_experiment(template.read_text(), data, experiment.claims, images / f"{template.stem}.md", "img/")
-        pictures = copy_pictures(data, runs_dir / template.stem, images) if template.stem == "leakage" else {}
+        with tempfile.TemporaryDirectory() as scratch:
+            # Without image_dir (a check that the page is current) nothing is written beside the page.
+            images = image_dir if image_dir is not None else Path(scratch)
+            images.mkdir(parents=True, exist_ok=True)
+            text = render_experiment(template.read_text(), data, experiment.claims, images / f"{template.stem}.md", "img/")
+        pictures = {}
+        if template.stem == "leakage":
+            pictures = (copy_pictures(data, runs_dir / template.stem, image_dir) if image_dir is not None
+                        else present_pictures(data, REPO_ROOT / "docs" / "img"))
         grid = "\n\n".join(f"`{method}` at its defaults, seed {_first_seed(data, method)}: each agent's private images, "
                             f"each attack's reconstructions beneath.\n\n![{method}](img/{name})"
                             for method, name in sorted(pictures.items()))

@@ -102,8 +102,10 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
 
 def leakage_figures(leakage: Mapping[str, Any]) -> dict[str, Any]:
     """A cell's leakage from its ``audit/leakage.json``: per attack the agent where it did best
-    (image attacks: highest PSNR; label attacks: lowest histogram error), and the strongest
-    image attack (highest PSNR), or null when no image attack ran."""
+    (image attacks: highest PSNR, with that attack's wall time; label attacks: lowest histogram
+    error), the strongest image attack (highest PSNR) or null when no image attack ran, what
+    the server was assumed to hold, the attacks that apply but did not run and why, and the
+    audit's wall time."""
     attacks: dict[str, dict[str, Any]] = {
         name: {"agent": best["agent"], **{k: best[k] for k in _IMAGE_SCORES}} for name, best in leakage.get("best", {}).items()}
     for agent, entry in leakage.get("agents", {}).items():
@@ -113,12 +115,24 @@ def leakage_figures(leakage: Mapping[str, Any]) -> dict[str, Any]:
                 attacks[row["attack"]] = {"agent": agent, "histogram_error": row["histogram_error"],
                                           **({"baseline_histogram_error": row["baseline_histogram_error"]}
                                              if "baseline_histogram_error" in row else {})}
+    skipped: dict[str, str] = {}
+    rows = [row for entry in leakage.get("agents", {}).values()
+            for row in entry.get("attacks", []) + entry.get("evaluation_uploads", {}).get("attacks", [])]
+    for row in rows:  # an attack that applies but did not run, and why (the first agent's reason)
+        if "skipped" in row and row["attack"] not in attacks:
+            skipped.setdefault(row["attack"], row["skipped"])
+    for name, scores in attacks.items():  # the wall time of the row that gave the best score
+        best = next((row for row in rows if row.get("attack") == name and "wall_s" in row
+                     and row.get("psnr_db") == scores.get("psnr_db")), None)
+        if best is not None:
+            scores["wall_s"] = best["wall_s"]
     images = [(scores["psnr_db"], name) for name, scores in attacks.items() if "psnr_db" in scores]
     strongest = None
     if images:
         _, name = max(images)
         strongest = {"attack": name, **{k: attacks[name][k] for k in _IMAGE_SCORES}}
-    return {"attacks": attacks, "strongest": strongest, "not_supported": leakage.get("not_supported")}
+    return {"attacks": attacks, "strongest": strongest, "not_supported": leakage.get("not_supported"),
+            "knowledge": leakage.get("knowledge"), "skipped": skipped, "audit_wall_s": leakage.get("wall_s")}
 
 
 # -- the schema -------------------------------------------------------------------------------- #

@@ -57,7 +57,7 @@ AUDIT_DIR = "audit"
 #: The keeper's manifest in :data:`AUDIT_DIR`.
 KEPT_MANIFEST = "kept.json"
 #: Uploads that carry nothing of the private data the audit attacks (requests, checksums of work done).
-_NOT_ATTACKED = ("fedgkt.ort_artifacts_request", "splitnn.extractor")
+_NOT_ATTACKED = ("fedgkt.ort_artifacts_request", "splitnn.extractor", "eval_set_request")
 
 
 def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:

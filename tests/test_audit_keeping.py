@@ -12,7 +12,7 @@ import pytest
 from cloud_server.audit_keeper import AuditKeeper
 from cloud_server.config import ServerConfig
 from fedhelpers import make_server, server_config
-from shared_protocol.messages import EvalReport, RoundEnd, RoundStart
+from shared_protocol.messages import EvalReport, EvalSetRequest, RoundEnd, RoundStart
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgUpdate
 from shared_protocol.methods.fedgkt import GktFeatures
 from shared_protocol.methods.splitnn import SplitGradients
@@ -98,6 +98,8 @@ def test_an_upload_the_audit_does_not_read_is_named(tmp_path: Path) -> None:
     keeper = AuditKeeper(tmp_path, "mymethod", samples_per_agent=8)
     keeper.on_received("agent-0", SplitGradients(run="r", round=1, sender="agent-0", seq=0, loss=0.0, correct=0,
                                                  gradients=np.zeros((1, 1, 1, 1), np.float32)))
+    # A request for the public evaluation set carries nothing private: not named.
+    keeper.on_received("agent-0", EvalSetRequest(run="r", round=1, sender="agent-0", images_sha256="0" * 64))
     manifest = json.loads((tmp_path / "audit" / "kept.json").read_text())
     assert manifest["not_kept"] == {"splitnn.gradients": 1} and manifest["files"] == {}
 

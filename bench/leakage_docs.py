@@ -15,7 +15,8 @@ from typing import Any
 
 from cloud_server.experiments.tables import long_table, summary
 
-__all__ = ["METHOD_NOTE_BEGIN", "copy_pictures", "leakage_cell", "method_figures", "present_pictures", "update_method_notes"]
+__all__ = ["METHOD_NOTE_BEGIN", "copy_pictures", "leakage_cell", "method_figures", "present_pictures", "update_inversion_section",
+           "update_method_notes"]
 
 #: Each method's notes carry its figure between these lines (``{method}`` filled in).
 METHOD_NOTE_BEGIN = "<!-- leakage: {method} (rendered from bench/results/leakage.json by bench/render_results.py) -->"
@@ -154,3 +155,38 @@ def copy_pictures(results: Mapping[str, Any] | None, runs_dir: Path, image_dir: 
         if (image_dir / name).exists():
             present[cell["method"]] = name
     return present
+
+
+def update_inversion_section(data: Mapping[str, Any] | None) -> list[str]:
+    """``bench/results/update_inversion.json`` on the results page: per model, optimiser, batch x
+    local steps and attack variant, the reconstructions' PSNR / SSIM over the seeds beside the
+    mean image's (the attack the audit runs on weight updates, at sizes the audit can try)."""
+    if data is None:
+        return ["*`bench/results/update_inversion.json` not found: run `bench/update_inversion.py`.*", ""]
+    groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for row in data["rows"]:
+        key = (row["model"], row["optimizer"], row["batch_size"], row["local_steps"], row["variant"])
+        groups.setdefault(key, []).append(row)
+
+    def pm(values: list[float], digits: int) -> str:
+        mean = sum(values) / len(values)
+        if len(values) < 2:
+            return f"{mean:.{digits}f}"
+        sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+        return f"{mean:.{digits}f} ± {sd:.{digits}f}"
+
+    lines = ["### Inverting a weight update", "",
+             "The audit's update inversion (cosine / sign matching through the agent's unrolled local schedule, total "
+             "variation, BatchNorm statistics) on one agent update of the project's models, at batch 1-8 and at the agents' "
+             "default local batch; the global model, the private Fashion-MNIST images and the attack's start drawn per seed. "
+             "From `bench/update_inversion.py`, `bench/results/update_inversion.json`.", "",
+             "| Model | Optimiser | Batch x steps | Attack | Seeds | PSNR dB | Mean image PSNR dB | SSIM | Mean image SSIM | "
+             "Labels | Attack s / update |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for (model, optimizer, batch, steps, variant), rows in sorted(groups.items(), key=lambda kv: (
+            kv[0][0], kv[0][1], kv[0][2] * kv[0][3], kv[0][3], kv[0][4])):
+        lines.append(f"| {model} | {optimizer} | {batch} x {steps} | {variant} | {len(rows)} | "
+                     f"{pm([r['psnr_db'] for r in rows], 1)} | {pm([r['baseline_psnr_db'] for r in rows], 1)} | "
+                     f"{pm([r['ssim'] for r in rows], 3)} | {pm([r['baseline_ssim'] for r in rows], 3)} | "
+                     f"{rows[0]['labels']} | {pm([r['wall_s'] / r['updates'] for r in rows], 0)} |")
+    return lines + [""]

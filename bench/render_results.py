@@ -52,7 +52,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
-from leakage_docs import copy_pictures, leakage_cell, method_figures, present_pictures, update_method_notes  # noqa: E402
+from leakage_docs import (copy_pictures, leakage_cell, method_figures, present_pictures, update_inversion_section,  # noqa: E402
+                          update_method_notes)
 
 DASH = "—"
 
@@ -1525,6 +1526,8 @@ def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -
                             f"each attack's reconstructions beneath.\n\n![{method}](img/{name})"
                             for method, name in sorted(pictures.items()))
         lines += [text.replace("{{pictures}}", grid).rstrip(), ""]
+        if template.stem == "leakage":
+            lines += update_inversion_section(_load(results / "update_inversion.json"))
     return lines
 
 

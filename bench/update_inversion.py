@@ -9,7 +9,9 @@ Fashion-MNIST training subset, the server's public set a test subset. One image'
 read from its update; larger batches are given their labels (Inverting Gradients' setting).
 
     OMP_NUM_THREADS=1 python bench/update_inversion.py            # the committed grid
-    OMP_NUM_THREADS=1 python bench/update_inversion.py --models resnet8 --batches 1 --variants strong
+    OMP_NUM_THREADS=1 python bench/update_inversion.py --models resnet8 --cells 1x1 --variants strong
+    OMP_NUM_THREADS=1 python bench/update_inversion.py --models resnet8 --optimizers adam --cells 64x1 \
+        --old-variant-cells "" --images 64 --append   # the agents' default batch, added
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +108,8 @@ def main() -> None:
     parser.add_argument("--attack-steps", type=int, default=200)
     parser.add_argument("--max-images-resnet56", type=int, default=1, help="skip larger updates of ResNet-56 (time)")
     parser.add_argument("--out", default=str(RESULTS / "update_inversion.json"))
+    parser.add_argument("--append", action="store_true",
+                        help="keep --out's rows, replacing those of the cells run again (their args kept under 'runs')")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -123,8 +128,20 @@ def main() -> None:
                         print(f"{model_name:9s} {optimizer:4s} b={batch} steps={steps} {variant:6s} seed={seed}: "
                               f"{row['psnr_db']:.1f} dB (baseline {row['baseline_psnr_db']:.1f}), "
                               f"SSIM {row['ssim']:.3f} (baseline {row['baseline_ssim']:.3f}), {row['wall_s']:.0f} s", flush=True)
-    write_json(Path(args.out), {"bench": "update_inversion", "machine": machine(), "args": vars(args),
-                                "total_wall_s": time.perf_counter() - started, "rows": rows})
+    run = {"machine": machine(), "args": vars(args), "total_wall_s": time.perf_counter() - started}
+    out = Path(args.out)
+    if args.append and out.exists():
+        previous = json.loads(out.read_text())
+        new_keys = {_row_key(row) for row in rows}
+        rows = [row for row in previous["rows"] if _row_key(row) not in new_keys] + rows
+        runs = previous.get("runs") or [{k: previous[k] for k in ("machine", "args", "total_wall_s")}]
+        write_json(out, {"benchmark": "update_inversion", **runs[0], "runs": runs + [run], "rows": rows})
+        return
+    write_json(out, {"benchmark": "update_inversion", **run, "rows": rows})
+
+
+def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["model"], row["optimizer"], row["batch_size"], row["local_steps"], row["variant"], row["seed"])
 
 
 if __name__ == "__main__":

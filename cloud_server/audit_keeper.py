@@ -14,8 +14,10 @@ files (``np.savez``; read back with ``allow_pickle=False``):
   rows are the first batch of the agent's first turn, whole (whatever ``samples_per_agent``
   says: the batch's normalisation used all of it), with the extractor the server sent it at
   that turn's start (within a turn the extractor moves every batch).
-- ``evalmaps-<agent>.npz``: FedGKT's evaluation uploads: the maps of the agent's local test
-  images (as many rows, one round), with their labels and sample ids, and that round's ResNet-8.
+- ``evalmaps-<agent>.npz``: evaluation's uploads of the agent's local test images (as many
+  rows, one round) with their labels: FedGKT's maps with their sample ids and that round's
+  ResNet-8; split learning's activations with the round's final extractor the server sent the
+  agent to evaluate with (in eval mode, so each row stands alone).
 - ``extractor.npz``: FedGKT's initial edge model, when the server sends one
   (``edge_init = "shared"``): the model every agent's stem starts from.
 - ``update-<agent>.npz``: weight-sharing uploads (the FedAvg family's models, FedKD's
@@ -46,7 +48,7 @@ from shared_protocol.messages import ErrorReply, EvalReport, Hello, Message, Rou
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgUpdate, join_state
 from shared_protocol.methods.fedgkt import GktFeatures, GktReusedMaps
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdUpdate
-from shared_protocol.methods.splitnn import SplitActivations, SplitExtractorWeights
+from shared_protocol.methods.splitnn import SplitActivations, SplitExtractor, SplitExtractorWeights
 
 log = logging.getLogger("cloud_server")
 
@@ -113,6 +115,7 @@ class AuditKeeper:
         self._global: dict[str | None, tuple[int, dict[str, np.ndarray]]] = {}
         self._round_config: dict[str, dict[str, Any]] = {}  # agent -> its latest RoundStart.config
         self._turn_extractor: dict[str, dict[str, np.ndarray]] = {}  # split learning: agent -> extractor of its turn
+        self._eval_extractor: dict[str, dict[str, np.ndarray]] = {}  # split learning: agent -> the round's final extractor
         self._updates: set[str] = set()
         self._extractor_kept = False
         self._unsupported: dict[str, int] = {}
@@ -151,6 +154,8 @@ class AuditKeeper:
                 self._on_model_sent(agent, msg)
         elif isinstance(msg, FedAvgGlobalModel):
             self._global[agent] = (msg.model_version, dict(msg.weights))
+        elif isinstance(msg, SplitExtractor) and agent is not None:
+            self._eval_extractor[agent] = dict(msg.weights)  # the extractor the agent evaluates its test shard with
         elif isinstance(msg, FedKdAggregate):
             # The agents rebuild the next mentee from it; the keeper keeps only dense models it saw.
             pass
@@ -168,6 +173,9 @@ class AuditKeeper:
         elif isinstance(msg, SplitActivations):
             if msg.split == "train":
                 self._keep_maps(agent, msg.round, msg.seq, msg.activations, msg.labels, None, None)
+            else:  # evaluation: the test shard through the round's final extractor, in eval mode
+                self._keep_eval_maps(agent, msg.round, msg.seq, msg.activations, msg.labels,
+                                     np.full(len(msg.labels), -1, np.int64))
         elif isinstance(msg, FedAvgUpdate):
             self._keep_fedavg_update(agent, msg)
         elif isinstance(msg, FedKdUpdate):
@@ -230,7 +238,8 @@ class AuditKeeper:
 
     def _keep_eval_maps(self, agent: str, round_: int, seq: int, features: np.ndarray, labels: np.ndarray,
                         sample_ids: np.ndarray) -> None:
-        """FedGKT's evaluation upload: the maps of the agent's local test images (one round's, bounded as the training rows)."""
+        """Evaluation's upload of the agent's local test images (FedGKT's maps, split learning's
+        activations): one round's, bounded as the training rows."""
         kept = self._eval_maps.get(agent)
         if kept is None:
             kept = self._eval_maps[agent] = _Maps(round=round_)
@@ -278,7 +287,7 @@ class AuditKeeper:
         if kept.round_predicted:
             arrays["round_predicted"] = np.concatenate(kept.round_predicted)
         arrays.update({f"eval_weights/{k}": v for k, v in kept.eval_model.items()})
-        extractor = self._turn_extractor.get(agent)
+        extractor = (self._eval_extractor if prefix == "evalmaps" else self._turn_extractor).get(agent)
         if self.method == "splitnn" and extractor is not None:
             arrays.update({f"weights/{k}": v for k, v in extractor.items()})
         self._save(f"{prefix}-{agent}.npz", arrays, {"what": what, "agent": agent, "round": kept.round, "rows": kept.rows})

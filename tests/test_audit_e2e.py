@@ -140,6 +140,13 @@ def test_audit_of_a_split_learning_run(tmp_path: Path, mosquitto: Broker) -> Non
         white_box = rows["white_box_inversion"]
         assert white_box["num_images"] == 16 and "matched" in white_box  # the uploads carry no sample ids
         assert white_box["psnr_db"] > white_box["baseline_psnr_db"] + 15.0
+        # Evaluation's activations of the agent's local test images, through the round's final extractor
+        # in eval mode: kept (audit_samples_per_agent rows) and inverted like the training batch.
+        evaluation = agent["evaluation_uploads"]
+        assert evaluation["maps"] == 4
+        (eval_white_box,) = evaluation["attacks"]
+        assert eval_white_box["attack"] == "white_box_inversion" and "final extractor" in eval_white_box["extractor"]
+        assert eval_white_box["psnr_db"] > eval_white_box["baseline_psnr_db"] + 15.0
 
 
 def test_a_run_that_kept_nothing_names_the_fix(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

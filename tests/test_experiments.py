@@ -22,7 +22,7 @@ from cloud_server.experiments.results import (RUN_FIGURES, ResultsError, leakage
 from cloud_server.experiments.runner import CellOutcome, run_experiment
 from cloud_server.experiments.experiment_file import load_experiment
 from cloud_server.experiments.spec import Claim, ExperimentError, Scale
-from cloud_server.experiments.tables import evaluate_claims, long_table, render, summary, summary_md
+from cloud_server.experiments.tables import evaluate_claims, long_table, plot, render, summary, summary_md, unattacked_md
 from shared_protocol import registry
 from shared_protocol.registry import MethodSpec, registered_methods
 
@@ -360,6 +360,37 @@ def test_the_tables_and_the_template(tmp_path: Path) -> None:
                   [Claim("FedGKT reaches 70%", "fedgkt", "final_accuracy", ">=", 0.7)], out)
     assert "# hand" in text and "| FedGKT reaches 70% |" in text and "| met |" in text and "![hand](page.png)" in text
     assert (tmp_path / "page.png").stat().st_size > 0
+
+
+def test_the_label_columns_and_the_unattacked_list_explain_each_dash() -> None:
+    results = good_results()
+    results["cells"][2]["leakage"] = {
+        "attacks": {"bias_update_labels": {"agent": "agent-0", "histogram_error": 0.2, "baseline_histogram_error": 0.5}},
+        "strongest": None, "not_supported": None, "skipped": {"update_inversion": "the update covers 900 images"}}
+    rows = long_table(results)
+    assert [r["leakage_label_error"] for r in rows] == [0.0, 0.0, 0.2]
+    assert rows[2]["leakage_label_baseline_error"] == 0.5 and rows[2]["leakage_psnr_db"] is None
+    md = summary_md(summary(rows))
+    assert "Label histogram error" in md and "| — | — | 0.20 | 0.50 |" in md
+    assert unattacked_md(results) == "- `fedavg`, update_inversion: the update covers 900 images"
+    assert unattacked_md(good_results()) == ""
+
+
+def test_a_group_has_one_colour_in_both_panels_of_the_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.axes import Axes
+
+    seen: list[tuple[str, Any]] = []
+    real = Axes.errorbar
+
+    def spy(self: Axes, *args: Any, **kwargs: Any) -> Any:
+        seen.append((kwargs["label"], kwargs["color"]))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "errorbar", spy)
+    assert plot(summary(long_table(good_results())), tmp_path / "p.png")
+    # fedgkt (attacked) is drawn in both panels in one colour; fedavg (not attacked) in the first only.
+    assert [label for label, _ in seen] == ["fedgkt iid", "fedavg iid", "fedgkt iid"]
+    assert seen[0][1] == seen[2][1] != seen[1][1]
 
 
 def test_leakage_figures_take_each_attacks_best_agent_and_the_strongest_image_attack() -> None:

@@ -91,7 +91,8 @@ def _knowledge(kept: KeptRun) -> tuple[ServerKnowledge, list[str]]:
 def _extractor(kept: KeptRun, maps: KeptMaps) -> tuple[nn.Module, str, str] | None:
     """The extractor the server held for ``maps``, loaded into its architecture, where it came
     from, and a digest of its weights (agents with the same extractor share one decoder)."""
-    for weights, source in ((maps.extractor, "the extractor the server sent for the agent's turn"),
+    turn = "the agent's turn" if maps.split == "train" else "the agent's evaluation (the round's final extractor)"
+    for weights, source in ((maps.extractor, f"the extractor the server sent for {turn}"),
                             (maps.eval_model, "the edge model of the agent's evaluation report of the round"),
                             (kept.extractor, "the initial edge model the server sent")):
         if weights:
@@ -132,11 +133,13 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
     if by_id:
         private, _ = images.by_sample_id(maps.agent, maps.sample_ids, maps.split)
     else:  # split learning's uploads carry no ids: each reconstruction is matched to an image of the shard
-        shard, _ = images.all_of(maps.agent)
+        shard, _ = images.all_of(maps.agent, maps.split)
     image_shape = tuple(public.shape[1:])
     held = _extractor(kept, maps)
     extractor, source, digest = held if held is not None else (None, "", "")
-    batch_statistics = kept.method == "splitnn"
+    # Split learning's training activations came from train-mode BatchNorm (batch statistics);
+    # its evaluation ran the extractor in eval mode (running statistics), like FedGKT's maps.
+    batch_statistics = kept.method == "splitnn" and maps.split == "train"
     for spec in plan.attacks:
         if options.attacks and spec.name not in options.attacks:
             continue

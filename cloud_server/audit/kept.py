@@ -176,9 +176,11 @@ class AgentImages:
         rows = np.asarray([position[int(i)] for i in sample_ids])
         return _pixels(shard.images[rows]), shard.labels[rows]
 
-    def all_of(self, agent: str) -> tuple[torch.Tensor, np.ndarray]:
-        """Every training image of ``agent`` and its labels."""
-        shard = self._shard(agent)
+    def all_of(self, agent: str, split: str = "train") -> tuple[torch.Tensor, np.ndarray]:
+        """Every training image of ``agent`` and its labels (``split`` "test": its local test shard's)."""
+        shard = self._shard(agent) if split == "train" else self.test_shards.get(agent)
+        if shard is None:
+            raise AuditError(f"no local test shard for {agent} among the run's data configs")
         return _pixels(np.asarray(shard.images)), np.asarray(shard.labels)
 
     def _shard(self, agent: str) -> ArrayDataset:

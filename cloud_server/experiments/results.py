@@ -40,8 +40,9 @@ RUN_FIGURES = (
     "peak_agent_rss_bytes", "run_wall_s",
 )
 _IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
-#: The strongest image attack's scores as figures of the long table.
-LEAKAGE_FIGURES = tuple(f"leakage_{k}" for k in _IMAGE_SCORES)
+#: The strongest image attack's scores, and the best label attack's error in the agents' label
+#: histograms beside a uniform guess's, as figures of the long table.
+LEAKAGE_FIGURES = (*(f"leakage_{k}" for k in _IMAGE_SCORES), "leakage_label_error", "leakage_label_baseline_error")
 _CELL_KEYS = ("key", "method", "partition", "seed", "variant", "overrides", "status", "wall_s", "run", "leakage")
 
 

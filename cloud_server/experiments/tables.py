@@ -18,7 +18,8 @@ from typing import Any
 from .results import LEAKAGE_FIGURES, RUN_FIGURES
 from .spec import CLAIM_OPERATORS, Claim
 
-__all__ = ["claims_md", "evaluate_claims", "long_md", "long_table", "plot", "render", "summary", "summary_md"]
+__all__ = ["claims_md", "evaluate_claims", "long_md", "long_table", "plot", "render", "summary", "summary_md",
+           "unattacked_md"]
 
 Row = dict[str, Any]
 GROUP = ("method", "partition", "variant")
@@ -29,6 +30,8 @@ SUMMARY_COLUMNS = (
     ("edge_train_gflops_per_agent", "Edge GFLOPs / agent", 1, 1), ("train_up_wire_bytes", "Up MB (wire)", 1e-6, 2),
     ("train_down_wire_bytes", "Down MB (wire)", 1e-6, 2), ("peak_agent_rss_bytes", "Peak agent RSS MB", 1e-6, 0),
     ("leakage_psnr_db", "Strongest attack PSNR dB", 1, 1), ("leakage_baseline_psnr_db", "Baseline PSNR dB", 1, 1),
+    ("leakage_label_error", "Label histogram error", 1, 2),
+    ("leakage_label_baseline_error", "Uniform guess's error", 1, 2),
 )
 
 
@@ -41,6 +44,10 @@ def long_table(results: Mapping[str, Any]) -> list[Row]:
         strongest = (cell.get("leakage") or {}).get("strongest") or {}
         row["leakage_attack"] = strongest.get("attack")
         row.update({f"leakage_{k}": strongest.get(k) for k in ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")})
+        labels = [a for a in ((cell.get("leakage") or {}).get("attacks") or {}).values() if "histogram_error" in a]
+        best = min(labels, key=lambda a: a["histogram_error"], default={})
+        row["leakage_label_error"] = best.get("histogram_error")
+        row["leakage_label_baseline_error"] = best.get("baseline_histogram_error")
         rows.append(row)
     return rows
 
@@ -144,13 +151,28 @@ def plot(summary_rows: Sequence[Row], path: Path, title: str = "") -> bool:
     fig = Figure(figsize=(6.5 * len(panels), 4.5), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    # One colour and marker per group in every panel, so a point is the same group on both.
+    colours = [f"C{i % 10}" for i in range(len(points))]
+    markers = [("o", "s", "^", "D")[(i // 10) % 4] for i in range(len(points))]
     for ax, (figure, scale, label) in zip(axes, panels):
-        for s in points:
+        unmeasured = []
+        for s, colour, marker in zip(points, colours, markers):
             x, y = s[figure], s["final_accuracy"]
+            name = " ".join(str(s[k]) for k in GROUP if s[k] != "default")
             if x["mean"] is None:
+                unmeasured.append(name)
                 continue
             ax.errorbar(x["mean"] * scale, y["mean"] * 100, xerr=(x["sd"] or 0) * scale, yerr=(y["sd"] or 0) * 100,
-                        fmt="o", capsize=3, label=" ".join(str(s[k]) for k in GROUP if s[k] != "default"))
+                        fmt=marker, color=colour, capsize=3, label=name)
+        if figure == "leakage_psnr_db":
+            baselines = [s["leakage_baseline_psnr_db"]["mean"] for s in points
+                         if s.get("leakage_baseline_psnr_db", {}).get("mean") is not None]
+            if baselines:
+                ax.axvline(sum(baselines) / len(baselines), color="grey", linestyle="--", linewidth=1,
+                           label="mean image (nothing received)")
+                ax.legend(fontsize=8)
+            if unmeasured:
+                ax.set_title("no image attack ran: " + ", ".join(unmeasured), fontsize=8, wrap=True)
         ax.set_xlabel(label)
         ax.set_ylabel("global accuracy (%)")
         ax.grid(True, alpha=0.3)
@@ -163,12 +185,26 @@ def plot(summary_rows: Sequence[Row], path: Path, title: str = "") -> bool:
     return True
 
 
+def unattacked_md(results: Mapping[str, Any]) -> str:
+    """Per method and variant, the image attacks that apply but did not run and why (the first
+    seed's reason), so that a "—" in the table is explained."""
+    reasons: dict[tuple[str, str], dict[str, str]] = {}
+    for cell in results["cells"]:
+        skipped = (cell.get("leakage") or {}).get("skipped") or {}
+        group = reasons.setdefault((cell["method"], cell["variant"]), {})
+        for attack, why in skipped.items():
+            group.setdefault(attack, why)
+    lines = [f"- `{method}`{'' if variant == 'default' else f' ({variant})'}, {attack}: {why}"
+             for (method, variant), group in reasons.items() for attack, why in group.items()]
+    return "\n".join(lines) if lines else ""
+
+
 DEFAULT_TEMPLATE = "# {{name}}\n\n{{question}}\n\n{{table}}\n\n{{claims}}\n\n{{plot}}\n"
 
 
 def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], out: Path, link_prefix: str = "") -> str:
     """Fill ``template``'s placeholders (``{{name}}``, ``{{question}}``, ``{{table}}`` the summary,
-    ``{{claims}}``, ``{{cells}}`` the long table, ``{{plot}}`` a picture written beside ``out``,
+    ``{{claims}}``, ``{{cells}}`` the long table, ``{{unattacked}}`` the attacks that did not run and why, ``{{plot}}`` a picture written beside ``out``,
     linked as ``link_prefix`` + its file name)."""
     rows = long_table(results)
     groups = summary(rows)
@@ -178,7 +214,8 @@ def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], o
         text = text.replace("{{plot}}", f"![{results['experiment']['name']}]({link_prefix}{picture.name})"
                             if plot(groups, picture, results["experiment"]["name"]) else "")
     fills = {"name": results["experiment"]["name"], "question": results["experiment"]["question"],
-             "table": summary_md(groups), "claims": claims_md(evaluate_claims(claims, groups)), "cells": long_md(rows)}
+             "table": summary_md(groups), "claims": claims_md(evaluate_claims(claims, groups)), "cells": long_md(rows),
+             "unattacked": unattacked_md(results)}
     for key, value in fills.items():
         text = text.replace("{{" + key + "}}", value)
     return text

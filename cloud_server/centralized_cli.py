@@ -86,7 +86,7 @@ def cmd_centralized(args: argparse.Namespace) -> int:
     from_flags = getattr(args, "config", None) is None
     try:
         if from_flags:
-            from .launcher import clear_previous_run
+            from .local_run import clear_previous_run
 
             run_id = args.run_id or f"{METHOD}-{time.strftime('%Y%m%d-%H%M%S')}"
             out = Path(args.out or f"runs/{run_id}").resolve()

@@ -33,7 +33,7 @@ from shared_protocol.messages import (
     decode_message,
     encode_message,
 )
-from shared_protocol.methods import load_method_messages
+from shared_protocol.registry import load_method_messages
 from shared_protocol.topics import Topics
 from shared_protocol.transport import Transport
 

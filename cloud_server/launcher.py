@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from shared_protocol.version import add_version_flag
 
 from .local_checks import (EXIT_CONFIG, PARTITION_FORMS, LaunchConfigError, check_generated_configs, check_local_args,
                            dataset_name, float_in, int_at_least, method_name, partition_spec)
-from .local_run import (broker_settings, check_server_config, launcher_flags, local_options, method_table, metrics_addresses,
+from .local_run import (broker_settings, check_server_config, clear_previous_run, launcher_flags, local_options, method_table, metrics_addresses,
                         metrics_banner, write_configs)
 
 __all__ = ["broker_settings", "build_parser", "check_server_config", "clear_previous_run", "cmd_local", "local_options", "main",
@@ -254,24 +253,6 @@ def _watch(server: subprocess.Popen, agents: list[subprocess.Popen], logs: Path,
 
 
 #: What an `edgesplit local` run writes in its directory (replaced when the directory is reused).
-_RUN_DIRS = ("agent-state", "checkpoint", "logs", "configs", "broker", "audit")
-_RUN_FILES = ("report.json", "rounds.csv", "summary.md", "*.png")
-
-
-def clear_previous_run(out: Path) -> bool:
-    """Remove a previous run's files from ``out`` (True if there was one). `edgesplit local`
-    always starts afresh (`cloud-server run --resume` continues a run): an old agent's log or
-    plot left beside a new report would be read as this run's. Other files are left alone."""
-    if not ((out / "report.json").exists() or (out / "checkpoint").exists()):
-        return False
-    for name in _RUN_DIRS:
-        shutil.rmtree(out / name, ignore_errors=True)
-    for pattern in _RUN_FILES:
-        for path in out.glob(pattern):
-            path.unlink()
-    return True
-
-
 def cmd_local(args: argparse.Namespace) -> int:
     run_id = args.run_id or f"{args.method}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(args.out or f"runs/{run_id}").resolve()

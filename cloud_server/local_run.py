@@ -16,6 +16,7 @@ config dataclasses that read them refuse an unknown key.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ __all__ = [
     "LocalRunOptions",
     "broker_settings",
     "check_server_config",
+    "clear_previous_run",
     "local_options",
     "method_table",
     "metrics_addresses",
@@ -353,3 +355,21 @@ def metrics_banner(server_cfg: Path, agent_cfgs: list[Path]) -> str | None:
     agent_urls = ", ".join(f"{a['agent_id']} {url(a)}metrics" for a in agents if a.get("metrics_address"))
     return (f"edgesplit: status page on {url(server)} (Prometheus metrics at {url(server)}metrics)"
             + (f"; agents' metrics: {agent_urls}" if agent_urls else ""))
+
+
+_RUN_DIRS = ("agent-state", "checkpoint", "logs", "configs", "broker", "audit")
+_RUN_FILES = ("report.json", "rounds.csv", "summary.md", "*.png")
+
+
+def clear_previous_run(out: Path) -> bool:
+    """Remove a previous run's files from ``out`` (True if there was one). `edgesplit local`
+    always starts afresh (`cloud-server run --resume` continues a run): an old agent's log or
+    plot left beside a new report would be read as this run's. Other files are left alone."""
+    if not ((out / "report.json").exists() or (out / "checkpoint").exists()):
+        return False
+    for name in _RUN_DIRS:
+        shutil.rmtree(out / name, ignore_errors=True)
+    for pattern in _RUN_FILES:
+        for path in out.glob(pattern):
+            path.unlink()
+    return True

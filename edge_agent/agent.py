@@ -34,7 +34,7 @@ from shared_protocol.messages import (
     Welcome,
     encode_message,
 )
-from shared_protocol.methods import load_method_messages
+from shared_protocol.registry import load_method_messages
 from shared_protocol.mqtt_transport import MqttTransport
 from shared_protocol.topics import Topics
 from shared_protocol.transport_interface import Transport

@@ -23,12 +23,9 @@ import dataclasses
 import mmap
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol, TypeVar
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from fldata.array_dataset import ArrayDataset
 
 __all__ = ["GATHER_ROWS", "drop_mapped_pages", "gather_rows", "is_mapped", "keep_on_disk"]
 
@@ -76,7 +73,18 @@ def _drop(mapping: object) -> None:
         mapping.madvise(mmap.MADV_DONTNEED)
 
 
-def keep_on_disk(ds: "ArrayDataset", directory: str | Path) -> "ArrayDataset":
+class _WithImages(Protocol):
+    """A dataclass dataset (:class:`fldata.ArrayDataset`) as far as this module reads it."""
+
+    images: np.ndarray
+
+    def __len__(self) -> int: ...
+
+
+_Dataset = TypeVar("_Dataset", bound=_WithImages)
+
+
+def keep_on_disk(ds: _Dataset, directory: str | Path) -> _Dataset:
     """``ds`` with its images written to an unnamed file in ``directory`` and mapped back read-only.
 
     The file has no name from the start (``tempfile.TemporaryFile``), so it is
@@ -101,4 +109,4 @@ def keep_on_disk(ds: "ArrayDataset", directory: str | Path) -> "ArrayDataset":
     except OSError as err:
         raise OSError(f"cannot keep the shard's images on disk in {where}: {err}; point EDGESPLIT_DATA_DIR at a "
                       "writable directory on a disk, or set [memory] shard_on_disk = false") from err
-    return dataclasses.replace(ds, images=images)
+    return dataclasses.replace(ds, images=images)  # type: ignore[type-var]

@@ -1,21 +1,12 @@
-"""The MQTT transport's control channel: a receiver missing chunks of a stalled transfer
-asks the sender (on the transfer's reply topic) to resend them; the sender answers
-from its :class:`ResendCache` of recently sent blobs. Control messages carry no
-payload, only MQTT user properties."""
+"""The blobs an MQTT transport sent recently (:class:`ResendCache`), kept so that it can
+answer a receiver that asks for the missing chunks of a stalled transfer."""
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
-from typing import Any
 
-from .chunk_format import P_CONTROL, P_SEQS, P_TRANSFER
 from .chunked_blob import ChunkedBlob
-from .transport_interface import TrafficStats
-
-# The MQTT transport's modules log under the name they had as one module.
-log = logging.getLogger("shared_protocol.transport")
 
 
 class ResendCache:
@@ -50,39 +41,3 @@ class ResendCache:
         with self._lock:
             self._blobs.clear()
             self.bytes = 0
-
-
-class MqttResendControl:
-    """Sending and answering resend requests for :class:`~shared_protocol.mqtt_transport.MqttTransport`."""
-
-    # Set up by MqttTransport.__init__ (mqtt_transport.py).
-    stats: TrafficStats
-    _client: Any
-    _Properties: Any
-    _PacketTypes: Any
-    _sent: ResendCache
-
-    def _send_control(self, topic: str, values: dict[str, str]) -> None:
-        props = self._Properties(self._PacketTypes.PUBLISH)
-        props.UserProperty = [(P_CONTROL, values["kind"]), (P_TRANSFER, values["tid"]), (P_SEQS, values["seqs"])]
-        self._client.publish(topic, b"", qos=1, properties=props)
-
-    def _handle_control(self, kind: str, values: dict[str, str]) -> None:
-        if kind != "resend":
-            log.warning("unknown transport control message %r ignored", kind)
-            return
-        entry = self._sent.get(values.get(P_TRANSFER, ""))
-        if entry is None:
-            log.warning("resend requested for unknown or evicted transfer %s", values.get(P_TRANSFER))
-            return
-        topic, chunks = entry
-        try:
-            seqs = sorted({int(s) for s in values.get(P_SEQS, "").split(",") if s})
-        except ValueError:
-            log.warning("malformed resend request ignored")
-            return
-        for seq in seqs:
-            if 0 <= seq < len(chunks):
-                # Fire and forget from the network thread: never block it on acks.
-                self._client.publish(topic, chunks.chunk(seq), qos=1)
-                self.stats.add(resent_chunks=1)

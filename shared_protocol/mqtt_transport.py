@@ -4,10 +4,11 @@ session, last will, automatic reconnect with backoff, TLS and username/password)
 This module owns the connection: the client's setup, connecting and reconnecting,
 what the broker's CONNACK announces (its Maximum Packet Size, hence the chunk size;
 the session expiry it grants) and the subscriptions. Sending through a bounded
-window of chunks in flight (:mod:`.mqtt_send`), answering resend requests
-(:mod:`.mqtt_resend`) and reassembling inbound chunks (:mod:`.mqtt_inbound`) are
-mixins of :class:`MqttTransport`, each in its own module. Bytes are counted both
-as payload and as MQTT packets on the wire (:mod:`.wire_bytes`).
+window of chunks in flight, answering resend requests (from the
+:class:`~shared_protocol.mqtt_resend.ResendCache` of blobs sent) and reassembling
+inbound chunks (:class:`~shared_protocol.reassembly.Reassembler`) are sections of the
+one :class:`MqttTransport` class. Bytes are counted both as payload and as MQTT
+packets on the wire (:mod:`.wire_bytes`).
 """
 
 from __future__ import annotations
@@ -21,21 +22,21 @@ import uuid
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
-from .chunk_format import DEFAULT_CHUNK_SIZE_BYTES
+from .chunk_format import DEFAULT_CHUNK_SIZE_BYTES, P_CONTROL, P_SEQS, P_TRANSFER
 from .chunked_blob import ChunkedBlob
 from .mqtt_config import BrokerAddress, TransportConfig, chunk_size_for, tls_context
-from .mqtt_inbound import MqttInbound
-from .mqtt_resend import MqttResendControl, ResendCache
-from .mqtt_send import MqttSendWindow
+from .mqtt_resend import ResendCache
 from .reassembly import Reassembler
 from .sender_policy import SenderLimits
+from .errors import BudgetError, ProtocolError
 from .transport_interface import Delivery, TrafficStats, Transport, TransportError
+from .wire_bytes import PUBACK_BYTES, publish_packet_bytes, user_properties_bytes
 
 # The MQTT transport's modules log under the name they had as one module.
 log = logging.getLogger("shared_protocol.transport")
 
 
-class MqttTransport(MqttSendWindow, MqttInbound, MqttResendControl, Transport):
+class MqttTransport(Transport):
     """The MQTT implementation of :class:`Transport` (see the module's docstring)."""
 
     def __init__(self, config: TransportConfig) -> None:
@@ -254,6 +255,257 @@ class MqttTransport(MqttSendWindow, MqttInbound, MqttResendControl, Transport):
         with self._sub_cond:
             while self._suback_pending and time.monotonic() < deadline:
                 self._sub_cond.wait(0.05)
+
+    # -- sending: each blob cut into chunks and published at QoS 1 through one window of at most
+    # ``max_inflight_chunks`` unacknowledged chunks across blobs (no drain between messages); the
+    # broker's acknowledgements (and refusals) tracked per packet id; every blob sent kept for resends.
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        with self._ack_cond:
+            if getattr(reason_code, "is_failure", False):
+                self._nacked[mid] = str(reason_code)
+            if mid in self._pending:
+                self._pending.discard(mid)
+            else:
+                self._early_acks.add(mid)
+            self._ack_cond.notify_all()
+
+    def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None, wait: bool = True) -> None:
+        # A caller's bytearray could change under chunks still in flight or kept for resends.
+        chunks = ChunkedBlob(blob if isinstance(blob, bytes) else bytes(blob), self.chunk_size_bytes,
+                             reply_topic=reply_topic or self._reply_topic or "")
+        if retain and len(chunks) > 1:
+            # The broker retains one message per topic: only the last chunk would survive.
+            raise ValueError(f"a retained blob must fit in one chunk ({len(blob)} > {self.chunk_size_bytes} bytes)")
+        if self.broker_max_packet_bytes is not None:
+            # mosquitto, like most brokers, drops the connection on an oversized packet (paho does not check).
+            largest = publish_packet_bytes(topic, len(chunks.header(0).pack()) + min(len(blob), chunks.chunk_size_bytes) + 32, 1, 1)
+            if largest > self.broker_max_packet_bytes:
+                raise TransportError(
+                    f"a chunk on {topic} would be a {largest}-byte packet, over the broker's Maximum Packet Size of "
+                    f"{self.broker_max_packet_bytes} bytes (topic or reply topic too long for chunk_size_bytes "
+                    f"{self.chunk_size_bytes})"
+                )
+        deadline = time.monotonic() + self.config.publish_timeout_s
+        wire_total = 0
+        with self._publish_lock:
+            self._sent.remember(topic, chunks)
+            for seq in range(len(chunks)):
+                payload = chunks.chunk(seq)  # hashes the blob as it goes: the digest rides on the last chunk
+                info = self._client.publish(topic, payload, qos=1, retain=retain)
+                if info.rc == self._mqtt.MQTT_ERR_QUEUE_SIZE:
+                    raise TransportError("paho's outgoing queue is full")
+                # When disconnected paho keeps QoS 1 messages and sends them on reconnect.
+                wire_total += publish_packet_bytes(topic, len(payload), 1, 1)
+                with self._ack_cond:
+                    self._unflushed.append(info.mid)
+                    if info.mid in self._early_acks:
+                        self._early_acks.discard(info.mid)
+                    else:
+                        self._pending.add(info.mid)
+                        self._window.append(info.mid)
+                    # Chunks stay in flight across blobs: no pipeline drain between messages.
+                    self._wait_acked(self._window, deadline, keep=self.config.max_inflight_chunks - 1)
+            self.stats.add(
+                payload_bytes_out=len(blob),
+                wire_bytes_out=wire_total,
+                wire_bytes_in=PUBACK_BYTES * len(chunks),
+                messages_out=1,
+                chunks_out=len(chunks),
+            )
+            if wait:
+                self._flush_locked(deadline)
+
+    def flush(self) -> None:
+        with self._publish_lock:
+            self._flush_locked(time.monotonic() + self.config.publish_timeout_s)
+
+    def _flush_locked(self, deadline: float) -> None:
+        with self._ack_cond:
+            self._wait_acked(self._window, deadline, keep=0)
+            refused = [self._nacked.pop(m) for m in self._unflushed if m in self._nacked]
+            self._unflushed.clear()
+        if refused:
+            raise TransportError(f"broker refused {len(refused)} published chunk(s): {refused[0]}")
+
+    def _wait_acked(self, window: deque[int], deadline: float, keep: int) -> None:
+        """With ``_ack_cond`` held: block until at most ``keep`` mids of ``window`` are unacknowledged."""
+        while True:
+            while window and window[0] not in self._pending:
+                window.popleft()
+            outstanding = [m for m in window if m in self._pending]
+            if len(outstanding) <= keep:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportError(
+                    f"{len(outstanding)} chunks not acknowledged by {self.address.url()} within "
+                    f"{self.config.publish_timeout_s}s"
+                )
+            self._ack_cond.wait(min(remaining, 1.0))
+
+    def drop_resend_cache(self) -> None:
+        with self._publish_lock:
+            self._sent.clear()
+
+    # -- receiving: inbound chunks counted, reassembled per sender within the receiver's limits and
+    # queued as complete deliveries; refused chunks counted and logged sparingly; a housekeeping
+    # thread expires dead transfers and asks senders to resend the chunks of stalled ones.
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        props = message.properties
+        user_props = getattr(props, "UserProperty", None) if props is not None else None
+        payload = message.payload
+        wire = publish_packet_bytes(message.topic, len(payload), message.qos, user_properties_bytes(user_props or []))
+        self.stats.add(wire_bytes_in=wire + (PUBACK_BYTES if message.qos else 0), wire_bytes_out=PUBACK_BYTES if message.qos else 0, chunks_in=1)
+        if user_props:  # chunks carry their header in the payload; only control messages have properties
+            values = dict(user_props)
+            control = values.get(P_CONTROL)
+            if control is not None:
+                self._handle_control(control, values)
+                return
+        topic = message.topic
+        with self._reasm_lock:
+            try:
+                header, body = self._reassembler.parse(payload, source=topic)
+                key = (topic, header.transfer_id)
+                blob = self._reassembler.add_chunk(header, body, source=topic)
+            except ProtocolError as exc:
+                self._rejected_chunk(topic, exc)
+                return
+            self._inbound_wire[key] = self._inbound_wire.get(key, 0) + wire
+            if blob is None:
+                return
+            total_wire = self._inbound_wire.pop(key, wire)
+            charged = 0
+            if not self._reassembler.is_expected(topic):
+                # Complete blobs from senders nobody expects wait in the inbox within the same small pool.
+                if self._queued_unexpected_bytes + len(blob) > self._reassembler.unexpected_total_bytes:
+                    self._rejected_chunk(topic, BudgetError(
+                        f"a {len(blob)}-byte message on {topic} would exceed the {self._reassembler.unexpected_total_bytes}"
+                        f"-byte bound on queued messages from unexpected senders; dropped"))
+                    return
+                charged = len(blob)
+                self._queued_unexpected_bytes += charged
+        self.stats.add(payload_bytes_in=len(blob), messages_in=1)
+        self._inbox.put((Delivery(topic, blob, header.transfer_id, total_wire, time.time()), charged))
+
+    def _rejected_chunk(self, topic: str, exc: ProtocolError) -> None:
+        """Count a refused chunk; log the first per topic, then at most a summary a minute."""
+        self.stats.add(rejected_chunks=1)
+        with self._rejections_lock:
+            self._rejected_by_reason[exc.code] += 1
+            if topic not in self._rejected_by_source and len(self._rejected_by_source) >= 256:
+                topic = "(other topics)"  # a flood from ever new topic names is summarised, not logged per name
+            pending = self._rejected_by_source.get(topic)
+            if pending is None:
+                log.warning("rejected chunk on %s (%s): %s; further rejections on this topic are summarised once a minute",
+                            topic, exc.code, exc)
+                self._rejected_by_source[topic] = Counter()
+            else:
+                pending[exc.code] += 1
+
+    def _log_rejection_summary(self) -> None:
+        with self._rejections_lock:
+            for topic, counts in self._rejected_by_source.items():
+                if counts:
+                    log.warning("rejected %d more chunks on %s in the last %.0f s (%s)", sum(counts.values()), topic,
+                                time.monotonic() - self._rejections_logged_at,
+                                ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+                    counts.clear()
+            self._rejections_logged_at = time.monotonic()
+
+    def _on_ignore(self, source: str, counts: dict[str, int]) -> None:
+        log.warning("ignoring everything on %s for %.0f s: it sent %d invalid transfers (%s); what it sends meanwhile "
+                    "is counted as ignored_sender, not logged", source, self.config.ignore_invalid_s, sum(counts.values()),
+                    ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+
+    def _housekeeping(self) -> None:
+        """Expire dead transfers; ask senders to resend the chunks of stalled ones."""
+        interval = max(0.2, min(1.0, self.config.resend_after_s / 4))
+        asked: dict[tuple[str, str], float] = {}
+        while not self._closed:
+            time.sleep(interval)
+            requests = []
+            with self._reasm_lock:
+                self._reassembler.expire()
+                if len(self._inbound_wire) > len(self._reassembler.open_transfers()):
+                    # Transfers evicted, expired or refused: their wire counts go with them.
+                    live = set(self._reassembler.open_transfers())
+                    self._inbound_wire = {k: v for k, v in self._inbound_wire.items() if k in live}
+                    asked = {k: v for k, v in asked.items() if k in live}
+                now = time.monotonic()
+                strict = self.config.max_unexpected_transfer_bytes is not None
+                for source, tid, missing in self._reassembler.stalled(self.config.resend_after_s):
+                    if strict and not self._reassembler.is_expected(source):
+                        continue  # a stranger's chunks name any reply topic they like: never publish there
+                    reply = self._reassembler.reply_topic(tid, source)
+                    if reply and missing and now - asked.get((source, tid), 0.0) >= self.config.resend_after_s:
+                        asked[(source, tid)] = now
+                        requests.append((reply, tid, missing))
+            if time.monotonic() - self._rejections_logged_at >= 60.0:
+                self._log_rejection_summary()
+            for reply, tid, missing in requests:
+                if self.connected:
+                    log.info("asking %s to resend %d chunks of transfer %s", reply, len(missing), tid)
+                    self._send_control(reply, {"kind": "resend", "tid": tid, "seqs": ",".join(map(str, missing[:2000]))})
+
+    def receive(self, timeout_s: float | None = None) -> Delivery | None:
+        try:
+            delivery, charged = self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        if charged:
+            with self._reasm_lock:
+                self._queued_unexpected_bytes -= charged
+        return delivery
+
+    def expect_sender(self, source: str, limits: SenderLimits | None) -> None:
+        with self._reasm_lock:
+            self._reassembler.expect(source, limits)
+
+    def block_sender(self, source: str, why: str) -> None:
+        with self._reasm_lock:
+            self._reassembler.block(source, why)
+
+    def rejections(self) -> dict[str, int]:
+        with self._rejections_lock:
+            return dict(self._rejected_by_reason)
+
+    def inbound_progress(self, source: str) -> tuple[int, int]:
+        with self._reasm_lock:
+            return len(self._reassembler.open_transfers(source)), self._reassembler.held_by(source)
+
+    def backlog(self) -> int:
+        return self._inbox.qsize()
+
+    # -- the control channel: a receiver missing chunks of a stalled transfer asks the sender (on the
+    # transfer's reply topic) to resend them; the sender answers from its ResendCache.
+
+    def _send_control(self, topic: str, values: dict[str, str]) -> None:
+        props = self._Properties(self._PacketTypes.PUBLISH)
+        props.UserProperty = [(P_CONTROL, values["kind"]), (P_TRANSFER, values["tid"]), (P_SEQS, values["seqs"])]
+        self._client.publish(topic, b"", qos=1, properties=props)
+
+    def _handle_control(self, kind: str, values: dict[str, str]) -> None:
+        if kind != "resend":
+            log.warning("unknown transport control message %r ignored", kind)
+            return
+        entry = self._sent.get(values.get(P_TRANSFER, ""))
+        if entry is None:
+            log.warning("resend requested for unknown or evicted transfer %s", values.get(P_TRANSFER))
+            return
+        topic, chunks = entry
+        try:
+            seqs = sorted({int(s) for s in values.get(P_SEQS, "").split(",") if s})
+        except ValueError:
+            log.warning("malformed resend request ignored")
+            return
+        for seq in seqs:
+            if 0 <= seq < len(chunks):
+                # Fire and forget from the network thread: never block it on acks.
+                self._client.publish(topic, chunks.chunk(seq), qos=1)
+                self.stats.add(resent_chunks=1)
 
 
 def make_transport(config: TransportConfig) -> MqttTransport:

@@ -22,6 +22,7 @@ from typing import Callable
 
 from .chunk_format import ChunkHeader
 from .errors import (
+    ProtocolError,
     BudgetError,
     ChunkError,
     HashMismatchError,
@@ -29,7 +30,7 @@ from .errors import (
     SenderIgnoredError,
     SizeLimitError,
 )
-from .sender_policy import SenderLimits, SenderPolicy, _Invalid
+from .sender_policy import SenderLimits, _Invalid
 
 
 @dataclass
@@ -55,7 +56,7 @@ class ReassemblyStats:
     rejected_by_reason: Counter[str] = field(default_factory=Counter)  # error code -> chunks
 
 
-class Reassembler(SenderPolicy):
+class Reassembler:
     """Collects chunks per (source, transfer id) until a blob is complete.
 
     ``source`` is the topic (or sender) a chunk came from, so one sender cannot
@@ -80,6 +81,8 @@ class Reassembler(SenderPolicy):
     (``ignored_sender``: only single-chunk messages of its get through meanwhile);
     :attr:`on_ignore` is called once when that starts.
     """
+
+    MAX_TRACKED_SENDERS = 4096
 
     def __init__(
         self,
@@ -126,6 +129,60 @@ class Reassembler(SenderPolicy):
         self._held_total = 0
         self.on_ignore: Callable[[str, dict[str, int]], None] | None = None
         self.stats = ReassemblyStats()
+
+    # -- what the receiver expects ------------------------------------------ #
+
+    def expect(self, source: str, limits: SenderLimits | None) -> None:
+        """State what ``source`` may send (None: forget it; it is unexpected again).
+        Open transfers keep going; the limits apply to what arrives next."""
+        if limits is None:
+            self._expected.pop(source, None)
+        else:
+            self._expected[source] = limits
+            self._invalid.pop(source, None)
+        self._recount()
+
+    def block(self, source: str, why: str) -> None:
+        """Ignore every chunk from ``source`` from now on (its owner dropped the sender)."""
+        self._blocked[source] = why
+        for key in [k for k in self._transfers if k[0] == source]:
+            self._drop(key)
+
+    def limits_for(self, source: str) -> SenderLimits:
+        return self._expected.get(source, self.unexpected)
+
+    def is_expected(self, source: str) -> bool:
+        return source in self._expected
+
+    def ignored(self, source: str) -> bool:
+        if source in self._blocked:
+            return True
+        entry = self._invalid.get(source)
+        return entry is not None and self._clock() < entry.ignored_until
+
+    def _refuse(self, exc: ProtocolError, source: str, invalid: bool) -> ProtocolError:
+        """Count a refused chunk by its code; an invalid transfer also counts toward ignoring
+        its sender (only senders without an expectation: on a broker without ACLs anyone may
+        publish on an expected sender's topic, so its owner decides about it)."""
+        self.stats.rejected += 1
+        self.stats.rejected_by_reason[exc.code] += 1
+        if invalid and source not in self._expected and not self.ignored(source):
+            entry = self._invalid.get(source)
+            if entry is None:
+                entry = self._invalid[source] = _Invalid()
+                while len(self._invalid) > self.MAX_TRACKED_SENDERS:
+                    self._invalid.popitem(last=False)
+            self._invalid.move_to_end(source)
+            entry.counts[exc.code] += 1
+            if sum(entry.counts.values()) >= self.max_invalid_transfers and self._clock() >= entry.ignored_until:
+                counts = dict(entry.counts)
+                entry.counts.clear()
+                entry.ignored_until = self._clock() + self.ignore_s
+                for key in [k for k in self._transfers if k[0] == source]:
+                    self._drop(key)
+                if self.on_ignore is not None:
+                    self.on_ignore(source, counts)
+        return exc
 
     # -- accounting ----------------------------------------------------------- #
 

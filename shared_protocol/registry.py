@@ -29,6 +29,7 @@ import os
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "MethodSpec",
     "ResultsRow",
     "get_method",
+    "load_method_messages",
     "method_names",
     "register_method",
     "registered_methods",
@@ -235,6 +237,15 @@ def _load() -> None:
         _import(f"{builtin.__name__}.{info.name}")
     for module in _plugin_modules():
         _import(module)
+
+
+def load_method_messages(method: str) -> tuple[ModuleType, ...]:
+    """Import the modules holding ``method``'s message types (registers them); () for a
+    method this process does not know (the caller says what is missing)."""
+    spec = registered_methods().get(method)
+    if spec is None:
+        return ()
+    return tuple(importlib.import_module(module) for module in spec.messages)
 
 
 def registered_methods() -> dict[str, MethodSpec]:

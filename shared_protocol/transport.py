@@ -10,9 +10,9 @@ from the module that does the job):
 - :mod:`.wire_bytes`: the size of the MQTT packets a blob travels in;
 - :mod:`.mqtt_config`: :class:`BrokerAddress`, :class:`TransportConfig`, TLS, the
   chunk size under the broker's packet limit;
-- :mod:`.mqtt_transport`: :class:`MqttTransport` (connection), with its send window
-  (:mod:`.mqtt_send`), resend cache and control channel (:mod:`.mqtt_resend`) and
-  inbound reassembly (:mod:`.mqtt_inbound`);
+- :mod:`.mqtt_transport`: :class:`MqttTransport`: the connection, the send window,
+  the control channel and inbound reassembly, one class; its cache of blobs sent for
+  resends in :mod:`.mqtt_resend`;
 - :mod:`.memory_transport`: :class:`InMemoryTransport` over an :class:`InMemoryBroker`,
   for fast unit tests of methods.
 """

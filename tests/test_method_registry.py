@@ -21,7 +21,7 @@ from cloud_server.methods.base import ServerMethod, _SERVER_METHODS
 from edge_agent.methods import KNOWN_METHODS as EDGE_METHODS
 from edge_agent.methods import get_edge_method
 from shared_protocol.messages import message_types
-from shared_protocol.methods import load_method_messages
+from shared_protocol.registry import load_method_messages
 from shared_protocol.registry import LauncherFlag, MethodSpec, get_method, import_part, register_method
 from cloud_server.schedulers import SCHEDULERS
 from shared_protocol.tomlio import read_toml

@@ -40,8 +40,7 @@ from shared_protocol.messages import Message, RoundEnd, check_labels
 from shared_protocol.methods.fedgkt import GktFeatures, GktResendRequest, GktReusedMaps, GktServerLogits
 from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 
-from ..feature_store import AgentRows, ArrayStaging, StagedUploads
-from ..held_maps import HeldMaps
+from ..feature_store import AgentRows, ArrayStaging, HeldMaps, StagedUploads
 from ..robust_config import ImplausibleUploadError
 from ..server_step import TrainStep
 from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, StreamedUploads, register_server_method

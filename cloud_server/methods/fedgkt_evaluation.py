@@ -31,7 +31,7 @@ from shared_protocol.methods.fedgkt import GktEvalModel
 
 from ..evaluation import HEADLINE, EvalModel, Evaluation, global_results, local_results, models_from_report, module_digest
 from ..feature_store import AgentRows, StagedUploads, gather_batches
-from ..held_maps import HeldMaps
+from ..feature_store import HeldMaps
 
 log = logging.getLogger("cloud_server.fedgkt")
 

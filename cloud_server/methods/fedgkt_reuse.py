@@ -19,8 +19,7 @@ from shared_protocol.errors import MapsNotHeldError, ShapeMismatchError
 from shared_protocol.messages import Message, RoundEnd
 from shared_protocol.methods.fedgkt import GktMapsRequest, GktReusedMaps, GktRoundConfig
 
-from ..feature_store import AgentRows, StagedArray, StagedBatch, gather_batches
-from ..held_maps import HeldMaps, materialise, reused_whole
+from ..feature_store import AgentRows, HeldMaps, StagedArray, StagedBatch, gather_batches, materialise, reused_whole
 from ..robust_config import ImplausibleUploadError
 
 log = logging.getLogger("cloud_server.fedgkt")

@@ -74,6 +74,7 @@ class DpSgd:
         """(model, optimiser, batches) made private for one round's training; the model's hooks
         are removed afterwards, so ``model`` itself holds the trained weights."""
         s = self.settings
+        model.train()  # Opacus refuses a model in eval mode (the agent evaluated it after the last round)
         private_model, private_optimizer, private_loader = self.engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=s.dpsgd_noise_multiplier,
             max_grad_norm=s.dpsgd_max_grad_norm, poisson_sampling=True,

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cloud_server.experiments.results import run_figures
 from cloud_server.methods import ServerContext
 from cloud_server.methods.fedavg import FedAvgServer
 from cloud_server.privacy import PrivacyConfig, PrivacyLedger, client_level_epsilon
@@ -179,6 +180,8 @@ def test_dp_fedavg_over_mosquitto_reports_epsilon(mosquitto, tmp_path: Path) -> 
     assert eps[0] < eps[1] == section["epsilon"]
     assert all(sorted(r["privacy"]["dp_fedavg"]["update_norms"]) == ["agent-0", "agent-1"] for r in report["rounds"])
     assert "DP-FedAvg (central" in (tmp_path / "run" / "summary.md").read_text()
+    figures = run_figures(report)  # what an experiment's results hold of the run
+    assert figures["dp_fedavg_epsilon"] == section["epsilon"] and figures["dpsgd_epsilon"] is None
 
 
 @pytest.mark.broker

@@ -213,7 +213,7 @@ class PrivacyLedger:
                     per_agent[agent] = figures
                     self.dpsgd_by_agent[agent] = figures
             worst = max((f["dpsgd_epsilon"] for f in self.dpsgd_by_agent.values()), default=None)
-            record["dpsgd"] = {"epsilon": worst, "per_agent": per_agent}
+            record["dpsgd"] = {"epsilon": worst, "agents": per_agent}
             if worst is not None:
                 log.info("round %d: DP-SGD epsilon %.3f at delta %g (the largest of %d agents)", round_, worst, cfg.dp_delta,
                          len(self.dpsgd_by_agent))
@@ -228,7 +228,7 @@ class PrivacyLedger:
                 self.epsilon_by_round[int(round_)] = float(dp["epsilon"])
                 for agent in dp.get("local_agents", []):
                     self.local_rounds[agent] = self.local_rounds.get(agent, 0) + 1
-            for agent, figures in (((privacy or {}).get("dpsgd") or {}).get("per_agent") or {}).items():
+            for agent, figures in (((privacy or {}).get("dpsgd") or {}).get("agents") or {}).items():
                 self.dpsgd_by_agent[agent] = dict(figures)
 
     def section(self) -> dict[str, Any] | None:
@@ -249,7 +249,7 @@ class PrivacyLedger:
             out["dpsgd"] = {
                 "noise_multiplier": cfg.dpsgd_noise_multiplier, "max_grad_norm": cfg.dpsgd_max_grad_norm,
                 "epsilon": max((f["dpsgd_epsilon"] for f in self.dpsgd_by_agent.values()), default=0.0),
-                "per_agent": {a: dict(f) for a, f in sorted(self.dpsgd_by_agent.items())},
+                "agents": {a: dict(f) for a, f in sorted(self.dpsgd_by_agent.items())},
             }
         return out
 
@@ -292,4 +292,4 @@ def check_privacy_section(ck: Any, privacy: Any) -> None:
     if "dpsgd" in good:
         ck.fields(good["dpsgd"], "privacy.dpsgd", ({
             "noise_multiplier": ("number", False, 0.0, None), "max_grad_norm": ("number", False, 0.0, None),
-            "epsilon": ("number", False, 0.0, None), "per_agent": ("dict", False, None, None)}, {}))
+            "epsilon": ("number", False, 0.0, None), "agents": ("dict", False, None, None)}, {}))

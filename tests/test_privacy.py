@@ -188,13 +188,13 @@ def test_dp_fedavg_over_mosquitto_reports_epsilon(mosquitto, tmp_path: Path) -> 
 def test_dpsgd_over_mosquitto_reports_the_agents_epsilon(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     report = _run(mosquitto, tmp_path, "resnet8_gn", "dp-sgd", dpsgd=True, dpsgd_noise_multiplier=1.0, dpsgd_max_grad_norm=1.0)
     section = report["privacy"]["dpsgd"]
-    assert sorted(section["per_agent"]) == ["agent-0", "agent-1"]
+    assert sorted(section["agents"]) == ["agent-0", "agent-1"]
     per_agent_samples = report["rounds"][0]["samples"] // 2
-    for figures in section["per_agent"].values():
+    for figures in section["agents"].values():
         q, steps = figures["dpsgd_sample_rate"], int(figures["dpsgd_steps"])
         # Opacus's Poisson rate: one over the batches of the agent's loader (batch 16).
         assert q == pytest.approx(1 / -(-per_agent_samples // 16)) and steps >= 2
         # The agent's own accountant, the same as the server's function for its steps and rate.
         assert figures["dpsgd_epsilon"] == pytest.approx(client_level_epsilon(1.0, q, steps, 1e-5), rel=1e-6)
-    assert section["epsilon"] == max(f["dpsgd_epsilon"] for f in section["per_agent"].values())
+    assert section["epsilon"] == max(f["dpsgd_epsilon"] for f in section["agents"].values())
     assert "DP-SGD" in (tmp_path / "run" / "summary.md").read_text()

@@ -20,6 +20,7 @@ from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
 if TYPE_CHECKING:
     from .evaluation import EvalSetSpec
     from .methods.base import ServerContext
+    from .privacy import PrivacyConfig
     from .robust import RobustnessConfig
     from .robust_validation import DefenceConfig
 
@@ -115,6 +116,16 @@ class ServerConfig:
     validation_loss_margin: float = 0.5  # DefenceConfig's default (cloud_server/robust_validation.py), kept equal by a test
     validation_step: str = "update"  # update | share: what an update is scored by
     plausible_min_label_agreement: float = 0.0  # 0: off
+    # Differential privacy (cloud_server/privacy.py, docs/privacy.md): DP-FedAvg at client level
+    # (off | central | client_clipping | local) and DP-SGD on the agents (Opacus); off by default.
+    dp_fedavg: str = "off"
+    dp_clip_norm: float = 0.0
+    dp_noise_multiplier: float = 0.0
+    dp_delta: float = 1e-5
+    dp_accountant: str = "rdp"  # rdp | prv (Opacus's accountants)
+    dpsgd: bool = False
+    dpsgd_noise_multiplier: float = 0.0
+    dpsgd_max_grad_norm: float = 1.0
     log_json: bool = False
     progress: bool = True
     # A console line every this many seconds while the server works on a round longer than that
@@ -184,6 +195,17 @@ class ServerConfig:
         self.metrics_endpoint()  # a non-loopback address without credentials is refused here
         self.robustness_config()  # the rule's bound against expected_agents, the thresholds
         self.defence_config()
+        self.privacy_config()
+
+    def privacy_config(self) -> "PrivacyConfig":
+        from .privacy import PrivacyConfig
+
+        return PrivacyConfig(
+            dp_fedavg=self.dp_fedavg, dp_clip_norm=self.dp_clip_norm, dp_noise_multiplier=self.dp_noise_multiplier,
+            dp_delta=float(self.dp_delta), dp_accountant=self.dp_accountant, dpsgd=self.dpsgd,
+            dpsgd_noise_multiplier=self.dpsgd_noise_multiplier, dpsgd_max_grad_norm=self.dpsgd_max_grad_norm,
+            client_fraction=self.client_fraction,
+        )
 
     def metrics_endpoint(self) -> MetricsEndpointConfig | None:
         """Where the metrics and the status page are served (None: metrics off)."""

@@ -44,6 +44,7 @@ from .evaluation import EvalSet, Evaluator
 from .methods import AnswersUploads, ServerMethod, StreamedUploads
 from .recorder import RunCounters, RunRecorder, server_info
 from .records import RunReport, now_iso
+from .privacy import PrivacyLedger
 from .robust import ImplausibleUploadError
 from .round_host import RoundHostOps
 from .phase_ticker import PhaseTicker
@@ -107,6 +108,8 @@ class Coordinator(RoundHostOps):
 
             method.ctx.validation = ValidationScreen(defence)
         self.ledger = method.ctx.ledger
+        method.ctx.privacy = privacy = PrivacyLedger(config.privacy_config())  # cloud_server/privacy.py
+        privacy.check_method(method, robustness.plain_mean)
         load_method_messages(method.name)
         # The leakage audit's keeper (cloud_server/audit_keeper.py): sees what is sent and received.
         self.audit: AuditKeeper | None = AuditKeeper(self.out_dir, method.name, config.audit_samples_per_agent) if config.audit else None
@@ -140,6 +143,7 @@ class Coordinator(RoundHostOps):
             log.warning("resuming with a different method config than the checkpoint's")
         self.method.load_state(saved.method_state)
         self.completed_round, self.rejected = saved.round, Counter(saved.rejected)
+        self.method.ctx.privacy.resume([(r.round, r.privacy) for r in self.report.rounds])
         self.report.resumed.append({"after_round": self.completed_round, "at": now_iso()})
         self.ledger.load_state(saved.robustness)
         self.registry.load_contract_state(saved.contract)
@@ -267,7 +271,9 @@ class Coordinator(RoundHostOps):
         new run with the same run_id (another out_dir, ``--force``) has another start time, so
         its agents start afresh instead of restoring the earlier run's model."""
         started = self.recorder.started_at  # None only before the run began (a test pumping by hand)
-        return {**self.method.welcome_settings(), **({"run_started_at": started} if started else {})}
+        privacy = self.method.ctx.privacy.cfg
+        return {**self.method.welcome_settings(), **({"run_started_at": started} if started else {}),
+                **({"privacy": privacy.agent_settings().to_dict()} if privacy.on else {})}
 
     def _on_hello(self, agent: str, hello: Hello) -> None:
         refusal = self.registry.refusal(agent, hello)
@@ -371,6 +377,8 @@ class Coordinator(RoundHostOps):
             raise
         finally:
             ticker.stop()
+            if self.method.ctx.privacy.cfg.on:
+                log.info("%s", self.method.ctx.privacy.summary_line())
             self.recorder.finish()
             if self.metrics is not None:
                 self.metrics.refresh(force=True)

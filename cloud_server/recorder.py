@@ -139,6 +139,7 @@ class RunRecorder:
         evaluation: RoundEvaluation | None = None,
         edge_label: str | None = None,
         robustness: Mapping[str, Any] | None = None,
+        privacy: Mapping[str, Any] | None = None,
         warnings: Sequence[str] = (),
         hook_seconds: Mapping[str, float] | None = None,
     ) -> RoundRecord:
@@ -187,6 +188,7 @@ class RunRecorder:
             method=plain_json(dict(method_figures or {})),
             evaluation=scored,
             robustness=plain_json(dict(robustness or {})),
+            privacy=plain_json(dict(privacy or {})),
             warnings=list(warnings),
         )
 

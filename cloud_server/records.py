@@ -218,6 +218,8 @@ class RoundRecord(JsonRecord):
     # updates, server steps skipped on its data; the aggregation rule when not the mean;
     # quarantine. Empty: nothing happened.
     robustness: dict[str, Any] = optional_section(default_factory=dict)
+    # Differential privacy (cloud_server/privacy.py): what was clipped and noised, ε so far; {}: DP off.
+    privacy: dict[str, Any] = optional_section(default_factory=dict)
     # What an "ok" round's reader must know: refusals, clips, skipped steps, a rule's fallback.
     warnings: list[str] = optional_section(default_factory=list)
 
@@ -329,6 +331,8 @@ class RunReport(JsonRecord):
     # What the server could reconstruct from what it received, added by `edgesplit audit`
     # (cloud_server.audit.audit_run.leakage_section); None: the run was not audited.
     leakage: dict[str, Any] | None = optional_section()
+    # Differential privacy's parameters and ε for the run (cloud_server/privacy.py); None: DP off.
+    privacy: dict[str, Any] | None = optional_section()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -166,11 +166,15 @@ class RoundHostOps:
             self.method.end_round(rnd.round)
         self.ledger.close_round(rnd.round, sorted(rnd.done))
         robustness, warnings = self.ledger.take(rnd.round)
+        privacy = self.method.ctx.privacy
+        privacy_record = privacy.close_round(rnd.round, {a: end.metrics for a, end in rnd.done.items()})
+        if privacy.cfg.on:
+            self.recorder.report.privacy = privacy.section()
         record = self.recorder.round_record(
             rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
             started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),
             method_figures=self.method.round_report(rnd.round), evaluation=evaluation, edge_label=edge_label,
-            robustness=robustness, warnings=warnings, hook_seconds=self.hook_clock.take(rnd.round),
+            robustness=robustness, privacy=privacy_record, warnings=warnings, hook_seconds=self.hook_clock.take(rnd.round),
         )
         self.completed_round = rnd.round
         self.recorder.add_round(record, checkpoint=self.save_checkpoint)

@@ -99,7 +99,7 @@ class Bottleneck(nn.Module):
         out = self.relu(self.bn1(self.conv1(x)))  # (B, planes, H, W)
         out = self.relu(self.bn2(self.conv2(out)))  # (B, planes, H/s, W/s)
         out = self.bn3(self.conv3(out))  # (B, 4*planes, H/s, W/s)
-        out += identity
+        out = out + identity  # not in place: Opacus (DP-SGD) hooks forbid modifying a hooked layer's output
         return self.relu(out)
 
 
@@ -125,7 +125,7 @@ class BasicBlock(nn.Module):
         identity = x if self.downsample is None else self.downsample(x)  # (B, planes, H/s, W/s)
         out = self.relu(self.bn1(self.conv1(x)))  # (B, planes, H/s, W/s)
         out = self.bn2(self.conv2(out))  # (B, planes, H/s, W/s)
-        out += identity
+        out = out + identity  # not in place: Opacus (DP-SGD) hooks forbid modifying a hooked layer's output
         return self.relu(out)
 
 

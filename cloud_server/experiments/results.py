@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "RUN_FIGURES", "LEAKAGE_FIGURES", "CELL_STATUSES", "ResultsError", "leakage_figures", "load_results", "machine",
+__all__ = ["SCHEMA", "RUN_FIGURES", "OPTIONAL_RUN_FIGURES", "LEAKAGE_FIGURES", "CELL_STATUSES", "ResultsError", "leakage_figures", "load_results", "machine",
            "run_figures", "validate_results", "write_results"]
 
 SCHEMA = 1
@@ -39,6 +39,9 @@ RUN_FIGURES = (
     "eval_up_payload_bytes", "eval_up_wire_bytes", "eval_down_payload_bytes", "eval_down_wire_bytes",
     "peak_agent_rss_bytes", "run_wall_s",
 )
+#: Figures a run has only with a setting on (differential privacy's ε, cloud_server/privacy.py);
+#: results written before they existed lack them, so they are checked only where present.
+OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon")
 _IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
 #: The strongest image attack's scores, and the best label attack's error in the agents' label
 #: histograms beside a uniform guess's, as figures of the long table.
@@ -98,6 +101,8 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
         **{f"eval_{k}_bytes": eval_bytes.get(k) for k in ("up_payload", "up_wire", "down_payload", "down_wire")},
         "peak_agent_rss_bytes": max(peaks) if any(peaks) else None,
         "run_wall_s": totals.get("wall_time_s"),
+        "dp_fedavg_epsilon": ((report.get("privacy") or {}).get("dp_fedavg") or {}).get("epsilon"),
+        "dpsgd_epsilon": ((report.get("privacy") or {}).get("dpsgd") or {}).get("epsilon"),
     }
 
 
@@ -192,7 +197,7 @@ def _check_cell(cell: Any, i: int, problems: list[str]) -> None:
         missing = [k for k in RUN_FIGURES if k not in run]
         if missing:
             problems.append(f"{where}.run: missing {', '.join(missing)}")
-        bad = [k for k in RUN_FIGURES if k in run and not (run[k] is None or _is_number(run[k]))]
+        bad = [k for k in (*RUN_FIGURES, *OPTIONAL_RUN_FIGURES) if k in run and not (run[k] is None or _is_number(run[k]))]
         if bad:
             problems.append(f"{where}.run: expected a number or null for {', '.join(bad)}")
         for key in ("final_accuracy", "best_accuracy", "local_accuracy", "edge_accuracy", "personalised_accuracy"):

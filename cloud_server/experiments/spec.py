@@ -25,7 +25,7 @@ from typing import Any
 from fldata.partition_spec import PartitionSpec
 from shared_protocol.registry import LauncherFlag, registered_methods
 
-from .results import LEAKAGE_FIGURES, RUN_FIGURES
+from .results import LEAKAGE_FIGURES, OPTIONAL_RUN_FIGURES, RUN_FIGURES
 
 __all__ = ["AuditSpec", "Cell", "Claim", "Experiment", "ExperimentError", "Overrides", "Scale", "Variant", "CLAIM_OPERATORS",
            "DEFAULT_VARIANT", "RUN_TABLES"]
@@ -166,8 +166,9 @@ class Claim:
             raise ExperimentError(f"claims: op must be one of {' | '.join(CLAIM_OPERATORS)}, got {self.op!r}")
         if not _number(self.value):
             raise ExperimentError(f"claims: value must be a number, got {self.value!r}")
-        if self.figure not in (*RUN_FIGURES, *LEAKAGE_FIGURES):
-            raise ExperimentError(f"claims: no figure {self.figure!r}; figures: {', '.join((*RUN_FIGURES, *LEAKAGE_FIGURES))}")
+        figures = (*RUN_FIGURES, *OPTIONAL_RUN_FIGURES, *LEAKAGE_FIGURES)
+        if self.figure not in figures:
+            raise ExperimentError(f"claims: no figure {self.figure!r}; figures: {', '.join(figures)}")
 
     def describe(self) -> str:
         where = ", ".join(x for x in (self.partition, self.variant) if x)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .results import LEAKAGE_FIGURES, RUN_FIGURES
+from .results import LEAKAGE_FIGURES, OPTIONAL_RUN_FIGURES, RUN_FIGURES
 from .spec import CLAIM_OPERATORS, Claim
 
 __all__ = ["claims_md", "evaluate_claims", "long_md", "long_table", "plot", "render", "summary", "summary_md",
@@ -32,6 +32,7 @@ SUMMARY_COLUMNS = (
     ("leakage_psnr_db", "Strongest attack PSNR dB", 1, 1), ("leakage_baseline_psnr_db", "Baseline PSNR dB", 1, 1),
     ("leakage_label_error", "Label histogram error", 1, 2),
     ("leakage_label_baseline_error", "Uniform guess's error", 1, 2),
+    ("dp_fedavg_epsilon", "DP-FedAvg ε", 1, 2), ("dpsgd_epsilon", "DP-SGD ε", 1, 2),
 )
 
 
@@ -40,7 +41,7 @@ def long_table(results: Mapping[str, Any]) -> list[Row]:
     rows = []
     for cell in results["cells"]:
         row: Row = {k: cell[k] for k in ("key", "method", "partition", "variant", "seed", "status", "wall_s")}
-        row.update({k: (cell["run"] or {}).get(k) for k in RUN_FIGURES})
+        row.update({k: (cell["run"] or {}).get(k) for k in (*RUN_FIGURES, *OPTIONAL_RUN_FIGURES)})
         strongest = (cell.get("leakage") or {}).get("strongest") or {}
         row["leakage_attack"] = strongest.get("attack")
         row.update({f"leakage_{k}": strongest.get(k) for k in ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")})
@@ -70,7 +71,7 @@ def summary(rows: Sequence[Row]) -> list[Row]:
     out = []
     for group, members in groups.items():
         entry: Row = {**dict(zip(GROUP, group)), "n": len(members), "seeds": [m["seed"] for m in members]}
-        for figure in (*RUN_FIGURES, *LEAKAGE_FIGURES):
+        for figure in (*RUN_FIGURES, *OPTIONAL_RUN_FIGURES, *LEAKAGE_FIGURES):
             values = [m[figure] for m in members if m.get(figure) is not None]
             mean, sd = _mean_sd(values)
             entry[figure] = {"mean": mean, "sd": sd, "n": len(values)}

@@ -50,6 +50,9 @@ class ServerContext:
     # and the validation set that judges weight updates (None: [server] validation_samples = 0).
     defence: Any = None  # cloud_server.robust_validation.DefenceConfig; default: off
     validation: Any = None  # cloud_server.validation_screen.ValidationScreen
+    # Differential privacy (cloud_server/privacy.py): the [server] dp_* settings, the noised mean of
+    # clipped updates the weight-sharing methods call, and the accountant. Default: off.
+    privacy: Any = None  # cloud_server.privacy.PrivacyLedger
 
     def __post_init__(self) -> None:
         from ..robust_config import RobustnessConfig
@@ -62,6 +65,10 @@ class ServerContext:
             self.ledger = RobustnessLedger(self.robustness)
         if self.defence is None:
             self.defence = DefenceConfig()
+        if self.privacy is None:
+            from ..privacy import PrivacyLedger
+
+            self.privacy = PrivacyLedger()
         if self.device_meter is None:
             from ..device_meter import DeviceMeter  # imports torch: only when a context is made
 
@@ -103,6 +110,10 @@ class ServerMethod(ABC):
     # Whether the method aggregates the agents' weights or updates (and so honours
     # [server] aggregation and clip_update_norm, cloud_server/robust.py).
     aggregates_weights: ClassVar[bool] = False
+    # The [server] dp_fedavg modes (cloud_server/privacy.py) this method's aggregation honours; a
+    # method that reads the agents' individual updates for more than their mean (FedBE's ensemble)
+    # holds only for noise the agents add themselves.
+    dp_fedavg_modes: ClassVar[tuple[str, ...]] = ("central", "client_clipping", "local")
     # How the coordinator runs this method's rounds (cloud_server/schedulers.py), read once
     # when the run starts: "sync" (every participant at once, one barrier per round),
     # "sequential" (agents take turns within a sync round, e.g. split learning; a late joiner

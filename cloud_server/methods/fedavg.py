@@ -193,12 +193,16 @@ class FedAvgServer(ServerMethod):
     def average(self, round_: int, states: list[dict[str, np.ndarray]], num_samples: list[int]) -> dict[str, np.ndarray]:
         """``[server] aggregation`` over the agents' states (cloud_server/robust.py): the
         sample-weighted mean by default, exactly as before; a robust rule or clipping works on
-        the updates (state - global) and its figures go to the round's robustness record."""
+        the updates (state - global) and its figures go to the round's robustness record; with
+        ``[server] dp_fedavg`` central or client-side clipping, the noised mean of the clipped
+        updates (cloud_server/privacy.py)."""
+        agents = self._aggregating or [f"#{k}" for k in range(len(states))]
+        if self.ctx.privacy.cfg.server_noises:  # DP-FedAvg: the noised mean of clipped updates, uniform
+            return self.ctx.privacy.noised_state_mean(round_, agents, self.global_state, states)
         cfg = self.ctx.robustness
         if cfg.plain_mean:
             return weighted_mean(states, num_samples)
         new_state, figures = robust_state_aggregate(self.global_state, states, num_samples, cfg)
-        agents = self._aggregating or [f"#{k}" for k in range(len(states))]
         for row, norm in figures.pop("clipped"):
             self.ctx.ledger.clip(round_, agents[row], "update_norm",
                                  f"update norm {norm:.4g} clipped to {cfg.clip_update_norm:g}")

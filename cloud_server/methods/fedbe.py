@@ -185,6 +185,8 @@ class FedBEConfig(FedAvgConfig):
 class FedBEServer(FedAvgServer):
     name = "fedbe"
     config_class = FedBEConfig
+    # The ensemble samples around the agents' own models: only noise they add themselves keeps them private.
+    dp_fedavg_modes = ("local",)
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
         super().__init__(ctx, method_config)

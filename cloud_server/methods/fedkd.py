@@ -92,6 +92,9 @@ class FedKdServer(ServerMethod):
     name = "fedkd"
     upload_types = (FedKdUpdate,)
     aggregates_weights = True
+    # The agents factor their mentee updates before sending (edge_agent/methods/fedkd.py): the server clips
+    # and noises the rebuilt updates; clipping or noise on the device is not built for FedKD.
+    dp_fedavg_modes = ("central",)
     scores_on_device = True  # the mentor is private: the agents score it on the global set
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
@@ -215,6 +218,13 @@ class FedKdServer(ServerMethod):
         weights /= weights.sum()
         cfg = self.ctx.robustness
         out: dict[str, np.ndarray] = {}
+        if self.ctx.privacy.cfg.server_noises:  # DP-FedAvg (cloud_server/privacy.py): uniform, clipped, noised
+            who = agents or [f"#{k}" for k in range(len(staged))]
+            mean = self.ctx.privacy.noised_mean(round_, who, [s.delta for s in staged])
+            for name in self.global_state:
+                step = -self.config.gradient_lr if self.config.upload == "gradient" and name in self.param_names else 1.0
+                out[name] = (mean[name] * step).astype(np.float32)
+            return out
         if not cfg.plain_mean:
             names = list(self.global_state)
             vectors = np.stack([np.concatenate([s.delta[n].astype(np.float64).ravel() for n in names]) for s in staged])  # (K, D)

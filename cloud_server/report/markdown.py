@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .formatting import DASH, EDGE_PHASES, duration, figure_cell, gflops, is_scalar, mb, pct, ratio, seconds, table
+from ..privacy import privacy_line
 from .leakage_md import leakage_md, strongest_attack_cell
 from .sanity import sanity_warnings
 from .schema import BYTE_KEYS, kind_ok
@@ -325,6 +326,7 @@ def summary_md(report: Mapping[str, Any]) -> str:
         _edge_cost_md(report["models"]),
         _communication_md(rounds, report["totals"]),
         leakage_md(report),
+        [privacy_line(report.get("privacy")), ""] if report.get("privacy") else [],
         _rounds_md(rounds),
         _robustness_md(rounds),
         _server_device_md(rounds),

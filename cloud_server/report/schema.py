@@ -32,6 +32,7 @@ from ..records import (
     ServerDeviceRecord,
     ServerInfo,
 )
+from ..privacy import check_privacy_section as _check_privacy
 from .formatting import describe
 
 __all__ = ["ReportError", "validate_report", "specs_of", "kind_ok", "BYTE_KEYS", "TIME_KEYS"]
@@ -362,6 +363,7 @@ def validate_report(report: dict[str, Any]) -> None:
     _check_agents(ck, top.get("agents"))
     _check_models(ck, top.get("models"))
     _check_leakage(ck, report.get("leakage"))
+    _check_privacy(ck, report.get("privacy"))
 
     rounds: list[dict[str, Any]] = []
     rounds_ok = "rounds" in top

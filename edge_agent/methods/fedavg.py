@@ -17,6 +17,7 @@ loss needs more of the batch than the local model's output, with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -31,6 +32,7 @@ from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
 
 from ..costs import RoundMeter
+from ..privacy import DpSgd, agent_privacy, privatise_state
 from ..trainer import Forward, LossFn, Trains, train_epochs
 from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method, shard_result
 
@@ -49,6 +51,11 @@ class FedAvgEdge(EdgeMethod):
         self.global_version = -1
         self.input_shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
         self.model_flops = cached_flops_per_sample(self.model, self.input_shape)  # the deployed model's, per sample
+        # Differential privacy (edge_agent/privacy.py): the update clipped (and noised) before it is
+        # sent, and DP-SGD through Opacus; the noise draws from OS entropy, not the run's seed.
+        self.privacy = agent_privacy(ctx.settings)
+        self.dpsgd = DpSgd(self.privacy, self.model, self.model_name) if self.privacy.dpsgd else None
+        self._dp_rng = np.random.default_rng()
 
     # -- the global model -------------------------------------------------------- #
 
@@ -130,14 +137,21 @@ class FedAvgEdge(EdgeMethod):
             self._receive_global(start, cfg)
             optimizer = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay,
                                        lean=ctx.device == "cpu")
-            loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
+            loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
             loss_fn = self.loss_fn(cfg)
-            result = train_epochs(
-                self.model, loader, optimizer, loss_fn, cfg.local_epochs, meter=meter, trains=self.trains(cfg),
-                device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}", forward=self.forward_fn(cfg),
-            )
+            private = self.dpsgd.private(self.model, optimizer, loader) if self.dpsgd else contextlib.nullcontext((self.model, optimizer, loader))
+            with private as (model, optimizer, batches):
+                result = train_epochs(
+                    model, meter.deadline.batches(batches), optimizer, loss_fn, cfg.local_epochs, meter=meter, trains=self.trains(cfg),
+                    device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}", forward=self.forward_fn(cfg),
+                )
         metrics: dict = {"train_loss": result.mean_loss}
-        weights, int_buffers = split_state(state_dict_to_arrays(self.model))
+        state = state_dict_to_arrays(self.model)
+        if self.privacy.agent_clips and self.global_state is not None:
+            state, metrics["dp_update_norm"] = privatise_state(state, self.global_state, self.privacy, self._dp_rng)
+        if self.dpsgd is not None:
+            metrics.update(self.dpsgd.figures())
+        weights, int_buffers = split_state(state)
         update = FedAvgUpdate(
             run=ctx.run_id, round=start.round, sender=ctx.agent_id, instance=ctx.instance, num_samples=len(ctx.train),
             model_version=cfg.model_version, int_buffers=int_buffers, weights=weights,

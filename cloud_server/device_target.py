@@ -91,13 +91,13 @@ def _memory(text: str) -> str:
 
 def add_target_flags(parser: argparse.ArgumentParser, for_report: bool = False) -> None:
     """``--link-mbit`` and ``--device-memory`` (left out: None, the run's config decides)."""
-    where = "the run's [server] link_mbit" if for_report else f"{DEFAULT_LINK_MBIT:g}"
+    where = "the run's own" if for_report else f"{DEFAULT_LINK_MBIT:g}"
     parser.add_argument("--link-mbit", type=_link_mbit, default=None, metavar="MBIT_S",
                         help=f"the devices' link speed in Mbit/s: summary.md's per-device table gives the seconds each "
                         f"agent's bytes take on it, up and down (default: {where}; [server] link_mbit)")
     parser.add_argument("--device-memory", type=_memory, default=None, metavar="SIZE",
-                        help=f"the devices' memory (e.g. 2GiB): an agent peaking above {MEMORY_SHARE:.0%} of it is "
+                        help=f"the devices' memory (e.g. 2GiB): an agent peaking above {100 * MEMORY_SHARE:.0f}%% of it is "
                         "warned about, with the setting that lowers it (default: "
-                        + ("the run's [server] device_memory" if for_report else "each agent's own memory")
+                        + ("the run's own" if for_report else "each agent's own memory")
                         + "; [server] device_memory)")
 

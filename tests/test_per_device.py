@@ -117,7 +117,7 @@ def test_a_peak_above_the_devices_share_is_warned_with_the_setting_that_lowers_i
     assert big is not None and big["warnings"] == [] and all(e["memory_warning"] is None for e in big["agents"].values())
     shown = {**report, "per_device": small}
     validate_report(shown)
-    assert "**Memory warning**: agent" in "\n".join(per_device_md(shown))
+    assert "- **Memory warning**: agent" in "\n".join(per_device_md(shown))
     assert any(line.startswith("warning: agent") for line in per_device_lines(shown))
     # An agent already micro-batching is told to lower its micro-batch.
     micro = copy.deepcopy(report)

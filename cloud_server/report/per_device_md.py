@@ -51,7 +51,7 @@ def per_device_md(report: Mapping[str, Any]) -> list[str]:
              "agent's slowest round. Train kB up / image: the training upload per image of the agent's data, which "
              "scales with a device's data where the method uploads per image (feature maps, activations), not where "
              "it uploads a model. Peak RSS: the agent's highest per-round peak.", ""]
-    lines += [f"**Memory warning**: {w}" for w in section.get("warnings") or []]
+    lines += [f"- **Memory warning**: {w}" for w in section.get("warnings") or []]
     return lines + ([""] if section.get("warnings") else [])
 
 

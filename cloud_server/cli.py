@@ -17,6 +17,8 @@ from shared_protocol.version import add_version_flag
 
 from .assemble import build_server
 from .config import ServerConfig
+from .device_target import add_target_flags
+from .report.per_device_md import per_device_lines
 from .local_checks import int_at_least
 
 log = logging.getLogger("cloud_server")
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="re-render report.json, rounds.csv, plots and summary.md of a run; with "
                             "several runs, also print a table comparing them (accuracy, edge FLOPs, wire MB, leakage)")
     report.add_argument("run_dir", nargs="+")
+    add_target_flags(report, for_report=True)
     return parser
 
 
@@ -101,22 +104,29 @@ def cmd_run(args: argparse.Namespace) -> int:
              method.schedule, config.rounds, method.ctx.device, config.out_dir)
     try:
         report = coordinator.run(resume=resume)
+        totals = report["totals"]
+        acc = totals.get("final_accuracy")
+        print(
+            f"run {config.run_id} {report['status']}: {totals['rounds_completed']} rounds, "
+            f"final accuracy {'—' if acc is None else f'{acc:.2%}'}, {totals['wire_total'] / 1e6:.1f} MB on the wire; "
+            f"report in {Path(config.out_dir) / 'summary.md'}",
+            flush=True,
+        )
+        for line in per_device_lines(report):
+            print(line, flush=True)
         if coordinator.metrics is not None and config.metrics_linger_s > 0:
-            log.info("serving the final metrics for %.0f s more (metrics_linger_s)", config.metrics_linger_s)
+            until = coordinator.metrics.linger(config.metrics_linger_s)
+            notice = (f"the run has ended; serving the final metrics and the status page ({coordinator.metrics.url}) "
+                      f"for {config.metrics_linger_s:.0f} s more, until {time.strftime('%H:%M:%S', time.localtime(until))} "
+                      "(metrics_linger_s)")
+            log.info("%s", notice)
+            print(notice, flush=True)
             time.sleep(config.metrics_linger_s)
     except (RunAborted, TransportError, FileNotFoundError, MetricsEndpointError) as exc:
         log.error("%s", exc)
         return EXIT_CONFIG  # not a configuration error, but not to be restarted either (cloud-server.service)
     finally:
         coordinator.close_metrics()
-    totals = report["totals"]
-    acc = totals.get("final_accuracy")
-    print(
-        f"run {config.run_id} {report['status']}: {totals['rounds_completed']} rounds, "
-        f"final accuracy {'—' if acc is None else f'{acc:.2%}'}, {totals['wire_total'] / 1e6:.1f} MB on the wire; "
-        f"report in {Path(config.out_dir) / 'summary.md'}",
-        flush=True,
-    )
     return 0
 
 
@@ -135,13 +145,14 @@ def _run_held_in(run_dir: Path) -> str | None:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import compare_runs, render_run_dir
 
+    target = {key: getattr(args, key) for key in ("link_mbit", "device_memory") if getattr(args, key, None) is not None}
     for run_dir in args.run_dir:
-        paths = render_run_dir(run_dir)
+        paths = render_run_dir(run_dir, target)
         for name, path in sorted(paths.items()):
             print(f"{name}: {path}")
     if len(args.run_dir) > 1:
         print()
-        print(compare_runs(args.run_dir), end="")
+        print(compare_runs(args.run_dir, target), end="")
     return 0
 
 

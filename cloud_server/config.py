@@ -17,6 +17,8 @@ from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
 
+from .device_target import DEFAULT_LINK_MBIT, DeviceTarget
+
 if TYPE_CHECKING:
     from .evaluation import EvalSetSpec
     from .methods.base import ServerContext
@@ -141,6 +143,10 @@ class ServerConfig:
     metrics_cert_file: str | None = None
     metrics_key_file: str | None = None
     metrics_linger_s: float = 0.0
+    # The device the per-device figures are read against (cloud_server/device_target.py): its
+    # link in Mbit/s, and its memory ("2GiB"; "": each agent's own).
+    link_mbit: float = DEFAULT_LINK_MBIT
+    device_memory: str = ""
     # The leakage audit (`edgesplit audit RUN_DIR`, cloud_server/audit_keeper.py): keep what the
     # audit reads under RUN_DIR/audit: per agent at most audit_samples_per_agent uploaded maps (and
     # one round's labels), or one weight update and the global model it started from.
@@ -191,6 +197,10 @@ class ServerConfig:
             raise ValueError(f"server.audit_samples_per_agent must be an integer >= 1, got {self.audit_samples_per_agent!r}")
         if self.metrics_linger_s < 0:
             raise ValueError(f"server.metrics_linger_s must be >= 0, got {self.metrics_linger_s}")
+        try:
+            DeviceTarget(link_mbit=self.link_mbit, device_memory=self.device_memory)
+        except ValueError as exc:
+            raise ValueError(f"server.{exc}") from None
         self.transport_config()  # chunk size, credentials in the URL
         self.metrics_endpoint()  # a non-loopback address without credentials is refused here
         self.robustness_config()  # the rule's bound against expected_agents, the thresholds

@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +169,11 @@ class Coordinator(RoundHostOps):
         """Attribute a message's bytes to its round if it is open (registration, status and
         stale rounds count outside rounds); evaluation's messages to the round's evaluation."""
         in_round = round_ in self.open_rounds
-        self.recorder.account(round_ if in_round else None, direction, payload, wire, evaluation)
+        if agent == "all":
+            agents: Collection[str] = self.open_rounds[round_].participants if in_round else ()
+        else:
+            agents = (agent,) if agent in self.agents else ()
+        self.recorder.account(round_ if in_round else None, direction, payload, wire, evaluation, agents)
         if self.metrics is not None:
             traffic = ("evaluation" if evaluation else "round") if in_round else "outside"
             self.metrics.on_bytes(agent, direction, traffic, payload, wire)

@@ -305,6 +305,7 @@ def write_configs(args: argparse.Namespace, run_id: str, out: Path, broker: str,
             **broker_keys,
             **({"metrics_address": server_metrics} if server_metrics else {}),
             **({"audit": True} if getattr(args, "audit", False) else {}),
+            **{key: getattr(args, key) for key in ("link_mbit", "device_memory") if getattr(args, key, None) is not None},
         },
         args.method: method_table(args),
     }

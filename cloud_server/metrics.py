@@ -112,6 +112,8 @@ class LiveState:
     # What the server is working on now, in words ("" between works): read when the page is
     # served, so a long server step shows while the snapshot above waits for it to end.
     server_phase: str = ""
+    # After the run: until when the page is still served (time.time(); None: not said).
+    serving_until: float | None = None
 
     @property
     def round_in_progress(self) -> int:
@@ -173,6 +175,7 @@ class ServerMetrics:
         self._cumulative_wire = 0
         self._costs: dict[str, tuple[int, dict[str, Any]]] = {}
         self._refreshed_at = 0.0
+        self._serving_until: float | None = None
         self.state = self._build_state()
         self.registry.register(_LiveCollector(self))
         self._server: MetricsServer | None = None
@@ -198,6 +201,12 @@ class ServerMetrics:
         round_, what, started = current
         return dataclasses.replace(self.state, server_phase=f"{describe_phase(what)} (round {round_}, "
                                                            f"{time.monotonic() - started:.0f} s)")
+
+    def linger(self, seconds: float) -> float:
+        """The run has ended and the page stays up ``seconds`` more: say so on it; returns until when."""
+        self._serving_until = time.time() + seconds
+        self.refresh(force=True)
+        return self._serving_until
 
     @property
     def url(self) -> str | None:
@@ -288,7 +297,7 @@ class ServerMetrics:
             status=report.status if report is not None else "starting",
             planned_rounds=loop.config.rounds, completed_round=loop.completed_round, open_rounds=open_rounds,
             agents=agents, rejected=dict(loop.rejected), rejected_chunks=dict(loop.transport.rejections()),
-            history=tuple(self._history), updated_at=time.time(),
+            history=tuple(self._history), updated_at=time.time(), serving_until=self._serving_until,
         )
 
 

@@ -26,9 +26,10 @@ from shared_protocol.messages import RoundEnd
 from shared_protocol.records import plain_json
 
 from .methods.base import RoundOutcome
-from .records import (AgentInfo, AgentRoundRecord, ByteCounts, RoundEvaluation, RoundRecord, RoundTimes, RunReport,
+from .records import (AgentBytes, AgentInfo, AgentRoundRecord, ByteCounts, RoundEvaluation, RoundRecord, RoundTimes, RunReport,
                       RunTotals, ServerDeviceRecord, ServerInfo, memory_growth_warnings, now_iso)
 from .report import format_summary_line, write_report
+from .report.per_device import per_device_section
 
 log = logging.getLogger("cloud_server")
 
@@ -94,6 +95,7 @@ class RunRecorder:
         self._prior_refused: list[dict[str, str]] = []
         self._round_bytes: dict[int, ByteCounts] = {}
         self._eval_bytes: dict[int, ByteCounts] = {}  # evaluation's messages, apart from training's
+        self._agent_bytes: dict[int, dict[str, AgentBytes]] = {}  # the same messages, by the agent sending or receiving
         self.outside_rounds = ByteCounts()  # registration, status, stale rounds
 
     @property
@@ -112,15 +114,20 @@ class RunRecorder:
 
     # -- bytes ------------------------------------------------------------------ #
 
-    def account(self, round_: int | None, direction: str, payload: int, wire: int, evaluation: bool = False) -> None:
+    def account(self, round_: int | None, direction: str, payload: int, wire: int, evaluation: bool = False,
+                agents: Collection[str] = ()) -> None:
         """Attribute a message's bytes to an open round (async rounds overlap in time), to
         that round's evaluation when the message is evaluation's, or, with ``round_`` None,
-        to the bytes outside rounds."""
+        to the bytes outside rounds; in a round, to each of ``agents`` too (its sender, or
+        those it was sent to: every one of them receives a broadcast whole)."""
         if round_ is None:
-            bucket = self.outside_rounds
-        else:
-            bucket = (self._eval_bytes if evaluation else self._round_bytes).setdefault(round_, ByteCounts())
-        bucket.add(direction, payload, wire)
+            self.outside_rounds.add(direction, payload, wire)
+            return
+        (self._eval_bytes if evaluation else self._round_bytes).setdefault(round_, ByteCounts()).add(direction, payload, wire)
+        by_agent = self._agent_bytes.setdefault(round_, {})
+        for agent in agents:
+            held = by_agent.setdefault(agent, AgentBytes())
+            (held.evaluation if evaluation else held.train).add(direction, payload, wire)
 
     # -- rounds ------------------------------------------------------------------- #
 
@@ -182,6 +189,7 @@ class RunRecorder:
                 edge_idle=mean_cost("idle_s"),
             ),
             per_agent={a: AgentRoundRecord.of(e.costs, _agent_accuracy(scored, a, edge_label)) for a, e in sorted(ends.items())},
+            device_bytes=dict(sorted((self._agent_bytes.pop(round_, None) or {}).items())),
             server=server,
             server_hooks_s={hook: float(s) for hook, s in sorted((hook_seconds or {}).items())},
             excluded=excluded,
@@ -215,6 +223,7 @@ class RunRecorder:
         for code, n in self.counters.rejected_chunks().items():
             chunks[code] = chunks.get(code, 0) + n
         report.memory_warnings = memory_growth_warnings(report.rounds)
+        report.per_device = per_device_section(report.to_json())
         report.totals = RunTotals.of(
             report.rounds,
             wall_time_s=time.monotonic() - self._started + self._prior_wall_s,

@@ -34,6 +34,7 @@ __all__ = [
     "ServerInfo",
     "AgentInfo",
     "ByteCounts",
+    "AgentBytes",
     "RoundTimes",
     "AgentRoundRecord",
     "ServerDeviceRecord",
@@ -106,6 +107,16 @@ class ByteCounts(JsonRecord):
             total.add("up", c.up_payload, c.up_wire)
             total.add("down", c.down_payload, c.down_wire)
         return total
+
+
+@dataclass(frozen=True)
+class AgentBytes(JsonRecord):
+    """One agent's messages in a round as the server's connection saw them
+    (``rounds[i].device_bytes[id]``): up, those it sent; down, those sent to it (broadcasts
+    in the round included); training's and evaluation's apart."""
+
+    train: ByteCounts = field(default_factory=ByteCounts)
+    evaluation: ByteCounts = field(default_factory=ByteCounts)
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,8 @@ class RoundRecord(JsonRecord):
     server_train_flops: int | None = optional_section()  # counted where the server's training is (centralized)
     time_s: RoundTimes = field(default_factory=RoundTimes)
     per_agent: dict[str, AgentRoundRecord] = field(default_factory=dict)
+    # Per agent, the bytes of its own messages (AgentBytes); empty in reports from before them.
+    device_bytes: dict[str, AgentBytes] = optional_section(default_factory=dict)
     # The server's device in the round (cloud_server/device_meter.py); None in reports from before it.
     server: ServerDeviceRecord | None = optional_section()
     # The seconds the server spent in the method's hooks (round_config, on_upload / answer,
@@ -328,6 +341,9 @@ class RunReport(JsonRecord):
     # The global test set every round's accuracy is measured on (cloud_server/evaluation.py):
     # dataset, split, samples, seed, ids_sha256, images_sha256, class_counts; None: no global set.
     eval_set: dict[str, Any] | None = optional_section()
+    # Per-device figures read against a stated device (cloud_server/report/per_device.py): per
+    # agent, bytes and link seconds per round, peak memory against the device's; None: no agent.
+    per_device: dict[str, Any] | None = optional_section()
     # What the server could reconstruct from what it received, added by `edgesplit audit`
     # (cloud_server.audit.audit_run.leakage_section); None: the run was not audited.
     leakage: dict[str, Any] | None = optional_section()

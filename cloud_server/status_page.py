@@ -141,6 +141,10 @@ def fragment(state: "LiveState") -> str:
         progress = '<span id="progress">no round open</span>'
     if state.server_phase:
         progress += f'<span id="server-phase">server: {escape(state.server_phase)}</span>'
+    if state.status not in ("running", "starting"):
+        until = "" if state.serving_until is None else \
+            f"; this page stays up until {time.strftime('%H:%M:%S', time.localtime(state.serving_until))}"
+        progress += f'<span id="ended">the run has ended ({escape(state.status)}){until}</span>'
     last = state.history[-1] if state.history else None
     acc = "—" if last is None or last.accuracy is None else f"{last.accuracy:.2%} (round {last.round})"
     rejected = sum(state.rejected.values())

@@ -51,7 +51,8 @@ def test_edgesplit_local_runs_a_federation_of_processes(tmp_path: Path) -> None:
     result = run(
         "cloud_server.launcher", "local", "--agents", "2", "--rounds", "2", "--dataset", "synthetic", "--partition", "iid",
         "--train-samples", "128", "--test-samples", "64", "--out", str(out), "--run-id", "cli-smoke",
-        "--audit", "--audit-steps", "3", "--low-memory",
+        "--audit", "--audit-steps", "3", "--low-memory", "--link-mbit", "1", "--device-memory", "1MB",
+        "--metrics", "127.0.0.1:0", "--set", "server.metrics_linger_s=1",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "held a previous run; replaced" in result.stderr
@@ -65,6 +66,14 @@ def test_edgesplit_local_runs_a_federation_of_processes(tmp_path: Path) -> None:
     # --low-memory: every agent ran in the Pi's low-memory mode and said so in its hello.
     for info in report["agents"].values():
         assert info["memory"]["micro_batch_samples"] == 16 and info["memory"]["shard_on_disk"] is True
+    # Per device, against the stated link and device: the console's lines after the run's last
+    # line, the summary's table, and the memory warning naming the setting that lowers it.
+    assert "per device, per round at 1 Mbit/s: up " in result.stdout and "per device, peak RSS: " in result.stdout
+    assert "warning: agent agent-0: peak RSS" in result.stdout and "lower [memory] micro_batch_samples (now 16" in result.stdout
+    assert "## Per device" in result.stdout and "**Memory warning**: agent agent-1: peak RSS" in result.stdout
+    assert report["per_device"]["link_mbit"] == 1.0 and report["per_device"]["device_memory_bytes"] == 10**6
+    # --metrics with metrics_linger_s: the console says the page stays up after the run, and until when.
+    assert "the run has ended; serving the final metrics and the status page (http://127.0.0.1:" in result.stdout
     # --audit: the audit ran when the run ended, and the printed summary already shows it.
     assert "edgesplit audit: best white_box_inversion" in result.stdout
     assert report["leakage"]["strongest"] is not None and (out / "leakage.png").exists()

@@ -91,3 +91,21 @@ def test_the_page_says_what_the_server_is_working_on_while_it_works() -> None:
         assert 'id="server-phase">server: working on the round' in fragment(live)
         assert json.loads(json.dumps(live.to_json()))["server_phase"] == live.server_phase
     assert metrics.live().server_phase == ""
+
+
+def test_after_the_run_the_page_says_it_ended_and_until_when_it_stays_up() -> None:
+    from cloud_server.metrics import ServerMetrics
+    from cloud_server.status_page import fragment
+
+    loop = fake_loop()
+    metrics = ServerMetrics(loop, MetricsEndpointConfig(MetricsAddress("127.0.0.1", 0)))  # type: ignore[arg-type]
+    assert 'id="ended"' not in fragment(metrics.live())  # running: nothing ended
+    loop.recorder._report.status = "finished"
+    loop.open_rounds = {}
+    metrics.refresh(force=True)
+    assert 'id="ended">the run has ended (finished)</span>' in fragment(metrics.live())
+    until = metrics.linger(90)
+    assert until > time.time() + 80
+    shown = fragment(metrics.live())
+    assert f"this page stays up until {time.strftime('%H:%M:%S', time.localtime(until))}" in shown
+    assert json.loads(json.dumps(metrics.live().to_json()))["serving_until"] == until

@@ -136,3 +136,39 @@ def test_status_page_in_headless_chromium_during_a_run(chromium: str, mosquitto,
         assert cells[4] == "2" and float(cells[5]) > 0 and cells[9].endswith("%"), cells
     for shot in (first, second, final):
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_page_shows_the_servers_phase_while_it_works_and_says_when_the_run_ended(  # type: ignore[no-untyped-def]
+        chromium: str, mosquitto, tmp_path: Path) -> None:
+    import threading
+
+    fed = HeldFederation(tmp_path, mosquitto.url, "phase")
+    method = fed.server.method
+    working, go_on = threading.Event(), threading.Event()
+    complete = method.complete
+
+    def held_complete(*args, **kwargs):  # type: ignore[no-untyped-def]
+        working.set()  # the coordinator's thread is in the method's work on round 1 ...
+        go_on.wait(120)  # ... and stays there until the page was looked at
+        return complete(*args, **kwargs)
+
+    method.complete = held_complete
+    fed.start()
+    try:
+        page = fed.server.metrics.url
+        fed.release()
+        wait_for(working.is_set, 300, "the server to work on round 1's uploads")
+        shot = tmp_path / "status-server-working.png"
+        during = browse(chromium, tmp_path, page, screenshot=shot)
+        go_on.set()
+        fed.join()
+        fed.server.metrics.linger(120)
+        after = browse(chromium, tmp_path, page)
+    finally:
+        go_on.set()
+        fed.close()
+    phase = re.search(r'id="server-phase">server: ([^<]+)<', during)
+    assert phase is not None, during[:3000]
+    assert "round 1" in phase.group(1) and "uploads" in phase.group(1)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.search(r'id="ended">the run has ended \(finished\); this page stays up until \d\d:\d\d:\d\d<', after), after[:3000]

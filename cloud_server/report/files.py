@@ -12,8 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from ..device_target import DeviceTarget
 from .formatting import cumulative_wire_mb
 from .markdown import comparison_md, summary_md
+from .per_device import per_device_section
 from .plots import PLOTS
 from .schema import BYTE_KEYS, TIME_KEYS, ReportError, validate_report
 
@@ -129,13 +131,23 @@ def load_report(run_dir: str | Path) -> dict[str, Any]:
     return report
 
 
-def render_run_dir(run_dir: str | Path) -> dict[str, Path]:
-    """Reload ``RUN_DIR/report.json`` and rewrite rounds.csv, the plots and summary.md."""
-    return write_report(run_dir, load_report(run_dir))
+def _read_against(report: dict[str, Any], target: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The report with its per-device figures read against ``target`` (``link_mbit`` /
+    ``device_memory`` over the run's own); without one, the report as written."""
+    if target:
+        section = per_device_section(report, DeviceTarget.of_config({**report["config"], **(target or {})}))
+        report = {**report, "per_device": section} if section is not None else report
+    return report
 
 
-def compare_runs(run_dirs: Sequence[str | Path]) -> str:
+def render_run_dir(run_dir: str | Path, target: Mapping[str, Any] | None = None) -> dict[str, Path]:
+    """Reload ``RUN_DIR/report.json`` and rewrite it, rounds.csv, the plots and summary.md
+    (the per-device figures against ``target`` when given)."""
+    return write_report(run_dir, _read_against(load_report(run_dir), target))
+
+
+def compare_runs(run_dirs: Sequence[str | Path], target: Mapping[str, Any] | None = None) -> str:
     """A markdown table comparing several runs (e.g. one per method in a benchmark)."""
     if not run_dirs:
         raise ValueError("compare_runs needs at least one run directory")
-    return comparison_md([load_report(run_dir) for run_dir in run_dirs])
+    return comparison_md([_read_against(load_report(run_dir), target) for run_dir in run_dirs])

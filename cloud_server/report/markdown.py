@@ -11,6 +11,7 @@ import numpy as np
 from .formatting import DASH, EDGE_PHASES, duration, figure_cell, gflops, is_scalar, mb, pct, ratio, seconds, table
 from ..privacy import privacy_line
 from .leakage_md import leakage_md, strongest_attack_cell
+from .per_device_md import COMPARISON_HEADER, comparison_cells, per_device_md
 from .sanity import sanity_warnings
 from .schema import BYTE_KEYS, kind_ok
 
@@ -325,6 +326,7 @@ def summary_md(report: Mapping[str, Any]) -> str:
         _accuracy_md(report),
         _edge_cost_md(report["models"]),
         _communication_md(rounds, report["totals"]),
+        per_device_md(report),
         leakage_md(report),
         [privacy_line(report.get("privacy")), ""] if report.get("privacy") else [],
         _rounds_md(rounds),
@@ -347,8 +349,8 @@ def comparison_md(reports: Sequence[Mapping[str, Any]]) -> str:
             pct(totals["final_accuracy"]), pct(totals["best_accuracy"]), pct(totals.get("final_local_accuracy")),
             pct(totals["final_edge_accuracy"]),
             gflops(None if edge is None else edge["train_flops_per_sample"]),
-            mb(totals["wire_total"]), strongest_attack_cell(report), duration(totals["wall_time_s"]),
+            mb(totals["wire_total"]), *comparison_cells(report), strongest_attack_cell(report), duration(totals["wall_time_s"]),
         ])
     header = ["Run", "Method", "Status", "Rounds", "Global acc.", "Best global", "Local acc.", "Edge acc.",
-              "Edge GFLOPs / sample", "Wire MB", "Strongest attack PSNR dB (mean image)", "Wall time"]
+              "Edge GFLOPs / sample", "Wire MB", *COMPARISON_HEADER, "Strongest attack PSNR dB (mean image)", "Wall time"]
     return "\n".join(table(header, rows, right_from=3)) + "\n"

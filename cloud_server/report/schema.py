@@ -34,6 +34,7 @@ from ..records import (
 )
 from ..privacy import check_privacy_section as _check_privacy
 from .formatting import describe
+from .per_device_schema import check_device_bytes, check_per_device
 
 __all__ = ["ReportError", "validate_report", "specs_of", "kind_ok", "BYTE_KEYS", "TIME_KEYS"]
 
@@ -264,6 +265,7 @@ def _check_round(ck: _Checker, index: int, rnd: Any) -> dict[str, Any]:
         ck.fields(costs, f"{path}.per_agent[{agent_id}]", _PER_AGENT_FIELDS)
         if participants is not None and agent_id not in participants:
             ck.add(f"{path}.per_agent[{agent_id}]: not a participant of the round")
+    check_device_bytes(ck, path, rnd, _BYTES_FIELDS)
     if "server" in rnd:
         _check_round_server(ck, f"{path}.server", rnd["server"])
     if "method" in rnd and not isinstance(rnd["method"], dict):
@@ -364,6 +366,7 @@ def validate_report(report: dict[str, Any]) -> None:
     _check_models(ck, top.get("models"))
     _check_leakage(ck, report.get("leakage"))
     _check_privacy(ck, report.get("privacy"))
+    check_per_device(ck, report.get("per_device"))
 
     rounds: list[dict[str, Any]] = []
     rounds_ok = "rounds" in top

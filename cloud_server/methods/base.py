@@ -50,6 +50,8 @@ class ServerContext:
     # and the validation set that judges weight updates (None: [server] validation_samples = 0).
     defence: Any = None  # cloud_server.robust_validation.DefenceConfig; default: off
     validation: Any = None  # cloud_server.validation_screen.ValidationScreen
+    # Secure aggregation's parameters (shared_protocol.secagg.SecAggParams); None: off.
+    secagg: Any = None
 
     def __post_init__(self) -> None:
         from ..robust_config import RobustnessConfig
@@ -103,6 +105,9 @@ class ServerMethod(ABC):
     # Whether the method aggregates the agents' weights or updates (and so honours
     # [server] aggregation and clip_update_norm, cloud_server/robust.py).
     aggregates_weights: ClassVar[bool] = False
+    # Whether the server step is a weighted sum of the agents' models, so that secure aggregation
+    # can stand in for it (shared_protocol.secagg.SUMMING_METHODS names these methods).
+    sums_updates: ClassVar[bool] = False
     # How the coordinator runs this method's rounds (cloud_server/schedulers.py), read once
     # when the run starts: "sync" (every participant at once, one barrier per round),
     # "sequential" (agents take turns within a sync round, e.g. split learning; a late joiner
@@ -177,6 +182,18 @@ class ServerMethod(ABC):
 
     def discard(self, agent: str) -> None:
         """Forget what ``agent`` staged in its current round (it failed or timed out)."""
+
+    def due_messages(self) -> list[tuple[str, Message]]:
+        """What the method sends now, unasked, within an open round (agent, message): asked after
+        every message the coordinator handles and at least once a second, so an exchange among the
+        agents through the server (secure aggregation's stages) moves on when a stage is complete
+        or its time is up. Default: nothing."""
+        return []
+
+    def secagg_report(self, round_: int) -> dict[str, Any]:
+        """``{"secagg": figures}`` of ``round_``'s secure aggregation for its record's method
+        section (cloud_server/secagg_server.py); empty when it is off."""
+        return {}
 
     def end_round(self, round_: int) -> None:
         """``round_`` closed (after its evaluation, before its record and checkpoint): per-round

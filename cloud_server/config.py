@@ -192,9 +192,9 @@ class ServerConfig:
             raise ValueError(f"server.metrics_linger_s must be >= 0, got {self.metrics_linger_s}")
         self.transport_config()  # chunk size, credentials in the URL
         self.metrics_endpoint()  # a non-loopback address without credentials is refused here
+        self.secagg_params()  # first: a conflict with secure aggregation says what to drop
         self.robustness_config()  # the rule's bound against expected_agents, the thresholds
         self.defence_config()
-        self.secagg_params()
 
     def metrics_endpoint(self) -> MetricsEndpointConfig | None:
         """Where the metrics and the status page are served (None: metrics off)."""

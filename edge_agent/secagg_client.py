@@ -65,7 +65,9 @@ class SecAggClient:
         self.weight_scale = 1
         self.s_public: dict[str, np.ndarray] = {}
         self.held: dict[str, tuple[bytes, bytes]] = {}  # agent -> my shares of its (b seed, s seed)
-        self.sharers: list[str] = []  # the others whose shares the server relayed to me
+        # The others the server says shared keys: my pairwise masks are with them, whether or not
+        # their ciphertext to me opened (their masks with me count on mine to cancel).
+        self.sharers: list[str] = []
         self.problems: dict[str, int] = {"bad_shares": 0, "unknown_senders": 0, "replayed_shares": 0}
         self.compute_s = 0.0  # this agent's own secure-aggregation work (not the waits)
         self.clipped = 0
@@ -124,18 +126,17 @@ class SecAggClient:
                 self.problems["unknown_senders"] += 1
                 log.error("round %d: a share from %r, who is not in the roster %s: left out", self.round, sender, self.roster)
                 continue
-            if sender in self.held:
+            if sender in self.sharers:
                 self.problems["replayed_shares"] += 1
                 log.error("round %d: a second share from %s: left out", self.round, sender)
                 continue
+            self.sharers.append(sender)
             try:
                 self.held[sender] = open_shares(self.keys.c_key, self.c_public[sender], row,
                                                 share_context(self.ctx.run_id, self.round, sender, self.me))
             except SecAggShareError as exc:
                 self.problems["bad_shares"] += 1
                 log.error("round %d: the share from %s is unusable (%s): left out", self.round, sender, exc)
-                continue
-            self.sharers.append(sender)
         self.compute_s += time.perf_counter() - started
 
     # -- after training: the masked update and the unmasking ------------------------------- #

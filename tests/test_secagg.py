@@ -197,3 +197,23 @@ def test_the_summing_methods_are_the_ones_that_declare_it() -> None:
     # FedBE inherits FedAvg's server and does not sum (it samples models around the clients'):
     # it must say so, and the list the config reads must match the classes.
     assert declared == sorted(SUMMING_METHODS)
+
+
+def test_every_summing_method_takes_the_secure_uploads() -> None:
+    from cloud_server.methods import get_server_method
+    from shared_protocol.secagg_messages import SECAGG_UPLOADS
+
+    for name in SUMMING_METHODS:
+        assert set(SECAGG_UPLOADS) <= set(get_server_method(name).upload_types), name
+
+
+@pytest.mark.parametrize("method", ["fedgkd", "feddistill"])
+def test_the_fedavg_family_aggregates_securely_in_memory(tmp_path, method: str) -> None:  # type: ignore[no-untyped-def]
+    from fedhelpers import agent_config, in_memory_federation, method_server_config
+
+    cfg = replace(method_server_config(tmp_path, method, {"model": "resnet8", "batch_size": 32}, run_id="sa-fam", agents=3,
+                                       rounds=1, eval_samples=40), secure_aggregation=True, secagg_stage_timeout_s=20.0)
+    report = in_memory_federation(cfg, [agent_config(cfg.run_id, i, 3, train_samples=96, test_samples=16) for i in range(3)]).start().join()
+    record = report["rounds"][0]
+    assert record["status"] == "ok" and record["method"]["secagg"]["stage"] == "done"
+    assert record["method"]["secagg"]["survivors"] == ["agent-0", "agent-1", "agent-2"]

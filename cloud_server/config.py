@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from shared_protocol.configs import unknown_keys_error
 from shared_protocol.metrics_endpoint import MetricsEndpointConfig
 from shared_protocol.registry import DEFAULT_METHOD
+from shared_protocol.secagg_params import SUMMING_METHODS, SecAggParams
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
 from shared_protocol.transport import BrokerAddress, TransportConfig, redact_url
@@ -128,6 +129,15 @@ class ServerConfig:
     dpsgd: bool = False
     dpsgd_noise_multiplier: float = 0.0
     dpsgd_max_grad_norm: float = 1.0
+    # Secure aggregation (shared_protocol/secagg.py, docs/privacy.md): the summing methods' updates
+    # reach the server masked by pairwise masks, and it learns only their weighted sum. Off by
+    # default; the masked vectors live in the ring of secagg_ring_bits bits with secagg_fraction_bits
+    # of fixed-point fraction; t = floor(secagg_threshold * roster) + 1 shares rebuild a seed.
+    secure_aggregation: bool = False
+    secagg_ring_bits: int = 32  # 32 | 64
+    secagg_fraction_bits: int = 20
+    secagg_threshold: float = 0.5
+    secagg_stage_timeout_s: float = 60.0
     log_json: bool = False
     progress: bool = True
     # A console line every this many seconds while the server works on a round longer than that
@@ -203,6 +213,7 @@ class ServerConfig:
             raise ValueError(f"server.{exc}") from None
         self.transport_config()  # chunk size, credentials in the URL
         self.metrics_endpoint()  # a non-loopback address without credentials is refused here
+        self.secagg_params()  # first: a conflict with secure aggregation says what to drop
         self.robustness_config()  # the rule's bound against expected_agents, the thresholds
         self.defence_config()
         self.privacy_config()
@@ -247,6 +258,30 @@ class ServerConfig:
             validation_step=self.validation_step,
             plausible_min_label_agreement=self.plausible_min_label_agreement, plausible_mad=self.plausible_mad, seed=self.seed,
         )
+
+    def secagg_params(self) -> "SecAggParams | None":
+        """Secure aggregation's parameters (None: off); a setting that needs the individual
+        updates the server no longer sees is refused here, naming both keys."""
+        if not self.secure_aggregation:
+            return None
+        if self.method not in SUMMING_METHODS:
+            raise ValueError(f"server.secure_aggregation sums the agents' models; method {self.method!r} does not average "
+                             f"them (it works on each one): use one of {SUMMING_METHODS} or leave secure_aggregation off")
+        conflicts = {
+            "aggregation": (self.aggregation != "mean", f"{self.aggregation!r} (a robust rule needs each update; use 'mean')"),
+            "clip_update_norm": (self.clip_update_norm != 0, f"{self.clip_update_norm!r} (server-side clipping needs each update; "
+                                                            "clip on the agents, before masking, or set 0)"),
+            "validation_samples": (self.validation_samples != 0, f"{self.validation_samples!r} (the validation screen scores "
+                                                                "each update; set 0)"),
+            "plausible_min_cosine": (self.plausible_min_cosine > -1, f"{self.plausible_min_cosine!r} (the direction check "
+                                                                    "compares each update with the others; set -1)"),
+        }
+        for key, (conflict, detail) in conflicts.items():
+            if conflict:
+                raise ValueError(f"server.secure_aggregation = true conflicts with server.{key} = {detail}: "
+                                 "the server sees only the sum of the updates")
+        return SecAggParams(ring_bits=self.secagg_ring_bits, fraction_bits=self.secagg_fraction_bits,
+                            threshold=self.secagg_threshold, stage_timeout_s=self.secagg_stage_timeout_s)
 
     @property
     def resolved_in_channels(self) -> int:
@@ -298,7 +333,7 @@ class ServerConfig:
         return ServerContext(run_id=self.run_id, num_classes=self.num_classes, in_channels=self.resolved_in_channels,
                              device=device, seed=self.seed, progress=progress, rounds=self.rounds,
                              out_dir=self.out_dir, server_step=self.server_step, robustness=self.robustness_config(),
-                             defence=self.defence_config())
+                             defence=self.defence_config(), secagg=self.secagg_params())
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

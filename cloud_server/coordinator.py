@@ -194,6 +194,8 @@ class Coordinator(RoundHostOps):
     def pump(self, timeout_s: float) -> None:
         """Receive and handle at most one inbound message."""
         self._pump(timeout_s)
+        for agent, msg in self.method.due_messages():
+            self.send(agent, msg)
         if self.metrics is not None:
             self.metrics.refresh()
 

@@ -173,8 +173,9 @@ class RoundHostOps:
         record = self.recorder.round_record(
             rnd.round, status, participants=rnd.participants, ends=rnd.done, outcomes=rnd.outcomes,
             started_at=rnd.started_at, server=self.method.ctx.device_meter.take(),
-            method_figures=self.method.round_report(rnd.round), evaluation=evaluation, edge_label=edge_label,
-            robustness=robustness, privacy=privacy_record, warnings=warnings, hook_seconds=self.hook_clock.take(rnd.round),
+            method_figures={**self.method.round_report(rnd.round), **self.method.secagg_report(rnd.round)},
+            evaluation=evaluation, edge_label=edge_label, robustness=robustness, privacy=privacy_record, warnings=warnings,
+            hook_seconds=self.hook_clock.take(rnd.round),
         )
         self.completed_round = rnd.round
         self.recorder.add_round(record, checkpoint=self.save_checkpoint)

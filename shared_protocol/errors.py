@@ -124,3 +124,24 @@ class MapsNotHeldError(ProtocolError):
 
 
 __all__ = [name for name in dir() if name.endswith("Error")]
+
+
+class SecAggError(ProtocolError):
+    """A secure-aggregation step that cannot go on as asked (shared_protocol/secagg.py): a
+    message for a stage that closed, a list that contradicts the roster, too few agents left."""
+
+    code = "secagg"
+
+
+class SecAggReplayError(SecAggError):
+    """A second, different message for a secure-aggregation stage the sender already took part
+    in (a repeat of the same message is answered, not refused)."""
+
+    code = "secagg_replay"
+
+
+class SecAggShareError(SecAggError):
+    """An encrypted share that does not decrypt or authenticate, or a share that names an agent
+    outside the roster."""
+
+    code = "secagg_bad_share"

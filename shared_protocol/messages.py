@@ -8,7 +8,8 @@ the module that does the job):
   (:func:`tensor`, :func:`tensor_dict`, :func:`record`), the registry of message
   types, :func:`encode_message` / :func:`decode_message`;
 - :mod:`.core_messages`: the message types every method uses (importing this
-  module registers them).
+  module registers them);
+- :mod:`.secagg_messages`: secure aggregation's, which any summing method may use.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .core_messages import (
     Welcome,
     check_metric_names,
 )
+from . import secagg_messages  # noqa: F401  (registers secure aggregation's types, used by any summing method)
 from .message_base import (
     Message,
     TensorSpec,

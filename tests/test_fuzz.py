@@ -31,6 +31,9 @@ def _seed_frames() -> list[bytes]:
     )
     frames = [encode_message(features, codecs={"features": c}) for c in ("raw", "fp16-zstd", "u8-zstd", "zstd")]
     frames.append(encode_message(RoundEnd(run="r", round=1, sender="a", num_samples=2, costs=AgentRoundCosts(compute_s=1.0))))
+    from test_secagg_wire import golden_secagg_messages
+
+    frames.extend(encode_message(msg) for msg in golden_secagg_messages().values())
     return frames
 
 

@@ -53,6 +53,8 @@ class ServerContext:
     # Differential privacy (cloud_server/privacy.py): the [server] dp_* settings, the noised mean of
     # clipped updates the weight-sharing methods call, and the accountant. Default: off.
     privacy: Any = None  # cloud_server.privacy.PrivacyLedger
+    # Secure aggregation's parameters (shared_protocol.secagg.SecAggParams); None: off.
+    secagg: Any = None
 
     def __post_init__(self) -> None:
         from ..robust_config import RobustnessConfig
@@ -114,6 +116,9 @@ class ServerMethod(ABC):
     # method that reads the agents' individual updates for more than their mean (FedBE's ensemble)
     # holds only for noise the agents add themselves.
     dp_fedavg_modes: ClassVar[tuple[str, ...]] = ("central", "client_clipping", "local")
+    # Whether the server step is a weighted sum of the agents' models, so that secure aggregation
+    # can stand in for it (shared_protocol.secagg.SUMMING_METHODS names these methods).
+    sums_updates: ClassVar[bool] = False
     # How the coordinator runs this method's rounds (cloud_server/schedulers.py), read once
     # when the run starts: "sync" (every participant at once, one barrier per round),
     # "sequential" (agents take turns within a sync round, e.g. split learning; a late joiner
@@ -188,6 +193,18 @@ class ServerMethod(ABC):
 
     def discard(self, agent: str) -> None:
         """Forget what ``agent`` staged in its current round (it failed or timed out)."""
+
+    def due_messages(self) -> list[tuple[str, Message]]:
+        """What the method sends now, unasked, within an open round (agent, message): asked after
+        every message the coordinator handles and at least once a second, so an exchange among the
+        agents through the server (secure aggregation's stages) moves on when a stage is complete
+        or its time is up. Default: nothing."""
+        return []
+
+    def secagg_report(self, round_: int) -> dict[str, Any]:
+        """``{"secagg": figures}`` of ``round_``'s secure aggregation for its record's method
+        section (cloud_server/secagg_server.py); empty when it is off."""
+        return {}
 
     def end_round(self, round_: int) -> None:
         """``round_`` closed (after its evaluation, before its record and checkpoint): per-round

@@ -36,6 +36,7 @@ from models.training import logits_of
 from shared_protocol.configs import EmbeddedRoundConfig, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalReport, Message, RoundEnd, RoundStart
+from shared_protocol.secagg_messages import SECAGG_UPLOADS
 from shared_protocol.methods.fedavg import (
     WEIGHT_CODECS,
     FedAvgGlobalModel,
@@ -109,8 +110,9 @@ class _Staged(StagedUpload):
 @register_server_method
 class FedAvgServer(ServerMethod):
     name = "fedavg"
-    upload_types = (FedAvgUpdate,)
+    upload_types = (FedAvgUpdate, *SECAGG_UPLOADS)
     aggregates_weights = True
+    sums_updates = True  # secure aggregation applies ([server] secure_aggregation)
     config_class: type[FedAvgConfig] = FedAvgConfig
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:
@@ -126,11 +128,20 @@ class FedAvgServer(ServerMethod):
         self.staged: ModelUploadStage[_Staged] = ModelUploadStage("model upload", log)
         self.has_version: dict[str, int] = {}  # agent -> global version it confirmed holding
         self._aggregating: list[str] = []  # the agents whose states aggregate() is averaging (in order)
+        self.secagg = None  # cloud_server.secagg_server.SecAggRounds when [server] secure_aggregation is on
+        if ctx.secagg is not None:
+            from ..secagg_server import SecAggRounds  # needs cryptography and pycryptodome
+
+            floats, _ = split_state(self.global_state)
+            self.secagg = SecAggRounds(ctx.run_id, ctx.secagg, list(floats), sum(a.size for a in floats.values()))
 
     # -- configuration --------------------------------------------------------- #
 
     def welcome_settings(self) -> dict[str, Any]:
-        return {"num_classes": self.ctx.num_classes, "model": self.config.model}
+        settings: dict[str, Any] = {"num_classes": self.ctx.num_classes, "model": self.config.model}
+        if self.secagg is not None:
+            settings["secagg"] = self.secagg.params.to_dict()
+        return settings
 
     @property
     def download_codecs(self) -> dict[str, dict[str, str]]:  # type: ignore[override]
@@ -146,6 +157,8 @@ class FedAvgServer(ServerMethod):
         config = {**self.config.round_config(self.version, ints).to_dict(), **self.extra_round_config(round_, agent)}
         # An agent that confirmed holding this version (it evaluated it) needs no second copy.
         weights = {} if self.has_version.get(agent) == self.version else floats
+        if self.secagg is not None:
+            self.secagg.expect(round_, agent)
         return config, weights
 
     def model_info(self) -> dict[str, Any]:
@@ -162,9 +175,19 @@ class FedAvgServer(ServerMethod):
     # -- uploads ----------------------------------------------------------------- #
 
     def on_upload(self, agent: str, msg: Message) -> None:
-        if not isinstance(msg, FedAvgUpdate):
-            raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
-        self._stage_update(agent, msg)
+        if isinstance(msg, SECAGG_UPLOADS) and self.secagg is not None:
+            self.secagg.receive(agent, msg)
+        elif not isinstance(msg, FedAvgUpdate) or self.secagg is not None:
+            raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads with [server] secure_aggregation "
+                                  f"{'on' if self.secagg is not None else 'off'}")
+        else:
+            self._stage_update(agent, msg)
+
+    def due_messages(self) -> list[tuple[str, Message]]:
+        return self.secagg.due() if self.secagg is not None else []
+
+    def secagg_report(self, round_: int) -> dict[str, Any]:
+        return self.secagg.report(round_) if self.secagg is not None else {}
 
     def _stage_update(self, agent: str, msg: FedAvgUpdate) -> None:
         if msg.model_version != self.version:
@@ -180,6 +203,8 @@ class FedAvgServer(ServerMethod):
 
     def discard(self, agent: str) -> None:
         self.staged.pop(agent, None)
+        if self.secagg is not None:
+            self.secagg.drop(agent)
         # A failed or restarted agent may not hold the global model any more.
         self.has_version.pop(agent, None)
 
@@ -238,24 +263,28 @@ class FedAvgServer(ServerMethod):
 
     def complete(self, round_: int, ends: dict[str, RoundEnd], evaluate: bool) -> RoundOutcome:
         outcome = RoundOutcome()
-        used, outcome.excluded = self.staged.take_usable(round_, ends)
-        used = self.screen(round_, used, outcome.excluded)
-        outcome.used_agents = list(used)
-        if not used:
+        if self.secagg is not None:
+            outcome.used_agents, states, counts = self._secure_sum(round_, ends, outcome)
+        else:
+            used, outcome.excluded = self.staged.take_usable(round_, ends)
+            used = self.screen(round_, used, outcome.excluded)
+            outcome.used_agents = list(used)
+            states, counts = [s.state for s in used.values()], [s.num_samples for s in used.values()]
+        if not states:
             return outcome
         started = time.perf_counter()
-        self._aggregating = list(used)
+        self._aggregating = list(outcome.used_agents) if len(states) == len(outcome.used_agents) else []
         try:
-            new_state = self.aggregate(round_, [s.state for s in used.values()], [s.num_samples for s in used.values()])
+            new_state = self.aggregate(round_, states, counts)
         finally:
             self._aggregating = []
         load_arrays_into(self.model, new_state)  # checks names, shapes and finiteness
         self.global_state = new_state
         self.version = round_
         outcome.server_train_s = time.perf_counter() - started
-        outcome.samples = sum(s.num_samples for s in used.values())
-        losses = [(float(ends[a].metrics["train_loss"]), s.num_samples) for a, s in used.items()
-                  if isinstance(ends[a].metrics.get("train_loss"), (int, float))]
+        outcome.samples = sum(counts)
+        losses = [(float(ends[a].metrics["train_loss"]), ends[a].num_samples) for a in outcome.used_agents
+                  if a in ends and isinstance(ends[a].metrics.get("train_loss"), (int, float))]
         if losses:
             # No server model is trained: report the agents' mean local training loss.
             outcome.server_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses)
@@ -267,6 +296,21 @@ class FedAvgServer(ServerMethod):
                                         int_buffers=ints, weights=floats)
                 outcome.downloads.append((agent, msg))
         return outcome
+
+    def _secure_sum(self, round_: int, ends: dict[str, RoundEnd],
+                    outcome: RoundOutcome) -> tuple[list[str], list[dict[str, np.ndarray]], list[int]]:
+        """(survivors, states, sample counts) of a secure-aggregation round: one state, the global
+        model plus the weighted mean update the survivors' masked inputs sum to (so the method's
+        aggregate of it is itself). No single update is seen, so none is screened."""
+        self.secagg.agent_costs[round_] = {a: float(e.metrics["secagg_s"]) for a, e in ends.items()
+                                           if isinstance(e.metrics.get("secagg_s"), (int, float))}
+        finished = self.secagg.finish(round_, self.global_state)
+        if finished is None:
+            outcome.excluded.update({a: "secure aggregation did not finish" for a in ends})
+            return [], [], []
+        state, result = finished
+        outcome.excluded.update({a: "not among the secure sum's survivors" for a in ends if a not in result.survivors})
+        return list(result.survivors), [state], [sum(result.num_samples.values())]
 
     # -- evaluation ------------------------------------------------------------------- #
 

@@ -183,6 +183,7 @@ class FedBEConfig(FedAvgConfig):
 
 @register_server_method
 class FedBEServer(FedAvgServer):
+    sums_updates = False  # it samples models around the agents' own: secure aggregation cannot stand in
     name = "fedbe"
     config_class = FedBEConfig
     # The ensemble samples around the agents' own models: only noise they add themselves keeps them private.

@@ -148,7 +148,7 @@ class _RoundTeachers:
 @register_server_method
 class FedGkdServer(FedAvgServer):
     name = "fedgkd"
-    upload_types = (FedAvgUpdate,)
+    upload_types = FedAvgServer.upload_types  # FedAvg's, secure aggregation's included
     config_class = FedGkdConfig
     config: FedGkdConfig
 

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +38,9 @@ from ..costs import RoundMeter
 from ..privacy import DpSgd, agent_privacy, privatise_state
 from ..trainer import Forward, LossFn, Trains, train_epochs
 from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method, shard_result
+
+if TYPE_CHECKING:
+    from ..secagg_client import SecAggClient
 
 log = logging.getLogger("edge_agent.fedavg")
 
@@ -130,9 +136,24 @@ class FedAvgEdge(EdgeMethod):
         teachers its :meth:`forward_fn` runs."""
         return Trains.of((self.model,), self.input_shape)
 
+    def shared_update(self, update: dict[str, np.ndarray], cfg: FedAvgRoundConfig) -> dict[str, np.ndarray]:
+        """What of ``update`` (the model's floats minus the global model's) this agent lets the
+        secure sum see: the place for client-side clipping and a share of distributed DP noise,
+        which must happen before masking (the server cannot clip or noise what it never sees).
+        Default: the update as it is."""
+        return update
+
     def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
         cfg = FedAvgRoundConfig.from_dict(start.config)
         ctx = self.ctx
+        secagg = None
+        if "secagg" in ctx.settings:  # [server] secure_aggregation: keys and shares before training
+            from ..secagg_client import SecAggClient  # needs cryptography and pycryptodome
+            from shared_protocol.secagg_params import SecAggParams
+
+            secagg = SecAggClient(ctx, SecAggParams.from_dict(ctx.settings["secagg"]), start.round,
+                                  time.monotonic() + start.deadline_s)
+            secagg.setup(meter, len(ctx.train))
         with meter.phase("compute"):
             self._receive_global(start, cfg)
             optimizer = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay,
@@ -156,8 +177,24 @@ class FedAvgEdge(EdgeMethod):
             run=ctx.run_id, round=start.round, sender=ctx.agent_id, instance=ctx.instance, num_samples=len(ctx.train),
             model_version=cfg.model_version, int_buffers=int_buffers, weights=weights,
         )
-        ctx.send(update, meter, codecs={"weights": cfg.upload_codec})
+        if secagg is None:
+            ctx.send(update, meter, codecs={"weights": cfg.upload_codec})
+        else:
+            self._secure_upload(secagg, cfg, meter, weights, int_buffers)
+            metrics.update(secagg.metrics())
         return RoundResult(num_samples=len(ctx.train), uploads={"model_version": cfg.model_version, "tensors": len(weights)}, metrics=metrics)
+
+    def _secure_upload(self, secagg: "SecAggClient", cfg: FedAvgRoundConfig, meter: RoundMeter,
+                       weights: dict[str, np.ndarray], int_buffers: dict[str, int]) -> None:
+        """The update masked into the secure sum (edge_agent/secagg_client.py), the model's floats
+        flattened in name order as the server unflattens them."""
+        if self.global_state is None:
+            raise StaleMessageError("secure aggregation needs the global model this round started from")
+        update = self.shared_update({n: weights[n].astype(np.float64) - self.global_state[n] for n in weights}, cfg)
+        flat = np.concatenate([update[n].ravel() for n in sorted(update)])  # (params,)
+        with meter.phase("encode"):
+            masked = secagg.mask(flat, len(self.ctx.train))
+        secagg.upload(meter, masked, cfg.model_version, int_buffers)
 
     # -- local persistence ------------------------------------------------------------ #
 

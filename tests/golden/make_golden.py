@@ -12,7 +12,10 @@ sys.path.insert(0, str(HERE.parent))
 
 from shared_protocol.messages import encode_message  # noqa: E402
 from test_frame import golden_round_start  # noqa: E402
+from test_secagg_wire import golden_secagg_messages  # noqa: E402
 
 (HERE / "round_start_v1.bin").write_bytes(encode_message(golden_round_start(), codecs={"weights": "raw"}))
 (HERE / "round_start_zstd_v1.bin").write_bytes(encode_message(golden_round_start(), codecs={"weights": "zstd"}))
+for name, msg in golden_secagg_messages().items():
+    (HERE / name).write_bytes(encode_message(msg))
 print("wrote", sorted(p.name for p in HERE.glob("*.bin")))

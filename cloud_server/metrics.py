@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,10 +33,26 @@ from shared_protocol.metrics_endpoint import MetricsEndpointConfig
 from shared_protocol.metrics_http import MetricsServer, SelfCost, timed_update
 
 from .phase_ticker import describe_phase
+from .live_state import AgentView, LiveState, OpenRoundView, RoundPoint
 from .records import RoundRecord
 
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
+
+
+class RunLoop(Protocol):
+    """What the metrics read of the coordinator (:class:`cloud_server.coordinator.Coordinator`),
+    on its own thread: the run's config and method, the agents' registry, the transport's
+    inbound progress and refusals, the open rounds, the recorder's status, the hook clock."""
+
+    config: Any
+    method: Any
+    registry: Any
+    transport: Any
+    topics: Any
+    open_rounds: Mapping[int, Any]
+    recorder: Any
+    completed_round: int
+    rejected: Mapping[str, int]
+    hook_clock: Any
 
 __all__ = ["ServerMetrics", "LiveState", "AgentView", "RoundPoint"]
 
@@ -45,91 +60,10 @@ PHASES = ("compute", "encode", "network", "idle")
 ROUND_BUCKETS_S = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200)
 
 
-@dataclass(frozen=True)
-class AgentView:
-    """One agent on the page and in the live series."""
-
-    online: bool
-    dropped: bool
-    status: str  # its last status message
-    round: int  # the round it works on (0: none)
-    rejections: int  # messages of its own rejected (toward max_rejections_per_agent)
-    reassembly_bytes: int  # bytes of its uploads held while they arrive
-    last_round: int = 0  # the round its costs below are from (0: none yet)
-    costs: dict[str, Any] = field(default_factory=dict)  # that round's AgentRoundCosts as JSON
-
-
-@dataclass(frozen=True)
-class OpenRoundView:
-    round: int
-    participants: int
-    done: int
-    missing: int
-    waiting_for: tuple[str, ...]
-    started_at: float  # time.monotonic(): the times below are read when asked, so a snapshot
-    deadline_at: float  # taken before a long server step still counts down (inf: no deadline)
-
-    @property
-    def open_s(self) -> float:
-        return time.monotonic() - self.started_at
-
-    @property
-    def deadline_left_s(self) -> float | None:
-        """None: no round-wide deadline (async)."""
-        return self.deadline_at - time.monotonic() if math.isfinite(self.deadline_at) else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"round": self.round, "participants": self.participants, "done": self.done, "missing": self.missing,
-                "waiting_for": list(self.waiting_for), "open_s": self.open_s, "deadline_left_s": self.deadline_left_s}
-
-
-@dataclass(frozen=True)
-class RoundPoint:
-    """A closed round on the page's curves."""
-
-    round: int
-    status: str
-    accuracy: float | None
-    local_accuracy: float | None
-    cumulative_wire_bytes: int  # training's bytes over this and the earlier rounds, as report.json's wire_total
-    duration_s: float
-
-
-@dataclass(frozen=True)
-class LiveState:
-    run: str
-    method: str
-    schedule: str
-    status: str
-    planned_rounds: int
-    completed_round: int
-    open_rounds: tuple[OpenRoundView, ...]
-    agents: dict[str, AgentView]
-    rejected: dict[str, int]
-    rejected_chunks: dict[str, int]
-    history: tuple[RoundPoint, ...]
-    updated_at: float  # time.time()
-    # What the server is working on now, in words ("" between works): read when the page is
-    # served, so a long server step shows while the snapshot above waits for it to end.
-    server_phase: str = ""
-    # After the run: until when the page is still served (time.time(); None: not said).
-    serving_until: float | None = None
-
-    @property
-    def round_in_progress(self) -> int:
-        return min((r.round for r in self.open_rounds), default=0)
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["open_rounds"] = [r.to_json() for r in self.open_rounds]
-        out["round_in_progress"] = self.round_in_progress
-        return out
-
-
 class ServerMetrics:
     REFRESH_S = 0.5
 
-    def __init__(self, loop: "Coordinator", endpoint: MetricsEndpointConfig) -> None:
+    def __init__(self, loop: RunLoop, endpoint: MetricsEndpointConfig) -> None:
         self.loop = loop
         self.endpoint = endpoint
         self.run, self.method = loop.config.run_id, loop.method.name
@@ -291,10 +225,8 @@ class ServerMetrics:
                           rnd.started_at, rnd.deadline_at)
             for _, rnd in sorted(loop.open_rounds.items())
         )
-        report = loop.recorder._report
         return LiveState(
-            run=self.run, method=self.method, schedule=loop.method.schedule,
-            status=report.status if report is not None else "starting",
+            run=self.run, method=self.method, schedule=loop.method.schedule, status=loop.recorder.status,
             planned_rounds=loop.config.rounds, completed_round=loop.completed_round, open_rounds=open_rounds,
             agents=agents, rejected=dict(loop.rejected), rejected_chunks=dict(loop.transport.rejections()),
             history=tuple(self._history), updated_at=time.time(), serving_until=self._serving_until,

@@ -109,6 +109,11 @@ class RunRecorder:
         """When the run started (kept across a resume); None before ``begin`` / ``load_checkpoint``."""
         return None if self._report is None else self._report.started_at
 
+    @property
+    def status(self) -> str:
+        """The run's status ("starting" before ``begin`` / ``load_checkpoint``)."""
+        return "starting" if self._report is None else self._report.status
+
     def begin(self, report: RunReport) -> None:
         self._report = report
 

@@ -32,7 +32,7 @@ from .robust import MAD_TO_SD, robust_median
 
 __all__ = ["LABEL_CHECK_FROM_ROUND", "LABEL_MIN_OTHERS", "VALIDATION_MIN_AGENTS", "VALIDATION_SPLITS", "VALIDATION_STEPS", "DefenceConfig", "implausible_labels", "implausible_validation"]
 
-# Where the validation set comes from (cloud_server/methods/fedbe_distill.py's carving): the
+# Where the validation set comes from (fldata.train_holdout, as FedBE's unlabeled set is carved): the
 # training samples the agents of a simulation do not take, or a whole split of a dataset the
 # agents do not train on (a deployment whose agents hold their own data). Never the test split:
 # the run's global test set is drawn from it.

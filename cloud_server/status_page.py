@@ -13,7 +13,7 @@ from html import escape
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .metrics import LiveState, RoundPoint
+    from .live_state import LiveState, RoundPoint
 
 __all__ = ["render_page", "fragment", "REFRESH_S"]
 

@@ -22,10 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fldata import ArrayDataset
+from fldata import train_holdout
 from fldata.datasets import load_dataset, take
 from models import load_arrays_into, state_dict_to_arrays
 
-from .methods.fedbe_distill import train_holdout
 from .robust_validation import VALIDATION_MIN_AGENTS, DefenceConfig, implausible_validation
 from .server_step import normalised_images
 

@@ -117,7 +117,7 @@ class EdgeAgent(AgentMessaging, AgentRounds, AgentLocalState):
             endpoint.require_client_library()
             from .metrics import AgentMetrics
 
-            self.metrics = AgentMetrics(self, endpoint)
+            self.metrics = AgentMetrics(config.run_id, config.agent_id, self.transport, endpoint)
 
     # -- plumbing ----------------------------------------------------------- #
 

@@ -24,7 +24,7 @@ from shared_protocol.metrics_http import MetricsServer, SelfCost, timed_update
 from shared_protocol.records import AgentRoundCosts
 
 if TYPE_CHECKING:
-    from .agent import EdgeAgent
+    from shared_protocol.transport_interface import Transport
 
 __all__ = ["AgentMetrics"]
 
@@ -33,10 +33,10 @@ STATES = ("online", "training", "idle", "offline")
 
 
 class AgentMetrics:
-    def __init__(self, agent: "EdgeAgent", endpoint: MetricsEndpointConfig) -> None:
-        self.agent = agent
+    def __init__(self, run_id: str, agent_id: str, transport: "Transport", endpoint: MetricsEndpointConfig) -> None:
+        self.transport = transport  # read at scrape time: its connection and traffic counters
         self.endpoint = endpoint
-        self.run, self.agent_id = agent.config.run_id, agent.config.agent_id
+        self.run, self.agent_id = run_id, agent_id
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # the agent process's CPU seconds and current RSS
         base = ["run", "agent"]
@@ -119,7 +119,7 @@ class _ConnectionCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        m, transport = self.metrics, self.metrics.agent.transport
+        m, transport = self.metrics, self.metrics.transport
         base = [m.run, m.agent_id]
         connected = GaugeMetricFamily("edgesplit_edge_connected", "1 while connected to the broker.", labels=["run", "agent"])
         connected.add_metric(base, float(getattr(transport, "connected", True)))

@@ -39,6 +39,7 @@ from fldata.subsets import (
     load_agent_subset,
     load_agent_subsets,
     seeded_subset,
+    train_holdout,
 )
 from fldata.synthetic import make_synthetic
 
@@ -58,6 +59,7 @@ __all__ = [
     "agent_shares",
     "class_count_table",
     "class_counts_per_agent",
+    "train_holdout",
     "compute_stats",
     "dataset_stats",
     "get_dataset_spec",

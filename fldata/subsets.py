@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from fldata.array_dataset import ArrayDataset
 from fldata.loaders import load_dataset
 from fldata.partition_schemes import partition_indices
@@ -27,7 +29,8 @@ from fldata.partition_spec import PartitionSpec
 from fldata.sampling import take
 from fldata.shards import partition_test_indices
 
-__all__ = ["NO_PARTITION", "AgentDataSpec", "agent_share", "agent_shares", "load_agent_subset", "load_agent_subsets", "seeded_subset"]
+__all__ = ["NO_PARTITION", "AgentDataSpec", "agent_share", "agent_shares", "load_agent_subset", "load_agent_subsets", "seeded_subset",
+           "train_holdout"]
 
 #: The partition of an agent whose dataset is its own.
 NO_PARTITION = "none"
@@ -111,3 +114,16 @@ def load_agent_subsets(spec: AgentDataSpec) -> list[Shard]:
     """Every agent's data, loading and partitioning the dataset once (a simulation);
     agent ``i``'s is what :func:`load_agent_subset` gives agent ``i``."""
     return agent_shares(*spec.subset(), spec.partition, spec.num_agents, spec.seed)
+
+
+def train_holdout(dataset: str, agent_train_samples: int, agent_seed: int, root: str | None, download: bool,
+                  too_many: str) -> ArrayDataset:
+    """The training split of ``dataset`` less ``take(train, agent_train_samples, agent_seed)``,
+    the seeded subset every agent of a local simulation takes before partitioning
+    (``edge_agent.agent.load_agent_data``): no agent trains on a sample of it, whatever the
+    partition. ``too_many`` (with ``{n}``, ``{k}``) says why nothing is left when the agents take all."""
+    train = load_dataset(dataset, "train", root, download)
+    if agent_train_samples >= len(train):
+        raise ValueError(too_many.format(n=len(train), k=agent_train_samples) + "; nothing is left to hold out")
+    agents = take(train, agent_train_samples, agent_seed)
+    return train.subset(~np.isin(train.sample_ids, agents.sample_ids))

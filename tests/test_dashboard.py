@@ -28,11 +28,10 @@ def exported_names() -> set[str]:
     loop = SimpleNamespace(
         config=SimpleNamespace(run_id="r", rounds=2), method=SimpleNamespace(name="fedgkt", schedule="sync"),
         registry=SimpleNamespace(agents={}), transport=transport, topics=SimpleNamespace(up=lambda a: a), open_rounds={},
-        recorder=SimpleNamespace(_report=None), completed_round=0, rejected={},
+        recorder=SimpleNamespace(status="starting"), completed_round=0, rejected={},
     )
-    agent = SimpleNamespace(config=SimpleNamespace(run_id="r", agent_id="a"), transport=transport)
     names = set()
-    for registry in (ServerMetrics(loop, endpoint).registry, AgentMetrics(agent, endpoint).registry):  # type: ignore[arg-type]
+    for registry in (ServerMetrics(loop, endpoint).registry, AgentMetrics("r", "a", transport, endpoint).registry):  # type: ignore[arg-type]
         for family in registry.collect():
             suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}.get(family.type, ("",))
             names |= {family.name + s for s in suffixes}

@@ -28,7 +28,7 @@ def fake_loop(deadline_in_s: float = 60.0) -> SimpleNamespace:
     return SimpleNamespace(
         config=SimpleNamespace(run_id="r<1>", rounds=5), method=SimpleNamespace(name="fedgkt", schedule="sync"),
         registry=SimpleNamespace(agents={"pi-1": agent}), transport=transport, topics=SimpleNamespace(up=lambda a: a),
-        open_rounds={3: rnd}, recorder=SimpleNamespace(_report=SimpleNamespace(status="running")), completed_round=2,
+        open_rounds={3: rnd}, recorder=SimpleNamespace(status="running"), completed_round=2,
         rejected={"stale_message": 2}, hook_clock=HookClock(),
     )
 
@@ -100,7 +100,7 @@ def test_after_the_run_the_page_says_it_ended_and_until_when_it_stays_up() -> No
     loop = fake_loop()
     metrics = ServerMetrics(loop, MetricsEndpointConfig(MetricsAddress("127.0.0.1", 0)))  # type: ignore[arg-type]
     assert 'id="ended"' not in fragment(metrics.live())  # running: nothing ended
-    loop.recorder._report.status = "finished"
+    loop.recorder.status = "finished"
     loop.open_rounds = {}
     metrics.refresh(force=True)
     assert 'id="ended">the run has ended (finished)</span>' in fragment(metrics.live())

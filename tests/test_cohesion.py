@@ -100,10 +100,6 @@ KNOWN_HALVES = frozenset({
     "cloud_server/methods/fedgkt_plausibility.py::FedGktPlausibility",
     "cloud_server/methods/fedgkt_reuse.py::FedGktReuse",
     "cloud_server/methods/fedgkt_training.py::FedGktTraining",
-    "cloud_server/round_host.py::RoundHostOps",
-    "edge_agent/agent_messaging.py::AgentMessaging",
-    "edge_agent/agent_rounds.py::AgentRounds",
-    "edge_agent/agent_state.py::AgentLocalState",
 })
 
 

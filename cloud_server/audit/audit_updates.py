@@ -156,8 +156,9 @@ def attack_update(kept: KeptRun, update: KeptUpdate, plan: AuditPlan, images: Ag
         if n > max_images or n != len(private_all):
             rows.append({"attack": spec.name, "skipped": f"the update covers {n} images (the agent holds {len(private_all)}); "
                          f"the unrolled inversion runs up to --max-update-images {max_images}, and on the project's "
-                         "ResNets it recovers little even at one to eight images per update: "
-                         "bench/results/update_inversion.json measures it"})
+                         "ResNets it recovers little more than the mean image even from one image's update, and "
+                         "nothing at one step of the agents' default batch: bench/results/update_inversion.json "
+                         "measures it"})
             continue
         labels = None if n == 1 else _labels_from_shares(shares.shares if shares is not None else np.full(kept.num_classes, 1 / kept.num_classes), n)
         progress(f"  {update.agent}: update_inversion on {n} images, {schedule.local_steps} local steps ({schedule.optimizer}) ...")

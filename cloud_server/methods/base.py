@@ -113,7 +113,7 @@ class ServerMethod(ABC):
     # [server] aggregation and clip_update_norm, cloud_server/robust.py).
     aggregates_weights: ClassVar[bool] = False
     # The [server] dp_fedavg modes (cloud_server/privacy.py) this method's aggregation honours; a
-    # method that reads the agents' individual updates for more than their mean (FedBE's ensemble)
+    # method that reads the agents' individual updates for more than their mean (an ensemble sampled around them)
     # holds only for noise the agents add themselves.
     dp_fedavg_modes: ClassVar[tuple[str, ...]] = ("central", "client_clipping", "local")
     # Whether the server step is a weighted sum of the agents' models, so that secure aggregation

@@ -329,6 +329,9 @@ class RunReport(JsonRecord):
     # What the server could reconstruct from what it received, added by `edgesplit audit`
     # (cloud_server.audit.audit_run.leakage_section); None: the run was not audited.
     leakage: dict[str, Any] | None = optional_section()
+    # The activation defences that were on, with their parameters and ε
+    # (cloud_server/activation_privacy.py); None: none was.
+    defences: dict[str, Any] | None = optional_section()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .formatting import DASH, EDGE_PHASES, duration, figure_cell, gflops, is_scalar, mb, pct, ratio, seconds, table
-from .leakage_md import leakage_md, strongest_attack_cell
+from .leakage_md import defences_md, leakage_md, strongest_attack_cell
 from .sanity import sanity_warnings
 from .schema import BYTE_KEYS, kind_ok
 
@@ -324,6 +324,7 @@ def summary_md(report: Mapping[str, Any]) -> str:
         _accuracy_md(report),
         _edge_cost_md(report["models"]),
         _communication_md(rounds, report["totals"]),
+        defences_md(report),
         leakage_md(report),
         _rounds_md(rounds),
         _robustness_md(rounds),

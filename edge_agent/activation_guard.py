@@ -103,7 +103,7 @@ def distance_correlation(x: Any, y: Any) -> Any:
     a, b = centred(x), centred(y)
     dcov_xy, dvar_x, dvar_y = (a * b).mean(), (a * a).mean(), (b * b).mean()
     denominator = (dvar_x * dvar_y).sqrt()
-    if float(denominator) == 0.0:
+    if float(denominator.detach()) == 0.0:
         return torch.zeros((), dtype=x.dtype, device=x.device)
     return (dcov_xy / denominator).clamp_min(1e-18).sqrt().to(x.dtype)
 

@@ -72,8 +72,10 @@ class FedGktEdgeBase(EdgeMethod):
     """FedGKT's edge step without its model: the protocol, the round, local persistence."""
 
     name = "fedgkt"
-    #: Whether the backend can add NoPeek's loss (``nopeek_alpha``) to its training.
+    #: Whether the backend can add NoPeek's loss (``nopeek_alpha``) to its training, and draw its
+    #: initial weights from the agent's private key (``edge_init = "per_agent"``).
     supports_nopeek = False
+    private_init = False
 
     def __init__(self, ctx: EdgeContext) -> None:
         super().__init__(ctx)
@@ -168,6 +170,9 @@ class FedGktEdgeBase(EdgeMethod):
         if ActivationGuard.of(cfg).nopeek and not self.supports_nopeek:
             raise ValueError(f"nopeek_alpha = {cfg.nopeek_alpha}: the {type(self).__name__} backend cannot add NoPeek's "
                              "loss; use the torch backend, or nopeek_alpha = 0")
+        if self.ctx.settings.get("edge_init") == "per_agent" and not self.private_init:
+            raise ValueError(f"edge_init = 'per_agent': the {type(self).__name__} backend starts from the server's "
+                             "artifacts, which the server holds; use the torch backend, or edge_init = 'shared'")
         self._last_round = (start, cfg)
         self._prepare(start, meter)
         with meter.phase("compute"):

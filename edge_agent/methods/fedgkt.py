@@ -42,6 +42,7 @@ from .base import EdgeContext, EvalAnswer, register_edge_method, shard_result
 @register_edge_method
 class FedGktEdge(FedGktEdgeBase):
     supports_nopeek = True
+    private_init = True
     def __init__(self, ctx: EdgeContext) -> None:
         super().__init__(ctx)
         # edge_init = "per_agent": drawn from the agent's private key, so the server cannot rebuild it.

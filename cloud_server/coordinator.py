@@ -364,6 +364,7 @@ class Coordinator:
                 config={**self.config.to_dict(), "method_config": self.method.resolved_config()},
                 server=server_info(self.method.ctx.device), models=self.method.model_info(),
                 eval_set=self.eval_set.describe() if self.eval_set is not None else None,
+                defences=self.method.defences(self.config.rounds),
             ))
         run_shape = self.registry.run_input_shape()
         log.info("data contract: inputs (channels, height, width) = (%d, %s, %s), %d classes; channels from %s, size %s",

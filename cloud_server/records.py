@@ -349,6 +349,9 @@ class RunReport(JsonRecord):
     leakage: dict[str, Any] | None = optional_section()
     # Differential privacy's parameters and ε for the run (cloud_server/privacy.py); None: DP off.
     privacy: dict[str, Any] | None = optional_section()
+    # The activation defences that were on, with their parameters and ε
+    # (cloud_server/activation_privacy.py); None: none was.
+    defences: dict[str, Any] | None = optional_section()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -53,6 +53,7 @@ from shared_protocol.topics import Topics
 from shared_protocol.transport_interface import Transport, TransportError
 
 from . import __version__
+from .activation_guard import agent_key
 from .agent_data import agent_data_spec, load_agent_data, shards_as_configured
 from .backends import describe_backend, get_backend_method
 from .config import EdgeConfig
@@ -110,6 +111,7 @@ class EdgeAgent:
         self._compute_lock = compute_lock or contextlib.nullcontext()
         self.topics = Topics(config.run_id)
         self.instance = uuid.uuid4().hex[:12]
+        self.private_key = agent_key(config.private_seed)  # kept here; the methods' noise and private init
         self.train, self.test = shards_as_configured(config, *(data if data is not None else load_agent_data(config)))
         if len(self.train) == 0:
             raise ValueError(f"agent {config.agent_id} has no training samples (check data.partition / train_samples)")
@@ -277,6 +279,7 @@ class EdgeAgent:
             progress=self.config.progress,
             seed=self.config.data.seed * 1000 + self.config.data.agent_index,
             memory=self.config.memory,
+            private_key=self.private_key,
             augment=self.config.data.augment if self.config.data.augment is not None else self.config.data.dataset in ("cifar10", "cifar100", "cinic10"),
         )
         with self._compute_lock:  # simulated agents share the CPU: one builds or trains at a time

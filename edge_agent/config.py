@@ -179,9 +179,15 @@ class EdgeConfig:
     metrics_password_file: str | None = None
     metrics_cert_file: str | None = None
     metrics_key_file: str | None = None
+    # Seeds the agent's private key (edge_agent/activation_guard.py: its own initialisation under
+    # edge_init = "per_agent", the noise on its maps); 0: drawn from os.urandom at start. The
+    # server never sees it.
+    private_seed: int = 0
 
     def __post_init__(self) -> None:
         check_name("agent id", self.agent_id)
+        if not isinstance(self.private_seed, int) or isinstance(self.private_seed, bool) or self.private_seed < 0:
+            raise ValueError(f"private_seed must be an integer >= 0 (0: drawn from os.urandom), got {self.private_seed!r}")
         check_name("run id", self.run_id)
         BrokerAddress.parse(self.broker_url)
         if self.backend not in ("torch", "ort"):

@@ -37,6 +37,9 @@ from shared_protocol.methods.fedgkt import (
     GktServerLogits,
 )
 
+from shared_protocol.activation_guard import ActivationGuard
+
+from .activation_guard import protect_maps
 from .costs import DeclaredFlops, RoundMeter, SampleFlops
 from .methods.base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, shard_result
 from .teacher import EXTRACT_BATCH_SAMPLES, TeacherLogits
@@ -69,6 +72,10 @@ class FedGktEdgeBase(EdgeMethod):
     """FedGKT's edge step without its model: the protocol, the round, local persistence."""
 
     name = "fedgkt"
+    #: Whether the backend can add NoPeek's loss (``nopeek_alpha``) to its training, and draw its
+    #: initial weights from the agent's private key (``edge_init = "per_agent"``).
+    supports_nopeek = False
+    private_init = False
 
     def __init__(self, ctx: EdgeContext) -> None:
         super().__init__(ctx)
@@ -160,6 +167,12 @@ class FedGktEdgeBase(EdgeMethod):
 
     def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
         cfg = GktRoundConfig.from_dict(start.config)
+        if ActivationGuard.of(cfg).nopeek and not self.supports_nopeek:
+            raise ValueError(f"nopeek_alpha = {cfg.nopeek_alpha}: the {type(self).__name__} backend cannot add NoPeek's "
+                             "loss; use the torch backend, or nopeek_alpha = 0")
+        if self.ctx.settings.get("edge_init") == "per_agent" and not self.private_init:
+            raise ValueError(f"edge_init = 'per_agent': the {type(self).__name__} backend starts from the server's "
+                             "artifacts, which the server holds; use the torch backend, or edge_init = 'shared'")
         self._last_round = (start, cfg)
         self._prepare(start, meter)
         with meter.phase("compute"):
@@ -205,7 +218,9 @@ class FedGktEdgeBase(EdgeMethod):
         counts those batches): the logits still need the extraction, the maps not the link."""
         ctx = self.ctx
         batches = samples = correct = reused = 0
-        digest = maps_digest(self._model_arrays(), cfg.upload_codec)
+        guard = ActivationGuard.of(cfg)
+        # The guard's parameters are part of what determines the maps: other noise, other maps.
+        digest = maps_digest(self._model_arrays(), cfg.upload_codec + "".join(f"|{k}={v}" for k, v in guard.describe().items()))
         reuse = (cfg.reuse_maps and not cfg.train_extractor and not full
                  and cfg.held_maps.get(split) == digest)
         # A memory-saving agent sends smaller messages than the server allows (the server bounds
@@ -215,7 +230,10 @@ class FedGktEdgeBase(EdgeMethod):
             if only is not None and seq not in only:
                 continue
             with meter.phase("compute"):
-                features, logits = self._extract(images)  # (B, 16, H, W), (B, K)
+                features, logits = self._extract(images)  # (B, C, H, W), (B, K)
+                if not reuse:
+                    # One release per (split, digest): the same maps sent again carry the same noise.
+                    features = protect_maps(features, guard, ctx.key(), f"{split}/{digest}", sample_ids)
             correct += int((logits.argmax(axis=1) == labels).sum())
             base = dict(run=ctx.run_id, round=round_, sender=ctx.agent_id, split=split, seq=seq, instance=ctx.instance,
                         maps_digest=digest)
@@ -256,9 +274,13 @@ class FedGktEdgeBase(EdgeMethod):
         state = {f"model/{k}": v for k, v in self._model_arrays().items()}
         state["teacher/ids"] = self.teacher.ids
         state["teacher/logits"] = self.teacher.logits
+        # The key the noise on this agent's maps is drawn from: a restarted agent re-sends the same noisy maps.
+        state["guard/key"] = np.frombuffer(self.ctx.key(), dtype=np.uint8).copy()
         return state
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        if "guard/key" in arrays:
+            self.ctx.private_key = bytes(np.asarray(arrays["guard/key"], dtype=np.uint8))
         self._load_model_arrays({k[6:]: v for k, v in arrays.items() if k.startswith("model/")})
         if "teacher/ids" in arrays:
             self.teacher = TeacherLogits(self.num_classes)

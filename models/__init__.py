@@ -40,6 +40,7 @@ from models.registry import (
     ModelBuilder,
     ModelSpec,
     build_model,
+    check_cut_pair,
     get_model_spec,
     list_models,
     register_model,
@@ -66,6 +67,7 @@ from models.resnet import (
 )
 # Registers the FedKD mentor architectures (resnet20) so the registry is complete on import.
 import models.mentor  # noqa: E402,F401
+import models.resnet_cut  # noqa: E402,F401  (the deeper cut: resnet8_stage1 and its server models)
 from models.convnet import CONVNET_LAYOUT, SIMPLECNN_LAYOUT, ConvLayout, ConvNet, convnet, simplecnn  # noqa: E402
 from models.weights import WeightsMismatchError, load_arrays_into, state_dict_to_arrays
 
@@ -94,6 +96,7 @@ __all__ = [
     "WeightsMismatchError",
     "architecture_key",
     "build_model",
+    "check_cut_pair",
     "cached_flops_per_sample",
     "cached_forward_flops_per_sample",
     "clear_flops_cache",

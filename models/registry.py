@@ -24,6 +24,7 @@ __all__ = [
     "ModelBuilder",
     "ModelSpec",
     "build_model",
+    "check_cut_pair",
     "get_model_spec",
     "list_models",
     "register_model",
@@ -52,8 +53,10 @@ class ModelSpec:
         builder: ``builder(num_classes, in_channels) -> nn.Module``.
         input_kind: ``"image"`` for models fed raw images, ``"features"`` for
             server models fed the edge extractor's output.
-        feature_channels: Channels of the feature-map input (only meaningful
-            when ``input_kind == "features"``).
+        feature_channels: Channels of the feature-map input (for ``"features"``
+            models), or of the maps an edge model's extractor uploads (split models).
+        cut: Where the edge network is cut: ``"stem"`` (after the conv stem) or
+            ``"stage1"`` (after ResNet-8's bottleneck stage, :mod:`models.resnet_cut`).
         description: One line for listings and run reports.
     """
 
@@ -62,6 +65,7 @@ class ModelSpec:
     input_kind: InputKind
     feature_channels: int
     description: str
+    cut: str = "stem"
 
     def input_shape(self, in_channels: int = 3, image_size: int = 32) -> tuple[int, int, int]:
         """Per-sample input shape ``(C, H, W)`` for this model.
@@ -82,6 +86,7 @@ def register_model(
     input_kind: InputKind = "image",
     feature_channels: int = 16,
     description: str = "",
+    cut: str = "stem",
 ) -> Callable[[_BuilderT], _BuilderT]:
     """Decorator registering ``builder(num_classes, in_channels)`` under ``name``.
 
@@ -104,6 +109,7 @@ def register_model(
             input_kind=input_kind,
             feature_channels=feature_channels,
             description=description or (doc_line[0] if doc_line else ""),
+            cut=cut,
         )
         return builder
 
@@ -120,6 +126,19 @@ def get_model_spec(name: str) -> ModelSpec:
     if spec is None:
         raise ValueError(f"unknown model {name!r}; registered models: {list_models()}")
     return spec
+
+
+def check_cut_pair(edge_model: str, server_model: str, table: str) -> None:
+    """The server model ``server_model`` takes the maps ``edge_model``'s extractor uploads
+    (the same cut, the same channels); a ValueError naming ``table``'s keys otherwise."""
+    edge, server = get_model_spec(edge_model), get_model_spec(server_model)
+    if server.input_kind != "features":
+        raise ValueError(f"{table}.server_model must take feature maps, {server_model!r} takes images")
+    if (edge.cut, edge.feature_channels) != (server.cut, server.feature_channels):
+        fits = [n for n in list_models() if _REGISTRY[n].input_kind == "features" and _REGISTRY[n].cut == edge.cut]
+        raise ValueError(f"{table}.server_model {server_model!r} takes {server.feature_channels}-channel maps cut after "
+                         f"the {server.cut}, but {table}.edge_model {edge_model!r} uploads {edge.feature_channels}-channel "
+                         f"maps cut after the {edge.cut}: set server_model to one of {fits}")
 
 
 def build_model(name: str, num_classes: int = 10, in_channels: int = 3, generator: torch.Generator | None = None) -> nn.Module:

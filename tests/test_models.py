@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from models.resnet_cut import STAGE1_CHANNELS, ResNet8Stage1Edge
 import torch
 import torch.nn as nn
 
@@ -35,12 +37,13 @@ from models import registry as registry_module
 # resnet20: the small FedKD mentor (models/mentor.py).
 # simplecnn / convnet: the KD papers' plain CNNs (models/convnet.py).
 EXPECTED_MODELS = {"resnet8", "resnet8_gn", "resnet20", "resnet20_gn", "cifar_resnet8_gn", "cifar_resnet20_gn", "resnet55_server", "resnet109_server", "resnet56", "resnet110",
-                   "simplecnn", "convnet"}
+                   "simplecnn", "convnet", "resnet8_stage1", "resnet55_server_stage1", "resnet109_server_stage1"}
 
 # FedML's FedGKT variants, CIFAR-10 head, 3 input channels (the paper's 54x / 105x).
 # The server counts are the full models' minus the stem (conv 3*16*9 + BN 2*16 = 464).
 EXPECTED_PARAMS = {
     "resnet8": 10_586,
+    "resnet8_stage1": 10_586,  # resnet8 cut later: the same layers
     "resnet8_gn": 10_586,  # GroupNorm's affine weight and bias replace BatchNorm's, one for one
     # He et al.'s CIFAR ResNet-8 (their "0.078M"): stem 432 + 32, stage 1 2 x 2,304 + 64,
     # stage 2 4,608 + 9,216 + shortcut 512 + 192, stage 3 18,432 + 36,864 + 2,048 + 384, fc 650.
@@ -202,6 +205,11 @@ def test_every_model_builds_and_runs_forward(name: str, in_channels: int) -> Non
     if isinstance(model, ResNet8Edge):
         logits, features = output
         assert features.shape == (2, FEATURE_CHANNELS, 32, 32)
+    elif isinstance(model, ResNet8Stage1Edge):  # the deeper cut: the stage's 64-channel maps
+        logits, features = output
+        assert features.shape == (2, STAGE1_CHANNELS, 32, 32)
+        server = build_model("resnet55_server_stage1", num_classes=7)
+        assert server(features).shape == (2, 7)
     else:
         logits = output
     assert logits.shape == (2, 7)

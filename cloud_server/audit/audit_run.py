@@ -24,6 +24,7 @@ from ..audit_keeper import AUDIT_DIR
 from ..evaluation import EvalSet, EvalSetSpec
 from .activations import ArchitectureOnlyConfig, WhiteBoxConfig, invert_features_architecture_only, invert_features_white_box
 from .errors import AuditError
+from .guarded import as_uploaded, guard_of, public_map_noise
 from .inverse_network import InverseNetworkConfig, decode_features, train_inverse_network
 from .audit_updates import attack_update, image_row, match_private
 from .kept import AgentImages, KeptMaps, KeptRun, agent_images, load_kept_run
@@ -99,6 +100,8 @@ def _extractor(kept: KeptRun, maps: KeptMaps) -> tuple[nn.Module, str, str] | No
             break
     else:
         return None
+    if weights is kept.extractor and kept.method_config.get("train_extractor"):
+        source += " (the agent has trained it since: the server holds its start only)"
     name = str(kept.method_config.get("edge_model", "resnet8"))
     model = build_model(name, kept.num_classes, kept.in_channels)
     target: nn.Module = model if any(k.startswith("extractor.") for k in weights) else model.extractor
@@ -137,6 +140,8 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
     image_shape = tuple(public.shape[1:])
     held = _extractor(kept, maps)
     extractor, source, digest = held if held is not None else (None, "", "")
+    guard = guard_of(kept.method_config)  # the attacks model the clipping the agents applied
+    extractor = as_uploaded(extractor, guard) if extractor is not None else None
     # Split learning's training activations came from train-mode BatchNorm (batch statistics);
     # its evaluation ran the extractor in eval mode (running statistics), like FedGKT's maps.
     batch_statistics = kept.method == "splitnn" and maps.split == "train"
@@ -167,10 +172,13 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
             extra["decoder"] = "trained here" if digest not in decoders else "an earlier agent's, same extractor"
             if digest not in decoders:
                 decoders[digest] = train_inverse_network(extractor, public, pixels, InverseNetworkConfig(
-                    steps=_steps(options, InverseNetworkConfig.steps), seed=options.seed))
+                    steps=_steps(options, InverseNetworkConfig.steps), seed=options.seed), public_map_noise(guard, options.seed))
+            if guard.noisy:
+                extra["decoder_input"] = "public maps clipped and noised as the agents' were"
             reconstructed = decode_features(decoders[digest], maps.features)
         elif spec.name == "architecture_only":
-            surrogate = build_model(str(kept.method_config.get("edge_model", "resnet8")), kept.num_classes, kept.in_channels).extractor
+            surrogate = as_uploaded(build_model(str(kept.method_config.get("edge_model", "resnet8")), kept.num_classes,
+                                                kept.in_channels).extractor, guard)
             architecture = ArchitectureOnlyConfig(warmup_steps=_steps(options, ArchitectureOnlyConfig.warmup_steps),
                                                   steps=_steps(options, ArchitectureOnlyConfig.steps), seed=options.seed)
             reconstructed = invert_features_architecture_only(surrogate, maps.features, pixels, public, architecture)

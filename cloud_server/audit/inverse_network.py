@@ -10,6 +10,7 @@ output is in ``[0, 1]`` pixel units.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,11 @@ class FeatureDecoder(nn.Module):
 
 
 def train_inverse_network(extractor: nn.Module, public: torch.Tensor, pixels: PixelSpace,
-                          config: InverseNetworkConfig = InverseNetworkConfig()) -> FeatureDecoder:
-    """Train a decoder from the extractor's maps of ``public`` back to ``public``.
+                          config: InverseNetworkConfig = InverseNetworkConfig(),
+                          map_noise: Callable[[torch.Tensor], torch.Tensor] | None = None) -> FeatureDecoder:
+    """Train a decoder from the extractor's maps of ``public`` back to ``public``; with
+    ``map_noise``, from each batch of maps as it transforms them (the agents' noise, drawn
+    afresh every step: the decoder learns to see through it).
 
     Args:
         extractor: the extractor the server holds (copied, run in eval mode, not trained).
@@ -112,7 +116,8 @@ def train_inverse_network(extractor: nn.Module, public: torch.Tensor, pixels: Pi
             order, cursor = torch.randperm(targets.shape[0], generator=generator), 0
         index = order[cursor : cursor + batch]
         cursor += batch
-        loss = (decoder(features[index]) - targets[index]).square().mean()
+        inputs = features[index] if map_noise is None else map_noise(features[index])
+        loss = (decoder(inputs) - targets[index]).square().mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -184,6 +184,12 @@ class ServerMethod(ABC):
             return dataclasses.asdict(config)
         return {}
 
+    def defences(self, rounds: int) -> dict[str, Any] | None:
+        """The run report's ``defences`` (what protected the uploads, its parameters); None when
+        nothing did. Default: the config's ``defences_report(rounds)``, where it has one."""
+        report = getattr(getattr(self, "config", None), "defences_report", None)
+        return report(rounds) if callable(report) else None
+
     def evaluation_downloads(self, round_: int, agent: str) -> list[Message]:
         """What ``agent`` needs, besides the round's downloads, to score its private model(s)
         on the global set itself (e.g. the server-side half of a split model), sent just before its

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models import build_model, count_parameters, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.batchnorm import BnStatistics, batchnorm_layers
 from models.losses import kd_loss
 from models.training import make_lr_schedule, make_optimizer
@@ -138,7 +138,7 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         return self.config.mode
 
     def welcome_settings(self) -> dict[str, Any]:
-        settings = {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
+        settings = {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model, "edge_init": self.config.edge_init}
         if self.config.private_extractor:  # the agents score extractor + server model themselves
             settings["server_model"] = self.config.server_model
         return settings
@@ -166,7 +166,7 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
 
     def model_info(self) -> dict[str, Any]:
         edge = build_model(self.config.edge_model, self.ctx.num_classes, self.ctx.in_channels)
-        h = 32  # feature maps are 16 x 32 x 32 for 32 x 32 inputs
+        h, c = 32, get_model_spec(self.config.server_model).feature_channels  # maps are c x 32 x 32 for 32 x 32 inputs
         return {
             "edge": {
                 "name": self.config.edge_model,
@@ -177,7 +177,7 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
                 "name": self.config.server_model,
                 "params": count_parameters(self.model),
                 # A fresh copy on the CPU: the counter must not move the training model.
-                "train_flops_per_sample": training_flops_per_sample(build_model(self.config.server_model, self.ctx.num_classes), (16, h, h)),
+                "train_flops_per_sample": training_flops_per_sample(build_model(self.config.server_model, self.ctx.num_classes), (c, h, h)),
             },
         }
 
@@ -214,8 +214,8 @@ class FedGktServer(FedGktTraining, FedGktEvaluation, FedGktPlausibility, FedGktL
         check_labels(msg.TYPE, msg.labels, self.ctx.num_classes)
         shape = tuple(msg.features.shape[1:])
         if self.feature_shape is None:
-            if shape[0] != 16:
-                raise ShapeMismatchError(f"feature maps must have 16 channels (ResNet-8 extractor), got {shape}")
+            if shape[0] != (channels := get_model_spec(self.config.server_model).feature_channels):
+                raise ShapeMismatchError(f"feature maps must have {channels} channels ({self.config.server_model}), got {shape}")
             self.feature_shape = shape
         elif shape != self.feature_shape:
             raise ShapeMismatchError(f"feature maps {shape}, earlier uploads were {self.feature_shape}")

@@ -6,9 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+from models.registry import check_cut_pair, get_model_spec
 from models.training import LR_SCHEDULES
+from shared_protocol.activation_guard import ActivationGuard
 from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
 from shared_protocol.methods.fedgkt import GktRoundConfig
+
+from ..activation_privacy import activation_defences
 
 __all__ = ["ALGORITHM_1", "EDGE_KEYS", "KD_MODES", "PAPER_PRESETS", "SERVER_ORDERS", "FedGktConfig"]
 
@@ -60,7 +64,10 @@ class FedGktConfig:
         "mode": "`sync`: Algorithm 1 with a round barrier; `async`: the server trains on each agent's upload as it "
                 "arrives and answers at once",
         "kd": "`bidirectional` (S<->E, Eqs. 6-7), `s2e` (server CE only, edges distil), `none`",
-        "server_model, edge_model": "from the model registry",
+        "server_model, edge_model": "from the model registry; the cut is the edge model's: `resnet8` uploads its "
+                                    "stem's 16-channel maps (server `resnet55_server` / `resnet109_server`), "
+                                    "`resnet8_stage1` the 64-channel maps after its bottleneck stage (server "
+                                    "`resnet55_server_stage1` / `resnet109_server_stage1`)",
         "server_epochs": "E_s, the server's epochs per round",
         "server_optimizer, server_lr, server_momentum, server_weight_decay":
             "the paper uses Adam (lr 0.001, wd 1e-4) for IID, SGD (lr 0.005, momentum 0.9) for non-IID",
@@ -104,13 +111,22 @@ class FedGktConfig:
                      "except those of maps held for reuse (`reuse_maps`: deleted when replaced)",
         "edge_init": "`shared`: every agent's ResNet-8 starts from the server's initial weights (drawn from "
                      "`[server] seed`, sent with an agent's RoundStarts until it has finished a round, about 42 KB), "
-                     "so all extractors start in one feature space; `per_agent`: each agent draws its own",
+                     "so all extractors start in one feature space; `per_agent`: each agent draws its own from a key "
+                     "it keeps (`os.urandom`, or `[agent] private_seed`), which the server cannot reproduce",
         "personalised_eval": "the evaluation's headline scores agent k's extractor + the server model with the "
                              "server's running BatchNorm statistics (as the reference code evaluates); "
                              "`personalised_bn` scores it with agent k's own statistics, recomputed on its training "
                              "maps (kept in the checkpoint): in the run's last round (`final`), in `every` evaluated "
                              "round (twice the server's scoring work), or `off`",
         "bn_calibration_samples": "at most this many of an agent's training maps (an even spread) for its statistics",
+        "map_clip_norm, map_noise_multiplier": "sent to agents ([protecting activations](privacy.md#protecting-activations)): "
+                                                "each uploaded map is scaled to an L2 norm of at most `map_clip_norm` (C), then "
+                                                "gets Gaussian noise of standard deviation `map_noise_multiplier * C`, drawn once "
+                                                "per released map from a key the agent keeps; `0`: off. The report gives its "
+                                                "ε per map (Opacus's accountant)",
+        "map_noise_delta": "δ of the report's ε for noised maps",
+        "nopeek_alpha": "sent to agents: the agents' loss gains `nopeek_alpha * dCor(images, maps)` (NoPeek); needs "
+                        "`train_extractor = true`; `0`: off",
         "eval_diagnostics": "also record the server's training accuracy in its last epoch (`report.json` "
                             "`rounds[].method`)",
     }
@@ -161,6 +177,8 @@ class FedGktConfig:
     bn_calibration_samples: int = 256
     # An extra figure in report.json: the server's training accuracy in its last epoch.
     eval_diagnostics: bool = False
+    # δ of the report's ε for noised maps (edge.map_noise_multiplier).
+    map_noise_delta: float = 1e-5
 
     def __post_init__(self) -> None:
         if self.preset and self.preset not in PAPER_PRESETS:
@@ -180,6 +198,9 @@ class FedGktConfig:
                              f"got {self.server_epochs}, {self.server_batch_size}, {self.bn_calibration_samples}, {self.server_lr}")
         check_choice(self.personalised_eval, ("every", "final", "off"), "fedgkt.personalised_eval")
         check_choice(self.edge_init, ("shared", "per_agent"), "fedgkt.edge_init")
+        check_cut_pair(self.edge_model, self.server_model, "fedgkt")
+        if not 0 < self.map_noise_delta < 1:
+            raise ValueError(f"fedgkt.map_noise_delta must be in (0, 1), got {self.map_noise_delta}")
         if self.staged_memory_bytes < 0:
             raise ValueError(f"fedgkt.staged_memory_bytes must be >= 0, got {self.staged_memory_bytes}")
         # The agents distil from the server's logits unless KD is off (S<->E and S->E both send them).
@@ -193,6 +214,15 @@ class FedGktConfig:
         private extractor never leaves the device: the agents score their extractor + the
         server model on the global set themselves (cloud_server/evaluation.py)."""
         return self.edge_init != "shared" or self.edge.train_extractor
+
+    def defences_report(self, rounds: int | None = None) -> dict[str, Any] | None:
+        """The run report's ``defences``: the activation defences on, with their parameters and ε."""
+        guard = ActivationGuard.of(self.edge)
+        if not (guard.active or self.private_extractor or get_model_spec(self.edge_model).cut != "stem"):
+            return None
+        return activation_defences(guard, self.map_noise_delta, method="fedgkt", private_extractor=self.private_extractor,
+                                   extractor_trains=self.edge.train_extractor, cut=get_model_spec(self.edge_model).cut,
+                                   rounds=rounds, releases_per_round=1) | {"edge_init": self.edge_init}
 
     def round_config(self) -> GktRoundConfig:
         return self.edge

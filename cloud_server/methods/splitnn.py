@@ -30,8 +30,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
+from models import (build_model, check_cut_pair, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays,
+                    training_flops_per_sample)
 from models.training import make_optimizer
+from shared_protocol.activation_guard import ActivationGuard
 from shared_protocol.configs import EmbeddedRoundConfig, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalReport, Message, RoundEnd, check_labels
@@ -43,6 +45,7 @@ from shared_protocol.methods.splitnn import (
     SplitRoundConfig,
 )
 
+from ..activation_privacy import activation_defences
 from ..evaluation import HEADLINE, EvalModel, Evaluation
 from ..server_step import TrainStep
 from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, register_server_method
@@ -60,13 +63,24 @@ class SplitNNConfig:
     # One line per key of the [splitnn] table (docs/configuration.md is rendered from it by
     # bench/render_results.py; keys sharing a line are comma-separated).
     KEY_MEANINGS: ClassVar[dict[str, str]] = {
-        "server_model, edge_model": "the server's part, and the model whose stem the agents hold",
+        "server_model, edge_model": "the server's part, and the model whose extractor the agents hold: `resnet8`'s stem "
+                                    "(server `resnet55_server` / `resnet109_server`), or `resnet8_stage1`'s stem + "
+                                    "bottleneck stage, a deeper cut (server `resnet55_server_stage1` / "
+                                    "`resnet109_server_stage1`)",
         "server_optimizer, server_lr, server_momentum, server_weight_decay": "one step per agent batch",
         "local_epochs, edge_optimizer, edge_lr, edge_momentum, edge_weight_decay, batch_size":
             "each agent's turn, sent with every round (`SplitRoundConfig`)",
         "upload_codec": "activations up (gradients come back fp32): `raw`, `zstd`, `fp16-zstd`, `u8-zstd`",
         "reply_timeout_s, reply_attempts": "an agent asks again for a gradient that did not come",
         "eval_batch_samples": "test activations per message in evaluation",
+        "map_clip_norm, map_noise_multiplier": "sent to agents ([protecting activations](privacy.md#protecting-activations)): "
+                                                "each activation map is scaled to an L2 norm of at most C, then gets Gaussian "
+                                                "noise of standard deviation `map_noise_multiplier * C` (the server's gradient "
+                                                "flows back through the clipping); `0`: off. The report gives its ε per map "
+                                                "and per image over the run's releases (Opacus's accountant)",
+        "map_noise_delta": "δ of the report's ε for noised activations",
+        "nopeek_alpha": "sent to agents: each turn's loss gains `nopeek_alpha * dCor(images, activations)` (NoPeek); "
+                        "`0`: off",
     }
 
     server_model: str = "resnet55_server"  # or resnet109_server
@@ -80,14 +94,25 @@ class SplitNNConfig:
     # (vanilla SL, and the paper's Eq. 12, send fp32: "raw"), reply_timeout_s,
     # reply_attempts, eval_batch_samples; all written in the [splitnn] table itself (EDGE_KEYS).
     edge: SplitRoundConfig = field(default_factory=SplitRoundConfig)
+    map_noise_delta: float = 1e-5  # δ of the report's ε for noised activations
 
     def __post_init__(self) -> None:
-        if get_model_spec(self.server_model).input_kind != "features":
-            raise ValueError(f"splitnn.server_model must take feature maps, {self.server_model!r} takes images")
+        check_cut_pair(self.edge_model, self.server_model, "splitnn")
+        if not 0 < self.map_noise_delta < 1:
+            raise ValueError(f"splitnn.map_noise_delta must be in (0, 1), got {self.map_noise_delta}")
         check_optimizer(self.server_optimizer, "splitnn.server_optimizer")
         if self.server_lr <= 0 or self.server_weight_decay < 0:
             raise ValueError("splitnn.server_lr must be > 0 and server_weight_decay >= 0")
         get_model_spec(self.edge_model)
+
+    def defences_report(self, rounds: int | None = None) -> dict[str, Any] | None:
+        """The run report's ``defences``: the activation defences on, with their parameters and ε
+        (every turn's epochs release each training image's activations again)."""
+        guard, cut = ActivationGuard.of(self.edge), get_model_spec(self.edge_model).cut
+        if not (guard.active or cut != "stem"):
+            return None
+        return activation_defences(guard, self.map_noise_delta, method="splitnn", private_extractor=False,
+                                   extractor_trains=True, cut=cut, rounds=rounds, releases_per_round=self.edge.local_epochs)
 
     def round_config(self) -> SplitRoundConfig:
         return self.edge

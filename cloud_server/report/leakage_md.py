@@ -50,3 +50,28 @@ def strongest_attack_cell(report: Mapping[str, Any]) -> str:
         return DASH
     best = leakage["image_attacks"][leakage["strongest"]]
     return f"{best['psnr_db']:.1f} ({best['baseline_psnr_db']:.1f})"
+
+
+_DEFENCE_LABELS = {
+    "cut": "cut after", "private_extractor": "extractor private to the agent", "edge_init": "edge_init",
+    "map_clip_norm": "map clipping norm C", "map_noise_multiplier": "noise multiplier z", "noise_std": "noise std (z C)",
+    "map_noise_delta": "δ", "epsilon_per_map": "ε per released map", "releases_per_image": "releases per image",
+    "epsilon_per_image": "ε per image over its releases", "accountant": "accountant", "nopeek_alpha": "NoPeek α",
+}
+
+
+def defences_md(report: Mapping[str, Any]) -> list[str]:
+    """The activation defences that were on (report.json ``defences``); nothing when none was."""
+    defences = report.get("defences")
+    if not defences:
+        return []
+    rows = [[label, _defence_value(defences[key])] for key, label in _DEFENCE_LABELS.items() if key in defences]
+    return ["## Protecting activations", "", *table(["Setting", "Value"], rows), ""]
+
+
+def _defence_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .formatting import DASH, EDGE_PHASES, duration, figure_cell, gflops, is_scalar, mb, pct, ratio, seconds, table
 from ..privacy import privacy_line
-from .leakage_md import leakage_md, strongest_attack_cell
+from .leakage_md import defences_md, leakage_md, strongest_attack_cell
 from .per_device_md import COMPARISON_HEADER, comparison_cells, per_device_md
 from .sanity import sanity_warnings
 from .schema import BYTE_KEYS, kind_ok
@@ -327,6 +327,7 @@ def summary_md(report: Mapping[str, Any]) -> str:
         _edge_cost_md(report["models"]),
         _communication_md(rounds, report["totals"]),
         per_device_md(report),
+        defences_md(report),
         leakage_md(report),
         [privacy_line(report.get("privacy")), ""] if report.get("privacy") else [],
         _rounds_md(rounds),

@@ -49,7 +49,26 @@ class EdgeContext:
     seed: int = 0
     augment: bool = False
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # how to trade speed for resident memory
+    # The agent's private key (edge_agent/activation_guard.py): never derived from what the server
+    # knows; b"": none given (a test's context), drawn here on first use.
+    private_key: bytes = field(default=b"", repr=False)
     _weights_generator: Any = field(default=None, init=False, repr=False)
+
+    def key(self) -> bytes:
+        if not self.private_key:
+            from ..activation_guard import agent_key
+
+            self.private_key = agent_key()
+        return self.private_key
+
+    def private_generator(self) -> Any:
+        """A ``torch.Generator`` for weights the server must not be able to reproduce (a
+        private initialisation): seeded from :meth:`key`, not from the run's seed."""
+        import torch
+
+        from ..activation_guard import key_seed
+
+        return torch.Generator().manual_seed(key_seed(self.key(), "init"))
 
     def weights_generator(self) -> Any:
         """The ``torch.Generator`` every initial weight of this agent's models is drawn from

@@ -13,6 +13,8 @@ torch-free ort backend; this file is the torch model and its training.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,9 @@ from shared_protocol.errors import ShapeMismatchError
 from shared_protocol.messages import EvalRequest, RoundStart
 from shared_protocol.methods.fedgkt import GktEvalModel, GktRoundConfig
 
+from shared_protocol.activation_guard import ActivationGuard
+
+from ..activation_guard import NoPeek
 from ..costs import DeclaredFlops, RoundMeter
 from ..fedgkt_edge import FedGktEdgeBase
 from ..memory import lighten_model
@@ -36,9 +41,13 @@ from .base import EdgeContext, EvalAnswer, register_edge_method, shard_result
 
 @register_edge_method
 class FedGktEdge(FedGktEdgeBase):
+    supports_nopeek = True
+    private_init = True
     def __init__(self, ctx: EdgeContext) -> None:
         super().__init__(ctx)
-        self.model = build_model(self.edge_model, self.num_classes, ctx.train.in_channels, generator=ctx.weights_generator()).to(ctx.device)
+        # edge_init = "per_agent": drawn from the agent's private key, so the server cannot rebuild it.
+        generator = ctx.private_generator() if ctx.settings.get("edge_init") == "per_agent" else ctx.weights_generator()
+        self.model = build_model(self.edge_model, self.num_classes, ctx.train.in_channels, generator=generator).to(ctx.device)
         self.trained = False  # True once this model has trained a round (or was restored)
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
         self.trains = Trains.of((self.model,), shape)
@@ -48,6 +57,7 @@ class FedGktEdge(FedGktEdgeBase):
         self.model = lighten_model(self.model, ctx.memory)
         self.server_model: torch.nn.Module | None = None  # built for the first private evaluation
         self.server_flops = DeclaredFlops()
+        self.nopeek: NoPeek | None = None  # while a round trains with nopeek_alpha > 0
 
     # -- a private extractor's evaluation --------------------------------------- #
 
@@ -125,8 +135,10 @@ class FedGktEdge(FedGktEdgeBase):
         """Eq. 7: CE + alpha * KD(z_s -> z_c), KD only for samples with a server logit."""
 
         def loss(output: object, labels: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
-            logits, _features = output  # (B, K), (B, 16, H, W)
+            logits, features = output  # (B, K), (B, C, H, W)
             value = F.cross_entropy(logits, labels)
+            if self.nopeek is not None:
+                value = value + self.nopeek.penalty(features)
             if cfg.edge_kd and cfg.alpha > 0 and len(self.teacher):
                 teacher, found = self.teacher.lookup(sample_ids.numpy())
                 if found.any():
@@ -140,14 +152,26 @@ class FedGktEdge(FedGktEdgeBase):
                meter: RoundMeter) -> tuple[int, float]:
         ctx = self.ctx
         loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
-        result = train_epochs(
+        guard = ActivationGuard.of(cfg)
+        self.nopeek = NoPeek(guard.nopeek_alpha).watch(self.model) if guard.nopeek else None
+        try:
+            result = self._train_epochs(start, cfg, optimizer, meter, loader)
+        finally:
+            if self.nopeek is not None:
+                self.nopeek.close()
+            self.nopeek = None
+        return result.samples, result.mean_loss
+
+    def _train_epochs(self, start: RoundStart, cfg: GktRoundConfig, optimizer: torch.optim.Optimizer, meter: RoundMeter,
+                      loader: Any) -> Any:
+        ctx = self.ctx
+        return train_epochs(
             self.model, loader, optimizer, self.loss_fn(cfg), cfg.edge_epochs, meter=meter, trains=self.trains,
             device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}",
             micro_batch=ctx.memory.micro_batch_samples or None,
             # A frozen extractor stays in eval mode: its BatchNorm statistics do not move either.
             frozen=None if cfg.train_extractor else self.model.extractor,
         )
-        return result.samples, result.mean_loss
 
     def _upload_batches(self, split: str, batch_samples: int):  # -> Iterator[(images (B, C, H, W), labels, ids)]
         self.model.eval()

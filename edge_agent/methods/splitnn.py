@@ -33,6 +33,9 @@ from shared_protocol.methods.splitnn import (
     SplitRoundConfig,
 )
 
+from shared_protocol.activation_guard import ActivationGuard
+
+from ..activation_guard import NoPeek, clip_rows_torch, protect_maps
 from ..costs import RoundMeter
 from ..trainer import LossFn, Trains, train_epochs
 from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method
@@ -77,9 +80,15 @@ class SplitNNEdge(EdgeMethod):
                                    lean=self.ctx.device == "cpu")
         loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
         turn = {"seq": 0, "samples": 0, "correct": 0, "loss_sum": 0.0}
-        train_epochs(self.extractor, loader, optimizer, self._exchange(start, cfg, meter, turn), cfg.local_epochs,
-                     meter=meter, trains=self.trains, device=ctx.device, progress=ctx.progress,
-                     desc=f"{ctx.agent_id} round {start.round}")
+        guard = ActivationGuard.of(cfg)
+        nopeek = NoPeek(guard.nopeek_alpha).watch(self.extractor) if guard.nopeek else None
+        try:
+            train_epochs(self.extractor, loader, optimizer, self._exchange(start, cfg, meter, turn, nopeek), cfg.local_epochs,
+                         meter=meter, trains=self.trains, device=ctx.device, progress=ctx.progress,
+                         desc=f"{ctx.agent_id} round {start.round}")
+        finally:
+            if nopeek is not None:
+                nopeek.close()
         seq, samples, correct, loss_sum = turn["seq"], turn["samples"], turn["correct"], turn["loss_sum"]
         ctx.send(
             SplitExtractorWeights(run=ctx.run_id, round=start.round, sender=ctx.agent_id, instance=ctx.instance,
@@ -89,18 +98,26 @@ class SplitNNEdge(EdgeMethod):
         metrics = {"train_loss": loss_sum / samples if samples else 0.0, "train_accuracy": correct / samples if samples else 0.0}
         return RoundResult(num_samples=samples, uploads={"train": {"batches": seq, "samples": samples}}, metrics=metrics)
 
-    def _exchange(self, start: RoundStart, cfg: SplitRoundConfig, meter: RoundMeter, turn: dict) -> LossFn:
-        """The loss of one batch: send its activations, wait for the server's gradient g with
-        respect to them, and return ``sum(activations * g)`` (its gradient is g); ``turn``
+    def _exchange(self, start: RoundStart, cfg: SplitRoundConfig, meter: RoundMeter, turn: dict,
+                  nopeek: NoPeek | None = None) -> LossFn:
+        """The loss of one batch: send its activations (clipped and noised when the round's
+        guard says so), wait for the server's gradient g with respect to them, and return
+        ``sum(clipped activations * g)`` (its gradient is g, through the clipping; the noise is
+        a constant), plus NoPeek's ``alpha * dCor(images, activations)`` when it is on; ``turn``
         keeps the batch number and the server's loss and correct counts."""
         ctx = self.ctx
+        guard = ActivationGuard.of(cfg)
 
         def loss(activations: torch.Tensor, labels: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
             seq = turn["seq"]
+            sent = clip_rows_torch(activations, guard.map_clip_norm)  # (B, C, H, W)
+            # Each batch of a turn is a release of its own (the extractor moves every step).
+            shown = protect_maps(sent.detach().cpu().numpy(), guard, ctx.key(), f"train/{start.round}/{seq}",
+                                 sample_ids.cpu().numpy())
             upload = SplitActivations(
                 run=ctx.run_id, round=start.round, sender=ctx.agent_id, split="train", seq=seq, instance=ctx.instance,
-                activations=activations.detach().cpu().numpy(), labels=labels.cpu().numpy().astype(np.int64),
-            )  # activations (B, 16, H, W)
+                activations=shown, labels=labels.cpu().numpy().astype(np.int64),
+            )  # activations (B, C, H, W)
             reply = ctx.request(
                 upload, meter, _is_gradient_for(start.round, seq), cfg.reply_timeout_s,
                 codecs={"activations": cfg.upload_codec}, attempts=cfg.reply_attempts,
@@ -110,7 +127,8 @@ class SplitNNEdge(EdgeMethod):
             n = int(labels.shape[0])
             turn.update(seq=seq + 1, samples=turn["samples"] + n, correct=turn["correct"] + reply.correct,
                         loss_sum=turn["loss_sum"] + reply.loss * n)
-            return (activations * torch.from_numpy(reply.gradients).to(activations.device)).sum()  # d/d(activations) = g
+            value = (sent * torch.from_numpy(reply.gradients).to(activations.device)).sum()  # d/d(sent) = g
+            return value + nopeek.penalty(activations) if nopeek is not None else value
 
         return loss
 
@@ -133,12 +151,14 @@ class SplitNNEdge(EdgeMethod):
         self._load(self.final_extractor)
         self.extractor.eval()
         batches = samples = 0
-        for seq, (images, labels, _ids) in enumerate(make_loader(ctx.test, cfg.eval_batch_samples)):
+        guard = ActivationGuard.of(cfg)
+        for seq, (images, labels, ids) in enumerate(make_loader(ctx.test, cfg.eval_batch_samples)):
             with meter.phase("compute"):
-                activations = self.extractor(images.to(ctx.device))  # (B, 16, H, W)
+                activations = self.extractor(images.to(ctx.device))  # (B, C, H, W)
+                shown = protect_maps(activations.cpu().numpy(), guard, ctx.key(), f"test/{request.round}", ids.numpy())
             ctx.send(
                 SplitActivations(run=ctx.run_id, round=request.round, sender=ctx.agent_id, split="test", seq=seq,
-                                 instance=ctx.instance, activations=activations.cpu().numpy(),
+                                 instance=ctx.instance, activations=shown,
                                  labels=labels.numpy().astype(np.int64)),
                 meter, codecs={"activations": cfg.upload_codec},
             )

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..activation_guard import ActivationGuard
 from ..configs import check_codec, check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..message_base import Message, check_same_length, check_seqs, check_split, register_message, tensor, tensor_dict
@@ -212,8 +213,16 @@ class GktRoundConfig:
     # Set by the server per agent, never in the [fedgkt] table: split -> the maps digest of this
     # agent's maps it holds, that a batch may reuse.
     held_maps: dict = field(default_factory=dict)
+    # The activation defences (shared_protocol/activation_guard.py), all off at 0.
+    map_clip_norm: float = 0.0
+    map_noise_multiplier: float = 0.0
+    nopeek_alpha: float = 0.0
 
     def __post_init__(self) -> None:
+        if ActivationGuard.of(self).nopeek and not self.train_extractor:
+            raise ValueError(f"nopeek_alpha = {self.nopeek_alpha} trains the extractor against the distance correlation "
+                             "of images and maps, and the extractor is frozen (train_extractor = false): set "
+                             "train_extractor = true, or nopeek_alpha = 0")
         if self.edge_epochs < 1 or self.batch_size < 1 or self.upload_batch_samples < 1:
             raise ValueError("edge_epochs, batch_size and upload_batch_samples must be >= 1")
         check_optimizer(self.edge_optimizer, "edge_optimizer")

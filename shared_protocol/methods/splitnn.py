@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..activation_guard import ActivationGuard
 from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..message_base import Message, check_same_length, check_split, register_message, tensor, tensor_dict
@@ -120,8 +121,13 @@ class SplitRoundConfig:
     reply_timeout_s: float = 60.0  # per batch; the request is repeated up to reply_attempts times
     reply_attempts: int = 3
     eval_batch_samples: int = 256
+    # The activation defences (shared_protocol/activation_guard.py), all off at 0.
+    map_clip_norm: float = 0.0
+    map_noise_multiplier: float = 0.0
+    nopeek_alpha: float = 0.0
 
     def __post_init__(self) -> None:
+        ActivationGuard.of(self)
         if self.local_epochs < 1 or self.batch_size < 1 or self.eval_batch_samples < 1 or self.reply_attempts < 1:
             raise ValueError("local_epochs, batch_size, eval_batch_samples and reply_attempts must be >= 1")
         check_optimizer(self.optimizer)

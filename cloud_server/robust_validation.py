@@ -1,7 +1,7 @@
 """Robustness to a bad device, the checks that need the server's own judgement of the data:
 a server-held labelled validation set for weight updates, and the server model's agreement
 with the labels FedGKT's agents send (numpy only; the torch side is in
-cloud_server/validation_screen.py and cloud_server/methods/fedgkt_label_check.py).
+cloud_server/validation_screen.py and the label check of cloud_server/methods/fedgkt.py).
 
 A sign-flipped update is of honest size, and under label skew honest updates point away
 from the round's median as far as it does (bench/results/update_directions.json): the

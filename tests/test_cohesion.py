@@ -92,22 +92,8 @@ def mixin_halves(root: Path, packages: tuple[str, ...]) -> dict[str, list[str]]:
     return halves
 
 
-# Halves still to fold into their classes: each entry must still be a half, so an entry goes as
-# soon as its class is whole.
-KNOWN_HALVES = frozenset({
-    "cloud_server/methods/fedgkt_evaluation.py::FedGktEvaluation",
-    "cloud_server/methods/fedgkt_label_check.py::FedGktLabelCheck",
-    "cloud_server/methods/fedgkt_plausibility.py::FedGktPlausibility",
-    "cloud_server/methods/fedgkt_reuse.py::FedGktReuse",
-    "cloud_server/methods/fedgkt_training.py::FedGktTraining",
-})
-
-
 def test_no_class_is_half_of_another() -> None:
-    halves = mixin_halves(ROOT, PACKAGES)
-    assert {k: v for k, v in halves.items() if k not in KNOWN_HALVES} == {}, \
-        "fold each of these into the class whose state it reads"
-    assert sorted(KNOWN_HALVES - set(halves)) == [], "whole now: remove from KNOWN_HALVES"
+    assert mixin_halves(ROOT, PACKAGES) == {}, "fold each of these into the class whose state it reads"
 
 
 def test_the_check_sees_a_mixin_half(tmp_path: Path) -> None:

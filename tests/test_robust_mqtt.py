@@ -276,7 +276,7 @@ def test_one_agent_training_on_shuffled_labels(method: str, tmp_path: Path) -> N
     assert run.largest <= 100 * run.initial_largest, (run.largest, run.initial_largest)
 
 
-# FedGKT's label-agreement check (cloud_server/methods/fedgkt_label_check.py), off by default: see
+# FedGKT's label-agreement check (the label check in cloud_server/methods/fedgkt.py), off by default: see
 # LABEL_CHECK's value and docs/configuration.md for the measurement behind it.
 LABEL_CHECK = {"plausible_min_label_agreement": 0.3}
 # The check adds a forward pass of the server model over the round's maps to the server step; the

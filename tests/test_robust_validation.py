@@ -1,5 +1,5 @@
 """The checks that need the server's own judgement (cloud_server/robust_validation.py,
-validation_screen.py, methods/fedgkt_label_check.py): the rules by hand, the validation set's
+validation_screen.py, the label check in methods/fedgkt.py): the rules by hand, the validation set's
 carving, FedAvg's and FedKD's updates judged on it, FedGKT's label agreement, the config and
 what the report shows. No broker: tests/test_robust_mqtt.py runs the federations."""
 

@@ -168,7 +168,7 @@ register_method(MethodSpec(
     server="cloud_server.methods.fedavg",
     edge="edge_agent.methods.fedavg",
     config="cloud_server.methods.fedavg:FedAvgConfig",
-    messages=(__name__,),
+    messages=(__name__, "shared_protocol.secagg_messages"),  # the secure aggregation messages too
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/baselines.md",
 ))

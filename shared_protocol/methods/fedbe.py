@@ -17,7 +17,7 @@ register_method(MethodSpec(
     server="cloud_server.methods.fedbe",
     edge="edge_agent.methods.fedbe",
     config="cloud_server.methods.fedbe:FedBEConfig",
-    messages=("shared_protocol.methods.fedavg",),  # it travels on FedAvg's messages
+    messages=("shared_protocol.methods.fedavg", "shared_protocol.secagg_messages"),  # it travels on FedAvg's messages
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/fedbe.md",
     # 10 sampled models (the paper's M) plus the mean and the clients, distilled on the server-held

@@ -83,7 +83,7 @@ register_method(MethodSpec(
     server="cloud_server.methods.feddistill",
     edge="edge_agent.methods.feddistill",
     config="cloud_server.methods.feddistill:FedDistillConfig",
-    messages=("shared_protocol.methods.fedavg", __name__),  # it travels on FedAvg's messages
+    messages=("shared_protocol.methods.fedavg", "shared_protocol.secagg_messages", __name__),  # it travels on FedAvg's messages
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/feddistill.md",
     # The paper prints search ranges, not the values kept: read off its sensitivity study (docs/methods/feddistill.md).

@@ -158,7 +158,7 @@ register_method(MethodSpec(
     server="cloud_server.methods.fedgkd",
     edge="edge_agent.methods.fedgkd",
     config="cloud_server.methods.fedgkd:FedGkdConfig",
-    messages=("shared_protocol.methods.fedavg", __name__),  # FedAvg's messages plus the teachers
+    messages=("shared_protocol.methods.fedavg", "shared_protocol.secagg_messages", __name__),  # FedAvg's messages plus the teachers
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/fedgkd.md",
     # FedGKD (not -Vote), the paper's CV defaults.

@@ -15,7 +15,7 @@ from typing import Any
 
 from cloud_server.experiments.tables import long_table, summary
 
-__all__ = ["METHOD_NOTE_BEGIN", "copy_pictures", "leakage_cell", "method_figures", "present_pictures", "update_inversion_section",
+__all__ = ["METHOD_NOTE_BEGIN", "copy_pictures", "cost_cells", "leakage_cell", "setting_line", "method_figures", "present_pictures", "update_inversion_section",
            "update_method_notes"]
 
 #: Each method's notes carry its figure between these lines (``{method}`` filled in).
@@ -66,6 +66,7 @@ def method_figures(results: Mapping[str, Any] | None) -> Figures:
         attacks = sorted({r["leakage_attack"] for r in rows if r["method"] == method and r["leakage_attack"]})
         out[method] = {"n": group["n"], "attacks": attacks, "psnr": group["leakage_psnr_db"], "ssim": group["leakage_ssim"],
                        "baseline_psnr": group["leakage_baseline_psnr_db"], "accuracy": group["final_accuracy"],
+                       "gflops": group["edge_train_gflops_per_agent"], "up_bytes": group["train_up_wire_bytes"],
                        "labels": _label_error(results, method), "setting": setting,
                        "image_attacks": _image_attacks(results, method)}
     return out
@@ -84,7 +85,33 @@ def leakage_cell(figures: Figures, method: str) -> str:
         labels = entry["labels"]
         guess = "" if not labels or labels[2] is None else f", uniform guess {labels[2]:.2f}"
         return "no image attack ran" + (f"; label shares to {labels[1]:.2f} histogram error{guess}" if labels else "")
-    return f"images at {_db(entry['psnr'])} dB PSNR (mean image {entry['baseline_psnr']['mean']:.1f})"
+    return (f"images at {_db(entry['psnr'])} dB PSNR, SSIM {entry['ssim']['mean']:.2f} "
+            f"(mean image {entry['baseline_psnr']['mean']:.1f} dB)")
+
+
+def cost_cells(figures: Figures, method: str) -> list[str]:
+    """README's cells beside the leakage: global accuracy %, edge GFLOPs per agent and MB up
+    (wire, training), mean ± sd over the leakage experiment's seeds."""
+    entry = figures.get(method)
+    if entry is None:
+        return ["—", "—", "—"]
+    return [_pm(entry["accuracy"], 100, 1), _pm(entry["gflops"], 1, 0), _pm(entry["up_bytes"], 1e-6, 1)]
+
+
+def _pm(stat: Mapping[str, Any] | None, scale: float, digits: int) -> str:
+    if stat is None or stat.get("mean") is None:
+        return "—"
+    return f"{stat['mean'] * scale:,.{digits}f}" + (f" ± {stat['sd'] * scale:,.{digits}f}" if stat.get("sd") is not None else "")
+
+
+def setting_line(figures: Figures) -> str:
+    """What README's figures were measured on."""
+    entry = next(iter(figures.values()), None)
+    if entry is None:
+        return "Not measured yet: `edgesplit bench run bench/experiments/leakage.toml`, then `python bench/render_results.py`."
+    return (f"Measured at each method's defaults ({entry['setting']}, {entry['n']} seeds, mean ± sd; "
+            "`bench/experiments/leakage.toml`); the defences from `bench/experiments/defences_*.toml`, "
+            "each against the undefended runs of the same experiment ([privacy](docs/privacy.md)).")
 
 
 def _method_note(figures: Figures, method: str) -> str:

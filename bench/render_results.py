@@ -52,8 +52,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
-from leakage_docs import (copy_pictures, leakage_cell, method_figures, present_pictures, update_inversion_section,  # noqa: E402
-                          update_method_notes)
+from defence_docs import defence_rows, load_defences, readme_defence_cell, update_privacy_page  # noqa: E402
+from leakage_docs import (copy_pictures, cost_cells, leakage_cell, method_figures, present_pictures,  # noqa: E402
+                          setting_line, update_inversion_section, update_method_notes)
 
 DASH = "—"
 
@@ -1596,26 +1597,30 @@ README_BEGIN = "<!-- The methods: rendered from their registry entries by bench/
 README_END = "<!-- end of the methods -->"
 
 
-def readme_methods(leakage: dict[str, Any] | None = None) -> list[str]:
+def readme_methods(leakage: dict[str, Any] | None = None, defences: Sequence[dict[str, Any]] = ()) -> list[str]:
     """The README's table of methods: one row per registered method, from its registry entry
-    (``MethodSpec.summary`` and ``docs``), and what the server rebuilds at its defaults (from
-    ``leakage``, the leakage experiment's results), between :data:`README_BEGIN` and :data:`README_END`."""
+    (``MethodSpec.summary`` and ``docs``); its accuracy, edge FLOPs, bytes and what the server
+    rebuilds at its defaults (from ``leakage``, the leakage experiment's results); its measured
+    defence that leaves the least (``defences``: :func:`defence_docs.defence_rows`); between
+    :data:`README_BEGIN` and :data:`README_END`."""
     from shared_protocol.registry import registered_methods
 
     figures = method_figures(leakage)
-    rows = [[f"`{name}`", spec.summary, leakage_cell(figures, name), f"[notes]({spec.docs})" if spec.docs else DASH]
+    rows = [[f"`{name}`", spec.summary, *cost_cells(figures, name), leakage_cell(figures, name),
+             readme_defence_cell(defences, name), f"[notes]({spec.docs})" if spec.docs else DASH]
             for name, spec in registered_methods().items()]
-    return [README_BEGIN, *_table(["`--method`", "what", "the server rebuilds, at the defaults", "notes"], rows,
-                                  right_from=4), README_END]
+    header = ["`--method`", "what", "global acc. %", "edge GFLOPs / agent", "MB up (wire)",
+              "the server rebuilds, at the defaults", "its best measured defence", "notes"]
+    return [README_BEGIN, *_table(header, rows, right_from=8), "", setting_line(figures), README_END]
 
 
-def update_readme(path: Path, leakage: dict[str, Any] | None = None) -> bool:
+def update_readme(path: Path, leakage: dict[str, Any] | None = None, defences: Sequence[dict[str, Any]] = ()) -> bool:
     """Rewrite the table of methods in the README at ``path``; True if it changed."""
     text = path.read_text()
     if README_BEGIN not in text or README_END not in text:
         raise ResultsError(f"{path} has no table of methods between {README_BEGIN!r} and {README_END!r}")
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
-    updated = text[:start] + "\n".join(readme_methods(leakage)) + text[end:]
+    updated = text[:start] + "\n".join(readme_methods(leakage, defences)) + text[end:]
     if updated != text:
         path.write_text(updated)
     return updated != text
@@ -1634,7 +1639,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(text)
     print(f"wrote {args.out}")
     leakage = load_experiment_results(args.results / "leakage.json")
-    if update_readme(args.readme, leakage):
+    defences = defence_rows(load_defences(args.results))
+    if update_privacy_page(args.out.parent / "privacy.md", defences):
+        print(f"rewrote the table of defences in {args.out.parent / 'privacy.md'}")
+    if update_readme(args.readme, leakage, defences):
         print(f"rewrote the table of methods in {args.readme}")
     for path in update_method_notes(args.out.parent / "methods", method_figures(leakage)):
         print(f"rewrote the leakage figure in {path}")

@@ -255,6 +255,24 @@ def test_reaudit_audits_the_done_cells_again_on_what_their_runs_kept(tmp_path: P
                        executor=FakeExecutor(), reaudit=True, progress=lambda _: None)
 
 
+def test_recollect_reads_the_done_cells_figures_again_from_their_reports(tmp_path: Path) -> None:
+    path = small(tmp_path)
+    results, runs = tmp_path / "results" / "small.json", tmp_path / "runs"
+    run_experiment(load_experiment(path), results_path=results, runs_dir=runs, executor=FakeExecutor(), progress=lambda _: None)
+    (runs / "fedgkt-iid-s0").mkdir(parents=True)
+    (runs / "fedgkt-iid-s0" / "report.json").write_text(json.dumps({
+        "totals": {"final_accuracy": 0.9, "edge_train_flops": 4e9, "rounds_completed": 1}, "agents": {"a": {}, "b": {}},
+        "config": {"rounds": 1}, "defences": {"epsilon_per_image": 3.5}}))
+    again = FakeExecutor()
+    run_experiment(load_experiment(path), results_path=results, runs_dir=runs, executor=again, recollect=True,
+                   progress=lambda _: None)
+    assert again.ran == []  # nothing ran
+    cells = load_results(results)["cells"]
+    assert cells[0]["run"]["final_accuracy"] == 0.9 and cells[0]["run"]["activation_epsilon_per_image"] == 3.5
+    assert cells[0]["run"]["edge_train_gflops_per_agent"] == 2.0
+    assert cells[1]["run"]["final_accuracy"] == 0.6  # its run directory holds no report: its figures stay
+
+
 def test_a_dry_run_runs_nothing_and_only_picks_cells_by_glob(tmp_path: Path) -> None:
     lines: list[str] = []
     fake = FakeExecutor()
@@ -370,8 +388,9 @@ def test_the_label_columns_and_the_unattacked_list_explain_each_dash() -> None:
     rows = long_table(results)
     assert [r["leakage_label_error"] for r in rows] == [0.0, 0.0, 0.2]
     assert rows[2]["leakage_label_baseline_error"] == 0.5 and rows[2]["leakage_psnr_db"] is None
+    assert rows[0]["leakage_gain_db"] == 10.0 and rows[2]["leakage_gain_db"] is None  # 20 dB over a 10 dB mean image
     md = summary_md(summary(rows))
-    assert "Label histogram error" in md and "| — | — | 0.20 | 0.50 |" in md
+    assert "Label histogram error" in md and "| — | — | — | 0.20 | 0.50 |" in md
     assert unattacked_md(results) == "- `fedavg`, update_inversion: the update covers 900 images"
     assert unattacked_md(good_results()) == ""
 

@@ -368,7 +368,13 @@ def test_the_readme_lists_every_registered_method_from_its_registry_entry() -> N
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index(render.README_BEGIN):readme.index(render.README_END) + len(render.README_END)]
     leakage = render.load_experiment_results(ROOT / "bench" / "results" / "leakage.json")
-    assert block.splitlines() == render.readme_methods(leakage), "rerun `python bench/render_results.py` (it rewrites the table)"
+    defence_docs = _load_bench("defence_docs")
+    defences = defence_docs.defence_rows(defence_docs.load_defences(ROOT / "bench" / "results"))
+    assert block.splitlines() == render.readme_methods(leakage, defences), \
+        "rerun `python bench/render_results.py` (it rewrites the table)"
+    privacy = (ROOT / "docs" / "privacy.md").read_text()
+    block = privacy[privacy.index(defence_docs.PRIVACY_BEGIN):privacy.index(defence_docs.PRIVACY_END) + len(defence_docs.PRIVACY_END)]
+    assert block.splitlines() == defence_docs.privacy_block(defences), "rerun `python bench/render_results.py`"
 
 
 def test_every_method_notes_say_what_the_server_sees_with_the_current_figure(tmp_path: Path) -> None:

@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--reaudit", action="store_true",
                      help="audit the done cells again on what their runs kept (their run directories must still be "
                      "there), as after a change to the audit; nothing is trained again")
+    run.add_argument("--recollect", action="store_true",
+                     help="read the done cells' run figures again from their runs' report.json (their run directories "
+                     "must still be there), as after a change to the figures collected; nothing runs")
     run.add_argument("--runs-dir", default=None, help="where each cell's run directory goes (default bench/runs/NAME)")
     run.add_argument("--results", default=None, help="the results file (default bench/results/NAME.json)")
     run.add_argument("--broker", default=None, help="every run uses this broker instead of starting its own")
@@ -66,7 +69,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.bench_command == "run":
             try:
                 run_experiment(experiment, results_path=results_path, runs_dir=Path(args.runs_dir) if args.runs_dir else runs_dir,
-                               only=args.only, dry_run=args.dry_run, executor=SubprocessExecutor(broker=args.broker), reaudit=args.reaudit,
+                               only=args.only, dry_run=args.dry_run, executor=SubprocessExecutor(broker=args.broker), reaudit=args.reaudit, recollect=args.recollect,
                                progress=lambda line: print(line, flush=True))
             except KeyboardInterrupt:
                 print(f"edgesplit bench: interrupted; the cell that was running was stopped, the cells done are in "

@@ -41,11 +41,12 @@ RUN_FIGURES = (
 )
 #: Figures a run has only with a setting on (differential privacy's ε, cloud_server/privacy.py);
 #: results written before they existed lack them, so they are checked only where present.
-OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon")
+OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon", "activation_epsilon_per_image")
 _IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
-#: The strongest image attack's scores, and the best label attack's error in the agents' label
+#: The strongest image attack's scores (and its PSNR over the mean image's), and the best label attack's error in the agents' label
 #: histograms beside a uniform guess's, as figures of the long table.
-LEAKAGE_FIGURES = (*(f"leakage_{k}" for k in _IMAGE_SCORES), "leakage_label_error", "leakage_label_baseline_error")
+LEAKAGE_FIGURES = (*(f"leakage_{k}" for k in _IMAGE_SCORES), "leakage_gain_db", "leakage_label_error",
+                   "leakage_label_baseline_error")
 _CELL_KEYS = ("key", "method", "partition", "seed", "variant", "overrides", "status", "wall_s", "run", "leakage")
 
 
@@ -103,6 +104,7 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
         "run_wall_s": totals.get("wall_time_s"),
         "dp_fedavg_epsilon": ((report.get("privacy") or {}).get("dp_fedavg") or {}).get("epsilon"),
         "dpsgd_epsilon": ((report.get("privacy") or {}).get("dpsgd") or {}).get("epsilon"),
+        "activation_epsilon_per_image": (report.get("defences") or {}).get("epsilon_per_image"),
     }
 
 

@@ -175,11 +175,13 @@ def result_line(record: dict[str, Any]) -> str:
 
 def run_experiment(experiment: Experiment, *, results_path: Path, runs_dir: Path, only: str | None = None,
                    dry_run: bool = False, executor: CellExecutor | None = None, progress: Progress = print,
-                   reaudit: bool = False) -> dict[str, Any]:
+                   reaudit: bool = False, recollect: bool = False) -> dict[str, Any]:
     """Run the cells of ``experiment`` (those matching the glob ``only``) not yet done, writing
     ``results_path`` after each; return the results document. ``reaudit``: instead, audit the
     done cells again on what their runs kept (their run directories must still be there), as
-    after a change to the audit; their runs' figures stay."""
+    after a change to the audit; their runs' figures stay. ``recollect``: instead, read the done
+    cells' run figures again from their runs' ``report.json`` (after the figures collected
+    changed); nothing runs."""
     chosen = experiment.select(only)
     grid = experiment.cells()
     commands = {c.key: cell_command(experiment, c) for c in grid}
@@ -200,6 +202,13 @@ def run_experiment(experiment: Experiment, *, results_path: Path, runs_dir: Path
     if dry_run:
         for cell in todo:
             progress(f"  {cell.key}: {' '.join(commands[cell.key])}")
+        return document()
+    if recollect:
+        for cell in chosen:
+            report_path = runs_dir / cell.key / "report.json"
+            if cell.key in recorded and recorded[cell.key]["status"] == "done" and report_path.exists():
+                recorded[cell.key]["run"] = run_figures(json.loads(report_path.read_text()))
+        write_results(results_path, document())
         return document()
     run = executor or SubprocessExecutor()
     if reaudit:

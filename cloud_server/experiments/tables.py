@@ -30,9 +30,11 @@ SUMMARY_COLUMNS = (
     ("edge_train_gflops_per_agent", "Edge GFLOPs / agent", 1, 1), ("train_up_wire_bytes", "Up MB (wire)", 1e-6, 2),
     ("train_down_wire_bytes", "Down MB (wire)", 1e-6, 2), ("peak_agent_rss_bytes", "Peak agent RSS MB", 1e-6, 0),
     ("leakage_psnr_db", "Strongest attack PSNR dB", 1, 1), ("leakage_baseline_psnr_db", "Baseline PSNR dB", 1, 1),
+    ("leakage_gain_db", "Over baseline dB", 1, 1),
     ("leakage_label_error", "Label histogram error", 1, 2),
     ("leakage_label_baseline_error", "Uniform guess's error", 1, 2),
     ("dp_fedavg_epsilon", "DP-FedAvg ε", 1, 2), ("dpsgd_epsilon", "DP-SGD ε", 1, 2),
+    ("activation_epsilon_per_image", "Maps ε / image", 1, 1),
 )
 
 
@@ -45,6 +47,7 @@ def long_table(results: Mapping[str, Any]) -> list[Row]:
         strongest = (cell.get("leakage") or {}).get("strongest") or {}
         row["leakage_attack"] = strongest.get("attack")
         row.update({f"leakage_{k}": strongest.get(k) for k in ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")})
+        row["leakage_gain_db"] = (strongest["psnr_db"] - strongest["baseline_psnr_db"]) if strongest else None
         labels = [a for a in ((cell.get("leakage") or {}).get("attacks") or {}).values() if "histogram_error" in a]
         best = min(labels, key=lambda a: a["histogram_error"], default={})
         row["leakage_label_error"] = best.get("histogram_error")

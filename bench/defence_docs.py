@@ -1,0 +1,138 @@
+"""The defences' price beside their leakage, in the docs: docs/privacy.md's generated table and
+README's column, from every defence experiment's results (``bench/results/defences_*.json``,
+the experiment runner's schema).
+
+Each defence is a variant of its experiment; its price is read against the same experiment's
+``default`` variant of the same method (same data, seeds, rounds and evaluation): global
+accuracy, edge FLOPs and bytes up beside the strongest attack's PSNR over the mean image's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from cloud_server.experiments.results import load_results
+from cloud_server.experiments.tables import long_table, summary
+
+__all__ = ["PRIVACY_BEGIN", "PRIVACY_END", "defence_rows", "load_defences", "privacy_block", "readme_defence_cell",
+           "update_privacy_page"]
+
+PRIVACY_BEGIN = "<!-- defences: rendered from bench/results/defences_*.json by bench/render_results.py. Do not edit by hand. -->"
+PRIVACY_END = "<!-- end of the defences -->"
+
+Row = dict[str, Any]
+
+
+def load_defences(results_dir: Path) -> dict[str, Mapping[str, Any]]:
+    """Experiment name -> its results, for every ``defences_*.json`` of the runner's schema.
+    When an experiment and its ``_small`` version both exist, the fuller one is kept."""
+    found = {}
+    for path in sorted(results_dir.glob("defences_*.json")):
+        data = load_results(path)
+        if data is not None and "cells" in data:
+            found[path.stem] = data
+    for name in list(found):
+        if name.endswith("_small") and name[: -len("_small")] in found:
+            del found[name]
+    return found
+
+
+def _mean(stat: Mapping[str, Any] | None) -> float | None:
+    return None if stat is None else stat.get("mean")
+
+
+def defence_rows(experiments: Mapping[str, Mapping[str, Any]]) -> list[Row]:
+    """One row per experiment x method x variant with done cells: the figures (mean, sd, n over
+    the seeds) and, beside the method's ``default`` variant of the same experiment, the
+    differences (accuracy points, dB, bytes and FLOPs ratios)."""
+    rows: list[Row] = []
+    for name, results in experiments.items():
+        groups = summary(long_table(results))
+        defaults = {(g["method"], g["partition"]): g for g in groups if g["variant"] == "default"}
+        for g in groups:
+            base = defaults.get((g["method"], g["partition"]))
+            acc, base_acc = _mean(g["final_accuracy"]), _mean(base["final_accuracy"]) if base else None
+            gain, base_gain = _mean(g["leakage_gain_db"]), _mean(base["leakage_gain_db"]) if base else None
+            up, base_up = _mean(g["train_up_wire_bytes"]), _mean(base["train_up_wire_bytes"]) if base else None
+            flops, base_flops = (_mean(g["edge_train_gflops_per_agent"]),
+                                 _mean(base["edge_train_gflops_per_agent"]) if base else None)
+            rows.append({
+                "experiment": name, "method": g["method"], "partition": g["partition"], "variant": g["variant"], "n": g["n"],
+                "accuracy": g["final_accuracy"], "psnr": g["leakage_psnr_db"], "baseline_psnr": g["leakage_baseline_psnr_db"],
+                "gain_db": g["leakage_gain_db"], "up_bytes": up, "gflops": flops,
+                "epsilon": next((_mean(g[k]) for k in ("activation_epsilon_per_image", "dp_fedavg_epsilon", "dpsgd_epsilon")
+                                 if _mean(g.get(k)) is not None), None),
+                "accuracy_points": None if acc is None or base_acc is None else 100 * (acc - base_acc),
+                "gain_change_db": None if gain is None or base_gain is None else gain - base_gain,
+                "up_ratio": None if up is None or not base_up else up / base_up,
+                "flops_ratio": None if flops is None or not base_flops else flops / base_flops,
+            })
+    return rows
+
+
+def _pm(stat: Mapping[str, Any] | None, scale: float = 1.0, digits: int = 1) -> str:
+    if stat is None or stat.get("mean") is None:
+        return "—"
+    text = f"{stat['mean'] * scale:.{digits}f}"
+    return text + (f" ± {stat['sd'] * scale:.{digits}f}" if stat.get("sd") is not None else "")
+
+
+def _signed(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:+.{digits}f}{suffix}"
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def privacy_block(rows: Sequence[Row]) -> list[str]:
+    """docs/privacy.md's generated table between :data:`PRIVACY_BEGIN` and :data:`PRIVACY_END`."""
+    lines = [PRIVACY_BEGIN, ""]
+    if not rows:
+        lines += ["No defence is measured yet: `edgesplit bench run bench/experiments/defences_activations_small.toml` "
+                  "(and `defences_dp.toml`), then `python bench/render_results.py`.", "", PRIVACY_END]
+        return lines
+    lines += ["| Experiment | Method | Variant | n | Global acc. % | vs undefended (points) | Strongest attack dB | "
+              "Over mean image dB | vs undefended (dB) | ε | Up MB (wire) | vs undefended | Edge GFLOPs / agent |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        eps = "—" if r["epsilon"] is None else f"{r['epsilon']:.3g}"
+        up = "—" if r["up_bytes"] is None else f"{r['up_bytes'] / 1e6:.2f}"
+        gflops = "—" if r["gflops"] is None else f"{r['gflops']:.1f}"
+        lines.append(f"| `{r['experiment']}` | `{r['method']}` | {r['variant']} | {r['n']} | {_pm(r['accuracy'], 100)} | "
+                     f"{_signed(r['accuracy_points'])} | {_pm(r['psnr'])} | {_pm(r['gain_db'])} | {_signed(r['gain_change_db'])} | "
+                     f"{eps} | {up} | {_ratio(r['up_ratio'])} | {gflops} |")
+    lines += ["", "Mean ± sd over the seeds (n); each variant against its experiment's undefended (`default`) runs of the "
+              "same method, seeds and evaluation. \"Over mean image\": the strongest attack's PSNR minus that of guessing "
+              "the mean image (0: the server learns nothing an image-free guess would not give it). ε: per image for "
+              "noised maps, for the run for DP-FedAvg and DP-SGD (δ in each experiment file).", "", PRIVACY_END]
+    return lines
+
+
+def readme_defence_cell(rows: Sequence[Row], method: str) -> str:
+    """README's cell: the measured defence that leaves the least over the mean image, with its
+    accuracy beside the undefended one's; for a method without an image attack, its defences'
+    accuracy cost."""
+    mine = [r for r in rows if r["method"] == method and r["variant"] != "default"]
+    if not mine:
+        return "not measured yet"
+    attacked = [r for r in mine if r["gain_db"] is not None and r["gain_db"].get("mean") is not None]
+    if attacked:
+        best = min(attacked, key=lambda r: r["gain_db"]["mean"])
+        return (f"{best['variant']}: {best['gain_db']['mean']:.1f} dB over the mean image, accuracy "
+                f"{_signed(best['accuracy_points'])} points")
+    return "; ".join(f"{r['variant']}: accuracy {_signed(r['accuracy_points'])} points" for r in mine)
+
+
+def update_privacy_page(path: Path, rows: Sequence[Row]) -> bool:
+    """Rewrite the generated table in ``path`` (docs/privacy.md); True if it changed."""
+    text = path.read_text()
+    if PRIVACY_BEGIN not in text or PRIVACY_END not in text:
+        raise ValueError(f"{path} has no table of defences between {PRIVACY_BEGIN!r} and {PRIVACY_END!r}")
+    start, end = text.index(PRIVACY_BEGIN), text.index(PRIVACY_END) + len(PRIVACY_END)
+    updated = text[:start] + "\n".join(privacy_block(rows)) + text[end:]
+    if updated != text:
+        path.write_text(updated)
+    return updated != text

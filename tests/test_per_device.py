@@ -85,8 +85,11 @@ def test_link_seconds_follow_from_the_stated_link(run) -> None:  # type: ignore[
         assert entry["down_link_s"] == pytest.approx(down * 8 / (LINK_MBIT * 1e6))
         assert entry["max_up_link_s"] >= entry["up_link_s"]
         assert entry["train_up_wire_per_image"] == pytest.approx(entry["train_up_wire"] / report["agents"][agent]["num_samples"])
+        costs = [r["per_agent"][agent] for r in report["rounds"]]
+        assert entry["compute_s"] == pytest.approx(sum(c["compute_s"] for c in costs) / 2) and entry["compute_s"] > 0
+        assert entry["round_s"] == pytest.approx(sum(c["round_s"] for c in costs) / 2) and entry["round_s"] >= entry["compute_s"]
     text = "\n".join(per_device_md(report))
-    assert "## Per device" in text and f"{LINK_MBIT:g} Mbit/s" in text and "| agent-0 |" in text
+    assert "## Per device" in text and f"{LINK_MBIT:g} Mbit/s" in text and "| agent-0 |" in text and "Compute s" in text
     console = per_device_lines(report)
     assert console[0].startswith(f"per device, per round at {LINK_MBIT:g} Mbit/s: up ") and "evaluation" in console[0]
 

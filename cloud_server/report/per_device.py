@@ -32,7 +32,8 @@ AGENT_FIELDS = {
     "up_wire": ("number", False), "down_wire": ("number", False),
     "up_link_s": ("number", False), "down_link_s": ("number", False),
     "max_up_link_s": ("number", False), "max_down_link_s": ("number", False),
-    "train_up_wire_per_image": ("number", True), "peak_rss_bytes": ("int", True),
+    "train_up_wire_per_image": ("number", True), "compute_s": ("number", True), "round_s": ("number", True),
+    "peak_rss_bytes": ("int", True),
     "memory_bytes": ("int", True), "memory_share": ("number", True), "memory_warning": ("str", True),
 }
 
@@ -65,6 +66,11 @@ def _agent_entry(agent: str, rounds: list[Mapping[str, Any]], info: Mapping[str,
                                                  + b.get("evaluation", {}).get("down_wire", 0)) for b in per_round)
     images = (info or {}).get("num_samples") or 0
     entry["train_up_wire_per_image"] = entry["train_up_wire"] / images if images else None
+    # The agent's own seconds per round it trained in: its compute, and the whole round on the device
+    # (compute, encoding, network and waiting for the server).
+    costs = [r["per_agent"][agent] for r in rounds if agent in r["per_agent"]]
+    entry["compute_s"] = sum(c.get("compute_s", 0.0) for c in costs) / len(costs) if costs else None
+    entry["round_s"] = sum(c.get("round_s", 0.0) for c in costs) / len(costs) if costs else None
     peaks = [r["per_agent"][agent]["peak_rss_bytes"] for r in rounds if agent in r["per_agent"]]
     entry["peak_rss_bytes"] = max(peaks) if peaks else None
     memory = target.memory_bytes or (info or {}).get("memory_bytes") or None

@@ -31,6 +31,10 @@ def _per_image(entry: Mapping[str, Any]) -> str:
     return DASH if value is None else f"{value / 1e3:,.2f}"
 
 
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
 def per_device_md(report: Mapping[str, Any]) -> list[str]:
     """summary.md's "Per device" section; empty while the report has none."""
     section = report.get("per_device")
@@ -41,16 +45,19 @@ def per_device_md(report: Mapping[str, Any]) -> list[str]:
         rows.append([agent, e["rounds"], mb(e["train_up_wire"]), mb(e["eval_up_wire"]), mb(e["up_wire"]),
                      mb(e["train_down_wire"]), mb(e["eval_down_wire"]), mb(e["down_wire"]),
                      f"{e['up_link_s']:.1f}", f"{e['down_link_s']:.1f}", f"{e['max_up_link_s']:.1f}",
-                     _per_image(e), mb(e.get("peak_rss_bytes"), 0), _share(e)])
+                     _per_image(e), _seconds(e.get("compute_s")), _seconds(e.get("round_s")), mb(e.get("peak_rss_bytes"), 0),
+                     _share(e)])
     header = ["Agent", "Rounds", "Train MB up", "Eval MB up", "MB up", "Train MB down", "Eval MB down", "MB down",
-              "Up s", "Down s", "Slowest up s", "Train kB up / image", "Peak RSS MB", "Of memory"]
+              "Up s", "Down s", "Slowest up s", "Train kB up / image", "Compute s", "Round s", "Peak RSS MB", "Of memory"]
     lines = ["## Per device", "", *table(header, rows, right_from=1), "",
              "Per round: the mean over the rounds each agent took part in, every message it sent (up) or was sent "
              "(down) as the server's connection saw it on the wire, training's and evaluation's apart and together. "
              f"Seconds on the link: wire bytes x 8 / the link's rate, at {_target_text(section)}. Slowest up s: the "
              "agent's slowest round. Train kB up / image: the training upload per image of the agent's data, which "
              "scales with a device's data where the method uploads per image (feature maps, activations), not where "
-             "it uploads a model. Peak RSS: the agent's highest per-round peak.", ""]
+             "it uploads a model. Compute s: the agent's own compute per round on this machine (training, and "
+             "extracting where the method uploads maps); Round s: its whole round, waiting for the server included. "
+             "Peak RSS: the agent's highest per-round peak.", ""]
     lines += [f"- **Memory warning**: {w}" for w in section.get("warnings") or []]
     return lines + ([""] if section.get("warnings") else [])
 

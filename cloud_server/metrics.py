@@ -21,6 +21,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 from typing import Any, Protocol
 
@@ -53,6 +54,7 @@ class RunLoop(Protocol):
     completed_round: int
     rejected: Mapping[str, int]
     hook_clock: Any
+    out_dir: Path  # where the run's report.json and summary.md are written
 
 __all__ = ["ServerMetrics", "LiveState", "AgentView", "RoundPoint"]
 
@@ -117,15 +119,26 @@ class ServerMetrics:
     # -- serving -------------------------------------------------------------------- #
 
     def start(self) -> str:
-        """Serve ``/metrics``, the status page ``/`` and ``/status.json``; returns the page's URL."""
+        """Serve ``/metrics``, the status page ``/``, ``/status.json`` and the run's ``/report.json``
+        and ``/summary.md``; returns the page's URL."""
         from .status_page import fragment, render_page
 
         self._server = MetricsServer(self.endpoint, self.registry, self_cost=self.self_cost, pages={
             "/": lambda: (render_page(self.live()).encode(), "text/html; charset=utf-8"),
             "/live": lambda: (fragment(self.live()).encode(), "text/html; charset=utf-8"),
             "/status.json": lambda: (json.dumps(self.live().to_json()).encode(), "application/json"),
+            "/report.json": lambda: self._run_file("report.json", "application/json"),
+            "/summary.md": lambda: self._run_file("summary.md", "text/markdown; charset=utf-8"),
         }).start()
         return self._server.url
+
+    def _run_file(self, name: str, content_type: str) -> tuple[bytes, str]:
+        """The run's report file as written so far (the final one once the run has ended)."""
+        path = Path(self.loop.out_dir) / name
+        if not path.is_file():
+            return f"{name} is not written yet\n".encode(), \
+                "text/plain; charset=utf-8"
+        return path.read_bytes(), content_type
 
     def live(self) -> LiveState:
         """The latest snapshot with the server's work as it is now (HTTP thread)."""

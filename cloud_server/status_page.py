@@ -144,7 +144,8 @@ def fragment(state: "LiveState") -> str:
     if state.status not in ("running", "starting"):
         until = "" if state.serving_until is None else \
             f"; this page stays up until {time.strftime('%H:%M:%S', time.localtime(state.serving_until))}"
-        progress += f'<span id="ended">the run has ended ({escape(state.status)}){until}</span>'
+        progress += (f'<span id="ended">the run has ended ({escape(state.status)}){until}: its '
+                     '<a href="summary.md">summary.md</a> and <a href="report.json">report.json</a></span>')
     last = state.history[-1] if state.history else None
     acc = "—" if last is None or last.accuracy is None else f"{last.accuracy:.2%} (round {last.round})"
     rejected = sum(state.rejected.values())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 from prometheus_client import generate_latest
@@ -29,7 +30,7 @@ def fake_loop(deadline_in_s: float = 60.0) -> SimpleNamespace:
         config=SimpleNamespace(run_id="r<1>", rounds=5), method=SimpleNamespace(name="fedgkt", schedule="sync"),
         registry=SimpleNamespace(agents={"pi-1": agent}), transport=transport, topics=SimpleNamespace(up=lambda a: a),
         open_rounds={3: rnd}, recorder=SimpleNamespace(status="running"), completed_round=2,
-        rejected={"stale_message": 2}, hook_clock=HookClock(),
+        rejected={"stale_message": 2}, hook_clock=HookClock(), out_dir=Path("/nonexistent-run-dir"),
     )
 
 
@@ -103,9 +104,33 @@ def test_after_the_run_the_page_says_it_ended_and_until_when_it_stays_up() -> No
     loop.recorder.status = "finished"
     loop.open_rounds = {}
     metrics.refresh(force=True)
-    assert 'id="ended">the run has ended (finished)</span>' in fragment(metrics.live())
+    assert 'id="ended">the run has ended (finished): its <a href="summary.md">summary.md</a> and ' \
+        '<a href="report.json">report.json</a></span>' in fragment(metrics.live())
     until = metrics.linger(90)
     assert until > time.time() + 80
     shown = fragment(metrics.live())
     assert f"this page stays up until {time.strftime('%H:%M:%S', time.localtime(until))}" in shown
     assert json.loads(json.dumps(metrics.live().to_json()))["serving_until"] == until
+
+
+def test_the_page_serves_the_runs_report_files(tmp_path: Path) -> None:
+    import urllib.request
+
+    from cloud_server.metrics import ServerMetrics
+
+    loop = fake_loop()
+    loop.out_dir = tmp_path
+    metrics = ServerMetrics(loop, MetricsEndpointConfig(MetricsAddress("127.0.0.1", 0)))  # type: ignore[arg-type]
+    url = metrics.start()
+    try:
+        def get(name: str) -> tuple[bytes, str]:
+            with urllib.request.urlopen(url.rstrip("/") + "/" + name, timeout=10) as reply:
+                return reply.read(), reply.headers["Content-Type"]
+
+        assert get("report.json") == (b"report.json is not written yet\n", "text/plain; charset=utf-8")
+        (tmp_path / "report.json").write_text('{"status": "finished"}')
+        (tmp_path / "summary.md").write_text("# run\n")
+        assert get("report.json") == (b'{"status": "finished"}', "application/json")
+        assert get("summary.md") == (b"# run\n", "text/markdown; charset=utf-8")
+    finally:
+        metrics.close()

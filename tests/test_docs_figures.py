@@ -20,25 +20,15 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def _demo_runs() -> list[dict]:
-    runs = [r for r in _load("fedgkt_async.json")["runs"].values() if r["name"] == "fedgkt-sync"]
-    return sorted(runs, key=lambda r: r["seed"])
-
-
-def test_the_readme_quotes_the_demo_figures_of_fedgkt_async_json() -> None:
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "`bench/results/fedgkt_async.json`, the sync runs" in readme
-    runs = _demo_runs()
-    assert [r["seed"] for r in runs] == [0, 1, 2]
-    global_ = " / ".join(_pct(r["final_accuracy"]) for r in runs)
-    edges = " / ".join(_pct(r["final_edge_accuracy"]) for r in runs)
-    assert f"the server model reaches {global_} global after round 6" in readme
-    cell = _load("fedgkt_async.json")["cells"]["fedgkt-sync"]["final_accuracy"]
-    assert f"({100 * cell['mean']:.1f} ± {100 * cell['sd']:.1f}%)" in readme
-    assert f"the ResNet-8s left on the devices {edges}" in readme
-    minutes = re.search(r"seeds 0 and 1 took ([\d.]+) and ([\d.]+) minutes", readme)
-    assert minutes is not None
-    assert [float(m) for m in minutes.groups()] == [round(r["wall_time_s"] / 60, 1) for r in runs[:2]]
+def test_the_readme_quotes_no_measured_figure_outside_its_generated_table() -> None:
+    # Figures live in generated text (the table of methods, docs/results.md), where a re-measured
+    # bench changes them; README's prose points there instead of quoting them.
+    readme = (ROOT / "README.md").read_text()
+    begin, end = "<!-- The methods: rendered", "<!-- end of the methods -->"
+    prose = readme[:readme.index(begin)] + readme[readme.index(end):]
+    percent = r"\d+(?:\.\d+)?\s?%"
+    assert re.findall(percent, "the server model reaches 78.9% / 73.4 % global") == ["78.9%", "73.4 %"]
+    assert re.findall(percent, prose) == []
 
 
 def test_configuration_quotes_the_compiled_step_of_server_loop_json() -> None:

@@ -171,4 +171,5 @@ def test_the_page_shows_the_servers_phase_while_it_works_and_says_when_the_run_e
     assert phase is not None, during[:3000]
     assert "round 1" in phase.group(1) and "uploads" in phase.group(1)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert re.search(r'id="ended">the run has ended \(finished\); this page stays up until \d\d:\d\d:\d\d<', after), after[:3000]
+    assert re.search(r'id="ended">the run has ended \(finished\); this page stays up until \d\d:\d\d:\d\d: its '
+                     r'<a href="summary.md">summary.md</a> and <a href="report.json">report.json</a><', after), after[:3000]

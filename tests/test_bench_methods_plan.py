@@ -6,30 +6,21 @@ fails here until the golden file is re-made on purpose."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from typing import Any
 
 import pytest
 
 from fedhelpers import ROOT
+from benchhelpers import load_bench
 
 GOLDEN = ROOT / "tests" / "golden" / "methods_bench_runs.json"
 
 
-def _load_bench(name: str):  # type: ignore[no-untyped-def]
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.append(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _plan(scale: str, ablation: str) -> list[list[Any]]:
-    methods = _load_bench("methods")
+    methods = load_bench("methods")
     s = methods.SCALES[scale]  # bench/accuracy.py's
     # Through JSON, as pinned: tuples and lists compare alike, key order is kept.
     return json.loads(json.dumps([[table, key, run.name, run.method, run.method_config, run.rounds]
@@ -64,7 +55,7 @@ def test_the_ablation_runs_are_declared_by_the_method_not_by_the_bench() -> None
 
 
 def test_an_unknown_ablation_partition_is_refused() -> None:
-    methods = _load_bench("methods")
+    methods = load_bench("methods")
     with pytest.raises(ValueError, match="ablation partition"):
         methods.runs(2, 400, "dirichlet:0.5")
 
@@ -76,7 +67,7 @@ def _table2_declared() -> list[Any]:
 
 
 def _render():  # type: ignore[no-untyped-def]
-    return _load_bench("render_results")
+    return load_bench("render_results")
 
 
 def _cell(accuracy: float, local: float) -> dict[str, Any]:
@@ -104,7 +95,7 @@ def test_table2_takes_its_runs_and_the_papers_figures_from_fedgkts_declaration()
     # Another partition's cells are not this one's.
     assert all(r[1] == r[2] == render.DASH for r in render.table2_rows(ours, table1, "iid"))
     # The bench writes the same figures, read from the same declaration.
-    methods = _load_bench("methods")
+    methods = load_bench("methods")
     assert methods.paper_figures()["table2"] == {run.name: row.paper for run in declared for row in run.rows}
     # Neither script types a run name or a figure of the declaration.
     for script in ("render_results.py", "methods.py"):
@@ -126,7 +117,7 @@ def test_table2_follows_a_changed_declaration(monkeypatch: pytest.MonkeyPatch) -
     renamed = tuple(dataclasses.replace(run, name=f"{run.name}-v2", rows=(ResultsRow(f"{run.rows[0].label} (v2)", paper=12.5),))
                     if not run.reuses_table1 else run for run in spec.bench)
     monkeypatch.setitem(registry._METHODS, "fedgkt", dataclasses.replace(spec, bench=renamed))
-    render, methods = _render(), _load_bench("methods")
+    render, methods = _render(), load_bench("methods")
     cells = {f"{run.name}-noniid": _cell(0.7, 0.6) for run in renamed if not run.reuses_table1}
     rows = render.table2_rows(cells, {}, "noniid")
     changed = [r for r in rows if r[0].endswith("(v2)")]

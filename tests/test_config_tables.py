@@ -5,28 +5,19 @@ registered method's table has a declared meaning, and a key without one stops th
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pytest
 
 from fedhelpers import ROOT
+from benchhelpers import load_bench
 
 
-def _load_bench(name: str):  # type: ignore[no-untyped-def]
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.append(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_page_holds_the_rendered_tables() -> None:
-    render = _load_bench("config_tables")
+    render = load_bench("config_tables")
     page = (ROOT / "docs" / "configuration.md").read_text()
     block = page[page.index(render.CONFIG_BEGIN):page.index(render.CONFIG_END) + len(render.CONFIG_END)]
     assert block.splitlines() == render.config_tables(), "rerun `python bench/render_results.py` (it rewrites the tables)"
@@ -35,7 +26,7 @@ def test_the_page_holds_the_rendered_tables() -> None:
 def test_every_registered_method_with_a_config_has_its_table_with_every_key() -> None:
     from shared_protocol.registry import import_part, registered_methods
 
-    render = _load_bench("config_tables")
+    render = load_bench("config_tables")
     lines = render.config_tables()
     for name, spec in registered_methods().items():
         if not spec.config:
@@ -54,7 +45,7 @@ def test_the_centralized_table_is_rendered_in_the_block_with_every_key() -> None
     block (test_the_page_holds_the_rendered_tables) holds it, with every field of its config."""
     from cloud_server.centralized import CentralizedConfig
 
-    render = _load_bench("config_tables")
+    render = load_bench("config_tables")
     assert ("centralized", "cloud_server.centralized:CentralizedConfig",
             "run with `edgesplit centralized --config FILE`") in render.OTHER_TABLES
     lines = render.config_tables()
@@ -76,7 +67,7 @@ def test_the_centralized_table_is_rendered_in_the_block_with_every_key() -> None
 
 
 def test_a_row_shows_the_keys_types_defaults_and_meaning() -> None:
-    render = _load_bench("config_tables")
+    render = load_bench("config_tables")
 
     @dataclass(frozen=True)
     class Inner:
@@ -111,7 +102,7 @@ def test_a_row_shows_the_keys_types_defaults_and_meaning() -> None:
 
 
 def test_a_key_without_a_meaning_or_a_meaning_without_a_key_stops_the_render() -> None:
-    render = _load_bench("config_tables")
+    render = load_bench("config_tables")
 
     @dataclass(frozen=True)
     class Undescribed:
@@ -132,7 +123,7 @@ def test_a_key_without_a_meaning_or_a_meaning_without_a_key_stops_the_render() -
 
 
 def test_a_page_without_the_block_is_an_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    render = _load_bench("config_tables")
+    render = load_bench("config_tables")
     page = tmp_path / "configuration.md"
     page.write_text("# Configuration\n")
     with pytest.raises(render.ConfigDocError, match="no methods' tables"):

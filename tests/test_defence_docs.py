@@ -4,11 +4,10 @@ leaves the least over the mean image."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
+from benchhelpers import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = {"final_accuracy": 0.7, "best_accuracy": 0.7, "local_accuracy": 0.7, "edge_accuracy": None,
@@ -19,14 +18,6 @@ FIGURES = {"final_accuracy": 0.7, "best_accuracy": 0.7, "local_accuracy": 0.7, "
            "peak_agent_rss_bytes": 1e9, "run_wall_s": 10.0}
 
 
-def _bench(name: str) -> Any:
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.append(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _cell(method: str, variant: str, seed: int, accuracy: float, psnr: float | None, **run: Any) -> dict[str, Any]:
@@ -54,7 +45,7 @@ def _results(tmp_path: Path) -> Path:
 
 
 def test_each_defence_is_read_against_the_undefended_runs_of_its_experiment(tmp_path: Path) -> None:
-    docs = _bench("defence_docs")
+    docs = load_bench("defence_docs")
     experiments = docs.load_defences(_results(tmp_path))
     assert list(experiments) == ["defences_x"]
     rows = {(r["method"], r["variant"]): r for r in docs.defence_rows(experiments)}
@@ -72,7 +63,7 @@ def test_each_defence_is_read_against_the_undefended_runs_of_its_experiment(tmp_
 
 
 def test_the_privacy_page_table_is_rewritten_between_its_markers_only(tmp_path: Path) -> None:
-    docs = _bench("defence_docs")
+    docs = load_bench("defence_docs")
     page = tmp_path / "privacy.md"
     page.write_text(f"# Privacy\n\nbefore\n\n{docs.PRIVACY_BEGIN}\nold\n{docs.PRIVACY_END}\n\nafter\n")
     rows = docs.defence_rows(docs.load_defences(_results(tmp_path)))

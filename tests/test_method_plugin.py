@@ -8,7 +8,7 @@ aside)."""
 from __future__ import annotations
 
 import ast
-import importlib.util
+import importlib
 import re
 import subprocess
 import sys
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fedhelpers import ROOT, agent_config, in_memory_federation, method_server_config
+from benchhelpers import load_bench
 
 # The whole method: what docs/adding-a-method.md says a method is, and nothing else.
 TOY_FILES = {
@@ -184,14 +185,6 @@ def _git_status() -> str:
                           text=True, check=True).stdout
 
 
-def _load_bench(name: str):  # type: ignore[no-untyped-def]
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.append(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -239,10 +232,10 @@ def test_a_method_in_its_own_files_registers_runs_and_is_listed(toy_method: list
     assert "--toy-scale" in help_text and "toymean: how much each agent weighs its counts" in help_text
 
     # In the methods benchmark's runs, and its row on the results page.
-    bench = _load_bench("methods")
+    bench = load_bench("methods")
     planned = {run.name: run for _, _, run in bench.runs(2, 400)}
     assert planned["toymean-iid"].method == "toymean" and planned["toymean-noniid"].method_config == {"scale": 1.0}
-    assert ("Toy mean (the top class)", "toymean", "model", "none") in _load_bench("render_results").method_rows()
+    assert ("Toy mean (the top class)", "toymean", "model", "none") in load_bench("render_results").method_rows()
 
     # Two rounds end to end over the in-memory transport, with the real coordinator and agents.
     config = method_server_config(tmp_path, "toymean", {"scale": 2.0}, run_id="toy", agents=2, rounds=2)
@@ -260,7 +253,7 @@ def test_a_method_in_its_own_files_registers_runs_and_is_listed(toy_method: list
 
 def test_a_method_in_its_own_files_gets_its_table_of_keys(toy_method: list[str], tmp_path: Path) -> None:
     before = _git_status()
-    render = _load_bench("config_tables")
+    render = load_bench("config_tables")
     tables = render.config_tables()
     assert "`[toymean]` (`toymean/server.py`, `ToyConfig`)" in tables
     assert "| `scale` | float | `1.0` | how much each agent weighs its counts |" in tables
@@ -364,11 +357,11 @@ def test_the_facade_check_sees_a_re_exported_name() -> None:
 
 
 def test_the_readme_lists_every_registered_method_from_its_registry_entry() -> None:
-    render = _load_bench("render_results")
+    render = load_bench("render_results")
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index(render.README_BEGIN):readme.index(render.README_END) + len(render.README_END)]
     leakage = render.load_experiment_results(ROOT / "bench" / "results" / "leakage.json")
-    defence_docs = _load_bench("defence_docs")
+    defence_docs = load_bench("defence_docs")
     defences = defence_docs.defence_rows(defence_docs.load_defences(ROOT / "bench" / "results"))
     assert block.splitlines() == render.readme_methods(leakage, defences), \
         "rerun `python bench/render_results.py` (it rewrites the table)"
@@ -380,8 +373,8 @@ def test_the_readme_lists_every_registered_method_from_its_registry_entry() -> N
 def test_every_method_notes_say_what_the_server_sees_with_the_current_figure(tmp_path: Path) -> None:
     import shutil
 
-    render = _load_bench("render_results")
-    leakage_docs = _load_bench("leakage_docs")
+    render = load_bench("render_results")
+    leakage_docs = load_bench("leakage_docs")
     from shared_protocol.registry import registered_methods
 
     docs = ROOT / "docs" / "methods"

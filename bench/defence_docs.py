@@ -17,7 +17,7 @@ from cloud_server.experiments.results import load_results
 from cloud_server.experiments.tables import long_table, summary
 
 __all__ = ["PRIVACY_BEGIN", "PRIVACY_END", "defence_rows", "load_defences", "privacy_block", "readme_defence_cell",
-           "update_privacy_page"]
+           "secagg_section", "update_privacy_page"]
 
 PRIVACY_BEGIN = "<!-- defences: rendered from bench/results/defences_*.json by bench/render_results.py. Do not edit by hand. -->"
 PRIVACY_END = "<!-- end of the defences -->"
@@ -136,3 +136,34 @@ def update_privacy_page(path: Path, rows: Sequence[Row]) -> bool:
     if updated != text:
         path.write_text(updated)
     return updated != text
+
+
+def secagg_section(data: Mapping[str, Any] | None) -> list[str]:
+    """``bench/results/secagg.json`` on the results page: secure aggregation's cost per round
+    (the protocol alone) at each number of agents, with and without an agent dropping after it
+    shared its keys; mean over the repeats."""
+    if data is None:
+        return ["*`bench/results/secagg.json` not found: run `bench/secagg.py`.*", ""]
+    groups: dict[tuple[int, int], list[Mapping[str, Any]]] = {}
+    for cell in data["cells"]:
+        if cell["status"] == "done":
+            groups.setdefault((cell["agents"], cell["dropped"]), []).append(cell)
+
+    def mean(rows: Sequence[Mapping[str, Any]], key: str) -> float:
+        return sum(float(r[key]) for r in rows) / len(rows)
+
+    params = data["params"]
+    lines = ["### Secure aggregation's cost", "",
+             f"Pairwise masking with dropout recovery (`[server] secure_aggregation`, [privacy.md](privacy.md#secure-aggregation)) "
+             f"on an update of {data['model']}'s {data['update_entries']:,} entries (a plain zstd FedAvg upload of it: "
+             f"{data['plain_update_bytes'] / 1e3:.1f} kB), ring of {params['ring_bits']} bits; {data['note']}. "
+             "From `bench/secagg.py`, `bench/results/secagg.json`.", "",
+             "| Agents | Dropped after sharing keys | Repeats | Round s | Server unmask s | Agent compute s (mean) | "
+             "Messages up / down | kB up per agent | MB up (wire) | MB down (wire) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (agents, dropped), rows in sorted(groups.items()):
+        lines.append(f"| {agents} | {dropped} | {len(rows)} | {mean(rows, 'round_s'):.2f} | {mean(rows, 'server_unmask_s'):.3f} | "
+                     f"{mean(rows, 'agent_compute_s_mean'):.3f} | {mean(rows, 'messages_up'):.0f} / {mean(rows, 'messages_down'):.0f} | "
+                     f"{mean(rows, 'frame_bytes_per_agent_up') / 1e3:.1f} | {mean(rows, 'wire_bytes_up') / 1e6:.2f} | "
+                     f"{mean(rows, 'wire_bytes_down') / 1e6:.2f} |")
+    return lines + [""]

@@ -52,7 +52,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
-from defence_docs import defence_rows, load_defences, readme_defence_cell, update_privacy_page  # noqa: E402
+from defence_docs import defence_rows, load_defences, readme_defence_cell, secagg_section, update_privacy_page  # noqa: E402
 from leakage_docs import (copy_pictures, cost_cells, leakage_cell, method_figures, present_pictures,  # noqa: E402
                           setting_line, update_inversion_section, update_method_notes)
 
@@ -1529,6 +1529,7 @@ def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -
         lines += [text.replace("{{pictures}}", grid).rstrip(), ""]
         if template.stem == "leakage":
             lines += update_inversion_section(_load(results / "update_inversion.json"))
+    lines += secagg_section(_load(results / "secagg.json"))
     return lines
 
 

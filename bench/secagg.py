@@ -179,7 +179,7 @@ def main() -> None:
         finally:
             broker.stop()
     write_json(args.out, {
-        "bench": "secagg", "machine": machine(), "params": params.to_dict(), "model": "resnet8",
+        "benchmark": "secagg", "machine": machine(), "params": params.to_dict(), "model": "resnet8",
         "update_entries": size, "plain_update_bytes": len(encode_message(plain)),
         "note": "the protocol alone (no training): agents are threads of one process, each on its own MQTT "
                 "connection to one mosquitto on loopback; frame bytes as framed, wire bytes as MQTT packets",

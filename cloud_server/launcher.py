@@ -35,7 +35,7 @@ from shared_protocol.version import add_version_flag
 
 from .device_target import add_target_flags
 from .local_checks import (EXIT_CONFIG, PARTITION_FORMS, LaunchConfigError, check_generated_configs, check_local_args,
-                           dataset_name, float_in, int_at_least, method_name, partition_spec)
+                           dataset_name, faulty_agent, float_in, int_at_least, method_name, partition_spec)
 from .local_run import (broker_settings, check_server_config, clear_previous_run, launcher_flags, local_options, method_table, metrics_addresses,
                         metrics_banner, write_configs)
 
@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--audit-steps", type=int_at_least(1), default=None, metavar="N",
                        help="with --audit: optimisation steps of every optimising attack (default: each attack's own; "
                        "fewer is faster and weaker)")
+    local.add_argument("--faulty-agent", type=faulty_agent, action="append", default=[], metavar="AGENT_INDEX:KIND[:SCALE]",
+                       help="make agent AGENT_INDEX misbehave on purpose, to try the server's defences ([agent] fault): "
+                       "sign_flip (its update negated and scaled, default x4), scale (its uploads' tensors x SCALE, "
+                       "default x1000), random_labels (trains on shuffled labels), nan (NaN in its uploads); repeatable, "
+                       "one fault per agent; the report names the faulty agents")
     add_target_flags(local)  # --link-mbit, --device-memory: the device the per-device figures are read against
     local.add_argument("--log-json", action="store_true", help="the server and the agents log JSON lines")
     local.add_argument("--metrics", nargs="?", const=f"127.0.0.1:{DEFAULT_METRICS_PORT}", default=None, metavar="HOST:PORT",

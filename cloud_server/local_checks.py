@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from shared_protocol.configs import did_you_mean
+from shared_protocol.faults import FaultSpec, fault_kinds_text
 from shared_protocol.registry import registered_methods
 from shared_protocol.tomlio import read_toml
 
 from .local_run import AGENT_TABLES, SERVER_TABLE, launcher_flags, parse_setting, write_configs
 
 __all__ = ["EXIT_CONFIG", "PARTITION_FORMS", "LaunchConfigError", "check_generated_configs", "check_local_args",
-           "dataset_name", "float_in", "int_at_least", "method_name", "model_flags", "partition_spec"]
+           "dataset_name", "faulty_agent", "float_in", "int_at_least", "method_name", "model_flags", "partition_spec"]
 
 #: The exit code of a configuration error, in ``edgesplit``, ``cloud-server`` and ``edge-agent``
 #: (argparse's own for a bad flag).
@@ -120,6 +121,28 @@ def partition_spec(text: str) -> str:
     return text
 
 
+def faulty_agent(text: str) -> tuple[int, FaultSpec]:
+    """An argparse type: ``AGENT_INDEX:KIND[:SCALE]`` (``--faulty-agent 4:sign_flip:4``), the agent
+    and the fault it commits on purpose; an unknown kind lists the known ones."""
+    index, sep, fault = text.partition(":")
+    if not sep or not fault:
+        raise argparse.ArgumentTypeError(f"takes AGENT_INDEX:KIND[:SCALE] (e.g. 4:sign_flip:4), got {text!r}; "
+                                         f"kinds: {fault_kinds_text()}")
+    try:
+        agent = int(index)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the agent index must be an integer >= 0, got {index!r}") from None
+    if agent < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the agent index must be an integer >= 0, got {agent}")
+    try:
+        return agent, FaultSpec.parse(fault, where=text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+faulty_agent.__name__ = "AGENT_INDEX:KIND[:SCALE]"
+
+
 # -- after parsing: what depends on other flags ------------------------------------------- #
 
 
@@ -169,6 +192,14 @@ def check_local_args(args: argparse.Namespace) -> None:
             raise LaunchConfigError(
                 f"--set {setting}: [{setting.table}] has no key {setting.key!r};{did_you_mean(setting.key, keys)} "
                 f"keys of [{setting.table}]: {', '.join(sorted(keys))}")
+    seen: set[int] = set()
+    for index, spec in getattr(args, "faulty_agent", None) or ():
+        if index >= args.agents:
+            raise LaunchConfigError(f"--faulty-agent {index}:{spec.describe()}: no agent {index} in a run of --agents "
+                                    f"{args.agents} (indices 0 to {args.agents - 1})")
+        if index in seen:
+            raise LaunchConfigError(f"--faulty-agent: agent {index} is given twice; one fault per agent")
+        seen.add(index)
     backend = getattr(args, "backend", None)
     if backend not in (None, "torch") and backend not in registered_methods()[args.method].backends:
         offering = sorted(name for name, spec in registered_methods().items() if backend in spec.backends)
@@ -205,12 +236,15 @@ def check_generated_configs(args: argparse.Namespace, run_id: str, out: Path, br
             check_server_config(server_path)
         except ValueError as exc:
             raise LaunchConfigError(str(exc)) from None
-        # The agents' configs differ only in their id, index and metrics port: the first stands for all.
-        checked = subprocess.run([sys.executable, "-m", "edge_agent.cli", "check", "--config", str(agent_paths[0])],
-                                 capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        if checked.returncode != 0:
-            said = checked.stderr.strip().removeprefix("edge-agent: error: ")
-            raise LaunchConfigError(f"the agents' config: {said}")
+        # The agents' configs differ only in their id, index and metrics port: the first stands for
+        # all, and each faulty agent's for itself.
+        faulty = sorted({index for index, _ in getattr(args, "faulty_agent", None) or ()} - {0})
+        for path in [agent_paths[0], *(agent_paths[i] for i in faulty)]:
+            checked = subprocess.run([sys.executable, "-m", "edge_agent.cli", "check", "--config", str(path)],
+                                     capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            if checked.returncode != 0:
+                said = checked.stderr.strip().removeprefix("edge-agent: error: ")
+                raise LaunchConfigError(f"the agents' config ({path.name}): {said}")
         data = read_toml(agent_paths[0])["data"]
     given = "--set data.partition" if ("data", "partition") in _set_keys(args) else "--partition"
     partition, num_agents = data["partition"], data["num_agents"]

@@ -76,12 +76,13 @@ class AgentInfo(JsonRecord):
     num_samples: int = non_negative(0)
     class_counts: list[int] = field(default_factory=list)
     memory: dict = field(default_factory=dict, metadata={"added_later": True})  # the agent's [memory] settings ({} from an agent that sent none)
+    fault: str = field(default="", metadata={"added_later": True})  # a fault on purpose ([agent] fault), "": honest
 
     @classmethod
     def from_hello(cls, hello: Hello) -> "AgentInfo":
         return cls(cpu_model=hello.cpu_model, arch=hello.arch, cores=hello.cores, memory_bytes=hello.memory_bytes,
                    backend=hello.backend, num_samples=hello.num_samples, class_counts=list(hello.class_counts),
-                   memory=dict(hello.memory))
+                   memory=dict(hello.memory), fault=hello.fault)
 
 
 @dataclass

@@ -59,6 +59,7 @@ from .backends import describe_backend, get_backend_method
 from .config import EdgeConfig
 from .costs import RoundMeter, RoundPeakRss
 from .deadline import RoundDeadline
+from .faults import AgentFault
 from .memory import trim_malloc
 from .methods import EdgeContext, EdgeMethod, get_edge_method
 from .public_set import PublicTestSet
@@ -113,6 +114,12 @@ class EdgeAgent:
         self.instance = uuid.uuid4().hex[:12]
         self.private_key = agent_key(config.private_seed)  # kept here; the methods' noise and private init
         self.train, self.test = shards_as_configured(config, *(data if data is not None else load_agent_data(config)))
+        # A fault on purpose ([agent] fault): corrupts this agent's shard or its uploads, never a method's code.
+        spec = config.fault_spec()
+        self.fault = AgentFault(spec, config.agent_id, label_seed=config.data.seed) if spec is not None else None
+        if self.fault is not None:
+            self.fault.announce()
+            self.train = self.fault.train_set(self.train)
         if len(self.train) == 0:
             raise ValueError(f"agent {config.agent_id} has no training samples (check data.partition / train_samples)")
         self.transport = transport or MqttTransport(config.transport_config())
@@ -290,6 +297,9 @@ class EdgeAgent:
             self.method = cls(ctx)
         self._load_local_state()
         log.info("welcomed into run %s, method %s", self.config.run_id, msg.method)
+        if self.fault is not None and "secagg" in self.settings and self.fault.spec.kind != "random_labels":
+            log.warning("fault %s: under secure aggregation this agent's update goes masked into the sum; the fault "
+                        "acts only on what is sent in the clear", self.fault.spec.describe())
 
     def close_metrics(self) -> None:
         """Stop serving this agent's metrics (they outlive ``run`` until this)."""
@@ -309,10 +319,18 @@ class EdgeAgent:
         if self.metrics is not None:
             self.metrics.on_state(state)
 
+    def _outgoing(self, msg: Message, codecs: dict[str, str] | None) -> bytes:
+        """The frame of a method's upload: the one place a fault on purpose ([agent] fault) acts on it."""
+        if self.fault is None:
+            return encode_message(msg, codecs=codecs)
+        held = self.method.held_global if self.method is not None else (lambda version: None)
+        msg = self.fault.upload(msg, held)
+        return encode_message(msg, codecs=codecs, validate=not self.fault.skips_checks)
+
     def send(self, msg: Message, meter: RoundMeter, codecs: dict[str, str] | None = None) -> None:
         """Encode and publish a method's upload, metering time and bytes."""
         with meter.phase("encode"):
-            blob = encode_message(msg, codecs=codecs)
+            blob = self._outgoing(msg, codecs)
         meter.raw_bytes += sum(
             int(value.nbytes) for f in dataclasses.fields(msg) if isinstance(value := getattr(msg, f.name), np.ndarray)
         )
@@ -344,7 +362,7 @@ class EdgeAgent:
         if timeout_s <= 0 or attempts < 1:
             raise ValueError("request needs timeout_s > 0 and attempts >= 1")
         with meter.phase("encode"):
-            blob = encode_message(msg, codecs=codecs)
+            blob = self._outgoing(msg, codecs)
         meter.raw_bytes += sum(
             int(value.nbytes) for f in dataclasses.fields(msg) if isinstance(value := getattr(msg, f.name), np.ndarray)
         )
@@ -392,6 +410,7 @@ class EdgeAgent:
                 num_classes=int(self.train.num_classes),
                 instance=self.instance,
                 connection=int(self.transport.connect_count),
+                fault=self.fault.spec.describe() if self.fault is not None else "",
             )
         )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_protocol.configs import unknown_keys_error
+from shared_protocol.faults import FaultSpec
 from shared_protocol.metrics_endpoint import MetricsEndpointConfig
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
@@ -183,9 +184,18 @@ class EdgeConfig:
     # edge_init = "per_agent", the noise on its maps); 0: drawn from os.urandom at start. The
     # server never sees it.
     private_seed: int = 0
+    # A misbehaving device on purpose, for testing the server's defences (shared_protocol/faults.py:
+    # sign_flip, scale, random_labels, nan); "": an honest agent. fault_scale: the factor of
+    # sign_flip and scale (unset: the kind's default).
+    fault: str = ""
+    fault_scale: float | None = None
 
     def __post_init__(self) -> None:
         check_name("agent id", self.agent_id)
+        if self.fault_scale is not None and not self.fault:
+            raise ValueError(f"agent.fault_scale = {self.fault_scale!r} without agent.fault: set a fault "
+                             "(e.g. fault = \"sign_flip\") or remove fault_scale")
+        self.fault_spec()  # an unknown kind or a bad scale is refused here
         if not isinstance(self.private_seed, int) or isinstance(self.private_seed, bool) or self.private_seed < 0:
             raise ValueError(f"private_seed must be an integer >= 0 (0: drawn from os.urandom), got {self.private_seed!r}")
         check_name("run id", self.run_id)
@@ -196,6 +206,10 @@ class EdgeConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self.transport_config()  # chunk size, credentials in the URL
         self.metrics_endpoint()  # a non-loopback address without credentials is refused here
+
+    def fault_spec(self) -> FaultSpec | None:
+        """The fault this agent commits on purpose (None: honest)."""
+        return FaultSpec(self.fault, self.fault_scale, where="agent.fault") if self.fault else None
 
     def metrics_endpoint(self) -> MetricsEndpointConfig | None:
         """Where this agent's metrics are served (None: metrics off)."""

@@ -49,6 +49,9 @@ class Hello(Message):
     # "" / 0: not told (the round restarts, as before these fields).
     instance: str = ""
     connection: int = 0
+    # The fault this agent commits on purpose ([agent] fault, shared_protocol/faults.py: e.g.
+    # "sign_flip x4"), so that a run report names it; "": an honest agent (or one that does not say).
+    fault: str = ""
 
     def validate(self) -> None:
         if self.num_samples < 0 or self.cores < 0 or self.memory_bytes < 0 or self.connection < 0:

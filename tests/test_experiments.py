@@ -174,6 +174,30 @@ set = { server = { round_deadline_s = 120 } }
     assert "--set" in args and "server.round_deadline_s=120" in args and "--model" not in args
 
 
+def test_a_variant_makes_an_agent_faulty_with_the_launchers_flag(tmp_path: Path) -> None:
+    """``faulty_agents`` (every run, a method's, a variant's) becomes ``--faulty-agent``, the
+    variant's fault replacing an earlier one for the same agent; a bad entry or an agent outside
+    the run fails naming the key, as the launcher would."""
+    text = SMALL.format(name="small", method="fedavg", rounds=1).replace(
+        "seeds = [0, 1, 2]", 'seeds = [0, 1, 2]\nfaulty_agents = ["0:random_labels"]') + """
+[variants.default]
+[variants.flip]
+faulty_agents = ["1:sign_flip:4", "0:nan"]
+"""
+    cells = {c.key: c for c in load_experiment(write_experiment(tmp_path, text)).cells()}
+    assert cells["fedavg-iid-s0"].overrides.faulty_agents == ("0:random_labels",)
+    args = cells["fedavg-flip-iid-s0"].local_args(Scale(agents=2))
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--faulty-agent"] == ["0:nan", "1:sign_flip:4"]
+    assert "--faulty-agent" not in load_experiment(small(tmp_path / "plain", method="fedavg")).cells()[0].local_args(Scale())
+    for bad, said in (('faulty_agents = ["2:sign_flip"]', "no agent 2 in a run of scale.agents = 2"),
+                      ('faulty_agents = ["1:bogus"]', "unknown fault 'bogus'; faults: sign_flip, scale, random_labels, nan"),
+                      ('faulty_agents = "1:nan"', "faulty_agents is a list")):
+        path = write_experiment(tmp_path / "bad", SMALL.format(name="small", method="fedavg", rounds=1)
+                                + f"[variants.v]\n{bad}\n")
+        with pytest.raises(ExperimentError, match=said.replace("(", r"\(")):
+            load_experiment(path)
+
+
 # -- the runner --------------------------------------------------------------------------------- #
 
 

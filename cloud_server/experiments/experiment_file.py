@@ -12,7 +12,8 @@ The file's layout (docs/experiments.md)::
     [budget]                       # max_wall_s: the most one run may take
     [flags] / [set]                # every run: method flags by name, --set TABLE.KEY = VALUE
     [method.NAME]                  # one method's: flags = {...}, set = {...}
-    [variants.NAME]                # a variant of the grid: flags, set, methods (only these)
+    [variants.NAME]                # a variant of the grid: flags, set, faulty_agents, methods (only these)
+    faulty_agents = ["4:sign_flip:4"]  # (top level, per method or per variant) --faulty-agent AGENT_INDEX:KIND[:SCALE]
     [[claims]]                     # text, method, figure, op, value, partition, variant
 """
 
@@ -34,7 +35,7 @@ else:  # pragma: no cover - Python 3.10
 __all__ = ["load_experiment", "parse_experiment"]
 
 _TOP_KEYS = ("name", "question", "methods", "partitions", "seeds", "scale", "budget", "set", "flags", "method", "variants",
-             "audit", "claims")
+             "audit", "claims", "faulty_agents")
 
 
 def _flatten(prefix: str, table: Mapping[str, Any]) -> dict[str, Any]:
@@ -70,7 +71,13 @@ def _overrides(raw: Mapping[str, Any], where: str) -> Overrides:
     settings = raw.get("set", {})
     if not isinstance(flags, dict) or not isinstance(settings, dict):
         raise ExperimentError(f"{where}: flags and set are tables (flags = {{ model = \"resnet8\" }})")
-    return Overrides(dict(flags), _flatten("", settings))
+    faulty = raw.get("faulty_agents", [])
+    if not isinstance(faulty, list):
+        raise ExperimentError(f"{where}: faulty_agents is a list of AGENT_INDEX:KIND[:SCALE], e.g. [\"4:sign_flip:4\"], got {faulty!r}")
+    try:
+        return Overrides(dict(flags), _flatten("", settings), tuple(faulty))
+    except ExperimentError as exc:
+        raise ExperimentError(f"{where}: {exc}") from None
 
 
 def _strings(raw: Mapping[str, Any], key: str) -> tuple[str, ...]:
@@ -95,14 +102,14 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "") -> Experiment:
     budget = _table(raw, "budget", ("max_wall_s",))
     per_method = {}
     for name, table in _table(raw, "method", _keys(raw, "method")).items():
-        unknown_keys = sorted(set(table) - {"flags", "set"}) if isinstance(table, dict) else ["(not a table)"]
+        unknown_keys = sorted(set(table) - {"flags", "set", "faulty_agents"}) if isinstance(table, dict) else ["(not a table)"]
         if unknown_keys:
-            raise ExperimentError(f"method.{name}: unknown key {unknown_keys[0]!r}; keys: flags, set")
+            raise ExperimentError(f"method.{name}: unknown key {unknown_keys[0]!r}; keys: flags, set, faulty_agents")
         per_method[name] = _overrides(table, f"method.{name}")
     variants = []
     for name, table in _table(raw, "variants", _keys(raw, "variants")).items():
-        if not isinstance(table, dict) or sorted(set(table) - {"flags", "set", "methods"}):
-            raise ExperimentError(f"variants.{name}: a variant is a table with flags, set and methods only")
+        if not isinstance(table, dict) or sorted(set(table) - {"flags", "set", "faulty_agents", "methods"}):
+            raise ExperimentError(f"variants.{name}: a variant is a table with flags, set, faulty_agents and methods only")
         variants.append(Variant(name, _overrides(table, f"variants.{name}"), tuple(table.get("methods", ()))))
     audit_raw = raw.get("audit", False)
     if isinstance(audit_raw, bool):

@@ -13,6 +13,7 @@ Every problem is an :class:`ExperimentError` naming the file, the key and the fi
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import json
 import math
@@ -94,13 +95,17 @@ class Scale:
 
 @dataclass(frozen=True)
 class Overrides:
-    """Method flags (by their ``LauncherFlag.dest``: ``model``, ``codec``) and ``--set`` settings
-    (``"TABLE.KEY"`` -> value)."""
+    """Method flags (by their ``LauncherFlag.dest``: ``model``, ``codec``), ``--set`` settings
+    (``"TABLE.KEY"`` -> value) and agents made faulty on purpose (``--faulty-agent``'s
+    ``AGENT_INDEX:KIND[:SCALE]``, one per agent)."""
 
     flags: Mapping[str, Any] = field(default_factory=dict)
     settings: Mapping[str, Any] = field(default_factory=dict)
+    faulty_agents: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for text in self.faulty_agents:
+            self.faulty_index(text)
         for name, value in self.settings.items():
             table, _, key = name.partition(".")
             if not table or not key or "." in key:
@@ -108,9 +113,22 @@ class Overrides:
             if isinstance(value, dict):
                 raise ExperimentError(f"set: {name} takes a scalar or a list, not a table")
 
+    @staticmethod
+    def faulty_index(text: str) -> int:
+        """The agent index of a ``faulty_agents`` entry, checked as ``--faulty-agent`` checks it."""
+        from ..local_checks import faulty_agent
+
+        if not isinstance(text, str):
+            raise ExperimentError(f"faulty_agents: each entry is a string AGENT_INDEX:KIND[:SCALE], got {text!r}")
+        try:
+            return faulty_agent(text)[0]
+        except argparse.ArgumentTypeError as exc:
+            raise ExperimentError(f"faulty_agents: {exc}") from None
+
     def then(self, other: Overrides) -> Overrides:
-        """These overrides with ``other``'s on top."""
-        return Overrides({**self.flags, **other.flags}, {**self.settings, **other.settings})
+        """These overrides with ``other``'s on top (a faulty agent of ``other`` replaces this one's fault for that agent)."""
+        faulty = {self.faulty_index(t): t for t in self.faulty_agents} | {self.faulty_index(t): t for t in other.faulty_agents}
+        return Overrides({**self.flags, **other.flags}, {**self.settings, **other.settings}, tuple(faulty[i] for i in sorted(faulty)))
 
 
 @dataclass(frozen=True)
@@ -193,6 +211,8 @@ class Cell:
             args += [f"--{dest.replace('_', '-')}", str(value)]
         for name, value in self.overrides.settings.items():
             args += ["--set", f"{name}={_toml_value(value)}"]
+        for text in self.overrides.faulty_agents:
+            args += ["--faulty-agent", text]
         return args
 
 
@@ -283,6 +303,10 @@ class Experiment:
                         flag.check(value)
                     except ValueError as exc:
                         raise ExperimentError(f"{where}: {exc}") from None
+            for text in overrides.faulty_agents:
+                if overrides.faulty_index(text) >= self.scale.agents:
+                    raise ExperimentError(f"{where}: faulty_agents {text!r}: no agent {overrides.faulty_index(text)} in a run "
+                                          f"of scale.agents = {self.scale.agents}")
             for name in overrides.settings:
                 if name.partition(".")[0] not in tables:
                     raise ExperimentError(f"{where}: set {name}: no table {name.partition('.')[0]!r}; tables: "
@@ -309,7 +333,7 @@ class Experiment:
                 merged = self.overrides.then(self.per_method.get(method, Overrides())).then(variant.overrides)
                 mine = Overrides({d: v for d, v in merged.flags.items() if d in flags},
                                  {n: v for n, v in merged.settings.items()
-                                  if n.partition(".")[0] in (*RUN_TABLES, method)})
+                                  if n.partition(".")[0] in (*RUN_TABLES, method)}, merged.faulty_agents)
                 for partition in self.partitions:
                     for seed in self.seeds:
                         parts = [method, *([variant.name] if variant.name != DEFAULT_VARIANT else []),

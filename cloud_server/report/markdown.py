@@ -100,11 +100,19 @@ def _header_md(report: Mapping[str, Any]) -> list[str]:
     return [
         f"# EdgeSplit run `{report['run_id']}` — {report['method']}", "",
         " · ".join(facts), "",
+        *_faulty_md(report),
         f"Started {report['started_at']}, finished {report['finished_at'] or DASH}. "
         f"Server: {srv['hostname']}, {srv['device']} ({srv['cpu_model']}), torch {srv['torch']}; "
         f"EdgeSplit {report['edgesplit_version']}.",
         "",
     ]
+
+
+def _faulty_md(report: Mapping[str, Any]) -> list[str]:
+    """One line naming the agents made faulty on purpose (``[agent] fault``); none when all were honest."""
+    faulty = [f"{agent_id} ({info['fault']})" for agent_id, info in sorted(report["agents"].items())
+              if isinstance(info, Mapping) and info.get("fault")]
+    return [f"**Faulty on purpose:** {', '.join(faulty)} ([agent] fault: a simulated misbehaving device)", ""] if faulty else []
 
 
 def _warnings_md(report: Mapping[str, Any]) -> list[str]:

@@ -156,6 +156,12 @@ class EdgeMethod(ABC):
         return what the server needs to score them on the global set. ``meter`` counts the
         evaluation's own FLOPs (``meter.forward``: forward passes here), time and bytes."""
 
+    def held_global(self, version: int) -> dict[str, np.ndarray] | None:
+        """The global model of ``version`` as this agent received it (name -> array), for a
+        weight-sharing method; None when it holds none (what a fault on purpose flips against,
+        edge_agent/faults.py)."""
+        return None
+
     def state_arrays(self) -> dict[str, np.ndarray]:
         """What to persist locally so a restarted agent resumes where it was."""
         return {}

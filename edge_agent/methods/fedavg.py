@@ -91,6 +91,9 @@ class FedAvgEdge(EdgeMethod):
             return True
         return False
 
+    def held_global(self, version: int) -> dict[str, np.ndarray] | None:
+        return self.global_state if self.global_state is not None and self.global_version == version else None
+
     def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
         """The global model this agent holds (the round's aggregate, downloaded just before the
         request) on the test shard; ``version`` says which aggregate it was."""

@@ -16,7 +16,7 @@ from typing import Any
 from cloud_server.experiments.results import load_results
 from cloud_server.experiments.tables import long_table, summary
 
-__all__ = ["PRIVACY_BEGIN", "PRIVACY_END", "defence_rows", "load_defences", "privacy_block", "readme_defence_cell",
+__all__ = ["PRIVACY_BEGIN", "PRIVACY_END", "decision_section", "defence_rows", "load_defences", "privacy_block", "readme_defence_cell",
            "secagg_section", "update_privacy_page"]
 
 PRIVACY_BEGIN = "<!-- defences: rendered from bench/results/defences_*.json by bench/render_results.py. Do not edit by hand. -->"
@@ -166,4 +166,40 @@ def secagg_section(data: Mapping[str, Any] | None) -> list[str]:
                      f"{mean(rows, 'agent_compute_s_mean'):.3f} | {mean(rows, 'messages_up'):.0f} / {mean(rows, 'messages_down'):.0f} | "
                      f"{mean(rows, 'frame_bytes_per_agent_up') / 1e3:.1f} | {mean(rows, 'wire_bytes_up') / 1e6:.2f} | "
                      f"{mean(rows, 'wire_bytes_down') / 1e6:.2f} |")
+    return lines + [""]
+
+
+def decision_section(leakage: Mapping[str, Any] | None, defences: Sequence[Row]) -> list[str]:
+    """The results page's opening table: every method on one setting (the leakage experiment's:
+    the same data, agents, seeds, rounds and evaluation for all), with what a device pays
+    (edge FLOPs, bytes up per round, peak memory), what the server can rebuild, and the measured
+    defence that leaves the least."""
+    lines = ["## Which method: the decision table", ""]
+    if leakage is None:
+        return lines + ["*`bench/results/leakage.json` not found: run `edgesplit bench run bench/experiments/leakage.toml`.*", ""]
+    scale = leakage["experiment"].get("scale", {})
+    agents, rounds = scale.get("agents") or 1, scale.get("rounds") or 1
+    groups = summary(long_table(leakage))
+
+    def cell(stat: Mapping[str, Any] | None, factor: float, digits: int) -> str:
+        return _pm(stat, factor, digits)
+
+    lines += [f"Every registered method at its defaults, {agents} agents, {rounds} rounds, "
+              f"{scale.get('train_samples', 0):,} {scale.get('dataset', '')} training images (Dirichlet {leakage['experiment'].get('partitions', ['?'])[0].split(':')[-1]}), "
+              "the same seeds, test images and evaluation for every row (`bench/experiments/leakage.toml`); mean ± sd over "
+              "the seeds. A few rounds: the accuracy column ranks how fast each method learns here, the longer studies below "
+              "say where each ends. \"Over mean image\": what the server's strongest attack rebuilds of the private images "
+              "beyond guessing the mean image (0: nothing); — where no image attack ran (the reasons are in the leakage "
+              "section below). Defences: [privacy.md](privacy.md).", "",
+              "| Method | n | Global acc. % | Edge GFLOPs / agent (run) | MB up / agent / round | Peak agent RSS MB | "
+              "Over mean image dB | Its best measured defence |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for g in groups:
+        up = g["train_up_wire_bytes"]
+        per_round = None if up["mean"] is None else {"mean": up["mean"] / agents / rounds,
+                                                      "sd": None if up["sd"] is None else up["sd"] / agents / rounds}
+        lines.append(f"| `{g['method']}` | {g['n']} | {cell(g['final_accuracy'], 100, 1)} | "
+                     f"{cell(g['edge_train_gflops_per_agent'], 1, 0)} | {cell(per_round, 1e-6, 2)} | "
+                     f"{cell(g['peak_agent_rss_bytes'], 1e-6, 0)} | {cell(g['leakage_gain_db'], 1, 1)} | "
+                     f"{readme_defence_cell(defences, g['method'])} |")
     return lines + [""]

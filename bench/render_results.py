@@ -52,7 +52,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
-from defence_docs import defence_rows, load_defences, readme_defence_cell, secagg_section, update_privacy_page  # noqa: E402
+from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
+                          update_privacy_page)
 from leakage_docs import (copy_pictures, cost_cells, leakage_cell, method_figures, present_pictures,  # noqa: E402
                           setting_line, update_inversion_section, update_method_notes)
 
@@ -1555,6 +1556,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "these are the same comparisons, made here.",
         "",
     ]
+    lines += decision_section(load_experiment_results(results / "leakage.json"), defence_rows(load_defences(results)))
     sections = (("accuracy", accuracy_section), ("fedgkt_async", async_section), ("fedgkt_ablation", fedgkt_ablation_section), ("gkt_server_epochs", gkt_server_epochs_section), ("kd_methods", kd_methods_section), ("robustness", robustness_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
                 ("metrics_overhead", metrics_overhead_section))

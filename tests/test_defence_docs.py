@@ -71,3 +71,20 @@ def test_the_privacy_page_table_is_rewritten_between_its_markers_only(tmp_path: 
     text = page.read_text()
     assert text.startswith("# Privacy\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old" not in text
     assert "| `defences_x` | `fedgkt` | cut |" in text
+
+
+def test_the_decision_table_has_every_method_of_the_leakage_experiment_on_one_setting(tmp_path: Path) -> None:
+    docs = load_bench("defence_docs")
+    results = _results(tmp_path)
+    leakage = json.loads((results / "leakage.json").read_text())
+    leakage["cells"] = [c for c in leakage["cells"] if c["variant"] == "default"]  # the methods at their defaults
+    leakage["experiment"]["scale"] = {"agents": 2, "rounds": 5, "train_samples": 100, "dataset": "synthetic"}
+    leakage["experiment"]["partitions"] = ["dirichlet:0.5"]
+    rows = docs.defence_rows(docs.load_defences(results))
+    text = "\n".join(docs.decision_section(leakage, rows))
+    assert "2 agents, 5 rounds, 100 synthetic training images (Dirichlet 0.5)" in text
+    # 1e7 bytes up over 2 agents and 5 rounds; the attack's 90 dB over the mean image's 12; its best defence.
+    assert ("| `fedgkt` | 2 | 71.0 ± 1.4 | 100 ± 0 | 1.00 ± 0.00 | 1000 ± 0 | 78.0 ± 0.0 | "
+            "noise: 2.0 dB over the mean image, accuracy -10.0 points |") in text
+    assert "| `fedavg` | 1 | 50.0 | 100 | 1.00 | 1000 | — | dp: accuracy -10.0 points |" in text
+    assert docs.decision_section(None, rows)[-2].startswith("*`bench/results/leakage.json` not found")

@@ -45,29 +45,45 @@ def _mean(stat: Mapping[str, Any] | None) -> float | None:
 
 def defence_rows(experiments: Mapping[str, Mapping[str, Any]]) -> list[Row]:
     """One row per experiment x method x variant with done cells: the figures (mean, sd, n over
-    the seeds) and, beside the method's ``default`` variant of the same experiment, the
-    differences (accuracy points, dB, bytes and FLOPs ratios)."""
+    the seeds) and, beside the method's ``default`` variant of the same experiment on the same
+    seeds, the differences (accuracy points, dB, bytes and FLOPs ratios)."""
     rows: list[Row] = []
     for name, results in experiments.items():
-        groups = summary(long_table(results))
-        defaults = {(g["method"], g["partition"]): g for g in groups if g["variant"] == "default"}
-        for g in groups:
-            base = defaults.get((g["method"], g["partition"]))
-            acc, base_acc = _mean(g["final_accuracy"]), _mean(base["final_accuracy"]) if base else None
-            gain, base_gain = _mean(g["leakage_gain_db"]), _mean(base["leakage_gain_db"]) if base else None
-            up, base_up = _mean(g["train_up_wire_bytes"]), _mean(base["train_up_wire_bytes"]) if base else None
-            flops, base_flops = (_mean(g["edge_train_gflops_per_agent"]),
-                                 _mean(base["edge_train_gflops_per_agent"]) if base else None)
+        cells = [r for r in long_table(results) if r["status"] == "done"]
+        defaults = {(r["method"], r["partition"], r["seed"]): r for r in cells if r["variant"] == "default"}
+        for g in summary(long_table(results)):
+            seeds = {r["seed"] for r in cells if (r["method"], r["partition"], r["variant"]) == (g["method"], g["partition"], g["variant"])}
+            base = [defaults[(g["method"], g["partition"], s)] for s in sorted(seeds) if (g["method"], g["partition"], s) in defaults]
+
+            def base_mean(figure: str) -> float | None:
+                values = [r[figure] for r in base if r.get(figure) is not None]
+                return sum(values) / len(values) if values else None
+
+            def paired_mean(figure: str) -> float | None:
+                values = [r[figure] for r in cells if r["seed"] in {b["seed"] for b in base} and r.get(figure) is not None
+                          and (r["method"], r["partition"], r["variant"]) == (g["method"], g["partition"], g["variant"])]
+                return sum(values) / len(values) if values else None
+
+            def difference(figure: str) -> float | None:
+                mine, theirs = paired_mean(figure), base_mean(figure)
+                return None if mine is None or theirs is None else mine - theirs
+
+            def ratio(figure: str) -> float | None:
+                mine, theirs = paired_mean(figure), base_mean(figure)
+                return None if mine is None or not theirs else mine / theirs
+
+            points = difference("final_accuracy")
             rows.append({
                 "experiment": name, "method": g["method"], "partition": g["partition"], "variant": g["variant"], "n": g["n"],
                 "accuracy": g["final_accuracy"], "psnr": g["leakage_psnr_db"], "baseline_psnr": g["leakage_baseline_psnr_db"],
-                "gain_db": g["leakage_gain_db"], "up_bytes": up, "gflops": flops,
+                "gain_db": g["leakage_gain_db"], "up_bytes": _mean(g["train_up_wire_bytes"]),
+                "gflops": _mean(g["edge_train_gflops_per_agent"]),
                 "epsilon": next((_mean(g[k]) for k in ("activation_epsilon_per_image", "dp_fedavg_epsilon", "dpsgd_epsilon")
                                  if _mean(g.get(k)) is not None), None),
-                "accuracy_points": None if acc is None or base_acc is None else 100 * (acc - base_acc),
-                "gain_change_db": None if gain is None or base_gain is None else gain - base_gain,
-                "up_ratio": None if up is None or not base_up else up / base_up,
-                "flops_ratio": None if flops is None or not base_flops else flops / base_flops,
+                "paired_seeds": len(base),
+                "accuracy_points": None if points is None else 100 * points,
+                "gain_change_db": difference("leakage_gain_db"),
+                "up_ratio": ratio("train_up_wire_bytes"), "flops_ratio": ratio("edge_train_gflops_per_agent"),
             })
     return rows
 
@@ -105,7 +121,7 @@ def privacy_block(rows: Sequence[Row]) -> list[str]:
                      f"{_signed(r['accuracy_points'])} | {_pm(r['psnr'])} | {_pm(r['gain_db'])} | {_signed(r['gain_change_db'])} | "
                      f"{eps} | {up} | {_ratio(r['up_ratio'])} | {gflops} |")
     lines += ["", "Mean ± sd over the seeds (n); each variant against its experiment's undefended (`default`) runs of the "
-              "same method, seeds and evaluation. \"Over mean image\": the strongest attack's PSNR minus that of guessing "
+              "same method on the same seeds (the differences use only the seeds both have) and the same evaluation. \"Over mean image\": the strongest attack's PSNR minus that of guessing "
               "the mean image (0: the server learns nothing an image-free guess would not give it). ε: per image for "
               "noised maps, for the run for DP-FedAvg and DP-SGD (δ in each experiment file).", "", PRIVACY_END]
     return lines

@@ -35,6 +35,7 @@ def _results(tmp_path: Path) -> Path:
     cells += [_cell("fedgkt", "noise", s, 0.60 + 0.02 * s, 14.0, train_up_wire_bytes=2e7, activation_epsilon_per_image=8.0)
               for s in (0, 1)]
     cells += [_cell("fedgkt", "cut", s, 0.68, 30.0) for s in (0, 1)]
+    cells += [_cell("fedgkt", "late", 1, 0.70, 20.0)]  # one seed done so far
     cells += [_cell("fedavg", "default", 0, 0.5, None), _cell("fedavg", "dp", 0, 0.4, None, dp_fedavg_epsilon=4.0)]
     doc = {"schema": 1, "experiment": {"name": "defences_x", "question": "?"},
            "machine": {"cpu_model": "x", "cores": 2, "torch": "2", "python": "3.11"}, "cells": cells}
@@ -53,6 +54,9 @@ def test_each_defence_is_read_against_the_undefended_runs_of_its_experiment(tmp_
     assert abs(noise["accuracy_points"] - (-10.0)) < 1e-9 and noise["gain_change_db"] == -76.0
     assert noise["up_ratio"] == 2.0 and noise["flops_ratio"] == 1.0 and noise["epsilon"] == 8.0
     assert rows[("fedgkt", "default")]["accuracy_points"] == 0.0
+    # Read against the undefended run of its own seed (72 %), not the mean over both seeds (71 %).
+    late = rows[("fedgkt", "late")]
+    assert late["paired_seeds"] == 1 and abs(late["accuracy_points"] - (-2.0)) < 1e-9 and late["gain_change_db"] == -70.0
     assert rows[("fedavg", "dp")]["epsilon"] == 4.0 and rows[("fedavg", "dp")]["gain_db"]["mean"] is None
     # README: the defence that leaves the least over the mean image, with what it costs.
     assert docs.readme_defence_cell(list(rows.values()), "fedgkt") == "noise: 2.0 dB over the mean image, accuracy -10.0 points"

@@ -77,13 +77,12 @@ class RobustnessConfig:
     # An update whose cosine with the coordinate-wise median of the round's updates (three
     # or more agents) is below this is refused (implausible_direction); -1: off (no cosine is
     # below -1), the figures are still recorded (robustness.update_directions). Off by
-    # default, measured (bench/results/update_directions.json; docs/configuration.md): honest
-    # agents under label skew point away from the median (5 agents, FedAvg and FedGKD, seeds
-    # 0 and 1: lowest honest cosine -0.165 at Dirichlet(0.1), -0.626 at Dirichlet(0.5); 0.636
-    # at IID), as far as a sign-flipped agent does after round 1 (up to -0.21 at
-    # Dirichlet(0.1), +0.32 at Dirichlet(0.5)), so no threshold stops the flip without refusing
-    # honest agents. At IID the flipped agent stays at -0.83 and below: a fleet whose data is
-    # close to IID may set 0.
+    # default: under label skew honest agents point away from the median as far as a
+    # sign-flipped agent does after round 1, so no threshold stops the flip without refusing
+    # honest agents; at IID every honest cosine is positive and the flipped agent's negative,
+    # so a fleet whose data is close to IID may set 0. The lowest honest cosine and the
+    # flipped agent's per partition are in bench/results/update_directions.json
+    # (``summary.by_partition``; docs/configuration.md reads them).
     plausible_min_cosine: float = PLAUSIBLE_MIN_COSINE
     feature_abs_limit: float = 1.0e4  # FedGKT feature maps: |H| above this is out of range
     logit_abs_limit: float = 1.0e4  # FedGKT edge logits: |z_c| above this is out of range

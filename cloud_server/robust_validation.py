@@ -66,21 +66,22 @@ class DefenceConfig:
     validation_root: str | None = None
     validation_download: bool = False
     # An update whose validation-loss rise is above the other agents' median rise plus the larger of
-    # this margin and plausible_mad x 1.4826 x their MAD is refused (implausible_validation). 0.5 nats
-    # is a floor under the MAD term, measured (docs/configuration.md): at Dirichlet(0.1) honest agents'
-    # median rises were +0.02 to +0.19 (500 validation images; tests/test_robust_mqtt.py's 3 agents and
-    # round 1 of bench/defence_scores.py's 5), their MAD term 0.14 to 0.80; the sign-flipped update's
-    # loss was not finite. A flip of the weights alone (BatchNorm statistics honest) is finite and
-    # passes 0.5 at a small scale (IID, 1,500 images: 0.11-0.40 above the honest median); in
-    # bench/defence_scores.py's grid (3,000 images, seeds 0 and 1) no honest update was refused at 0.5 or
-    # above (seed 1 at Dirichlet(0.1): 2 of 65 at 0.1 and 0.25; 0.12 nats to spare at 0.5) and the
-    # weights-only flip was refused at 0.5 in 29 of 30 rounds (docs/configuration.md).
+    # this margin and plausible_mad x 1.4826 x their MAD is refused (implausible_validation). The
+    # default margin is a floor under the MAD term: under label skew the honest agents' rises and
+    # their MAD are small but not zero, and the floor keeps a round whose honest agents happen to
+    # agree closely from refusing one of them. A sign-flipped update's loss is not finite; a flip of
+    # the weights alone (BatchNorm statistics honest) is finite and is what the margin must still
+    # catch. bench/defence_scores.py's grid (bench/results/defence_scores.json) holds the honest
+    # rises, the smallest margin that refused an honest update and the rounds in which the
+    # weights-only flip was refused at this default; docs/configuration.md reads them.
     validation_loss_margin: float = VALIDATION_LOSS_MARGIN
     validation_step: str = "update"  # update | share (VALIDATION_STEPS)
     # FedGKT: an agent the server model agrees with on fewer than this fraction of its labels,
     # and far below the other agents (plausible_mad), is refused (implausible_labels). 0: off, by
-    # default: bench/defence_scores.py at 0.3 (seeds 0 and 1) refused no honest upload and caught
-    # shuffled labels at IID and Dirichlet(0.5), never at Dirichlet(0.1) (docs/configuration.md).
+    # default: a floor that refused no honest upload caught shuffled labels at mild skew but not
+    # at the strongest skew measured, so it is a setting for a fleet that knows its data
+    # (bench/results/defence_scores.json and bench/results/label_rules.json; docs/configuration.md
+    # reads them).
     plausible_min_label_agreement: float = 0.0
     plausible_mad: float = 6.0  # [server] plausible_mad, shared with the norm check
     seed: int = 0  # [server] seed

@@ -79,12 +79,12 @@ log = logging.getLogger("cloud_server.server_step")
 AUTO_STEP: dict[str, str] = {"cpu": "compiled", "cuda": "graph"}
 
 #: On a CPU, ``"auto"`` compiles the step only for a training call of at least this many
-#: steps. bench/server_loop.py measured on the 2-core development machine (ResNet-55 server,
-#: batch 64, one thread; bench/results/server_loop.json, "compile_check"): the compiled step
-#: 1.36x faster than the eager one (2.37 s vs 3.22 s per step, medians of alternating runs),
-#: after a cold compilation of 290 s, which it repays after ~340 steps. A full Fashion-MNIST
-#: FedGKT round (~940 steps at batch 64) or centralized epoch compiles; a test's or a FedBE
-#: distillation's 10-200 steps run eagerly.
+#: steps. The compiled step is faster than the eager one, but only after a cold compilation
+#: that takes hundreds of steps to repay (bench/server_loop.py on the 2-core development
+#: machine: bench/results/server_loop.json, ``compile_check``'s ``compiled_speedup_median``,
+#: ``compile_s`` and ``break_even_steps``). This threshold sits above that break-even: a full
+#: Fashion-MNIST FedGKT round (~940 steps at batch 64) or centralized epoch compiles; a test's
+#: or a FedBE distillation's 10-200 steps run eagerly.
 AUTO_CPU_COMPILE_MIN_STEPS = 500
 
 

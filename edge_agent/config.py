@@ -105,9 +105,11 @@ class MemoryConfig:
       of this size, and uploads carry at most ``upload_batch_samples_cap`` samples.
       0: the round's batch as it is.
     * ``checkpoint_blocks``: the torch backend's ResNet blocks recompute their
-      activations in the backward pass (exact, about 1.3x a step's FLOPs, slower).
+      activations in the backward pass (exact, more FLOPs and a slower step:
+      bench/results/step_memory.json, ``recompute_flops_ratio``).
     * ``pin_malloc``: pin glibc's mmap threshold so freed activations go back to
-      the system (process-wide, set at start; training steps about 2x slower).
+      the system (process-wide, set at start; training steps slower:
+      bench/results/step_memory.json, ``torch_summary``).
     * ``shard_on_disk``: the agent's images (train and test shard) live in an unnamed
       file under the data directory (``$EDGESPLIT_DATA_DIR`` or
       ``~/.cache/edgesplit/datasets``), memory-mapped, and each batch's rows are read

@@ -4,21 +4,20 @@ glibc's malloc serves a request above its mmap threshold with a fresh mapping
 and gives it back to the system on ``free``; below it, memory comes from the
 heap, which only shrinks from the top. The threshold starts at 128 KiB but
 rises to the size of every mapped block freed (up to 32 MiB), so after the first
-training step the 4-17 MB activation tensors of a ResNet-8 batch (torch, and
-onnxruntime without its arena) all land on the heap, fragment it, and the
+training step the multi-megabyte activation tensors of a ResNet-8 batch (torch,
+and onnxruntime without its arena) all land on the heap, fragment it, and the
 process keeps the high-water mark of every round, plus the fragmentation, as
-RSS. A fixed threshold stops that adjustment. Measured with bench/footprint.py's
-agent run (FedGKT, 1,000 samples, two rounds): RSS between rounds fell from about
-545 MB to 350 MB (torch, CPU build) and from 165 MB to 80 MB (ort), the torch
-agent's peak from about 630 MB to 510 MB, and the ort agent's peak no longer
-grows from round to round (243 then 319 MB before, 239 MB both rounds after).
+RSS. A fixed threshold stops that adjustment: bench/footprint.py's agent run
+(bench/results/footprint.json) shows the RSS between rounds and the peaks of
+both backends falling with it, and the ort agent's peak no longer growing from
+round to round.
 
 It is not free: every large activation is then a fresh mapping whose pages the
-kernel must fault in and zero at every step. A ResNet-8 training step (batch 64,
-one thread, x86_64) took 651-702 ms with the threshold pinned against 281-313 ms
-without, in alternating runs on a shared 2-core machine. So the agent pins it
-only when asked (``[memory] pin_malloc``, part of ``edge-agent run
---low-memory``): for a device where memory, not time, is what runs out.
+kernel must fault in and zero at every step, so a training step is slower with
+the threshold pinned (bench/results/step_memory.json, ``torch_summary``'s
+``step_time_over_default``). So the agent pins it only when asked (``[memory]
+pin_malloc``, part of ``edge-agent run --low-memory``): for a device where
+memory, not time, is what runs out.
 
 What ``--low-memory`` takes (:meth:`edge_agent.config.MemoryConfig.low`) and why:
 
@@ -37,14 +36,15 @@ Between rounds the agent gives the free pages inside malloc's heaps back
 (:func:`trim_malloc`, after each round and each evaluation): whatever the
 threshold, what a round freed would otherwise stay resident, and a heap that
 fragments a little differently every round kept a little more every round
-(issue 26; the default torch agent's heap held 150-190 MB free inside it between
-rounds).
+(the long runs of bench/results/footprint.json, before the trim, held a heap of
+free pages between rounds).
 
 ``[memory] checkpoint_blocks`` (not in the preset) makes the torch backend's
 edge model recompute each bottleneck block's activations in the backward pass
 instead (:func:`models.memory.checkpoint_bottlenecks`: same losses, gradients
-and BN statistics; about +30 % training FLOPs, about 3x slower per step): exact
-where micro-batches are not, but it saves less.
+and BN statistics; more training FLOPs and a slower step, as
+bench/results/step_memory.json records): exact where micro-batches are not, but
+it saves less.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def _load_synthetic(split: str, root: str | os.PathLike[str] | None, download: b
 
 @functools.lru_cache(maxsize=4)
 def _synthetic_split(split: str) -> ArrayDataset:
-    # Made once per process and shared (about 1.3 s of CPU for the training split, which every
+    # Made once per process and shared (seconds of CPU for the training split, which every
     # agent, the server's evaluation set and FedBE's unlabeled pool would otherwise each make
     # again): read-only, as ArrayDataset's arrays are to be treated anyway.
     ds = make_synthetic(5000 if split == "train" else 1000, split=split)

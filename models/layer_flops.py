@@ -1,8 +1,8 @@
 """The light FLOP counter: :func:`layer_flops_per_sample` gives ``FlopCounterMode``'s
 numbers for models built from standard layers, from forward hooks on their Conv /
 Linear modules and FlopCounterMode's own formulas, without entering the mode (which
-imports about 800 more modules and keeps 70 to 100 MiB more resident: see
-:mod:`models.cost`)."""
+imports hundreds more modules and keeps tens of MiB more resident: see
+:mod:`models.cost` and bench/results/step_memory.json's ``import_costs``)."""
 
 from __future__ import annotations
 

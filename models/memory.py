@@ -1,13 +1,13 @@
 """Activation checkpointing for the bottleneck ResNets: less memory per training step, same math.
 
-A ResNet-8 training step at batch 64 and 32x32 keeps 127 MB of tensors from
-the forward pass for the backward pass under torch, 118 MB of it inside the
-two bottlenecks, which run 64 channels at full resolution (each
-``(64, 64, 32, 32)`` fp32 map is 16.8 MB). :func:`checkpoint_bottlenecks` makes
-every :class:`~models.resnet_blocks.Bottleneck` keep only its input (26 MB kept in
-all); its inside is computed again, one block at a time, when the backward
-pass reaches it. The measured breakdown and the cost are in docs/deploy.md
-("Memory on the device") and bench/results/step_memory.json.
+Most of what a ResNet-8 training step keeps from the forward pass for the
+backward pass under torch lies inside its two bottlenecks, which run 64 channels
+at full resolution (every ``(B, 64, 32, 32)`` map of them is kept).
+:func:`checkpoint_bottlenecks` makes every :class:`~models.resnet_blocks.Bottleneck`
+keep only its input; its inside is computed again, one block at a time, when the
+backward pass reaches it. The measured breakdown and the cost are in
+bench/results/step_memory.json (``saved_by_block_bytes``, ``torch_summary``) and
+docs/deploy.md ("Memory on the device").
 
 The math is that of the plain model: the recomputation sees the same input and
 the same parameters, so outputs, losses and gradients are the same. The one

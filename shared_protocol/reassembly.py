@@ -9,7 +9,7 @@ from its sender, expires transfers that stall, ignores a sender that keeps
 sending invalid transfers, can list the seqs still missing, and hands a blob up
 only after its sha256 matches, joined with one copy.
 (Writing chunks in place into a preallocated bytearray costs the same one copy
-plus zero-filling the buffer first: measured 0.30 vs 0.15 ms/MB.)
+plus zero-filling the buffer first: slower, not faster.)
 """
 
 from __future__ import annotations

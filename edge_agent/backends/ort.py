@@ -81,7 +81,8 @@ class _RefuseTorch(importlib.abc.MetaPathFinder):
 def _torch_hidden() -> Iterator[None]:
     """onnxruntime-training's ``import onnxruntime`` checks its build by importing
     ``onnxruntime.training.ortmodule``, which imports torch whenever torch is
-    installed: about 600 MB of RSS for an agent that never uses it. With torch out
+    installed: the whole of torch's RSS (bench/results/footprint.json, ``runtime_baseline``)
+    for an agent that never uses it. With torch out
     of sight it takes its torch-free path, as on an install without torch. Once
     torch is already loaded in the process there is nothing left to save."""
     if "torch" in sys.modules:
@@ -155,10 +156,10 @@ class OrtEdgeModel:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.log_severity_level = 3  # warnings and above; ORT's info log is very chatty
-        # No CPU memory arena: it grows by doubling and never gives memory back, which
-        # took a ResNet-8 agent from about 220 MB to 490 MB (training batches, then eval
-        # batches of another size each claimed their own chunks). Measured the same
-        # time per batch without it (bench/results/footprint.json).
+        # No CPU memory arena: it grows by doubling and never gives memory back, so a
+        # ResNet-8 agent's training batches, then its eval batches of another size, each
+        # claimed chunks of their own and the agent's RSS roughly doubled; without it the
+        # time per batch is the same (bench/results/footprint.json).
         options.enable_cpu_mem_arena = False
         self.state = api.CheckpointState.load_checkpoint(str(d / "checkpoint"))
         self.module = api.Module(str(d / "training_model.onnx"), self.state, str(d / "eval_model.onnx"), session_options=options)

@@ -53,7 +53,7 @@ class FedGktEdge(FedGktEdgeBase):
         self.trains = Trains.of((self.model,), shape)
         self.flops = self.trains.models[0]
         # After counting: the reported FLOPs are the method's; [memory] checkpoint_blocks' recomputation
-        # (about +30 % of a training step's FLOPs for ResNet-8) is documented, not counted.
+        # (bench/results/step_memory.json, ``recompute_flops_ratio``) is documented, not counted.
         self.model = lighten_model(self.model, ctx.memory)
         self.server_model: torch.nn.Module | None = None  # built for the first private evaluation
         self.server_flops = DeclaredFlops()

@@ -80,27 +80,19 @@ SCALES = {
     # Table 1's setting: 4 agents x 1,000 training images each, 1,000 test images, 5 rounds, 3 seeds.
     #
     # Why 4 x 1,000: FedAvg (ResNet-56) has to leave chance by round 2 (>= 30% global accuracy in
-    # every seed). At 4 agents x 750 images (Dirichlet(0.5), batch 32, Adam 0.001, 1 local epoch)
-    # it scored 10.0 / 27.5 / 40.3% after rounds 1-3. Three 3-round pilots at 4 x 1,000, same
-    # optimiser, Dirichlet(0.5), seeds 0 / 1 / 2 (the global model on the union of the agents'
-    # test shards, 1,000 images, a proxy for the balanced set): 10.0 / 43.9 / 49.9%,
-    # 14.0 / 38.4 / 50.7% and 21.6 / 43.5 / 52.4%; IID was not piloted (at 8 x 250 FedAvg learned
-    # no slower IID than Dirichlet). Their rounds took 87-134 s on a machine shared with two
-    # other jobs (load 3.5-5.9 on 2 cores, about one core for the pilot), i.e. about 45-55 s on 2
-    # idle cores (33 s at 4 x 750, idle).
+    # every seed). At 4 agents x 750 images it was still near chance after round 2; 3-round pilots
+    # at 4 x 1,000 (Dirichlet(0.5), three seeds, the global model on the union of the agents' test
+    # shards as a proxy for the balanced set) passed the bar in every seed. IID was not piloted
+    # (at 8 x 250 FedAvg learned no slower IID than Dirichlet).
     #
     # The budget, 150 minutes for all 18 runs (3 seeds x {FedGKT, FedAvg} x {IID, Dirichlet}
-    # + 3 seeds x centralized {ResNet-56, ResNet-8}), estimated from per-image-round wall costs on
-    # 2 idle cores at batch 32 measured by the previous (single-seed, 8 x 250 images) version of
-    # this benchmark: FedGKT 27 ms, FedAvg (ResNet-56) 14 ms (11 ms at 4 x 750), centralized
-    # ResNet-56 11 ms, ResNet-8 2.4 ms. Per seed and round at 4,000 images: FedGKT 2 x 108 s,
-    # FedAvg 2 x 56 s, centralized 44 + 10 s = 382 s; plus the evaluation on the 1,000-image
-    # balanced set and the shards, which those runs did not do: FedAvg and centralized about 8 s a
-    # round, FedGKT (every agent's extractor + the server model with both BatchNorm statistics,
-    # and the edges' ResNet-8) up to about 40 s a round, i.e. up to 106 s per seed and round more.
-    # 3 seeds x 5 rounds x (382 to 488 s) + about 10 s of start-up per run = 98 to 125 minutes.
-    # 6 rounds would be 117 to 149 minutes: too close to the budget. On a loaded machine (as the
-    # pilots') the same work takes about twice as long: the JSON's budget check then says so.
+    # + 3 seeds x centralized {ResNet-56, ResNet-8}), was estimated from the per-image-round wall
+    # costs of the previous (single-seed, 8 x 250 images) version of this benchmark on 2 idle
+    # cores, plus the evaluation on the balanced set and the shards those runs did not do (FedGKT's
+    # the largest: every agent's extractor, the server model with both BatchNorm statistics and
+    # the edges' ResNet-8). 5 rounds fit the budget with room to spare; a sixth would leave
+    # almost none. On a loaded machine the same work takes about twice as long: the JSON's budget
+    # check (``budget`` in bench/results/accuracy.json, the measured wall time) then says so.
     "full": Scale("full", train_samples=4000, test_samples=1000, rounds=5, budget_minutes=150),
     # The pipeline check: every run and seed end to end, accuracies near chance by design.
     "quick": Scale("quick", train_samples=400, test_samples=200, rounds=2, budget_minutes=10),

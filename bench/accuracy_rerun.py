@@ -8,8 +8,8 @@ accuracies (global, local, edge), the edge training FLOPs and samples, and the b
 wire, recorded vs rerun. ``same_figures`` is true when every accuracy, FLOP and sample count is
 equal to the last digit; wire bytes are reported as differences (a message field added since the
 record changes them by a few bytes per message without touching what was trained). Writes
-``bench/results/accuracy_rerun.json`` (issue 28: "the accuracy bench's runs must give the same
-figures to the decimal before and after").
+``bench/results/accuracy_rerun.json``: a change that is meant to leave training alone must give
+the accuracy bench's figures to the decimal before and after.
 """
 
 from __future__ import annotations

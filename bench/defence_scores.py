@@ -89,7 +89,7 @@ class Run:
         return {"plausible_min_label_agreement": 1e-9}
 
 
-SEEDS = (0, 1)  # one seed per cell is noise (issue #25): every threshold is read off both
+SEEDS = (0, 1)  # one seed per cell is noise: every threshold is read off both
 
 
 def grid(seeds: tuple[int, ...] = SEEDS) -> list[Run]:

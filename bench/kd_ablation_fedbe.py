@@ -1,4 +1,4 @@
-"""FedBE's server-side distillation against its paper's, one factor at a time (issue 24).
+"""FedBE's server-side distillation against its paper's, one factor at a time.
 
 bench/kd_methods.py's grid first ran FedBE with 64 unlabeled images and 16 distillation steps of
 batch 32 a round (SWA warm-up 8, cycle 4), sized for 2 cores, and found it within noise of FedAvg

@@ -1,77 +1,46 @@
-"""The knowledge-distillation methods against their papers' claims (issue 24): FedGKD,
+"""The knowledge-distillation methods against their papers' claims: FedGKD,
 FedGKD-Vote, FedDistill, FedBE and FedKD vs FedAvg in the papers' regime -- many agents,
 a fraction of them per round, Dirichlet skew, tens of rounds, a model one of the papers
 trains -- at a size 2 CPU cores can run, every cell with seeds.
 
-The regime and its budget, measured with ``bench/kd_pilots.py`` (every figure below is a row of
-``bench/results/kd_pilots.json``: seed 0, this 2-core machine shared with other jobs, every
-process at nice 19):
+The regime and its budget were measured with ``bench/kd_pilots.py``: every figure that chose them
+is a row of ``bench/results/kd_pilots.json`` (named below), not repeated here.
 
 * The model: FedDistill's SimpleCNN (``simplecnn``: its Table I model for CIFAR-10 and MNIST)
   for every method, FedBE's ConvNet (``convnet``: its Table 1 model) as FedKD's mentors; plain
-  CNNs without a normalisation layer. Not FedGKD's GroupNorm ResNet-8 (its Sec. 5.1), which
-  learns too slowly for 2 cores: centralized on 5,000 of the images (SGD lr 0.05), 45.3 /
-  56.6 / 43.1 % after epochs 1 / 2 / 3 against SimpleCNN's 67.5 / 75.1 / 77.2 % and
-  ConvNet's 70.5 / 77.6 / 80.8 %, and FedAvg with it stayed at chance at Dir(0.1) (``MODEL``
-  below). SimpleCNN trains with 32 times fewer FLOPs per image (2.26 M) than the ResNet-8
-  (72.9 M).
+  CNNs without a normalisation layer. Not FedGKD's GroupNorm ResNet-8 (its Sec. 5.1): it learns
+  too slowly for 2 cores, centralized as well as federated (FedAvg with it stayed at chance at
+  Dir(0.1)), and trains with far more FLOPs per image than SimpleCNN (the ``MODEL`` rows).
 * The local training: FedDistill's (Table I / Sec. IV-A: SGD lr 0.01, momentum 0.9, weight
   decay 1e-5, batch 64, 10 local epochs; ``LOCAL``); FedGKD's search set {0.1, 0.05, 0.01}
-  (Sec. 5.1), run for FedAvg at Dir(0.1), keeps 0.01.
+  (Sec. 5.1), run for FedAvg at Dir(0.1), keeps 0.01: the larger rates diverged or left FedAvg
+  at chance, and so did fewer local epochs.
 * The federation: FedGKD's Table 3 clients and participation (20 agents, ``client_fraction``
   0.2: 4 a round) with FedDistill's data per client (Table I: 50,000 CIFAR-10 images over 100
   clients, 500 each): 10,000 Fashion-MNIST images, 500 an agent on average; 20 rounds,
-  evaluated every second one.
+  evaluated every second one. With half the images FedAvg at Dir(0.1) swings far more from
+  round to round; at this scale every method learns at every partition, though one seed is no
+  verdict.
 
-FedAvg with SimpleCNN, global accuracy on the balanced 1,000-image set by evaluated round
-(rounds 2, 4, ..., 20), 10,000 images: Dir(0.1) 16.4, 30.2, 24.3, 35.3, 41.7, 46.9, 45.7,
-46.3, 44.9, 39.8 %; Dir(0.5) 26.4, 41.5, 71.7, 76.5, 67.9, 69.9, 76.5, 66.3, 78.5, 81.8 %;
-IID 66.9, 75.9, 78.0, 80.1, 82.8, 83.4, 83.7, 83.2, 84.4, 84.9 %. With 5,000 images
-Dir(0.1) swings far more from round to round (23.9 ... 48.5, then 26.0 % at round 20; over 50
-rounds 42-57 % in rounds 40-48), Dir(0.5) reaches 75.0 % and IID 81.7 % at round 20. What
-stayed near chance at Dir(0.1) (20 rounds, 5,000 images): lr 0.1 (diverged), lr 0.05 with 10
-local epochs (10.0 % throughout), 2 local epochs at lr 0.05 or 0.01 (best 25 %). The papers'
-FedAvg at Dir(0.1) after 100 rounds of CIFAR-10: 35.37 % (FedDistill Table II), 69.22 %
-(FedGKD Table 3). One seed of every run at Dir(0.1), 20 rounds (final / best %): FedAvg
-39.8 / 46.9, FedGKD 42.6 / 54.2, FedGKD-Vote 44.4 / 54.5, FedDistill 45.1 / 54.4, FedBE
-39.5 / 53.4, FedKD's mentors 23.2 / 31.7 (mentee 26.4), FedAvg(ConvNet) 40.9 / 52.1: every
-method learns; one seed is no verdict.
+The seeds: FedAvg at Dir(0.1) at the full scale ends far apart from one seed to the next (the
+``seeds-fedavg`` rows). The seed draws the partition too, so each seed is a different Dirichlet
+split, shared by every method of that seed; with a spread like that the difference rule (the two
+sds combined) calls "within noise" gaps as large as the papers' Dir(0.1) gains (FedGKD Table 3,
+FedDistill Table II). So the claims are judged *paired*: each method minus FedAvg within a seed
+(the same split for both), then the mean and sd of those differences, by ``bench/_stats.py``'s
+``PAIRED_RULE`` (|mean d| > sd d); the unpaired comparison is kept beside it in the JSON.
 
-The seeds: FedAvg at Dir(0.1) at the full scale ended at 39.8, 37.1 and 50.7 % with seeds 0,
-1 and 2 (best 46.9, 47.3, 61.3 %; the ``seeds-fedavg`` rows): mean 42.5, sd 7.2. The seed
-draws the partition too, so each seed is a different Dirichlet split, shared by every method
-of that seed; with sds like these the difference rule (the two sds combined) calls a gap
-under about 14 points "within noise", and the papers' Dir(0.1) gains are 3-12 points
-(FedGKD Table 3, FedDistill Table II). So the claims are judged *paired*: each method minus
-FedAvg within a seed (the same split for both), then the mean and sd of those differences, by
-``bench/_stats.py``'s ``PAIRED_RULE`` (|mean d| > sd d); the unpaired comparison is kept beside
-it in the JSON.
-
-The budget: 7 runs x 3 partitions x 3 seeds = 63 runs in at most 150 minutes. One seed of
-each run at Dir(0.1), at this scale with 16 rounds, on the machine with no other job running
-(load average 0.8-1.9), took in wall seconds (CPU seconds of the bench's process, server and
-agents together, in brackets; the ``grid-*`` rows; ``PILOT_S``):
-
-    FedAvg 41.0 (48), FedBE 43.5 (51), FedGKD 49.4 (61), FedDistill 80.0 (79),
-    FedAvg(ConvNet) 91.4 (136), FedGKD-Vote 91.2 (117), FedKD 149.8 (214)
-    -> 546 s (708 CPU s) per partition and seed at 16 rounds
-
-x 20 / 16 rounds x 3 partitions x 3 seeds = 6,146 s = 102 min of 150 (CPU: 133 min). A round
-costs about the same at every partition (the same images, epochs and agents per round on
-average; FedAvg at 20 rounds took 60 s IID and 52 s at Dir(0.5) against 41 x 20 / 16 = 51 s
-at Dir(0.1)), which the 48 minutes left cover. The same runs on the machine shared with
-other jobs (load 4-7, 20 rounds) took 1.7-3.9 times their CPU seconds in wall time (138-714
-s; the ``time-*`` rows, 1,145 CPU s per partition and seed): the grid keeps its budget on a
-quiet machine only. The grid records each run's wall and CPU time and ``budget.projected``
-re-projects from the recorded runs as they come. Recorded: the 63 runs took 148.3 wall minutes; then
-the 9 FedBE cells were run again at 1,000 unlabeled images (``FEDBE_SERVER``). Made first with two
-other jobs spinning both cores (107-426 wall s each for 80-95 CPU s; the grid then summed to
-162.8 min), they were timed again at load 4-6 with the same results to the last digit (accuracy,
-FLOPs; the wire bytes differ by 3-134 bytes of MQTT framing): 72-96 s each, and the grid sums to
-150.04 wall minutes, 2.4 s over the budget, 142.7 CPU minutes (``budget.cpu_time_min``,
-``budget.max_load_average``; the 64-image runs had taken 49-133 s). FedKD and its ConvNet baseline are 44 % of
-it: FedKD with a SimpleCNN mentor and a smaller mentee (FedAvg of the mentor then being the
-FedAvg run) would leave room for more rounds.
+The budget: 7 runs x 3 partitions x 3 seeds = 63 runs in at most 150 minutes on 2 cores. One
+seed of each run at Dir(0.1) was timed on the machine with no other job running (the ``grid-*``
+rows; ``PILOT_S``) and projected to the grid; a round costs about the same at every partition
+(the same images, epochs and agents per round on average). On a machine shared with other jobs
+the same runs take several times their CPU seconds in wall time (the ``time-*`` rows): the grid
+keeps its budget on a quiet machine only. The grid records each run's wall and CPU time,
+``budget.projected`` re-projects from the recorded runs as they come, and ``budget`` in
+``bench/results/kd_methods.json`` holds what the recorded grid took (wall and CPU minutes, the
+highest load average). FedKD and its ConvNet baseline are the largest share of it: FedKD with a
+SimpleCNN mentor and a smaller mentee (FedAvg of the mentor then being the FedAvg run) would
+leave room for more rounds.
 
 The claims (each row of the claim table; ``CLAIMS``) and where they are printed:
 
@@ -207,22 +176,19 @@ SCALES = {
 # {0.1, 0.05, 0.01} for FedAvg and set the learning rate as 0.05" and 20 local epochs; FedBE's
 # (Sec. 5.1, B.1-B.2) lr 0.01 decayed by 10 at 30 % and 60 % of the rounds, 20 local epochs,
 # batch 40, weight decay searched in [1e-3, 1e-4]. FedGKD's search, run here for FedAvg with
-# SimpleCNN at Dir(0.1) (bench/results/kd_pilots.json): lr 0.1 diverged (10 % from round 6, an
-# upload refused as implausible), 0.05 and 0.01 at 2 local epochs both peaked near 25 %, and at
-# 10 local epochs 0.05 stayed at chance while 0.01 reached 48.5 % (the regime above).
+# SimpleCNN at Dir(0.1) (bench/results/kd_pilots.json, the ``cnn-*`` rows): lr 0.1 diverged,
+# 0.05 and 0.01 at 2 local epochs both stayed low, and at 10 local epochs only 0.01 left chance
+# (the regime above).
 LOCAL = {"optimizer": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-5, "batch_size": BATCH}
 # The model every method trains: FedDistill's SimpleCNN (Table I: its CIFAR-10 and MNIST model;
 # MOON's layers, models/convnet.py), no normalisation layer; FedKD's mentors are FedBE's ConvNet
-# (its Table 1 model), twice the parameters and 10.5 times the FLOPs. Not FedGKD's ResNet-8 with
-# GroupNorm (Sec. 5.1): measured here, it learns too slowly for 2 cores -- centralized on
-# 5,000 of the images (SGD lr 0.05, batch 64) 45.3 / 56.6 / 43.1 % after epochs 1 / 2 / 3
-# against SimpleCNN's 67.5 / 75.1 / 77.2 % and ConvNet's 70.5 / 77.6 / 80.8 %, and FedAvg at
-# Dir(0.1) stayed at chance with it at the bench's first scale (5,000 images, 20 rounds, 2
-# local epochs, lr 0.1 / 0.05 / 0.01; 10 local epochs best 25.3 %; 20,000 images and 5 local
-# epochs best 19.9 %). Before that, the FedML BatchNorm ResNet-8's averaged model stayed at
-# chance on the balanced set (2,000 images, 12-20 rounds, SGD 0.01 / 0.05 / 0.1, Adam 0.001:
-# 10.0-13.8 %) and so did the GroupNorm ones over 15 rounds of 5,000 images (FedML's ResNet-8,
-# He et al.'s ResNet-8, ResNet-20: 10.0 %).
+# (its Table 1 model), with more parameters and FLOPs. Not FedGKD's ResNet-8 with GroupNorm
+# (Sec. 5.1): measured here, it learns too slowly for 2 cores -- centralized it trails both
+# CNNs epoch for epoch (the ``central-*`` rows of bench/results/kd_pilots.json), and FedAvg at
+# Dir(0.1) stayed at chance with it at the bench's first scale whatever the learning rate,
+# local epochs or images (the ``base``, ``lr*``, ``e10`` and ``n20k-e5`` rows). Before that, the
+# FedML BatchNorm ResNet-8's averaged model stayed at chance on the balanced set, and so did the
+# GroupNorm ResNets (FedML's ResNet-8, He et al.'s ResNet-8, ResNet-20).
 MODEL = "simplecnn"
 MENTOR = "convnet"  # FedKD's mentor here (FedKD's text has no CNN); FedAvg of it is FedKD's baseline
 #: How tables name the registry's models.
@@ -782,8 +748,8 @@ def document(results: dict[str, Any], scale: Scale, planned_seeds: Sequence[int]
 
 # -- FedKD's ablation (--ablation fedkd) ------------------------------------------------------------ #
 #
-# The grid's FedKD fails its claim on the balanced global set (Dir(0.1): mentors 22.9 % against
-# FedAvg(ConvNet)'s 44.8 %). Which factor makes the gap? One factor at a time against the grid's
+# The grid's FedKD fails its claim on the balanced global set at Dir(0.1) (its mentors far
+# below FedAvg(ConvNet): bench/results/kd_methods.json's claims). Which factor makes the gap? One factor at a time against the grid's
 # FedKD, at Dirichlet(0.1) (the largest gap), the same seeds (paired: each seed is one split that
 # every arm shares), fewer rounds than the grid to fit its budget. Every arm is scored as the grid
 # scores it: each agent's deployed model on the balanced set (global) and on its own test shard
@@ -827,11 +793,9 @@ FEDKD_ARMS: tuple[Arm, ...] = (
 ARMS_BY_NAME = {a.name: a for a in FEDKD_ARMS}
 
 ABLATION_SCALES = {
-    # Dirichlet(0.1), the grid's seeds and regime, 6 rounds (evaluated in rounds 2, 4, 6): on the
-    # machine shared with other jobs a FedKD round took 11-64 s (40 s on average; 9.4 s in the
-    # quiet pilots), a run about 4 minutes at that load. Recorded: the 21 FedKD runs (7 arms x 3
-    # seeds; the FedAvg baselines read from the grid) took 23-165 s each, 27.9 minutes in all; the
-    # 12 runs at IID and Dir(0.5) (2 arms x 2 partitions x 3 seeds), 27.2 minutes: 55.1 of the 90 allowed.
+    # Dirichlet(0.1), the grid's seeds and regime, 6 rounds (evaluated in rounds 2, 4, 6): few
+    # enough for every arm and seed to fit the budget on a machine shared with other jobs (each
+    # run's wall and CPU time are recorded in ``ablations.fedkd`` of bench/results/kd_methods.json).
     # Dir(0.5) and IID (FedKD's mentors fail there too on the balanced set, and at IID on both
     # measures; the paper's MIND / ADR folds are IID): the four arms that run everywhere, 2 of them
     # FedKD runs a seed.

@@ -1,10 +1,10 @@
-"""Pilots for the KD-methods bench's regime (bench/kd_methods.py, issue 24): which model
+"""Pilots for the KD-methods bench's regime (bench/kd_methods.py): which model
 and which scale let FedAvg learn at Dirichlet(0.1) on 2 CPU cores?
 
 The bench's first full scale (GroupNorm ResNet-8, 20 agents, 4 a round, 5,000 Fashion-MNIST
-images, 2 local epochs, SGD 0.05, 20 rounds) left FedAvg's global model at 10.0 % on the
+images, 2 local epochs, SGD 0.05, 20 rounds) left FedAvg's global model at chance on the
 balanced set at Dir(0.1) in every evaluated round, predicting one class, while its agents'
-local figures rose. Each pilot here is one run of ``kd_methods`` (FedAvg unless it names
+local figures rose (the ``base`` row of bench/results/kd_pilots.json). Each pilot here is one run of ``kd_methods`` (FedAvg unless it names
 another) at the bench's full scale of the day with named changes (model, local epochs,
 learning rate, training images, rounds; each row's ``scale`` says what ran), so what the
 regime needs is measured, not guessed: FedGKD's Sec. 5.1 tunes FedAvg's learning rate in

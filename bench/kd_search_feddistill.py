@@ -1,4 +1,4 @@
-"""FedDistill's loss weights searched over its paper's printed ranges, one at a time (issue 24).
+"""FedDistill's loss weights searched over its paper's printed ranges, one at a time.
 
 The paper (Song et al., Sec. IV-A) prints search ranges, not the weights it kept: "We first search
 an optimal alpha_t, alpha_r and alpha_f from {0.0, 0.1, 0.2, ..., 1.0}. We will freeze the alpha_t,
@@ -40,8 +40,8 @@ The scores, each run's global accuracy on the balanced 1,000-image set:
 * ``final``: at round 10;
 * ``late_mean``: the mean over the evaluated rounds 6, 8 and 10 (``LATE_ROUNDS``): the paper's
   Fig. 9d reads "the average top-1 accuracy of last 10 epochs" beside the last one, and at
-  Dir(0.1) a run's largest move from one of rounds 6, 8, 10 to the next is 8.6 points in the
-  median run of the search (up to 26.8).
+  Dir(0.1) a run moves by several points from one evaluated round to the next (the runs of
+  bench/results/kd_search_feddistill.json), so one round's figure is noisier than three.
 
 Each arm is paired seed by seed (``bench/_stats.py``'s ``paired``; |mean d| > sd d) against the
 default and against FedAvg, on both scores. An arm is *better than the default* only when it is

@@ -9,8 +9,8 @@ most of them stay right. A shard that is 60% one class keeps that class on ~60% 
 labels' samples of it: the share of an agent's labels a permutation leaves right is about
 sum_c p_c^2 (p: its label histogram), 0.10 at IID and 0.3-0.5 at Dirichlet(0.1). So the bad
 agent's agreement is not near chance (0.1) there, and the honest agents whose classes the server
-model has not learnt yet are as low; the MAD term, with honest agreements spread 0.35-0.9, sets a
-limit below zero.
+model has not learnt yet are as low; the MAD term, with the honest agreements spread as widely as
+bench/results/defence_scores.json records them, sets a limit below zero.
 
 Rules replayed (an agent is judged against the other agents of the round, as the check does):
 

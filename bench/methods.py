@@ -23,12 +23,10 @@ declared by each method beside its registry entry (``shared_protocol/methods/<na
   (``bench/results/accuracy.json``; declared with ``reuses_table1``, not run again). The
   paper's figures are the rows' (``ResultsRow.paper``), written to the JSON's ``paper``.
 
-Not part of Table 1's budget: another issue's work, kept runnable here. At the
-full scale (4 agents x 1,000 images, 5 rounds) one seed takes about 80 minutes
-on 2 idle cores (per-image-round costs of the previous single-seed benchmark:
-FedGKD 16 ms, FedDistill 17 ms, FedKD 17 ms, FedBE FedAvg's 14 ms plus about
-65 s of server work a round, FedGKT 27 ms; plus evaluation), three seeds about
-4 hours; ``--seeds 0`` runs one.
+Not part of Table 1's budget, kept runnable here. At the full scale (4 agents x
+1,000 images, 5 rounds) one seed takes over an hour on 2 idle cores (FedBE's
+server work a round on top of FedAvg's cost; the runs' wall times are recorded in
+``bench/results/methods.json``), three seeds a few hours; ``--seeds 0`` runs one.
 
     python bench/methods.py --quick               # the pipeline check (about 15 minutes)
     python bench/methods.py --seeds 0             # one seed of every method

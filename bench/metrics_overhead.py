@@ -1,4 +1,4 @@
-"""What watching a run costs: ``make demo`` with metrics off vs on (issue 29's last must-show).
+"""What watching a run costs: ``make demo`` with metrics off vs on.
 
 ``make demo``'s run exactly (``edgesplit local``: one mosquitto, one ``cloud-server``
 process and four ``edge-agent`` processes with one torch thread each; FedGKT,

@@ -3,7 +3,7 @@
 
 Five agents on Fashion-MNIST (iid), one of which (``agent-4``) sends finite garbage: its
 upload tensors are overwritten just before encoding (a hook on its ``send``; frames stay
-well-formed), as the issue measured it:
+well-formed):
 
 * FedAvg (and FedGKD, the FedAvg family's aggregation): weights x 1e3; FedKD: SVD factors
   1e10; FedGKT: feature maps 6e4, logits 1e30;

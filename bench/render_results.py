@@ -20,10 +20,10 @@ Accuracy figures are rendered only from JSONs scored on the balanced
 evaluation set (they carry ``eval_set``); an older JSON gets one line saying
 that it awaits re-measurement, and the page quotes none of its accuracies.
 * ``transport.json``, ``server_loop.json``, ``scale.json`` (``bench/transport.py``,
-  ``bench/server_loop.py``, ``bench/scale.py``): issue 9's speed and scale figures;
-* ``robustness.json`` (``bench/robustness.py``): issue 25, one bad device of five, with
+  ``bench/server_loop.py``, ``bench/scale.py``): the transport's and server loop's speed and the scale figures;
+* ``robustness.json`` (``bench/robustness.py``): one bad device of five, with
   and without the defences, and what each aggregation rule costs on clean data;
-* ``metrics_overhead.json`` (``bench/metrics_overhead.py``): issue 29's cost of watching a
+* ``metrics_overhead.json`` (``bench/metrics_overhead.py``): the cost of watching a
   run, ``make demo`` with metrics off vs on.
 
 It also rewrites the README's table of methods (from the method registry) and
@@ -633,7 +633,7 @@ def _kd_plots(data: dict[str, Any], image_dir: Path) -> None:
 
 
 def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> list[str]:
-    """Issue 24: FedGKD, FedGKD-Vote, FedDistill, FedBE and FedKD against their papers' claims
+    """FedGKD, FedGKD-Vote, FedDistill, FedBE and FedKD against their papers' claims
     (bench/kd_methods.py): the claim table with its verdicts, the cells, the costs, the curves and
     FedKD evaluated as its paper does."""
     head = ["## The KD methods against their papers' claims (issue 24)", ""]
@@ -798,7 +798,7 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
 ROBUST_METHODS = {"fedavg": "FedAvg", "fedgkd": "FedGKD", "fedkd": "FedKD (global mentee)", "fedgkt": "FedGKT (server model)"}
 ROBUST_DATASETS = {"fashion-mnist": "Fashion-MNIST"}
 ROBUST_RULES = ("mean", "trimmed_mean", "median", "krum", "multi_krum")
-ROBUST_MARGIN = 0.05  # issue 25: with the defences on, an attacked run stays within 5 points of its clean run
+ROBUST_MARGIN = 0.05  # the target: with the defences on, an attacked run stays within this of its clean run
 
 
 RobustKey = tuple[str, str, bool, str, "float | None"]
@@ -840,7 +840,7 @@ def _points(a: float | None, b: float | None) -> str:
 
 
 def robustness_section(data: dict[str, Any]) -> list[str]:
-    """Issue 25 (bench/robustness.py): one bad agent of five per method, attack and defences
+    """bench/robustness.py: one bad agent of five per method, attack and defences
     (final accuracy, rounds ok, refusals by reason, the checkpoint's largest |weight|), and
     what each aggregation rule costs on clean data next to the mean."""
     rounds, bad = data["rounds"], data["bad_agent"]
@@ -1146,7 +1146,7 @@ def server_loop_section(data: dict[str, Any]) -> list[str]:
 
 
 def _compile_check_lines(check: dict[str, Any] | None) -> list[str]:
-    """torch.compile on this CPU (issue 15): the verdict ``server_step = "auto"`` follows."""
+    """torch.compile on this CPU: the verdict ``server_step = "auto"`` follows."""
     if check is None:
         return []
     lines = ["### torch.compile on this CPU (issue 15)", "",
@@ -1275,7 +1275,7 @@ def _one(x: float | None, digits: int = 4) -> str:
 
 
 def metrics_overhead_section(data: dict[str, Any] | None) -> list[str]:
-    """Issue 29: make demo with metrics off vs on, interleaved pairs (bench/metrics_overhead.py)."""
+    """make demo with metrics off vs on, interleaved pairs (bench/metrics_overhead.py)."""
     head = ["## What watching a run costs: metrics off vs on (issue 29)", ""]
     if data is None:
         return head + ["*`bench/results/metrics_overhead.json` not found: run `bench/metrics_overhead.py` (`make demo` with "

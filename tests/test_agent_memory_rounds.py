@@ -8,7 +8,7 @@ arrays included) after round 15 may exceed those after round 3 by at most
 :data:`GROWTH_BOUND_BYTES`. A deliberately leaking agent (a transport that keeps every blob it
 sent, as an unbounded resend cache would) must fail the same check; the agent under test
 has the MQTT transport's resend cache, which it must empty at every round start (kept, it
-filled up to 64 MiB over the first rounds: issue 26). The per-round RSS side
+filled up to its bound over the first rounds). The per-round RSS side
 (the agent's own per-round peak, the growth warning) is checked here too; the long-run
 numbers are bench/footprint.py --long-run's.
 """

@@ -19,7 +19,7 @@ def test_the_grid_measures_both_checks_at_every_partition_and_seed_recording_onl
     runs = ds.grid()
     names = [r.name for r in runs]
     assert len(names) == len(set(names))
-    assert len(ds.SEEDS) >= 2  # one seed per cell is noise (issue #25)
+    assert len(ds.SEEDS) >= 2  # one seed per cell is noise
     for seed in ds.SEEDS:
         for part in ("iid", "dir0.5", "dir0.1"):
             for name in (f"validation-none-{part}-s{seed}", f"validation-sign_flip-{part}-s{seed}",

@@ -1,4 +1,4 @@
-"""bench/kd_methods.py (issue 24): the verdict on a paper's claim from hand-made numbers, the
+"""bench/kd_methods.py: the verdict on a paper's claim from hand-made numbers, the
 claim table computed from the cells, the quick mode end to end on synthetic data (every method,
 two seeds, a real broker), and what bench/render_results.py makes of the JSON; FedKD's ablation
 (--ablation fedkd): one factor per arm, the paired effects, its section beside the grid's."""

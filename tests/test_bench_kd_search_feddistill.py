@@ -1,4 +1,4 @@
-"""bench/kd_search_feddistill.py (issue 24): each arm changes one of FedDistill's loss weights to a
+"""bench/kd_search_feddistill.py: each arm changes one of FedDistill's loss weights to a
 value of its paper's printed range, the default arm is the grid's FedDistill, the scores, pairings
 and verdicts on hand-made runs (no federation is run), and docs/methods/feddistill.md quotes
 bench/results/kd_search_feddistill.json as recorded."""

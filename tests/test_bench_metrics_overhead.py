@@ -1,4 +1,4 @@
-"""bench/metrics_overhead.py (issue 29: what watching a run costs): its --quick mode end to
+"""bench/metrics_overhead.py (what watching a run costs): its --quick mode end to
 end with the JSON's schema (not its figures), the ABBA order, the banner it reads the
 endpoints from, the pairing and the verdict rule; and the results page's section."""
 

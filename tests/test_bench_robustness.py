@@ -1,4 +1,4 @@
-"""bench/robustness.py (issue 25): the attacks' hooks against hand computations, the grid it
+"""bench/robustness.py: the attacks' hooks against hand computations, the grid it
 runs, what it summarises of a run's rounds, the quick mode end to end over a real broker, and
 what bench/render_results.py makes of the JSON."""
 

@@ -3,7 +3,7 @@
 deploy/edge/install.sh installs it (under a temporary root) -> ``edge-agent doctor`` ->
 ``cloud-server run`` and two ``edge-agent run`` with their own image folders (written by
 ``python -m fldata.export --format imagefolder``) -> a finished report. Then the three
-mistakes of issue 27, each ending in a clear message and the configuration-error exit code:
+mistakes a first deployment makes, each ending in a clear message and the configuration-error exit code:
 a device with the wrong image size (refused at join, naming both shapes; the other device
 completes; the report lists the refusal), a corrupt image file, a wrong password."""
 

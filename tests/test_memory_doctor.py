@@ -80,7 +80,7 @@ def test_the_recorded_footprint_meets_the_pi_targets_in_low_memory_mode() -> Non
         "upload_batch_samples_cap": MemoryConfig.low().upload_batch_samples_cap}
 
 
-#: What issue 26 asks of the long run: tens of rounds, flat from round 3 on, the Pi targets every round.
+#: What the long run must show: tens of rounds, flat from round 3 on, the Pi targets every round.
 LONG_ROUNDS, FLAT_WITHIN, LONG_SIZES = 30, 0.05, (1000, 16000)
 LONG_MODES = (("torch-cpu", "default"), ("torch-cpu", "low-memory"), ("ort", "low-memory"))
 PI_TARGET_MB = {"torch-cpu": 350, "ort": 150}

@@ -33,15 +33,15 @@ def test_growth_counts_rises_of_more_than_one_percent_in_a_row() -> None:
 
 
 def test_the_report_names_each_run_of_growth_per_agent() -> None:
-    issue = [315, 328, 339, 352, 367, 378, 389, 390, 390, 390]  # the series issue 26 reported
-    rounds = [_round(i + 1, {"pi-zero": p, "laptop": 964}) for i, p in enumerate(issue)]
+    peaks_mb = [315, 328, 339, 352, 367, 378, 389, 390, 390, 390]  # rises for seven rounds, then flat
+    rounds = [_round(i + 1, {"pi-zero": p, "laptop": 964}) for i, p in enumerate(peaks_mb)]
     (warning,) = memory_growth_warnings(rounds)
     assert warning["agent"] == "pi-zero" and (warning["first_round"], warning["last_round"]) == (1, 7)
-    assert warning["peak_rss_bytes"] == [p * MB for p in issue[:7]]
+    assert warning["peak_rss_bytes"] == [p * MB for p in peaks_mb[:7]]
     assert warning["message"].startswith("agent pi-zero: peak RSS grew 6 rounds in a row (rounds 1-7: 315 -> 328")
     # A lifetime peak (simulated agents sharing one process) rises by nature: never read as growth.
     shared = [RoundRecord(round=i + 1, status="ok", per_agent={"agent-4": AgentRoundRecord(
-        samples=1, peak_rss_bytes=int(p * MB), peak_rss_per_round=False)}) for i, p in enumerate(issue)]
+        samples=1, peak_rss_bytes=int(p * MB), peak_rss_per_round=False)}) for i, p in enumerate(peaks_mb)]
     assert memory_growth_warnings(shared) == []
     assert RoundRecord.from_json(shared[0].to_json(), "round").per_agent["agent-4"].peak_rss_per_round is False
     flat = [_round(i + 1, {"pi-zero": 340 + (i % 2), "laptop": 964}) for i in range(10)]

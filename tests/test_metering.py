@@ -1,4 +1,4 @@
-"""Metering no method can forget (issue 28, part 3).
+"""Metering no method can forget.
 
 The shared training loop counts samples, FLOPs and compute time from what a method
 declares it trains (``edge_agent/trainer.py``), forward passes outside training go

@@ -265,7 +265,7 @@ def test_a_method_in_its_own_files_gets_its_table_of_keys(toy_method: list[str],
     assert _git_status() == before
 
 
-#: The shared modules that must name no method (issue 28): the registry's default aside.
+#: The shared modules that must name no method: the registry's default aside.
 SHARED = ("cloud_server/launcher.py", "cloud_server/local_run.py", "edge_agent/backends/__init__.py",
           "cloud_server/feature_store.py", "cloud_server/keys.py", "cloud_server/config.py", "cloud_server/coordinator.py",
           "cloud_server/schedulers.py", "cloud_server/agents.py", "cloud_server/assemble.py", "cloud_server/methods/__init__.py",

@@ -749,8 +749,8 @@ def document(results: dict[str, Any], scale: Scale, planned_seeds: Sequence[int]
 # -- FedKD's ablation (--ablation fedkd) ------------------------------------------------------------ #
 #
 # The grid's FedKD fails its claim on the balanced global set at Dir(0.1) (its mentors far
-# below FedAvg(ConvNet): bench/results/kd_methods.json's claims). Which factor makes the gap? One factor at a time against the grid's
-# FedKD, at Dirichlet(0.1) (the largest gap), the same seeds (paired: each seed is one split that
+# below FedAvg(ConvNet): bench/results/kd_methods.json's claims). Which factor makes the gap?
+# One factor at a time against the grid's FedKD, at Dirichlet(0.1) (the largest gap), the same seeds (paired: each seed is one split that
 # every arm shares), fewer rounds than the grid to fit its budget. Every arm is scored as the grid
 # scores it: each agent's deployed model on the balanced set (global) and on its own test shard
 # (local: the paper's "average performance of local mentor models on the local data"), the

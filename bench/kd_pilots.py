@@ -4,8 +4,8 @@ and which scale let FedAvg learn at Dirichlet(0.1) on 2 CPU cores?
 The bench's first full scale (GroupNorm ResNet-8, 20 agents, 4 a round, 5,000 Fashion-MNIST
 images, 2 local epochs, SGD 0.05, 20 rounds) left FedAvg's global model at chance on the
 balanced set at Dir(0.1) in every evaluated round, predicting one class, while its agents'
-local figures rose (the ``base`` row of bench/results/kd_pilots.json). Each pilot here is one run of ``kd_methods`` (FedAvg unless it names
-another) at the bench's full scale of the day with named changes (model, local epochs,
+local figures rose (the ``base`` row of bench/results/kd_pilots.json). Each pilot here is one
+run of ``kd_methods`` (FedAvg unless it names another) at the bench's full scale of the day with named changes (model, local epochs,
 learning rate, training images, rounds; each row's ``scale`` says what ran), so what the
 regime needs is measured, not guessed: FedGKD's Sec. 5.1 tunes FedAvg's learning rate in
 {0.1, 0.05, 0.01}, and the papers train 10-20 local epochs on 500-4,000 images a client for

@@ -29,8 +29,9 @@ def _eq8_rank(entry: dict[str, Any], name: str, limit: int, full: int) -> int | 
     return k if isinstance(k, int) and not isinstance(k, bool) and limit < k <= full else None
 
 
-# How far an honest float32 factorisation strays from orthonormal factors and from
-# ||U diag(S) V||_F = ||S||_2 (measured: about 1e-6; numpy's SVD of float64, sent as float32).
+# How far an honest float32 factorisation may stray from orthonormal factors and from
+# ||U diag(S) V||_F = ||S||_2: numpy's SVD of float64, sent as float32, strays by float32
+# rounding only, orders of magnitude below this.
 FACTOR_TOLERANCE = 1e-2
 
 

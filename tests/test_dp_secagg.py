@@ -46,6 +46,7 @@ class Recorder:
         self.raw_norm: dict[tuple[int, str], float] = {}
         self.masked_update: dict[tuple[int, str], np.ndarray] = {}
         self.uniform: dict[tuple[int, str], bool] = {}
+        self.fixed_point_clipped: dict[tuple[int, str], int] = {}
         self.num_samples: dict[str, int] = {}
         self.before: dict[int, dict[str, np.ndarray]] = {}
         self.after: dict[int, dict[str, np.ndarray]] = {}
@@ -63,7 +64,10 @@ class Recorder:
                 self.masked_update[(client.round, client.me)] = update.copy()
                 self.uniform[(client.round, client.me)] = uniform
                 self.num_samples[client.me] = num_samples
-            return mask(client, update, num_samples, uniform=uniform)
+            masked = mask(client, update, num_samples, uniform=uniform)
+            with self.lock:
+                self.fixed_point_clipped[(client.round, client.me)] = client.clipped
+            return masked
 
         def recording_finish(rounds: SecAggRounds, round_: int, global_state: dict, *args: object) -> object:
             self.before[round_] = {n: a.copy() for n, a in global_state.items()}
@@ -128,7 +132,7 @@ def test_client_clipping_on_the_secure_sum_is_plain_client_clippings_aggregate(m
         # (2) every agent masked its update clipped to C, with the weight 1 ...
         for agent in agents:
             assert update_norm({"u": rec.masked_update[(round_, agent)]}) <= C * (1 + 1e-9), (round_, agent)
-            assert rec.uniform[(round_, agent)] is True
+            assert rec.uniform[(round_, agent)] is True and rec.fixed_point_clipped[(round_, agent)] == 0
             # ... and the clipping did something: the update as trained is longer than C (positive control).
             assert rec.raw_norm[(round_, agent)] > 1.5 * C, (round_, agent)
         # (1) the secure aggregate is plain client_clipping's noised mean over the same updates,
@@ -272,3 +276,17 @@ def test_a_clip_norm_beyond_the_fixed_point_bound_is_refused() -> None:
     with pytest.raises(ValueError, match="fixed-point bound"):  # local: C plus six standard deviations of its noise
         replace(base, dp_fedavg="local", dp_clip_norm=100.0)
     replace(base, dp_clip_norm=600.0, secagg_ring_bits=64)  # the wider ring holds it
+
+
+@pytest.mark.parametrize("method", ["fedgkd", "feddistill"])
+def test_the_fedavg_family_noises_the_secure_sum(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    rec = Recorder(monkeypatch)
+    cfg = replace(_config(tmp_path, "dp-sa-fam", 3, 1, dp_fedavg="client_clipping", dp_clip_norm=C, dp_noise_multiplier=Z),
+                  method=method)
+    report = in_memory_federation(cfg, _agents(cfg, 3)).start().join()
+    record = report["rounds"][0]
+    assert record["status"] == "ok" and record["method"]["secagg"]["stage"] == "done"
+    dp = record["privacy"]["dp_fedavg"]
+    assert dp["secure_sum"] is True and dp["aggregated"] == 3 and dp["denominator"] == 3
+    assert all(rec.uniform[(1, a)] for a in ("agent-0", "agent-1", "agent-2"))
+    assert all(update_norm({"u": u}) <= C * (1 + 1e-9) for u in rec.masked_update.values())

@@ -225,7 +225,7 @@ class ServerConfig:
             dp_fedavg=self.dp_fedavg, dp_clip_norm=self.dp_clip_norm, dp_noise_multiplier=self.dp_noise_multiplier,
             dp_delta=float(self.dp_delta), dp_accountant=self.dp_accountant, dpsgd=self.dpsgd,
             dpsgd_noise_multiplier=self.dpsgd_noise_multiplier, dpsgd_max_grad_norm=self.dpsgd_max_grad_norm,
-            client_fraction=self.client_fraction,
+            client_fraction=self.client_fraction, secure_aggregation=self.secure_aggregation,
         )
 
     def metrics_endpoint(self) -> MetricsEndpointConfig | None:
@@ -275,13 +275,30 @@ class ServerConfig:
                                                                 "each update; set 0)"),
             "plausible_min_cosine": (self.plausible_min_cosine > -1, f"{self.plausible_min_cosine!r} (the direction check "
                                                                     "compares each update with the others; set -1)"),
+            "dp_fedavg": (self.dp_fedavg == "central", f"{self.dp_fedavg!r} (central DP-FedAvg has the server clip each "
+                                                      "update; use 'client_clipping': the agents clip before masking and the "
+                                                      "server adds the noise to the sum)"),
         }
         for key, (conflict, detail) in conflicts.items():
             if conflict:
                 raise ValueError(f"server.secure_aggregation = true conflicts with server.{key} = {detail}: "
                                  "the server sees only the sum of the updates")
-        return SecAggParams(ring_bits=self.secagg_ring_bits, fraction_bits=self.secagg_fraction_bits,
-                            threshold=self.secagg_threshold, stage_timeout_s=self.secagg_stage_timeout_s)
+        params = SecAggParams(ring_bits=self.secagg_ring_bits, fraction_bits=self.secagg_fraction_bits,
+                              threshold=self.secagg_threshold, stage_timeout_s=self.secagg_stage_timeout_s)
+        if (self.dp_fedavg in ("client_clipping", "local") and isinstance(self.dp_clip_norm, (int, float))
+                and isinstance(self.dp_noise_multiplier, (int, float)) and self.dp_clip_norm > 0):
+            # A clipped update's entries are within C (local: plus the agent's noise, kept within six
+            # standard deviations); beyond the fixed-point bound they would be clipped again, silently
+            # changing the sum the noise was calibrated for.
+            largest = self.dp_clip_norm * (1 + (6 * self.dp_noise_multiplier if self.dp_fedavg == "local" else 0))
+            bound = params.bound(self.expected_agents) / 2.0 ** params.fraction_bits
+            if largest > bound:
+                raise ValueError(f"server.secure_aggregation = true with server.dp_fedavg = {self.dp_fedavg!r}: an entry of a "
+                                 f"privatised update may reach {largest:.4g}, beyond the fixed-point bound {bound:.4g} per agent "
+                                 f"at expected_agents = {self.expected_agents} (secagg_ring_bits = {self.secagg_ring_bits}, "
+                                 f"secagg_fraction_bits = {self.secagg_fraction_bits}): lower server.dp_clip_norm, or set "
+                                 "server.secagg_ring_bits = 64 or fewer server.secagg_fraction_bits")
+        return params
 
     @property
     def resolved_in_channels(self) -> int:

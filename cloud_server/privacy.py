@@ -14,6 +14,16 @@ fraction without replacement (McMahan et al. 2018 account the same way). With
 ``dp_fedavg = "local"`` every agent noises its own clipped update, so what each agent sends is
 private from the server itself: the server knows who took part, so ``q = 1``.
 
+**With secure aggregation** (``[server] secure_aggregation``) the server never sees one update,
+so it cannot clip one: ``central`` is refused (cloud_server/config.py). With ``client_clipping``
+every agent clips its update to ``C`` and masks it with the weight 1 (a public weight: a sample-
+weighted sum would let an agent's share of the sum depend on its data size); the server unmasks
+only the sum and adds ``N(0, (z C)^2 I)`` to it (:meth:`PrivacyLedger.noised_secure_mean`). The
+denominator is fixed before any update exists: the number of agents the round sampled, an agent
+that drops counting as a zero update (McMahan et al.'s fixed-denominator estimator), so one
+agent moves the noised sum by at most ``C`` whatever the others do, as the accountant assumes.
+With ``local`` the agents clip and noise before masking and the server only unmasks.
+
 **Sample level (DP-SGD).** With ``dpsgd = true`` every agent trains through Opacus
 (edge_agent/dpsgd.py) and reports its own accountant's ε (``dpsgd_epsilon`` in its round's
 metrics); the run's figure is the largest over the agents.
@@ -29,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from shared_protocol.errors import SecAggError
 from shared_protocol.privacy import DP_FEDAVG_MODES, DpAgentSettings, clip_update, float_names, gaussian_noise
 
 __all__ = ["ACCOUNTANTS", "PrivacyConfig", "PrivacyLedger", "check_privacy_section", "client_level_epsilon", "privacy_line"]
@@ -64,6 +75,7 @@ class PrivacyConfig:
     dpsgd_noise_multiplier: float = 0.0
     dpsgd_max_grad_norm: float = 1.0
     client_fraction: float = 1.0  # from [server], the sampling rate of central DP-FedAvg
+    secure_aggregation: bool = False  # from [server]: the noise goes on the secure sum
 
     def __post_init__(self) -> None:
         if self.dp_fedavg not in DP_FEDAVG_MODES:
@@ -182,6 +194,28 @@ class PrivacyLedger:
                 out[n] = np.asarray(np.rint(np.mean([float(s[n]) for s in states])), dtype=base.dtype).reshape(base.shape)
         return out
 
+    def noised_secure_mean(self, round_: int, survivors: Sequence[str], update_sum: Mapping[str, np.ndarray],
+                           weight_sum: float, sampled: int) -> dict[str, np.ndarray]:
+        """``(sum + N(0, (z C)^2)) / sampled`` per entry of ``update_sum``: the secure sum of the
+        survivors' updates, each clipped to ``C`` on its agent and weighted 1 (``weight_sum``, the
+        unmasked sum of the weights, says so: anything but one per survivor is refused)."""
+        cfg = self.cfg
+        if not survivors or sampled < len(survivors):
+            raise ValueError(f"a secure sum of {len(survivors)} survivors cannot be divided by the {sampled} agents sampled")
+        if abs(weight_sum - len(survivors)) > 1e-3:
+            raise SecAggError(f"the unmasked weights of round {round_} sum to {weight_sum:g}, not to its {len(survivors)} "
+                              "survivors: under DP-FedAvg every agent must mask its clipped update with the weight 1")
+        names = list(update_sum)
+        noise = gaussian_noise({n: np.shape(update_sum[n]) for n in names}, cfg.dp_noise_multiplier * cfg.dp_clip_norm, self.rng)
+        self.noised_rounds += 1
+        self._round[round_] = {
+            "secure_sum": True,  # no single update seen: no norms, nothing clipped here
+            "aggregated": len(survivors),
+            "denominator": sampled,
+            "noise_std_on_mean": cfg.dp_noise_multiplier * cfg.dp_clip_norm / sampled,
+        }
+        return {n: (np.asarray(update_sum[n], dtype=np.float64) + noise[n]) / sampled for n in names}
+
     # -- ε ---------------------------------------------------------------------------- #
 
     def close_round(self, round_: int, metrics_by_agent: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -242,6 +276,7 @@ class PrivacyLedger:
             out["dp_fedavg"] = {
                 "mode": cfg.dp_fedavg, "clip_norm": cfg.dp_clip_norm, "noise_multiplier": cfg.dp_noise_multiplier,
                 "sample_rate": cfg.sample_rate, "noised_rounds": self.noised_rounds,
+                "secure_aggregation": cfg.secure_aggregation,
                 "epsilon": self.epsilon_by_round[last] if last is not None else 0.0,
                 "epsilon_by_round": [[r, e] for r, e in sorted(self.epsilon_by_round.items())],
             }
@@ -265,8 +300,9 @@ def privacy_line(section: Mapping[str, Any] | None) -> str:
     parts = []
     if "dp_fedavg" in section:
         d = section["dp_fedavg"]
-        parts.append(f"DP-FedAvg ({d['mode']}, C = {d['clip_norm']:g}, z = {d['noise_multiplier']:g}, q = {d['sample_rate']:g}, "
-                     f"{d['noised_rounds']} noised rounds): epsilon = {d['epsilon']:.3f}")
+        secure = ", on the secure sum" if d.get("secure_aggregation") else ""
+        parts.append(f"DP-FedAvg ({d['mode']}{secure}, C = {d['clip_norm']:g}, z = {d['noise_multiplier']:g}, "
+                     f"q = {d['sample_rate']:g}, {d['noised_rounds']} noised rounds): epsilon = {d['epsilon']:.3f}")
     if "dpsgd" in section:
         d = section["dpsgd"]
         parts.append(f"DP-SGD (z = {d['noise_multiplier']:g}, C = {d['max_grad_norm']:g}): epsilon = {d['epsilon']:.3f} "
@@ -288,7 +324,7 @@ def check_privacy_section(ck: Any, privacy: Any) -> None:
             "mode": ("str", False, None, None), "clip_norm": ("number", False, 0.0, None),
             "noise_multiplier": ("number", False, 0.0, None), "sample_rate": ("number", False, 0.0, 1.0),
             "noised_rounds": ("int", False, 0, None), "epsilon": ("number", False, 0.0, None),
-            "epsilon_by_round": ("list", False, None, None)}, {}))
+            "epsilon_by_round": ("list", False, None, None)}, {"secure_aggregation": ("bool", False, None, None)}))
     if "dpsgd" in good:
         ck.fields(good["dpsgd"], "privacy.dpsgd", ({
             "noise_multiplier": ("number", False, 0.0, None), "max_grad_norm": ("number", False, 0.0, None),

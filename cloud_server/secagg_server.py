@@ -53,6 +53,7 @@ class SecureSum:
     dropped: list[str]
     int_buffers: dict[str, dict[str, int]]  # survivor -> its BatchNorm counters
     num_samples: dict[str, int]  # survivor -> its advertised sample count
+    sampled: int = 0  # the agents given the round (fixed before any update): DP-FedAvg's denominator
 
 
 @dataclass
@@ -288,7 +289,8 @@ class SecAggRound:
             raise SecAggError(f"the unmasked weights sum to {weight}; a share or a masked input was wrong")
         return SecureSum(update_sum=values[:-1], weight_sum=weight, survivors=list(self.survivors), dropped=lost,
                          int_buffers={a: dict(self.masked[a].int_buffers) for a in self.survivors},
-                         num_samples={a: self.adverts[a].num_samples for a in self.survivors})
+                         num_samples={a: self.adverts[a].num_samples for a in self.survivors},
+                         sampled=len(self.expected))
 
     def report(self) -> dict[str, Any]:
         """The round's secure-aggregation figures for the run report."""
@@ -330,10 +332,14 @@ class SecAggRounds:
     def due(self) -> list[tuple[str, Message]]:
         return [out for rnd in self.rounds.values() for out in rnd.due()]
 
-    def finish(self, round_: int, global_state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], SecureSum] | None:
+    def finish(self, round_: int, global_state: dict[str, np.ndarray],
+               mean_of: Callable[[dict[str, np.ndarray], SecureSum], dict[str, np.ndarray]] | None = None,
+               ) -> tuple[dict[str, np.ndarray], SecureSum] | None:
         """(the new global state: the global model plus the survivors' weighted mean update, and
         the sum it came from), or None when the round's secure aggregation did not finish. A round
-        whose stage is still open (the round's deadline came first) is closed with what arrived."""
+        whose stage is still open (the round's deadline came first) is closed with what arrived.
+        ``mean_of`` turns the summed update (by name) into the mean update instead of dividing by
+        the summed weight (DP-FedAvg: noise on the sum, a fixed denominator)."""
         rnd = self.rounds.get(round_)
         if rnd is None:
             return None
@@ -346,13 +352,16 @@ class SecAggRounds:
         if rnd.result is None:
             return None
         result = rnd.result
-        mean = result.update_sum / result.weight_sum
-        state = dict(global_state)
+        update_sum: dict[str, np.ndarray] = {}
         offset = 0
         for name in self.names:
             base = global_state[name]
-            state[name] = (base.astype(np.float64) + mean[offset:offset + base.size].reshape(base.shape)).astype(base.dtype)
+            update_sum[name] = result.update_sum[offset:offset + base.size].reshape(base.shape)
             offset += base.size
+        mean = mean_of(update_sum, result) if mean_of is not None else {n: u / result.weight_sum for n, u in update_sum.items()}
+        state = dict(global_state)
+        for name in self.names:
+            state[name] = (global_state[name].astype(np.float64) + mean[name]).astype(global_state[name].dtype)
         weights = [result.num_samples[a] for a in result.survivors]
         for name in {n for buffers in result.int_buffers.values() for n in buffers}:
             values = [result.int_buffers[a].get(name, int(global_state[name])) for a in result.survivors]

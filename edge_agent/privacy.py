@@ -4,7 +4,8 @@ Welcome as ``settings["privacy"]``; docs/privacy.md):
 - :func:`privatise_state`: DP-FedAvg's client side. ``client_clipping``: the update (trained
   state minus the global state the round started from) clipped to L2 norm ``C`` before it is
   sent; ``local``: clipped and noised with ``N(0, (z C)^2)`` here, so the server only ever
-  sees the noised update (Flower's ``LocalDpMod``).
+  sees the noised update (Flower's ``LocalDpMod``). :func:`privatise_update` is the same step on
+  the update itself, which secure aggregation masks (``FedAvgEdge.shared_update``).
 - :class:`DpSgd`: DP-SGD through Opacus (per-sample clipping and noise at every step, batches
   drawn by Poisson sampling), one ``PrivacyEngine`` per agent whose accountant counts every
   step of the run; the agent reports its ε with each round's metrics.
@@ -24,7 +25,7 @@ import torch.nn as nn
 from models.privacy import require_dpsgd_model
 from shared_protocol.privacy import DpAgentSettings, clip_update, float_names, gaussian_noise
 
-__all__ = ["DpSgd", "agent_privacy", "privatise_state"]
+__all__ = ["DpSgd", "agent_privacy", "privatise_state", "privatise_update"]
 
 log = logging.getLogger("edge_agent.privacy")
 
@@ -35,16 +36,24 @@ def agent_privacy(settings: Mapping[str, Any]) -> DpAgentSettings:
     return DpAgentSettings() if raw is None else DpAgentSettings.from_dict(raw)
 
 
+def privatise_update(update: Mapping[str, np.ndarray], settings: DpAgentSettings,
+                     rng: np.random.Generator) -> tuple[dict[str, np.ndarray], float]:
+    """``clip_C(update)`` (``local``: plus ``N(0, (z C)^2)`` per entry), float64, and the update's
+    norm before clipping."""
+    clipped, norm = clip_update(update, settings.clip_norm)
+    if settings.mode == "local":
+        noise = gaussian_noise({n: u.shape for n, u in clipped.items()}, settings.noise_multiplier * settings.clip_norm, rng)
+        clipped = {n: u + noise[n] for n, u in clipped.items()}
+    return clipped, norm
+
+
 def privatise_state(state: Mapping[str, np.ndarray], global_state: Mapping[str, np.ndarray], settings: DpAgentSettings,
                     rng: np.random.Generator) -> tuple[dict[str, np.ndarray], float]:
     """``global + clip_C(state - global)`` (``local``: plus ``N(0, (z C)^2)`` per float entry), in
     ``state``'s dtypes, and the update's norm before clipping; integer counters as trained."""
     names = float_names(global_state)
     update = {n: np.asarray(state[n], dtype=np.float64) - np.asarray(global_state[n], dtype=np.float64) for n in names}
-    clipped, norm = clip_update(update, settings.clip_norm)
-    if settings.mode == "local":
-        noise = gaussian_noise({n: u.shape for n, u in clipped.items()}, settings.noise_multiplier * settings.clip_norm, rng)
-        clipped = {n: u + noise[n] for n, u in clipped.items()}
+    clipped, norm = privatise_update(update, settings, rng)
     out = dict(state)
     for n in names:
         out[n] = (np.asarray(global_state[n], dtype=np.float64) + clipped[n]).astype(np.asarray(state[n]).dtype)

@@ -141,12 +141,14 @@ class SecAggClient:
 
     # -- after training: the masked update and the unmasking ------------------------------- #
 
-    def mask(self, update: np.ndarray, num_samples: int) -> np.ndarray:
+    def mask(self, update: np.ndarray, num_samples: int, uniform: bool = False) -> np.ndarray:
         """``update`` (the model's floats minus the global's, flattened, float64) weighted, in
-        fixed point, followed by the weight, plus the self mask and the pairwise masks."""
+        fixed point, followed by the weight, plus the self mask and the pairwise masks. The weight
+        is ``num_samples / weight_scale``, or 1 with ``uniform`` (DP-FedAvg: a public weight, so
+        that the agent's share of the sum is its clipped update whatever its data size)."""
         started = time.perf_counter()
         unit = 2.0 ** -self.params.fraction_bits
-        weight = max(unit, round(num_samples / self.weight_scale / unit) * unit)  # exact in fixed point
+        weight = 1.0 if uniform else max(unit, round(num_samples / self.weight_scale / unit) * unit)  # exact in fixed point
         ring, self.clipped = quantise(np.append(update * weight, weight), self.params, len(self.roster))
         if self.clipped:
             log.warning("round %d: %d update entries beyond the fixed-point bound were clipped (raise "

@@ -14,8 +14,8 @@ mode (:data:`DP_FEDAVG_MODES`):
   so the server never sees it without noise.
 
 :func:`clip_update` and :func:`gaussian_noise` are the two steps, numpy only, so that both sides
-call the same code, and a secure-aggregation path can clip on the device and split the noise
-among the agents (each adding ``z * C / sqrt(n)`` gives the sum the same noise).
+call the same code. Under secure aggregation the agent clips (``local``: and noises) before
+masking, and with ``client_clipping`` the server noises the unmasked sum (cloud_server/privacy.py).
 
 :class:`DpAgentSettings` is what an agent needs of the run's privacy settings (the server's
 Welcome carries it as ``settings["privacy"]``); DP-SGD on the device (Opacus) is configured

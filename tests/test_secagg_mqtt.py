@@ -34,8 +34,8 @@ class Recorder:
         self.clients: dict[str, SecAggClient] = {}
         original = SecAggClient.mask
 
-        def mask(client: SecAggClient, update: np.ndarray, num_samples: int) -> np.ndarray:
-            masked = original(client, update, num_samples)
+        def mask(client: SecAggClient, update: np.ndarray, num_samples: int, uniform: bool = False) -> np.ndarray:
+            masked = original(client, update, num_samples, uniform=uniform)
             with self.lock:
                 self.updates[client.me], self.num_samples[client.me] = update.copy(), num_samples
                 self.masked[client.me], self.clients[client.me] = masked.copy(), client

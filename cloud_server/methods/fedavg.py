@@ -34,7 +34,7 @@ import torch
 from models import build_model, count_parameters, get_model_spec, load_arrays_into, state_dict_to_arrays, training_flops_per_sample
 from models.training import logits_of
 from shared_protocol.configs import EmbeddedRoundConfig, config_from_table
-from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
+from shared_protocol.errors import SecAggError, ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalReport, Message, RoundEnd, RoundStart
 from shared_protocol.secagg_messages import SECAGG_UPLOADS
 from shared_protocol.methods.fedavg import (
@@ -221,6 +221,8 @@ class FedAvgServer(ServerMethod):
         the updates (state - global) and its figures go to the round's robustness record; with
         ``[server] dp_fedavg`` central or client-side clipping, the noised mean of the clipped
         updates (cloud_server/privacy.py)."""
+        if self.secagg is not None:  # the secure sum's one state, noised already where DP-FedAvg asks (_secure_sum)
+            return states[0]
         agents = self._aggregating or [f"#{k}" for k in range(len(states))]
         if self.ctx.privacy.cfg.server_noises:  # DP-FedAvg: the noised mean of clipped updates, uniform
             return self.ctx.privacy.noised_state_mean(round_, agents, self.global_state, states)
@@ -301,10 +303,21 @@ class FedAvgServer(ServerMethod):
                     outcome: RoundOutcome) -> tuple[list[str], list[dict[str, np.ndarray]], list[int]]:
         """(survivors, states, sample counts) of a secure-aggregation round: one state, the global
         model plus the weighted mean update the survivors' masked inputs sum to (so the method's
-        aggregate of it is itself). No single update is seen, so none is screened."""
+        aggregate of it is itself). No single update is seen, so none is screened. With DP-FedAvg
+        (``client_clipping``; the agents clipped before masking) the noise goes on the unmasked sum
+        (cloud_server/privacy.py)."""
         self.secagg.agent_costs[round_] = {a: float(e.metrics["secagg_s"]) for a, e in ends.items()
                                            if isinstance(e.metrics.get("secagg_s"), (int, float))}
-        finished = self.secagg.finish(round_, self.global_state)
+        privacy = self.ctx.privacy
+        mean_of = None
+        if privacy.cfg.server_noises:
+            def mean_of(update_sum: dict[str, np.ndarray], result: Any) -> dict[str, np.ndarray]:
+                return privacy.noised_secure_mean(round_, result.survivors, update_sum, result.weight_sum, result.sampled)
+        try:
+            finished = self.secagg.finish(round_, self.global_state, mean_of)
+        except SecAggError as exc:
+            log.error("round %d: the secure sum is not DP-FedAvg's: %s", round_, exc)
+            finished = None
         if finished is None:
             outcome.excluded.update({a: "secure aggregation did not finish" for a in ends})
             return [], [], []

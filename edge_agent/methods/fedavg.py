@@ -35,7 +35,7 @@ from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
 
 from ..costs import RoundMeter
-from ..privacy import DpSgd, agent_privacy, privatise_state
+from ..privacy import DpSgd, agent_privacy, privatise_state, privatise_update
 from ..trainer import Forward, LossFn, Trains, train_epochs
 from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method, shard_result
 
@@ -140,10 +140,12 @@ class FedAvgEdge(EdgeMethod):
         return Trains.of((self.model,), self.input_shape)
 
     def shared_update(self, update: dict[str, np.ndarray], cfg: FedAvgRoundConfig) -> dict[str, np.ndarray]:
-        """What of ``update`` (the model's floats minus the global model's) this agent lets the
-        secure sum see: the place for client-side clipping and a share of distributed DP noise,
-        which must happen before masking (the server cannot clip or noise what it never sees).
-        Default: the update as it is."""
+        """What of ``update`` (the model's floats minus the global model's, float64) this agent lets
+        the secure sum see. DP-FedAvg's client side happens here, before masking, since the server
+        cannot clip what it never sees: ``client_clipping`` clips to C, ``local`` clips and noises
+        (edge_agent/privacy.py); otherwise the update as it is."""
+        if self.privacy.agent_clips:
+            update, _ = privatise_update(update, self.privacy, self._dp_rng)  # the norm stays here: it is one update's
         return update
 
     def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
@@ -171,7 +173,7 @@ class FedAvgEdge(EdgeMethod):
                 )
         metrics: dict = {"train_loss": result.mean_loss}
         state = state_dict_to_arrays(self.model)
-        if self.privacy.agent_clips and self.global_state is not None:
+        if self.privacy.agent_clips and self.global_state is not None and secagg is None:  # secure: shared_update
             state, metrics["dp_update_norm"] = privatise_state(state, self.global_state, self.privacy, self._dp_rng)
         if self.dpsgd is not None:
             metrics.update(self.dpsgd.figures())
@@ -196,7 +198,7 @@ class FedAvgEdge(EdgeMethod):
         update = self.shared_update({n: weights[n].astype(np.float64) - self.global_state[n] for n in weights}, cfg)
         flat = np.concatenate([update[n].ravel() for n in sorted(update)])  # (params,)
         with meter.phase("encode"):
-            masked = secagg.mask(flat, len(self.ctx.train))
+            masked = secagg.mask(flat, len(self.ctx.train), uniform=self.privacy.mode == "client_clipping")
         secagg.upload(meter, masked, cfg.model_version, int_buffers)
 
     # -- local persistence ------------------------------------------------------------ #

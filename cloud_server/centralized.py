@@ -30,7 +30,7 @@ from fldata import ArrayDataset
 from fldata.subsets import seeded_subset
 from fldata.torch_data import make_loader
 from models import build_model, count_parameters, get_model_spec, training_flops_per_sample
-from models.training import LR_SCHEDULES, Batch, Trainer, accuracy, logits_of, make_lr_schedule, make_optimizer
+from models.training import INFERENCE_BATCH_SAMPLES, LR_SCHEDULES, Batch, Trainer, accuracy, logits_of, make_lr_schedule, make_optimizer
 
 from .config import ServerConfig
 from .device_meter import DeviceMeter
@@ -172,7 +172,7 @@ class CentralizedTrainer:
         """The one evaluation: the model on the global set; "local" is the same model on the test
         subset a federation's agents would split into their shards (one model: the union's figure)."""
         self.model.eval()
-        correct, total = accuracy(lambda images: logits_of(self.model(images)), make_loader(self.test_data, 512), self.device)
+        correct, total = accuracy(lambda images: logits_of(self.model(images)), make_loader(self.test_data, INFERENCE_BATCH_SAMPLES), self.device)
         evaluation = Evaluation(
             global_models={HEADLINE: {Evaluation.GLOBAL: EvalModel(lambda x: logits_of(self.model(x)))}},
             local={HEADLINE: {"union": (correct, total)}} if total else {},

@@ -59,6 +59,7 @@ import torch
 from fldata import ArrayDataset
 from fldata.public_set import load_public_test_set, public_set_digests
 from fldata.torch_data import TorchArrayDataset
+from models.training import INFERENCE_BATCH_SAMPLES
 from shared_protocol.errors import UnknownEvalSetError, ValueRangeError
 from shared_protocol.messages import EvalReport, PublicEvalSet
 
@@ -72,7 +73,7 @@ __all__ = [
 ]
 
 #: Images per forward pass when scoring a model on the global set.
-EVAL_BATCH_SAMPLES = 256
+EVAL_BATCH_SAMPLES = INFERENCE_BATCH_SAMPLES
 #: The label of a method's deployed model: its figures are the round's ``accuracy`` and ``local_accuracy``.
 HEADLINE = "model"
 #: No global test set (a deployment whose server holds none): only local figures.

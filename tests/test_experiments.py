@@ -335,6 +335,56 @@ def test_a_run_past_its_budget_is_stopped_with_its_children(tmp_path: Path, monk
 # -- the schema, the figures, the tables -------------------------------------------------------- #
 
 
+def test_the_demo_experiment_is_make_demos_command() -> None:
+    experiment = load_experiment(ROOT / "bench" / "experiments" / "demo.toml")
+    demo = next(line for line in (ROOT / "Makefile").read_text().splitlines() if "edgesplit local" in line and "demo" in line)
+    words = demo.split()
+    flags = {k: v for k, v in zip(words, words[1:]) if k.startswith("--")}
+    cell = next(c for c in experiment.cells() if c.variant == "default")
+    # The cell's command is make demo's, the run id and output directory apart; every other flag is the launcher's default.
+    args = experiment.scale.local_args() + ["--method", cell.method, "--partition", cell.partition]
+    given = {k: v for k, v in zip(args, args[1:]) if k.startswith("--")}
+    for flag, value in flags.items():
+        if flag not in ("--run-id", "--out"):
+            assert given.get(flag) == value, f"{flag}: make demo says {value}, the experiment {given.get(flag)}"
+    assert not cell.overrides.settings and not cell.overrides.flags and cell.seed == 0
+    assert {c.variant for c in experiment.cells()} == {"default", "no-reuse"}
+
+
+def test_a_variant_can_run_only_some_seeds(tmp_path: Path) -> None:
+    text = SMALL.format(name="small", method="fedgkt", rounds=1) + "\n[variants.default]\n\n[variants.once]\nseeds = [1]\n"
+    experiment = load_experiment(write_experiment(tmp_path, text))
+    assert [c.key for c in experiment.cells()] == ["fedgkt-iid-s0", "fedgkt-iid-s1", "fedgkt-iid-s2", "fedgkt-once-iid-s1"]
+    with pytest.raises(ExperimentError, match="variants.bad.seeds"):
+        load_experiment(write_experiment(tmp_path, SMALL.format(name="small", method="fedgkt", rounds=1)
+                                         + '\n[variants.bad]\nseeds = "0"\n'))
+
+
+def test_run_figures_say_where_each_rounds_time_and_upload_bytes_go() -> None:
+    def round_(n: int, up: int, train: float, evaluator: float | None, hook: float) -> dict[str, Any]:
+        evaluation = None if evaluator is None else {"server_eval_s": evaluator}
+        return {"round": n, "bytes": {"up_wire": up}, "time_s": {"round": train + 5.0, "server_train": train},
+                "server_hooks_s": {"evaluation": hook}, "evaluation": evaluation}
+
+    report = {"totals": {"edge_train_flops": 0}, "config": {"rounds": 3},
+              "rounds": [round_(1, 1000, 10.0, 2.0, 1.0), round_(2, 40, 12.0, None, 0.0), round_(3, 60, 14.0, 3.0, 2.0)]}
+    figures = run_figures(report)
+    assert figures["server_train_s_per_round"] == pytest.approx(12.0)
+    # Only the evaluated rounds, the evaluator's scoring and the method's hook together.
+    assert figures["server_eval_s_per_round"] == pytest.approx(4.0)
+    assert figures["server_eval_over_train"] == pytest.approx(4.0 / 12.0)
+    assert figures["round_s_per_round"] == pytest.approx(17.0)
+    assert (figures["up_wire_bytes_first_round"], figures["up_wire_bytes_per_later_round"]) == (1000, 50.0)
+    assert figures["later_over_first_round_up"] == pytest.approx(0.05)
+    empty = run_figures({"totals": {"edge_train_flops": 0}, "rounds": []})
+    assert empty["server_eval_over_train"] is None and empty["up_wire_bytes_first_round"] is None
+    results = good_results()
+    results["cells"][0]["run"].update(figures)
+    validate_results(results)
+    timing = render("{{timing}}", results, [], Path("unused.md"))
+    assert "Server evaluation s / round" in timing and "| 4.0 |" in timing and "0.33" in timing
+
+
 def good_results() -> dict[str, Any]:
     def cell(method: str, seed: int, accuracy: float, psnr: float | None) -> dict[str, Any]:
         leakage = None if psnr is None else {

@@ -41,7 +41,10 @@ RUN_FIGURES = (
 )
 #: Figures a run has only with a setting on (differential privacy's ε, cloud_server/privacy.py);
 #: results written before they existed lack them, so they are checked only where present.
-OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon", "activation_epsilon_per_image")
+OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon", "activation_epsilon_per_image",
+                        *(f"{k}_per_round" for k in ("server_train_s", "server_eval_s", "round_s")),
+                        "up_wire_bytes_first_round", "up_wire_bytes_per_later_round", "server_eval_over_train",
+                        "later_over_first_round_up")
 _IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
 #: The strongest image attack's scores (and its PSNR over the mean image's), and the best label attack's error in the agents' label
 #: histograms beside a uniform guess's, as figures of the long table.
@@ -86,7 +89,9 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
     personalised = [v for k, v in evaluation.get("accuracy", {}).items() if k.startswith("personalised")]
     eval_bytes = totals.get("eval_bytes", {})
     agents = len(report.get("agents", {})) or None
-    peaks = [costs.get("peak_rss_bytes", 0) for r in report.get("rounds", []) for costs in r.get("per_agent", {}).values()]
+    rounds = report.get("rounds", [])
+    peaks = [costs.get("peak_rss_bytes", 0) for r in rounds for costs in r.get("per_agent", {}).values()]
+    timing = _timing(rounds)
     flops = totals.get("edge_train_flops", 0)
     return {
         "final_accuracy": totals.get("final_accuracy"),
@@ -105,7 +110,37 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
         "dp_fedavg_epsilon": ((report.get("privacy") or {}).get("dp_fedavg") or {}).get("epsilon"),
         "dpsgd_epsilon": ((report.get("privacy") or {}).get("dpsgd") or {}).get("epsilon"),
         "activation_epsilon_per_image": (report.get("defences") or {}).get("epsilon_per_image"),
+        **timing,
+        "server_eval_over_train": _ratio(timing["server_eval_s_per_round"], timing["server_train_s_per_round"]),
+        "later_over_first_round_up": _ratio(timing["up_wire_bytes_per_later_round"], timing["up_wire_bytes_first_round"]),
     }
+
+
+def _timing(rounds: list[Mapping[str, Any]]) -> dict[str, float | None]:
+    """Where a run's time and upload bytes go per round: the server's training, its evaluation (the
+    method's evaluation hook, e.g. scoring test maps, plus the evaluator's scoring on the global set;
+    over the rounds that were evaluated), the whole round; the first round's bytes up and the mean of
+    the later rounds' (what an upload sent once saves)."""
+    later_up = [r["bytes"]["up_wire"] for r in rounds[1:] if "up_wire" in r.get("bytes", {})]
+    evaluated = [r for r in rounds if r.get("evaluation")]
+    return {
+        "server_train_s_per_round": _mean(r.get("time_s", {}).get("server_train") for r in rounds),
+        "server_eval_s_per_round": _mean((r["evaluation"].get("server_eval_s") or 0.0)
+                                         + (r.get("server_hooks_s", {}).get("evaluation") or 0.0) for r in evaluated),
+        "round_s_per_round": _mean(r.get("time_s", {}).get("round") for r in rounds),
+        "up_wire_bytes_first_round": rounds[0].get("bytes", {}).get("up_wire") if rounds else None,
+        "up_wire_bytes_per_later_round": sum(later_up) / len(later_up) if later_up else None,
+    }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def _mean(values: Any) -> float | None:
+    """The mean of the numbers among ``values``; None when there are none."""
+    numbers = [v for v in values if _is_number(v)]
+    return sum(numbers) / len(numbers) if numbers else None
 
 
 def leakage_figures(leakage: Mapping[str, Any]) -> dict[str, Any]:

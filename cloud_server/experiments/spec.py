@@ -133,11 +133,17 @@ class Overrides:
 
 @dataclass(frozen=True)
 class Variant:
-    """A named set of overrides every method of the grid runs with (``methods``: only these)."""
+    """A named set of overrides every method of the grid runs with (``methods``: only these;
+    ``seeds``: only these, e.g. a costly reference run once)."""
 
     name: str
     overrides: Overrides = Overrides()
     methods: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for seed in self.seeds:
+            _int(f"variants.{self.name}.seeds", seed, 0)
 
 
 @dataclass(frozen=True)
@@ -335,7 +341,7 @@ class Experiment:
                                  {n: v for n, v in merged.settings.items()
                                   if n.partition(".")[0] in (*RUN_TABLES, method)}, merged.faulty_agents)
                 for partition in self.partitions:
-                    for seed in self.seeds:
+                    for seed in variant.seeds or self.seeds:
                         parts = [method, *([variant.name] if variant.name != DEFAULT_VARIANT else []),
                                  re.sub(r"[^A-Za-z0-9_.-]+", "", partition), f"s{seed}"]
                         cells.append(Cell("-".join(parts), method, partition, seed, variant.name, mine))

@@ -36,6 +36,16 @@ SUMMARY_COLUMNS = (
     ("dp_fedavg_epsilon", "DP-FedAvg ε", 1, 2), ("dpsgd_epsilon", "DP-SGD ε", 1, 2),
     ("activation_epsilon_per_image", "Maps ε / image", 1, 1),
 )
+#: The timing table's columns (``{{timing}}``): where a run's time and upload bytes go per round.
+TIMING_COLUMNS = (
+    ("run_wall_s", "Run s", 1, 0), ("round_s_per_round", "Round s", 1, 1),
+    ("server_train_s_per_round", "Server training s / round", 1, 1),
+    ("server_eval_s_per_round", "Server evaluation s / round", 1, 1),
+    ("server_eval_over_train", "Evaluation ÷ training", 1, 2),
+    ("up_wire_bytes_first_round", "Up MB, round 1", 1e-6, 2),
+    ("up_wire_bytes_per_later_round", "Up MB, later rounds", 1e-6, 2),
+    ("final_accuracy", "Global acc. %", 100, 1),
+)
 
 
 def long_table(results: Mapping[str, Any]) -> list[Row]:
@@ -108,11 +118,11 @@ def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def summary_md(summary_rows: Sequence[Row]) -> str:
+def summary_md(summary_rows: Sequence[Row], columns_wanted: Sequence[tuple[str, str, float, int]] = SUMMARY_COLUMNS) -> str:
     """The summary as markdown: mean ± sd over the seeds (n), only the columns some group measured."""
     if not summary_rows:
         return "No cell is done yet."
-    columns = [c for c in SUMMARY_COLUMNS if any(s[c[0]]["mean"] is not None for s in summary_rows)]
+    columns = [c for c in columns_wanted if any(s[c[0]]["mean"] is not None for s in summary_rows)]
     variants = any(s["variant"] != summary_rows[0]["variant"] for s in summary_rows)
     header = ["Method", "Partition", *(["Variant"] if variants else []), "n", *(h for _, h, _, _ in columns)]
     rows = [[f"`{s['method']}`", s["partition"], *([s["variant"]] if variants else []), str(s["n"]),
@@ -208,7 +218,7 @@ DEFAULT_TEMPLATE = "# {{name}}\n\n{{question}}\n\n{{table}}\n\n{{claims}}\n\n{{p
 
 def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], out: Path, link_prefix: str = "") -> str:
     """Fill ``template``'s placeholders (``{{name}}``, ``{{question}}``, ``{{table}}`` the summary,
-    ``{{claims}}``, ``{{cells}}`` the long table, ``{{unattacked}}`` the attacks that did not run and why, ``{{plot}}`` a picture written beside ``out``,
+    ``{{claims}}``, ``{{cells}}`` the long table, ``{{unattacked}}`` the attacks that did not run and why, ``{{timing}}`` where each run's time and upload bytes go per round, ``{{plot}}`` a picture written beside ``out``,
     linked as ``link_prefix`` + its file name)."""
     rows = long_table(results)
     groups = summary(rows)
@@ -219,7 +229,7 @@ def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], o
                             if plot(groups, picture, results["experiment"]["name"]) else "")
     fills = {"name": results["experiment"]["name"], "question": results["experiment"]["question"],
              "table": summary_md(groups), "claims": claims_md(evaluate_claims(claims, groups)), "cells": long_md(rows),
-             "unattacked": unattacked_md(results)}
+             "unattacked": unattacked_md(results), "timing": summary_md(groups, TIMING_COLUMNS)}
     for key, value in fills.items():
         text = text.replace("{{" + key + "}}", value)
     return text

@@ -37,7 +37,7 @@ from models.batchnorm import (BnStatistics, batchnorm_layers, load_bn_statistics
                               restoring_bn_statistics)
 from models.losses import kd_loss
 from models.train_step import DeviceSum
-from models.training import Batch, StepSkipped, Trainer, make_lr_schedule, make_optimizer
+from models.training import INFERENCE_BATCH_SAMPLES, Batch, StepSkipped, Trainer, make_lr_schedule, make_optimizer
 from models.weights import WeightsMismatchError
 from shared_protocol.errors import MapsNotHeldError, ShapeMismatchError, ValueRangeError
 from shared_protocol.messages import EvalReport, Message, RoundEnd, check_labels
@@ -703,10 +703,11 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
         with restoring_bn_statistics(self.model):
             if bn is not None:
                 load_bn_statistics(self.model, bn)
-            for start in range(0, len(labels), 512):
-                logits = self.model(features[start : start + 512].to(self.device, torch.float32))  # (b, K)
-                correct += int((logits.argmax(1).cpu() == labels[start : start + 512]).sum())
-                total += int(len(labels[start : start + 512]))
+            for start in range(0, len(labels), INFERENCE_BATCH_SAMPLES):
+                end = start + INFERENCE_BATCH_SAMPLES
+                logits = self.model(features[start:end].to(self.device, torch.float32))  # (b, K)
+                correct += int((logits.argmax(1).cpu() == labels[start:end]).sum())
+                total += int(len(labels[start:end]))
         return correct, total
 
     # -- plausibility: uploads checked against what the server knows

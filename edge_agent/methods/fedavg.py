@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, cached_flops_per_sample, load_arrays_into, state_dict_to_arrays
-from models.training import logits_of, make_optimizer
+from models.training import INFERENCE_BATCH_SAMPLES, logits_of, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgRoundConfig, FedAvgUpdate, join_state, split_state
@@ -111,7 +111,7 @@ class FedAvgEdge(EdgeMethod):
         self.model.eval()
         correct = total = 0
         loss_sum = 0.0
-        for images, labels, _ in make_loader(self.ctx.test, 256):
+        for images, labels, _ in make_loader(self.ctx.test, INFERENCE_BATCH_SAMPLES):
             logits = logits_of(self.model(images.to(self.ctx.device))).float()  # (B, K)
             labels = labels.to(logits.device)
             loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))

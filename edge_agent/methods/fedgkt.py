@@ -24,7 +24,7 @@ from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays
 from models.batchnorm import load_bn_statistics, restoring_bn_statistics
 from models.losses import kd_loss
-from models.training import make_optimizer
+from models.training import INFERENCE_BATCH_SAMPLES, make_optimizer
 from shared_protocol.errors import ShapeMismatchError
 from shared_protocol.messages import EvalRequest, RoundStart
 from shared_protocol.methods.fedgkt import GktEvalModel, GktRoundConfig
@@ -101,7 +101,7 @@ class FedGktEdge(FedGktEdgeBase):
         """(correct, total, summed cross-entropy) on ``data`` of extractor + server model (``model``;
         ``personalised_bn`` with ``bn`` loaded into the server model) and of the ResNet-8 (``edge``)."""
         sums = {label: [0, 0, 0.0] for label in ("model", "edge", *(("personalised_bn",) if bn else ()))}
-        for images, labels, _ in make_loader(data, 256):
+        for images, labels, _ in make_loader(data, INFERENCE_BATCH_SAMPLES):
             images = images.to(self.ctx.device)
             maps = self.model.extract(images)  # (B, 16, H, W)
             outputs = {"model": server(maps), "edge": self.model.classify(maps)}  # (B, K) each

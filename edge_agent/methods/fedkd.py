@@ -52,7 +52,7 @@ from fldata.torch_data import make_loader
 from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays
 from models.mentor import HiddenOutputs, forward_with_hidden, hidden_dim
 from models.seeding import build_seeded
-from models.training import accuracy_and_loss, make_optimizer
+from models.training import INFERENCE_BATCH_SAMPLES, accuracy_and_loss, make_optimizer
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdRoundConfig, FedKdUpdate, factor_state, unfactor_state
@@ -374,7 +374,7 @@ class FedKdEdge(EdgeMethod):
     def _scored(self, model: nn.Module, data: ArrayDataset) -> tuple[int, int, float]:
         """(correct, total, summed cross-entropy) of ``model`` in eval mode on ``data``."""
         model.eval()
-        return accuracy_and_loss(lambda x: forward_with_hidden(model, x).logits, make_loader(data, 256), self.ctx.device)
+        return accuracy_and_loss(lambda x: forward_with_hidden(model, x).logits, make_loader(data, INFERENCE_BATCH_SAMPLES), self.ctx.device)
 
     # -- local persistence ------------------------------------------------------- #
 

@@ -398,3 +398,39 @@ def test_a_run_at_chance_or_far_below_its_own_local_figure_is_warned_about(tmp_p
         record["local_accuracy"] = 0.9
     (warning,) = sanity_warnings(skewed)
     assert "far below this run's local 90.00%" in warning and "--partition iid" in warning
+
+
+def _with_cosines(report: dict[str, Any], per_round: list[dict[str, float | None]], **server: Any) -> dict[str, Any]:
+    report["config"].update({"aggregation": "mean", "validation_samples": 0, "plausible_min_cosine": -1.0, **server})
+    for record, cosines in zip(report["rounds"], per_round):
+        record["robustness"] = {"update_directions": {"reference": "coordinate-wise median of the round's updates",
+                                                      "threshold": -1.0, "agents": cosines}}
+    return report
+
+
+def test_an_update_that_keeps_pointing_against_the_others_is_warned_about_with_the_settings_that_stop_it(tmp_path: Path) -> None:
+    honest = {"a-0": 0.99, "a-1": 0.98, "a-2": 0.97}
+    flipped = _with_cosines(make_report(rounds=5, method="fedavg"),
+                            [{**honest, "a-3": -0.99}, {**honest, "a-3": -0.95}, {**honest, "a-3": 0.2},
+                             {**honest, "a-3": -0.91}, {**honest, "a-3": None}])
+    (warning,) = sanity_warnings(flipped)
+    assert warning.startswith("a-3's weight update pointed against the other agents' in 3 of the 4 rounds")
+    assert "as low as -0.99" in warning and 'aggregation = "mean"' in warning
+    assert 'aggregation = "median"' in warning and "validation_samples" in warning
+    write_report(tmp_path / "flip", flipped)
+    assert "a-3's weight update pointed against" in (tmp_path / "flip" / "summary.md").read_text()
+
+    # An honest agent on skewed data that dips below the line in a minority of rounds is not named.
+    dips = _with_cosines(make_report(rounds=5, method="fedavg"),
+                         [{**honest, "a-3": -0.6}, {**honest, "a-3": 0.1}, {**honest, "a-3": -0.7}, {**honest, "a-3": 0.3},
+                          {**honest, "a-3": 0.4}])
+    assert sanity_warnings(dips) == []
+    # One judged round is too few to say.
+    assert sanity_warnings(_with_cosines(make_report(rounds=3, method="fedavg"), [{**honest, "a-3": -0.99}])) == []
+    # A setting that acts on such an update is on: nothing to add.
+    for server in ({"aggregation": "median"}, {"aggregation": "multi_krum"}, {"validation_samples": 500},
+                   {"plausible_min_cosine": 0.0}):
+        report = _with_cosines(make_report(rounds=5, method="fedavg"), [{**honest, "a-3": -0.99}] * 5, **server)
+        assert sanity_warnings(report) == [], server
+    # A method that shares no weights records no cosines.
+    assert sanity_warnings(make_report(rounds=5)) == []

@@ -1,5 +1,6 @@
-"""What a user should not read past in a run's figures: a global accuracy at chance, or far
-below the same run's local or personalised figure (summary.md's "Warnings")."""
+"""What a user should not read past in a run's figures: a global accuracy at chance, far below
+the same run's local or personalised figure, or averaged with an update that kept pointing
+against the others' (summary.md's "Warnings")."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ _CHANCE_FACTOR = 1.5
 _CHANCE_AFTER_ROUNDS = 2
 #: The deployed model's global accuracy this far (absolute) below another figure of the same run.
 _GAP = 0.25
+#: An update whose cosine with the coordinate-wise median of the round's updates is below this
+#: points against the others; an agent whose update does so in more than half of its judged rounds
+#: (two at least) is named. A sign-flipped update sits near -1 in every round; honest agents on
+#: label-skewed shards dip below zero in some rounds (the recorded cosines per partition are in
+#: bench/results/update_directions.json and the robustness_defaults experiment's runs).
+AGAINST_COSINE = -0.5
+_AGAINST_MIN_ROUNDS = 2
+#: The settings that already act on such an update (the warning names them when none is on).
+_ROBUST_RULES = ("trimmed_mean", "median", "krum", "multi_krum")
 
 
 def sanity_warnings(report: Mapping[str, Any]) -> list[str]:
@@ -46,4 +56,37 @@ def sanity_warnings(report: Mapping[str, Any]) -> list[str]:
             f"The deployed model's global accuracy ({pct(last['accuracy'])}) is far below this run's {named}. On "
             "label-skewed shards (`--partition dirichlet:A` with a small A) a shared model can trail what each agent "
             "reaches on its own classes; compare with `--partition iid`, and see the method's notes on non-IID agents.")
+    warnings += against_the_peers(report)
+    return warnings
+
+
+def against_the_peers(report: Mapping[str, Any]) -> list[str]:
+    """Per agent whose weight update kept pointing against the round's others (its cosine with
+    their coordinate-wise median below ``AGAINST_COSINE`` in most of the rounds it was judged in)
+    while the server averaged it in with no setting that acts on it: a warning naming the agent,
+    the rounds, and the settings that stop such an update. Empty for methods that share no
+    weights (no cosines recorded) and for runs with a robust rule, the direction check or the
+    validation screen on."""
+    config = report["config"]
+    if (config.get("aggregation") in _ROBUST_RULES or (config.get("validation_samples") or 0) > 0
+            or (config.get("plausible_min_cosine") if config.get("plausible_min_cosine") is not None else -1.0) > AGAINST_COSINE):
+        return []
+    judged: dict[str, list[float]] = {}
+    for round_record in report["rounds"]:
+        cosines = ((round_record.get("robustness") or {}).get("update_directions") or {}).get("agents") or {}
+        for agent, cosine in cosines.items():
+            if cosine is not None:
+                judged.setdefault(agent, []).append(float(cosine))
+    warnings = []
+    for agent, cosines in sorted(judged.items()):
+        against = [c for c in cosines if c < AGAINST_COSINE]
+        if len(cosines) >= _AGAINST_MIN_ROUNDS and 2 * len(against) > len(cosines):
+            warnings.append(
+                f"{agent}'s weight update pointed against the other agents' in {len(against)} of the {len(cosines)} rounds "
+                f"it was judged in (its cosine with the round's coordinate-wise median as low as {min(against):.2f}), and "
+                f"the server averaged it in (`[server] aggregation = \"{config.get('aggregation', 'mean')}\"`). A faulty or "
+                "malicious device sends such updates (a sign flip), and so, in some rounds, can an honest one whose data "
+                "differ from everyone else's. If that device is not to be trusted, set `[server] aggregation = \"median\"` "
+                "(or \"trimmed_mean\", \"multi_krum\"), or hold out a validation set that screens updates "
+                "(`[server] validation_samples`); docs/configuration.md measures what each costs.")
     return warnings

@@ -378,6 +378,13 @@ def test_run_figures_say_where_each_rounds_time_and_upload_bytes_go() -> None:
     assert figures["later_over_first_round_up"] == pytest.approx(0.05)
     empty = run_figures({"totals": {"edge_train_flops": 0}, "rounds": []})
     assert empty["server_eval_over_train"] is None and empty["up_wire_bytes_first_round"] is None
+    assert figures["agents_warned_against_peers"] is None  # no update's direction judged
+    report["config"].update(aggregation="mean", validation_samples=0)
+    for record in report["rounds"]:
+        record["robustness"] = {"update_directions": {"agents": {"a": 0.9, "b": 0.9, "flipped": -0.95}}}
+    assert run_figures(report)["agents_warned_against_peers"] == 1
+    report["config"]["aggregation"] = "median"
+    assert run_figures(report)["agents_warned_against_peers"] == 0
     results = good_results()
     results["cells"][0]["run"].update(figures)
     validate_results(results)

@@ -44,7 +44,7 @@ RUN_FIGURES = (
 OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon", "activation_epsilon_per_image",
                         *(f"{k}_per_round" for k in ("server_train_s", "server_eval_s", "round_s")),
                         "up_wire_bytes_first_round", "up_wire_bytes_per_later_round", "server_eval_over_train",
-                        "later_over_first_round_up")
+                        "later_over_first_round_up", "agents_warned_against_peers")
 _IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
 #: The strongest image attack's scores (and its PSNR over the mean image's), and the best label attack's error in the agents' label
 #: histograms beside a uniform guess's, as figures of the long table.
@@ -113,7 +113,17 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
         **timing,
         "server_eval_over_train": _ratio(timing["server_eval_s_per_round"], timing["server_train_s_per_round"]),
         "later_over_first_round_up": _ratio(timing["up_wire_bytes_per_later_round"], timing["up_wire_bytes_first_round"]),
+        "agents_warned_against_peers": _warned_against_peers(report),
     }
+
+
+def _warned_against_peers(report: Mapping[str, Any]) -> int | None:
+    """How many agents the run report warns about for updates that kept pointing against the
+    others' (cloud_server/report/sanity.py); None for a run that judged no update's direction."""
+    from cloud_server.report.sanity import against_the_peers
+
+    judged = any(((r.get("robustness") or {}).get("update_directions") or {}).get("agents") for r in report.get("rounds", []))
+    return len(against_the_peers(report)) if judged and "config" in report else None
 
 
 def _timing(rounds: list[Mapping[str, Any]]) -> dict[str, float | None]:

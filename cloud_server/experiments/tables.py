@@ -35,7 +35,10 @@ SUMMARY_COLUMNS = (
     ("leakage_label_baseline_error", "Uniform guess's error", 1, 2),
     ("dp_fedavg_epsilon", "DP-FedAvg ε", 1, 2), ("dpsgd_epsilon", "DP-SGD ε", 1, 2),
     ("activation_epsilon_per_image", "Maps ε / image", 1, 1),
+    ("agents_warned_against_peers", "Agents warned against", 1, 1),
 )
+#: Columns shown only where some group's mean is not zero (a warning no run gave says nothing).
+_NONZERO_COLUMNS = ("agents_warned_against_peers",)
 #: The timing table's columns (``{{timing}}``): where a run's time and upload bytes go per round.
 TIMING_COLUMNS = (
     ("run_wall_s", "Run s", 1, 0), ("round_s_per_round", "Round s", 1, 1),
@@ -122,7 +125,8 @@ def summary_md(summary_rows: Sequence[Row], columns_wanted: Sequence[tuple[str, 
     """The summary as markdown: mean ± sd over the seeds (n), only the columns some group measured."""
     if not summary_rows:
         return "No cell is done yet."
-    columns = [c for c in columns_wanted if any(s[c[0]]["mean"] is not None for s in summary_rows)]
+    columns = [c for c in columns_wanted if any(s[c[0]]["mean"] is not None and (s[c[0]]["mean"] or c[0] not in _NONZERO_COLUMNS)
+                                                for s in summary_rows)]
     variants = any(s["variant"] != summary_rows[0]["variant"] for s in summary_rows)
     header = ["Method", "Partition", *(["Variant"] if variants else []), "n", *(h for _, h, _, _ in columns)]
     rows = [[f"`{s['method']}`", s["partition"], *([s["variant"]] if variants else []), str(s["n"]),

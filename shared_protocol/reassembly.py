@@ -311,9 +311,11 @@ class Reassembler:
         """Evict or refuse so that ``nbytes`` more of transfer ``key`` fit every bound."""
         source = key[0]
         limits = self.limits_for(source)
-        self._evict_until(lambda: self.held_by(source) + nbytes <= limits.max_held_bytes,
-                          [k for k in self._transfers if k[0] == source and k != key])
-        if source not in self._expected:
+        # Candidates are listed only when a bound is full: a chunk that fits costs no scan of the open transfers.
+        if self.held_by(source) + nbytes > limits.max_held_bytes:
+            self._evict_until(lambda: self.held_by(source) + nbytes <= limits.max_held_bytes,
+                              [k for k in self._transfers if k[0] == source and k != key])
+        if source not in self._expected and self._held_unexpected + nbytes > self.unexpected_total_bytes:
             self._evict_until(lambda: self._held_unexpected + nbytes <= self.unexpected_total_bytes,
                               [k for k in self._transfers if k[0] not in self._expected and k != key])
         if self._held_total + nbytes > self.max_total_bytes:

@@ -41,17 +41,17 @@ test: venv system-deps
 demo: venv system-deps
 	$(VENV)/bin/edgesplit local --method fedgkt --agents 4 --rounds 6 --train-samples 3000 --test-samples 1000 --dataset fashion-mnist --partition dirichlet:0.5 --run-id demo --out runs/demo
 
-# The benchmarks behind docs/results.md, on 2 idle cores (about 3-4 hours in all). Table 1
+# The benchmarks behind docs/results.md, on 2 idle cores (about 4-5 hours in all). Table 1
 # (bench/accuracy.py: FedGKT vs FedAvg(ResNet-56) vs centralized ResNet-56 / ResNet-8, IID and
 # Dirichlet(0.5), 3 seeds) is budgeted at 150 minutes (estimated 98-125) and its JSON says whether it
-# kept the budget; Table 3 (bench/fedgkt_async.py: sync vs async on make demo's setting, 3 seeds) is
-# planned for under 60; comm_cost.py reuses Table 1's seed-0 IID runs and trains three more (about 20).
+# kept the budget; Table 3 (sync vs async on make demo's setting, 3 seeds and the no-replay ablation)
+# took about 85 minutes; the communication cost (5 runs at Table 1's IID scale) about 30-90.
 bench: venv system-deps
 	$(PY) bench/codecs.py
 	$(PY) bench/edge_cost.py
 	$(PY) bench/accuracy.py
-	$(PY) bench/fedgkt_async.py
-	$(PY) bench/comm_cost.py --reuse-runs
+	$(VENV)/bin/edgesplit bench run bench/experiments/fedgkt_async.toml
+	$(VENV)/bin/edgesplit bench run bench/experiments/comm_cost.toml
 	$(PY) bench/render_results.py
 
 # Outside Table 1's budget: the other methods (FedGKD, FedDistill, FedBE, FedKD) and FedGKT's KD
@@ -59,15 +59,14 @@ bench: venv system-deps
 # FedGKT's server epochs per round and the one-factor-at-a-time ablation (seed 0).
 bench-methods: venv system-deps
 	$(PY) bench/methods.py
-	$(PY) bench/gkt_server_epochs.py
-	$(PY) bench/fedgkt_ablation.py --step-cost
+	$(VENV)/bin/edgesplit bench run bench/experiments/gkt_server_epochs.toml
+	$(VENV)/bin/edgesplit bench run bench/experiments/fedgkt_ablation.toml
 	$(PY) bench/render_results.py
 
 # The pipeline checks (accuracies near chance by design), every seed end to end: Table 1 (about
-# 10 min), Table 3 (about 10 min), the other methods (about 15 min).
+# 10 min), the other methods (about 15 min).
 bench-quick: venv system-deps
 	$(PY) bench/accuracy.py --quick
-	$(PY) bench/fedgkt_async.py --quick
 	$(PY) bench/methods.py --quick
 
 clean:

@@ -163,29 +163,6 @@ def run_federation(run: RunSpec, data: DataSpec, out: Path, threads: int = 2, te
         broker.stop()
 
 
-def reusable(report_path: Path, run: RunSpec, data: DataSpec) -> dict[str, Any] | None:
-    """The report at ``report_path`` if it is a finished run of exactly this spec on this
-    data (a benchmark takes it instead of training again), else None. A ``data.json``
-    next to it, where the benchmark left one, must be this data."""
-    if not report_path.exists():
-        return None
-    spec_path = report_path.parent / "data.json"
-    if spec_path.exists() and json.loads(spec_path.read_text()) != dataclasses.asdict(data):
-        return None  # the same spec on other data (a partition the report cannot tell apart)
-    report = json.loads(report_path.read_text())
-    config = report["config"]
-    same = (
-        report["status"] == "finished" and config["method"] == run.method and config["rounds"] == run.rounds
-        and config["dataset"] == data.dataset and config["seed"] == data.seed and config["expected_agents"] == data.agents
-        and config["eval_every"] == run.eval_every
-        and all(config.get(k) == v for k, v in run.server.items())
-        and all(config["method_config"].get(k) == v for k, v in run.method_config.items())
-        and sum(a["num_samples"] for a in report["agents"].values()) == data.train_samples
-        and len(report["rounds"]) == run.rounds
-    )
-    return report if same else None
-
-
 def quiet_logs() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

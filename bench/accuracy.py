@@ -27,7 +27,7 @@ TFLOPs, wire MB and wall time; per seed the round series. Two cells differ
 only when their means differ by more than their two sds combined
 (``bench/_stats.py``). Other methods (FedGKD, FedDistill, FedBE, FedKD) and
 the KD ablation are ``bench/methods.py``; sync vs async (Table 3) is
-``bench/fedgkt_async.py``.
+``bench/experiments/fedgkt_async.toml``.
 
     python bench/accuracy.py --quick    # the pipeline-check scale (about 10 minutes), into accuracy-quick.json
     python bench/accuracy.py            # Table 1 with 3 seeds, planned for under 150 minutes on 2 idle cores
@@ -101,7 +101,7 @@ SCALES = {
 
 # FedGKT (ResNet-8 + ResNet-55) and FedAvg (ResNet-56) as every run here sets them up: FedGKT's
 # defaults (cloud_server/methods/fedgkt.py) but for the batch, which both methods share;
-# bench/comm_cost.py, gkt_server_epochs.py and methods.py run the same.
+# bench/methods.py runs the same (bench/experiments/comm_cost.toml and gkt_server_epochs.toml set that batch).
 GKT = {"server_model": "resnet55_server", "server_epochs": 1, "edge_epochs": 1, "edge_batch_size": BATCH,
        "server_batch_size": BATCH, "server_lr": 0.001, "edge_lr": 0.001, "upload_codec": "fp16-zstd"}
 GKT_SYNC = {**GKT, "mode": "sync", "kd": "bidirectional"}

@@ -4,17 +4,13 @@ The tables are generated, never typed: rerun a benchmark, then this script.
 
 * ``edge_cost.json`` (``bench/edge_cost.py``): the FedGKT paper's Fig. 4 -- edge
   parameters, training FLOPs and CPU time of ResNet-8 vs ResNet-56/110;
-* ``comm_cost.json`` (``bench/comm_cost.py``): Fig. 5 / Eqs. 12-13 -- measured
-  bytes on the wire per round and to a target accuracy, next to the formulas;
 * ``accuracy.json`` (``bench/accuracy.py``): Table 1 at reduced scale, mean ±
   sd over seeds, every accuracy on one balanced test set;
 * ``methods.json`` (``bench/methods.py``): the other methods and Table 2 on
-  Table 1's setting; ``fedgkt_async.json`` (``bench/fedgkt_async.py``): Table 3
-  on ``make demo``'s setting;
-* ``gkt_server_epochs.json`` (``bench/gkt_server_epochs.py``): FedGKT's server
-  epochs per round at that scale;
-* ``fedgkt_ablation.json`` (``bench/fedgkt_ablation.py``): why FedGKT's server
-  trailed its edges, one factor at a time.
+  Table 1's setting;
+* every experiment with a template (``bench/experiments/NAME.md``): its results
+  (``bench/results/NAME.json``) through the runner's generic tables, or the one
+  line naming the command that measures it.
 
 Accuracy figures are rendered only from JSONs scored on the balanced
 evaluation set (they carry ``eval_set``); an older JSON gets one line saying
@@ -116,113 +112,6 @@ def edge_cost_section(data: dict[str, Any]) -> list[str]:
         f"{paper['flops_ratio_vs_resnet8']['resnet110']:.0f}× the FLOPs and {paper['params_ratio_vs_resnet8']['resnet56']:.0f}× / "
         f"{paper['params_ratio_vs_resnet8']['resnet110']:.0f}× the parameters of ResNet-8. FedAvg trains the full model on "
         "the edge; FedGKT trains ResNet-8; split learning trains only ResNet-8's stem on the edge.", "",
-    ]
-
-
-def comm_cost_section(data: dict[str, Any]) -> list[str]:
-    """Bytes per round against the formulas; the accuracy figures (final accuracy, bytes to a
-    target accuracy, the codecs' accuracy) only from a JSON scored on the balanced evaluation set."""
-    if not _new_format(data):
-        return _comm_cost_bytes_only(data)
-    scale = data["scale"]
-    runs = data["runs"]
-    rows = []
-    for name, r in runs.items():
-        m, a = r["measured"], r["analytic"]
-        rows.append([
-            f"`{name}`", r["codec"], _pct(r["final_accuracy"]), _mb(m["wire_per_round_bytes"]), _mb(a["per_round_bytes"]),
-            f"{a['measured_over_analytic']:.2f}", DASH if m["rounds_to_target"] is None else m["rounds_to_target"],
-            _mb(m["wire_bytes_to_target"]), _mb(a["bytes_to_target"]), _mb(m["wire_total_bytes"]),
-        ])
-    targets = scale.get("targets", [scale["target_accuracy"]])
-    target_rows = []
-    for name, r in runs.items():
-        cells = []
-        for hit in r.get("to_targets", []):
-            cells.append(DASH if hit["rounds"] is None else f"{_mb(hit['wire_bytes'])} (r{hit['rounds']}; formula {_mb(hit['analytic_bytes'])})")
-        target_rows.append([f"`{name}`", *cells])
-    return [
-        "## Communication (the paper's Fig. 5, Eqs. 12-13)", "",
-        f"From `bench/results/comm_cost.json` (`bench/comm_cost.py`), measured {_machine_line(data['machine'])}. "
-        f"Scale: {scale['dataset']}, {scale['partition']}, {scale['agents']} agents, {scale['train_samples']:,} training / "
-        f"{scale['test_samples']:,} test samples, {scale['rounds']} rounds, batch {scale['batch_size']}; evaluation {scale['evaluation']}. "
-        f"Target accuracy {_pct(scale['target_accuracy'])}. {scale['note'][0].upper()}{scale['note'][1:]}."
-        + (f" Runs taken from recorded reports of the same spec and data (`--reuse-runs`): "
-           f"{', '.join(f'{name} ({where})' for name, where in data['reused_runs'].items())}."
-           if data.get("reused_runs") else "") + f" Accuracy: global, one seed. {_eval_set_line(data)}", "",
-        *_table(["Run", "Upload codec", "Final acc.", "Wire MB / round", "Formula MB / round", "Measured ÷ formula",
-                 "Rounds to target", "Wire MB to target", "Formula MB to target", "Wire MB total"], rows, right_from=2),
-        "",
-        "Wire MB until each target accuracy was first reached (round; the formula's MB for those rounds):",
-        "",
-        *_table(["Run", *[f"to {_pct(t)}" for t in targets]], target_rows),
-        "",
-        *([] if all("personalised_eval" in r["method_config"] for r in runs.values() if r["method"] == "fedgkt") else [
-            "The FedGKT runs here predate its shared initialisation and per-agent BatchNorm statistics (see the ablation "
-            "above): their bytes per round are today's (plus about 42 KB per agent once, for the initial weights), but "
-            "their rounds to each target are the old defaults' (today's, round by round: the cost table under Table 1).", ""]),
-        *_comm_cost_paper_lines(data),
-        *_codec_accuracy(runs),
-    ]
-
-
-def _comm_cost_paper_lines(data: dict[str, Any]) -> list[str]:
-    check = data["paper_fig5_check"]
-    formulas = sorted({r["analytic"]["formula"] for r in data["runs"].values()})
-    return [
-        "Measured = MQTT packets through the server's connection, both directions, every message of the round "
-        "(uploads, answers, RoundStart, evaluation traffic, frame headers). Formulas, for the same sizes "
-        f"(fp32 feature map {data['sizes']['feature_map_bytes_fp32']:,} B, soft labels {data['sizes']['soft_labels_bytes']} B):",
-        "",
-        *[f"- {f}" for f in formulas],
-        "",
-        f"The paper's Fig. 5 (ResNet-56, CIFAR-10: SL {check['sl_gb']} GB, FedGKT {check['fedgkt_gb']} GB) implies, with "
-        f"these formulas and 50,000 samples, {check['implied_sl_epochs_if_gb_is_1e9']:.1f} SL epochs and "
-        f"{check['implied_fedgkt_rounds_if_gb_is_1e9']:.1f} FedGKT rounds (GB = 10^9 B; "
-        f"{check['implied_sl_epochs_if_gb_is_2pow30']:.1f} and {check['implied_fedgkt_rounds_if_gb_is_2pow30']:.1f} for GiB): "
-        "the same count for both, so its 2× gap is (map + gradient) ÷ (map + soft labels), not fewer rounds to converge.",
-        "",
-    ]
-
-
-def _comm_cost_bytes_only(data: dict[str, Any]) -> list[str]:
-    """The communication section of a JSON that predates the balanced evaluation set: its bytes, none of its accuracies."""
-    scale = data["scale"]
-    rows = [[f"`{name}`", r["codec"], _mb(r["measured"]["wire_per_round_bytes"]), _mb(r["analytic"]["per_round_bytes"]),
-             f"{r['analytic']['measured_over_analytic']:.2f}", _mb(r["measured"]["wire_total_bytes"])]
-            for name, r in data["runs"].items()]
-    return [
-        "## Communication (the paper's Fig. 5, Eqs. 12-13)", "",
-        f"From `bench/results/comm_cost.json` (`bench/comm_cost.py`), measured {_machine_line(data['machine'])}. "
-        f"Scale: {scale['dataset']}, {scale['partition']}, {scale['agents']} agents, {scale['train_samples']:,} training / "
-        f"{scale['test_samples']:,} test samples, {scale['rounds']} rounds, batch {scale['batch_size']}; evaluation {scale['evaluation']}.", "",
-        *_table(["Run", "Upload codec", "Wire MB / round", "Formula MB / round", "Measured ÷ formula", "Wire MB total"], rows, right_from=2),
-        "",
-        *_awaits("comm_cost", "bench/comm_cost.py --reuse-runs", "Its accuracy figures (final accuracy, rounds and bytes to "
-                 "each target accuracy, the upload codecs' effect on accuracy)"),
-        *_comm_cost_paper_lines(data),
-    ]
-
-
-def _codec_accuracy(runs: dict[str, Any]) -> list[str]:
-    """What the upload codec did to FedGKT's accuracy, in this run's numbers."""
-    gkt = {r["codec"]: r for r in runs.values() if r["method"] == "fedgkt"}
-    if "raw" not in gkt or len(gkt) < 2:
-        return []
-    raw = gkt["raw"]["rounds"]
-    parts = []
-    for codec, r in gkt.items():
-        if codec == "raw":
-            continue
-        same = [a["accuracy"] for a in r["rounds"]] == [a["accuracy"] for a in raw]
-        parts.append(f"`{codec}` {'the same accuracy as `raw` in every round' if same else 'accuracy by round ' + ' / '.join(_pct(a['accuracy']) for a in r['rounds'])}"
-                     f" at {r['measured']['wire_total_bytes'] / gkt['raw']['measured']['wire_total_bytes']:.2f}× its bytes")
-    return [
-        "FedGKT's upload codecs: `raw` accuracy by round " + " / ".join(_pct(a["accuracy"]) for a in raw) + "; " + "; ".join(parts) + ". "
-        "The server stages uploaded maps as float16 whatever the codec (docs/methods/fedgkt.md), so `fp16-zstd` loses "
-        "nothing that `raw` keeps; with `u8-zstd` (8 bits per channel) the server trains on other values. One seed per codec, "
-        "and FedGKT's server accuracy moves by several points from round to round: read that difference as indicative.",
-        "",
     ]
 
 
@@ -931,153 +820,6 @@ def robustness_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
-def async_section(data: dict[str, Any] | None) -> list[str]:
-    """Table 3: FedGKT sync vs async on make demo's setting (bench/fedgkt_async.py)."""
-    head = ["### Table 3: synchronous vs asynchronous FedGKT", ""]
-    if data is None:
-        return head + ["*`bench/results/fedgkt_async.json` not found: run `bench/fedgkt_async.py` (FedGKT sync vs async on "
-                       "`make demo`'s setting, 3 seeds).*", ""]
-    if not _new_format(data):
-        return head + _awaits("fedgkt_async", "bench/fedgkt_async.py", "Table 3")
-    s, cells, idle, targets = data["setting"], data["cells"], data["idle_share"], data["targets"]
-    seeds = data["scale"]["seeds"]
-    rows = []
-    shown = {"sync": "sync", "async": "async", "async-noreplay": "async, no replay (ablation: each arrival trains on its agent's maps alone)"}
-    for mode, label in shown.items():
-        cell = cells.get(f"fedgkt-{mode}")
-        if cell is None:
-            continue
-        if cell["n"] < len(seeds):
-            label += f" ({cell['n']} seed{'s' if cell['n'] > 1 else ''}: {_seeds_text(cell['seeds'])})"
-        rows.append([label, _pm(cell["final_accuracy"]), _pm(_label_cell(cell, "global", "personalised_bn")),
-                     _pm(cell["final_local_accuracy"]), _pm(cell["final_edge_accuracy"]), _pm(idle.get(mode)),
-                     _pm(cell["wall_min"], 1.0, 1, "")])
-    gap = targets.get("async_minus_sync") or {}
-    lines = []
-    if gap.get("points") is not None:
-        met = "met" if gap["within_target"] else "**not met**"
-        # The paper's claim is that async costs no accuracy: say apart whether async is behind.
-        behind = "**yes**" if gap["points"] < -targets["max_gap_points"] else "no"
-        lines.append(f"Async − sync, global accuracy: {_verdict(cells['fedgkt-async']['final_accuracy'], cells['fedgkt-sync']['final_accuracy'])}. "
-                     f"Target, async within {targets['max_gap_points']:.0f} points of sync (mean over seeds): {met}; "
-                     f"async behind sync by more than {targets['max_gap_points']:.0f} points: {behind}.")
-    if "async_idle_share_within_target" in targets:
-        met = "met" if targets["async_idle_share_within_target"] else "**not met**"
-        lines.append(f"The agents' idle share in async: {_pm(idle.get('async'))}; target at most "
-                     f"{100 * targets['max_idle_share']:.0f}%: {met}.")
-    return [
-        *head,
-        f"From `bench/results/fedgkt_async.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
-        f"`make demo`'s run: `edgesplit local` with one server process and {s['agents']} agent processes (one torch thread "
-        f"each) on 2 cores, Fashion-MNIST, {s['train_samples']:,} training / {s['test_samples']:,} test images, "
-        f"{s['partition']}, {s['rounds']} rounds, FedGKT's defaults; seeds {_seeds_text(seeds)}. {_budget_line(data)}", "",
-        f"{_eval_set_line(data, seeds)} Global accuracy: each agent's extractor + the server model with the **server's running "
-        "BatchNorm statistics**, mean over agents (the headline); *personalised BN*: the same with each agent's own "
-        "statistics (labelled, not the headline); local: on each agent's own test shard; edges: the agents' ResNet-8. "
-        f"Idle share: {data['scale']['idle_share_is']}. {_rule_line()}", "",
-        *_table(["Mode", "Global", "Global, personalised BN", "Local", "Edges (ResNet-8), global", "Agents' idle share", "Wall min"], rows),
-        "",
-        *([" ".join(lines), ""] if lines else []),
-        "Why async without replay fell behind, what replay costs, and what bounds the agents' idle share on a CPU "
-        "server: [FedGKT notes](methods/fedgkt.md#asynchronous-training).", "",
-    ]
-
-
-def fedgkt_ablation_section(data: dict[str, Any]) -> list[str]:
-    if not _new_format(data):
-        return ["### Why FedGKT's server trailed its edges: one factor at a time", "",
-                *_awaits("fedgkt_ablation", "bench/fedgkt_ablation.py", "The one-factor-at-a-time ablation")]
-    scale = data["scale"]
-    runs = data["runs"]
-    variants = data["variants"]
-    rows = []
-    for name, v in variants.items():
-        for key in ("iid", "noniid"):
-            r = runs.get(f"{name}-{key}")
-            if r is None:
-                continue
-            by_round = " / ".join(_pct(x["accuracy"]) for x in r["rounds"])
-            bn = r["rounds"][-1].get("accuracy_per_agent_bn")
-            glob = r["rounds"][-1].get("accuracy_global_bn")
-            base = runs.get(f"{v['base']}-{key}") if name != v["base"] else None
-            delta = DASH if base is None or r["final_accuracy"] is None or base["final_accuracy"] is None else (
-                f"{100 * (r['final_accuracy'] - base['final_accuracy']):+.1f}")
-            rows.append([name, key, v["tests"], by_round, _pct(r["final_edge_accuracy"]), _pct(glob), _pct(bn), delta])
-    return [
-        "### Why FedGKT's server trailed its edges: one factor at a time", "",
-        f"From `bench/results/fedgkt_ablation.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
-        f"Table 1's FedGKT setting (Fashion-MNIST, {scale['agents']} agents, {scale['train_samples']:,} / {scale['test_samples']:,} "
-        f"samples, {scale['rounds']} rounds, one seed), each row one setting changed from its base. Server accuracy is the "
-        "extractor + server model on the agents' test maps as the run reported it; the two BN columns are the last round's "
-        "accuracy of the same server model with the running BatchNorm averages over all agents (global) and with each "
-        "agent's own statistics (per agent), whatever the run used; Δ is the final server accuracy minus its base's, in points.", "",
-        _eval_set_line(data), "",
-        *_table(["Variant", "Partition", "Change", "Server acc. by round", "Edges (final)", "Global BN", "Per-agent BN", "Δ"], rows, right_from=3),
-        "",
-        *_ablation_conclusion(runs),
-        *_step_cost_line(data.get("server_step_cost")),
-    ]
-
-
-def _ablation_conclusion(runs: dict[str, Any]) -> list[str]:
-    """The two causes in this JSON's numbers, per partition (old defaults vs one change each)."""
-    lines = []
-    for key, label in (("iid", "IID"), ("noniid", "non-IID")):
-        old, shared = runs.get(f"old-{key}"), runs.get(f"shared-init-{key}")
-        if old is None or shared is None:
-            continue
-        o, s = old["rounds"][-1], shared["rounds"][-1]
-        lines.append(
-            f"{label}, last round: with the old defaults the server model scored {_pct(o['accuracy_global_bn'])} (its agents' "
-            f"ResNet-8 {_pct(old['final_edge_accuracy'])}); the same model with each agent's own BatchNorm statistics "
-            f"{_pct(o['accuracy_per_agent_bn'])}; with every agent starting from one initialisation {_pct(s['accuracy_global_bn'])}, "
-            f"and with both {_pct(s['accuracy_per_agent_bn'])}. Largest drop between consecutive rounds after round 2: "
-            f"{_largest_drop([r['accuracy_global_bn'] for r in old['rounds']])} (old) vs "
-            f"{_largest_drop([r['accuracy_per_agent_bn'] for r in shared['rounds']])} (both).")
-    return [*lines, ""] if lines else []
-
-
-def _largest_drop(accuracies: Sequence[float | None]) -> str:
-    values = [a for a in accuracies[1:] if a is not None]
-    drops = [earlier - later for earlier, later in zip(values, values[1:])]
-    return f"{100 * max([0.0, *drops]):.1f} points"
-
-
-def _step_cost_line(cost: dict[str, Any] | None) -> list[str]:
-    if not cost:
-        return []
-    cells = ", ".join(f"batch {b}: {v['ms_per_map']:.1f} ms per map" for b, v in cost["by_batch"].items())
-    return [f"The server step on this machine ({cost['model']}, fp32, {cost['threads']} threads; `server_step_cost` in the same "
-            f"JSON): {cells}. This is why the CPU defaults keep batch 64 and one server epoch where Table 10 says 256 and 20.", ""]
-
-
-def gkt_server_epochs_section(data: dict[str, Any]) -> list[str]:
-    if not _new_format(data):
-        return ["### FedGKT's server epochs per round", "",
-                *_awaits("gkt_server_epochs", "bench/gkt_server_epochs.py", "The server-epochs sweep")]
-    scale = data["scale"]
-    runs = sorted(data["runs"].values(), key=lambda r: r["server_epochs"])
-    rows = [[str(r["server_epochs"]), f"{_pct(r['final_accuracy'])} ({_pct(r['best_accuracy'])})", _pct(r["final_edge_accuracy"]),
-             " / ".join(_pct(a) for a in r["accuracy_by_round"]), f"{r['server_train_s_total']:.0f}",
-             "bench/accuracy.py's fedgkt-iid" if r["reused_from_accuracy_bench"] else "this script"]
-            for r in runs]
-    paper = scale["paper_server_epochs"]
-    return [
-        "### FedGKT's server epochs per round", "",
-        f"From `bench/results/gkt_server_epochs.json` (`bench/gkt_server_epochs.py`), measured {_machine_line(data['machine'])}. "
-        f"Table 1's FedGKT IID run ({scale['train_samples']:,} / {scale['test_samples']:,} samples, {scale['rounds']} rounds) with "
-        f"only the server's epochs per round changed; the paper uses {paper['iid']} (IID) / {paper['noniid']} (non-IID). "
-        "Edge compute and bytes on the wire do not depend on it.", "",
-        *([] if any("bn_stats" in (r.get("method_config") or {}) for r in runs) else [
-            "These runs predate FedGKT's shared initialisation and per-agent BatchNorm statistics (see above) and do not "
-            "record their config: their accuracies are not comparable with Table 1's FedGKT rows, only with each other.", ""]),
-        _eval_set_line(data), "",
-        *_table(["Server epochs", "Server acc. final (best)", "Agents' ResNet-8", "Server acc. by round", "Server training s",
-                 "Run"], rows, right_from=1),
-        "",
-    ]
-
-
 def _bench_machine_line(machine: dict[str, Any]) -> str:
     """Machine facts as bench/_common.py records them (transport, server loop, scale)."""
     load = ", ".join(f"{x:.1f}" for x in machine.get("load_average", []))
@@ -1512,9 +1254,10 @@ def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -
     lines: list[str] = []
     for template in sorted(EXPERIMENTS.glob("*.md")):
         data = load_experiment_results(results / f"{template.stem}.json")
-        if data is None:
-            continue
         experiment = load_experiment(template.with_suffix(".toml"))
+        if data is None:
+            lines += unmeasured_section(template, experiment)
+            continue
         with tempfile.TemporaryDirectory() as scratch:
             # Without image_dir (a check that the page is current) nothing is written beside the page.
             images = image_dir if image_dir is not None else Path(scratch)
@@ -1534,14 +1277,22 @@ def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -
     return lines
 
 
+def unmeasured_section(template: Path, experiment: Any) -> list[str]:
+    """An experiment with a template and no results yet: its heading, its question and the command that measures it."""
+    heading = next((line for line in template.read_text().splitlines() if line.startswith("#")), f"## {experiment.name}")
+    command = f"edgesplit bench run bench/experiments/{template.stem}.toml"
+    return [heading, "", experiment.question, "",
+            f"No run of this experiment is recorded under today's evaluation: `{command}` measures it "
+            f"({len(experiment.cells())} runs) into `bench/results/{template.stem}.json`.", ""]
+
+
 def _first_seed(data: dict[str, Any], method: str) -> int:
     return next(cell["seed"] for cell in data["cells"] if cell["method"] == method and cell["status"] == "done")
 
 
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("edge_cost", "comm_cost", "accuracy", "methods", "fedgkt_async", "fedgkt_ablation", "gkt_server_epochs",
-                            "kd_methods", "robustness", "transport", "server_loop", "scale", "metrics_overhead")}
+               for name in ("edge_cost", "accuracy", "methods", "kd_methods", "robustness", "transport", "server_loop", "scale", "metrics_overhead")}
     quick = _load(results / "accuracy-quick.json")
     if sources["accuracy"] is not None and quick is not None:
         sources["accuracy"] = {**sources["accuracy"], "quick": quick}
@@ -1557,7 +1308,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "",
     ]
     lines += decision_section(load_experiment_results(results / "leakage.json"), defence_rows(load_defences(results)))
-    sections = (("accuracy", accuracy_section), ("fedgkt_async", async_section), ("fedgkt_ablation", fedgkt_ablation_section), ("gkt_server_epochs", gkt_server_epochs_section), ("kd_methods", kd_methods_section), ("robustness", robustness_section), ("comm_cost", comm_cost_section), ("edge_cost", edge_cost_section),
+    sections = (("accuracy", accuracy_section), ("kd_methods", kd_methods_section), ("robustness", robustness_section), ("edge_cost", edge_cost_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
                 ("metrics_overhead", metrics_overhead_section))
     footprint = _load(results / "footprint.json")
@@ -1573,7 +1324,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         if name == "transport":
             lines += memory
         data = sources[name]
-        if data is None and name in ("fedgkt_async", "metrics_overhead"):
+        if data is None and name == "metrics_overhead":
             lines += section(None)  # type: ignore[operator]
             continue
         if data is None:

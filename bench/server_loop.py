@@ -13,8 +13,12 @@ FedGKT's loss) eagerly and through ``torch.compile``, timed after compilation
 (``bench/server_gpu.py``'s measurement); the verdict says whether compiling helps
 here and whether ``server_step = "auto"`` (``AUTO_STEP["cpu"]``) follows it.
 
-Writes ``bench/results/server_loop.json``; ``--parts`` re-measures one part and keeps
-the other's recorded figures.
+``batch``: the server step's cost per map at batch 32, 64 and 256 (ResNet-55 server,
+Adam, fp32, CE on 16x32x32 maps, the torch threads of ``--threads``): why FedGKT's CPU
+defaults take batch 64 and one server epoch where the paper's Table 10 says 256 and 20.
+
+Writes ``bench/results/server_loop.json``; ``--parts`` re-measures some parts and keeps
+the others' recorded figures.
 """
 
 from __future__ import annotations
@@ -217,6 +221,33 @@ LOOP_KEYS = ("setup", "server_step_s", "bare_loop_s", "median_server_step_s", "m
              "overhead_min", "claim_within_10_percent")
 
 
+STEM_CHANNELS = 16  # ResNet-8's stem: the maps FedGKT's default edge uploads
+
+
+def step_cost(model_name: str, batches: tuple[int, ...] = (32, 64, 256), steps: int = 3) -> dict:
+    """The server step's cost per map at each batch size: the median of ``steps`` timed steps after one warm-up step."""
+    from models import build_model
+
+    torch.manual_seed(0)
+    out: dict = {"model": model_name, "threads": torch.get_num_threads(), "by_batch": {}}
+    for batch in batches:
+        model = build_model(model_name, 10)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4, amsgrad=True)
+        x, y = torch.randn(batch, STEM_CHANNELS, 32, 32), torch.randint(0, 10, (batch,))
+        times = []
+        for i in range(steps + 1):
+            started = time.perf_counter()
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if i:
+                times.append(time.perf_counter() - started)
+        step_s = statistics.median(times)
+        out["by_batch"][str(batch)] = {"step_ms": 1000 * step_s, "ms_per_map": 1000 * step_s / batch}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--samples", type=int, default=1024)
@@ -224,15 +255,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="resnet55_server")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps timings stable on a shared machine)")
-    parser.add_argument("--parts", default="loop,compile", help="loop, compile or both; a part not run keeps its recorded figures")
+    parser.add_argument("--parts", default="loop,compile", help="loop, compile and/or batch; a part not run keeps its recorded figures")
     parser.add_argument("--compile-steps", type=int, default=4, help="timed steps per run of the compile check")
     parser.add_argument("--compile-warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--compile-repeats", type=int, default=6, help="timed runs of each, alternating")
     parser.add_argument("--out", default=str(RESULTS / "server_loop.json"))
     args = parser.parse_args()
     parts = {p for p in args.parts.split(",") if p}
-    if not parts or parts - {"loop", "compile"}:
-        parser.error(f"--parts takes loop and/or compile, got {args.parts!r}")
+    if not parts or parts - {"loop", "compile", "batch"}:
+        parser.error(f"--parts takes loop, compile and/or batch, got {args.parts!r}")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     recorded = json.loads(out.read_text()) if out.exists() else {}
@@ -249,6 +280,11 @@ def main() -> None:
         print(result["compile_check"]["verdict"])
     elif "compile_check" in recorded:
         result["compile_check"] = recorded["compile_check"]
+    if "batch" in parts:
+        result["server_step_cost"] = step_cost(args.model)
+        print(f"server step per map: {json.dumps(result['server_step_cost']['by_batch'])}")
+    elif "server_step_cost" in recorded:
+        result["server_step_cost"] = recorded["server_step_cost"]
     write_json(out, result)
 
 

@@ -1,6 +1,6 @@
 """Seeds and spread in the benchmarks, without training: mean ± sd and the difference rule
 (bench/_stats.py), bench/accuracy.py's cells, comparisons and budget check from synthetic run
-reports, bench/fedgkt_async.py's idle share, and what bench/render_results.py makes of them
+reports, and what bench/render_results.py makes of them
 (mean ± sd cells, captions naming the test set and the BatchNorm statistics) and of a JSON that
 predates the balanced evaluation set (one line, none of its accuracies)."""
 
@@ -202,58 +202,11 @@ def test_table1_setting_is_four_agents_three_seeds_within_150_minutes() -> None:
     assert not planned & set(FINALS)
 
 
-def test_async_idle_share_and_targets() -> None:
-    bench = load("fedgkt_async")
-    report = synthetic_report("fedgkt", [0.1, 0.6, 0.7], 0)
-    idle = bench.idle_share(report)
-    # agent-k waited k s in each of 3 rounds of 9 s: 3k / (3k + 27).
-    assert idle["per_agent"]["agent-0"] == 0.0 and idle["per_agent"]["agent-3"] == pytest.approx(9 / 36)
-    assert idle["mean"] == pytest.approx(sum(3 * k / (3 * k + 27) for k in range(4)) / 4)
-    assert idle["of_wall_time_mean"] == pytest.approx(sum(3 * k / 60 for k in range(4)) / 4)
-    stats = load("_stats")
-    cells = {"fedgkt-sync": {"final_accuracy": stats.mean_sd([0.70, 0.72, 0.74])},
-             "fedgkt-async": {"final_accuracy": stats.mean_sd([0.69, 0.71, 0.73])}}
-    verdicts = bench.verdicts(cells, {"async": stats.mean_sd([0.10, 0.12, 0.14])})
-    assert verdicts["async_minus_sync"]["points"] == pytest.approx(-1.0) and verdicts["async_minus_sync"]["within_target"]
-    assert verdicts["async_minus_sync"]["differ"] is False and verdicts["async_idle_share_within_target"] is True
-    cmd = bench.command(bench.DEMO, "async", 2, Path("/tmp/x"), eval_samples=True)
-    assert cmd[cmd.index("--mode") + 1] == "async" and cmd[cmd.index("--seed") + 1] == "2"
-    assert cmd[cmd.index("--partition") + 1] == "dirichlet:0.5" and "server.eval_samples=1000" in cmd
-    for flag, value in (("--agents", "4"), ("--train-samples", "3000"), ("--test-samples", "1000"), ("--rounds", "6")):
-        assert cmd[cmd.index(flag) + 1] == value  # make demo's
-    assert "fedgkt.async_replay=false" not in cmd
-    ablation = bench.command(bench.DEMO, "async-noreplay", 0, Path("/tmp/x"), eval_samples=True)
-    assert ablation[ablation.index("--mode") + 1] == "async" and "fedgkt.async_replay=false" in ablation
-    assert ablation[ablation.index("--run-id") + 1] == "fedgkt-async-noreplay-seed0"
-
-
-def _synthetic_async() -> dict[str, Any]:
-    bench, acc = load("fedgkt_async"), load("accuracy")
-    results = {}
-    for variant, finals in (("sync", [0.70, 0.72, 0.74]), ("async", [0.69, 0.70, 0.74]), ("async-noreplay", [0.39, 0.53])):
-        for seed, final in enumerate(finals):
-            report = synthetic_report("fedgkt", [0.1, final - 0.05, final], seed)
-            run = acc.RunSpec(f"fedgkt-{variant}", "fedgkt", {"mode": variant[:5]}, 3)
-            results[acc.run_key(run.name, seed)] = {**acc.summarize("table3", "noniid", run, seed, report), "mode": variant[:5],
-                                                    "variant": variant, "idle_share": bench.idle_share(report),
-                                                    "run_wall_time_s": 400.0}
-    cells = acc.cells(results)
-    stats = load("_stats")
-    idle = {v: stats.mean_sd(r["idle_share"]["mean"] for r in results.values() if r["variant"] == v) for v in bench.VARIANTS}
-    return {"benchmark": "fedgkt_async", "setting": bench.DEMO, "generated_by": "bench/fedgkt_async.py", "machine": MACHINE,
-            "scale": {"name": "demo", **bench.DEMO, "seeds": [0, 1, 2], "complete": True, "wall_time_min": 40.0,
-                      "idle_share_is": "idle over the agent's span"},
-            "eval_set": EVAL_SET, "eval_set_same_for_every_run": True,
-            "budget": acc.budget(2400.0, 60, True, True), "cells": cells, "idle_share": idle,
-            "targets": bench.verdicts(cells, idle), "runs": results}
-
-
 def test_the_page_renders_mean_and_sd_cells_and_names_the_test_set_and_the_batchnorm_statistics(tmp_path: Path) -> None:
     render = load("render_results")
     (tmp_path / "accuracy.json").write_text(json.dumps(synthetic_accuracy()))
-    (tmp_path / "fedgkt_async.json").write_text(json.dumps(_synthetic_async()))
     page = render.render(tmp_path)
-    table1 = page[page.index("### Table 1"):page.index("### Table 3")]
+    table1 = page[page.index("### Table 1"):page.index("### Table 2")]
     # Mean ± sd cells, global and local, per partition.
     fedavg_row = next(line for line in table1.splitlines() if line.startswith("| FedAvg (ResNet-56)"))
     assert "62.0 ± 2.0%" in fedavg_row and "72.0 ± 2.0%" in fedavg_row and "the global model's averaged statistics" in fedavg_row
@@ -275,24 +228,10 @@ def test_the_page_renders_mean_and_sd_cells_and_names_the_test_set_and_the_batch
     assert "IID 50.00% / 52.00% / 54.00%" in table1 and "at least 30% in every seed: met" in table1  # FedAvg after round 2
     # Every seed's series.
     assert "| `fedgkt-noniid` | 2 | 10.00% / 60.00% / 70.00% |" in table1
-    # Table 3.
-    table3 = page[page.index("### Table 3"):]
-    sync_row = next(line for line in table3.splitlines() if line.startswith("| sync"))
-    assert "72.0 ± 2.0%" in sync_row
-    assert "Target, async within 2 points of sync (mean over seeds): met; async behind sync by more than 2 points: no" in table3
-    behind = _synthetic_async()
-    behind["targets"]["async_minus_sync"].update(points=-3.0, within_target=False)
-    (tmp_path / "fedgkt_async.json").write_text(json.dumps(behind))
-    assert "(mean over seeds): **not met**; async behind sync by more than 2 points: **yes**" in render.render(tmp_path)
-    assert "methods/fedgkt.md#asynchronous-training" in table3
     # edgesplit local draws the set with each run's seed: said so when sync and async of a seed share it.
-    per_seed = {**_synthetic_async(), "eval_set_same_for_every_run": False, "eval_set_same_within_each_seed": True}
+    per_seed = {**synthetic_accuracy(), "eval_set_same_for_every_run": False, "eval_set_same_within_each_seed": True}
     assert "drawn with the run's seed: the same images for every run of a seed" in render._eval_set_line(per_seed, [0, 1, 2])
     assert "**not** for every run" in render._eval_set_line({**per_seed, "eval_set_same_within_each_seed": False})
-    ablation = next(line for line in table3.splitlines() if line.startswith("| async, no replay"))
-    assert "(2 seeds: 0, 1)" in ablation and "46.0 ± 9.9%" in ablation
-    assert "the same 1,000 balanced Fashion-MNIST test images for every method and seed, seeds 0, 1, 2" in table3
-    assert "awaits re-measurement" not in page[:page.index("### Table 3")]
 
 
 def test_old_single_seed_accuracies_are_not_on_the_page(tmp_path: Path) -> None:
@@ -309,16 +248,11 @@ def test_old_single_seed_accuracies_are_not_on_the_page(tmp_path: Path) -> None:
     (results / "accuracy.json").write_text(json.dumps(old))
     (results / "accuracy-quick.json").unlink(missing_ok=True)
     page = render.render(results)
-    section = page[page.index("## Accuracy"):page.index("## Communication")]
+    section = page[page.index("## Accuracy"):page.index("### Table 2")]
     assert "Table 1 (FedGKT vs FedAvg vs centralized): awaits re-measurement under the new evaluation" in section
     for name, run in old["runs"].items():
         for value in run.values():
             assert f"{100 * value:.2f}%" not in page and f"{100 * value:.1f}%" not in section, name
-    comm = json.loads((RESULTS / "comm_cost.json").read_text())
-    if comm.get("eval_set") is None:  # the recorded comm_cost.json predates it: its accuracies are left out too
-        communication = page[page.index("## Communication"):page.index("## Edge compute")]
-        assert "Final acc." not in communication and "Rounds to target" not in communication
-        assert "awaits re-measurement under the new evaluation" in communication
 
 
 def test_the_other_methods_and_table2_render_beside_table1(tmp_path: Path) -> None:
@@ -339,7 +273,8 @@ def test_the_other_methods_and_table2_render_beside_table1(tmp_path: Path) -> No
     (tmp_path / "accuracy.json").write_text(json.dumps(synthetic_accuracy()))
     (tmp_path / "methods.json").write_text(json.dumps(doc))
     page = render.render(tmp_path)
-    other = page[page.index("### Other methods"):page.index("### Table 3")]
+    start = page.index("### Other methods")
+    other = page[start:page.find("\n## ", start)]
     fedbe = next(line for line in other.splitlines() if line.startswith("| FedBE (ResNet-56)"))
     assert "51.0 ± 1.0%" in fedbe and "61.0 ± 1.0%" in fedbe
     mentee = next(line for line in other.splitlines() if line.startswith("| FedKD (shared mentee"))

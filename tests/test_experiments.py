@@ -392,6 +392,21 @@ def test_run_figures_say_where_each_rounds_time_and_upload_bytes_go() -> None:
     assert "Server evaluation s / round" in timing and "| 4.0 |" in timing and "0.33" in timing
 
 
+def test_the_agents_idle_share_is_waiting_over_waiting_plus_working_mean_over_agents() -> None:
+    def round_(costs: dict[str, tuple[float, float]]) -> dict[str, Any]:
+        return {"per_agent": {a: {"idle_s": idle, "round_s": busy} for a, (idle, busy) in costs.items()}}
+
+    # agent-0 waits 9 s of 10 over its two rounds, agent-1 never waits: 0.45.
+    report = {"totals": {"edge_train_flops": 0}, "rounds": [round_({"agent-0": (4.0, 0.5), "agent-1": (0.0, 3.0)}),
+                                                             round_({"agent-0": (5.0, 0.5), "agent-1": (0.0, 3.0)})]}
+    assert run_figures(report)["agent_idle_share"] == pytest.approx(0.45)
+    assert run_figures({"totals": {"edge_train_flops": 0}, "rounds": [round_({})]})["agent_idle_share"] is None
+    results = good_results()
+    results["cells"][0]["run"]["agent_idle_share"] = 0.45
+    validate_results(results)
+    assert "Agents idle %" in render("{{timing}}", results, [], Path("unused.md"))
+
+
 def good_results() -> dict[str, Any]:
     def cell(method: str, seed: int, accuracy: float, psnr: float | None) -> dict[str, Any]:
         leakage = None if psnr is None else {

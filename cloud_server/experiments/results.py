@@ -44,7 +44,7 @@ RUN_FIGURES = (
 OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon", "activation_epsilon_per_image",
                         *(f"{k}_per_round" for k in ("server_train_s", "server_eval_s", "round_s")),
                         "up_wire_bytes_first_round", "up_wire_bytes_per_later_round", "server_eval_over_train",
-                        "later_over_first_round_up", "agents_warned_against_peers")
+                        "later_over_first_round_up", "agents_warned_against_peers", "agent_idle_share")
 _IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
 #: The strongest image attack's scores (and its PSNR over the mean image's), and the best label attack's error in the agents' label
 #: histograms beside a uniform guess's, as figures of the long table.
@@ -114,6 +114,7 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
         "server_eval_over_train": _ratio(timing["server_eval_s_per_round"], timing["server_train_s_per_round"]),
         "later_over_first_round_up": _ratio(timing["up_wire_bytes_per_later_round"], timing["up_wire_bytes_first_round"]),
         "agents_warned_against_peers": _warned_against_peers(report),
+        "agent_idle_share": _idle_share(rounds),
     }
 
 
@@ -141,6 +142,19 @@ def _timing(rounds: list[Mapping[str, Any]]) -> dict[str, float | None]:
         "up_wire_bytes_first_round": rounds[0].get("bytes", {}).get("up_wire") if rounds else None,
         "up_wire_bytes_per_later_round": sum(later_up) / len(later_up) if later_up else None,
     }
+
+
+def _idle_share(rounds: list[Mapping[str, Any]]) -> float | None:
+    """The agents' idle share: per agent, the seconds it waited for the server between its rounds
+    over those plus its rounds' own seconds (from its first round's start to its last round's end),
+    then the mean over the agents; None when no agent reported its times."""
+    spent: dict[str, list[float]] = {}
+    for r in rounds:
+        for agent, costs in r.get("per_agent", {}).items():
+            idle_round = spent.setdefault(agent, [0.0, 0.0])
+            idle_round[0] += costs.get("idle_s") or 0.0
+            idle_round[1] += costs.get("round_s") or 0.0
+    return _mean(idle / (idle + busy) for idle, busy in spent.values() if idle + busy > 0)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

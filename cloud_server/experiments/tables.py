@@ -47,6 +47,7 @@ TIMING_COLUMNS = (
     ("server_eval_over_train", "Evaluation ÷ training", 1, 2),
     ("up_wire_bytes_first_round", "Up MB, round 1", 1e-6, 2),
     ("up_wire_bytes_per_later_round", "Up MB, later rounds", 1e-6, 2),
+    ("agent_idle_share", "Agents idle %", 100, 1),
     ("final_accuracy", "Global acc. %", 100, 1),
 )
 

@@ -5,7 +5,6 @@ stopped early said so, and a page with no GPU figure saying how to get one."""
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -104,18 +103,3 @@ def test_the_results_page_shows_the_gpu_figures_or_says_how_to_get_them(tmp_path
     cpu_only = {"gpu_figures_measured": False}
     assert "No GPU figure recorded" in "\n".join(render.gpu_section(cpu_only, None, None))
     assert "No GPU figure recorded" in "\n".join(render.gpu_section(None, None, None))
-
-
-def test_deploy_quotes_the_gpu_figures_of_server_gpu_json() -> None:
-    root = Path(__file__).resolve().parents[1]
-    deploy = " ".join((root / "docs" / "deploy.md").read_text().split())
-    server = json.loads((root / "bench" / "results" / "server_gpu.json").read_text())
-    full = json.loads((root / "bench" / "results" / "fedgkt_fullscale.json").read_text())
-    row = {batch: server["results"][f"resnet55_server/bs{batch}/fp32"] for batch in (64, 256)}
-    assert f"Measured on one {server['device_name']}" in deploy
-    assert (f"takes {row[64]['graph']['epoch_60k_s']:.1f} s at batch 64 and {row[256]['graph']['epoch_60k_s']:.1f} s at batch 256 "
-            f"with the CUDA graph ({row[64]['eager']['epoch_60k_s']:.1f} s and {row[256]['eager']['epoch_60k_s']:.1f} s eager)") in deploy
-    assert f"about {round(20 * row[256]['graph']['epoch_60k_s'], -1):.0f} s of training per round" in deploy
-    rounds = [r["round_s"] for r in full["rounds"]]
-    assert f"ran {statistics.median(rounds):.0f} s rounds with one server epoch" in deploy
-    assert full["setup"]["method_config"]["server_epochs"] == 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from test_bench_baselines import load
 
@@ -53,30 +52,9 @@ def test_kappa_measures_agreement_above_what_a_permutation_keeps() -> None:
 
 RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "label_rules.json"
 SCORES = RESULT.with_name("defence_scores.json")
-# The rules docs/configuration.md's table of the blind spot quotes (the JSON holds more).
-DOC_RULES = ("current-0.3", "floor-0.3", "floor-0.35", "floor-0.4", "mad1-0.3", "mad2-0.3", "ratio-0.5", "ratio-0.6", "kappa-0.0", "kappa-0.1")
 
 
-def rule_rows(data: dict[str, Any]) -> list[str]:
-    """The page's rows: per rule and seed, per partition, honest uploads refused of judged and the
-    rounds the shuffled agent was caught in (it is judged in rounds 2 and 3)."""
-    rows = []
-    for rule in DOC_RULES:
-        for seed in data["seeds"]:
-            cells = []
-            for part in ("iid", "dir0.5", "dir0.1"):
-                c = data["rules"][rule].get(part, {}).get(str(seed))
-                if c is None:
-                    cells.append("\u2014")
-                    continue
-                r = c["bad_refused_rounds"]
-                caught = "none" if not r else (f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}")
-                cells.append(f"{c['honest_refused']} of {c['honest_judged']}; {caught}")
-            rows.append(f"| `{rule}` | {seed} | " + " | ".join(cells) + " |")
-    return rows
-
-
-def test_the_recorded_replay_is_the_defence_grids_and_the_page_quotes_it() -> None:
+def test_the_recorded_replay_is_the_defence_grids() -> None:
     import pytest
 
     if not RESULT.exists():
@@ -88,8 +66,3 @@ def test_the_recorded_replay_is_the_defence_grids_and_the_page_quotes_it() -> No
     assert len(runs) == len(data["runs"])  # every run it replayed is still recorded
     # Replayed again from the grid's recorded agreements (and the stored label histograms): the same counts.
     assert lr.replay_rules(runs, scores["bad_agent"], data["chance"]) == data["rules"]
-    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
-    for row in rule_rows(data):
-        assert row in page, row
-    held = f"seed {data['seeds'][0]}" if len(data["seeds"]) == 1 else "seeds " + " and ".join(map(str, data["seeds"]))
-    assert f"Replayed on {held}, {len(data['runs'])} label runs" in page

@@ -132,3 +132,21 @@ def test_a_page_without_the_block_is_an_error(tmp_path) -> None:  # type: ignore
     assert render.update_config_doc(page) is True
     assert page.read_text() == "before\n" + "\n".join(render.config_tables()) + "\nafter\n"
     assert render.update_config_doc(page) is False
+
+
+#: Fields set from flags or other files, never read from a TOML table.
+NOT_TOML_KEYS = {"password", "log_json", "progress", "method_config", "exit_on_shutdown", "data", "memory"}
+
+
+def test_every_key_of_the_server_and_agent_tables_is_on_the_page() -> None:
+    """The hand-written tables ([server], [agent], [data], [memory]) name every key their dataclass
+    reads; a key added to a config without a line on the page fails here."""
+    from cloud_server.config import ServerConfig
+    from edge_agent.config import DataConfig, EdgeConfig, MemoryConfig
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for config in (ServerConfig, EdgeConfig, DataConfig, MemoryConfig):
+        keys = [f.name for f in dataclasses.fields(config) if f.name not in NOT_TOML_KEYS]
+        assert keys, config
+        missing = [key for key in keys if f"`{key}`" not in page]
+        assert missing == [], f"{config.__name__}: {missing} not in docs/configuration.md"

@@ -86,7 +86,7 @@ def test_the_agents_growth_warning_stays_quiet_on_the_recorded_long_runs() -> No
     own peak (from the agent's RoundEnd); the agent's own growth warning (growing_since), run on
     those real series, raises nothing: a warning that fires on a healthy agent's round-to-round
     noise would be read as a leak. (How flat the runs are and whether they meet the targets is
-    the bench's verdict, on docs/deploy.md.)"""
+    the bench's verdict, on docs/results.md.)"""
     long = json.loads((ROOT / "bench" / "results" / "footprint.json").read_text())["long_run"]
     assert long["setting"]["rounds"] >= LONG_ROUNDS
     for env, mode in LONG_MODES:

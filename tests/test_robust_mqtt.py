@@ -277,7 +277,7 @@ def test_one_agent_training_on_shuffled_labels(method: str, tmp_path: Path) -> N
 
 
 # FedGKT's label-agreement check (the label check in cloud_server/methods/fedgkt.py), off by default: see
-# LABEL_CHECK's value and docs/configuration.md for the measurement behind it.
+# bench/results/defence_scores.json and label_rules.json for the measurement behind it.
 LABEL_CHECK = {"plausible_min_label_agreement": 0.3}
 # The check adds a forward pass of the server model over the round's maps to the server step; the
 # deadline bounds waiting only, no figure depends on it.
@@ -358,7 +358,7 @@ def test_fedgkt_label_check_refuses_labels_the_server_model_does_not_agree_with(
 
 
 # The server validation set (cloud_server/robust_validation.py), off by default: 500 of the
-# Fashion-MNIST training images the agents do not take, as docs/configuration.md describes.
+# Fashion-MNIST training images the agents do not take (`validation_split = "train-holdout"`).
 VALIDATION = {"validation_samples": 500, "validation_agent_train_samples": TRAIN_SAMPLES}
 
 

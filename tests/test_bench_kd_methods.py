@@ -16,8 +16,6 @@ import pytest
 from cloud_server.methods.fedkd_config import FedKdConfig
 from test_bench_baselines import RESULTS, load
 
-ROOT = RESULTS.parents[1]
-
 
 def s(mean: float, sd: float, n: int = 3) -> dict[str, Any]:
     return {"mean": mean, "sd": sd, "n": n, "values": []}
@@ -440,64 +438,3 @@ def test_the_recorded_ablation_is_what_the_bench_makes_of_its_runs() -> None:
     assert all(key == f"{r['name']}-seed{r['seed']}" for key, r in section["runs"].items())
     assert json.loads(json.dumps(kd.ablation_effects(section["runs"], kd.ABLATION_SCALES["full"]))) == section["effects"]
     assert json.loads(json.dumps(kd.cells(section["runs"]))) == section["cells"]
-
-
-def _recorded_ablation_partition(partition: str) -> tuple[dict[str, Any], str]:
-    """The FedKD ablation's recorded effects at ``partition`` and docs/methods/fedkd.md (whitespace
-    folded); skips, naming the command, where the JSON holds no arms there."""
-    path = RESULTS / "kd_methods.json"
-    section = ((json.loads(path.read_text()) if path.exists() else {}).get("ablations") or {}).get("fedkd")
-    if section is None or partition not in section["effects"]:
-        pytest.skip(f"no {partition} arms of the FedKD ablation recorded: run bench/kd_methods.py --ablation fedkd --resume")
-    return section["effects"][partition], " ".join((ROOT / "docs" / "methods" / "fedkd.md").read_text().split())
-
-
-def _assert_arm_rows(part: dict[str, Any], doc: str) -> None:
-    """Each arm's row of the doc's table (mentors and mentee, global and local) is the recorded one."""
-    for arm in ("fedkd", "mentor-local", "fedavg-mentor", "fedavg"):
-        figures = part["arms"][arm]
-        row = " | ".join("" if figures[f]["mean"] is None else f"{100 * figures[f]['mean']:.1f} ± {100 * figures[f]['sd']:.1f} %"
-                         for f in ("deployed_global", "deployed_local", "mentee_global", "mentee_local"))
-        assert f"| {row.rstrip(' |')}" in doc, (arm, row)
-
-
-def test_fedkd_doc_quotes_the_dir05_ablation_as_recorded() -> None:
-    """docs/methods/fedkd.md's Dir(0.5) table and paired figures are the recorded section's."""
-    part, doc = _recorded_ablation_partition("dir0.5")
-    _assert_arm_rows(part, doc)
-    fedkd, alone = part["versus_fedavg"]["fedkd"], part["versus_fedavg"]["mentor-local"]
-
-    def d(p: dict[str, Any]) -> str:
-        return f"{abs(100 * p['mean_difference']):.1f}"
-
-    def sd(p: dict[str, Any]) -> str:
-        return f"{100 * p['sd_difference']:.1f}"
-
-    g, loc = fedkd["mentors_vs_fedavg_mentor_global"], fedkd["mentors_vs_fedavg_mentor_local"]
-    assert g["mean_difference"] < 0 < loc["mean_difference"] and g["differ"] and loc["differ"]
-    assert (f"the mentors are {d(g)} points below FedAvg(ConvNet) on the balanced set (sd {sd(g)}) and {d(loc)} above it on "
-            f"their own shards (sd {sd(loc)})") in doc
-    ag, al = alone["mentors_vs_fedavg_mentor_global"], alone["mentors_vs_fedavg_mentor_local"]
-    assert f"is {d(ag)} below on the balanced set (sd {sd(ag)}) and {d(al)} above on its shard (sd {sd(al)})" in doc
-    better = part["effect_vs_fedkd"]["mentor-local"]["deployed_global"]
-    assert better["differ"] and better["mean_difference"] > 0
-    assert f"it is {d(better)} points *above* FedKD's own mentor (sd {sd(better)})" in doc
-
-
-def test_fedkd_doc_quotes_the_iid_ablation_as_recorded() -> None:
-    """docs/methods/fedkd.md's IID table and paired figures are the recorded section's."""
-    iid, doc = _recorded_ablation_partition("iid")
-    _assert_arm_rows(iid, doc)
-    versus = iid["versus_fedavg"]
-
-    def d(p: dict[str, Any]) -> tuple[str, str]:
-        return f"{abs(100 * p['mean_difference']):.1f}", f"{100 * p['sd_difference']:.1f}"
-
-    below_global, below_local = (d(versus["fedkd"][f"mentors_vs_fedavg_mentor_{w}"]) for w in ("global", "local"))
-    assert (f"the mentors are {below_global[0]} points below FedAvg(ConvNet) on the balanced set (sd {below_global[1]}) "
-            f"and {below_local[0]} below on their own shards (sd {below_local[1]})") in doc
-    alone = d(versus["mentor-local"]["mentors_vs_fedavg_mentor_global"])
-    assert f"is {alone[0]} below (sd {alone[1]})" in doc
-    mutual = iid["effect_vs_fedkd"]["mentor-local"]["deployed_global"]
-    assert mutual["differ"] and mutual["mean_difference"] < 0
-    assert f"gives the mentor {d(mutual)[0]} points here (sd {d(mutual)[1]}: a difference" in doc

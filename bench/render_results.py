@@ -17,8 +17,6 @@ evaluation set (they carry ``eval_set``); an older JSON gets one line saying
 that it awaits re-measurement, and the page quotes none of its accuracies.
 * ``transport.json``, ``server_loop.json``, ``scale.json`` (``bench/transport.py``,
   ``bench/server_loop.py``, ``bench/scale.py``): the transport's and server loop's speed and the scale figures;
-* ``robustness.json`` (``bench/robustness.py``): one bad device of five, with
-  and without the defences, and what each aggregation rule costs on clean data;
 * ``metrics_overhead.json`` (``bench/metrics_overhead.py``): the cost of watching a
   run, ``make demo`` with metrics off vs on.
 
@@ -684,142 +682,6 @@ def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> l
     ]
 
 
-ROBUST_METHODS = {"fedavg": "FedAvg", "fedgkd": "FedGKD", "fedkd": "FedKD (global mentee)", "fedgkt": "FedGKT (server model)"}
-ROBUST_DATASETS = {"fashion-mnist": "Fashion-MNIST"}
-ROBUST_RULES = ("mean", "trimmed_mean", "median", "krum", "multi_krum")
-ROBUST_MARGIN = 0.05  # the target: with the defences on, an attacked run stays within this of its clean run
-
-
-RobustKey = tuple[str, str, bool, str, "float | None"]
-
-
-def _robust_key(run: dict[str, Any]) -> RobustKey:
-    # min_cosine: a run with [server] plausible_min_cosine set (None: the default).
-    return run["method"], run["attack"], run["checks"], run["aggregation"], run.get("min_cosine")
-
-
-def _robust_clean(runs: dict[RobustKey, dict[str, Any]], run: dict[str, Any]) -> dict[str, Any] | None:
-    """The clean run an attacked run is measured against: the same method and rule, all five
-    agents honest, the same defences if that run was made, else the default checks, else the
-    other setting."""
-    method, _attack, checks, rule, cosine = _robust_key(run)
-    return (runs.get((method, "none", checks, rule, cosine)) or runs.get((method, "none", checks, rule, None))
-            or runs.get((method, "none", not checks, rule, None)))
-
-
-def _defences_text(run: dict[str, Any]) -> str:
-    if not run["checks"]:
-        return "off"
-    return "on" if run.get("min_cosine") is None else f"on, cosine ≥ {run['min_cosine']:g}"
-
-
-def _refusals_text(refusals: dict[str, dict[str, int]]) -> str:
-    if not refusals:
-        return "none"
-    return "; ".join(f"{agent}: " + ", ".join(f"{why} ×{n}" for why, n in sorted(reasons.items()))
-                     for agent, reasons in sorted(refusals.items()))
-
-
-def _weight_text(x: float | None) -> str:
-    return DASH if x is None else (f"{x:.3g}" if abs(x) < 1e4 else f"{x:.1e}")
-
-
-def _points(a: float | None, b: float | None) -> str:
-    return DASH if a is None or b is None else f"{100 * (a - b):+.1f}"
-
-
-def robustness_section(data: dict[str, Any]) -> list[str]:
-    """bench/robustness.py: one bad agent of five per method, attack and defences
-    (final accuracy, rounds ok, refusals by reason, the checkpoint's largest |weight|), and
-    what each aggregation rule costs on clean data next to the mean."""
-    rounds, bad = data["rounds"], data["bad_agent"]
-    runs = {_robust_key(r): r for r in data["runs"]}
-    attacks = data["attacks"]
-    incomplete = [] if data.get("complete", True) else [
-        f"**Incomplete:** {len(data['missing'])} run(s) of the grid are not in this JSON yet: "
-        + ", ".join(f"`{m}`" for m in data["missing"]) + ".", ""]
-    rows, failures = [], []
-    attack_order = {a: i for i, a in enumerate(attacks)}  # the JSON's order: "none" first
-
-    def order(r: dict[str, Any]) -> tuple[int, int, int, bool, bool]:
-        methods, rules = list(ROBUST_METHODS), list(ROBUST_RULES)
-        return (methods.index(r["method"]) if r["method"] in methods else len(methods),
-                rules.index(r["aggregation"]) if r["aggregation"] in rules else len(rules),
-                attack_order.get(r["attack"], len(attack_order)), not r["checks"], r.get("min_cosine") is not None)
-
-    for r in sorted(data["runs"], key=order):
-        clean = _robust_clean(runs, r)
-        accs = " / ".join(DASH if x["accuracy"] is None else f"{100 * x['accuracy']:.1f}" for x in r["rounds"])
-        verdict = DASH
-        if r["attack"] != "none" and clean is not None:
-            kept = (r["rounds_ok"] == rounds and r["honest_completed_every_round"] and r["final_accuracy"] is not None
-                    and clean["final_accuracy"] is not None and r["final_accuracy"] - clean["final_accuracy"] >= -ROBUST_MARGIN - 1e-9)  # exactly 5 points is within
-            verdict = "yes" if kept else "**no**"
-            if r["checks"] and not kept:
-                failures.append(r)
-        unused = r["bad_agent_unused_rounds"]
-        rows.append([
-            ROBUST_METHODS.get(r["method"], r["method"]), attacks.get(r["attack"], r["attack"]), r["aggregation"],
-            _defences_text(r), _pct(r["final_accuracy"]),
-            _points(r["final_accuracy"], clean["final_accuracy"] if clean else None) if r["attack"] != "none" else DASH,
-            verdict, accs, f"{r['rounds_ok']}/{rounds}", _refusals_text(r["refusals"]),
-            ", ".join(str(n) for n in unused) if unused else "none", _weight_text(r["largest_weight"]),
-        ])
-    mean_clean = runs.get(("fedavg", "none", True, "mean", None))
-    cost_rows = []
-    for rule in ROBUST_RULES:
-        run = runs.get(("fedavg", "none", True, rule, None))
-        if run is None:
-            continue
-        cost_rows.append([rule, _pct(run["final_accuracy"]),
-                          DASH if rule == "mean" else _points(run["final_accuracy"], mean_clean["final_accuracy"] if mean_clean else None),
-                          " / ".join(DASH if x["accuracy"] is None else f"{100 * x['accuracy']:.1f}" for x in run["rounds"]),
-                          _refusals_text(run["refusals"])])
-    held = [r for r in data["runs"] if r["checks"] and r["attack"] != "none" and r not in failures and _robust_clean(runs, r)]
-    if failures:
-        summary = (f"With the defences on, {len(held)} attacked run(s) finished every round with the honest agents within "
-                   f"{100 * ROBUST_MARGIN:.0f} points of their clean run; **{len(failures)} did not**: "
-                   + "; ".join(f"{ROBUST_METHODS.get(r['method'], r['method'])}, {attacks.get(r['attack'], r['attack'])}, "
-                               f"{r['aggregation']}" for r in failures) + ".")
-    else:
-        summary = (f"With the defences on, every attacked run ({len(held)}) finished every round with the honest agents "
-                   f"within {100 * ROBUST_MARGIN:.0f} points of its clean run.")
-    m = data["method_config"]
-    return [
-        "## Robustness: one bad device of five (issue 25)", "",
-        f"From `bench/results/robustness.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
-        f"{ROBUST_DATASETS.get(data['dataset'], data['dataset'])}, {data['partition']}, {data['agents']} agents "
-        f"with {data['train_samples'] // data['agents']:,} training images each ({data['train_samples']:,} in all), "
-        f"{rounds} rounds, seed {data['seed']} (data, partition, models) for every run; one agent, `{bad}`, is bad: its "
-        "uploads are overwritten just before encoding (frames well-formed, only the numbers wrong), or it trains on its "
-        f"shard with the labels shuffled (seed {data['label_seed']}) and uploads honestly. Sign flip: it sends "
-        f"global − {data['sign_flip_scale']:g} × (its update). FedAvg and FedGKD train {m['fedavg']['model']} (batch "
-        f"{m['fedavg']['batch_size']}), FedKD a {m['fedkd']['mentor_model']} mentor and {m['fedkd']['mentee_model']} mentee, "
-        "FedGKT its ResNet-8 edges and the server model "
-        f"({m['fedgkt']['server_epochs']} server and {m['fedgkt']['edge_epochs']} edge epoch a round). "
-        + (_eval_set_line(data) if data.get("eval_set") else "")
-        + " **Defences on**: the defaults (plausibility checks, quarantine after 3 rounds); **on, cosine ≥ x**: and the "
-        "direction check, off by default, on with `plausible_min_cosine = x`; **off**: "
-        "`plausibility_checks = false` (the aggregation rule alone). Robust rules tolerate f = 1. **Within 5 points**: "
-        "every round `ok`, every honest agent in every round, and the final accuracy no more than 5 points below the "
-        "clean run of the same method and rule (all five agents honest). **Refused uploads**: the uploads refused as "
-        "implausible, summed over the rounds (FedGKT counts every batch of maps or logits an agent sends). **Bad agent "
-        "unused**: the rounds in which its upload was refused or it was quarantined. **Largest |weight|**: the largest "
-        "absolute value of any float array in the server's final checkpoint (`checkpoint/method.npz`).", "",
-        *incomplete,
-        *_table(["Method", "Bad agent", "Rule", "Defences", "Final accuracy", "vs clean (points)", "Within 5 points",
-                 "Accuracy by round %", "Rounds ok", "Refused uploads (agent: reason × count)", "Bad agent unused in rounds",
-                 "Largest \\|weight\\|"], rows, right_from=4),
-        "",
-        summary, "",
-        "### What each aggregation rule costs on clean data", "",
-        "FedAvg, all five agents honest, defences on, f = 1: the final global accuracy of each `[server] aggregation` rule "
-        "next to the mean's (one seed: a difference of a point or two is within run-to-run noise).", "",
-        *_table(["Rule", "Final accuracy", "vs mean (points)", "Accuracy by round %", "Refused"], cost_rows),
-        "",
-    ]
-
-
 def _bench_machine_line(machine: dict[str, Any]) -> str:
     """Machine facts as bench/_common.py records them (transport, server loop, scale)."""
     load = ", ".join(f"{x:.1f}" for x in machine.get("load_average", []))
@@ -1292,7 +1154,7 @@ def _first_seed(data: dict[str, Any], method: str) -> int:
 
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("edge_cost", "accuracy", "methods", "kd_methods", "robustness", "transport", "server_loop", "scale", "metrics_overhead")}
+               for name in ("edge_cost", "accuracy", "methods", "kd_methods", "transport", "server_loop", "scale", "metrics_overhead")}
     quick = _load(results / "accuracy-quick.json")
     if sources["accuracy"] is not None and quick is not None:
         sources["accuracy"] = {**sources["accuracy"], "quick": quick}
@@ -1308,7 +1170,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "",
     ]
     lines += decision_section(load_experiment_results(results / "leakage.json"), defence_rows(load_defences(results)))
-    sections = (("accuracy", accuracy_section), ("kd_methods", kd_methods_section), ("robustness", robustness_section), ("edge_cost", edge_cost_section),
+    sections = (("accuracy", accuracy_section), ("kd_methods", kd_methods_section), ("edge_cost", edge_cost_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
                 ("metrics_overhead", metrics_overhead_section))
     footprint = _load(results / "footprint.json")

@@ -17,7 +17,7 @@
   is their mean, which the larger update dominates whatever its sign: no check (nor with
   one). A zero update, or a zero median, has no direction and is not judged. Off by default
   (``-1``): under label skew honest agents point away from the median as far as a
-  sign-flipped one does (bench/update_directions.py).
+  sign-flipped one does (bench/experiments/direction_cosines.toml).
 
 Each check returns agent -> (reason, detail); :mod:`cloud_server.robust_screening` applies
 them to a round's uploads and writes the ledger.

@@ -81,7 +81,7 @@ class RobustnessConfig:
     # sign-flipped agent does after round 1, so no threshold stops the flip without refusing
     # honest agents; at IID every honest cosine is positive and the flipped agent's negative,
     # so a fleet whose data is close to IID may set 0. The lowest honest cosine and the
-    # flipped agent's per partition are in bench/results/update_directions.json
+    # flipped agent's per partition are in bench/experiments/direction_cosines.toml
     # (``summary.by_partition``; docs/configuration.md reads them).
     plausible_min_cosine: float = PLAUSIBLE_MIN_COSINE
     feature_abs_limit: float = 1.0e4  # FedGKT feature maps: |H| above this is out of range

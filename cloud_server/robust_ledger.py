@@ -80,8 +80,7 @@ class RobustnessLedger:
 
     def norms(self, round_: int, norms: Mapping[str, float], reference_norm: float) -> None:
         """The update norms the plausibility check judged (recorded whether refused or not:
-        what a user needs to set the thresholds for their fleet, and what bench/robustness.py
-        reads for the honest agents' spread)."""
+        what a user needs to set the thresholds for their fleet)."""
         entry = self._entry(round_)
         entry.update_norms.update({a: float(v) for a, v in norms.items()})
         entry.reference_norm = float(reference_norm)
@@ -89,7 +88,7 @@ class RobustnessLedger:
     def directions(self, round_: int, cosines: Mapping[str, float]) -> None:
         """The cosines the direction check judged (recorded whether refused or not, and when
         the check is off: what a user needs to set ``plausible_min_cosine`` for their fleet;
-        bench/update_directions.py reads them)."""
+        bench/experiments/direction_cosines.toml reads them)."""
         self._entry(round_).update_cosines.update({a: float(v) for a, v in cosines.items()})
 
     def record(self, round_: int, key: str, section: Mapping[str, Any]) -> None:

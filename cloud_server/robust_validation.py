@@ -4,7 +4,7 @@ with the labels FedGKT's agents send (numpy only; the torch side is in
 cloud_server/validation_screen.py and the label check of cloud_server/methods/fedgkt.py).
 
 A sign-flipped update is of honest size, and under label skew honest updates point away
-from the round's median as far as it does (bench/results/update_directions.json): the
+from the round's median as far as it does (bench/experiments/direction_cosines.toml): the
 checks of cloud_server/robust.py cannot tell it from an honest one there. A server that
 holds a few labelled images can: Zeno (Xie et al. 2019) scores each update by what it does
 to a validation loss. Here each update's score is the rise of the server's validation loss
@@ -71,16 +71,14 @@ class DefenceConfig:
     # their MAD are small but not zero, and the floor keeps a round whose honest agents happen to
     # agree closely from refusing one of them. A sign-flipped update's loss is not finite; a flip of
     # the weights alone (BatchNorm statistics honest) is finite and is what the margin must still
-    # catch. bench/defence_scores.py's grid (bench/results/defence_scores.json) holds the honest
-    # rises, the smallest margin that refused an honest update and the rounds in which the
-    # weights-only flip was refused at this default; docs/configuration.md reads them.
+    # catch. bench/experiments/validation_scores.toml records the honest agents' rises.
     validation_loss_margin: float = VALIDATION_LOSS_MARGIN
     validation_step: str = "update"  # update | share (VALIDATION_STEPS)
     # FedGKT: an agent the server model agrees with on fewer than this fraction of its labels,
     # and far below the other agents (plausible_mad), is refused (implausible_labels). 0: off, by
     # default: a floor that refused no honest upload caught shuffled labels at mild skew but not
     # at the strongest skew measured, so it is a setting for a fleet that knows its data
-    # (bench/results/defence_scores.json and bench/results/label_rules.json; docs/configuration.md
+    # (bench/experiments/validation_scores.toml and label_scores.toml; docs/configuration.md
     # reads them).
     plausible_min_label_agreement: float = 0.0
     plausible_mad: float = 6.0  # [server] plausible_mad, shared with the norm check

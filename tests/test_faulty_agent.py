@@ -68,7 +68,7 @@ def test_sign_flip_sends_minus_scale_times_the_honest_update() -> None:
         honest = TRAINED[name].astype(np.float64) - base
         np.testing.assert_allclose(sent.weights[name] - base, -2.5 * honest, rtol=1e-5, atol=1e-6)
     assert sent.int_buffers == {"bn.num_batches_tracked": 5}  # integers travel as trained
-    default = decode_message(_sent("sign_flip"))  # the default scale: bench/robustness.py's x4
+    default = decode_message(_sent("sign_flip"))  # the default scale: bench/experiments/bad_device.toml's x4
     np.testing.assert_allclose(default.weights["conv.weight"] - GLOBAL["conv.weight"],
                                -4 * (TRAINED["conv.weight"] - GLOBAL["conv.weight"]), rtol=1e-5, atol=1e-6)
 

@@ -9,7 +9,7 @@ run started from. One such run per method family (FedAvg, FedKD, FedGKT) goes ov
 mosquitto; the other attacks run the same agents and server over the in-memory transport.
 
 Besides the garbage, two attacks of plausible size: a sign-flipped update
-(``global - 4 (w - global)``, bench/robustness.py's; FedAvg and FedKD, refused by the direction
+(``global - 4 (w - global)``, bench/experiments/bad_device.toml's; FedAvg and FedKD, refused by the direction
 check, which is off by default and turned on here as a fleet close to IID may; and FedAvg under
 Dirichlet(0.1), refused by the server's validation set, also off by default), and labels that do
 not match the images (FedAvg and FedKD: an agent training on shuffled labels, which nothing
@@ -18,7 +18,7 @@ label-agreement check, off by default, against a server model held fixed so that
 agents' labels agree with it by construction).
 
 No verdict here depends on how far a three-round federation learnt: what a defence buys in
-accuracy is measured by bench/robustness.py and bench/defence_scores.py, not asserted here.
+accuracy is measured by bench/experiments/bad_device.toml and validation_scores.toml, not asserted here.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.slow]
 
 ROUNDS = 3
 BAD = "agent-2"
-SIGN_FLIP_SCALE = 4.0  # as bench/robustness.py: the mean of the three is about 0 (2u - 4u) / 3
+SIGN_FLIP_SCALE = 4.0  # as bench/experiments/bad_device.toml: the mean of the three is about 0 (2u - 4u) / 3
 LABEL_SEED = 12345
 Corrupt = Callable[[EdgeAgent, Message], Message]
 
@@ -231,7 +231,7 @@ def test_fedgkt_one_agent_sending_maps_6e4_or_logits_1e30(what: str, mosquitto, 
 # -- in memory: the same agents and server, the other attacks ------------------------------------ #
 
 # The direction check is off by default (honest agents under label skew point away from the
-# round's median: bench/results/update_directions.json); a fleet whose data is close to IID
+# round's median: bench/experiments/direction_cosines.toml); a fleet whose data is close to IID
 # turns it on, as here.
 DIRECTION = {"plausible_min_cosine": 0.0}
 
@@ -263,7 +263,7 @@ def test_one_agent_training_on_shuffled_labels(method: str, tmp_path: Path) -> N
     direction: no check tells them from an honest agent's, and none is refused. What must hold
     is the rest: every round ok with every agent, no weight blown up; the report records the
     agent's figures every round (its update's norm and cosine), the numbers a user would look at.
-    What the agent costs the global model is bench/robustness.py's figure."""
+    What the agent costs the global model is bench/experiments/bad_device.toml's figure."""
     run = _run(tmp_path, None, method, FAMILIES[method], None, shuffle_labels=True)
     report = run.report
     assert report["status"] == "finished" and [r["status"] for r in report["rounds"]] == ["ok"] * ROUNDS
@@ -364,7 +364,7 @@ VALIDATION = {"validation_samples": 500, "validation_agent_train_samples": TRAIN
 
 def test_fedavg_sign_flip_under_dirichlet_0_1_with_the_validation_set(tmp_path: Path) -> None:
     """Under Dirichlet(0.1) honest agents point away from the round's median as far as a
-    sign-flipped one (bench/results/update_directions.json): the direction check cannot tell
+    sign-flipped one (bench/experiments/direction_cosines.toml): the direction check cannot tell
     them apart. The server's validation set can: the global model plus the flipped update does
     far worse on it than plus an honest one. The agent is refused every round it is judged
     (implausible_validation, named in report.json with the figure)."""

@@ -26,8 +26,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "RUN_FIGURES", "OPTIONAL_RUN_FIGURES", "LEAKAGE_FIGURES", "CELL_STATUSES", "ResultsError", "leakage_figures", "load_results", "machine",
-           "run_figures", "validate_results", "write_results"]
+__all__ = ["SCHEMA", "RUN_FIGURES", "OPTIONAL_RUN_FIGURES", "LEAKAGE_FIGURES", "ROBUSTNESS_FIGURES", "CELL_STATUSES", "ResultsError",
+           "faulty_agents", "leakage_figures", "load_results", "machine", "robustness_figures", "run_figures", "validate_results",
+           "write_results"]
 
 SCHEMA = 1
 CELL_STATUSES = ("done", "failed")
@@ -39,12 +40,17 @@ RUN_FIGURES = (
     "eval_up_payload_bytes", "eval_up_wire_bytes", "eval_down_payload_bytes", "eval_down_wire_bytes",
     "peak_agent_rss_bytes", "run_wall_s",
 )
+#: What the server's screen did and judged (its ``robustness`` records), the agents made faulty on
+#: purpose (``--faulty-agent``, named in the report) apart from the honest ones; see :func:`robustness_figures`.
+ROBUSTNESS_FIGURES = ("refused_uploads", "honest_refused_uploads", "faulty_refused_uploads", "faulty_unused_rounds",
+                      "honest_min_cosine", "faulty_max_cosine", "honest_max_validation_rise", "faulty_min_validation_rise",
+                      "honest_min_label_agreement", "faulty_max_label_agreement")
 #: Figures a run has only with a setting on (differential privacy's ε, cloud_server/privacy.py);
 #: results written before they existed lack them, so they are checked only where present.
 OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon", "activation_epsilon_per_image",
                         *(f"{k}_per_round" for k in ("server_train_s", "server_eval_s", "round_s")),
                         "up_wire_bytes_first_round", "up_wire_bytes_per_later_round", "server_eval_over_train",
-                        "later_over_first_round_up", "agents_warned_against_peers", "agent_idle_share")
+                        "later_over_first_round_up", "agents_warned_against_peers", "agent_idle_share", *ROBUSTNESS_FIGURES)
 _IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
 #: The strongest image attack's scores (and its PSNR over the mean image's), and the best label attack's error in the agents' label
 #: histograms beside a uniform guess's, as figures of the long table.
@@ -115,6 +121,51 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
         "later_over_first_round_up": _ratio(timing["up_wire_bytes_per_later_round"], timing["up_wire_bytes_first_round"]),
         "agents_warned_against_peers": _warned_against_peers(report),
         "agent_idle_share": _idle_share(rounds),
+        **robustness_figures(rounds, faulty_agents(report)),
+    }
+
+
+def faulty_agents(report: Mapping[str, Any]) -> set[str]:
+    """The agents the report names as faulty on purpose (``[agent] fault``)."""
+    return {a for a, info in report.get("agents", {}).items() if isinstance(info, Mapping) and info.get("fault")}
+
+
+def robustness_figures(rounds: list[Mapping[str, Any]], faulty: set[str]) -> dict[str, float | int | None]:
+    """What the screen did over a run's rounds (their ``excluded`` and ``robustness`` records): uploads
+    refused as implausible (all, the honest agents', the faulty ones'; FedGKT counts every batch), the
+    rounds a faulty agent's upload was not used in (refused, excluded or quarantined); and what it
+    judged, where the check recorded it: the honest agents' lowest cosine with the round's median
+    update and the faulty ones' highest, the honest agents' largest rise of the validation loss and
+    the faulty ones' smallest finite one (a rise that is not finite is refused at any margin), the
+    honest agents' lowest label agreement and the faulty ones' highest. Null where nothing was judged;
+    the faulty agents' figures null in a run without one."""
+    refused = {"honest": 0, "faulty": 0}
+    judged: dict[str, list[float]] = {}
+    unused = 0
+    for r in rounds:
+        section = r.get("robustness") or {}
+        for agent, reasons in (section.get("refused") or {}).items():
+            refused["faulty" if agent in faulty else "honest"] += sum(int(v.get("count", 1)) for v in reasons.values())
+        if faulty & (set(r.get("excluded") or {}) | set(section.get("quarantine_excluded") or ())):
+            unused += 1
+        agreement = {a: f.get("server") for a, f in ((section.get("label_agreement") or {}).get("agents") or {}).items()}
+        for figure, agents in (("cosine", (section.get("update_directions") or {}).get("agents")),
+                               ("validation_rise", (section.get("update_validation") or {}).get("agents")),
+                               ("label_agreement", agreement)):
+            for agent, value in (agents or {}).items():
+                if _is_number(value):
+                    judged.setdefault(f"{'faulty' if agent in faulty else 'honest'}_{figure}", []).append(float(value))
+    return {
+        "refused_uploads": refused["honest"] + refused["faulty"] if rounds else None,
+        "honest_refused_uploads": refused["honest"] if rounds else None,
+        "faulty_refused_uploads": refused["faulty"] if rounds and faulty else None,
+        "faulty_unused_rounds": unused if rounds and faulty else None,
+        "honest_min_cosine": min(judged.get("honest_cosine", []), default=None),
+        "faulty_max_cosine": max(judged.get("faulty_cosine", []), default=None),
+        "honest_max_validation_rise": max(judged.get("honest_validation_rise", []), default=None),
+        "faulty_min_validation_rise": min(judged.get("faulty_validation_rise", []), default=None),
+        "honest_min_label_agreement": min(judged.get("honest_label_agreement", []), default=None),
+        "faulty_max_label_agreement": max(judged.get("faulty_label_agreement", []), default=None),
     }
 
 

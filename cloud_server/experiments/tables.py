@@ -50,6 +50,17 @@ TIMING_COLUMNS = (
     ("agent_idle_share", "Agents idle %", 100, 1),
     ("final_accuracy", "Global acc. %", 100, 1),
 )
+#: The screen's table (``{{robustness}}``): what the server refused and judged, the faulty agents apart.
+ROBUSTNESS_COLUMNS = (
+    ("final_accuracy", "Global acc. %", 100, 1), ("rounds", "Rounds done", 1, 0),
+    ("honest_refused_uploads", "Honest uploads refused", 1, 0), ("faulty_refused_uploads", "Faulty uploads refused", 1, 0),
+    ("faulty_unused_rounds", "Rounds faulty unused", 1, 0),
+    ("honest_min_cosine", "Honest min cosine", 1, 3), ("faulty_max_cosine", "Faulty max cosine", 1, 3),
+    ("honest_max_validation_rise", "Honest max rise (nats)", 1, 2),
+    ("faulty_min_validation_rise", "Faulty min finite rise (nats)", 1, 2),
+    ("honest_min_label_agreement", "Honest min label agreement", 1, 2),
+    ("faulty_max_label_agreement", "Faulty max label agreement", 1, 2),
+)
 
 
 def long_table(results: Mapping[str, Any]) -> list[Row]:
@@ -223,7 +234,8 @@ DEFAULT_TEMPLATE = "# {{name}}\n\n{{question}}\n\n{{table}}\n\n{{claims}}\n\n{{p
 
 def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], out: Path, link_prefix: str = "") -> str:
     """Fill ``template``'s placeholders (``{{name}}``, ``{{question}}``, ``{{table}}`` the summary,
-    ``{{claims}}``, ``{{cells}}`` the long table, ``{{unattacked}}`` the attacks that did not run and why, ``{{timing}}`` where each run's time and upload bytes go per round, ``{{plot}}`` a picture written beside ``out``,
+    ``{{claims}}``, ``{{cells}}`` the long table, ``{{unattacked}}`` the attacks that did not run and why, ``{{timing}}`` where each run's time and upload bytes go per round, ``{{robustness}}`` what the server's
+    screen refused and judged, ``{{plot}}`` a picture written beside ``out``,
     linked as ``link_prefix`` + its file name)."""
     rows = long_table(results)
     groups = summary(rows)
@@ -234,7 +246,8 @@ def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], o
                             if plot(groups, picture, results["experiment"]["name"]) else "")
     fills = {"name": results["experiment"]["name"], "question": results["experiment"]["question"],
              "table": summary_md(groups), "claims": claims_md(evaluate_claims(claims, groups)), "cells": long_md(rows),
-             "unattacked": unattacked_md(results), "timing": summary_md(groups, TIMING_COLUMNS)}
+             "unattacked": unattacked_md(results), "timing": summary_md(groups, TIMING_COLUMNS),
+             "robustness": summary_md(groups, ROBUSTNESS_COLUMNS)}
     for key, value in fills.items():
         text = text.replace("{{" + key + "}}", value)
     return text

@@ -1143,8 +1143,22 @@ def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -
         lines += [text.replace("{{pictures}}", grid).rstrip(), ""]
         if template.stem == "leakage":
             lines += update_inversion_section(_load(results / "update_inversion.json"))
+        if template.stem == "demo":
+            lines += fresh_clone_lines(_load(results / "demo_fresh_clone.json"))
     lines += secagg_section(_load(results / "secagg.json"))
     return lines
+
+
+def fresh_clone_lines(data: dict[str, Any] | None) -> list[str]:
+    """`make demo` on a fresh clone, install included (bench/demo_fresh_clone.sh)."""
+    if data is None:
+        return ["`make demo` on a fresh clone, install included, is timed by `bench/demo_fresh_clone.sh` "
+                "(`bench/results/demo_fresh_clone.json`): not recorded yet.", ""]
+    load = ", ".join(f"{x:.1f}" for x in data["machine"]["load_average_at_start"])
+    return [f"`make demo` on a fresh clone, install included: {data['seconds'] / 60:.1f} minutes, of which its run "
+            f"{data['run_wall_s'] / 60:.1f} (global accuracy {100 * data['final_accuracy']:.1f}%), at commit "
+            f"`{data['commit'][:10]}` on {data['machine']['cpu_model']}, {data['machine']['cores']} cores, load average "
+            f"{load} at the start (`bench/demo_fresh_clone.sh`, `bench/results/demo_fresh_clone.json`).", ""]
 
 
 def unmeasured_section(template: Path, experiment: Any) -> list[str]:

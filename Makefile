@@ -17,7 +17,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: all venv system-deps test test-fast demo bench bench-methods bench-quick clean
+.PHONY: all venv system-deps test test-fast demo bench bench-methods bench-kd bench-quick clean
 
 all: test
 
@@ -61,6 +61,19 @@ bench-methods: venv system-deps
 	$(PY) bench/methods.py
 	$(VENV)/bin/edgesplit bench run bench/experiments/gkt_server_epochs.toml
 	$(VENV)/bin/edgesplit bench run bench/experiments/fedgkt_ablation.toml
+	$(PY) bench/render_results.py
+
+# The knowledge-distillation methods against their papers' claims (about 150 minutes on 2 idle
+# cores), then their ablations and searches: FedKD one factor at a time (about 65), FedDistill's
+# loss weights (about 90), FedBE's unlabeled set (about 60), the grid's regime (about 20) and
+# FedKD's bytes (about 5). Cells already recorded are skipped.
+bench-kd: venv system-deps
+	$(VENV)/bin/edgesplit bench run bench/experiments/kd_methods.toml
+	$(VENV)/bin/edgesplit bench run bench/experiments/fedkd_ablation.toml
+	$(VENV)/bin/edgesplit bench run bench/experiments/feddistill_weights.toml
+	$(VENV)/bin/edgesplit bench run bench/experiments/fedbe_unlabeled.toml
+	$(VENV)/bin/edgesplit bench run bench/experiments/kd_regime.toml
+	$(VENV)/bin/edgesplit bench run bench/experiments/fedkd_bytes.toml
 	$(PY) bench/render_results.py
 
 # The pipeline checks (accuracies near chance by design), every seed end to end: Table 1 (about

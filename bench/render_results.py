@@ -44,7 +44,7 @@ if str(REPO_ROOT / "bench") not in sys.path:
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison  # noqa: E402
+from _stats import DIFFERENCE_RULE, comparison  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
@@ -466,218 +466,6 @@ def methods_section(data: dict[str, Any] | None, accuracy: dict[str, Any] | None
         "Global accuracy with the server's running BatchNorm statistics, as Table 1's headline; the paper's "
         "figures are its Table 2's on CIFAR-10 (not comparable cell by cell: another dataset and scale).", "",
         *_table(["KD", "Global", "Local", "Paper (CIFAR-10)"], kd_rows),
-        "",
-    ]
-
-
-KD_PARTITIONS = (("iid", "IID"), ("dir0.5", "Dirichlet(0.5)"), ("dir0.1", "Dirichlet(0.1)"))
-KD_DATASETS = {"fashion-mnist": "Fashion-MNIST (32x32 zero-padded, 1 channel)", "synthetic": "synthetic data"}
-KD_VERDICTS = {"holds": "**holds**", "fails": "**fails**", "within noise": "within noise", "too few seeds": "too few seeds",
-               "at chance": "no verdict: both at chance"}
-
-
-def _kd_plots(data: dict[str, Any], image_dir: Path) -> None:
-    """Global accuracy by round per partition (every method), and FedKD's accuracy against
-    cumulative wire MB with FedAvg of the mentor- and mentee-sized models."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    image_dir.mkdir(parents=True, exist_ok=True)
-    cells, labels = data["cells"], {k: v["label"] for k, v in data["scale"]["methods"].items()}
-    keys = [(k, label) for k, label in KD_PARTITIONS if k in data["scale"]["partitions"]]
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.0 * len(keys), 4.0), dpi=100, squeeze=False)
-    for ax, (key, plabel) in zip(axes[0], keys):
-        for name, label in labels.items():
-            cell = cells.get(f"{name}-{key}")
-            if cell is None:
-                continue
-            points = [p for p in cell["accuracy_by_round"] if p["mean"] is not None]
-            ax.errorbar([p["round"] for p in points], [100 * p["mean"] for p in points], yerr=[100 * (p["sd"] or 0.0) for p in points],
-                        marker=".", capsize=2, label=label)
-        ax.set_title(plabel)
-        ax.set_xlabel("round")
-        ax.set_ylabel("global test accuracy (%), mean ± sd")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(image_dir / "kd_methods_accuracy_by_round.png")
-    plt.close(fig)
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.0 * len(keys), 4.0), dpi=100, squeeze=False)
-    for ax, (key, plabel) in zip(axes[0], keys):
-        for label, points in (data["fedkd"].get(key) or {}).get("curves", {}).items():
-            ax.plot([p["cumulative_wire_mb"] for p in points], [100 * p["accuracy"] for p in points], marker=".", label=label)
-        ax.set_xscale("log")
-        ax.set_title(plabel)
-        ax.set_xlabel("cumulative MB on the wire (training, mean over seeds)")
-        ax.set_ylabel("global test accuracy (%), mean over seeds")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(image_dir / "kd_methods_fedkd_bytes.png")
-    plt.close(fig)
-
-
-def kd_methods_section(data: dict[str, Any], image_dir: Path | None = None) -> list[str]:
-    """FedGKD, FedGKD-Vote, FedDistill, FedBE and FedKD against their papers' claims
-    (bench/kd_methods.py): the claim table with its verdicts, the cells, the costs, the curves and
-    FedKD evaluated as its paper does."""
-    head = ["## The KD methods against their papers' claims (issue 24)", ""]
-    scale, cells = data["scale"], data["cells"]
-    methods = scale["methods"]
-    keys = [(k, label) for k, label in KD_PARTITIONS if k in scale["partitions"]]
-    local = scale["local_training"]
-    # The JSONs written before the bench named its models' labels trained the ResNets.
-    mentee, mentor = scale.get("model_label", "ResNet-8"), scale.get("mentor_label", "ResNet-20")
-    incomplete = [] if scale.get("complete", True) else [
-        "**Incomplete:** not every run and seed of the grid is in this JSON yet (a dash marks the missing cells; verdicts "
-        "are computed from the seeds there are).", ""]
-    b = data["budget"]
-    projected = b.get("projected") or {}
-    budget_line = (f"The {len(data['runs'])} runs recorded took {b['wall_time_min']:.1f} min ({b.get('wall_time_is', 'the sum of the runs wall times')}); "
-                   f"the whole grid ({len(methods)} runs × {len(keys)} partitions × {len(scale['planned_seeds'])} seeds) is projected at "
-                   f"{projected.get('minutes', 0.0):.0f} min from the recorded runs"
-                   + (f" and the pilot's ({len(projected.get('cells_from_pilot', []))} cells)" if projected.get("cells_from_pilot") else "")
-                   + f", against a budget of {b['minutes']:.0f} min on 2 cores: **{b['verdict']}**."
-                   + (f" The runs' processes used {b['cpu_time_min']:.1f} CPU min ({b['runs_with_cpu_time']} runs measured); the "
-                      f"machine was shared (load average up to {b['max_load_average']:.1f} around the runs), so the wall time "
-                      "includes other jobs' load." if b.get("cpu_time_min") is not None and b.get("max_load_average") is not None
-                      else ""))
-    claim_rows = []
-    for r in data["claims"]:
-        plabel = dict(KD_PARTITIONS).get(r["partition"], r["partition"])
-        diff = DASH if r["mean_difference"] is None else f"{100 * r['mean_difference']:+.1f}"
-        # Paired (the JSONs since the paired rule): the sd of the per-seed differences; else the two sds combined.
-        paired_row = r.get("rule") == "paired"
-        spread = r.get("sd_difference") if paired_row else r["combined_sd"]
-        sd = DASH if spread is None else f"{100 * spread:.1f}" + ("" if paired_row else " combined")
-        said = KD_VERDICTS.get(r["verdict"], r["verdict"])
-        if r.get("bytes_fraction") is not None:
-            said += f" ({100 * r['bytes_fraction']:.1f}% of the bytes)"
-        if r.get("measure", "global") == "local":
-            plabel += ", on each agent's own test shard (the paper's evaluation)"
-        elif any(o.get("measure") == "local" and o["method"] == r["method"] for o in data["claims"]):
-            plabel += ", on the balanced set"
-        claim_rows.append([r["label"], r["claim"], f"{r['source']}; {r['paper_regime']}", plabel,
-                           f"{r['baseline_label']}: {_pm(r['baseline_accuracy'])}", _pm(r["method_accuracy"]), f"{diff} ({sd})", said])
-    gain_lines = []
-    for method, by_key in data.get("gains_over_baseline", {}).items():
-        parts = [f"{dict(KD_PARTITIONS)[k]} {100 * v:+.1f}" for k, v in by_key.items() if v is not None and k in dict(KD_PARTITIONS)]
-        if parts:
-            gain_lines.append(f"{methods[method]['label']}: {', '.join(parts)} points")
-    rows = []
-    for name, m in methods.items():
-        cols = []
-        for key, _ in keys:
-            cell = cells.get(f"{name}-{key}")
-            cols += [_pm(None if cell is None else cell["final_accuracy"]), _pm(None if cell is None else cell["final_local_accuracy"])]
-        rows.append([m["label"], *cols])
-        if name == "fedkd":
-            cols = []
-            for key, _ in keys:
-                cell = cells.get(f"{name}-{key}")
-                by = (cell or {}).get("final_by_label") or {}
-                cols += [_pm((by.get("global") or {}).get("mentee")), _pm((by.get("local") or {}).get("mentee"))]
-            rows.append([f"FedKD's global mentee ({mentee}; not the deployed model)", *cols])
-    header = ["Method"] + [f"{label} {kind}" for _, label in keys for kind in ("global", "local")]
-    versus = data.get("versus_fedavg", {})
-    cost_rows = []
-    for name, m in methods.items():
-        for key, plabel in keys:
-            cell = cells.get(f"{name}-{key}")
-            if cell is None:
-                continue
-            reach = (versus.get(name) or {}).get(key) or {}
-            rounds_to = DASH if name == "fedavg" else (
-                f"{reach['rounds_to_fedavg_final']} of {reach['fedavg_rounds']}" if reach.get("rounds_to_fedavg_final") is not None
-                else "not reached")
-            cost_rows.append([m["label"], plabel, _pm(cell["edge_tflops"], 1.0, 2, ""), _pm(cell["wire_mb"], 1.0, 1, ""),
-                              _pm(cell["server_tflops"], 1.0, 2, "") if cell["server_tflops"]["mean"] is not None else DASH,
-                              _pm(cell["wall_min"], 1.0, 1, ""), rounds_to])
-    # Five evaluated rounds, evenly spaced from the first to the last.
-    evaluated = [r for r in range(1, scale["rounds"] + 1) if r % scale["eval_every"] == 0 or r == scale["rounds"]]
-    curve_rounds = sorted({evaluated[i * (len(evaluated) - 1) // 4] for i in range(5)}) if evaluated else []
-    curve_rows = []
-    for name, m in methods.items():
-        for key, plabel in keys:
-            cell = cells.get(f"{name}-{key}")
-            if cell is None:
-                continue
-            at = {p["round"]: p for p in cell["accuracy_by_round"]}
-            curve_rows.append([m["label"], plabel, *[_pm(at.get(r)) for r in curve_rounds]])
-    kd_rows = []
-    for key, plabel in keys:
-        v = data["fedkd"].get(key)
-        if v is None:
-            continue
-        reach = v["wire_mb_to_fedavg_mentor_final"]
-
-        def mb(label: str) -> str:
-            hit = reach.get(label)
-            return "not reached" if hit is None else f"{hit['wire_mb']:.1f} (round {hit['round']})"
-
-        kd_rows.append([plabel, _pm(v["mentors_global"]), _pm(v["mentors_local"]), _pm(v["mentee_global"]), _pm(v["mentee_local"]),
-                        _pm(v["fedavg_mentor_global"]), _pm(v["fedavg_mentee_global"]),
-                        f"{_pm(v['fedkd_wire_mb'], 1.0, 1, '')} / {_pm(v['fedavg_mentor_wire_mb'], 1.0, 1, '')} / "
-                        f"{_pm(v['fedavg_mentee_wire_mb'], 1.0, 1, '')}",
-                        f"{mb('fedkd mentors')} / {mb('fedkd mentee')} / {mb('fedavg mentor')}"])
-    images = []
-    if image_dir is not None and data["claims"]:
-        _kd_plots(data, image_dir)
-    if data["claims"]:
-        images = ["![kd_methods_accuracy_by_round.png](img/kd_methods_accuracy_by_round.png)", "",
-                  "![kd_methods_fedkd_bytes.png](img/kd_methods_fedkd_bytes.png)", ""]
-    return [
-        *head,
-        f"From `bench/results/kd_methods.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
-        f"The papers' regime sized for 2 cores: {KD_DATASETS.get(scale['dataset'], scale['dataset'])}, {scale['agents']} agents, "
-        f"{scale['agents_per_round']} drawn per round (`client_fraction` {scale['client_fraction']}), "
-        f"{scale['train_samples']:,} training images ({scale['train_samples_per_agent']:.0f} per agent on average), "
-        f"{scale['rounds']} rounds of {scale['local_epochs']} local epochs, {local['optimizer'].upper()} lr {local['lr']} momentum "
-        f"{local['momentum']} weight decay {local['weight_decay']} batch {local['batch_size']} for every method, "
-        f"{scale['model']} ({scale['mentor']} for FedKD's mentors and its FedAvg baseline), evaluated every "
-        f"{scale['eval_every']} rounds; seeds {_seeds_text(scale['seeds'])} (the data subset, the partition, the models, the "
-        f"client sampling, the shuffling). {budget_line}", "",
-        *incomplete,
-        f"{_eval_set_line(data, scale['seeds'])} **Global**: the deployed model after the last round on that set (FedKD: each "
-        "of the round's agents' mentors, the mean); **local**: the last evaluated round's agents' deployed models on their own "
-        f"test shards, sample-weighted. {_rule_line()} The claims are judged paired, because the seed draws the split and every "
-        f"method of a seed shares it: {PAIRED_RULE} (a row marked *combined* had fewer than two seeds in common and is "
-        "judged by the unpaired rule). The verdict: for a claim of *above* FedAvg, **holds** when the mean per-seed "
-        "difference is above zero by more than its sd, **fails** when below by more than that, *within noise* otherwise; "
-        f"for FedKD's *comparable accuracy at fewer bytes*, **holds** unless its mentors are below FedAvg({mentor}) by more "
-        "than that or its wire bytes are not fewer. FedKD is judged twice: on each agent's own test shard (its mentor there "
-        f"against FedAvg({mentor})'s global model on the same shard), as its paper scores it (\"the average performance of "
-        "local mentor models on the local data\", docs/methods/fedkd.md), and on the balanced set, the headline every "
-        "other row uses. No verdict where both means are within 5 points of chance (10 %).", "",
-        "### The claim table", "",
-        *_table(["Method", "Paper's claim", "Paper's evidence and regime", "Here", "Baseline (mean ± sd)", "Method (mean ± sd)",
-                 "Difference, points (sd of the per-seed differences)", "Verdict"], claim_rows, right_from=4),
-        "",
-        *([f"Gain over the baseline by partition (means): {'; '.join(gain_lines)}.", ""] if gain_lines else []),
-        "### Every method, every partition", "",
-        *_table(header, rows),
-        "",
-        "What each cell cost (training only): edge training TFLOPs summed over the agents and rounds, MB on the wire through "
-        "the server's connection (both directions, training messages), FedBE's server TFLOPs (ensemble and distillation), the "
-        f"run's wall time, and the first round at which the method's mean curve reached FedAvg({mentee})'s final mean accuracy "
-        "(FedDistill's Table III measure).", "",
-        *_table(["Method", "Partition", "Edge TFLOPs", "Wire MB", "Server TFLOPs", "Wall min", "Rounds to FedAvg's final"],
-                cost_rows, right_from=2),
-        "",
-        "Global accuracy by round (mean ± sd over seeds; every evaluated round is in the JSON):", "",
-        *images,
-        *_table(["Method", "Partition", *[f"round {r}" for r in curve_rounds]], curve_rows, right_from=2),
-        "",
-        "### FedKD evaluated as its paper does", "",
-        "FedKD infers with each agent's private mentor: its accuracy is the mentors' (global: each of the last round's agents' "
-        "mentor on the balanced set, the mean; local: each on its own shard), next to the shared mentee it federates, and "
-        f"against FedAvg of the mentor model ({mentor}) and of the mentee one ({mentee}). Wire MB are the whole run's "
-        f"training bytes (FedKD / FedAvg({mentor}) / FedAvg({mentee})); the last column is the MB moved until the mean curve "
-        f"first reached FedAvg({mentor})'s final mean accuracy (mentors / mentee / FedAvg({mentor}) itself).", "",
-        *_table(["Partition", "Mentors global", "Mentors local", "Mentee global", "Mentee local", f"FedAvg({mentor}) global",
-                 f"FedAvg({mentee}) global", "Wire MB", f"MB to FedAvg({mentor})'s final"], kd_rows),
         "",
     ]
 
@@ -1176,7 +964,7 @@ def _first_seed(data: dict[str, Any], method: str) -> int:
 
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("edge_cost", "accuracy", "methods", "kd_methods", "transport", "server_loop", "scale", "metrics_overhead")}
+               for name in ("edge_cost", "accuracy", "methods", "transport", "server_loop", "scale", "metrics_overhead")}
     quick = _load(results / "accuracy-quick.json")
     if sources["accuracy"] is not None and quick is not None:
         sources["accuracy"] = {**sources["accuracy"], "quick": quick}
@@ -1192,7 +980,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "",
     ]
     lines += decision_section(load_experiment_results(results / "leakage.json"), defence_rows(load_defences(results)))
-    sections = (("accuracy", accuracy_section), ("kd_methods", kd_methods_section), ("edge_cost", edge_cost_section),
+    sections = (("accuracy", accuracy_section), ("edge_cost", edge_cost_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
                 ("metrics_overhead", metrics_overhead_section))
     footprint = _load(results / "footprint.json")
@@ -1215,7 +1003,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
             lines += [f"*`bench/results/{name}.json` not found: run `bench/{name}.py`.*", ""]
             continue
         try:
-            lines += section(data, image_dir) if name == "kd_methods" else section(data)
+            lines += section(data)
             if name == "accuracy":
                 lines += cost_curves(data, image_dir)
                 lines += methods_section(sources["methods"], data)

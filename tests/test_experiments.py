@@ -360,6 +360,16 @@ def test_a_variant_can_run_only_some_seeds(tmp_path: Path) -> None:
                                          + '\n[variants.bad]\nseeds = "0"\n'))
 
 
+def test_a_variant_can_run_only_some_partitions(tmp_path: Path) -> None:
+    text = SMALL.format(name="small", method="fedgkt", rounds=1).replace(
+        'partitions = ["iid"]', 'partitions = ["iid", "dirichlet:0.5"]').replace("seeds = [0, 1, 2]", "seeds = [0]")
+    experiment = load_experiment(write_experiment(tmp_path, text + "\n[variants.default]\n\n[variants.skewed]\n"
+                                                  'partitions = ["dirichlet:0.5"]\n'))
+    assert [c.key for c in experiment.cells()] == ["fedgkt-iid-s0", "fedgkt-dirichlet0.5-s0", "fedgkt-skewed-dirichlet0.5-s0"]
+    with pytest.raises(ExperimentError, match="variants.bad.partitions: 'dirichlet:0.1' is not a partition of this grid"):
+        load_experiment(write_experiment(tmp_path, text + '\n[variants.bad]\npartitions = ["dirichlet:0.1"]\n'))
+
+
 def test_run_figures_say_where_each_rounds_time_and_upload_bytes_go() -> None:
     def round_(n: int, up: int, train: float, evaluator: float | None, hook: float) -> dict[str, Any]:
         evaluation = None if evaluator is None else {"server_eval_s": evaluator}
@@ -461,6 +471,28 @@ def test_claims_are_met_not_met_or_without_data() -> None:
               Claim("FedAvg leaks less than 15 dB", "fedavg", "leakage_psnr_db", "<", 15.0),
               Claim("FedAvg on step:2", "fedavg", "final_accuracy", ">", 0.1, partition="step:2")]
     assert [c["met"] for c in evaluate_claims(claims, groups)] == [True, False, None, None]
+
+
+def test_a_claim_against_a_baseline_is_judged_on_the_per_seed_differences(tmp_path: Path) -> None:
+    results = good_results()
+    results["cells"].append({**results["cells"][2], "key": "fedavg-iid-s1", "seed": 1, "run": {**FIGURES, "final_accuracy": 0.85}})
+    groups = summary(long_table(results))
+    # fedgkt 0.70 / 0.80 against fedavg 0.60 / 0.85: differences +0.10 and -0.05, mean +0.025.
+    above = Claim("FedGKT above FedAvg", "fedgkt", "final_accuracy", ">", 0.0, baseline="fedavg")
+    by_far = Claim("FedGKT 5 points above FedAvg", "fedgkt", "final_accuracy", ">", 0.05, baseline="fedavg")
+    elsewhere = Claim("FedGKT above FedAvg's other variant", "fedgkt", "final_accuracy", ">", 0.0, baseline="fedavg",
+                      baseline_variant="u8")
+    judged = evaluate_claims([above, by_far, elsewhere], groups)
+    assert [c["met"] for c in judged] == [True, False, None]
+    assert judged[0]["observed"] == [pytest.approx(0.025)] and judged[0]["spread"] == [pytest.approx(0.1061, abs=1e-4)]
+    assert "fedgkt final_accuracy - fedavg's > 0" in above.describe()
+    # Only the seeds both ran pair: without fedavg's seed 1 the difference is seed 0's alone.
+    results["cells"].pop()
+    assert evaluate_claims([above], summary(long_table(results)))[0]["observed"] == [pytest.approx(0.10)]
+    text = SMALL.format(name="small", method="fedgkt", rounds=1)
+    with pytest.raises(ExperimentError, match="claims: baseline 'fedavg' is not in the grid"):
+        load_experiment(write_experiment(tmp_path, text + '[[claims]]\ntext = "x"\nmethod = "fedgkt"\nbaseline = "fedavg"\n'
+                                         'figure = "final_accuracy"\nop = ">"\nvalue = 0\n'))
 
 
 def test_the_tables_and_the_template(tmp_path: Path) -> None:

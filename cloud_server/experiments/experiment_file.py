@@ -12,9 +12,9 @@ The file's layout (docs/experiments.md)::
     [budget]                       # max_wall_s: the most one run may take
     [flags] / [set]                # every run: method flags by name, --set TABLE.KEY = VALUE
     [method.NAME]                  # one method's: flags = {...}, set = {...}
-    [variants.NAME]                # a variant of the grid: flags, set, faulty_agents, methods and seeds (only these)
+    [variants.NAME]                # a variant of the grid: flags, set, faulty_agents, methods, partitions and seeds (only these)
     faulty_agents = ["4:sign_flip:4"]  # (top level, per method or per variant) --faulty-agent AGENT_INDEX:KIND[:SCALE]
-    [[claims]]                     # text, method, figure, op, value, partition, variant
+    [[claims]]                     # text, method, figure, op, value, partition, variant, baseline, baseline_variant
 """
 
 from __future__ import annotations
@@ -108,12 +108,15 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "") -> Experiment:
         per_method[name] = _overrides(table, f"method.{name}")
     variants = []
     for name, table in _table(raw, "variants", _keys(raw, "variants")).items():
-        if not isinstance(table, dict) or sorted(set(table) - {"flags", "set", "faulty_agents", "methods", "seeds"}):
-            raise ExperimentError(f"variants.{name}: a variant is a table with flags, set, faulty_agents, methods and seeds only")
+        if not isinstance(table, dict) or sorted(set(table) - {"flags", "set", "faulty_agents", "methods", "partitions", "seeds"}):
+            raise ExperimentError(f"variants.{name}: a variant is a table with flags, set, faulty_agents, methods, partitions "
+                                  "and seeds only")
         only_seeds = table.get("seeds", [])
         if not isinstance(only_seeds, list):
             raise ExperimentError(f"variants.{name}.seeds is a list of seeds, got {only_seeds!r}")
-        variants.append(Variant(name, _overrides(table, f"variants.{name}"), tuple(table.get("methods", ())), tuple(only_seeds)))
+        only_partitions = _strings(table, "partitions") if "partitions" in table else ()
+        variants.append(Variant(name, _overrides(table, f"variants.{name}"), tuple(table.get("methods", ())), tuple(only_seeds),
+                                only_partitions))
     audit_raw = raw.get("audit", False)
     if isinstance(audit_raw, bool):
         audit = AuditSpec() if audit_raw else None

@@ -134,12 +134,13 @@ class Overrides:
 @dataclass(frozen=True)
 class Variant:
     """A named set of overrides every method of the grid runs with (``methods``: only these;
-    ``seeds``: only these, e.g. a costly reference run once)."""
+    ``partitions``: only these; ``seeds``: only these, e.g. a costly reference run once)."""
 
     name: str
     overrides: Overrides = Overrides()
     methods: tuple[str, ...] = ()
     seeds: tuple[int, ...] = ()
+    partitions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for seed in self.seeds:
@@ -175,7 +176,10 @@ class AuditSpec:
 @dataclass(frozen=True)
 class Claim:
     """A paper's claim checked on the collected table: the mean over seeds of ``figure`` for
-    the cells of ``method`` (and ``partition`` / ``variant`` when given) ``op`` ``value``."""
+    the cells of ``method`` (and ``partition`` / ``variant`` when given) ``op`` ``value``. With a
+    ``baseline`` (a method of the grid, in ``baseline_variant``, default the plain runs) the claim
+    is relative: the mean over the seeds both ran of ``method``'s figure minus the baseline's on
+    the same partition and seed (each seed is one split, shared by both) ``op`` ``value``."""
 
     text: str
     method: str
@@ -184,6 +188,8 @@ class Claim:
     value: float
     partition: str | None = None
     variant: str | None = None
+    baseline: str | None = None
+    baseline_variant: str = DEFAULT_VARIANT
 
     def __post_init__(self) -> None:
         if self.op not in CLAIM_OPERATORS:
@@ -196,7 +202,10 @@ class Claim:
 
     def describe(self) -> str:
         where = ", ".join(x for x in (self.partition, self.variant) if x)
-        return f"{self.method}{f' ({where})' if where else ''} {self.figure} {self.op} {self.value:g}"
+        minus = ""
+        if self.baseline:
+            minus = f" - {self.baseline}{f' ({self.baseline_variant})' if self.baseline_variant != DEFAULT_VARIANT else ''}'s"
+        return f"{self.method}{f' ({where})' if where else ''} {self.figure}{minus} {self.op} {self.value:g}"
 
 
 @dataclass(frozen=True)
@@ -321,9 +330,16 @@ class Experiment:
             for method in variant.methods:
                 if method not in methods:
                     raise ExperimentError(f"variants.{variant.name}.methods: {method!r} is not a method of this grid")
+            for partition in variant.partitions:
+                if partition not in self.partitions:
+                    raise ExperimentError(f"variants.{variant.name}.partitions: {partition!r} is not a partition of this grid "
+                                          f"({', '.join(self.partitions)})")
         for claim in self.claims:
-            if claim.method not in methods:
-                raise ExperimentError(f"claims: method {claim.method!r} is not in the grid ({', '.join(methods)})")
+            for role, name in (("method", claim.method), ("baseline", claim.baseline)):
+                if name is not None and name not in methods:
+                    raise ExperimentError(f"claims: {role} {name!r} is not in the grid ({', '.join(methods)})")
+            if claim.baseline is not None and claim.baseline_variant not in {v.name for v in self.variants}:
+                raise ExperimentError(f"claims: baseline_variant {claim.baseline_variant!r} is not a variant of this grid")
 
     def cells(self) -> list[Cell]:
         """The grid: method x variant x partition x seed, each with its overrides (every run's,
@@ -341,6 +357,8 @@ class Experiment:
                                  {n: v for n, v in merged.settings.items()
                                   if n.partition(".")[0] in (*RUN_TABLES, method)}, merged.faulty_agents)
                 for partition in self.partitions:
+                    if variant.partitions and partition not in variant.partitions:
+                        continue
                     for seed in variant.seeds or self.seeds:
                         parts = [method, *([variant.name] if variant.name != DEFAULT_VARIANT else []),
                                  re.sub(r"[^A-Za-z0-9_.-]+", "", partition), f"s{seed}"]

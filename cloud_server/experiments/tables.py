@@ -91,7 +91,7 @@ def _mean_sd(values: Sequence[float]) -> tuple[float | None, float | None]:
 
 def summary(rows: Sequence[Row]) -> list[Row]:
     """Per method x partition x variant (in the rows' order): ``n`` done seeds and, per figure,
-    ``{"mean", "sd", "n"}`` over the seeds that measured it (sd: sample sd, None for one seed)."""
+    ``{"mean", "sd", "n", "by_seed"}`` over the seeds that measured it (sd: sample sd, None for one seed)."""
     groups: dict[tuple[str, ...], list[Row]] = {}
     for row in rows:
         if row["status"] == "done":
@@ -100,23 +100,40 @@ def summary(rows: Sequence[Row]) -> list[Row]:
     for group, members in groups.items():
         entry: Row = {**dict(zip(GROUP, group)), "n": len(members), "seeds": [m["seed"] for m in members]}
         for figure in (*RUN_FIGURES, *OPTIONAL_RUN_FIGURES, *LEAKAGE_FIGURES):
-            values = [m[figure] for m in members if m.get(figure) is not None]
-            mean, sd = _mean_sd(values)
-            entry[figure] = {"mean": mean, "sd": sd, "n": len(values)}
+            by_seed = {m["seed"]: m[figure] for m in members if m.get(figure) is not None}
+            mean, sd = _mean_sd(list(by_seed.values()))
+            entry[figure] = {"mean": mean, "sd": sd, "n": len(by_seed), "by_seed": by_seed}
         out.append(entry)
     return out
 
 
+def _paired(group: Row, baseline: Row | None, figure: str) -> tuple[float | None, float | None]:
+    """The mean and sd of ``group``'s figure minus ``baseline``'s, over the seeds both measured."""
+    if baseline is None:
+        return None, None
+    mine, theirs = group.get(figure, {}).get("by_seed", {}), baseline.get(figure, {}).get("by_seed", {})
+    return _mean_sd([mine[seed] - theirs[seed] for seed in mine if seed in theirs])
+
+
 def evaluate_claims(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> list[Row]:
     """Each claim against the mean over seeds of its cells: ``met`` True / False, or None when
-    no done cell measured the figure (several matching groups: each must meet it)."""
+    no done cell measured the figure (several matching groups: each must meet it). A claim with
+    a baseline is judged on the mean per-seed difference from the baseline's cell of the same
+    partition; ``spread`` holds the sd of those differences (the paired noise), None for one seed."""
     out = []
     for claim in claims:
         groups = [s for s in summary_rows if s["method"] == claim.method
                   and claim.partition in (None, s["partition"]) and claim.variant in (None, s["variant"])]
-        observed = [s[claim.figure]["mean"] for s in groups if s.get(claim.figure, {}).get("mean") is not None]
+        if claim.baseline is None:
+            observed = [s[claim.figure]["mean"] for s in groups if s.get(claim.figure, {}).get("mean") is not None]
+            spread: list[float | None] = [s[claim.figure]["sd"] for s in groups if s.get(claim.figure, {}).get("mean") is not None]
+        else:
+            pairs = [_paired(s, next((b for b in summary_rows if b["method"] == claim.baseline and b["partition"] == s["partition"]
+                                      and b["variant"] == claim.baseline_variant), None), claim.figure) for s in groups]
+            observed = [mean for mean, _ in pairs if mean is not None]
+            spread = [sd for mean, sd in pairs if mean is not None]
         met = all(CLAIM_OPERATORS[claim.op](v, claim.value) for v in observed) if observed else None
-        out.append({"claim": claim.text, "check": claim.describe(), "observed": observed, "met": met})
+        out.append({"claim": claim.text, "check": claim.describe(), "observed": observed, "spread": spread, "met": met})
     return out
 
 
@@ -150,9 +167,14 @@ def claims_md(claims: Sequence[Row]) -> str:
     if not claims:
         return ""
     word = {True: "met", False: "**not met**", None: "no data"}
-    rows = [[c["claim"], f"`{c['check']}`", ", ".join(f"{v:.4g}" for v in c["observed"]) or "—", word[c["met"]]]
-            for c in claims]
-    return _md(["Claim", "Check", "Observed (mean over seeds)", "Result"], rows)
+
+    def seen(value: float, sd: float | None) -> str:
+        return f"{value:.4g}" + (f" ± {sd:.2g}" if sd is not None else "")
+
+    rows = [[c["claim"], f"`{c['check']}`", ", ".join(seen(v, sd) for v, sd in zip(c["observed"], c.get("spread") or
+                                                                                   [None] * len(c["observed"]))) or "—",
+             word[c["met"]]] for c in claims]
+    return _md(["Claim", "Check", "Observed (mean ± sd over seeds)", "Result"], rows)
 
 
 def long_md(rows: Sequence[Row]) -> str:

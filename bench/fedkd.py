@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from _federation import RESULTS, DataSpec, RunSpec, machine, quiet_logs, round_series, run_federation, write_json
-from accuracy import BATCH, PARTITIONS  # the baselines' batch and partitions
+from _federation import BATCH, PARTITIONS  # the baselines' batch and partitions
 
 # The baselines' scales as bench/results/fedkd.json was measured with them (bench/accuracy.py's
 # quick and full scales before Table 1 moved to 4 agents x 1,000 images and three seeds).

@@ -110,7 +110,7 @@ from typing import Any
 
 from _federation import REPO_ROOT, RESULTS, DataSpec, RunSpec, machine, quiet_logs, round_series, run_federation, write_json
 from _stats import DIFFERENCE_RULE, PAIRED_RULE, comparison, mean_sd, paired
-from accuracy import budget, elapsed_s, eval_set_of, parse_seeds, run_key
+from _federation import budget, elapsed_s, eval_set_of, parse_seeds, run_key
 
 # In the order the grid runs them: the strongest skew (every claim's headline) first.
 PARTITIONS = {"dir0.1": "dirichlet:0.1", "dir0.5": "dirichlet:0.5", "iid": "iid"}

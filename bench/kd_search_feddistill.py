@@ -71,7 +71,7 @@ from typing import Any
 import kd_methods as kd
 from _federation import RESULTS, DataSpec, RunSpec, machine, quiet_logs, run_federation, write_json
 from _stats import PAIRED_RULE, mean_sd, paired
-from accuracy import budget, elapsed_s, parse_seeds, run_key
+from _federation import budget, elapsed_s, parse_seeds, run_key
 
 from cloud_server.methods.feddistill import FedDistillConfig
 

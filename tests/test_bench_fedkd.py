@@ -37,8 +37,8 @@ def _figures(threshold: float, up: float, down: float, sync: int) -> dict[str, A
 
 def test_setting_is_the_baselines(bench) -> None:  # type: ignore[no-untyped-def]
     """The baselines' setting as fedkd.json was measured with it (pinned in bench/fedkd.py since
-    bench/accuracy.py moved to 4 agents and seeds), with bench/accuracy.py's batch and partitions."""
-    accuracy = load("accuracy")
+    Table 1 moved to 4 agents and seeds), with the baselines' batch and partitions (bench/_federation.py)."""
+    accuracy = load("_federation")
     runs = bench.plan(quick=False, learning_run=True)
     assert [r.key for r in runs] == ["iid", "noniid", "learning-iid"]
     recorded = json.loads((RESULTS / "fedkd.json").read_text())["runs"]

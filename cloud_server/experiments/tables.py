@@ -264,8 +264,8 @@ def curves_md(points: Sequence[Row]) -> str:
 
 
 def plot_curves(points: Sequence[Row], path: Path, title: str = "") -> bool:
-    """Global accuracy by round against the edge GFLOPs and the bytes spent so far, one line per group,
-    error bars the sd over the seeds. False: nothing to plot."""
+    """Global accuracy by round against the edge GFLOPs and the bytes spent so far (log axes), one line per
+    group, error bars the sd over the seeds. False: nothing to plot."""
     groups: dict[tuple[str, ...], list[Row]] = {}
     for p in points:
         if p["accuracy"]["mean"] is not None:
@@ -282,14 +282,14 @@ def plot_curves(points: Sequence[Row], path: Path, title: str = "") -> bool:
     axes = fig.subplots(1, 2)
     for ax, (key, scale, label) in zip(axes, panels):
         for i, (group, line) in enumerate(groups.items()):
-            kept = [p for p in line if p[key] is not None]
+            kept = [p for p in line if p[key]]  # nothing spent (a reference cell's edge and wire) has no place on a log axis
             if kept:
                 ax.errorbar([p[key] * scale for p in kept], [p["accuracy"]["mean"] * 100 for p in kept],
                             yerr=[(p["accuracy"]["sd"] or 0) * 100 for p in kept], marker="o", capsize=3, color=f"C{i % 10}",
                             linestyle=("-", "--", ":", "-.")[(i // 10) % 4], label=" ".join(g for g in group if g != "default"))
         ax.set_xlabel(label)
         ax.set_ylabel("global accuracy (%)")
-        ax.set_xscale("symlog")
+        ax.set_xscale("log")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
     if title:

@@ -43,7 +43,7 @@ demo: venv system-deps
 
 # The benchmarks behind docs/results.md, on 2 idle cores; each experiment resumes where it stopped
 # and skips the runs it has recorded. Table 1 with Table 2 and the other methods on its setting
-# (bench/experiments/table1.toml, 48 runs of 5-30 minutes), Table 3 (sync vs async on make demo's
+# (bench/experiments/table1.toml), Table 3 (sync vs async on make demo's
 # setting) and the communication cost.
 bench: venv system-deps
 	$(PY) bench/codecs.py

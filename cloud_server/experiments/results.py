@@ -7,7 +7,7 @@ A results file (``bench/results/NAME.json``)::
      "machine": {"cpu_model", "cores", "torch", "python"},
      "cells": [{"key", "method", "partition", "seed", "variant", "overrides", "command",
                 "status": "done" | "failed", "wall_s", "error",
-                "run": {RUN_FIGURES: number or null} or null,
+                "run": {RUN_FIGURES: number or null, RUN_SERIES: [number or null per round]} or null,
                 "leakage": {"attacks": {name: {...}}, "strongest": {...} or null} or null}]}
 
 ``run`` is read from the run's ``report.json`` by :func:`run_figures` and ``leakage`` from

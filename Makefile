@@ -41,26 +41,24 @@ test: venv system-deps
 demo: venv system-deps
 	$(VENV)/bin/edgesplit local --method fedgkt --agents 4 --rounds 6 --train-samples 3000 --test-samples 1000 --dataset fashion-mnist --partition dirichlet:0.5 --run-id demo --out runs/demo
 
-# The benchmarks behind docs/results.md, on 2 idle cores (about 4-5 hours in all). Table 1
-# (bench/accuracy.py: FedGKT vs FedAvg(ResNet-56) vs centralized ResNet-56 / ResNet-8, IID and
-# Dirichlet(0.5), 3 seeds) is budgeted at 150 minutes (estimated 98-125) and its JSON says whether it
-# kept the budget; Table 3 (sync vs async on make demo's setting, 3 seeds and the no-replay ablation)
-# took about 85 minutes; the communication cost (5 runs at Table 1's IID scale) about 30-90.
+# The benchmarks behind docs/results.md, on 2 idle cores; each experiment resumes where it stopped
+# and skips the runs it has recorded. Table 1 with Table 2 and the other methods on its setting
+# (bench/experiments/table1.toml), Table 3 (sync vs async on make demo's
+# setting) and the communication cost.
 bench: venv system-deps
 	$(PY) bench/codecs.py
 	$(PY) bench/edge_cost.py
-	$(PY) bench/accuracy.py
+	$(VENV)/bin/edgesplit bench run bench/experiments/table1.toml
 	$(VENV)/bin/edgesplit bench run bench/experiments/fedgkt_async.toml
 	$(VENV)/bin/edgesplit bench run bench/experiments/comm_cost.toml
 	$(PY) bench/render_results.py
 
-# Outside Table 1's budget: the other methods (FedGKD, FedDistill, FedBE, FedKD) and FedGKT's KD
-# ablation on Table 1's setting (bench/methods.py: about 80 minutes a seed, 4 hours for its 3 seeds),
-# FedGKT's server epochs per round and the one-factor-at-a-time ablation (seed 0).
+# FedGKT's server epochs per round, the one-factor-at-a-time ablation, and what --low-memory's
+# micro-batches cost in accuracy.
 bench-methods: venv system-deps
-	$(PY) bench/methods.py
 	$(VENV)/bin/edgesplit bench run bench/experiments/gkt_server_epochs.toml
 	$(VENV)/bin/edgesplit bench run bench/experiments/fedgkt_ablation.toml
+	$(VENV)/bin/edgesplit bench run bench/experiments/low_memory.toml
 	$(PY) bench/render_results.py
 
 # The knowledge-distillation methods against their papers' claims (about 150 minutes on 2 idle
@@ -76,11 +74,9 @@ bench-kd: venv system-deps
 	$(VENV)/bin/edgesplit bench run bench/experiments/fedkd_bytes.toml
 	$(PY) bench/render_results.py
 
-# The pipeline checks (accuracies near chance by design), every seed end to end: Table 1 (about
-# 10 min), the other methods (about 15 min).
+# The pipeline check: one small run through the runner, audit included (under a minute).
 bench-quick: venv system-deps
-	$(PY) bench/accuracy.py --quick
-	$(PY) bench/methods.py --quick
+	$(VENV)/bin/edgesplit bench run bench/experiments/smoke.toml --results runs/bench-quick/smoke.json --runs-dir runs/bench-quick/runs
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

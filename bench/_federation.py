@@ -12,6 +12,7 @@ wall times are those of agents that take turns on the CPU.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -190,3 +191,61 @@ def round_series(report: dict[str, Any]) -> list[dict[str, Any]]:
             "round_s": r["time_s"]["round"],
         })
     return out
+
+
+# -- the seeded runs of the KD benches: keys, seeds, their evaluation set, wall time and budget -- #
+
+#: The baselines' batch and partitions (the FedGKT paper's Table 1 setting, bench/experiments/table1.toml).
+BATCH = 32
+PARTITIONS = {"iid": "iid", "noniid": "dirichlet:0.5"}
+
+
+def run_key(name: str, seed: int) -> str:
+    """A run's key in the JSON and its directory: the run's name and its seed."""
+    return f"{name}-seed{seed}"
+
+
+def parse_seeds(text: str) -> list[int]:
+    seeds = sorted({int(s) for s in text.replace(" ", "").split(",") if s != ""})
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"--seeds: a comma-separated list of seeds >= 0, got {text!r}")
+    return seeds
+
+
+def eval_set_of(results: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+    """The evaluation set the runs were scored on, and whether it is the same set for every
+    run (by its ids' hash). None for runs that predate it."""
+    sets = [r.get("eval_set") for r in results.values()]
+    if not sets or any(s is None for s in sets):
+        return None, False
+    same = len({(s.get("ids_sha256"), s.get("images_sha256")) for s in sets}) == 1
+    return sets[0], same
+
+
+def budget(elapsed_s: float, minutes: float, complete: bool, named_scale: bool) -> dict[str, Any]:
+    """The budget check: over budget as soon as the runs' total wall time exceeds it."""
+    over = elapsed_s / 60 > minutes
+    verdict = "over budget" if over else ("within budget" if complete else "incomplete (within budget so far)")
+    return {"minutes": minutes, "wall_time_min": elapsed_s / 60, "complete": complete,
+            "verdict": verdict if named_scale else f"{verdict} (custom scale: the budget is the named scale's)",
+            "within_budget": (not over) if complete and named_scale else (False if over and named_scale else None)}
+
+
+def elapsed_s(results: dict[str, Any]) -> tuple[float, str]:
+    """The benchmark's wall time and what it is: the union of the runs' [start, end] intervals
+    when every run recorded when it finished (runs of invocations made at the same time are
+    counted once, not twice), else the sum of the runs' wall times."""
+    if not results:
+        return 0.0, "no runs"
+    if any(r.get("finished_at") is None for r in results.values()):
+        return sum(r["run_wall_time_s"] for r in results.values()), "the sum of the runs' wall times"
+    intervals = sorted((r["finished_at"] - r["run_wall_time_s"], r["finished_at"]) for r in results.values())
+    total, (start, end) = 0.0, intervals[0]
+    for a, b in intervals[1:]:
+        if a > end:
+            total, start = total + (end - start), a
+        end = max(end, b)
+    total += end - start
+    overlapped = total < sum(r["run_wall_time_s"] for r in results.values()) - 1.0
+    return total, ("the time during which runs were going, the union of their intervals: runs made at the same time, "
+                   "each slower for it, counted once" if overlapped else "the sum of the runs' wall times")

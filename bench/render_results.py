@@ -4,17 +4,9 @@ The tables are generated, never typed: rerun a benchmark, then this script.
 
 * ``edge_cost.json`` (``bench/edge_cost.py``): the FedGKT paper's Fig. 4 -- edge
   parameters, training FLOPs and CPU time of ResNet-8 vs ResNet-56/110;
-* ``accuracy.json`` (``bench/accuracy.py``): Table 1 at reduced scale, mean ±
-  sd over seeds, every accuracy on one balanced test set;
-* ``methods.json`` (``bench/methods.py``): the other methods and Table 2 on
-  Table 1's setting;
 * every experiment with a template (``bench/experiments/NAME.md``): its results
   (``bench/results/NAME.json``) through the runner's generic tables, or the one
-  line naming the command that measures it.
-
-Accuracy figures are rendered only from JSONs scored on the balanced
-evaluation set (they carry ``eval_set``); an older JSON gets one line saying
-that it awaits re-measurement, and the page quotes none of its accuracies.
+  line naming the command that measures it;
 * ``transport.json``, ``server_loop.json``, ``scale.json`` (``bench/transport.py``,
   ``bench/server_loop.py``, ``bench/scale.py``): the transport's and server loop's speed and the scale figures;
 * ``metrics_overhead.json`` (``bench/metrics_overhead.py``): the cost of watching a
@@ -44,7 +36,7 @@ if str(REPO_ROOT / "bench") not in sys.path:
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from _stats import DIFFERENCE_RULE, comparison  # noqa: E402
+from _stats import DIFFERENCE_RULE  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
@@ -113,24 +105,6 @@ def edge_cost_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
-# Table 1's rows are cells of bench/accuracy.py (run names; "-iid" / "-noniid" per partition).
-#: FedAvg's global accuracy after round 2, in every seed, that shows it has left chance (bench/accuracy.py's ROUND2_FLOOR).
-ROUND2_FLOOR = 0.30
-PARTITION_LABELS = (("iid", "IID"), ("noniid", "Dirichlet(0.5)"))
-
-
-def _awaits(name: str, script: str, what: str) -> list[str]:
-    """The one line that stands in for a section whose JSON predates the balanced evaluation set."""
-    return [f"*{what}: awaits re-measurement under the new evaluation. `bench/results/{name}.json` predates the balanced "
-            f"evaluation set (it has no `eval_set`); its single-seed accuracies were measured on the agents' label-skewed "
-            f"test shards and are not shown. Run `{script}`.*", ""]
-
-
-def _new_format(data: dict[str, Any] | None) -> bool:
-    """Whether a results JSON was scored on the balanced evaluation set (it names it)."""
-    return bool(data) and data.get("eval_set") is not None  # type: ignore[union-attr]
-
-
 def _pm(s: dict[str, Any] | None, scale: float = 100.0, digits: int = 1, unit: str = "%") -> str:
     """A mean ± sd cell (sd over seeds, n - 1); a dash without a mean, the mean alone with one seed."""
     if not s or s.get("mean") is None:
@@ -138,10 +112,6 @@ def _pm(s: dict[str, Any] | None, scale: float = 100.0, digits: int = 1, unit: s
     if s.get("sd") is None:
         return f"{scale * s['mean']:.{digits}f}{unit} (n = {s.get('n', 1)})"
     return f"{scale * s['mean']:.{digits}f} ± {scale * s['sd']:.{digits}f}{unit}"
-
-
-def _label_cell(cell: dict[str, Any] | None, where: str, label: str) -> dict[str, Any] | None:
-    return None if cell is None else ((cell.get("final_evaluation") or {}).get(where) or {}).get(label)
 
 
 def _seeds_text(seeds: Sequence[int]) -> str:
@@ -164,310 +134,8 @@ def _eval_set_line(data: dict[str, Any], seeds: Sequence[int] | None = None) -> 
             f"{seed_text} ({per_class}; drawn with seed {es.get('seed', '?')}; ids sha256 `{str(es.get('ids_sha256', '?'))[:12]}`).")
 
 
-def _gkt_config_line(data: dict[str, Any]) -> str:
-    """How the JSON's FedGKT runs were set where EdgeSplit's defaults depart from Algorithm 1."""
-    configs = {(r["method_config"].get("server_order"), r["method_config"].get("train_extractor"))
-               for r in data["runs"].values() if r.get("method") == "fedgkt" and r.get("method_config")}
-    if not configs:
-        return ""
-    if len(configs) > 1:
-        return "FedGKT's runs do **not** share one server batch order and extractor setting (see the JSON). "
-    (order, train_extractor), = configs
-    if (order, train_extractor) == ("per_agent", True):
-        return "FedGKT runs Algorithm 1 as the paper does (agent-by-agent server batches, trained extractors). "
-    return (f"FedGKT runs with `server_order = \"{order}\"` and `train_extractor = {str(train_extractor).lower()}`, "
-            "where Algorithm 1 walks the agents' maps agent by agent and trains every extractor "
-            "([why, measured](methods/fedgkt.md#non-iid-agents-and-the-balanced-test-set)). ")
-
-
 def _rule_line() -> str:
     return f"Cells are mean ± sd over the seeds (sample sd, n − 1). The rule: {DIFFERENCE_RULE}."
-
-
-def _verdict(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
-    c = comparison(a, b)
-    if c["mean_difference"] is None:
-        return DASH
-    sd = DASH if c["combined_sd"] is None else f"{100 * c['combined_sd']:.1f}"
-    said = {True: "differ", False: "do not differ", None: "too few seeds to say"}[c["differ"]]
-    return f"{100 * c['mean_difference']:+.1f} points (sds combined {sd}): {said}"
-
-
-def _budget_line(data: dict[str, Any]) -> str:
-    b = data["budget"]
-    n = data["scale"].get("runs_in_budget", len(data["runs"]))
-    extra = data["scale"].get("ablation_wall_time_min")
-    aside = f"; the ablation's runs took {extra:.1f} min more" if extra else ""
-    return (f"The {n} runs took {b['wall_time_min']:.1f} min in all{aside} "
-            f"({data['scale'].get('wall_time_is', 'the sum of the runs wall times')}), against a budget of {b['minutes']:.0f} min "
-            f"on 2 cores: **{b['verdict']}**.")
-
-
-TABLE1_BN = {
-    "fedgkt": "the server's running statistics",
-    "fedgkt-personalised": "each agent's own statistics (personalised)",
-    "fedgkt-edge": "each agent's ResNet-8, its own statistics",
-    "fedavg": "the global model's averaged statistics",
-    "centralized": "the model's own running statistics",
-}
-
-
-def accuracy_section(data: dict[str, Any]) -> list[str]:
-    """Table 1 (mean ± sd over seeds) from bench/accuracy.py's JSON, or the line that it awaits re-measurement."""
-    head = ["## Accuracy (the paper's Tables 1-3, reduced scale)", ""]
-    if not _new_format(data):
-        return head + _awaits("accuracy", "bench/accuracy.py", "Table 1 (FedGKT vs FedAvg vs centralized)")
-    scale, cells = data["scale"], data["cells"]
-    seeds = scale["seeds"]
-    quick_line: list[str] = []
-    if (quick := data.get("quick")) is not None and _new_format(quick):
-        q = quick["scale"]
-        quick_line = [
-            f"The pipeline check `{quick['generated_by']}` (`bench/results/accuracy-quick.json`: {q['train_samples']:,} / "
-            f"{q['test_samples']:,} samples, {q['rounds']} rounds, seeds {_seeds_text(q['seeds'])}; accuracies near chance by "
-            f"design) ran {len(quick['runs'])} runs in {q['wall_time_min']:.1f} min (budget "
-            f"{q['budget_minutes_on_2_cores']:.0f} min: {quick['budget']['verdict']}), {quick['machine']['date_utc']}.", ""]
-    incomplete = [] if scale.get("complete", True) else [
-        "**Incomplete:** not every run and seed of the benchmark is in this JSON yet (a dash marks the missing cells).", ""]
-
-    def row(label: str, bn: str, read: Any, central: str | None = None) -> list[str]:
-        out = [label, bn]
-        for key, _ in PARTITION_LABELS:
-            cell = cells.get(central) if central else cells.get(f"{read[0]}-{key}")
-            # Centralized training has no agents: one run serves both partitions, with no local accuracy.
-            out += [_pm(read[1](cell) if cell else None), DASH if central else _pm(read[2](cell) if cell else None)]
-        return out
-
-    headline = (lambda c: c["final_accuracy"], lambda c: c["final_local_accuracy"])
-    rows = [row("FedGKT (ResNet-8 + ResNet-55)", TABLE1_BN["fedgkt"], ("fedgkt", *headline))]
-    if any(_label_cell(cells.get(f"fedgkt-{k}"), "global", "personalised_bn") for k, _ in PARTITION_LABELS):
-        rows.append(row("FedGKT, personalised BN (not the headline)", TABLE1_BN["fedgkt-personalised"],
-                        ("fedgkt", lambda c: _label_cell(c, "global", "personalised_bn"), lambda c: _label_cell(c, "local", "personalised_bn"))))
-    rows.append(row("FedGKT's agents' ResNet-8", TABLE1_BN["fedgkt-edge"],
-                    ("fedgkt", lambda c: c["final_edge_accuracy"], lambda c: c["final_edge_local_accuracy"])))
-    rows.append(row("FedAvg (ResNet-56)", TABLE1_BN["fedavg"], ("fedavg-resnet56", *headline)))
-    for model, label in (("resnet56", "Centralized (ResNet-56)"), ("resnet8", "Centralized (ResNet-8)")):
-        rows.append(row(label, TABLE1_BN["centralized"], (None, *headline), central=f"centralized-{model}"))
-    header = ["Method", "BatchNorm statistics"] + [f"{label} {kind}" for _, label in PARTITION_LABELS for kind in ("global", "local")]
-
-    order = [f"{prefix}-{key}" for key, _ in PARTITION_LABELS for prefix in ("fedgkt", "fedavg-resnet56")]
-    order += ["centralized-resnet56", "centralized-resnet8"]
-    cost_rows = []
-    for name, cell in sorted(cells.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])):
-        cost_rows.append([f"`{name}`", _pm(cell["accuracy_round2"]), _pm(cell["edge_tflops"], 1.0, 2, ""),
-                          _pm(cell["wire_mb"], 1.0, 1, ""), _pm(cell["wall_min"], 1.0, 1, "")])
-    compare = []
-    for key, label in PARTITION_LABELS:
-        gkt, avg = cells.get(f"fedgkt-{key}"), cells.get(f"fedavg-resnet56-{key}")
-        if gkt and avg:
-            compare.append(f"- {label}: FedGKT − FedAvg, global {_verdict(gkt['final_accuracy'], avg['final_accuracy'])}; local "
-                           f"{_verdict(gkt['final_local_accuracy'], avg['final_local_accuracy'])}.")
-    round2, lowest = [], []
-    for key, label in PARTITION_LABELS:
-        if (avg := cells.get(f"fedavg-resnet56-{key}")) is not None and avg["accuracy_round2"]["values"]:
-            values = avg["accuracy_round2"]["values"]
-            round2.append(f"{label} {' / '.join(_pct(v) for v in values)}")
-            lowest.append(min(values))
-    met = "met" if lowest and min(lowest) >= ROUND2_FLOOR else "**not met**"
-    floor = [f"FedAvg's global accuracy after round 2, seed by seed: {'; '.join(round2)}. The setting is chosen so that "
-             f"FedAvg leaves chance by round 2, at least {100 * ROUND2_FLOOR:.0f}% in every seed: {met}.", ""] if round2 else []
-    per_seed = []
-    for key, r in sorted(data["runs"].items(), key=lambda kv: (kv[1]["name"], kv[1]["seed"])):
-        per_seed.append([f"`{r['name']}`", str(r["seed"]), " / ".join(_pct(x["accuracy"]) for x in r["rounds"]),
-                         " / ".join(_pct(x.get("local_accuracy")) for x in r["rounds"])])
-    paper = data["paper"]["table1_cifar10_resnet56"]
-    return [
-        *head,
-        f"From `bench/results/accuracy.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
-        f"Fashion-MNIST, {scale['agents']} agents, {scale['train_samples']:,} training images "
-        f"({scale['train_samples'] // scale['agents']:,} per agent) and {scale['test_samples']:,} test images, {scale['rounds']} rounds "
-        f"of {scale['passes_over_the_data_per_round']} pass over the data, {scale['optimizer']}, batch {scale['batch_size']}; "
-        f"seeds {_seeds_text(seeds)}, each the data subset's, the partition's, the models' initialisation's and the shuffling's. "
-        f"{_budget_line(data)}", "",
-        *quick_line,
-        *incomplete,
-        "### Table 1: FedGKT vs FedAvg vs centralized", "",
-        f"{_eval_set_line(data, seeds)} **Global** accuracy: the deployed model(s) on that set after the last round; "
-        "**local**: each agent's deployed model on its own test shard (its share of the test subset, following its "
-        "training labels), sample-weighted. The BatchNorm statistics of every number: FedGKT's headline row is each "
-        "agent's extractor followed by the server model with the **server's running statistics** (accumulated over every "
-        "agent's batches), the mean over the agents; the row labelled *personalised BN* is the same model with **each "
-        "agent's own statistics** and is not the headline; FedGKT's agents' ResNet-8 use their own. FedAvg's global model "
-        "carries **BatchNorm statistics averaged over the agents** like every other weight: FedAvg gets no per-agent "
-        "BatchNorm statistics, so it has no personalised row. Centralized training sees the union of the agents' data "
-        "with the model's own running statistics (one run per seed, the same in both columns; no agents, so no local "
-        "accuracy). "
-        f"{_gkt_config_line(data)}{_rule_line()}", "",
-        *_table(header, rows, right_from=2),
-        "",
-        *([ "By the rule:", "", *compare, ""] if compare else []),
-        *floor,
-        "What each cell cost (training only; evaluation's costs are in the JSON apart): global accuracy after round 2, edge "
-        "training FLOPs summed over agents and rounds (forward + backward), bytes on the wire through the server's MQTT "
-        "connection (both directions, every training message) and the run's wall time on this machine, mean ± sd over seeds."
-        + (" Runs were made at the same time as others (several invocations sharing the 2 cores): each run's wall time "
-           "includes the others' load, so compare wall times within this table only (the load average after each run is in the JSON)."
-           if "union" in scale.get("wall_time_is", "") else ""), "",
-        *_table(["Run", "Global after round 2", "Edge TFLOPs", "Wire MB", "Wall min"], cost_rows),
-        "",
-        f"Paper (CIFAR-10, ResNet-56, 200 rounds, one seed): FedGKT {paper['fedgkt']['iid']} / {paper['fedgkt']['noniid']}, FedAvg "
-        f"{paper['fedavg']['iid']} / {paper['fedavg']['noniid']}, centralized ResNet-56 {paper['centralized-resnet56']}, "
-        f"ResNet-8 {paper['centralized-resnet8']}.", "",
-        "Every seed's accuracy by round (global / local, the same sets as above):", "",
-        *_table(["Run", "Seed", "Global by round", "Local by round"], per_seed, right_from=2),
-        "",
-    ]
-
-
-def _cumulative(series: Sequence[dict[str, Any]], key: str) -> list[float]:
-    out, total = [], 0.0
-    for r in series:
-        total += r[key] or 0
-        out.append(total)
-    return out
-
-
-def _mean_series(runs: Sequence[dict[str, Any]], key: str) -> list[float]:
-    """Per round, the mean over seeds of a cumulative figure."""
-    series = [_cumulative(r["rounds"], key) for r in runs]
-    length = min(len(s) for s in series)
-    return [sum(s[i] for s in series) / len(series) for i in range(length)]
-
-
-def cost_curves(data: dict[str, Any], image_dir: Path | None) -> list[str]:
-    """Accuracy against what it cost, FedGKT vs FedAvg: mean ± sd over seeds of the global
-    accuracy per round, against the mean cumulative edge training FLOPs and wire bytes
-    (a table, and two plots when ``image_dir`` is given)."""
-    if not _new_format(data):
-        return []
-    cells = data["cells"]
-    by_name: dict[str, list[dict[str, Any]]] = {}
-    for r in data["runs"].values():
-        by_name.setdefault(r["name"], []).append(r)
-    pairs = [(f"{label} {plabel}", f"{prefix}-{key}") for key, plabel in PARTITION_LABELS
-             for label, prefix in (("FedGKT", "fedgkt"), ("FedAvg (ResNet-56)", "fedavg-resnet56")) if f"{prefix}-{key}" in cells]
-    if not pairs:
-        return []
-    rows = []
-    curves = []
-    for label, name in pairs:
-        flops, wire = _mean_series(by_name[name], "edge_train_flops"), _mean_series(by_name[name], "wire")
-        accuracy = cells[name]["accuracy_by_round"][:len(flops)]
-        curves.append((label, flops, wire, accuracy))
-        for i, (f, w, a) in enumerate(zip(flops, wire, accuracy)):
-            rows.append([label, str(i + 1), _pm(a), f"{f / 1e12:.2f}", _mb(w)])
-    plots = (("accuracy_vs_edge_flops.png", 1, 1e12, "cumulative edge training TFLOPs (all agents, mean over seeds)"),
-             ("accuracy_vs_wire_mb.png", 2, 1e6, "cumulative MB on the wire (server's connection, mean over seeds)"))
-    images = [f"![{name}](img/{name})" for name, *_ in plots]
-    if image_dir is not None:  # the page always links them; the files are written when rendering to disk
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        image_dir.mkdir(parents=True, exist_ok=True)
-        for name, index, scale, xlabel in plots:
-            fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-            for curve in curves:
-                label, xs = curve[0], [v / scale for v in curve[index]]
-                acc = curve[3]
-                ax.errorbar(xs, [100 * (a["mean"] or 0.0) for a in acc], yerr=[100 * (a["sd"] or 0.0) for a in acc], marker="o",
-                            capsize=3, linestyle="--" if "Dirichlet" in label else "-", label=label)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("global test accuracy (%), mean ± sd")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-            fig.tight_layout()
-            fig.savefig(image_dir / name)
-            plt.close(fig)
-    return [
-        "### What each point of accuracy cost: FedGKT vs FedAvg", "",
-        "The same runs as Table 1, round by round: global accuracy (mean ± sd over seeds) against the edge training FLOPs "
-        "spent so far (all agents) and the bytes moved so far through the server's MQTT connection (means over seeds).", "",
-        *images, "",
-        *_table(["Run", "Round", "Global accuracy", "Edge TFLOPs so far", "Wire MB so far"], rows, right_from=1),
-        "",
-    ]
-
-
-def method_rows() -> list[tuple[str, str, str, str]]:
-    """(label, run name, evaluation label, BatchNorm statistics) of every row of the other methods'
-    table: the rows each registered method's benchmark runs for that table declare (``MethodSpec.bench``,
-    ``results = "methods"``)."""
-    from shared_protocol.registry import registered_methods
-
-    runs = sorted((run for spec in registered_methods().values() for run in spec.bench if run.results == "methods"),
-                  key=lambda r: (r.order, r.name))
-    return [(row.label, run.name, row.which, row.batchnorm) for run in runs for row in run.rows]
-
-
-def own_table_rows(results: str) -> list[tuple[str, str, bool, float | str | None]]:
-    """(label, run name, whether its cells are Table 1's, the paper's figure) of every row of a
-    method's own results table (``BenchRun.results``, e.g. FedGKT's ``"table2"``), as the runs
-    that go to it declare them (``MethodSpec.bench``), in their declared order."""
-    from shared_protocol.registry import registered_methods
-
-    runs = sorted((run for spec in registered_methods().values() for run in spec.bench if run.results == results),
-                  key=lambda r: (r.order, r.name))
-    return [(row.label, run.name, run.reuses_table1, row.paper) for run in runs for row in run.rows]
-
-
-def _paper_figure(figure: float | str | None) -> str:
-    if figure is None:
-        return DASH
-    return f"{figure:.2f}%" if isinstance(figure, (int, float)) else figure
-
-
-def table2_rows(cells: dict[str, Any], table1: dict[str, Any], partition: str) -> list[list[str]]:
-    """FedGKT's Table 2 on ``partition`` (a key of the benchmark's partitions): per declared row
-    (:func:`own_table_rows`), its run's global and local accuracy (from ``cells``, the methods
-    benchmark's, or ``table1``, Table 1's, for the run that is Table 1's) and the paper's figure."""
-    out = []
-    for label, name, from_table1, paper in own_table_rows("table2"):
-        cell = (table1 if from_table1 else cells).get(f"{name}-{partition}") or {}
-        out.append([label, _pm(cell.get("final_accuracy")), _pm(cell.get("final_local_accuracy")), _paper_figure(paper)])
-    return out
-
-
-def methods_section(data: dict[str, Any] | None, accuracy: dict[str, Any] | None) -> list[str]:
-    """Table 2 (FedGKT's KD ablation) and the other methods on Table 1's setting (bench/methods.py)."""
-    if data is None:
-        return ["### Table 2 and the other methods", "", "*`bench/results/methods.json` not found: run `bench/methods.py` "
-                "(FedGKD, FedDistill, FedBE, FedKD and FedGKT's KD ablation on Table 1's setting; not part of Table 1's budget).*", ""]
-    if not _new_format(data):
-        return ["### Table 2 and the other methods", "", *_awaits("methods", "bench/methods.py", "Table 2 and the other methods")]
-    scale, cells = data["scale"], data["cells"]
-    table1 = accuracy["cells"] if _new_format(accuracy) else {}  # type: ignore[index]
-
-    def read(cell: dict[str, Any] | None, where: str, label: str) -> dict[str, Any] | None:
-        if cell is None:
-            return None
-        if label == "model":
-            return cell["final_accuracy"] if where == "global" else cell["final_local_accuracy"]
-        return _label_cell(cell, where, label)
-
-    rows = []
-    for label, prefix, which, bn in method_rows():
-        cols = [_pm(read(cells.get(f"{prefix}-{key}"), where, which)) for key, _ in PARTITION_LABELS for where in ("global", "local")]
-        if any(c != DASH for c in cols):
-            rows.append([label, bn, *cols])
-    abl = next((k for k, v in scale["partitions"].items() if v == scale["ablation_partition"]), "noniid")
-    kd_rows = table2_rows(cells, table1, abl)
-    header = ["Method", "BatchNorm statistics"] + [f"{label} {kind}" for _, label in PARTITION_LABELS for kind in ("global", "local")]
-    return [
-        "### Other methods on Table 1's setting", "",
-        f"From `bench/results/methods.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}: Table 1's "
-        f"data, agents, rounds, batch and optimiser, seeds {_seeds_text(scale['seeds'])}. {_eval_set_line(data, scale['seeds'])} "
-        f"{_rule_line()} {_budget_line(data)}", "",
-        *_table(header, rows, right_from=2),
-        "",
-        f"### Table 2: knowledge transfer ({scale['ablation_partition']})", "",
-        "FedGKT with no KD, with the server's knowledge to the edges only (S->E), and both ways (S<->E, Table 1's run). "
-        "Global accuracy with the server's running BatchNorm statistics, as Table 1's headline; the paper's "
-        "figures are its Table 2's on CIFAR-10 (not comparable cell by cell: another dataset and scale).", "",
-        *_table(["KD", "Global", "Local", "Paper (CIFAR-10)"], kd_rows),
-        "",
-    ]
 
 
 def _bench_machine_line(machine: dict[str, Any]) -> str:
@@ -773,9 +441,9 @@ def _direct_cost_lines(data: dict[str, Any]) -> list[str]:
 PEAK_TARGET_MB = {"torch": 350, "ort": 150}
 
 
-def memory_section(footprint: dict[str, Any], accuracy: dict[str, Any] | None) -> list[str]:
-    """The agent's peak RSS by runtime, mode and shard size (footprint.json), and what
-    --low-memory's micro-batches cost in accuracy (low_memory.json)."""
+def memory_section(footprint: dict[str, Any]) -> list[str]:
+    """The agent's peak RSS by runtime, mode and shard size (footprint.json); what --low-memory's
+    micro-batches cost in accuracy is the low_memory experiment's."""
     agent = footprint["agent"]
     sizes = [str(n) for n in agent["setting"]["train_samples"]]
     rows = []
@@ -798,25 +466,6 @@ def memory_section(footprint: dict[str, Any], accuracy: dict[str, Any] | None) -
         *_table(["Agent", "Mode", "Runtime alone", *(f"{int(n):,} samples" for n in sizes), "Largest / smallest", "Within the Pi target"], rows, right_from=2),
         "",
     ]
-    if accuracy is not None:
-        summary = accuracy["summary"]
-        setting = accuracy["setting"]
-        runs = [[r["mode"], r["seed"], " / ".join(_pct(a) for a in r["accuracy"]), _pct(r["final_edge_accuracy"]), f"{r['wall_s']:.0f} s"]
-                for r in accuracy["runs"]]
-        diffs = "; ".join(f"{d.get('mode', 'micro-batch-16')} seed {d['seed']}: server {d['server_points']:+.1f}, "
-                          f"edges {d['edge_points']:+.1f} points" for d in summary["micro_minus_default"])
-        lines += [
-            f"What the micro-batches cost in accuracy (`bench/results/low_memory.json`, `bench/low_memory.py`, measured "
-            f"{_machine_line(accuracy['machine'])}): FedGKT, Fashion-MNIST, {setting['agents']} agents, {setting['train_samples']:,} / "
-            f"{setting['test_samples']:,} samples, {setting['partition']}, {setting['rounds']} rounds, the same seeds in every mode "
-            "(each seed is the data subset's, the partition's and the models').", "",
-            *_table(["Mode", "Seed", "Server acc. by round", "Edges (final)", "Wall"], runs, right_from=2),
-            "",
-            f"Each micro-batch mode minus default, final round: {diffs}. Means: "
-            + "; ".join(f"{mode} server {_pct(v['final_accuracy_mean'])}, edges {_pct(v['final_edge_accuracy_mean'])}"
-                        for mode, v in summary.items() if mode != "micro_minus_default") + ".",
-            "",
-        ]
     return lines
 
 
@@ -928,7 +577,7 @@ def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -
         grid = "\n\n".join(f"`{method}` at its defaults, seed {_first_seed(data, method)}: each agent's private images, "
                             f"each attack's reconstructions beneath.\n\n![{method}](img/{name})"
                             for method, name in sorted(pictures.items()))
-        lines += [text.replace("{{pictures}}", grid).rstrip(), ""]
+        lines += [text.replace("{{pictures}}", grid).rstrip(), ""] + unrun_lines(template, experiment, data)
         if template.stem == "leakage":
             lines += update_inversion_section(_load(results / "update_inversion.json"))
         if template.stem == "demo":
@@ -958,16 +607,25 @@ def unmeasured_section(template: Path, experiment: Any) -> list[str]:
             f"({len(experiment.cells())} runs) into `bench/results/{template.stem}.json`.", ""]
 
 
+def unrun_lines(template: Path, experiment: Any, data: dict[str, Any]) -> list[str]:
+    """An experiment whose results lack some cells of its grid (or hold them as failed): how many, and the command
+    that runs them."""
+    done = {cell["key"] for cell in data["cells"] if cell["status"] == "done"}
+    grid = experiment.cells()
+    missing = [cell.key for cell in grid if cell.key not in done]
+    if not missing:
+        return []
+    return [f"{len(missing)} of the experiment's {len(grid)} runs are not recorded yet: "
+            f"`edgesplit bench run bench/experiments/{template.stem}.toml` runs them into `bench/results/{template.stem}.json`.", ""]
+
+
 def _first_seed(data: dict[str, Any], method: str) -> int:
     return next(cell["seed"] for cell in data["cells"] if cell["method"] == method and cell["status"] == "done")
 
 
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("edge_cost", "accuracy", "methods", "transport", "server_loop", "scale", "metrics_overhead")}
-    quick = _load(results / "accuracy-quick.json")
-    if sources["accuracy"] is not None and quick is not None:
-        sources["accuracy"] = {**sources["accuracy"], "quick": quick}
+               for name in ("edge_cost", "transport", "server_loop", "scale", "metrics_overhead")}
     lines = [
         "# EdgeSplit results",
         "",
@@ -980,16 +638,15 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "",
     ]
     lines += decision_section(load_experiment_results(results / "leakage.json"), defence_rows(load_defences(results)))
-    sections = (("accuracy", accuracy_section), ("edge_cost", edge_cost_section),
+    sections = (("edge_cost", edge_cost_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
                 ("metrics_overhead", metrics_overhead_section))
     footprint = _load(results / "footprint.json")
     if footprint is not None and "agent" in footprint:
         try:
-            memory = memory_section(footprint, _load(results / "low_memory.json")) + long_run_section(footprint, image_dir)
+            memory = memory_section(footprint) + long_run_section(footprint, image_dir)
         except KeyError as exc:
-            raise ResultsError(f"bench/results/footprint.json or low_memory.json has no field {exc}; rerun bench/footprint.py "
-                               "and bench/low_memory.py") from None
+            raise ResultsError(f"bench/results/footprint.json has no field {exc}; rerun bench/footprint.py") from None
     else:
         memory = ["*`bench/results/footprint.json` has no agent section: run `bench/footprint.py`.*", ""]
     for name, section in sections:
@@ -1004,9 +661,6 @@ def render(results: Path, image_dir: Path | None = None) -> str:
             continue
         try:
             lines += section(data)
-            if name == "accuracy":
-                lines += cost_curves(data, image_dir)
-                lines += methods_section(sources["methods"], data)
         except KeyError as exc:
             raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun bench/{name}.py") from None
     lines += experiment_sections(results, image_dir, REPO_ROOT / "bench" / "runs")

@@ -29,7 +29,7 @@ What ``--low-memory`` takes (:meth:`edge_agent.config.MemoryConfig.low`) and why
   each micro-batch with its own statistics (its running statistics are updated
   once per micro-batch with a momentum that keeps their time constant in
   samples): the one change to the computation, whose accuracy cost
-  bench/low_memory.py measures;
+  bench/experiments/low_memory.toml measures;
 * the pinned malloc threshold above.
 
 Between rounds the agent gives the free pages inside malloc's heaps back

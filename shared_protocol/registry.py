@@ -4,11 +4,11 @@ A method registers a :class:`MethodSpec` in its own message module
 (``shared_protocol/methods/<name>.py``, torch-free, so that a torch-free agent and
 ``edgesplit local --help`` can read it): where its server step and edge step are,
 which modules hold its message types, the ``edgesplit local`` flags its launcher
-table reads, the non-torch backends that implement its edge step, and its runs and
-rows in the methods benchmark and on the results page. Every shared part reads the
-spec: the coordinator and the agent import the steps it names, the launcher adds
-its flags, the benchmark and the results renderer take its runs and rows. No
-shared module names a method; :data:`DEFAULT_METHOD` is the one default.
+table reads and the non-torch backends that implement its edge step. Every shared
+part reads the spec: the coordinator and the agent import the steps it names, the
+launcher adds its flags, the benchmarks' ``"*"`` grids and the results renderer list
+it. How a benchmark runs a method is the experiment file's (``bench/experiments/``),
+not the method's. No shared module names a method; :data:`DEFAULT_METHOD` is the one default.
 
 Methods are found, without a list anywhere:
 
@@ -33,14 +33,10 @@ from types import ModuleType
 from typing import Any
 
 __all__ = [
-    "BENCH_PARTITIONS",
-    "BENCH_SHARED",
     "DEFAULT_METHOD",
     "PLUGINS_ENV",
-    "BenchRun",
     "LauncherFlag",
     "MethodSpec",
-    "ResultsRow",
     "get_method",
     "load_method_messages",
     "method_names",
@@ -104,72 +100,6 @@ class LauncherFlag:
 
 
 @dataclass(frozen=True)
-class ResultsRow:
-    """One row of the results page's table of the other methods (``docs/results.md``)."""
-
-    label: str  # "MyMethod (ResNet-56)"
-    which: str = "model"  # the evaluation label whose accuracy the row shows
-    batchnorm: str = ""  # whose BatchNorm statistics the scored model uses
-    paper: float | str | None = None  # the paper's figure for the row (% or a word, e.g. "diverge"); None: it has none
-
-    def __post_init__(self) -> None:
-        if isinstance(self.paper, bool) or not (self.paper is None or isinstance(self.paper, (int, float, str))):
-            raise ValueError(f"row {self.label!r}: paper is the paper's figure (a number or a word), got {self.paper!r}")
-
-
-#: What a bench run's table may go on top of (``BenchRun.shared``).
-BENCH_SHARED = ("whole_model", "batch", "table1", "")
-#: Which of the benchmark's partitions a bench run runs on (``BenchRun.partitions``).
-BENCH_PARTITIONS = ("every", "ablation")
-
-
-@dataclass(frozen=True)
-class BenchRun:
-    """One run of the method in the methods benchmark (``bench/methods.py``), on the
-    setting of Table 1 (``bench/accuracy.py``): the run is named ``<name>-<partition>``.
-
-    ``table`` holds the method's own keys; ``shared`` names the benchmark's settings
-    they go on top of (``"whole_model"``: the model, local epochs, batch and
-    optimiser every whole-model method there trains with; ``"batch"``: only the batch
-    and local epochs; ``"table1"``: the method's own table in Table 1's run of it, for a
-    variant of that run, e.g. an ablation; ``""``: none). ``per_scale`` adds keys per
-    scale (``"quick"``, ``"full"``) for server work that does not shrink with the agents'
-    data; ``train_samples_key`` names the key that gets the agents' training subset size.
-
-    ``partitions``: ``"every"`` partition of the benchmark, or only the ``"ablation"``
-    partition (its ``--ablation-partition``). ``results`` names the results table the run's
-    cells go to: ``"methods"``, the other methods beside Table 1 (its rows are ``rows``), or
-    a table of the method's own (e.g. ``"table2"``, the paper's ablation), whose runs the
-    benchmark plans after every run of the ``"methods"`` table.
-
-    ``reuses_table1``: the run is the method's Table 1 run itself (``bench/accuracy.py``'s
-    ``<name>-<partition>``), declared so that a table of the method's own shows it as a row (e.g.
-    Table 2's S<->E): the benchmark does not run it again, and the row shows Table 1's cells.
-    """
-
-    name: str
-    table: Mapping[str, Any] = field(default_factory=dict)
-    shared: str = "whole_model"
-    per_scale: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    train_samples_key: str = ""
-    rows: tuple[ResultsRow, ...] = ()
-    order: int = 0  # where its runs and rows go among the other methods' (lower first; ties by name)
-    partitions: str = "every"
-    results: str = "methods"
-    reuses_table1: bool = False
-
-    def __post_init__(self) -> None:
-        if self.reuses_table1 and (self.shared != "table1" or self.table or self.per_scale or self.train_samples_key):
-            raise ValueError(f"bench run {self.name!r} reuses Table 1's run: shared = 'table1' and no keys of its own")
-        if self.shared not in BENCH_SHARED:
-            raise ValueError(f"bench run {self.name!r}: shared must be one of {BENCH_SHARED}, got {self.shared!r}")
-        if self.partitions not in BENCH_PARTITIONS:
-            raise ValueError(f"bench run {self.name!r}: partitions must be one of {BENCH_PARTITIONS}, got {self.partitions!r}")
-        if not self.results or not self.results.replace("_", "").isalnum():
-            raise ValueError(f"bench run {self.name!r}: results names a table (letters, digits, '_'), got {self.results!r}")
-
-
-@dataclass(frozen=True)
 class MethodSpec:
     """What a method is made of. Module names are strings: the registry imports nothing of
     a method but the module that declares it, so reading it needs neither torch nor a server."""
@@ -183,7 +113,6 @@ class MethodSpec:
     flags: tuple[LauncherFlag, ...] = ()  # the `edgesplit local` flags its launcher table reads
     backends: Mapping[str, str] = field(default_factory=dict)  # other edge backend -> "module:Class" of its edge step
     docs: str = ""  # its notes, a path in the repository (docs/methods/<name>.md)
-    bench: tuple[BenchRun, ...] = ()  # its runs in the methods benchmark (none: it is not benchmarked there)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum() or self.name != self.name.lower():

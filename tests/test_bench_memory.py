@@ -1,40 +1,28 @@
-"""bench/low_memory.py and bench/footprint.py: the accuracy cost of --low-memory is
-computed from paired seeds, and the recorded results are of the settings the agent uses."""
+"""The memory benches measure the agent's own settings: bench/footprint.py's modes are the agent's
+presets, and the low_memory experiment's micro-batches are `--low-memory`'s, set on every agent."""
 
 from __future__ import annotations
 
-import json
-
 from edge_agent.config import MemoryConfig
-from test_bench_baselines import RESULTS, load
+from fedhelpers import ROOT
+from test_bench_baselines import load
+
+from cloud_server.experiments.experiment_file import load_experiment
+from cloud_server.experiments.runner import cell_command
 
 
-def _run(mode: str, seed: int, server: float, edges: float) -> dict:
-    return {"mode": mode, "seed": seed, "final_accuracy": server, "final_edge_accuracy": edges}
-
-
-def test_differences_pair_runs_of_the_same_seed() -> None:
-    low_memory = load("low_memory")
-    runs = [_run("micro-batch-16", 1, 0.70, 0.50), _run("default", 0, 0.80, 0.60), _run("micro-batch-16", 0, 0.78, 0.61),
-            _run("default", 1, 0.75, 0.55), _run("micro-batch-8", 2, 0.9, 0.9)]  # seed 2 has no default: no pair
-    summary = low_memory.summarise(runs)
-    assert summary["micro_minus_default"] == [
-        {"mode": "micro-batch-16", "seed": 0, "server_points": -2.0, "edge_points": 1.0},
-        {"mode": "micro-batch-16", "seed": 1, "server_points": -5.0, "edge_points": -5.0},
-    ]
-    assert abs(summary["default"]["final_accuracy_mean"] - 0.775) < 1e-9
-    assert summary["micro-batch-8"]["seeds"] == [2]
-
-
-def test_the_recorded_accuracy_cost_is_of_the_preset_on_paired_seeds() -> None:
-    low_memory = load("low_memory")
-    data = json.loads((RESULTS / "low_memory.json").read_text())
-    preset = f"micro-batch-{MemoryConfig.low().micro_batch_samples}"
-    assert low_memory.MODES[preset] == {"micro_batch_samples": MemoryConfig.low().micro_batch_samples}
-    seeds = {mode: sorted(r["seed"] for r in data["runs"] if r["mode"] == mode) for mode in ("default", preset)}
-    assert seeds["default"] == seeds[preset] and len(seeds["default"]) >= 2
-    assert all(len(r["accuracy"]) == data["setting"]["rounds"] for r in data["runs"])
-    assert data["summary"] == low_memory.summarise(data["runs"])
+def test_the_low_memory_experiment_pairs_the_default_with_the_presets_micro_batches_on_the_same_seeds() -> None:
+    experiment = load_experiment(ROOT / "bench" / "experiments" / "low_memory.toml")
+    preset = MemoryConfig.low().micro_batch_samples
+    settings = {v.name: dict(v.overrides.settings) for v in experiment.variants}
+    assert settings["default"] == {}
+    assert {"memory.micro_batch_samples": preset} in settings.values()
+    commands = {c.key: cell_command(experiment, c) for c in experiment.cells()}
+    micro = [key for key, command in commands.items() if f"memory.micro_batch_samples={preset}" in command]
+    plain = [key for key, command in commands.items() if not any(a.startswith("memory.") for a in command)]
+    seeds = sorted(experiment.seeds)
+    assert len(seeds) >= 2 and len(micro) == len(plain) == len(seeds) * len(experiment.partitions)
+    assert all(v.seeds in ((), tuple(seeds)) for v in experiment.variants)  # every mode on the same seeds: paired
 
 
 def test_the_footprint_bench_measures_the_agents_own_settings() -> None:

@@ -19,10 +19,11 @@ import pytest
 from cloud_server.experiments import runner as runner_module
 from cloud_server.experiments.results import (RUN_FIGURES, ResultsError, leakage_figures, load_results, run_figures,
                                               validate_results)
-from cloud_server.experiments.runner import CellOutcome, run_experiment
+from cloud_server.experiments.runner import CellOutcome, SubprocessExecutor, cell_command, run_experiment
 from cloud_server.experiments.experiment_file import load_experiment
-from cloud_server.experiments.spec import Claim, ExperimentError, Scale
-from cloud_server.experiments.tables import evaluate_claims, long_table, plot, render, summary, summary_md, unattacked_md
+from cloud_server.experiments.spec import CENTRALIZED, UNION, Claim, ExperimentError, Scale
+from cloud_server.experiments.tables import (curves, curves_md, evaluate_claims, long_table, plot, render, summary, summary_md,
+                                             unattacked_md)
 from shared_protocol import registry
 from shared_protocol.registry import MethodSpec, registered_methods
 
@@ -70,10 +71,14 @@ def test_every_experiment_file_parses_expands_and_resolves(path: Path) -> None:
     methods = registered_methods()
     parser = build_parser()
     for cell in cells:
+        # The cell's command is one the launcher takes: every scale flag and method flag exists.
+        args = parser.parse_args([*cell.command_args(experiment.scale), "--out", "unused"])
+        assert args.seed == cell.seed
+        if cell.method == CENTRALIZED:
+            assert args.model == cell.variant and cell.partition == UNION and cell.variant in experiment.centralized.models
+            continue
         assert cell.method in methods
-        # The cell's command is one `edgesplit local` takes: every scale flag and method flag exists.
-        args = parser.parse_args(["local", *cell.local_args(experiment.scale), "--out", "unused"])
-        assert args.method == cell.method and args.seed == cell.seed and args.partition == cell.partition
+        assert args.method == cell.method and args.partition == cell.partition
 
 
 def test_the_example_of_the_docs_is_a_valid_experiment(tmp_path: Path) -> None:
@@ -370,6 +375,63 @@ def test_a_variant_can_run_only_some_partitions(tmp_path: Path) -> None:
         load_experiment(write_experiment(tmp_path, text + '\n[variants.bad]\npartitions = ["dirichlet:0.1"]\n'))
 
 
+CENTRAL = """
+[centralized]
+models = ["resnet8"]
+set = { "centralized.batch_size" = 16 }
+"""
+
+
+def test_reference_cells_train_each_model_on_the_union_with_edgesplit_centralized(tmp_path: Path) -> None:
+    from cloud_server.launcher import build_parser
+
+    text = SMALL.format(name="small", method="fedgkt", rounds=2).replace("seeds = [0, 1, 2]", "seeds = [0, 1]") + CENTRAL
+    experiment = load_experiment(write_experiment(tmp_path, text))
+    keys = [c.key for c in experiment.cells()]
+    assert keys == ["fedgkt-iid-s0", "fedgkt-iid-s1", "centralized-resnet8-union-s0", "centralized-resnet8-union-s1"]
+    reference = experiment.cells()[2]
+    command = cell_command(experiment, reference)
+    assert command[:6] == ["edgesplit", "centralized", "--model", "resnet8", "--seed", "0"]
+    assert "--agents" not in command and "--partition" not in command  # the union of the agents' data
+    args = build_parser().parse_args([*command[1:], "--out", "unused"])
+    assert (args.rounds, args.train_samples, args.test_samples, args.dataset) == (2, 4000, 1000, "fashion-mnist")
+    assert args.set == ["centralized.batch_size=16"]
+    # A claim may name the reference cells; a reference model or table that cannot be is refused, naming the key.
+    load_experiment(write_experiment(tmp_path, text + '[[claims]]\ntext = "x"\nmethod = "centralized"\nfigure = "final_accuracy"\n'
+                                     'op = ">="\nvalue = 0.5\n'))
+    for bad, expected in (('models = ["resnet 8"]', "centralized.models"), ('models = "resnet8"', "centralized: models is a list"),
+                          ('set = { "fedavg.lr" = 0.1 }', "centralized.set: fedavg.lr"), ('colour = 1', "centralized: unknown key 'colour'")):
+        broken = text.replace('models = ["resnet8"]', bad) if bad.startswith("models") else text.replace(
+            'set = { "centralized.batch_size" = 16 }', bad)
+        with pytest.raises(ExperimentError, match=expected):
+            load_experiment(write_experiment(tmp_path, broken))
+
+
+def test_a_reference_cell_runs_centralized_with_no_broker_and_no_audit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = SMALL.format(name="small", method="fedgkt", rounds=1).replace("seeds = [0, 1, 2]", "seeds = [0]\naudit = true") + CENTRAL
+    experiment = load_experiment(write_experiment(tmp_path, text))
+    ran: list[list[str]] = []
+
+    def fake_run(argv: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> tuple[int, str]:
+        ran.append(argv)
+        if argv[3] == "audit":
+            return 1, "not audited in this test"
+        report = {"totals": {"final_accuracy": 0.5, "edge_train_flops": 0}, "rounds": []}
+        (Path(argv[argv.index("--out") + 1]) / "report.json").write_text(json.dumps(report))
+        return 0, ""
+
+    monkeypatch.setattr(runner_module, "_run_bounded", fake_run)
+    reference = experiment.cells()[-1]
+    outcome = SubprocessExecutor(broker="mqtt://127.0.0.1:1")(experiment, reference, tmp_path / "run")
+    assert outcome.status == "done" and outcome.leakage is None and outcome.run["final_accuracy"] == 0.5
+    (argv,) = ran  # no audit after it
+    assert argv[3:5] == ["centralized", "--model"] and "--broker" not in argv and "server.audit=true" not in argv
+    # The positive control: the experiment's federated cell gets the broker, keeps what the audit reads, and is audited.
+    federated = experiment.cells()[0]
+    SubprocessExecutor(broker="mqtt://127.0.0.1:1")(experiment, federated, tmp_path / "fed")
+    assert ran[1][3] == "local" and "--broker" in ran[1] and "server.audit=true" in ran[1] and ran[2][3] == "audit"
+
+
 def test_run_figures_say_where_each_rounds_time_and_upload_bytes_go() -> None:
     def round_(n: int, up: int, train: float, evaluator: float | None, hook: float) -> dict[str, Any]:
         evaluation = None if evaluator is None else {"server_eval_s": evaluator}
@@ -459,6 +521,28 @@ def test_every_committed_results_file_of_the_schema_is_valid() -> None:
         doc = json.loads(path.read_text())
         if isinstance(doc, dict) and "cells" in doc and "schema" in doc:
             validate_results(doc, str(path))
+
+
+def test_the_curves_follow_each_group_round_by_round(tmp_path: Path) -> None:
+    results = good_results()
+    for cell, accuracy in zip(results["cells"], ([0.4, 0.7], [0.6, 0.8], [0.3, 0.6])):
+        cell["run"].update(accuracy_by_round=accuracy, edge_train_gflops_by_round=[2.0, 2.0],
+                           train_wire_bytes_by_round=[1e6, None] if cell["method"] == "fedavg" else [1e6, 3e6])
+    validate_results(results)
+    points = curves(long_table(results))
+    gkt = [p for p in points if p["method"] == "fedgkt"]
+    assert [p["round"] for p in gkt] == [1, 2]
+    assert gkt[1]["accuracy"]["mean"] == pytest.approx(0.75) and gkt[1]["accuracy"]["sd"] == pytest.approx(0.0707, abs=1e-4)
+    assert gkt[1]["edge_train_gflops_so_far"] == pytest.approx(4.0) and gkt[1]["train_wire_bytes_so_far"] == pytest.approx(4e6)
+    avg = [p for p in points if p["method"] == "fedavg"]
+    assert avg[0]["train_wire_bytes_so_far"] == 1e6 and avg[1]["train_wire_bytes_so_far"] is None  # unmeasured: no sum
+    md = curves_md(points)
+    assert "| `fedgkt` | iid | 2 | 75.0 ± 7.1 | 4 | 4.0 |" in md and "| `fedavg` | iid | 2 | 60.0 | 4 | — |" in md
+    text = render("{{curves}}", results, [], tmp_path / "page.md")
+    assert text.startswith("![hand by round](page-curves.png)") and (tmp_path / "page-curves.png").stat().st_size > 0
+    results["cells"][0]["run"]["accuracy_by_round"] = 0.7
+    with pytest.raises(ResultsError, match="one per round, for accuracy_by_round"):
+        validate_results(results)
 
 
 def test_claims_are_met_not_met_or_without_data() -> None:
@@ -589,3 +673,16 @@ def test_the_smoke_experiment_runs_end_to_end(mosquitto: Any, tmp_path: Path) ->
     listing = subprocess.run([sys.executable, "-m", "cloud_server.launcher", "bench", "check", str(smoke)], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0 and "fedgkt-iid-s0" in listing.stdout
+
+
+def test_a_reference_cell_runs_end_to_end(tmp_path: Path) -> None:
+    text = (SMALL.format(name="small", method="fedgkt", rounds=1).replace("seeds = [0, 1, 2]", "seeds = [0]")
+            + 'train_samples = 64\ntest_samples = 32\ndataset = "synthetic"\n' + CENTRAL)
+    path = write_experiment(tmp_path / "experiments", text)
+    results, runs = tmp_path / "results" / "small.json", tmp_path / "runs"
+    run_experiment(load_experiment(path), results_path=results, runs_dir=runs, only="centralized-*", progress=lambda line: None)
+    (cell,) = load_results(results)["cells"]
+    assert cell["status"] == "done", cell["error"]
+    report = json.loads((runs / cell["key"] / "report.json").read_text())
+    assert report["config"]["method_config"]["batch_size"] == 16 and report["config"]["method_config"]["model"] == "resnet8"
+    assert cell["run"] == run_figures(report) and cell["run"]["final_accuracy"] is not None and cell["run"]["rounds"] == 1

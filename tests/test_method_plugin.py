@@ -1,8 +1,8 @@
 """A method is its own files: a throw-away method written only into a temporary package
 (outside the repository, found through ``EDGESPLIT_METHODS``) registers, runs two rounds
-over the in-memory transport, shows in ``edgesplit local --help`` and in the methods
-benchmark's list of runs and in docs/configuration.md's tables of keys, and no file of
-the repository changes. The shared modules name no registered method (their one default
+over the in-memory transport, shows in ``edgesplit local --help``, in the grid of an
+experiment that runs every method and in docs/configuration.md's tables of keys, and no
+file of the repository changes. The shared modules name no registered method (their one default
 aside)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TOY_FILES = {
     "toymean/__init__.py": '''
         """The registry entry of a throw-away method: the agents' label counts, summed."""
 
-        from shared_protocol.registry import BenchRun, LauncherFlag, MethodSpec, ResultsRow, register_method
+        from shared_protocol.registry import LauncherFlag, MethodSpec, register_method
 
         register_method(MethodSpec(
             name="toymean",
@@ -35,8 +35,6 @@ TOY_FILES = {
             config="toymean.server:ToyConfig",
             messages=("toymean.messages",),
             flags=(LauncherFlag("--toy-scale", 1.0, "how much each agent weighs its counts", type="float", minimum=0.0),),
-            bench=(BenchRun("toymean", {"scale": 1.0}, shared="", order=99,
-                            rows=(ResultsRow("Toy mean (the top class)", "model", "none"),)),),
         ))
     ''',
     "toymean/messages.py": '''
@@ -231,11 +229,15 @@ def test_a_method_in_its_own_files_registers_runs_and_is_listed(toy_method: list
     assert re.search(r"toymean\s+a throw-away method", help_text)
     assert "--toy-scale" in help_text and "toymean: how much each agent weighs its counts" in help_text
 
-    # In the methods benchmark's runs, and its row on the results page.
-    bench = load_bench("methods")
-    planned = {run.name: run for _, _, run in bench.runs(2, 400)}
-    assert planned["toymean-iid"].method == "toymean" and planned["toymean-noniid"].method_config == {"scale": 1.0}
-    assert ("Toy mean (the top class)", "toymean", "model", "none") in load_bench("render_results").method_rows()
+    # In the grid of every experiment that runs every method ("*"), by name, with no edit in bench/.
+    from cloud_server.experiments.experiment_file import load_experiment
+    from cloud_server.experiments.runner import cell_command
+
+    every = [load_experiment(p) for p in sorted((ROOT / "bench" / "experiments").glob("*.toml")) if "*" in load_experiment(p).methods]
+    assert every, "an experiment runs every registered method"
+    for experiment in every:
+        toy = [cell for cell in experiment.cells() if cell.method == "toymean"]
+        assert toy and all(cell_command(experiment, cell)[:4] == ["edgesplit", "local", "--method", "toymean"] for cell in toy)
 
     # Two rounds end to end over the in-memory transport, with the real coordinator and agents.
     config = method_server_config(tmp_path, "toymean", {"scale": 2.0}, run_id="toy", agents=2, rounds=2)

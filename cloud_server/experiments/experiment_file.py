@@ -15,6 +15,7 @@ The file's layout (docs/experiments.md)::
     [variants.NAME]                # a variant of the grid: flags, set, faulty_agents, methods, partitions and seeds (only these)
     faulty_agents = ["4:sign_flip:4"]  # (top level, per method or per variant) --faulty-agent AGENT_INDEX:KIND[:SCALE]
     [[claims]]                     # text, method, figure, op, value, partition, variant, baseline, baseline_variant
+    [centralized]                  # reference cells: models = ["resnet56"], set = {"centralized.batch_size" = 32}
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .spec import DEFAULT_VARIANT, AuditSpec, Claim, Experiment, ExperimentError, Overrides, Scale, Variant
+from .spec import DEFAULT_VARIANT, AuditSpec, Centralized, Claim, Experiment, ExperimentError, Overrides, Scale, Variant
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,7 +36,7 @@ else:  # pragma: no cover - Python 3.10
 __all__ = ["load_experiment", "parse_experiment"]
 
 _TOP_KEYS = ("name", "question", "methods", "partitions", "seeds", "scale", "budget", "set", "flags", "method", "variants",
-             "audit", "claims", "faulty_agents")
+             "audit", "claims", "faulty_agents", "centralized")
 
 
 def _flatten(prefix: str, table: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,11 +134,17 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "") -> Experiment:
             raise ExperimentError(f"claims: {'unknown key ' + repr(bad[0]) if bad else 'missing key ' + repr(missing[0])}; "
                                   f"keys: {', '.join(allowed)}")
         claims.append(Claim(**entry))
+    central = _table(raw, "centralized", ("models", "set"))
+    models, settings = central.get("models", []), central.get("set", {})
+    if not isinstance(models, list) or not isinstance(settings, dict):
+        raise ExperimentError("centralized: models is a list of model names and set a table, e.g. "
+                              "models = [\"resnet56\"], set = { \"centralized.batch_size\" = 32 }")
     return Experiment(
         name=raw["name"], question=raw["question"], methods=_strings(raw, "methods"), partitions=_strings(raw, "partitions"),
         seeds=tuple(seeds), scale=scale, max_wall_s=budget.get("max_wall_s", Experiment.max_wall_s),
         overrides=_overrides(raw, "every run"), per_method=per_method,
-        variants=tuple(variants) or (Variant(DEFAULT_VARIANT),), audit=audit, claims=tuple(claims), source=source)
+        variants=tuple(variants) or (Variant(DEFAULT_VARIANT),), audit=audit, claims=tuple(claims),
+        centralized=Centralized(tuple(models), _flatten("", settings)), source=source)
 
 
 def load_experiment(path: str | Path) -> Experiment:

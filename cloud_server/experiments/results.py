@@ -7,7 +7,7 @@ A results file (``bench/results/NAME.json``)::
      "machine": {"cpu_model", "cores", "torch", "python"},
      "cells": [{"key", "method", "partition", "seed", "variant", "overrides", "command",
                 "status": "done" | "failed", "wall_s", "error",
-                "run": {RUN_FIGURES: number or null} or null,
+                "run": {RUN_FIGURES: number or null, RUN_SERIES: [number or null per round]} or null,
                 "leakage": {"attacks": {name: {...}}, "strongest": {...} or null} or null}]}
 
 ``run`` is read from the run's ``report.json`` by :func:`run_figures` and ``leakage`` from
@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "RUN_FIGURES", "OPTIONAL_RUN_FIGURES", "LEAKAGE_FIGURES", "ROBUSTNESS_FIGURES", "CELL_STATUSES", "ResultsError",
+__all__ = ["SCHEMA", "RUN_FIGURES", "RUN_SERIES", "OPTIONAL_RUN_FIGURES", "LEAKAGE_FIGURES", "ROBUSTNESS_FIGURES", "CELL_STATUSES", "ResultsError",
            "faulty_agents", "leakage_figures", "load_results", "machine", "robustness_figures", "run_figures", "validate_results",
            "write_results"]
 
@@ -51,6 +51,9 @@ OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon", "activation_epsilo
                         *(f"{k}_per_round" for k in ("server_train_s", "server_eval_s", "round_s")),
                         "up_wire_bytes_first_round", "up_wire_bytes_per_later_round", "server_eval_over_train",
                         "later_over_first_round_up", "agents_warned_against_peers", "agent_idle_share", *ROBUSTNESS_FIGURES)
+#: Per round of a run (lists, an entry null where that round measured none): the global accuracy, the
+#: edge training GFLOPs and the bytes through the server's connection, both ways, training only.
+RUN_SERIES = ("accuracy_by_round", "edge_train_gflops_by_round", "train_wire_bytes_by_round")
 _IMAGE_SCORES = ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")
 #: The strongest image attack's scores (and its PSNR over the mean image's), and the best label attack's error in the agents' label
 #: histograms beside a uniform guess's, as figures of the long table.
@@ -122,6 +125,10 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
         "agents_warned_against_peers": _warned_against_peers(report),
         "agent_idle_share": _idle_share(rounds),
         **robustness_figures(rounds, faulty_agents(report)),
+        "accuracy_by_round": [r.get("accuracy") for r in rounds],
+        "edge_train_gflops_by_round": [(r.get("edge_train_flops") or 0) / 1e9 for r in rounds],
+        "train_wire_bytes_by_round": [r["bytes"]["up_wire"] + r["bytes"]["down_wire"]
+                                      if {"up_wire", "down_wire"} <= set(r.get("bytes", {})) else None for r in rounds],
     }
 
 
@@ -312,6 +319,9 @@ def _check_cell(cell: Any, i: int, problems: list[str]) -> None:
         bad = [k for k in (*RUN_FIGURES, *OPTIONAL_RUN_FIGURES) if k in run and not (run[k] is None or _is_number(run[k]))]
         if bad:
             problems.append(f"{where}.run: expected a number or null for {', '.join(bad)}")
+        bad = [k for k in RUN_SERIES if k in run and not (isinstance(run[k], list) and all(v is None or _is_number(v) for v in run[k]))]
+        if bad:
+            problems.append(f"{where}.run: expected a list of numbers or nulls, one per round, for {', '.join(bad)}")
         for key in ("final_accuracy", "best_accuracy", "local_accuracy", "edge_accuracy", "personalised_accuracy"):
             if _is_number(run.get(key)) and not 0 <= run[key] <= 1:
                 problems.append(f"{where}.run.{key}: an accuracy is a fraction in [0, 1], got {run[key]!r}")

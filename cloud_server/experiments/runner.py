@@ -1,6 +1,6 @@
 """Run an experiment's grid, resumably: each cell is ``edgesplit local`` (and, when the
-experiment audits, ``edgesplit audit``) in a subprocess of its own, into its own run
-directory; the results file is rewritten, atomically, after every cell.
+experiment audits, ``edgesplit audit``), or ``edgesplit centralized`` for a reference cell, in a
+subprocess of its own, into its own run directory; the results file is rewritten, atomically, after every cell.
 
 A cell recorded as done with the same command is skipped on a rerun; a failed cell, or one
 whose command changed (its overrides or the scale), runs again. A run that outlives the
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .results import SCHEMA, leakage_figures, load_results, machine, run_figures, write_results
-from .spec import Cell, Experiment, ExperimentError
+from .spec import CENTRALIZED, Cell, Experiment, ExperimentError
 
 __all__ = ["CellExecutor", "CellOutcome", "SubprocessExecutor", "default_paths", "run_experiment"]
 
@@ -62,7 +62,7 @@ def default_paths(experiment_file: Path, name: str) -> tuple[Path, Path]:
 
 def cell_command(experiment: Experiment, cell: Cell) -> list[str]:
     """What the cell runs (without its run directory): recorded, and compared on a rerun."""
-    return ["edgesplit", "local", *cell.local_args(experiment.scale)]
+    return ["edgesplit", *cell.command_args(experiment.scale)]
 
 
 def _tail(text: str) -> str:
@@ -120,19 +120,22 @@ class SubprocessExecutor:
 
     def __call__(self, experiment: Experiment, cell: Cell, run_dir: Path) -> CellOutcome:
         run_dir.mkdir(parents=True, exist_ok=True)
-        argv = [self.python, "-m", "cloud_server.launcher", "local", *cell.local_args(experiment.scale),
-                "--out", str(run_dir), "--run-id", cell.key, *(["--broker", self.broker] if self.broker else []),
+        federated = cell.method != CENTRALIZED  # a reference cell has no broker, no agents and nothing to audit
+        audited = federated and experiment.audit is not None
+        command = cell.command_args(experiment.scale)
+        argv = [self.python, "-m", "cloud_server.launcher", *command,
+                "--out", str(run_dir), "--run-id", cell.key, *(["--broker", self.broker] if self.broker and federated else []),
                 # Keep what the audit reads, but leave the audit to the step below, with the experiment's options and budget.
-                *(["--set", "server.audit=true"] if experiment.audit else [])]
+                *(["--set", "server.audit=true"] if audited else [])]
         report_path = run_dir / "report.json"
         report_path.unlink(missing_ok=True)  # a figure read from an old run would pass for this one's
         code, tail = _run_bounded(argv, run_dir / "bench-local.log", experiment.max_wall_s, self._env())
         if code is None:
             return CellOutcome("failed", error=f"stopped after the budget of {experiment.max_wall_s:g} s (budget.max_wall_s)\n{tail}")
         if code != 0 or not report_path.exists():
-            return CellOutcome("failed", error=f"edgesplit local exited with code {code}\n{tail}")
+            return CellOutcome("failed", error=f"edgesplit {command[0]} exited with code {code}\n{tail}")
         run = run_figures(json.loads(report_path.read_text()))
-        if experiment.audit is None:
+        if not audited:
             return CellOutcome("done", run=run)
         return replace(self.audit(experiment, run_dir), run=run)
 

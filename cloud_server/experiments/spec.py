@@ -4,7 +4,8 @@ dataclasses, and its grid.
 The file says which methods (registry names, or ``"*"`` for every registered one), which
 partitions and seeds, at what scale (exactly ``edgesplit local``'s flags), with which
 ``--set`` overrides and method flags (for every run, per method, per variant), under what
-budget, whether every run is audited, and the paper's claims it checks. Nothing here
+budget, whether every run is audited, the paper's claims it checks, and which models to
+train centrally on the union of the same data as reference cells (``edgesplit centralized``). Nothing here
 names a method: ``"*"`` is read from the registry when the grid is expanded, so a new
 method appears in every ``"*"`` experiment without an edit.
 
@@ -26,15 +27,20 @@ from typing import Any
 from fldata.partition_spec import PartitionSpec
 from shared_protocol.registry import LauncherFlag, registered_methods
 
+from ..local_run import AGENT_TABLES, SERVER_TABLE
 from .results import LEAKAGE_FIGURES, OPTIONAL_RUN_FIGURES, RUN_FIGURES
 
-__all__ = ["AuditSpec", "Cell", "Claim", "Experiment", "ExperimentError", "Overrides", "Scale", "Variant", "CLAIM_OPERATORS",
-           "DEFAULT_VARIANT", "RUN_TABLES"]
+__all__ = ["AuditSpec", "Cell", "Centralized", "Claim", "Experiment", "ExperimentError", "Overrides", "Scale", "Variant",
+           "CENTRALIZED", "CLAIM_OPERATORS", "DEFAULT_VARIANT", "RUN_TABLES", "UNION"]
 
 #: The variant of an experiment that declares none.
 DEFAULT_VARIANT = "default"
 #: The tables a ``--set`` may name besides a method's own (the configs ``edgesplit local`` writes).
-RUN_TABLES = ("server", "agent", "data")
+RUN_TABLES = (SERVER_TABLE, *AGENT_TABLES)
+#: A reference cell's method: one model trained on the union of the data (``edgesplit centralized``).
+CENTRALIZED = "centralized"
+#: A reference cell's partition: it trains on the union of the agents' data, whatever their partition.
+UNION = "union"
 CLAIM_OPERATORS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
@@ -91,6 +97,14 @@ class Scale:
             if value is not None:
                 args += [f"--{f.name.replace('_', '-')}", str(value)]
         return args
+
+    def centralized_args(self) -> list[str]:
+        """The flags ``edgesplit centralized`` shares with ``edgesplit local`` (the data and rounds;
+        no agents, deadline or broker)."""
+        args = self.local_args()
+        shared = {f"--{name.replace('_', '-')}" for name in ("rounds", "dataset", "data_root", "train_samples", "test_samples",
+                                                               "eval_every")}
+        return [x for flag, value in zip(args[::2], args[1::2]) if flag in shared for x in (flag, value)]
 
 
 @dataclass(frozen=True)
@@ -209,8 +223,30 @@ class Claim:
 
 
 @dataclass(frozen=True)
+class Centralized:
+    """Reference cells beside the grid: each of ``models`` trained on the union of the experiment's
+    data (``edgesplit centralized``, the same data subset, rounds and evaluation), once per seed;
+    ``settings``: ``--set`` values of its ``[centralized]`` (or ``[server]``) table."""
+
+    models: tuple[str, ...] = ()
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for model in self.models:
+            if not isinstance(model, str) or not re.fullmatch(r"[A-Za-z0-9_]+", model):
+                raise ExperimentError(f"centralized.models: a model name (e.g. \"resnet56\"), got {model!r}")
+        if len(set(self.models)) != len(self.models):
+            raise ExperimentError("centralized.models: a model is named once")
+        Overrides(settings=self.settings)  # TABLE.KEY and scalar values
+        for name in self.settings:
+            if name.partition(".")[0] not in (SERVER_TABLE, CENTRALIZED):
+                raise ExperimentError(f"centralized.set: {name}: a centralized run's tables are {SERVER_TABLE} and {CENTRALIZED}")
+
+
+@dataclass(frozen=True)
 class Cell:
-    """One run of the grid: a method on a partition with a seed, in a variant."""
+    """One run of the grid: a method on a partition with a seed, in a variant; or a reference cell
+    (method ``centralized``, its model as the variant, partition ``union``)."""
 
     key: str
     method: str
@@ -228,6 +264,15 @@ class Cell:
             args += ["--set", f"{name}={_toml_value(value)}"]
         for text in self.overrides.faulty_agents:
             args += ["--faulty-agent", text]
+        return args
+
+    def command_args(self, scale: Scale) -> list[str]:
+        """The launcher's subcommand and its arguments for this cell (without ``--out`` and ``--run-id``)."""
+        if self.method != CENTRALIZED:
+            return ["local", *self.local_args(scale)]
+        args = ["centralized", "--model", self.variant, "--seed", str(self.seed), *scale.centralized_args()]
+        for name, value in self.overrides.settings.items():
+            args += ["--set", f"{name}={_toml_value(value)}"]
         return args
 
 
@@ -258,6 +303,7 @@ class Experiment:
     variants: tuple[Variant, ...] = (Variant(DEFAULT_VARIANT),)
     audit: AuditSpec | None = None
     claims: tuple[Claim, ...] = ()
+    centralized: Centralized = Centralized()
     source: str = ""  # the file it was read from
 
     def __post_init__(self) -> None:
@@ -334,9 +380,12 @@ class Experiment:
                 if partition not in self.partitions:
                     raise ExperimentError(f"variants.{variant.name}.partitions: {partition!r} is not a partition of this grid "
                                           f"({', '.join(self.partitions)})")
+        if CENTRALIZED in methods and self.centralized.models:
+            raise ExperimentError(f"centralized: the registry has a method named {CENTRALIZED!r}: its cells and the reference "
+                                  "cells would share keys")
         for claim in self.claims:
             for role, name in (("method", claim.method), ("baseline", claim.baseline)):
-                if name is not None and name not in methods:
+                if name is not None and name not in methods and not (name == CENTRALIZED and self.centralized.models):
                     raise ExperimentError(f"claims: {role} {name!r} is not in the grid ({', '.join(methods)})")
             if claim.baseline is not None and claim.baseline_variant not in {v.name for v in self.variants}:
                 raise ExperimentError(f"claims: baseline_variant {claim.baseline_variant!r} is not a variant of this grid")
@@ -363,6 +412,10 @@ class Experiment:
                         parts = [method, *([variant.name] if variant.name != DEFAULT_VARIANT else []),
                                  re.sub(r"[^A-Za-z0-9_.-]+", "", partition), f"s{seed}"]
                         cells.append(Cell("-".join(parts), method, partition, seed, variant.name, mine))
+        for model in self.centralized.models:
+            for seed in self.seeds:
+                cells.append(Cell(f"{CENTRALIZED}-{model}-{UNION}-s{seed}", CENTRALIZED, UNION, seed, model,
+                                  Overrides(settings=self.centralized.settings)))
         if not cells:
             raise ExperimentError("the grid is empty: no variant applies to any method; check variants.*.methods")
         keys = [c.key for c in cells]

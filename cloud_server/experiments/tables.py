@@ -5,6 +5,7 @@
 - :func:`evaluate_claims`: each claim of the experiment met, not met, or without data;
 - :func:`summary_md`, :func:`claims_md`, :func:`long_md`: markdown;
 - :func:`plot`: accuracy against bytes up and, where audited, against the strongest attack's PSNR;
+- :func:`curves`, :func:`curves_md`, :func:`plot_curves`: per round, accuracy against what it has cost so far;
 - :func:`render`: an experiment's template (``NAME.md``, ``{{table}}``, ``{{plot}}``...) filled in.
 """
 
@@ -15,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .results import LEAKAGE_FIGURES, OPTIONAL_RUN_FIGURES, RUN_FIGURES
+from .results import LEAKAGE_FIGURES, OPTIONAL_RUN_FIGURES, RUN_FIGURES, RUN_SERIES
 from .spec import CLAIM_OPERATORS, Claim
 
-__all__ = ["claims_md", "evaluate_claims", "long_md", "long_table", "plot", "render", "summary", "summary_md",
+__all__ = ["claims_md", "curves", "curves_md", "evaluate_claims", "long_md", "long_table", "plot", "render", "summary", "summary_md",
            "unattacked_md"]
 
 Row = dict[str, Any]
@@ -68,7 +69,7 @@ def long_table(results: Mapping[str, Any]) -> list[Row]:
     rows = []
     for cell in results["cells"]:
         row: Row = {k: cell[k] for k in ("key", "method", "partition", "variant", "seed", "status", "wall_s")}
-        row.update({k: (cell["run"] or {}).get(k) for k in (*RUN_FIGURES, *OPTIONAL_RUN_FIGURES)})
+        row.update({k: (cell["run"] or {}).get(k) for k in (*RUN_FIGURES, *OPTIONAL_RUN_FIGURES, *RUN_SERIES)})
         strongest = (cell.get("leakage") or {}).get("strongest") or {}
         row["leakage_attack"] = strongest.get("attack")
         row.update({f"leakage_{k}": strongest.get(k) for k in ("psnr_db", "ssim", "baseline_psnr_db", "baseline_ssim")})
@@ -237,6 +238,88 @@ def plot(summary_rows: Sequence[Row], path: Path, title: str = "") -> bool:
     return True
 
 
+def _cumulative(series: Sequence[float | None]) -> list[float | None]:
+    """Running sums; None from the first round that measured none on."""
+    out: list[float | None] = []
+    total: float | None = 0.0
+    for value in series:
+        total = None if total is None or value is None else total + value
+        out.append(total)
+    return out
+
+
+def curves(rows: Sequence[Row]) -> list[Row]:
+    """Per method x partition x variant and round: the global accuracy (mean, sd over the seeds) and
+    the edge training GFLOPs and bytes spent so far (means over the seeds; None where a seed has none),
+    over the rounds every done seed recorded."""
+    groups: dict[tuple[str, ...], list[Row]] = {}
+    for row in rows:
+        if row["status"] == "done" and row.get("accuracy_by_round"):
+            groups.setdefault(tuple(row[k] for k in GROUP), []).append(row)
+    out = []
+    for group, members in groups.items():
+        spent = {key: [_cumulative(m.get(key) or [None] * len(m["accuracy_by_round"])) for m in members]
+                 for key in ("edge_train_gflops_by_round", "train_wire_bytes_by_round")}
+        for i in range(min(len(m["accuracy_by_round"]) for m in members)):
+            mean, sd = _mean_sd([m["accuracy_by_round"][i] for m in members if m["accuracy_by_round"][i] is not None])
+            so_far = {key: [s[i] for s in series] for key, series in spent.items()}
+            out.append({**dict(zip(GROUP, group)), "round": i + 1, "accuracy": {"mean": mean, "sd": sd},
+                        **{key.replace("_by_round", "_so_far"): None if None in values else sum(values) / len(values)  # type: ignore[arg-type]
+                           for key, values in so_far.items()}})
+    return out
+
+
+def curves_md(points: Sequence[Row]) -> str:
+    if not points:
+        return ""
+    variants = len({p["variant"] for p in points}) > 1
+
+    def num(value: float | None, scale: float, decimals: int) -> str:
+        return "—" if value is None else f"{value * scale:,.{decimals}f}"
+
+    rows = [[f"`{p['method']}`", p["partition"], *([p["variant"]] if variants else []), str(p["round"]),
+             _cell(p["accuracy"], 100, 1), num(p["edge_train_gflops_so_far"], 1, 0), num(p["train_wire_bytes_so_far"], 1e-6, 1)]
+            for p in points]
+    header = ["Method", "Partition", *(["Variant"] if variants else []), "Round", "Global acc. %", "Edge GFLOPs so far",
+              "MB so far (wire, both ways)"]
+    return _md(header, rows)
+
+
+def plot_curves(points: Sequence[Row], path: Path, title: str = "") -> bool:
+    """Global accuracy by round against the edge GFLOPs and the bytes spent so far (log axes), one line per
+    group, error bars the sd over the seeds. False: nothing to plot."""
+    groups: dict[tuple[str, ...], list[Row]] = {}
+    for p in points:
+        if p["accuracy"]["mean"] is not None:
+            groups.setdefault(tuple(p[k] for k in GROUP), []).append(p)
+    if not groups:
+        return False
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = (("edge_train_gflops_so_far", 1, "edge training GFLOPs so far (all agents)"),
+              ("train_wire_bytes_so_far", 1e-6, "MB so far through the server's connection"))
+    fig = Figure(figsize=(13, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    for ax, (key, scale, label) in zip(axes, panels):
+        for i, (group, line) in enumerate(groups.items()):
+            kept = [p for p in line if p[key]]  # nothing spent (a reference cell's edge and wire) has no place on a log axis
+            if kept:
+                ax.errorbar([p[key] * scale for p in kept], [p["accuracy"]["mean"] * 100 for p in kept],
+                            yerr=[(p["accuracy"]["sd"] or 0) * 100 for p in kept], marker="o", capsize=3, color=f"C{i % 10}",
+                            linestyle=("-", "--", ":", "-.")[(i // 10) % 4], label=" ".join(g for g in group if g != "default"))
+        ax.set_xlabel(label)
+        ax.set_ylabel("global accuracy (%)")
+        ax.set_xscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path)
+    return True
+
+
 def unattacked_md(results: Mapping[str, Any]) -> str:
     """Per method and variant, the image attacks that apply but did not run and why (the first
     seed's reason), so that a "—" in the table is explained."""
@@ -257,7 +340,8 @@ DEFAULT_TEMPLATE = "# {{name}}\n\n{{question}}\n\n{{table}}\n\n{{claims}}\n\n{{p
 def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], out: Path, link_prefix: str = "") -> str:
     """Fill ``template``'s placeholders (``{{name}}``, ``{{question}}``, ``{{table}}`` the summary,
     ``{{claims}}``, ``{{cells}}`` the long table, ``{{unattacked}}`` the attacks that did not run and why, ``{{timing}}`` where each run's time and upload bytes go per round, ``{{robustness}}`` what the server's
-    screen refused and judged, ``{{plot}}`` a picture written beside ``out``,
+    screen refused and judged, ``{{curves}}`` per round the accuracy against the edge FLOPs and bytes spent so far
+    (a table and a picture), ``{{plot}}`` a picture written beside ``out``,
     linked as ``link_prefix`` + its file name)."""
     rows = long_table(results)
     groups = summary(rows)
@@ -266,6 +350,12 @@ def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], o
         picture = out.with_suffix(".png")
         text = text.replace("{{plot}}", f"![{results['experiment']['name']}]({link_prefix}{picture.name})"
                             if plot(groups, picture, results["experiment"]["name"]) else "")
+    if "{{curves}}" in text:
+        points = curves(rows)
+        picture = out.with_name(f"{out.stem}-curves.png")
+        image = (f"![{results['experiment']['name']} by round]({link_prefix}{picture.name})\n\n"
+                 if plot_curves(points, picture, results["experiment"]["name"]) else "")
+        text = text.replace("{{curves}}", image + curves_md(points))
     fills = {"name": results["experiment"]["name"], "question": results["experiment"]["question"],
              "table": summary_md(groups), "claims": claims_md(evaluate_claims(claims, groups)), "cells": long_md(rows),
              "unattacked": unattacked_md(results), "timing": summary_md(groups, TIMING_COLUMNS),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..configs import round_config_from_wire
-from ..registry import BenchRun, MethodSpec, ResultsRow, register_method
+from ..registry import MethodSpec, register_method
 from .fedavg import WHOLE_MODEL_FLAGS
 
 #: The key of ``RoundStart.config`` that holds :class:`FedDistillRoundConfig`.
@@ -86,8 +86,4 @@ register_method(MethodSpec(
     messages=("shared_protocol.methods.fedavg", "shared_protocol.secagg_messages", __name__),  # it travels on FedAvg's messages
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/feddistill.md",
-    # The paper prints search ranges, not the values kept: read off its sensitivity study (docs/methods/feddistill.md).
-    bench=(BenchRun("feddistill-resnet56", {"alpha_t": 0.0, "alpha_r": 0.5, "alpha_f": 1.0, "beta_l": 1.4, "beta_e": 0.3,
-                                            "beta_fc": 0.3}, order=2,
-                    rows=(ResultsRow("FedDistill (ResNet-56)", "model", "the global model's averaged statistics"),)),),
 ))

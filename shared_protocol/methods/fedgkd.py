@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ValueRangeError
-from ..registry import BenchRun, MethodSpec, ResultsRow, register_method
+from ..registry import MethodSpec, register_method
 from .fedavg import WHOLE_MODEL_FLAGS
 
 #: ``RoundStart.config`` key of the teacher description.
@@ -161,7 +161,4 @@ register_method(MethodSpec(
     messages=("shared_protocol.methods.fedavg", "shared_protocol.secagg_messages", __name__),  # FedAvg's messages plus the teachers
     flags=WHOLE_MODEL_FLAGS,
     docs="docs/methods/fedgkd.md",
-    # FedGKD (not -Vote), the paper's CV defaults.
-    bench=(BenchRun("fedgkd-resnet56", {"variant": "avg", "gamma": 0.2, "buffer_size": 5}, order=1,
-                    rows=(ResultsRow("FedGKD (ResNet-56)", "model", "the global model's averaged statistics"),)),),
 ))

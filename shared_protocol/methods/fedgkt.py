@@ -12,7 +12,7 @@ from ..activation_guard import ActivationGuard
 from ..configs import check_codec, check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, ValueRangeError
 from ..message_base import Message, check_same_length, check_seqs, check_split, register_message, tensor, tensor_dict
-from ..registry import BenchRun, LauncherFlag, MethodSpec, ResultsRow, register_method
+from ..registry import LauncherFlag, MethodSpec, register_method
 
 SPLITS = ("train", "test")
 
@@ -261,13 +261,4 @@ register_method(MethodSpec(
     ),
     backends={"ort": "edge_agent.backends.ort_fedgkt:OrtFedGktEdge"},
     docs="docs/methods/fedgkt.md",
-    # The paper's Table 2 (knowledge transfer; its figures are CIFAR-10's), in the methods benchmark:
-    # Table 1's sync run with no KD and with S->E only, on the ablation partition; the S<->E row is
-    # Table 1's run itself (bench/accuracy.py's fedgkt-<partition>).
-    bench=(BenchRun("fedgkt-kd-none", {"mode": "sync", "kd": "none"}, shared="table1", partitions="ablation", results="table2",
-                    rows=(ResultsRow("None", paper="diverge"),)),
-           BenchRun("fedgkt-kd-s2e", {"mode": "sync", "kd": "s2e"}, shared="table1", partitions="ablation", results="table2",
-                    rows=(ResultsRow("S->E", paper=92.97),)),
-           BenchRun("fedgkt", shared="table1", partitions="ablation", results="table2", reuses_table1=True, order=1,
-                    rows=(ResultsRow("S<->E (Table 1's FedGKT)", paper=90.53),))),
 ))

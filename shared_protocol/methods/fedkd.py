@@ -40,7 +40,7 @@ from ..configs import check_optimizer, round_config_from_wire
 from ..errors import ShapeMismatchError, SizeLimitError, ValueRangeError
 from ..frame import DEFAULT_LIMITS
 from ..message_base import Message, register_message, tensor
-from ..registry import BenchRun, MethodSpec, ResultsRow, register_method
+from ..registry import MethodSpec, register_method
 
 #: What an update carries: the mentee's change over the round, or its mean gradient.
 UPLOAD_KINDS = ("update", "gradient")
@@ -225,11 +225,4 @@ register_method(MethodSpec(
     config="cloud_server.methods.fedkd_config:FedKdConfig",
     messages=(__name__,),
     docs="docs/methods/fedkd.md",
-    # A private ResNet-56 mentor and a shared ResNet-8 mentee per agent, Adam 0.001; its accuracy is the
-    # mentors' (its mentee's beside it, labelled).
-    bench=(BenchRun("fedkd", {"mentor_model": "resnet56", "mentee_model": "resnet8", "optimizer": "adam", "mentor_lr": 0.001,
-                              "mentee_lr": 0.001}, shared="batch", order=4,
-                    rows=(ResultsRow("FedKD (mentors, ResNet-56)", "model", "each agent's mentor, its own statistics"),
-                          ResultsRow("FedKD (shared mentee, ResNet-8; not the headline)", "mentee",
-                                     "the mentee's averaged statistics"))),),
 ))

@@ -254,8 +254,8 @@ def test_payload_sizes_by_formula() -> None:
 
 
 def test_protocol_doc_test_vectors() -> None:
-    """The `svd` test vectors of docs/protocol.md §4: fixed payloads decode to the documented
-    tensors, and the encoder makes the documented choices (mode, rank, energy, payload size).
+    """The `svd` test vectors docs/protocol.md §4 points to: fixed payloads decode to the
+    expected tensors, and the encoder makes the specified choices (mode, rank, energy, payload size).
     Factored payload bytes are not compared: singular vectors are unique only up to sign."""
     codec = codecs.get_codec("svd")
     twos = np.full((4, 1, 2, 2), 2.0, np.float32)  # the 4 x 4 matrix of 2s: s = (8, 0, 0, 0)

@@ -1,6 +1,7 @@
-"""The user's guides (docs/configuration.md, docs/deploy.md) quote no measured figure in their prose,
-which would go stale when a bench is re-measured: they link to the results page or the JSON instead,
-and those links must lead somewhere."""
+"""The user's guides (README, the configuration, deployment, protocol, run report and privacy pages)
+quote no measured figure in their prose, which would go stale when a bench is re-measured: figures
+live in blocks rendered from the results JSONs, or behind links to the results page, and those
+links must lead somewhere."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GUIDES = ("docs/configuration.md", "docs/deploy.md")
+GUIDES = ("README.md", "docs/configuration.md", "docs/deploy.md", "docs/protocol.md", "docs/report.md", "docs/privacy.md")
+#: Blocks rendered from code or from the results JSONs (their renderers' tests keep them current).
+GENERATED = (("<!-- The methods' tables:", "<!-- end of the methods' tables -->"),
+             ("<!-- The methods: rendered", "<!-- end of the methods -->"),
+             ("<!-- defences: rendered", "<!-- end of the defences -->"))
 #: A percentage, a size in decimal megabytes, a time in milliseconds, a speed-up.
 MEASURED = re.compile(r"\d+(?:\.\d+)?\s?(?:%|MB\b|ms\b|x faster)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -19,7 +24,9 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 def _prose(page: str) -> str:
     """The page without fenced code (example output) and without blocks rendered from code."""
     page = re.sub(r"^```.*?^```", "", page, flags=re.M | re.S)
-    return re.sub(r"<!-- The methods' tables:.*?<!-- end of the methods' tables -->", "", page, flags=re.S)
+    for begin, end in GENERATED:
+        page = re.sub(re.escape(begin) + ".*?" + re.escape(end), "", page, flags=re.S)
+    return page
 
 
 def _anchors(page: str) -> set[str]:
@@ -39,6 +46,7 @@ def test_the_figure_pattern_finds_measured_figures() -> None:
     found = MEASURED.findall("peaks at 587 MB, 78.8% accurate, 980 ms a step, 1.36x faster; 64 MiB and 8883")
     assert found == ["587 MB", "78.8%", "980 ms", "1.36x faster"]
     assert _prose("text\n```\n71.3%\n```\nmore") == "text\n\nmore"
+    assert _prose("a <!-- defences: rendered x -->\n| 71.8 % |\n<!-- end of the defences --> b") == "a  b"
 
 
 @pytest.mark.parametrize("guide", GUIDES)
@@ -71,12 +79,26 @@ def test_every_link_of_the_guide_leads_to_a_file_and_heading(guide: str) -> None
 
 def test_the_pages_linking_to_the_guides_find_their_headings() -> None:
     """Other docs, README and the programs' messages link to headings of the guides."""
-    anchors = {guide: _anchors((ROOT / guide).read_text()) for guide in GUIDES}
+    anchors = {Path(guide).stem: _anchors((ROOT / guide).read_text()) for guide in GUIDES if guide.startswith("docs/")}
     sources = [*(ROOT / "docs").rglob("*.md"), ROOT / "README.md", *(ROOT / "shared_protocol").rglob("*.py"),
                *(ROOT / "edge_agent").rglob("*.py"), *(ROOT / "cloud_server").rglob("*.py")]
     broken = []
     for source in sources:
-        for name, anchor in re.findall(r"(configuration|deploy)\.md#([\w\-]+)", source.read_text()):
-            if anchor not in anchors[f"docs/{name}.md"]:
+        for name, anchor in re.findall(r"\b(" + "|".join(anchors) + r")\.md#([\w\-]+)", source.read_text()):
+            if anchor not in anchors[name]:
                 broken.append(f"{source.relative_to(ROOT)}: {name}.md#{anchor}")
     assert broken == []
+
+
+def _section(page: str, heading: str) -> str:
+    """The text under ``heading`` up to the next heading of its level or above."""
+    level = heading.split(" ")[0]
+    start = page.index(heading + "\n") + len(heading) + 1
+    following = [m.start() for m in re.finditer(r"^#{1,%d} " % len(level), page[start:], flags=re.M)]
+    return page[start:start + following[0]] if following else page[start:]
+
+
+def test_the_readmes_demo_section_stays_under_120_words() -> None:
+    assert _section("# a\n## b\none two\n### c\nthree\n## d\nfour", "## b").split() == ["one", "two", "###", "c", "three"]
+    demo = _section((ROOT / "README.md").read_text(), "## What `make demo` does")
+    assert 40 < len(demo.split()) < 120, "README's `make demo` section: keep it short, link to the details"

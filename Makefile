@@ -17,7 +17,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: all venv system-deps test test-fast demo bench bench-methods bench-kd bench-quick clean
+.PHONY: all venv system-deps test test-fast demo bench bench-micro bench-methods bench-kd bench-quick clean
 
 all: test
 
@@ -46,11 +46,21 @@ demo: venv system-deps
 # (bench/experiments/table1.toml), Table 3 (sync vs async on make demo's
 # setting) and the communication cost.
 bench: venv system-deps
-	$(PY) bench/codecs.py
-	$(PY) bench/edge_cost.py
+	$(MAKE) bench-micro
 	$(VENV)/bin/edgesplit bench run bench/experiments/table1.toml
 	$(VENV)/bin/edgesplit bench run bench/experiments/fedgkt_async.toml
 	$(VENV)/bin/edgesplit bench run bench/experiments/comm_cost.toml
+	$(PY) bench/render_results.py
+
+# The micro-benchmarks (bench/micro/: pytest-benchmark), one JSON each in bench/results/, one thread:
+# codecs (about 2 min on 2 loaded cores), edge_cost (about 1), server_loop (about 15: a cold
+# torch.compile and 5 repeats of two training loops), step_memory (about 3). `make bench-micro
+# MICRO=codecs` runs one; MICRO_ARGS=--quick runs them at small sizes.
+MICRO ?= codecs edge_cost server_loop step_memory
+MICRO_ARGS ?=
+bench-micro: venv
+	for name in $(MICRO); do OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider bench/micro/test_$$name.py \
+		$(MICRO_ARGS) --benchmark-json=bench/results/$$name.json || exit 1; done
 	$(PY) bench/render_results.py
 
 # FedGKT's server epochs per round, the one-factor-at-a-time ablation, and what --low-memory's

@@ -2,13 +2,13 @@
 
 The tables are generated, never typed: rerun a benchmark, then this script.
 
-* ``edge_cost.json`` (``bench/edge_cost.py``): the FedGKT paper's Fig. 4 -- edge
-  parameters, training FLOPs and CPU time of ResNet-8 vs ResNet-56/110;
+* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``: the micro-benchmarks'
+  pytest-benchmark JSONs (``bench/micro/``, ``make bench-micro``; ``bench/micro_docs.py``);
 * every experiment with a template (``bench/experiments/NAME.md``): its results
   (``bench/results/NAME.json``) through the runner's generic tables, or the one
   line naming the command that measures it;
-* ``transport.json``, ``server_loop.json``, ``scale.json`` (``bench/transport.py``,
-  ``bench/server_loop.py``, ``bench/scale.py``): the transport's and server loop's speed and the scale figures;
+* ``transport.json``, ``scale.json`` (``bench/transport.py``, ``bench/scale.py``): the
+  transport's speed and the scale figures;
 * ``metrics_overhead.json`` (``bench/metrics_overhead.py``): the cost of watching a
   run, ``make demo`` with metrics off vs on.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT / "bench") not in sys.path:
-    sys.path.append(str(REPO_ROOT / "bench"))  # appended: bench/codecs.py must never shadow the standard library's
+    sys.path.append(str(REPO_ROOT / "bench"))  # appended: the repository's packages come first
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -40,10 +40,13 @@ from _stats import DIFFERENCE_RULE  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
+from micro_docs import codecs_section, edge_cost_section, load_micro, server_loop_section  # noqa: E402
 from leakage_docs import (copy_pictures, cost_cells, leakage_cell, method_figures, present_pictures,  # noqa: E402
                           setting_line, update_inversion_section, update_method_notes)
 
 DASH = "—"
+#: The sections rendered from the micro-benchmarks' pytest-benchmark JSONs (bench/micro/, bench/micro_docs.py).
+MICRO_SECTIONS = ("edge_cost", "codecs", "server_loop")
 
 
 class ResultsError(ValueError):
@@ -81,28 +84,6 @@ def _machine_line(machine: dict[str, Any]) -> str:
             "(the machine is shared: wall times are indicative)")
 
 
-def edge_cost_section(data: dict[str, Any]) -> list[str]:
-    env = data["environment"]
-    models = data["models"]
-    rows = []
-    for name in ("resnet8", "resnet56", "resnet110"):
-        m = models[name]
-        rows.append([name, f"{m['params']:,}", f"{m.get('params_ratio_vs_resnet8', 1.0):.1f}×",
-                     f"{m['training_mflops_per_sample']:.1f}", f"{m.get('flops_ratio_vs_resnet8', 1.0):.1f}×",
-                     f"{m['cpu_ms_per_batch_median']:.0f}"])
-    paper = data["paper"]
-    return [
-        "## Edge compute (the paper's Fig. 4)", "",
-        f"From `bench/results/edge_cost.json` (`bench/edge_cost.py`): {env['cpu_model']}, {env['cpu_count']} cores, "
-        f"torch {env['torch_version']}, {env['date_utc']}. Training = forward + cross-entropy + backward; FLOPs = 2 × MACs "
-        f"(`FlopCounterMode`); CPU time is the median of a batch of {data['config']['timed_batch_size']}.", "",
-        *_table(["Edge model", "Params", "÷ ResNet-8", "Train MFLOPs / image", "÷ ResNet-8", "CPU ms / batch"], rows),
-        "",
-        f"The paper: ResNet-56 / ResNet-110 need {paper['flops_ratio_vs_resnet8']['resnet56']:.0f}× / "
-        f"{paper['flops_ratio_vs_resnet8']['resnet110']:.0f}× the FLOPs and {paper['params_ratio_vs_resnet8']['resnet56']:.0f}× / "
-        f"{paper['params_ratio_vs_resnet8']['resnet110']:.0f}× the parameters of ResNet-8. FedAvg trains the full model on "
-        "the edge; FedGKT trains ResNet-8; split learning trains only ResNet-8's stem on the edge.", "",
-    ]
 
 
 def _pm(s: dict[str, Any] | None, scale: float = 100.0, digits: int = 1, unit: str = "%") -> str:
@@ -186,51 +167,6 @@ def transport_section(data: dict[str, Any]) -> list[str]:
            f"{floor['plain']:.2f}× raw paho's (plain) and {floor['tls']:.2f}× (TLS), whatever else the transport does: "
            "raw paho checks nothing.", ""] if floor else []),
     ]
-    return lines
-
-
-def server_loop_section(data: dict[str, Any]) -> list[str]:
-    setup = data["setup"]
-    verdict = "within" if data["claim_within_10_percent"] else "**not** within"
-    rows = [
-        ["FedGKT server step (`FedGktServer._train`)", f"{data['median_server_step_s']:.2f}", f"{min(data['server_step_s']):.2f}",
-         ", ".join(f"{x:.2f}" for x in data["server_step_s"])],
-        ["bare PyTorch loop, same tensors", f"{data['median_bare_loop_s']:.2f}", f"{min(data['bare_loop_s']):.2f}",
-         ", ".join(f"{x:.2f}" for x in data["bare_loop_s"])],
-    ]
-    return [
-        "## Server training loop vs a bare loop", "",
-        f"From `bench/results/server_loop.json` (`bench/server_loop.py`), measured {_bench_machine_line(data['machine'])}. "
-        f"{setup['server_model']}, {setup['samples']} staged samples from {setup['agents']} agents, batch "
-        f"{setup['batch_size']}, {setup['repeats']} repeats alternating which loop goes first. The server step gathers "
-        "float16 staged feature maps by shuffled index and records logits by sample id; the bare loop iterates over "
-        "ready float32 batches.", "",
-        *_table(["Loop", "Median s", "Best s", "Per repeat s"], rows),
-        "",
-        f"Overhead of the server step: {100 * data['overhead_median']:+.1f}% (medians), {100 * data['overhead_min']:+.1f}% "
-        f"(best of each). Target, within 10%: {verdict} (best of each).", "",
-        *_compile_check_lines(data.get("compile_check")),
-    ]
-
-
-def _compile_check_lines(check: dict[str, Any] | None) -> list[str]:
-    """torch.compile on this CPU: the verdict ``server_step = "auto"`` follows."""
-    if check is None:
-        return []
-    lines = ["### torch.compile on this CPU", "",
-             f"Measured {_bench_machine_line(check['machine'])}. The shared server step "
-             f"({check['setup']['server_model']}, batch {check['setup']['batch_size']}, {check['setup']['loss']}) eagerly and "
-             f"through `torch.compile`, {check['setup']['repeats']} alternating runs of {check['setup']['timed_steps_per_run']} "
-             f"steps each after {check['setup']['warmup_steps']} warm-up steps; {check['inductor_cache']}.", ""]
-    if "compiled_speedup_median" in check:
-        rows = [[mode, f"{check[mode]['median_step_s']:.2f}", f"{check[mode]['best_step_s']:.2f}", f"{check[mode]['warmup_s']:.0f}"]
-                for mode in ("eager", "compiled")]
-        lines += [*_table(["Step", "Median s / step", "Best s / step", "Warm-up s"], rows), "",
-                  f"First step's loss, same weights and batch: {check['first_step_loss']['eager']:.6f} eager, "
-                  f"{check['first_step_loss']['compiled']:.6f} compiled.", ""]
-    lines += [check["verdict"] + ".", ""]
-    if not check.get("auto_follows_verdict", False):
-        lines += ["**`AUTO_STEP` in cloud_server/server_step.py does not follow this measurement.**", ""]
     return lines
 
 
@@ -625,7 +561,8 @@ def _first_seed(data: dict[str, Any], method: str) -> int:
 
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("edge_cost", "transport", "server_loop", "scale", "metrics_overhead")}
+               for name in ("transport", "scale", "metrics_overhead")}
+    sources.update({name: load_micro(results / f"{name}.json") for name in MICRO_SECTIONS})
     lines = [
         "# EdgeSplit results",
         "",
@@ -638,7 +575,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "",
     ]
     lines += decision_section(load_experiment_results(results / "leakage.json"), defence_rows(load_defences(results)))
-    sections = (("edge_cost", edge_cost_section),
+    sections = (("edge_cost", edge_cost_section), ("codecs", codecs_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
                 ("metrics_overhead", metrics_overhead_section))
     footprint = _load(results / "footprint.json")
@@ -657,12 +594,14 @@ def render(results: Path, image_dir: Path | None = None) -> str:
             lines += section(None)  # type: ignore[operator]
             continue
         if data is None:
-            lines += [f"*`bench/results/{name}.json` not found: run `bench/{name}.py`.*", ""]
+            command = f"make bench-micro MICRO={name}" if name in MICRO_SECTIONS else f"bench/{name}.py"
+            lines += [f"*`bench/results/{name}.json` not found: run `{command}`.*", ""]
             continue
         try:
             lines += section(data)
         except KeyError as exc:
-            raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun bench/{name}.py") from None
+            raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun "
+                               + (f"make bench-micro MICRO={name}" if name in MICRO_SECTIONS else f"bench/{name}.py")) from None
     lines += experiment_sections(results, image_dir, REPO_ROOT / "bench" / "runs")
     try:
         lines += gpu_section(*(_load(results / f"{name}.json") for name in ("server_gpu", "fedgkt_fullscale", "gpu_methods")))

@@ -26,7 +26,7 @@ Writes ``bench/results/server_gpu.json`` (``device`` says where it ran). On a GP
 
 On the development CPU (2 shared cores: a ResNet-55 step at batch 64 takes seconds) use
 ``--quick --models resnet55_server --batches 64 --modes bare,eager,graph``: compilation
-takes minutes per configuration there (bench/server_loop.py has the CPU compile verdict),
+takes minutes per configuration there (bench/micro/test_server_loop.py has the CPU compile verdict),
 and ``not_run`` lists the rest of the grid.
 """
 

@@ -80,9 +80,9 @@ AUTO_STEP: dict[str, str] = {"cpu": "compiled", "cuda": "graph"}
 
 #: On a CPU, ``"auto"`` compiles the step only for a training call of at least this many
 #: steps. The compiled step is faster than the eager one, but only after a cold compilation
-#: that takes hundreds of steps to repay (bench/server_loop.py on the 2-core development
-#: machine: bench/results/server_loop.json, ``compile_check``'s ``compiled_speedup_median``,
-#: ``compile_s`` and ``break_even_steps``). This threshold sits above that break-even: a full
+#: that takes hundreds of steps to repay (bench/micro/test_server_loop.py::test_compile on the
+#: 2-core development machine: bench/results/server_loop.json, whose verdict and
+#: ``break_even_steps`` bench/micro_docs.py's ``compile_verdict`` reads). This threshold sits above that break-even: a full
 #: Fashion-MNIST FedGKT round (~940 steps at batch 64) or centralized epoch compiles; a test's
 #: or a FedBE distillation's 10-200 steps run eagerly.
 AUTO_CPU_COMPILE_MIN_STEPS = 500

@@ -109,7 +109,7 @@ class MemoryConfig:
       bench/results/step_memory.json, ``recompute_flops_ratio``).
     * ``pin_malloc``: pin glibc's mmap threshold so freed activations go back to
       the system (process-wide, set at start; training steps slower:
-      bench/results/step_memory.json, ``torch_summary``).
+      bench/results/step_memory.json, ``test_torch_step``).
     * ``shard_on_disk``: the agent's images (train and test shard) live in an unnamed
       file under the data directory (``$EDGESPLIT_DATA_DIR`` or
       ``~/.cache/edgesplit/datasets``), memory-mapped, and each batch's rows are read

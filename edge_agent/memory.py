@@ -14,8 +14,8 @@ round to round.
 
 It is not free: every large activation is then a fresh mapping whose pages the
 kernel must fault in and zero at every step, so a training step is slower with
-the threshold pinned (bench/results/step_memory.json, ``torch_summary``'s
-``step_time_over_default``). So the agent pins it only when asked (``[memory]
+the threshold pinned (bench/results/step_memory.json, ``test_torch_step``'s
+``step_ms_median``, malloc against pinned). So the agent pins it only when asked (``[memory]
 pin_malloc``, part of ``edge-agent run --low-memory``): for a device where
 memory, not time, is what runs out.
 

@@ -13,7 +13,7 @@ a whole epoch.
 Entering ``FlopCounterMode`` (any ``TorchDispatchMode``) also imports hundreds
 more modules (sympy, ``torch._dynamo``, ``torch._subclasses``, ...) and keeps
 tens of MiB more resident for the rest of the process (bench/results/step_memory.json,
-``import_costs``): too much for an agent on a 512 MB board. (Not the only way in: torch 2.14's ``torch.optim`` optimisers
+``test_import_cost``): too much for an agent on a 512 MB board. (Not the only way in: torch 2.14's ``torch.optim`` optimisers
 import ``torch._dynamo`` when built, via ``@torch._disable_dynamo`` on
 ``add_param_group``.) :func:`layer_flops_per_sample` therefore gives the same
 numbers for models built from standard layers from forward hooks on their

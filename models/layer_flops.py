@@ -2,7 +2,7 @@
 numbers for models built from standard layers, from forward hooks on their Conv /
 Linear modules and FlopCounterMode's own formulas, without entering the mode (which
 imports hundreds more modules and keeps tens of MiB more resident: see
-:mod:`models.cost` and bench/results/step_memory.json's ``import_costs``)."""
+:mod:`models.cost` and bench/results/step_memory.json's ``test_import_cost``)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ at full resolution (every ``(B, 64, 32, 32)`` map of them is kept).
 :func:`checkpoint_bottlenecks` makes every :class:`~models.resnet_blocks.Bottleneck`
 keep only its input; its inside is computed again, one block at a time, when the
 backward pass reaches it. The measured breakdown and the cost are in
-bench/results/step_memory.json (``saved_by_block_bytes``, ``torch_summary``) and
+bench/results/step_memory.json (``test_saved_by_block``, ``test_torch_step``) and
 docs/deploy.md ("Memory on the device").
 
 The math is that of the plain model: the recomputation sees the same input and

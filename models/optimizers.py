@@ -29,7 +29,7 @@ class LeanSGD:
     Why: the first step of any ``torch.optim`` optimiser imports ``torch._dynamo``
     (``Optimizer.step`` calls ``torch._dynamo.graph_break``), hundreds of modules and
     tens of MB of resident memory that an edge agent never uses (bench/results/step_memory.json,
-    ``import_costs``: ``torch_optim_adam`` against ``lean_adam``).
+    ``test_import_cost``: ``torch_optim_adam`` against ``lean_adam``).
     The lean optimisers have the interface the training loop uses (``param_groups``,
     ``zero_grad``, ``step``); tests hold them to ``torch.optim``'s results.
     """

@@ -335,13 +335,13 @@ def test_centralized_training_is_the_same_whether_its_images_are_staged_on_the_d
 
 
 def test_the_cpu_default_follows_the_recorded_compile_measurement() -> None:
-    """server_step = "auto" on a CPU is what bench/server_loop.py measured to help; re-measure
-    (python bench/server_loop.py --parts compile) before changing AUTO_STEP or the threshold."""
-    import json
-
+    """server_step = "auto" on a CPU is what bench/micro/test_server_loop.py::test_compile measured to
+    help; re-measure (make bench-micro MICRO=server_loop) before changing AUTO_STEP or the threshold."""
     from fedhelpers import ROOT
+    from test_micro_benchmarks import micro_docs
 
-    check = json.loads((ROOT / "bench" / "results" / "server_loop.json").read_text())["compile_check"]
+    docs = micro_docs()
+    check = docs.compile_verdict(docs.load_micro(ROOT / "bench" / "results" / "server_loop.json"))
     assert check["auto_cpu_step"] == ss.AUTO_STEP["cpu"]
     assert check["auto_cpu_compile_min_steps"] == ss.AUTO_CPU_COMPILE_MIN_STEPS
     if check["helps"]:

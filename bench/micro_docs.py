@@ -1,0 +1,179 @@
+"""docs/results.md's sections of the micro-benchmarks (``bench/micro/``, ``make bench-micro``):
+each reads the pytest-benchmark JSON its test file wrote to ``bench/results/NAME.json``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DASH = "—"
+
+
+class MicroResultsError(ValueError):
+    """A micro-benchmark's JSON is not pytest-benchmark's, or lacks a case its section needs."""
+
+
+def load_micro(path: Path) -> dict[str, Any] | None:
+    """pytest-benchmark's JSON at ``path`` with its benchmarks keyed by test name; None when absent."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or "benchmarks" not in data or "machine_info" not in data:
+        raise MicroResultsError(f"{path}: not a pytest-benchmark JSON (no 'benchmarks' / 'machine_info')")
+    return {**data, "by_name": {b["name"]: b for b in data["benchmarks"]}}
+
+
+def case(data: dict[str, Any], name: str) -> dict[str, Any]:
+    try:
+        return data["by_name"][name]
+    except KeyError:
+        raise MicroResultsError(f"no benchmark {name!r} recorded: rerun `make bench-micro`") from None
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], right_from: int = 1) -> list[str]:
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+def source_line(data: dict[str, Any], name: str) -> str:
+    """Where the figures come from and on what machine, as pytest-benchmark and the conftest record it."""
+    m = data["machine_info"]
+    load = ", ".join(f"{x:.1f}" for x in m.get("load_average", []))
+    quick = " At `--quick` sizes: a check that it runs, not a measurement." if m.get("quick") else ""
+    converted = (f" Measured by `{m['converted_from']}` before this harness and converted to its JSON, not re-measured."
+                 if m.get("converted_from") else "")
+    return (f"From `bench/results/{name}.json` (`bench/micro/test_{name}.py`, `make bench-micro MICRO={name}`): "
+            f"{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')} ({m.get('torch_threads', '?')} "
+            f"threads), {data['datetime'][:19]}; load average {load} at the start (the machine is shared: times are "
+            f"indicative).{converted}{quick}")
+
+
+def _mb_per_s(raw_bytes: float, seconds: float) -> str:
+    return f"{raw_bytes / seconds / 1e6:,.0f}"
+
+
+def codecs_section(data: dict[str, Any]) -> list[str]:
+    """The wire codecs on trained ResNet-8 feature maps and on a trained ResNet-8's update."""
+    names = dict.fromkeys(b["params"]["codec"] for b in data["benchmarks"] if b["name"].startswith("test_codec[features-trained"))
+    rows = []
+    for name in names:
+        enc, dec = case(data, f"test_codec[features-trained-{name}-encode]"), case(data, f"test_codec[features-trained-{name}-decode]")
+        fresh = case(data, f"test_codec[features-fresh-{name}-encode]")["extra_info"]
+        info = enc["extra_info"]
+        rows.append([f"`{name}`", f"{info['ratio']:.2f}", f"{fresh['ratio']:.2f}", _mb_per_s(info["raw_bytes"], enc["stats"]["median"]),
+                     _mb_per_s(info["raw_bytes"], dec["stats"]["median"]),
+                     "exact" if info["exact"] else f"{info['max_rel_error']:.1e}"])
+    svd_rows = []
+    for b in data["benchmarks"]:
+        p = b["params"]
+        if b["name"].startswith("test_update[") and p["codec"].startswith("svd@") and p["direction"] == "encode" and p["epoch"] == 1:
+            i = b["extra_info"]
+            svd_rows.append([p["model"], f"{i['threshold']:g}", f"{i['ratio']:.2f}", f"{i['matrices_factored']} / {i['matrices']}",
+                             f"{i['rel_sq_error_of_matrices']:.4f}", f"{i['max_tensor_gap_rel']:.1e}"])
+    fp16 = case(data, "test_codec[features-trained-fp16-zstd-encode]")["extra_info"]["ratio"]
+    return [
+        "## Wire codecs", "",
+        source_line(data, "codecs") + " Fashion-MNIST images through a ResNet-8 in eval mode, coded per upload batch "
+        "as the FedGKT edge sends them; MB/s of raw float32 bytes (10^6), the median of one pass over all batches; "
+        "the error is max |decoded − x| / max |x| per batch.", "",
+        *_table(["Codec", "Ratio, trained maps", "Ratio, fresh maps", "Encode MB/s", "Decode MB/s", "Max rel. error"], rows),
+        "",
+        f"The design's floor, fp16-zstd at least 4× smaller than fp32 on trained maps: {fp16:.2f}× "
+        f"({'holds' if fp16 >= 4 else '**does not hold**'}).", "",
+        "FedKD's `svd` codec on the first epoch's update of each model (every float tensor one call); its squared "
+        "error equals the discarded singular-value energy from numpy's SVD (largest gap per tensor in the last column):", "",
+        *_table(["Model", "T", "Ratio", "Matrices factored", "Rel. sq. error of the matrices", "Gap"], svd_rows),
+        "",
+    ]
+
+
+def edge_cost_section(data: dict[str, Any]) -> list[str]:
+    """The FedGKT paper's Fig. 4: parameters, training FLOPs and CPU time of ResNet-8 against ResNet-56/110."""
+    base = case(data, "test_training_batch[resnet8]")["extra_info"]
+    rows, paper = [], {}
+    for name in ("resnet8", "resnet56", "resnet110"):
+        b = case(data, f"test_training_batch[{name}]")
+        i = b["extra_info"]
+        paper[name] = (i["paper_flops_ratio_vs_resnet8"], i["paper_params_ratio_vs_resnet8"])
+        rows.append([name, f"{i['params']:,}", f"{i['params'] / base['params']:.1f}×", f"{i['training_flops_per_sample'] / 1e6:.1f}",
+                     f"{i['training_flops_per_sample'] / base['training_flops_per_sample']:.1f}×", f"{1000 * b['stats']['median']:.0f}"])
+    batch = case(data, "test_training_batch[resnet8]")["extra_info"]["batch_size"]
+    return [
+        "## Edge compute (the paper's Fig. 4)", "",
+        f"{source_line(data, 'edge_cost')} Training = forward + cross-entropy + backward; FLOPs = 2 × MACs "
+        f"(`FlopCounterMode`); CPU time is the median of a batch of {batch}.", "",
+        *_table(["Edge model", "Params", "÷ ResNet-8", "Train MFLOPs / image", "÷ ResNet-8", "CPU ms / batch"], rows),
+        "",
+        f"The paper: ResNet-56 / ResNet-110 need {paper['resnet56'][0]:.0f}× / {paper['resnet110'][0]:.0f}× the FLOPs and "
+        f"{paper['resnet56'][1]:.0f}× / {paper['resnet110'][1]:.0f}× the parameters of ResNet-8. FedAvg trains the full model "
+        "on the edge; FedGKT trains ResNet-8; split learning trains only ResNet-8's stem on the edge.", "",
+    ]
+
+
+def compile_verdict(data: dict[str, Any]) -> dict[str, Any]:
+    """Whether ``torch.compile`` helps the server step on the CPU measured, and whether ``server_step = "auto"``
+    follows: it helps when the compiled step is >= 5 % faster by the medians and by the best rounds;
+    compiling pays off after ``break_even_steps`` (the warm-up's extra time over the time saved per step)."""
+    eager, compiled = case(data, "test_compile[eager]"), case(data, "test_compile[compiled]")
+    auto, min_steps = compiled["extra_info"]["auto_cpu_step"], compiled["extra_info"]["auto_cpu_compile_min_steps"]
+    out: dict[str, Any] = {"auto_cpu_step": auto, "auto_cpu_compile_min_steps": min_steps}
+    if compiled["extra_info"]["ran"] != "compiled":
+        return {**out, "helps": False, "break_even_steps": None, "auto_follows_verdict": auto != "compiled",
+                "verdict": f"torch.compile could not run the step here ({compiled['extra_info']['fallback_reason']}); it ran eagerly"}
+    e, c = eager["stats"], compiled["stats"]
+    median_speedup, best_speedup = e["median"] / c["median"], e["min"] / c["min"]
+    helps = median_speedup >= 1.05 and best_speedup >= 1.05
+    compile_s = compiled["extra_info"]["warmup_s"] - eager["extra_info"]["warmup_s"]
+    saved = e["median"] - c["median"]
+    break_even = compile_s / saved if saved > 0 else None
+    follows = (helps and auto == "compiled" and break_even is not None and min_steps >= break_even) or (not helps and auto != "compiled")
+    return {**out, "helps": helps, "break_even_steps": break_even, "compile_s": compile_s, "auto_follows_verdict": follows,
+            "verdict": (f"torch.compile {'helps' if helps else 'does not help'} the server step on this CPU: "
+                        f"{1000 * c['median']:.0f} ms vs {1000 * e['median']:.0f} ms eager per step (medians; "
+                        f"{median_speedup:.2f}x, best rounds {best_speedup:.2f}x), after a {compile_s:.0f} s cold compilation, "
+                        f"repaid after {DASH if break_even is None else f'{break_even:.0f}'} steps; server_step = \"auto\" "
+                        f"on a CPU compiles training calls of >= {min_steps} steps")}
+
+
+def server_loop_section(data: dict[str, Any]) -> list[str]:
+    """The server step against a bare loop, torch.compile on the CPU, and the step's cost per map by batch."""
+    server, bare = case(data, "test_training_loop[server_step]"), case(data, "test_training_loop[bare_loop]")
+    s, b, setup = server["stats"], bare["stats"], server["extra_info"]
+    rows = [[label, f"{x['stats']['median']:.2f}", f"{x['stats']['min']:.2f}", ", ".join(f"{t:.2f}" for t in x["stats"].get("data", []))]
+            for label, x in (("FedGKT server step (`FedGktServer._train`)", server), ("bare PyTorch loop, same tensors", bare))]
+    within = "within" if s["min"] <= 1.10 * b["min"] else "**not** within"
+    eager, compiled = case(data, "test_compile[eager]"), case(data, "test_compile[compiled]")
+    verdict = compile_verdict(data)
+    steps = [[f"{x['stats']['median']:.2f}", f"{x['stats']['min']:.2f}", f"{x['extra_info']['warmup_s']:.0f}"] for x in (eager, compiled)]
+    by_batch = [[str(x["extra_info"]["maps"]), f"{1000 * x['stats']['median']:.0f}", f"{1000 * x['stats']['median'] / x['extra_info']['maps']:.1f}"]
+                for x in data["benchmarks"] if x["name"].startswith("test_step_by_batch[")]
+    return [
+        "## Server training loop vs a bare loop", "",
+        f"{source_line(data, 'server_loop')} {setup['server_model']}, {setup['samples']} staged samples from "
+        f"{setup['agents']} agents, batch {setup['batch_size']}, {s['rounds']} timed repeats each. The server step gathers "
+        "float16 staged feature maps by shuffled index and records logits by sample id; the bare loop iterates over "
+        "ready float32 batches.", "",
+        *_table(["Loop", "Median s", "Best s", "Per repeat s"], rows),
+        "",
+        f"Overhead of the server step: {100 * (s['median'] / b['median'] - 1):+.1f}% (medians), "
+        f"{100 * (s['min'] / b['min'] - 1):+.1f}% (best of each). Target, within 10%: {within} (best of each).", "",
+        "### torch.compile on this CPU", "",
+        f"The shared server step ({compiled['extra_info']['server_model']}, batch {compiled['extra_info']['batch_size']}, "
+        f"{compiled['extra_info']['loss']}) eagerly and through `torch.compile` from an empty inductor cache, "
+        f"{compiled['stats']['rounds']} rounds of {compiled['stats']['iterations']} steps after "
+        f"{compiled['extra_info']['warmup_steps']} warm-up steps.", "",
+        *_table(["Step", "Median s / step", "Best s / step", "Warm-up s"], [["eager", *steps[0]], ["compiled", *steps[1]]]),
+        "",
+        f"First step's loss, same weights and batch: {eager['extra_info']['first_step_loss']:.6f} eager, "
+        f"{compiled['extra_info']['first_step_loss']:.6f} compiled.", "",
+        verdict["verdict"] + ".", "",
+        *([] if verdict["auto_follows_verdict"] else ["**`AUTO_STEP` in cloud_server/server_step.py does not follow this measurement.**", ""]),
+        "### The server step by batch size", "",
+        "One ResNet-55 step (Adam, fp32, CE on 16x32x32 maps): why FedGKT's CPU defaults take batch 64 where the paper "
+        "says 256.", "",
+        *_table(["Batch", "ms / step", "ms / map"], by_batch),
+        "",
+    ]

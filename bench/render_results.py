@@ -488,18 +488,28 @@ def load_experiment_results(path: Path) -> dict[str, Any] | None:
     return load_results(path)
 
 
+#: The order of the experiments on the page: what a user chooses by (accuracy, leakage, defences, cost), then
+#: the papers' claims and ablations, then how the defaults were chosen; the rest after, by name.
+EXPERIMENT_ORDER = ("table1", "leakage", "defences_activations_small", "defences_activations", "defences_dp",
+                    "robustness_defaults", "bad_device", "demo", "comm_cost", "fedgkt_async", "kd_methods", "fedkd_bytes",
+                    "fedgkt_ablation", "gkt_server_epochs", "fedkd_ablation", "feddistill_weights", "fedbe_unlabeled",
+                    "kd_regime", "low_memory", "direction_cosines", "validation_scores", "label_scores")
+
+
 def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -> list[str]:
     """Each experiment with a template (``bench/experiments/NAME.md``) and results, rendered by
-    the experiment runner's generic tables and plots; its pictures copied beside the page's."""
+    the experiment runner's generic tables and plots; its pictures copied beside the page's. An
+    experiment with no results yet is left off the page (the page shows what was measured;
+    ``edgesplit bench run`` and docs/experiments.md say how to measure the rest)."""
     from cloud_server.experiments.experiment_file import load_experiment
     from cloud_server.experiments.tables import render as render_experiment
 
     lines: list[str] = []
-    for template in sorted(EXPERIMENTS.glob("*.md")):
+    for template in sorted(EXPERIMENTS.glob("*.md"), key=lambda t: (EXPERIMENT_ORDER.index(t.stem) if t.stem in EXPERIMENT_ORDER
+                                                                     else len(EXPERIMENT_ORDER), t.stem)):
         data = load_experiment_results(results / f"{template.stem}.json")
         experiment = load_experiment(template.with_suffix(".toml"))
         if data is None:
-            lines += unmeasured_section(template, experiment)
             continue
         with tempfile.TemporaryDirectory() as scratch:
             # Without image_dir (a check that the page is current) nothing is written beside the page.
@@ -534,15 +544,6 @@ def fresh_clone_lines(data: dict[str, Any] | None) -> list[str]:
             f"{load} at the start (`bench/demo_fresh_clone.sh`, `bench/results/demo_fresh_clone.json`).", ""]
 
 
-def unmeasured_section(template: Path, experiment: Any) -> list[str]:
-    """An experiment with a template and no results yet: its heading, its question and the command that measures it."""
-    heading = next((line for line in template.read_text().splitlines() if line.startswith("#")), f"## {experiment.name}")
-    command = f"edgesplit bench run bench/experiments/{template.stem}.toml"
-    return [heading, "", experiment.question, "",
-            f"No run of this experiment is recorded under today's evaluation: `{command}` measures it "
-            f"({len(experiment.cells())} runs) into `bench/results/{template.stem}.json`.", ""]
-
-
 def unrun_lines(template: Path, experiment: Any, data: dict[str, Any]) -> list[str]:
     """An experiment whose results lack some cells of its grid (or hold them as failed): how many, and the command
     that runs them."""
@@ -575,6 +576,7 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "",
     ]
     lines += decision_section(load_experiment_results(results / "leakage.json"), defence_rows(load_defences(results)))
+    lines += experiment_sections(results, image_dir, REPO_ROOT / "bench" / "runs")
     sections = (("edge_cost", edge_cost_section), ("codecs", codecs_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
                 ("metrics_overhead", metrics_overhead_section))
@@ -602,7 +604,6 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         except KeyError as exc:
             raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun "
                                + (f"make bench-micro MICRO={name}" if name in MICRO_SECTIONS else f"bench/{name}.py")) from None
-    lines += experiment_sections(results, image_dir, REPO_ROOT / "bench" / "runs")
     try:
         lines += gpu_section(*(_load(results / f"{name}.json") for name in ("server_gpu", "fedgkt_fullscale", "gpu_methods")))
     except KeyError as exc:

@@ -80,6 +80,7 @@ def test_every_link_of_the_guide_leads_to_a_file_and_heading(guide: str) -> None
 def test_the_pages_linking_to_the_guides_find_their_headings() -> None:
     """Other docs, README and the programs' messages link to headings of the guides."""
     anchors = {Path(guide).stem: _anchors((ROOT / guide).read_text()) for guide in GUIDES if guide.startswith("docs/")}
+    anchors["results"] = _anchors((ROOT / "docs" / "results.md").read_text())  # generated: a section left off breaks links
     sources = [*(ROOT / "docs").rglob("*.md"), ROOT / "README.md", *(ROOT / "shared_protocol").rglob("*.py"),
                *(ROOT / "edge_agent").rglob("*.py"), *(ROOT / "cloud_server").rglob("*.py")]
     broken = []

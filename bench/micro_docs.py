@@ -177,3 +177,102 @@ def server_loop_section(data: dict[str, Any]) -> list[str]:
         *_table(["Batch", "ms / step", "ms / map"], by_batch),
         "",
     ]
+
+
+#: The agent's peak-RSS targets (MB) on the footprint benchmark's setting, by backend.
+PEAK_TARGET_MB = {"torch": 350, "ort": 150}
+MODE_IS = {
+    "default": "edge-agent run",
+    "low-memory": "edge-agent run --low-memory: forward passes of at most 16 samples (training accumulates them into each batch "
+                  "of 64), uploads of at most 64 samples, glibc's mmap threshold pinned at 1 MiB, the shard memory-mapped from disk",
+    "low-memory-8": "as low-memory with micro-batches of 8",
+    "micro-batch": "[memory] micro_batch_samples = 16: as low-memory without the pinned threshold",
+}
+RSS_PLOT = "agent_rss_per_round.png"
+
+
+def _by_case(data: dict[str, Any], test: str) -> list[dict[str, Any]]:
+    return [b for b in data["benchmarks"] if b["name"].startswith(test + "[")]
+
+
+def _mb(n: float | None) -> str:
+    return DASH if n is None else f"{n / 1e6:,.2f}"
+
+
+def footprint_section(data: dict[str, Any], image_dir: Path | None) -> list[str]:
+    """The agent's peak RSS by backend, mode and shard size over its first rounds, and round by round
+    over a long run (with a plot when ``image_dir`` is given)."""
+    first = _by_case(data, "test_first_rounds")
+    sizes = sorted({b["params"]["samples"] for b in first})
+    alone = {b["params"]["env"]: b["extra_info"]["peak_rss_bytes_max"] for b in _by_case(data, "test_runtime_alone")}
+    rows = []
+    for env, mode in dict.fromkeys((b["params"]["env"], b["params"]["mode"]) for b in first):
+        runs = {b["params"]["samples"]: b["extra_info"] for b in first if (b["params"]["env"], b["params"]["mode"]) == (env, mode)}
+        peaks = [runs[n]["peak_rss_bytes"] / 1e6 if n in runs else None for n in sizes]
+        target = PEAK_TARGET_MB[runs[next(iter(runs))]["backend"]]
+        measured = [p for p in peaks if p is not None]
+        spread = f"{peaks[-1] / peaks[0]:.2f}" if len(measured) == len(peaks) > 1 else DASH
+        rows.append([env, mode, f"{alone[env] / 1e6:.0f} MB" if env in alone else DASH, *(DASH if p is None else f"{p:.0f} MB" for p in peaks),
+                     spread, f"{'yes' if measured and max(measured) <= target else 'no'} (<= {target} MB)"])
+    note = data["machine_info"].get("converted_note")
+    lines = [
+        "## The agent's memory", "",
+        f"{source_line(data, 'footprint')}{f' Recorded so: {note}.' if note else ''} Peak RSS of a whole agent process running "
+        "FedGKT rounds (batch 64, an evaluation every round) on its Fashion-MNIST shard, in each memory mode: "
+        + "; ".join(f"{k}: {v}" for k, v in MODE_IS.items()) + ". Largest / smallest is the peak at the largest shard over the "
+        f"peak at the smallest. The Pi target (torch {PEAK_TARGET_MB['torch']} MB, ort {PEAK_TARGET_MB['ort']} MB) is for the "
+        "low-memory mode; the other rows show it for comparison.", "",
+        *_table(["Agent", "Mode", "Runtime alone", *(f"{n:,} samples" for n in sizes), "Largest / smallest", "Within the Pi target"],
+                rows, right_from=2),
+        "",
+    ]
+    return lines + _long_run_lines(_by_case(data, "test_long_run"), image_dir)
+
+
+def _long_run_lines(cases: list[dict[str, Any]], image_dir: Path | None) -> list[str]:
+    runs = sorted((b["extra_info"] for b in cases), key=lambda r: (r["env"], r["mode"], r["train_samples"]))
+    if not runs:
+        return []
+    rows = []
+    for run in runs:
+        peaks = {m["round"]: m["peak_rss_bytes"] for m in run["rounds"]}
+        later = [p for r, p in peaks.items() if r > 3]
+        target = PEAK_TARGET_MB[run["backend"]] if run["mode"] == "low-memory" else None
+        rows.append([run["env"], run["mode"], f"{run['train_samples']:,}", f"{len(peaks)}" + ("" if run.get("complete", True) else " (unfinished)"),
+                     _mb(peaks.get(1)), _mb(peaks.get(3)), _mb(peaks[max(peaks)]),
+                     f"{max(later) / peaks[3]:.3f}" if later and 3 in peaks else DASH, _mb(max(peaks.values())),
+                     DASH if target is None else ("yes" if max(peaks.values()) <= target * 1e6 else "no") + f" (<= {target} MB)"])
+    if image_dir is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        image_dir.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(9.6, 4.8), dpi=100)
+        colours = {key: f"C{i}" for i, key in enumerate(sorted({(r["env"], r["mode"]) for r in runs}))}
+        smallest = min(r["train_samples"] for r in runs)
+        for run in runs:
+            ax.plot([m["round"] for m in run["rounds"]], [m["peak_rss_bytes"] / 1e6 for m in run["rounds"]], marker=".",
+                    linestyle="-" if run["train_samples"] == smallest else "--", color=colours[(run["env"], run["mode"])],
+                    label=f"{run['env']} {run['mode']}, {run['train_samples']:,} samples")
+        for backend, target in PEAK_TARGET_MB.items():
+            ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
+            ax.annotate(f"{backend} --low-memory target", (1, target), fontsize=7, color="grey", va="bottom")
+        ax.set_xlabel("round")
+        ax.set_ylabel("the round's own peak RSS (MB)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.tight_layout()
+        fig.savefig(image_dir / RSS_PLOT)
+        plt.close(fig)
+    return [
+        "### The agent's memory over a long run", "",
+        f"`test_long_run`: {max(len(r['rounds']) for r in runs)} rounds; the peak is the one the agent reports for each round "
+        "in its `RoundEnd` (the most it held since the previous round ended).", "",
+        f"![the agent's peak RSS per round](img/{RSS_PLOT})", "",
+        *_table(["Agent", "Mode", "Samples", "Rounds", "Round 1 MB", "Round 3 MB", "Last round MB", "Highest after round 3 / round 3",
+                 "Highest MB", "Within the Pi target"], rows, right_from=2),
+        "",
+    ]

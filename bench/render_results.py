@@ -2,7 +2,7 @@
 
 The tables are generated, never typed: rerun a benchmark, then this script.
 
-* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``: the micro-benchmarks'
+* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``, ``footprint.json``: the micro-benchmarks'
   pytest-benchmark JSONs (``bench/micro/``, ``make bench-micro``; ``bench/micro_docs.py``);
 * every experiment with a template (``bench/experiments/NAME.md``): its results
   (``bench/results/NAME.json``) through the runner's generic tables, or the one
@@ -40,7 +40,7 @@ from _stats import DIFFERENCE_RULE  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
-from micro_docs import codecs_section, edge_cost_section, load_micro, server_loop_section  # noqa: E402
+from micro_docs import codecs_section, edge_cost_section, footprint_section, load_micro, server_loop_section  # noqa: E402
 from leakage_docs import (copy_pictures, cost_cells, leakage_cell, method_figures, present_pictures,  # noqa: E402
                           setting_line, update_inversion_section, update_method_notes)
 
@@ -373,111 +373,6 @@ def _direct_cost_lines(data: dict[str, Any]) -> list[str]:
     ]
 
 
-#: The agent's peak-RSS targets (MB) on the footprint bench's setting, by runtime.
-PEAK_TARGET_MB = {"torch": 350, "ort": 150}
-
-
-def memory_section(footprint: dict[str, Any]) -> list[str]:
-    """The agent's peak RSS by runtime, mode and shard size (footprint.json); what --low-memory's
-    micro-batches cost in accuracy is the low_memory experiment's."""
-    agent = footprint["agent"]
-    sizes = [str(n) for n in agent["setting"]["train_samples"]]
-    rows = []
-    for name, env in agent["environments"].items():
-        runtime = "ort" if name.startswith("ort") else "torch"
-        peaks = [env["runs"][n]["peak_rss_bytes"] / 1e6 if n in env["runs"] else None for n in sizes]
-        measured = [p for p in peaks if p is not None]
-        meets = "yes" if measured and max(measured) <= PEAK_TARGET_MB[runtime] else "no"
-        spread = env.get("peak_largest_over_smallest")
-        rows.append([name.split(" ")[0], env["mode"], f"{env['runtime_baseline']['peak_rss_bytes'] / 1e6:.0f} MB",
-                     *(DASH if p is None else f"{p:.0f} MB" for p in peaks),
-                     DASH if spread is None else f"{spread:.2f}", f"{meets} (<= {PEAK_TARGET_MB[runtime]} MB)"])
-    lines = [
-        "## The agent's memory", "",
-        f"From `bench/results/footprint.json` (`bench/footprint.py`), {agent['machine']['cores']} cores {agent['machine']['arch']}: "
-        "peak RSS of a whole agent process running FedGKT rounds (batch 64, evaluation every round) on its Fashion-MNIST shard, "
-        "in each memory mode: " + "; ".join(f"{k}: {v}" for k, v in agent["setting"]["modes"].items()) + ". "
-        "Largest / smallest is the peak at the largest shard over the peak at the smallest. The Pi target (torch "
-        f"{PEAK_TARGET_MB['torch']} MB, ort {PEAK_TARGET_MB['ort']} MB) is for the low-memory mode; the other rows show it for comparison.", "",
-        *_table(["Agent", "Mode", "Runtime alone", *(f"{int(n):,} samples" for n in sizes), "Largest / smallest", "Within the Pi target"], rows, right_from=2),
-        "",
-    ]
-    return lines
-
-
-RSS_PLOT = "agent_rss_per_round.png"
-
-
-def long_run_section(footprint: dict[str, Any], image_dir: Path | None) -> list[str]:
-    """The agent's per-round peak RSS over a long run (footprint.json's ``long_run``): a plot of
-    every run, round by round, and round 3 against the last and the highest later round."""
-    long = footprint.get("long_run")
-    if not long or not long.get("runs"):
-        return ["### The agent's memory over a long run", "",
-                "*`bench/results/footprint.json` has no long_run section: run `bench/footprint.py --long-run`.*", ""]
-    setting = long["setting"]
-    runs = sorted(long["runs"].values(), key=lambda r: (r["env"], r["mode"], r["train_samples"]))
-    rows = []
-    for run in runs:
-        summary = run["summary"]
-        runtime = "ort" if run["env"].startswith("ort") else "torch"
-        peaks = [m["peak_rss_bytes"] for m in run["rounds"]]
-        target = PEAK_TARGET_MB[runtime] if run["mode"] == "low-memory" else None
-        r3 = summary.get("round3_peak_rss_bytes")
-        rows.append([
-            run["env"], run["mode"], f"{run['train_samples']:,}",
-            f"{len(peaks)}" + ("" if run.get("complete") else " (unfinished)"),
-            _mb(peaks[0]), _mb(r3), _mb(summary.get("last_peak_rss_bytes")),
-            DASH if summary.get("max_after_round3_over_round3") is None else f"{summary['max_after_round3_over_round3']:.3f}",
-            _mb(summary.get("max_peak_rss_bytes")),
-            DASH if target is None else ("yes" if max(peaks) <= target * 1e6 else "no") + f" (<= {target} MB)",
-        ])
-    if image_dir is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        image_dir.mkdir(parents=True, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(9.6, 4.8), dpi=100)
-        colours = {key: f"C{i}" for i, key in enumerate(sorted({(r["env"], r["mode"]) for r in runs}))}
-        before = sorted((footprint.get("long_run_before_fix") or {}).get("runs", {}).values(),
-                        key=lambda r: (r["env"], r["mode"], r["train_samples"]))
-        smallest = min(r["train_samples"] for r in runs)
-        for run, when in [(r, "before the fix") for r in before] + [(r, "") for r in runs]:
-            rounds = [m["round"] for m in run["rounds"]]
-            style = ":" if when else ("-" if run["train_samples"] == smallest else "--")
-            ax.plot(rounds, [m["peak_rss_bytes"] / 1e6 for m in run["rounds"]], marker="." if not when else None, linestyle=style,
-                    color=colours.get((run["env"], run["mode"]), "grey"), alpha=0.6 if when else 1.0,
-                    label=f"{run['env']} {run['mode']}, {run['train_samples']:,} samples" + (f", {when}" if when else ""))
-        for runtime, target in PEAK_TARGET_MB.items():
-            ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
-            ax.annotate(f"{runtime} --low-memory target", (1, target), fontsize=7, color="grey", va="bottom")
-        ax.set_xlabel("round")
-        ax.set_ylabel("the round's own peak RSS (MB)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        fig.tight_layout()
-        fig.savefig(image_dir / RSS_PLOT)
-        plt.close(fig)
-    return [
-        "### The agent's memory over a long run", "",
-        f"From `bench/results/footprint.json` (`long_run`, `bench/footprint.py --long-run`), {long['machine']['cores']} cores "
-        f"{long['machine']['arch']}: each agent a whole process talking MQTT through a local mosquitto to a scripted FedGKT "
-        f"server (round start, feature uploads, server logits for every sample, an evaluation, every round), "
-        f"{setting['rounds']} rounds; the peak is the one the agent reports for each round in its `RoundEnd` "
-        "(the most it held since the previous round ended). Modes: "
-        + "; ".join(f"{k}: {v}" for k, v in setting["modes"].items()) + ".", "",
-        f"![the agent's peak RSS per round](img/{RSS_PLOT})", "",
-        *([f"Dotted: the same bench before the fix ({footprint['long_run_before_fix']['note']})." , ""]
-          if footprint.get("long_run_before_fix") else []),
-        *_table(["Agent", "Mode", "Samples", "Rounds", "Round 1", "Round 3", "Last round", "Highest after round 3 / round 3",
-                 "Highest", "Within the Pi target"], rows, right_from=2),
-        "",
-    ]
-
-
 EXPERIMENTS = REPO_ROOT / "bench" / "experiments"
 
 
@@ -578,14 +473,12 @@ def render(results: Path, image_dir: Path | None = None) -> str:
     sections = (("edge_cost", edge_cost_section), ("codecs", codecs_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
                 ("metrics_overhead", metrics_overhead_section))
-    footprint = _load(results / "footprint.json")
-    if footprint is not None and "agent" in footprint:
-        try:
-            memory = memory_section(footprint) + long_run_section(footprint, image_dir)
-        except KeyError as exc:
-            raise ResultsError(f"bench/results/footprint.json has no field {exc}; rerun bench/footprint.py") from None
-    else:
-        memory = ["*`bench/results/footprint.json` has no agent section: run `bench/footprint.py`.*", ""]
+    footprint = load_micro(results / "footprint.json")
+    try:
+        memory = (footprint_section(footprint, image_dir) if footprint is not None
+                  else ["*`bench/results/footprint.json` not found: run `make bench-micro MICRO=footprint`.*", ""])
+    except KeyError as exc:
+        raise ResultsError(f"bench/results/footprint.json has no field {exc}; rerun make bench-micro MICRO=footprint") from None
     for name, section in sections:
         if name == "transport":
             lines += memory

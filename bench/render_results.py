@@ -2,15 +2,14 @@
 
 The tables are generated, never typed: rerun a benchmark, then this script.
 
-* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``, ``footprint.json``: the micro-benchmarks'
+* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``, ``footprint.json``,
+  ``metrics_overhead.json``: the micro-benchmarks'
   pytest-benchmark JSONs (``bench/micro/``, ``make bench-micro``; ``bench/micro_docs.py``);
 * every experiment with a template (``bench/experiments/NAME.md``): its results
   (``bench/results/NAME.json``) through the runner's generic tables, or the one
   line naming the command that measures it;
 * ``transport.json``, ``scale.json`` (``bench/transport.py``, ``bench/scale.py``): the
   transport's speed and the scale figures;
-* ``metrics_overhead.json`` (``bench/metrics_overhead.py``): the cost of watching a
-  run, ``make demo`` with metrics off vs on.
 
 It also rewrites the README's table of methods (from the method registry) and
 docs/configuration.md's tables of the methods' keys (from each method's config,
@@ -40,13 +39,14 @@ from _stats import DIFFERENCE_RULE  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
-from micro_docs import codecs_section, edge_cost_section, footprint_section, load_micro, server_loop_section  # noqa: E402
+from micro_docs import (codecs_section, edge_cost_section, footprint_section, load_micro,  # noqa: E402
+                        metrics_overhead_section, server_loop_section)
 from leakage_docs import (copy_pictures, cost_cells, leakage_cell, method_figures, present_pictures,  # noqa: E402
                           setting_line, update_inversion_section, update_method_notes)
 
 DASH = "—"
 #: The sections rendered from the micro-benchmarks' pytest-benchmark JSONs (bench/micro/, bench/micro_docs.py).
-MICRO_SECTIONS = ("edge_cost", "codecs", "server_loop")
+MICRO_SECTIONS = ("edge_cost", "codecs", "server_loop", "metrics_overhead")
 
 
 class ResultsError(ValueError):
@@ -266,113 +266,6 @@ def scale_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
-def _ratio_pm(cell: dict[str, Any] | None) -> str:
-    """An on/off ratio cell: mean ± sd (n) over the pairs; the mean alone with one pair."""
-    if not cell or cell.get("mean") is None:
-        return DASH
-    sd = "" if cell.get("sd") is None else f" ± {cell['sd']:.4f}"
-    return f"{cell['mean']:.4f}{sd} (n={cell['n']})"
-
-
-def _one(x: float | None, digits: int = 4) -> str:
-    return DASH if x is None else f"{x:.{digits}f}"
-
-
-def metrics_overhead_section(data: dict[str, Any] | None) -> list[str]:
-    """make demo with metrics off vs on, interleaved pairs (bench/metrics_overhead.py)."""
-    head = ["## What watching a run costs: metrics off vs on (issue 29)", ""]
-    if data is None:
-        return head + ["*`bench/results/metrics_overhead.json` not found: run `bench/metrics_overhead.py` (`make demo` with "
-                       "metrics off vs on, interleaved pairs).*", ""]
-    s, scale, summary = data["setting"], data["scale"], data["summary"]
-    ratios, noise, verdict = summary["on_over_off"], summary["same_condition_noise"], summary["verdict"]
-    pair_rows = [[p["pair"] + 1, p["order"].replace(",", ", "), _one(p["ratios"]["round_time"]),
-                  " / ".join(_one(x, 3) for x in p["ratios"]["per_round"]), _one(p["ratios"]["server_train"]),
-                  _one(p["ratios"]["cpu_tree"]), _one(p["ratios"]["cpu_server"]), _one(p["ratios"]["run_wall_time"])]
-                 for p in summary["pairs"]]
-    run_rows = []
-    for r in data["runs"]:
-        load = f"{r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f}"
-        if "failed" in r:
-            run_rows.append([r["index"] + 1, r["condition"], f"failed ({r['failed']})", DASH, DASH, DASH, load, DASH])
-            continue
-        scrapes = r.get("scrapes")
-        scraped = DASH if scrapes is None else "{} / {}".format(sum(c["ok"] for c in scrapes["per_endpoint"].values()),
-                                                                sum(c["failed"] for c in scrapes["per_endpoint"].values()))
-        run_rows.append([r["index"] + 1, r["condition"], f"{sum(r['round_s']) / len(r['round_s']):.1f}",
-                         f"{sum(r['server_train_s']):.1f}", f"{r['run_wall_time_s']:.0f}", f"{r['cpu_s']['tree_total']:.0f}",
-                         load, scraped])
-    incomplete = [] if scale["complete"] else [
-        f"**Incomplete:** {scale['pairs_measured']} of {scale['pairs_planned']} pairs measured ({scale['runs_made']} runs made).", ""]
-    departures = scale.get("departs_from_demo") or {}
-    if departures:
-        changed = ", ".join(f"{k.replace('_', ' ')} {v['here']:,} (demo: {v['demo']:,})" for k, v in departures.items())
-        incomplete += [f"**Not `make demo`'s setting:** {changed}." + (f" {scale['note'].rstrip('.')}." if scale.get("note") else ""), ""]
-    aa = noise.get("round_time") or {}
-    aa_text = (f"{100 * aa['mean']:.1f}% (mean over {aa['n']} adjacent same-condition pairs)" if aa.get("mean") is not None
-               else "not measured (no adjacent same-condition pair)")
-    return [
-        *head,
-        f"From `bench/results/metrics_overhead.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
-        f"`make demo`'s run{' reduced' if departures else ''} (`edgesplit local`, one server and {s['agents']} agent processes, FedGKT, {s['dataset']}, "
-        f"{s['train_samples']:,} training / {s['test_samples']:,} test images, {s['partition']}, {s['rounds']} rounds, seed "
-        f"{s['seed']}) with metrics off and with `--metrics`, in the order {', '.join(scale['order'])} (ABBA blocks, "
-        f"{scale['wall_time_min']:.0f} min in all). While on, the bench fetched the server's `/metrics`, every agent's "
-        f"`/metrics` and the status page every {scale['scrape_interval_s']:g} s (Prometheus's default is 15 s). Off, nothing "
-        f"of the metrics code is imported (`{data['off_not_imported']['checked_by']}`).", "",
-        *incomplete,
-        "On ÷ off within each pair (a pair is runs 2i and 2i + 1): the mean round wall time, each round's, the server's "
-        "training seconds, the CPU seconds of the whole process tree (launcher, server, agents, mosquitto) and of the "
-        "server, the run's wall time.", "",
-        *_table(["Pair", "Order", "Round time", "Per round", "Server training", "CPU, all processes", "CPU, server", "Run wall"],
-                pair_rows, right_from=2),
-        "",
-        *_table(["Run", "Metrics", "Mean round s", "Server training s", "Run wall s", "CPU s, all processes",
-                 "Load (1 min) before → after", "Scrapes ok / failed"], run_rows, right_from=2),
-        "",
-        f"On ÷ off, mean ± sd over the pairs: round time {_ratio_pm(ratios['round_time'])}; per round "
-        f"{_ratio_pm(summary['on_over_off_per_round'])}; server training {_ratio_pm(ratios['server_train'])}; CPU seconds, "
-        f"all processes {_ratio_pm(ratios['cpu_tree'])}, server {_ratio_pm(ratios['cpu_server'])}, agents "
-        f"{_ratio_pm(ratios['cpu_agents'])}. Run-to-run spread with nothing changed (round time): {aa_text}.", "",
-        *_direct_cost_lines(data),
-        f"Issue 29's target, round time with metrics on within 2% of off: **{verdict['result']}** ({verdict['rule']}).", "",
-    ]
-
-
-def _direct_cost_lines(data: dict[str, Any]) -> list[str]:
-    """The metrics code's own CPU seconds per on run (its endpoints' edgesplit_metrics_cpu_seconds_total)."""
-    direct = data["summary"].get("direct") or {}
-    runs = [r for r in data["runs"] if (r.get("self_cost") or {}).get("share_of_round_time") is not None]
-    if not runs:
-        return []
-    rows = []
-    for r in runs:
-        c = r["self_cost"]
-        server = c["by_endpoint"].get("server", {})
-        agents = [v for k, v in c["cpu_s_by_endpoint"].items() if k.startswith("agent-")]
-        rows.append([r["index"] + 1, f"{1000 * server.get('serve_cpu_s', 0.0):.0f} / {1000 * server.get('update_cpu_s', 0.0):.0f}",
-                     f"{1000 * sum(agents) / max(1, len(agents)):.0f}", f"{1000 * c['cpu_s_total']:.0f}",
-                     f"{c['round_time_total_s']:.0f}", f"{100 * c['share_of_round_time']:.3f}%"])
-    share = direct["share_of_round_time"]
-    return [
-        "Measured directly: every endpoint counts its own cost (`edgesplit_metrics_cpu_seconds_total`, the CPU seconds of "
-        "its threads serving requests and of the metrics hooks, `time.thread_time`), read from each endpoint's last scrape of "
-        "the on runs. That CPU time bounds what the metrics can add to the rounds, were every second of it on a round's "
-        "critical path. What thread CPU time cannot see: the wait of a training thread for the GIL while a metrics thread "
-        "holds it (at most that thread's own CPU time, so inside the bound) and cache effects on other threads (not "
-        "measured).", "",
-        *_table(["Run", "Server serve / update, ms CPU", "Agent mean, ms CPU", "All endpoints, ms CPU", "Rounds, s",
-                 "Share of its own round time"], rows, right_from=1),
-        "",
-        "Share of round time (each on run's metrics CPU over "
-        + ("the off runs' mean summed round time, "
-           f"{direct['off_round_time_total_s']:.0f} s" if direct.get("off_round_time_total_s") else "its own summed round time")
-        + f"), mean ± sd over the on runs: {100 * share['mean']:.3f}%"
-        + (f" ± {100 * share['sd']:.3f}%" if share.get("sd") is not None else "")
-        + f"; highest {100 * direct['highest_share']:.3f}%.", "",
-    ]
-
-
 EXPERIMENTS = REPO_ROOT / "bench" / "experiments"
 
 
@@ -456,7 +349,7 @@ def _first_seed(data: dict[str, Any], method: str) -> int:
 
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("transport", "scale", "metrics_overhead")}
+               for name in ("transport", "scale")}
     sources.update({name: load_micro(results / f"{name}.json") for name in MICRO_SECTIONS})
     lines = [
         "# EdgeSplit results",
@@ -483,9 +376,6 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         if name == "transport":
             lines += memory
         data = sources[name]
-        if data is None and name == "metrics_overhead":
-            lines += section(None)  # type: ignore[operator]
-            continue
         if data is None:
             command = f"make bench-micro MICRO={name}" if name in MICRO_SECTIONS else f"bench/{name}.py"
             lines += [f"*`bench/results/{name}.json` not found: run `{command}`.*", ""]

@@ -2,14 +2,13 @@
 
 The tables are generated, never typed: rerun a benchmark, then this script.
 
-* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``, ``footprint.json``,
-  ``metrics_overhead.json``: the micro-benchmarks'
-  pytest-benchmark JSONs (``bench/micro/``, ``make bench-micro``; ``bench/micro_docs.py``);
+* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``, ``footprint.json``, ``scale.json``,
+  ``metrics_overhead.json``: the micro-benchmarks' pytest-benchmark JSONs (``bench/micro/``,
+  ``make bench-micro``; ``bench/micro_docs.py``);
 * every experiment with a template (``bench/experiments/NAME.md``): its results
   (``bench/results/NAME.json``) through the runner's generic tables, or the one
   line naming the command that measures it;
-* ``transport.json``, ``scale.json`` (``bench/transport.py``, ``bench/scale.py``): the
-  transport's speed and the scale figures;
+* ``transport.json`` (``bench/transport.py``): the transport's speed;
 
 It also rewrites the README's table of methods (from the method registry) and
 docs/configuration.md's tables of the methods' keys (from each method's config,
@@ -40,13 +39,13 @@ from config_tables import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
 from micro_docs import (codecs_section, edge_cost_section, footprint_section, load_micro,  # noqa: E402
-                        metrics_overhead_section, server_loop_section)
+                        metrics_overhead_section, scale_section, server_loop_section)
 from leakage_docs import (copy_pictures, cost_cells, leakage_cell, method_figures, present_pictures,  # noqa: E402
                           setting_line, update_inversion_section, update_method_notes)
 
 DASH = "—"
 #: The sections rendered from the micro-benchmarks' pytest-benchmark JSONs (bench/micro/, bench/micro_docs.py).
-MICRO_SECTIONS = ("edge_cost", "codecs", "server_loop", "metrics_overhead")
+MICRO_SECTIONS = ("edge_cost", "codecs", "server_loop", "scale", "metrics_overhead")
 
 
 class ResultsError(ValueError):
@@ -238,34 +237,6 @@ def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None,
     return lines
 
 
-def scale_section(data: dict[str, Any]) -> list[str]:
-    rows = []
-    for r in data["runs"]:
-        rows.append([
-            r["agents"], r["samples_per_agent"], " / ".join(f"{t:.1f}" for t in r["round_s"]),
-            " / ".join(f"{t:.1f}" for t in r["server_train_s"]),
-            " / ".join(_pct(a) for a in r["accuracy"]),
-            f"{r['server_peak_rss_bytes'] / 2**20:,.0f}", f"{r['broker_peak_rss_bytes'] / 2**20:,.1f}",
-            f"{r['agents_process_peak_rss_bytes'] / 2**20:,.0f}", f"{r['messages_per_round']:,.0f}",
-            " / ".join(_mb(b) for b in r["up_wire_bytes_per_round"]), " / ".join(_mb(b) for b in r["down_wire_bytes_per_round"]),
-        ])
-    incomplete = [] if data.get("complete", True) else ["**Incomplete:** not every agent count finished.", ""]
-    return [
-        "## Many agents (issue 9; the shape of the paper's Table 4)", "",
-        f"From `bench/results/scale.json` (`bench/scale.py`), measured {_bench_machine_line(data['machine'])}. "
-        f"Scale: {data['scale']}. The server runs in the benchmark's process, all agents in one `edge-agent simulate` "
-        f"process (one MQTT client each, compute shared), one fresh mosquitto per agent count. Whole benchmark "
-        f"{data['setup']['wall_s_total'] / 60:.1f} min.", "",
-        *incomplete,
-        *_table(["Agents", "Samples / agent", "Round s (r1 / r2)", "Server train s", "Accuracy", "Server peak RSS MiB",
-                 "Broker peak RSS MiB", "Agents' process peak RSS MiB", "Messages / round", "Up MB / round",
-                 "Down MB / round"], rows),
-        "",
-        "Messages per round: the server connection's messages in and out over the run (registration and status "
-        "included) ÷ rounds. Bytes: MQTT packets through the server's connection attributed to the round.", "",
-    ]
-
-
 EXPERIMENTS = REPO_ROOT / "bench" / "experiments"
 
 
@@ -349,7 +320,7 @@ def _first_seed(data: dict[str, Any], method: str) -> int:
 
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("transport", "scale")}
+               for name in ("transport",)}
     sources.update({name: load_micro(results / f"{name}.json") for name in MICRO_SECTIONS})
     lines = [
         "# EdgeSplit results",

@@ -2,15 +2,13 @@
 
 The tables are generated, never typed: rerun a benchmark, then this script.
 
-* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``: the micro-benchmarks'
-  pytest-benchmark JSONs (``bench/micro/``, ``make bench-micro``; ``bench/micro_docs.py``);
+* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``, ``footprint.json``, ``scale.json``,
+  ``metrics_overhead.json``: the micro-benchmarks' pytest-benchmark JSONs (``bench/micro/``,
+  ``make bench-micro``; ``bench/micro_docs.py``);
 * every experiment with a template (``bench/experiments/NAME.md``): its results
   (``bench/results/NAME.json``) through the runner's generic tables, or the one
   line naming the command that measures it;
-* ``transport.json``, ``scale.json`` (``bench/transport.py``, ``bench/scale.py``): the
-  transport's speed and the scale figures;
-* ``metrics_overhead.json`` (``bench/metrics_overhead.py``): the cost of watching a
-  run, ``make demo`` with metrics off vs on.
+* ``transport.json`` (``bench/transport.py``): the transport's speed;
 
 It also rewrites the README's table of methods (from the method registry) and
 docs/configuration.md's tables of the methods' keys (from each method's config,
@@ -40,13 +38,14 @@ from _stats import DIFFERENCE_RULE  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
-from micro_docs import codecs_section, edge_cost_section, load_micro, server_loop_section  # noqa: E402
+from micro_docs import (codecs_section, edge_cost_section, footprint_section, load_micro,  # noqa: E402
+                        metrics_overhead_section, scale_section, server_loop_section)
 from leakage_docs import (copy_pictures, cost_cells, leakage_cell, method_figures, present_pictures,  # noqa: E402
                           setting_line, update_inversion_section, update_method_notes)
 
 DASH = "—"
 #: The sections rendered from the micro-benchmarks' pytest-benchmark JSONs (bench/micro/, bench/micro_docs.py).
-MICRO_SECTIONS = ("edge_cost", "codecs", "server_loop")
+MICRO_SECTIONS = ("edge_cost", "codecs", "server_loop", "scale", "metrics_overhead")
 
 
 class ResultsError(ValueError):
@@ -238,246 +237,6 @@ def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None,
     return lines
 
 
-def scale_section(data: dict[str, Any]) -> list[str]:
-    rows = []
-    for r in data["runs"]:
-        rows.append([
-            r["agents"], r["samples_per_agent"], " / ".join(f"{t:.1f}" for t in r["round_s"]),
-            " / ".join(f"{t:.1f}" for t in r["server_train_s"]),
-            " / ".join(_pct(a) for a in r["accuracy"]),
-            f"{r['server_peak_rss_bytes'] / 2**20:,.0f}", f"{r['broker_peak_rss_bytes'] / 2**20:,.1f}",
-            f"{r['agents_process_peak_rss_bytes'] / 2**20:,.0f}", f"{r['messages_per_round']:,.0f}",
-            " / ".join(_mb(b) for b in r["up_wire_bytes_per_round"]), " / ".join(_mb(b) for b in r["down_wire_bytes_per_round"]),
-        ])
-    incomplete = [] if data.get("complete", True) else ["**Incomplete:** not every agent count finished.", ""]
-    return [
-        "## Many agents (issue 9; the shape of the paper's Table 4)", "",
-        f"From `bench/results/scale.json` (`bench/scale.py`), measured {_bench_machine_line(data['machine'])}. "
-        f"Scale: {data['scale']}. The server runs in the benchmark's process, all agents in one `edge-agent simulate` "
-        f"process (one MQTT client each, compute shared), one fresh mosquitto per agent count. Whole benchmark "
-        f"{data['setup']['wall_s_total'] / 60:.1f} min.", "",
-        *incomplete,
-        *_table(["Agents", "Samples / agent", "Round s (r1 / r2)", "Server train s", "Accuracy", "Server peak RSS MiB",
-                 "Broker peak RSS MiB", "Agents' process peak RSS MiB", "Messages / round", "Up MB / round",
-                 "Down MB / round"], rows),
-        "",
-        "Messages per round: the server connection's messages in and out over the run (registration and status "
-        "included) ÷ rounds. Bytes: MQTT packets through the server's connection attributed to the round.", "",
-    ]
-
-
-def _ratio_pm(cell: dict[str, Any] | None) -> str:
-    """An on/off ratio cell: mean ± sd (n) over the pairs; the mean alone with one pair."""
-    if not cell or cell.get("mean") is None:
-        return DASH
-    sd = "" if cell.get("sd") is None else f" ± {cell['sd']:.4f}"
-    return f"{cell['mean']:.4f}{sd} (n={cell['n']})"
-
-
-def _one(x: float | None, digits: int = 4) -> str:
-    return DASH if x is None else f"{x:.{digits}f}"
-
-
-def metrics_overhead_section(data: dict[str, Any] | None) -> list[str]:
-    """make demo with metrics off vs on, interleaved pairs (bench/metrics_overhead.py)."""
-    head = ["## What watching a run costs: metrics off vs on (issue 29)", ""]
-    if data is None:
-        return head + ["*`bench/results/metrics_overhead.json` not found: run `bench/metrics_overhead.py` (`make demo` with "
-                       "metrics off vs on, interleaved pairs).*", ""]
-    s, scale, summary = data["setting"], data["scale"], data["summary"]
-    ratios, noise, verdict = summary["on_over_off"], summary["same_condition_noise"], summary["verdict"]
-    pair_rows = [[p["pair"] + 1, p["order"].replace(",", ", "), _one(p["ratios"]["round_time"]),
-                  " / ".join(_one(x, 3) for x in p["ratios"]["per_round"]), _one(p["ratios"]["server_train"]),
-                  _one(p["ratios"]["cpu_tree"]), _one(p["ratios"]["cpu_server"]), _one(p["ratios"]["run_wall_time"])]
-                 for p in summary["pairs"]]
-    run_rows = []
-    for r in data["runs"]:
-        load = f"{r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f}"
-        if "failed" in r:
-            run_rows.append([r["index"] + 1, r["condition"], f"failed ({r['failed']})", DASH, DASH, DASH, load, DASH])
-            continue
-        scrapes = r.get("scrapes")
-        scraped = DASH if scrapes is None else "{} / {}".format(sum(c["ok"] for c in scrapes["per_endpoint"].values()),
-                                                                sum(c["failed"] for c in scrapes["per_endpoint"].values()))
-        run_rows.append([r["index"] + 1, r["condition"], f"{sum(r['round_s']) / len(r['round_s']):.1f}",
-                         f"{sum(r['server_train_s']):.1f}", f"{r['run_wall_time_s']:.0f}", f"{r['cpu_s']['tree_total']:.0f}",
-                         load, scraped])
-    incomplete = [] if scale["complete"] else [
-        f"**Incomplete:** {scale['pairs_measured']} of {scale['pairs_planned']} pairs measured ({scale['runs_made']} runs made).", ""]
-    departures = scale.get("departs_from_demo") or {}
-    if departures:
-        changed = ", ".join(f"{k.replace('_', ' ')} {v['here']:,} (demo: {v['demo']:,})" for k, v in departures.items())
-        incomplete += [f"**Not `make demo`'s setting:** {changed}." + (f" {scale['note'].rstrip('.')}." if scale.get("note") else ""), ""]
-    aa = noise.get("round_time") or {}
-    aa_text = (f"{100 * aa['mean']:.1f}% (mean over {aa['n']} adjacent same-condition pairs)" if aa.get("mean") is not None
-               else "not measured (no adjacent same-condition pair)")
-    return [
-        *head,
-        f"From `bench/results/metrics_overhead.json` (`{data['generated_by']}`), measured {_machine_line(data['machine'])}. "
-        f"`make demo`'s run{' reduced' if departures else ''} (`edgesplit local`, one server and {s['agents']} agent processes, FedGKT, {s['dataset']}, "
-        f"{s['train_samples']:,} training / {s['test_samples']:,} test images, {s['partition']}, {s['rounds']} rounds, seed "
-        f"{s['seed']}) with metrics off and with `--metrics`, in the order {', '.join(scale['order'])} (ABBA blocks, "
-        f"{scale['wall_time_min']:.0f} min in all). While on, the bench fetched the server's `/metrics`, every agent's "
-        f"`/metrics` and the status page every {scale['scrape_interval_s']:g} s (Prometheus's default is 15 s). Off, nothing "
-        f"of the metrics code is imported (`{data['off_not_imported']['checked_by']}`).", "",
-        *incomplete,
-        "On ÷ off within each pair (a pair is runs 2i and 2i + 1): the mean round wall time, each round's, the server's "
-        "training seconds, the CPU seconds of the whole process tree (launcher, server, agents, mosquitto) and of the "
-        "server, the run's wall time.", "",
-        *_table(["Pair", "Order", "Round time", "Per round", "Server training", "CPU, all processes", "CPU, server", "Run wall"],
-                pair_rows, right_from=2),
-        "",
-        *_table(["Run", "Metrics", "Mean round s", "Server training s", "Run wall s", "CPU s, all processes",
-                 "Load (1 min) before → after", "Scrapes ok / failed"], run_rows, right_from=2),
-        "",
-        f"On ÷ off, mean ± sd over the pairs: round time {_ratio_pm(ratios['round_time'])}; per round "
-        f"{_ratio_pm(summary['on_over_off_per_round'])}; server training {_ratio_pm(ratios['server_train'])}; CPU seconds, "
-        f"all processes {_ratio_pm(ratios['cpu_tree'])}, server {_ratio_pm(ratios['cpu_server'])}, agents "
-        f"{_ratio_pm(ratios['cpu_agents'])}. Run-to-run spread with nothing changed (round time): {aa_text}.", "",
-        *_direct_cost_lines(data),
-        f"Issue 29's target, round time with metrics on within 2% of off: **{verdict['result']}** ({verdict['rule']}).", "",
-    ]
-
-
-def _direct_cost_lines(data: dict[str, Any]) -> list[str]:
-    """The metrics code's own CPU seconds per on run (its endpoints' edgesplit_metrics_cpu_seconds_total)."""
-    direct = data["summary"].get("direct") or {}
-    runs = [r for r in data["runs"] if (r.get("self_cost") or {}).get("share_of_round_time") is not None]
-    if not runs:
-        return []
-    rows = []
-    for r in runs:
-        c = r["self_cost"]
-        server = c["by_endpoint"].get("server", {})
-        agents = [v for k, v in c["cpu_s_by_endpoint"].items() if k.startswith("agent-")]
-        rows.append([r["index"] + 1, f"{1000 * server.get('serve_cpu_s', 0.0):.0f} / {1000 * server.get('update_cpu_s', 0.0):.0f}",
-                     f"{1000 * sum(agents) / max(1, len(agents)):.0f}", f"{1000 * c['cpu_s_total']:.0f}",
-                     f"{c['round_time_total_s']:.0f}", f"{100 * c['share_of_round_time']:.3f}%"])
-    share = direct["share_of_round_time"]
-    return [
-        "Measured directly: every endpoint counts its own cost (`edgesplit_metrics_cpu_seconds_total`, the CPU seconds of "
-        "its threads serving requests and of the metrics hooks, `time.thread_time`), read from each endpoint's last scrape of "
-        "the on runs. That CPU time bounds what the metrics can add to the rounds, were every second of it on a round's "
-        "critical path. What thread CPU time cannot see: the wait of a training thread for the GIL while a metrics thread "
-        "holds it (at most that thread's own CPU time, so inside the bound) and cache effects on other threads (not "
-        "measured).", "",
-        *_table(["Run", "Server serve / update, ms CPU", "Agent mean, ms CPU", "All endpoints, ms CPU", "Rounds, s",
-                 "Share of its own round time"], rows, right_from=1),
-        "",
-        "Share of round time (each on run's metrics CPU over "
-        + ("the off runs' mean summed round time, "
-           f"{direct['off_round_time_total_s']:.0f} s" if direct.get("off_round_time_total_s") else "its own summed round time")
-        + f"), mean ± sd over the on runs: {100 * share['mean']:.3f}%"
-        + (f" ± {100 * share['sd']:.3f}%" if share.get("sd") is not None else "")
-        + f"; highest {100 * direct['highest_share']:.3f}%.", "",
-    ]
-
-
-#: The agent's peak-RSS targets (MB) on the footprint bench's setting, by runtime.
-PEAK_TARGET_MB = {"torch": 350, "ort": 150}
-
-
-def memory_section(footprint: dict[str, Any]) -> list[str]:
-    """The agent's peak RSS by runtime, mode and shard size (footprint.json); what --low-memory's
-    micro-batches cost in accuracy is the low_memory experiment's."""
-    agent = footprint["agent"]
-    sizes = [str(n) for n in agent["setting"]["train_samples"]]
-    rows = []
-    for name, env in agent["environments"].items():
-        runtime = "ort" if name.startswith("ort") else "torch"
-        peaks = [env["runs"][n]["peak_rss_bytes"] / 1e6 if n in env["runs"] else None for n in sizes]
-        measured = [p for p in peaks if p is not None]
-        meets = "yes" if measured and max(measured) <= PEAK_TARGET_MB[runtime] else "no"
-        spread = env.get("peak_largest_over_smallest")
-        rows.append([name.split(" ")[0], env["mode"], f"{env['runtime_baseline']['peak_rss_bytes'] / 1e6:.0f} MB",
-                     *(DASH if p is None else f"{p:.0f} MB" for p in peaks),
-                     DASH if spread is None else f"{spread:.2f}", f"{meets} (<= {PEAK_TARGET_MB[runtime]} MB)"])
-    lines = [
-        "## The agent's memory", "",
-        f"From `bench/results/footprint.json` (`bench/footprint.py`), {agent['machine']['cores']} cores {agent['machine']['arch']}: "
-        "peak RSS of a whole agent process running FedGKT rounds (batch 64, evaluation every round) on its Fashion-MNIST shard, "
-        "in each memory mode: " + "; ".join(f"{k}: {v}" for k, v in agent["setting"]["modes"].items()) + ". "
-        "Largest / smallest is the peak at the largest shard over the peak at the smallest. The Pi target (torch "
-        f"{PEAK_TARGET_MB['torch']} MB, ort {PEAK_TARGET_MB['ort']} MB) is for the low-memory mode; the other rows show it for comparison.", "",
-        *_table(["Agent", "Mode", "Runtime alone", *(f"{int(n):,} samples" for n in sizes), "Largest / smallest", "Within the Pi target"], rows, right_from=2),
-        "",
-    ]
-    return lines
-
-
-RSS_PLOT = "agent_rss_per_round.png"
-
-
-def long_run_section(footprint: dict[str, Any], image_dir: Path | None) -> list[str]:
-    """The agent's per-round peak RSS over a long run (footprint.json's ``long_run``): a plot of
-    every run, round by round, and round 3 against the last and the highest later round."""
-    long = footprint.get("long_run")
-    if not long or not long.get("runs"):
-        return ["### The agent's memory over a long run", "",
-                "*`bench/results/footprint.json` has no long_run section: run `bench/footprint.py --long-run`.*", ""]
-    setting = long["setting"]
-    runs = sorted(long["runs"].values(), key=lambda r: (r["env"], r["mode"], r["train_samples"]))
-    rows = []
-    for run in runs:
-        summary = run["summary"]
-        runtime = "ort" if run["env"].startswith("ort") else "torch"
-        peaks = [m["peak_rss_bytes"] for m in run["rounds"]]
-        target = PEAK_TARGET_MB[runtime] if run["mode"] == "low-memory" else None
-        r3 = summary.get("round3_peak_rss_bytes")
-        rows.append([
-            run["env"], run["mode"], f"{run['train_samples']:,}",
-            f"{len(peaks)}" + ("" if run.get("complete") else " (unfinished)"),
-            _mb(peaks[0]), _mb(r3), _mb(summary.get("last_peak_rss_bytes")),
-            DASH if summary.get("max_after_round3_over_round3") is None else f"{summary['max_after_round3_over_round3']:.3f}",
-            _mb(summary.get("max_peak_rss_bytes")),
-            DASH if target is None else ("yes" if max(peaks) <= target * 1e6 else "no") + f" (<= {target} MB)",
-        ])
-    if image_dir is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        image_dir.mkdir(parents=True, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(9.6, 4.8), dpi=100)
-        colours = {key: f"C{i}" for i, key in enumerate(sorted({(r["env"], r["mode"]) for r in runs}))}
-        before = sorted((footprint.get("long_run_before_fix") or {}).get("runs", {}).values(),
-                        key=lambda r: (r["env"], r["mode"], r["train_samples"]))
-        smallest = min(r["train_samples"] for r in runs)
-        for run, when in [(r, "before the fix") for r in before] + [(r, "") for r in runs]:
-            rounds = [m["round"] for m in run["rounds"]]
-            style = ":" if when else ("-" if run["train_samples"] == smallest else "--")
-            ax.plot(rounds, [m["peak_rss_bytes"] / 1e6 for m in run["rounds"]], marker="." if not when else None, linestyle=style,
-                    color=colours.get((run["env"], run["mode"]), "grey"), alpha=0.6 if when else 1.0,
-                    label=f"{run['env']} {run['mode']}, {run['train_samples']:,} samples" + (f", {when}" if when else ""))
-        for runtime, target in PEAK_TARGET_MB.items():
-            ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
-            ax.annotate(f"{runtime} --low-memory target", (1, target), fontsize=7, color="grey", va="bottom")
-        ax.set_xlabel("round")
-        ax.set_ylabel("the round's own peak RSS (MB)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        fig.tight_layout()
-        fig.savefig(image_dir / RSS_PLOT)
-        plt.close(fig)
-    return [
-        "### The agent's memory over a long run", "",
-        f"From `bench/results/footprint.json` (`long_run`, `bench/footprint.py --long-run`), {long['machine']['cores']} cores "
-        f"{long['machine']['arch']}: each agent a whole process talking MQTT through a local mosquitto to a scripted FedGKT "
-        f"server (round start, feature uploads, server logits for every sample, an evaluation, every round), "
-        f"{setting['rounds']} rounds; the peak is the one the agent reports for each round in its `RoundEnd` "
-        "(the most it held since the previous round ended). Modes: "
-        + "; ".join(f"{k}: {v}" for k, v in setting["modes"].items()) + ".", "",
-        f"![the agent's peak RSS per round](img/{RSS_PLOT})", "",
-        *([f"Dotted: the same bench before the fix ({footprint['long_run_before_fix']['note']})." , ""]
-          if footprint.get("long_run_before_fix") else []),
-        *_table(["Agent", "Mode", "Samples", "Rounds", "Round 1", "Round 3", "Last round", "Highest after round 3 / round 3",
-                 "Highest", "Within the Pi target"], rows, right_from=2),
-        "",
-    ]
-
-
 EXPERIMENTS = REPO_ROOT / "bench" / "experiments"
 
 
@@ -562,7 +321,7 @@ def _first_seed(data: dict[str, Any], method: str) -> int:
 
 def render(results: Path, image_dir: Path | None = None) -> str:
     sources = {name: _load(results / f"{name}.json")
-               for name in ("transport", "scale", "metrics_overhead")}
+               for name in ("transport",)}
     sources.update({name: load_micro(results / f"{name}.json") for name in MICRO_SECTIONS})
     lines = [
         "# EdgeSplit results",
@@ -580,21 +339,16 @@ def render(results: Path, image_dir: Path | None = None) -> str:
     sections = (("edge_cost", edge_cost_section), ("codecs", codecs_section),
                 ("transport", transport_section), ("server_loop", server_loop_section), ("scale", scale_section),
                 ("metrics_overhead", metrics_overhead_section))
-    footprint = _load(results / "footprint.json")
-    if footprint is not None and "agent" in footprint:
-        try:
-            memory = memory_section(footprint) + long_run_section(footprint, image_dir)
-        except KeyError as exc:
-            raise ResultsError(f"bench/results/footprint.json has no field {exc}; rerun bench/footprint.py") from None
-    else:
-        memory = ["*`bench/results/footprint.json` has no agent section: run `bench/footprint.py`.*", ""]
+    footprint = load_micro(results / "footprint.json")
+    try:
+        memory = (footprint_section(footprint, image_dir) if footprint is not None
+                  else ["*`bench/results/footprint.json` not found: run `make bench-micro MICRO=footprint`.*", ""])
+    except KeyError as exc:
+        raise ResultsError(f"bench/results/footprint.json has no field {exc}; rerun make bench-micro MICRO=footprint") from None
     for name, section in sections:
         if name == "transport":
             lines += memory
         data = sources[name]
-        if data is None and name == "metrics_overhead":
-            lines += section(None)  # type: ignore[operator]
-            continue
         if data is None:
             command = f"make bench-micro MICRO={name}" if name in MICRO_SECTIONS else f"bench/{name}.py"
             lines += [f"*`bench/results/{name}.json` not found: run `{command}`.*", ""]

@@ -452,7 +452,7 @@ class EdgeAgent:
         # What the transport kept for resends belongs to rounds that are over: the server asks for
         # a missing chunk only while the transfer is open, and it sent this round_start after
         # closing the previous round and its evaluation. Kept, those blobs would pile up round
-        # after round up to the cache's bound (64 MiB: bench/results/footprint.json, long_run).
+        # after round up to the cache's bound (64 MiB: bench/results/footprint.json, test_long_run).
         self.transport.drop_resend_cache()
         meter = RoundMeter(deadline=RoundDeadline(max(0.0, msg.deadline_s)))  # a negative or NaN deadline: none left
         if self._last_round_end_at is not None:

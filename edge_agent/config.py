@@ -146,7 +146,7 @@ class MemoryConfig:
     def low(cls) -> "MemoryConfig":
         """``--low-memory``: micro-batches of 16 samples, the pinned malloc threshold, the
         shard kept on disk and a resend cache of 8 MiB (a few uploads of 64 samples), not
-        64 (measured in bench/footprint.py; accuracy cost: bench/experiments/low_memory.toml)."""
+        64 (measured in bench/micro/test_footprint.py; accuracy cost: bench/experiments/low_memory.toml)."""
         return cls(micro_batch_samples=16, pin_malloc=True, shard_on_disk=True, resend_cache_bytes=LOW_MEMORY_RESEND_CACHE_BYTES)
 
     def upload_batch_samples(self, asked: int) -> int:

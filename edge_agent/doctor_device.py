@@ -169,8 +169,8 @@ def check_memory(backend: str, memory: "MemoryConfig", meminfo: dict[str, int]) 
     if peak is None:
         return Check("memory", SKIP, f"no measured peak for the {backend} backend")
     # The long runs' plateau where they measured the mode: the most any round held, not the first rounds'.
-    source = ("the most any round held over bench/footprint.py's long runs" if key in PEAK_FROM_LONG_RUN
-              else "bench/footprint.py's first rounds; no long run measured this mode")
+    source = ("the most any round held over bench/micro/test_footprint.py's long runs" if key in PEAK_FROM_LONG_RUN
+              else "bench/micro/test_footprint.py's first rounds; no long run measured this mode")
     what = f"{available_mb:.0f} MB available of {total_mb:.0f} MB; the {backend} agent peaked at {peak} MB in {mode} mode ({source})"
     if available_mb >= 1.2 * peak:
         return Check("memory", OK, what)

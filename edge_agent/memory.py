@@ -7,8 +7,8 @@ rises to the size of every mapped block freed (up to 32 MiB), so after the first
 training step the multi-megabyte activation tensors of a ResNet-8 batch (torch,
 and onnxruntime without its arena) all land on the heap, fragment it, and the
 process keeps the high-water mark of every round, plus the fragmentation, as
-RSS. A fixed threshold stops that adjustment: bench/footprint.py's agent run
-(bench/results/footprint.json) shows the RSS between rounds and the peaks of
+RSS. A fixed threshold stops that adjustment: bench/micro/test_footprint.py's agent runs
+(bench/results/footprint.json) show the RSS between rounds and the peaks of
 both backends falling with it, and the ort agent's peak no longer growing from
 round to round.
 
@@ -67,13 +67,13 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
 #: The agent's measured peak RSS in MB (FedGKT, ResNet-8, batch 64, x86_64, CPU-only torch),
 #: by (backend, memory mode): the most any round held in bench/results/footprint.json's long
-#: runs (``long_run``: 30 rounds over MQTT, every shard size; the short runs' figure for a mode
-#: without a long run), rounded up: the long-run plateau, not the first rounds'
+#: runs (``test_long_run``: 30 rounds over MQTT, every shard size; the short runs' figure for a mode
+#: without a long run: ``test_first_rounds``), rounded up: the long-run plateau, not the first rounds'
 #: (tests/test_memory_doctor.py keeps the two equal). ``edge-agent doctor`` compares them with
 #: the device's memory.
 MEASURED_PEAK_MB = {('torch', 'default'): 619, ('torch', 'low-memory'): 328, ('ort', 'default'): 272, ('ort', 'low-memory'): 134}
 #: The (backend, memory mode) pairs of :data:`MEASURED_PEAK_MB` taken from the long runs (the others
-#: from the short runs: two rounds at 1,000 samples, one at 4,000 and 16,000).
+#: from the first rounds: two rounds at 1,000 samples, one at 16,000).
 PEAK_FROM_LONG_RUN = frozenset({("torch", "default"), ("torch", "low-memory"), ("ort", "low-memory")})
 
 

@@ -19,7 +19,7 @@ __all__ = ["PEAK_GROWTH_MIN_FRACTION", "PEAK_GROWTH_ROUNDS", "growing_since", "g
 
 #: A round's peak counts as growth when it exceeds the previous round's by more than this
 #: fraction: well above the round-to-round noise of a steady agent once warm (the long runs
-#: of bench/results/footprint.json, ``long_run``).
+#: of bench/results/footprint.json, ``test_long_run``).
 PEAK_GROWTH_MIN_FRACTION = 0.01
 #: Growth this many rounds in a row is reported.
 PEAK_GROWTH_ROUNDS = 3

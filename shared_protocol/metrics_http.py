@@ -13,7 +13,7 @@ thread from accept to the last byte written, and of the owner's metric updates (
 :func:`timed_update`), and the endpoint serves them as
 ``edgesplit_metrics_cpu_seconds_total{part="serve"|"update"}`` with
 ``edgesplit_metrics_requests_total``. Their sum is the CPU the metrics take from the
-process; it bounds the time they can add to a round (bench/metrics_overhead.py).
+process; it bounds the time they can add to a round (bench/micro/test_metrics_overhead.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ sent, as an unbounded resend cache would) must fail the same check; the agent un
 has the MQTT transport's resend cache, which it must empty at every round start (kept, it
 filled up to its bound over the first rounds). The per-round RSS side
 (the agent's own per-round peak, the growth warning) is checked here too; the long-run
-numbers are bench/footprint.py --long-run's.
+numbers are bench/micro/test_footprint.py::test_long_run's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""The memory benches measure the agent's own settings: bench/footprint.py's modes are the agent's
+"""The memory benches measure the agent's own settings: bench/micro/test_footprint.py's modes are the agent's
 presets, and the low_memory experiment's micro-batches are `--low-memory`'s, set on every agent."""
 
 from __future__ import annotations
 
 from edge_agent.config import MemoryConfig
 from fedhelpers import ROOT
-from test_bench_baselines import load
 
 from cloud_server.experiments.experiment_file import load_experiment
 from cloud_server.experiments.runner import cell_command
@@ -26,7 +25,15 @@ def test_the_low_memory_experiment_pairs_the_default_with_the_presets_micro_batc
 
 
 def test_the_footprint_bench_measures_the_agents_own_settings() -> None:
-    footprint = load("footprint")
+    import importlib.util
+    import sys
+
+    if str(ROOT / "bench" / "micro") not in sys.path:
+        sys.path.append(str(ROOT / "bench" / "micro"))  # agent_worker.py imports fresh.py beside it
+    spec = importlib.util.spec_from_file_location("edgesplit_bench_agent_worker", ROOT / "bench" / "micro" / "agent_worker.py")
+    assert spec is not None and spec.loader is not None
+    footprint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(footprint)
     assert footprint.memory_for("default") == MemoryConfig()
     assert footprint.memory_for("low-memory") == MemoryConfig.low()
     assert footprint.memory_for("micro-batch") == MemoryConfig(micro_batch_samples=MemoryConfig.low().micro_batch_samples)

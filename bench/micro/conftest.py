@@ -1,10 +1,13 @@
-"""The micro-benchmarks' shared options: ``--quick`` (the small sizes that prove a benchmark
-runs) and what the machine was doing, recorded with every JSON."""
+"""The micro-benchmarks' shared options and fixtures: ``--quick`` (the small sizes that prove a
+benchmark runs), what the machine was doing (recorded with every JSON), the workers' Python paths
+and the agents' onnxruntime-training artifacts."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +38,50 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
     machine_info.update(cpu_model=cpu_model(), cores=os.cpu_count(), load_average=list(os.getloadavg()),
                         torch=torch.__version__, torch_threads=torch.get_num_threads(), numpy=numpy.__version__,
                         quick=bool(config.getoption("--quick")))
+
+
+@pytest.fixture(scope="session")
+def worker_envs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+    """The workers' PYTHONPATH: ``torch``: this venv's torch, or the CPU-only one that
+    ``EDGESPLIT_TORCH_CPU_DIR`` names (e.g. its wheel unpacked; triton hidden, as in a CPU-only
+    install); ``ort``: torch hidden, as on an ``edge-lite`` install."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from no_torch import write_blocker
+
+    work = tmp_path_factory.mktemp("worker-envs")
+    torch_path = [str(ROOT)]
+    if os.environ.get("EDGESPLIT_TORCH_CPU_DIR"):
+        torch_path = [str(write_blocker(work / "no_triton", ("triton",))), str(Path(os.environ["EDGESPLIT_TORCH_CPU_DIR"]).resolve()),
+                      str(ROOT)]
+    no_torch = str(write_blocker(work / "no_torch"))
+    return {"torch": {"PYTHONPATH": os.pathsep.join(torch_path)}, "ort": {"PYTHONPATH": os.pathsep.join([no_torch, str(ROOT)])}}
+
+
+@pytest.fixture(scope="session")
+def ort_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """The agents' onnxruntime-training artifacts for images of ``in_channels`` channels, as the
+    server generates them for the default round config (with a ``meta.json``)."""
+    made: dict[int, Path] = {}
+
+    def artifacts(in_channels: int) -> Path:
+        if in_channels not in made:
+            pytest.importorskip("onnxruntime.training", reason="the ort agent needs onnxruntime-training (the [edge-lite] extra)")
+            import torch
+
+            from models import build_model
+            from models.onnx_export import export_edge_artifacts
+            from shared_protocol.methods.fedgkt import GktRoundConfig
+
+            torch.manual_seed(0)
+            exported = export_edge_artifacts(build_model("resnet8", 10, in_channels), 10, in_channels,
+                                             train_extractor=GktRoundConfig.train_extractor)
+            directory = tmp_path_factory.mktemp(f"artifacts-{in_channels}ch")
+            exported.write(directory)
+            meta = {"trainable": list(exported.trainable), "bn_stats": list(exported.bn_stats), "bn_counters": list(exported.bn_counters),
+                    "state_names": list(exported.state_names), "input_shape": list(exported.input_shape),
+                    "num_classes": exported.num_classes}
+            (directory / "meta.json").write_text(json.dumps(meta))
+            made[in_channels] = directory
+        return made[in_channels]
+
+    return artifacts

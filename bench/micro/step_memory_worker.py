@@ -9,14 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+from fresh import status_bytes
+
 BATCH = 64
 MICRO_BATCH = 16  # --low-memory's
 STEPS = 11  # the first is warm-up
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return 1024 * next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def _median_ms(times: list[float]) -> float:
@@ -34,7 +31,7 @@ def torch_step(checkpointed: bool, pinned: bool, micro_batch: int | None) -> dic
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    base, base_file = _status_bytes("VmHWM"), _status_bytes("RssFile")
+    base, base_file = status_bytes("VmHWM"), status_bytes("RssFile")
     from models import build_model
     from models.losses import kd_loss
     from models.memory import checkpoint_bottlenecks
@@ -54,10 +51,10 @@ def torch_step(checkpointed: bool, pinned: bool, micro_batch: int | None) -> dic
         t0 = time.perf_counter()
         step(x, y, teacher)
         times.append(time.perf_counter() - t0)
-    peak = _status_bytes("VmHWM")
+    peak = status_bytes("VmHWM")
     return {"torch": torch.__version__, "triton_loaded": "triton" in sys.modules, "import_peak_rss_bytes": base,
             "import_rss_file_bytes": base_file, "peak_rss_bytes": peak, "peak_above_import_bytes": peak - base,
-            "rss_file_after_bytes": _status_bytes("RssFile"), "rss_after_bytes": _status_bytes("VmRSS"),
+            "rss_file_after_bytes": status_bytes("RssFile"), "rss_after_bytes": status_bytes("VmRSS"),
             "step_ms_median": _median_ms(times)}
 
 
@@ -71,7 +68,7 @@ def import_cost(variant: str) -> dict:
     from models.training import make_optimizer
 
     model = build_model("resnet8", 10, 1)
-    before, modules_before = _status_bytes("VmRSS"), len(sys.modules)
+    before, modules_before = status_bytes("VmRSS"), len(sys.modules)
     if variant == "flop_counter_mode":
         x = torch.randn(2, 1, 32, 32)
         flops_of(lambda: model(x)[0].sum().backward())
@@ -83,7 +80,7 @@ def import_cost(variant: str) -> dict:
             opt.zero_grad(set_to_none=True)
             model(torch.randn(4, 1, 32, 32))[0].sum().backward()
             opt.step()
-    after = _status_bytes("VmRSS")
+    after = status_bytes("VmRSS")
     return {"torch": torch.__version__, "rss_before_bytes": before, "rss_after_bytes": after, "added_bytes": after - before,
             "modules_added": len(sys.modules) - modules_before, "torch_dynamo_loaded": "torch._dynamo" in sys.modules,
             "sympy_loaded": "sympy" in sys.modules}
@@ -100,7 +97,7 @@ def ort_step(artifacts: str, variant: str) -> dict:
     from edge_agent.backends.optim import NumpyAdam
 
     onnxruntime, _ = ort_backend._ort()
-    base, plain_options = _status_bytes("VmHWM"), onnxruntime.SessionOptions
+    base, plain_options = status_bytes("VmHWM"), onnxruntime.SessionOptions
 
     def options():  # type: ignore[no-untyped-def]
         o = plain_options()
@@ -117,7 +114,7 @@ def ort_step(artifacts: str, variant: str) -> dict:
 
     onnxruntime.SessionOptions = options  # OrtEdgeModel builds its options from this
     model = ort_backend.OrtEdgeModel(artifacts, ort_backend.ArtifactMeta.from_json((Path(artifacts) / "meta.json").read_text()), threads=1)
-    loaded = _status_bytes("VmHWM")
+    loaded = status_bytes("VmHWM")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, 3, 32, 32)).astype(np.float32)
     y, teacher = rng.integers(0, 10, BATCH), rng.normal(size=(BATCH, 10)).astype(np.float32)
@@ -126,7 +123,7 @@ def ort_step(artifacts: str, variant: str) -> dict:
         t0 = time.perf_counter()
         model.train_step(x, y, teacher, np.ones(BATCH, np.float32), 3.0, 1.0, opt, micro_batch=MICRO_BATCH if variant == "micro16" else None)
         times.append(time.perf_counter() - t0)
-    peak = _status_bytes("VmHWM")
+    peak = status_bytes("VmHWM")
     return {"onnxruntime": ort_backend.ort_version(), "import_peak_rss_bytes": base, "loaded_peak_rss_bytes": loaded,
             "peak_rss_bytes": peak, "step_above_loaded_bytes": peak - loaded, "step_ms_median": _median_ms(times)}
 

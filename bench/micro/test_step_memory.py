@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import statistics
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fresh
 import pytest
 
 from step_memory_worker import BATCH, MICRO_BATCH
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("step_memory_worker.py")
 #: Fresh processes per variant, full and --quick.
 ROUNDS = {False: 2, True: 1}
@@ -43,40 +40,9 @@ ORT_VARIANTS = ("agent", "mem_pattern_off", "graph_optimization_off", "memory_op
 IMPORT_COST_VARIANTS = ("flop_counter_mode", "layer_counter", "torch_optim_adam", "lean_adam")
 
 
-def _blocker(directory: Path, hidden: tuple[str, ...]) -> Path:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from no_torch import write_blocker
-
-    return write_blocker(directory, hidden=hidden)
-
-
-@pytest.fixture(scope="module")
-def envs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
-    """The workers' PYTHONPATH: torch's (this venv's, or the CPU-only one asked for), and one that hides torch."""
-    work = tmp_path_factory.mktemp("step-memory")
-    torch_path = [str(ROOT)]
-    if os.environ.get("EDGESPLIT_TORCH_CPU_DIR"):
-        torch_path = [str(_blocker(work / "no_triton", ("triton",))), str(Path(os.environ["EDGESPLIT_TORCH_CPU_DIR"]).resolve()), str(ROOT)]
-    no_torch = str(_blocker(work / "no_torch", ("torch", "torchvision", "torchaudio")))
-    return {"torch": {"PYTHONPATH": os.pathsep.join(torch_path)}, "ort": {"PYTHONPATH": os.pathsep.join([no_torch, str(ROOT)])}}
-
-
-def worker(kind: str, spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    result = subprocess.run([sys.executable, str(WORKER), kind, json.dumps(spec)], capture_output=True, text=True, cwd="/",
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **env}, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"{kind} {spec} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def in_fresh_processes(benchmark: Any, quick: bool, kind: str, spec: dict[str, Any], env: dict[str, str]) -> list[dict[str, Any]]:
-    """Time ``ROUNDS`` fresh worker processes; their reports, summed up, in extra_info."""
-    runs: list[dict[str, Any]] = []
-    benchmark.pedantic(lambda: runs.append(worker(kind, spec, env)), rounds=ROUNDS[quick], iterations=1)
-    benchmark.extra_info.update(spec=spec, runs=runs, **{f"{k}_max": max(r[k] for r in runs) for k in runs[0] if k.endswith("_bytes")})
-    if "step_ms_median" in runs[0]:
-        benchmark.extra_info["step_ms_median"] = statistics.median(r["step_ms_median"] for r in runs)
-    return runs
+    benchmark.extra_info["spec"] = spec
+    return fresh.in_fresh_processes(benchmark, ROUNDS[quick], WORKER, [kind, json.dumps(spec)], env)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
@@ -126,37 +92,18 @@ def test_saved_by_block(benchmark: Any, checkpointed: bool) -> None:
 @pytest.mark.parametrize("pinned", [False, True], ids=["malloc", "pinned"])
 @pytest.mark.parametrize(("checkpointed", "micro_batch"), [(False, None), (True, None), (False, MICRO_BATCH)],
                          ids=["plain", "checkpointed", f"micro{MICRO_BATCH}"])
-def test_torch_step(benchmark: Any, quick: bool, envs: dict[str, dict[str, str]], checkpointed: bool,
+def test_torch_step(benchmark: Any, quick: bool, worker_envs: dict[str, dict[str, str]], checkpointed: bool,
                     micro_batch: int | None, pinned: bool) -> None:
     in_fresh_processes(benchmark, quick, "torch", {"checkpointed": checkpointed, "pinned": pinned, "micro_batch": micro_batch},
-                       envs["torch"])
-
-
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The agents' onnxruntime-training artifacts, as the server generates them for the default round config."""
-    pytest.importorskip("onnxruntime.training", reason="the ort step needs onnxruntime-training (the [edge-lite] extra)")
-    import torch
-
-    from models import build_model
-    from models.onnx_export import export_edge_artifacts
-    from shared_protocol.methods.fedgkt import GktRoundConfig
-
-    torch.manual_seed(0)
-    exported = export_edge_artifacts(build_model("resnet8", 10, 3), 10, 3, train_extractor=GktRoundConfig.train_extractor)
-    directory = tmp_path_factory.mktemp("artifacts")
-    exported.write(directory)
-    meta = {"trainable": list(exported.trainable), "bn_stats": list(exported.bn_stats), "bn_counters": list(exported.bn_counters),
-            "state_names": list(exported.state_names), "input_shape": list(exported.input_shape), "num_classes": exported.num_classes}
-    (directory / "meta.json").write_text(json.dumps(meta))
-    return directory
+                       worker_envs["torch"])
 
 
 @pytest.mark.parametrize("variant", ORT_VARIANTS)
-def test_ort_step(benchmark: Any, quick: bool, envs: dict[str, dict[str, str]], artifacts: Path, variant: str) -> None:
-    in_fresh_processes(benchmark, quick, "ort", {"artifacts": str(artifacts), "variant": variant}, envs["ort"])
+def test_ort_step(benchmark: Any, quick: bool, worker_envs: dict[str, dict[str, str]], ort_artifacts: Callable[[int], Path],
+                  variant: str) -> None:
+    in_fresh_processes(benchmark, quick, "ort", {"artifacts": str(ort_artifacts(3)), "variant": variant}, worker_envs["ort"])
 
 
 @pytest.mark.parametrize("variant", IMPORT_COST_VARIANTS)
-def test_import_cost(benchmark: Any, envs: dict[str, dict[str, str]], variant: str) -> None:
-    in_fresh_processes(benchmark, True, "import", {"variant": variant}, envs["torch"])
+def test_import_cost(benchmark: Any, worker_envs: dict[str, dict[str, str]], variant: str) -> None:
+    in_fresh_processes(benchmark, True, "import", {"variant": variant}, worker_envs["torch"])

@@ -34,7 +34,6 @@ if str(REPO_ROOT / "bench") not in sys.path:
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from _stats import DIFFERENCE_RULE  # noqa: E402
 from config_tables import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
@@ -63,8 +62,6 @@ def _pct(x: float | None) -> str:
     return DASH if x is None else f"{100 * x:.2f}%"
 
 
-def _mb(n: float | None) -> str:
-    return DASH if n is None else f"{n / 1e6:,.2f}"
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -76,46 +73,16 @@ def _load(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def _machine_line(machine: dict[str, Any]) -> str:
-    when = machine.get("runs_started_utc") or machine.get("date_utc", "?")
-    return (f"{machine.get('cpu_model', '?')}, {machine.get('cores', '?')} cores, torch {machine.get('torch', '?')}, "
-            f"{when}; load average when the JSON was written {', '.join(f'{x:.1f}' for x in machine.get('load_average_at_start', []))} "
-            "(the machine is shared: wall times are indicative)")
 
 
 
 
-def _pm(s: dict[str, Any] | None, scale: float = 100.0, digits: int = 1, unit: str = "%") -> str:
-    """A mean ± sd cell (sd over seeds, n - 1); a dash without a mean, the mean alone with one seed."""
-    if not s or s.get("mean") is None:
-        return DASH
-    if s.get("sd") is None:
-        return f"{scale * s['mean']:.{digits}f}{unit} (n = {s.get('n', 1)})"
-    return f"{scale * s['mean']:.{digits}f} ± {scale * s['sd']:.{digits}f}{unit}"
 
 
-def _seeds_text(seeds: Sequence[int]) -> str:
-    return ", ".join(str(s) for s in seeds)
 
 
-def _eval_set_line(data: dict[str, Any], seeds: Sequence[int] | None = None) -> str:
-    """The test set every accuracy of a JSON was scored on, as its caption names it."""
-    es = data["eval_set"]
-    counts = es.get("class_counts") or []
-    per_class = (f"{counts[0]:,} per class" if counts and len(set(counts)) == 1
-                 else "class counts " + " / ".join(str(c) for c in counts) if counts else "balanced")
-    dataset = {"fashion-mnist": "Fashion-MNIST"}.get(es.get("dataset", ""), es.get("dataset", "?"))
-    seed_text = f", seeds {_seeds_text(seeds)}" if seeds else ""
-    if not data.get("eval_set_same_for_every_run", True) and data.get("eval_set_same_within_each_seed"):
-        return (f"Every accuracy is scored on {es['samples']:,} balanced {dataset} {es.get('split', 'test')} images drawn "
-                f"with the run's seed: the same images for every run of a seed{seed_text} ({per_class}).")
-    every = "for every method and seed" if data.get("eval_set_same_for_every_run", True) else "**not** for every run (see the JSON)"
-    return (f"Every accuracy is scored on the same {es['samples']:,} balanced {dataset} {es.get('split', 'test')} images {every}"
-            f"{seed_text} ({per_class}; drawn with seed {es.get('seed', '?')}; ids sha256 `{str(es.get('ids_sha256', '?'))[:12]}`).")
 
 
-def _rule_line() -> str:
-    return f"Cells are mean ± sd over the seeds (sample sd, n − 1). The rule: {DIFFERENCE_RULE}."
 
 
 def _bench_machine_line(machine: dict[str, Any]) -> str:

@@ -1,6 +1,5 @@
 """bench/render_results.py: docs/results.md is exactly what the renderer makes of the recorded
-JSON files (seeds and spread: tests/test_bench_seeds.py); ``load`` imports a bench script for
-the bench tests."""
+JSON files; ``load`` imports a bench script for the bench tests."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ RESULTS = BENCH / "results"
 
 
 def load(name: str) -> ModuleType:
-    # bench/ is not a package; appended (not prepended) to sys.path so that its codecs.py
-    # can never shadow the standard library's, while `from _federation import ...` works.
+    # bench/ is not a package; appended (not prepended) to sys.path so that a script of it can
+    # never shadow the standard library, while the scripts still import each other.
     if str(BENCH) not in sys.path:
         sys.path.append(str(BENCH))
     spec = importlib.util.spec_from_file_location(f"edgesplit_bench_{name}", BENCH / f"{name}.py")

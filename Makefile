@@ -53,12 +53,12 @@ bench: venv system-deps
 	$(PY) bench/render_results.py
 
 # The micro-benchmarks (bench/micro/: pytest-benchmark), one JSON each in bench/results/, one thread:
-# codecs (about 2 min on 2 loaded cores), edge_cost (about 1), server_loop (about 15: a cold
-# torch.compile and 5 repeats of two training loops), step_memory (about 3). Named only when
-# asked: footprint (hours: its long runs; MICRO_ARGS='-k "not long_run"' leaves them out), scale
+# codecs (about 2 min on 2 loaded cores), edge_cost (about 1), transport (about 1), server_loop
+# (about 15: a cold torch.compile and 5 repeats of two training loops), step_memory (about 3).
+# Named only when asked: footprint (hours: its long runs; MICRO_ARGS='-k "not long_run"' leaves them out), scale
 # (about 15), metrics_overhead (about 30: six demo runs). `make bench-micro MICRO=codecs` runs
 # one; MICRO_ARGS=--quick runs them at small sizes.
-MICRO ?= codecs edge_cost server_loop step_memory
+MICRO ?= codecs edge_cost transport server_loop step_memory
 MICRO_ARGS ?=
 bench-micro: venv
 	for name in $(MICRO); do OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider bench/micro/test_$$name.py \

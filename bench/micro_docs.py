@@ -378,3 +378,32 @@ def scale_section(data: dict[str, Any]) -> list[str]:
         "Messages per round: the server connection's messages in and out over the run (registration and status included) "
         "÷ rounds. Bytes: MQTT packets through the server's connection attributed to the round.", "",
     ]
+
+
+def transport_section(data: dict[str, Any]) -> list[str]:
+    """The transport against raw paho and a raw TCP copy: MB/s, CPU per MB, the targets and the hashes' floor."""
+    info = case(data, "test_transport")["extra_info"]
+    rates, med, cpu = info["mb_per_s"], info["median_mb_per_s"], info["median_cpu_ms_per_mb"]
+    labels = (("tcp_socket", "raw TCP socket copy"), ("paho_raw_plain", "raw paho, plain"), ("edgesplit_plain", "EdgeSplit transport, plain"),
+              ("paho_raw_tls", "raw paho, TLS"), ("edgesplit_tls", "EdgeSplit transport, TLS"))
+    rows = [[label, f"{med[key]:,.0f}", ", ".join(f"{x:,.0f}" for x in rates[key]),
+             *((DASH, DASH) if key not in cpu else (f"{cpu[key]['clients']:.2f}", f"{cpu[key]['broker']:.2f}"))] for key, label in labels]
+    ratios, pair, cpu_ratio, targets = info["ratios"], info["median_pair_ratio"], info["cpu_ratio_edgesplit_over_paho"], info["targets"]
+    floor = info.get("cpu_ratio_floor_of_the_hashes")
+    return [
+        "## Transport throughput", "",
+        f"{source_line(data, 'transport')} {info['megabytes']} MB per measurement through one mosquitto on loopback, "
+        f"{info['repeats']} repeats, chunks of {info['chunk_bytes'] // 1024} KiB, EdgeSplit sending {info['blob_megabytes']} MB blobs "
+        "pipelined and the receiver taking each reassembled, SHA-256-verified blob; raw paho publishes the same bytes as "
+        f"QoS 1 messages with no integrity check. {info['method'][:1].upper()}{info['method'][1:]}.", "",
+        *_table(["Path", "Median MB/s", "MB/s per repeat", "Client CPU ms / MB", "Broker CPU ms / MB"], rows),
+        "",
+        f"Raw paho ÷ EdgeSplit (medians): plain {ratios['paho_over_edgesplit_plain']:.2f}×, TLS {ratios['paho_over_edgesplit_tls']:.2f}×; "
+        f"median of the back-to-back pairs: plain {pair['plain']:.2f}×, TLS {pair['tls']:.2f}×. CPU per MB (clients + broker), "
+        f"EdgeSplit ÷ raw paho: plain {cpu_ratio['plain']:.2f}×, TLS {cpu_ratio['tls']:.2f}×. Target, raw paho ÷ EdgeSplit within "
+        f"{targets['time_ratio_max']:g}×: {'within' if info['within_time_target'] else '**not** within'} (on the medians); CPU per MB "
+        f"within {targets['cpu_ratio_max']:g}× of raw paho's: {'within' if info['within_cpu_target'] else '**not** within'}.", "",
+        *([f"The blob's integrity check alone, one SHA-256 pass on each side ({info['sha256_ms_per_mb']:.2f} ms per MB each, "
+           f"measured in the same run), keeps EdgeSplit's CPU per MB at least {floor['plain']:.2f}× raw paho's (plain) and "
+           f"{floor['tls']:.2f}× (TLS), whatever else the transport does: raw paho checks nothing.", ""] if floor else []),
+    ]

@@ -2,13 +2,12 @@
 
 The tables are generated, never typed: rerun a benchmark, then this script.
 
-* ``edge_cost.json``, ``codecs.json``, ``server_loop.json``, ``footprint.json``, ``scale.json``,
-  ``metrics_overhead.json``: the micro-benchmarks' pytest-benchmark JSONs (``bench/micro/``,
+* ``edge_cost.json``, ``codecs.json``, ``transport.json``, ``server_loop.json``, ``footprint.json``,
+  ``scale.json``, ``metrics_overhead.json``: the micro-benchmarks' pytest-benchmark JSONs (``bench/micro/``,
   ``make bench-micro``; ``bench/micro_docs.py``);
 * every experiment with a template (``bench/experiments/NAME.md``): its results
   (``bench/results/NAME.json``) through the runner's generic tables, or the one
   line naming the command that measures it;
-* ``transport.json`` (``bench/transport.py``): the transport's speed;
 
 It also rewrites the README's table of methods (from the method registry) and
 docs/configuration.md's tables of the methods' keys (from each method's config,
@@ -38,13 +37,13 @@ from config_tables import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
 from micro_docs import (codecs_section, edge_cost_section, footprint_section, load_micro,  # noqa: E402
-                        metrics_overhead_section, scale_section, server_loop_section)
+                        metrics_overhead_section, scale_section, server_loop_section, transport_section)
 from leakage_docs import (copy_pictures, cost_cells, leakage_cell, method_figures, present_pictures,  # noqa: E402
                           setting_line, update_inversion_section, update_method_notes)
 
 DASH = "—"
 #: The sections rendered from the micro-benchmarks' pytest-benchmark JSONs (bench/micro/, bench/micro_docs.py).
-MICRO_SECTIONS = ("edge_cost", "codecs", "server_loop", "scale", "metrics_overhead")
+MICRO_SECTIONS = ("edge_cost", "codecs", "transport", "server_loop", "scale", "metrics_overhead")
 
 
 class ResultsError(ValueError):
@@ -83,57 +82,6 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 
 
-
-
-def _bench_machine_line(machine: dict[str, Any]) -> str:
-    """Machine facts as bench/_common.py records them (transport, server loop, scale)."""
-    load = ", ".join(f"{x:.1f}" for x in machine.get("load_average", []))
-    return (f"{machine.get('cpu_model', '?')}, {machine.get('cores', '?')} cores, torch {machine.get('torch', '?')} "
-            f"({machine.get('torch_threads', '?')} threads), {machine.get('date', '?')}; load average {load} when the JSON "
-            "was written (the machine is shared: wall times are indicative)")
-
-
-def transport_section(data: dict[str, Any]) -> list[str]:
-    setup = data["setup"]
-    rates, med = data["mb_per_s"], data["median_mb_per_s"]
-    cpu = data.get("median_cpu_ms_per_mb", {})
-    labels = (("tcp_socket", "raw TCP socket copy"), ("paho_raw_plain", "raw paho, plain"),
-              ("edgesplit_plain", "EdgeSplit transport, plain"), ("paho_raw_tls", "raw paho, TLS"),
-              ("edgesplit_tls", "EdgeSplit transport, TLS"))
-    rows = []
-    for key, label in labels:
-        c = cpu.get(key)
-        rows.append([label, f"{med[key]:,.0f}", ", ".join(f"{x:,.0f}" for x in rates[key]),
-                     DASH if c is None else f"{c['clients']:.2f}", DASH if c is None else f"{c['broker']:.2f}"])
-    ratios, pair = data["ratios"], data.get("median_pair_ratio", {})
-    cpu_ratio = data.get("cpu_ratio_edgesplit_over_paho", {})
-    targets = data.get("targets") or {"time_ratio_max": 2.0}
-    verdict = "within" if data.get("within_time_target", data.get("claim_within_2x_of_raw_paho")) else "**not** within"
-    floor = data.get("cpu_ratio_floor_of_the_hashes")
-    lines = [
-        "## Transport throughput", "",
-        f"From `bench/results/transport.json` (`bench/transport.py`), measured {_bench_machine_line(data['machine'])}. "
-        f"{setup['megabytes']} MB per measurement through one mosquitto on loopback, {setup['repeats']} repeats, "
-        f"chunks of {setup['chunk_bytes'] // 1024} KiB, EdgeSplit sending {setup.get('blob_megabytes', '?')} MB blobs "
-        "pipelined and the receiver taking each reassembled, SHA-256-verified blob; raw paho publishes the same bytes as "
-        f"QoS 1 messages with no integrity check. {setup.get('method', '')}.", "",
-        *_table(["Path", "Median MB/s", "MB/s per repeat", "Client CPU ms / MB", "Broker CPU ms / MB"], rows),
-        "",
-        f"Raw paho ÷ EdgeSplit (medians): plain {ratios['paho_over_edgesplit_plain']:.2f}×, TLS "
-        f"{ratios['paho_over_edgesplit_tls']:.2f}×"
-        + (f"; median of the back-to-back pairs: plain {pair['plain']:.2f}×, TLS {pair['tls']:.2f}×" if pair else "")
-        + (f". CPU per MB (clients + broker), EdgeSplit ÷ raw paho: plain {cpu_ratio['plain']:.2f}×, TLS "
-           f"{cpu_ratio['tls']:.2f}×" if cpu_ratio else "")
-        + f". Target, raw paho ÷ EdgeSplit within {targets['time_ratio_max']:g}×: {verdict} (on the medians)"
-        + (f"; CPU per MB within {targets['cpu_ratio_max']:g}× of raw paho's: "
-           f"{'within' if data.get('within_cpu_target') else '**not** within'}" if "cpu_ratio_max" in targets else "") + ".",
-        "",
-        *([f"The blob's integrity check alone, one SHA-256 pass on each side ({data['sha256_ms_per_mb']:.2f} ms per MB "
-           "each, measured in the same run), keeps EdgeSplit's CPU per MB at least "
-           f"{floor['plain']:.2f}× raw paho's (plain) and {floor['tls']:.2f}× (TLS), whatever else the transport does: "
-           "raw paho checks nothing.", ""] if floor else []),
-    ]
-    return lines
 
 
 def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None, methods: dict[str, Any] | None) -> list[str]:
@@ -287,9 +235,7 @@ def _first_seed(data: dict[str, Any], method: str) -> int:
 
 
 def render(results: Path, image_dir: Path | None = None) -> str:
-    sources = {name: _load(results / f"{name}.json")
-               for name in ("transport",)}
-    sources.update({name: load_micro(results / f"{name}.json") for name in MICRO_SECTIONS})
+    sources = {name: load_micro(results / f"{name}.json") for name in MICRO_SECTIONS}
     lines = [
         "# EdgeSplit results",
         "",
@@ -317,14 +263,12 @@ def render(results: Path, image_dir: Path | None = None) -> str:
             lines += memory
         data = sources[name]
         if data is None:
-            command = f"make bench-micro MICRO={name}" if name in MICRO_SECTIONS else f"bench/{name}.py"
-            lines += [f"*`bench/results/{name}.json` not found: run `{command}`.*", ""]
+            lines += [f"*`bench/results/{name}.json` not found: run `make bench-micro MICRO={name}`.*", ""]
             continue
         try:
             lines += section(data)
         except KeyError as exc:
-            raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun "
-                               + (f"make bench-micro MICRO={name}" if name in MICRO_SECTIONS else f"bench/{name}.py")) from None
+            raise ResultsError(f"bench/results/{name}.json has no field {exc}; rerun make bench-micro MICRO={name}") from None
     try:
         lines += gpu_section(*(_load(results / f"{name}.json") for name in ("server_gpu", "fedgkt_fullscale", "gpu_methods")))
     except KeyError as exc:

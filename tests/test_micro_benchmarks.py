@@ -39,3 +39,28 @@ def test_the_harness_collects_every_file_and_runs_a_tiny_case(tmp_path: Path) ->
     case = docs.case(data, "test_training_batch[resnet8]")
     assert case["stats"]["median"] > 0 and case["extra_info"]["params"] > 0 and case["extra_info"]["training_flops_per_sample"] > 0
     assert "At `--quick` sizes" in docs.source_line(data, "edge_cost")  # a quick run never reads as a measurement
+
+
+def test_the_transport_verdicts_follow_the_recorded_rates() -> None:
+    spec = importlib.util.spec_from_file_location("edgesplit_bench_micro_transport", ROOT / "bench" / "micro" / "test_transport.py")
+    assert spec is not None and spec.loader is not None
+    transport = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(transport)
+    docs = micro_docs()
+
+    def page(ours_rate: float, ours_cpu: float) -> tuple[dict, str]:
+        rates = {"tcp_socket": [900.0, 1000.0]}
+        cpu = {}
+        for mode in ("plain", "tls"):
+            rates[f"paho_raw_{mode}"], cpu[f"paho_raw_{mode}"] = [100.0, 100.0], {"clients": [1.0, 1.0], "broker": [1.0, 1.0]}
+            rates[f"edgesplit_{mode}"], cpu[f"edgesplit_{mode}"] = [ours_rate] * 2, {"clients": [ours_cpu] * 2, "broker": [1.0, 1.0]}
+        info = {"megabytes": 8, "repeats": 2, "chunk_bytes": 2**19, "blob_megabytes": 8, "method": "alternately",
+                **transport.summary(rates, cpu, 0.5)}
+        data = {"machine_info": {}, "datetime": "2026-01-01T00:00:00", "benchmarks": [{"name": "test_transport", "extra_info": info}]}
+        return info, "\n".join(docs.transport_section({**data, "by_name": {"test_transport": data["benchmarks"][0]}}))
+
+    near, text = page(ours_rate=90.0, ours_cpu=1.5)  # 1.11x the time, 1.25x the CPU
+    assert near["within_time_target"] and near["within_cpu_target"] and "1.2×: within" in text and "raw paho's: within" in text
+    assert abs(near["cpu_ratio_floor_of_the_hashes"]["plain"] - 1.5) < 1e-9 and "at least 1.50× raw paho's (plain)" in text
+    far, text = page(ours_rate=50.0, ours_cpu=3.0)  # 2x the time, 2x the CPU
+    assert not far["within_time_target"] and not far["within_cpu_target"] and text.count("**not** within") == 2

@@ -61,8 +61,6 @@ def _pct(x: float | None) -> str:
     return DASH if x is None else f"{100 * x:.2f}%"
 
 
-
-
 def _load(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
@@ -70,18 +68,6 @@ def _load(path: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict) or "benchmark" not in data:
         raise ResultsError(f"{path}: not a benchmark result (no 'benchmark' key)")
     return data
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None, methods: dict[str, Any] | None) -> list[str]:

@@ -232,6 +232,24 @@ class SplitNNEdge(EdgeMethod):
                 meter.forward(self.server_flops, len(data))
         return EvalAnswer(results=results, global_results=global_results)
 
+    # -- local persistence --------------------------------------------------------- #
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """A private extractor exists nowhere else: a restarted agent resumes it (a ring
+        extractor comes back with the next turn's RoundStart)."""
+        if not self.private:
+            return {}
+        state = {f"extractor/{k}": v for k, v in state_dict_to_arrays(self.extractor).items()}
+        state["guard/key"] = np.frombuffer(self.ctx.key(), dtype=np.uint8).copy()
+        return state
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        if "guard/key" in arrays:
+            self.ctx.private_key = bytes(np.asarray(arrays["guard/key"], dtype=np.uint8))
+        extractor = {k[len("extractor/"):]: v for k, v in arrays.items() if k.startswith("extractor/")}
+        if extractor:
+            self._load(extractor)
+
 
 def _is_gradient_for(round_: int, seq: int):  # type: ignore[no-untyped-def]
     def match(msg: Message) -> bool:

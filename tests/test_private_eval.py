@@ -21,6 +21,7 @@ from cloud_server.audit.registry import attacks_for
 from cloud_server.evaluation import EvalModel, EvalSet, EvalSetSpec, Evaluator, check_global_results
 from cloud_server.methods.fedgkt_config import FedGktConfig
 from cloud_server.methods.splitnn import SplitNNConfig
+from cloud_server.report import validate_report
 from cloud_server.rounds import OpenRound
 from edge_agent.config import DataConfig
 from edge_agent.costs import RoundMeter
@@ -375,6 +376,9 @@ def test_split_learning_private_extractor_never_leaves_and_figures_equal_central
             assert msg.models == {} and msg.uploads == {} and set(msg.global_results) == {"model"}
     assert fed.coordinator.method.extractor_state == {}
     assert report["defences"]["private_extractor"] is True and report["defences"]["extractor"] == "private"
+    validate_report(report)
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "| extractor private to the agent | yes |" in summary
 
     server = fed.coordinator.method.model.eval()
     evaluator = fed.coordinator.evaluator

@@ -21,6 +21,7 @@ from cloud_server.audit.registry import attacks_for
 from cloud_server.evaluation import EvalModel, EvalSet, EvalSetSpec, Evaluator, check_global_results
 from cloud_server.methods.fedgkt_config import FedGktConfig
 from cloud_server.methods.splitnn import SplitNNConfig
+from edge_agent.methods.splitnn import SplitNNEdge
 from cloud_server.report import validate_report
 from cloud_server.rounds import OpenRound
 from edge_agent.config import DataConfig
@@ -340,8 +341,19 @@ def _carries_values_of(msg: Message, params: list[np.ndarray]) -> bool:
                for a in _arrays(msg) for p in params if p.size > 16)
 
 
-def _split_run(tmp_path: Path, mosquitto, extractor: str):  # type: ignore[no-untyped-def]
+def _split_run(tmp_path: Path, mosquitto, monkeypatch, extractor: str):  # type: ignore[no-untyped-def]
+    """A 2-agent, 2-round run over mosquitto: its report, every message the server decoded, and
+    every extractor each agent held (its first draw, after each of its turns)."""
     run_id = f"sl-{extractor}"
+    held: dict[str, list[list[np.ndarray]]] = {}  # agent -> one list of arrays per extractor it held
+    run_round = SplitNNEdge.run_round
+
+    def recording(self, start, meter):  # type: ignore[no-untyped-def]
+        result = run_round(self, start, meter)
+        held.setdefault(self.ctx.agent_id, []).append([v.detach().numpy().copy() for v in self.extractor.state_dict().values()])
+        return result
+
+    monkeypatch.setattr(SplitNNEdge, "run_round", recording)
     cfg = method_server_config(tmp_path, "splitnn", {"batch_size": 32, "extractor": extractor}, run_id=run_id,
                                eval_samples=40, audit=True)
     agents = [agent_config(run_id, i, 2, train_samples=64, test_samples=32, private_seed=i + 1) for i in range(2)]
@@ -352,24 +364,25 @@ def _split_run(tmp_path: Path, mosquitto, extractor: str):  # type: ignore[no-un
     final = {a.config.agent_id: [p.detach().numpy().copy() for p in a.method.extractor.state_dict().values()]
              for a in fed.agents}
     # Where a private extractor started: drawn again from the agent's own key.
-    initial = {a.config.agent_id: [p.detach().numpy() for p in build_model(
-        a.method.edge_model, a.method.num_classes, a.method.ctx.train.in_channels,
-        generator=a.method.ctx.private_generator()).extractor.state_dict().values()] for a in fed.agents}
-    return fed, report, seen, initial, final
+    for a in fed.agents:
+        held[a.config.agent_id].insert(0, [p.detach().numpy() for p in build_model(
+            a.method.edge_model, a.method.num_classes, a.method.ctx.train.in_channels,
+            generator=a.method.ctx.private_generator()).extractor.state_dict().values()])
+    return fed, report, seen, held, final
 
 
 @pytest.mark.broker
 @pytest.mark.slow
-def test_split_learning_private_extractor_never_leaves_and_figures_equal_central(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    fed, report, seen, initial, final = _split_run(tmp_path, mosquitto, "private")
+def test_split_learning_private_extractor_never_leaves_and_figures_equal_central(mosquitto, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    fed, report, seen, held, final = _split_run(tmp_path, mosquitto, monkeypatch, "private")
     names = set(fed.agents[0].method.extractor.state_dict())
     # Each agent's own draw, from its private key: not the other's.
-    assert not np.array_equal(initial["agent-0"][0], initial["agent-1"][0])
+    assert not np.array_equal(held["agent-0"][0][0], held["agent-1"][0][0])
     types = {msg.TYPE for _, msg in seen}
     assert {"splitnn.activations", "eval_report"} <= types and "splitnn.extractor" not in types
     for agent, msg in seen:
         assert not (_tensor_names(msg) & names), f"{msg.TYPE} carries extractor weights"
-        assert not _carries_values_of(msg, initial[agent] + final[agent]), f"{msg.TYPE} carries an extractor's values"
+        assert not _carries_values_of(msg, [p for state in held[agent] for p in state]), f"{msg.TYPE} carries an extractor's values"
         if msg.TYPE == "splitnn.activations":
             assert msg.split == "train"  # no test activations: the agent scores its shard itself
         if isinstance(msg, EvalReport):
@@ -391,7 +404,7 @@ def test_split_learning_private_extractor_never_leaves_and_figures_equal_central
     assert ev["local_accuracy"]["model"] == pytest.approx(sum(c for c, _ in shards) / sum(t for _, t in shards), abs=1e-12)
     # The server's part went down for evaluation: evaluation's bytes and FLOPs, on the device.
     server_bytes = sum(v.nbytes for v in server.state_dict().values())
-    assert ev["bytes"]["down_payload"] > server_bytes  # two agents, zstd: more than one copy
+    assert ev["bytes"]["down_payload"] > server_bytes  # a copy to each of two agents, zstd-compressed
     assert ev["edge_eval_flops"] > 0
 
     # The audit assumes no extractor: the white-box and inverse-network attacks do not apply.
@@ -406,14 +419,16 @@ def test_split_learning_private_extractor_never_leaves_and_figures_equal_central
 
 @pytest.mark.broker
 @pytest.mark.slow
-def test_split_learning_ring_extractor_is_seen_by_the_same_checks(mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_split_learning_ring_extractor_is_seen_by_the_same_checks(mosquitto, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The positive control: in the ring the same capture finds the extractor, by name and by value."""
-    fed, report, seen, _, final = _split_run(tmp_path, mosquitto, "ring")
+    fed, report, seen, held, final = _split_run(tmp_path, mosquitto, monkeypatch, "ring")
     names = set(fed.agents[0].method.extractor.state_dict())
     by_name = [msg.TYPE for _, msg in seen if _tensor_names(msg) & names]
     assert "splitnn.extractor" in by_name
     last = fed.coordinator.method.turn_order[-1][1]  # its uploaded extractor is the one it still holds
     assert any(_carries_values_of(msg, final[last]) for agent, msg in seen if agent == last)
+    for agent, states in held.items():  # and every turn's extractor went up, by value (the first: a private draw, unused here)
+        assert len(states) >= 3 and all(any(_carries_values_of(msg, state) for a, msg in seen if a == agent) for state in states[1:])
     assert server_knowledge(load_kept_run(tmp_path / "run"))[0].holds("extractor_weights")
 
 

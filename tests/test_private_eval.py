@@ -1,5 +1,5 @@
 """Private models are scored where they live (cloud_server/evaluation.py): FedKD's mentor
-and FedGKT's private extractor never leave the device; the agents score them on the run's
+and FedGKT's and split learning's private extractors never leave the device; the agents score them on the run's
 public global test set (named by its digests, loaded locally or downloaded once) and the
 figures equal the ones the server computes centrally from the same models."""
 
@@ -15,21 +15,29 @@ import numpy as np
 import pytest
 import torch
 
+from cloud_server.audit.audit_run import server_knowledge
+from cloud_server.audit.kept import load_kept_run
+from cloud_server.audit.registry import attacks_for
 from cloud_server.evaluation import EvalModel, EvalSet, EvalSetSpec, Evaluator, check_global_results
 from cloud_server.methods.fedgkt_config import FedGktConfig
+from cloud_server.methods.splitnn import SplitNNConfig
+from edge_agent.methods.splitnn import SplitNNEdge
+from cloud_server.report import validate_report
 from cloud_server.rounds import OpenRound
 from edge_agent.config import DataConfig
 from edge_agent.costs import RoundMeter
 from edge_agent.public_set import PublicSetMismatchError, PublicTestSet
 from fldata.public_set import load_public_test_set
 from fldata.torch_data import make_loader
+from models import build_model
 from models.batchnorm import load_bn_statistics, restoring_bn_statistics
 from models.mentor import forward_with_hidden
 from shared_protocol.errors import UnknownEvalSetError, ValueRangeError
 from shared_protocol.messages import EvalReport, EvalSetData, Message, decode_message, encode_message
 from shared_protocol.transport import InMemoryBroker, InMemoryTransport
 
-from fedhelpers import FAST_GKT, agent_config, in_memory_federation, make_server, mqtt_federation, server_config
+from fedhelpers import (FAST_GKT, agent_config, in_memory_federation, make_server, method_server_config, mqtt_federation,
+                        server_config)
 
 FAST_KD = {"mentor_model": "resnet20", "mentee_model": "resnet8", "batch_size": 32}
 
@@ -309,3 +317,125 @@ def test_the_server_rejects_bad_reports_and_keeps_running(tmp_path: Path) -> Non
     rnd.eval_requested["agent-0"] = time.monotonic() + 60
     coord._on_evaluation_message("agent-0", _report(eval_set, model={"correct": 3, "total": 30}))
     assert rnd.eval_reports["agent-0"].global_results == {"model": {"correct": 3, "total": 30}}
+
+
+# --------------------------------------------------------------------------- #
+# Split learning with private extractors over mosquitto
+# --------------------------------------------------------------------------- #
+
+
+def _arrays(msg: Message) -> list[np.ndarray]:
+    """Every array a message carries, tensor dicts' included."""
+    found: list[np.ndarray] = []
+    for value in vars(msg).values():
+        if isinstance(value, np.ndarray):
+            found.append(value)
+        elif isinstance(value, dict):
+            found += [v for v in value.values() if isinstance(v, np.ndarray)]
+    return found
+
+
+def _carries_values_of(msg: Message, params: list[np.ndarray]) -> bool:
+    """Whether an array of ``msg`` equals one of ``params`` (those of more than a handful of entries)."""
+    return any(a.size == p.size and np.array_equal(a.ravel(), p.ravel())
+               for a in _arrays(msg) for p in params if p.size > 16)
+
+
+def _split_run(tmp_path: Path, mosquitto, monkeypatch, extractor: str):  # type: ignore[no-untyped-def]
+    """A 2-agent, 2-round run over mosquitto: its report, every message the server decoded, and
+    every extractor each agent held (its first draw, after each of its turns)."""
+    run_id = f"sl-{extractor}"
+    held: dict[str, list[list[np.ndarray]]] = {}  # agent -> one list of arrays per extractor it held
+    run_round = SplitNNEdge.run_round
+
+    def recording(self, start, meter):  # type: ignore[no-untyped-def]
+        result = run_round(self, start, meter)
+        held.setdefault(self.ctx.agent_id, []).append([v.detach().numpy().copy() for v in self.extractor.state_dict().values()])
+        return result
+
+    monkeypatch.setattr(SplitNNEdge, "run_round", recording)
+    cfg = method_server_config(tmp_path, "splitnn", {"batch_size": 32, "extractor": extractor}, run_id=run_id,
+                               eval_samples=40, audit=True)
+    agents = [agent_config(run_id, i, 2, train_samples=64, test_samples=32, private_seed=i + 1) for i in range(2)]
+    fed = mqtt_federation(cfg, agents, mosquitto.url)
+    seen = _capture_decoded(fed.coordinator)
+    report = fed.start().join(300)
+    assert report["status"] == "finished"
+    final = {a.config.agent_id: [p.detach().numpy().copy() for p in a.method.extractor.state_dict().values()]
+             for a in fed.agents}
+    # Where a private extractor started: drawn again from the agent's own key.
+    for a in fed.agents:
+        held[a.config.agent_id].insert(0, [p.detach().numpy() for p in build_model(
+            a.method.edge_model, a.method.num_classes, a.method.ctx.train.in_channels,
+            generator=a.method.ctx.private_generator()).extractor.state_dict().values()])
+    return fed, report, seen, held, final
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_split_learning_private_extractor_never_leaves_and_figures_equal_central(mosquitto, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    fed, report, seen, held, final = _split_run(tmp_path, mosquitto, monkeypatch, "private")
+    names = set(fed.agents[0].method.extractor.state_dict())
+    # Each agent's own draw, from its private key: not the other's.
+    assert not np.array_equal(held["agent-0"][0][0], held["agent-1"][0][0])
+    types = {msg.TYPE for _, msg in seen}
+    assert {"splitnn.activations", "eval_report"} <= types and "splitnn.extractor" not in types
+    for agent, msg in seen:
+        assert not (_tensor_names(msg) & names), f"{msg.TYPE} carries extractor weights"
+        assert not _carries_values_of(msg, [p for state in held[agent] for p in state]), f"{msg.TYPE} carries an extractor's values"
+        if msg.TYPE == "splitnn.activations":
+            assert msg.split == "train"  # no test activations: the agent scores its shard itself
+        if isinstance(msg, EvalReport):
+            assert msg.models == {} and msg.uploads == {} and set(msg.global_results) == {"model"}
+    assert fed.coordinator.method.extractor_state == {}
+    assert report["defences"]["private_extractor"] is True and report["defences"]["extractor"] == "private"
+    validate_report(report)
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "| extractor private to the agent | yes |" in summary
+
+    server = fed.coordinator.method.model.eval()
+    evaluator = fed.coordinator.evaluator
+    ev = _last_evaluation(report)
+    central = {a.config.agent_id: _central(evaluator, lambda x, e=a.method.extractor.eval(): server(e(x))) for a in fed.agents}
+    assert ev["accuracy"]["model"] == pytest.approx(float(np.mean(list(central.values()))), abs=1e-12)
+    for agent, value in central.items():
+        assert ev["per_agent"][agent]["accuracy"]["model"] == pytest.approx(value, abs=1e-12)
+    shards = [_on_shard(lambda x, e=a.method.extractor: server(e(x)), a.test) for a in fed.agents]
+    assert ev["local_accuracy"]["model"] == pytest.approx(sum(c for c, _ in shards) / sum(t for _, t in shards), abs=1e-12)
+    # The server's part went down for evaluation: evaluation's bytes and FLOPs, on the device.
+    server_bytes = sum(v.nbytes for v in server.state_dict().values())
+    assert ev["bytes"]["down_payload"] > server_bytes  # a copy to each of two agents, zstd-compressed
+    assert ev["edge_eval_flops"] > 0
+
+    # The audit assumes no extractor: the white-box and inverse-network attacks do not apply.
+    run_dir = tmp_path / "run"
+    assert all(not maps.extractor for maps in load_kept_run(run_dir).maps.values())
+    knowledge, notes = server_knowledge(load_kept_run(run_dir))
+    assert not knowledge.holds("extractor_weights") and "private" in knowledge.note
+    plan = attacks_for("splitnn", knowledge)
+    assert plan.attacks and not any("extractor_weights" in a.needs for a in plan.attacks)
+    assert "white_box_inversion" not in plan.attack_names and "white_box_inversion" in attacks_for("splitnn").attack_names
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_split_learning_ring_extractor_is_seen_by_the_same_checks(mosquitto, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The positive control: in the ring the same capture finds the extractor, by name and by value."""
+    fed, report, seen, held, final = _split_run(tmp_path, mosquitto, monkeypatch, "ring")
+    names = set(fed.agents[0].method.extractor.state_dict())
+    by_name = [msg.TYPE for _, msg in seen if _tensor_names(msg) & names]
+    assert "splitnn.extractor" in by_name
+    last = fed.coordinator.method.turn_order[-1][1]  # its uploaded extractor is the one it still holds
+    assert any(_carries_values_of(msg, final[last]) for agent, msg in seen if agent == last)
+    for agent, states in held.items():  # and every turn's extractor went up, by value (the first: a private draw, unused here)
+        assert len(states) >= 3 and all(any(_carries_values_of(msg, state) for a, msg in seen if a == agent) for state in states[1:])
+    assert server_knowledge(load_kept_run(tmp_path / "run"))[0].holds("extractor_weights")
+
+
+def test_split_learning_extractor_mode_is_checked() -> None:
+    assert not SplitNNConfig().private_extractor
+    assert SplitNNConfig.from_dict({"extractor": "private"}).private_extractor
+    with pytest.raises(ValueError, match=r"splitnn.extractor must be one of \('ring', 'private'\), got 'agent'"):
+        SplitNNConfig.from_dict({"extractor": "agent"})
+    assert SplitNNConfig().defences_report() is None  # nothing on by default
+    assert SplitNNConfig(extractor="private").defences_report()["private_extractor"] is True

@@ -22,6 +22,7 @@ from edge_agent.costs import RoundMeter
 from edge_agent.methods.base import EdgeContext
 from edge_agent.methods.splitnn import SplitNNEdge
 from fldata import make_synthetic
+from fldata.torch_data import make_loader
 from models import build_model, load_arrays_into
 from shared_protocol.errors import StaleMessageError, ValueRangeError
 from shared_protocol.messages import Message, RoundEnd, RoundStart, decode_message, encode_message
@@ -211,3 +212,68 @@ def test_a_turn_restarted_by_the_server_mid_way_starts_over_cleanly(tmp_path: Pa
     record = report["rounds"][0]
     assert record["status"] == "ok" and record["completed"] == ["agent-0", "agent-1"] and record["samples"] == 48 * 2
     assert server.turn_order == [(1, "agent-0"), (1, "agent-0"), (1, "agent-1")]
+
+
+def test_a_private_extractor_turn_sends_activations_only_and_is_scored_on_the_device() -> None:
+    data = make_synthetic(40, num_classes=10, in_channels=1, seed=2)
+    server = SplitNNServer(CTX, {"batch_size": 16, "extractor": "private"})
+    assert server.scores_on_device and server.extractor_state == {}
+    edge, sent = _edge(server, data)
+    edge.ctx.private_key = b"k" * 32
+    edge.ctx.public_set = lambda ref, meter, round_: data  # the run's global set, as the agent holds it
+    config, weights = server.round_config(1, "agent-0", evaluate=True)
+    assert weights == {}
+    start = RoundStart(run="u", round=1, sender="server", method="splitnn", config=config, deadline_s=60, evaluate=True, weights=weights)
+    result = edge.run_round(start, RoundMeter())
+    assert [type(m).__name__ for m in sent] == ["SplitActivations"] * 3  # no extractor after the turn
+    # The server refuses what a private extractor must not send.
+    held = SplitExtractorWeights(run="u", round=1, sender="agent-0", instance="i0", batches=3,
+                                 weights={k: v.detach().numpy() for k, v in edge.extractor.state_dict().items()})
+    with pytest.raises(ValueRangeError, match="private"):
+        server.on_upload("agent-0", held)
+    test_batch = SplitActivations(run="u", round=1, sender="agent-0", split="test", seq=0, instance="i0",
+                                  activations=sent[0].activations, labels=sent[0].labels)
+    with pytest.raises(ValueRangeError, match="scored on the device"):
+        server.answer("agent-0", test_batch)
+    end = RoundEnd(run="u", round=1, sender="agent-0", num_samples=40, instance="i0", uploads=result.uploads)
+    outcome = server.complete(1, {"agent-0": end}, evaluate=True)
+    assert outcome.used_agents == ["agent-0"] and outcome.downloads == []
+    # Without the server's part the agent cannot score: a specific error, not a silent empty answer.
+    with pytest.raises(StaleMessageError, match="without the server's part"):
+        edge.evaluate(EvalRequest(run="u", round=1, sender="server"), RoundMeter())
+    (part,) = server.evaluation_downloads(1, "agent-0")
+    assert part.for_evaluation and edge.on_message(_wire(part))
+    sent.clear()
+    meter = RoundMeter()
+    answer = edge.evaluate(EvalRequest(run="u", round=1, sender="server"), meter)
+    assert sent == [] and answer.models == {} and answer.uploads == {}
+    server.model.eval()
+    with torch.no_grad():
+        expected = sum(int((server.model(edge.extractor.eval()(images)).argmax(1) == labels).sum())
+                       for images, labels, _ in make_loader(data, 256))
+    assert answer.results["model"]["correct"] == answer.global_results["model"]["correct"] == expected
+    ev = server.evaluation(1, {"agent-0": EvalReport(run="u", round=1, sender="agent-0", results=answer.results)})
+    assert ev.global_models == {} and ev.local["model"]["agent-0"] == (expected, 40)
+    # A restarted agent resumes its extractor and key from its local state, not a fresh draw.
+    state = edge.state_arrays()
+    fresh, _ = _edge(server, data)
+    fresh.load_state_arrays(state)
+    assert fresh.ctx.private_key == b"k" * 32
+    for (name, a), b in zip(edge.extractor.state_dict().items(), fresh.extractor.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_private_extractor_is_drawn_from_the_agent_key() -> None:
+    data = make_synthetic(8, num_classes=10, in_channels=1, seed=2)
+    server = SplitNNServer(CTX, {"extractor": "private"})
+    weights = []
+    for key in (b"a" * 32, b"a" * 32, b"b" * 32):
+        ctx = EdgeContext(agent_id="agent-0", run_id="u", instance="i0", train=data, test=data,
+                          settings=server.welcome_settings(), send=lambda *a, **k: None, private_key=key)
+        weights.append(SplitNNEdge(ctx).extractor.conv.weight.detach())
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
+    ring = SplitNNServer(CTX, {})
+    assert not torch.equal(weights[0], torch.from_numpy(ring.extractor_state["conv.weight"]))
+    # The server's part starts from the same weights in either mode.
+    for a, b in zip(server.model.state_dict().values(), ring.model.state_dict().values()):
+        assert torch.equal(a, b)

@@ -75,7 +75,7 @@ def _steps(options: AuditOptions, default: int) -> int:
     return default if options.steps is None else options.steps
 
 
-def _knowledge(kept: KeptRun) -> tuple[ServerKnowledge, list[str]]:
+def server_knowledge(kept: KeptRun) -> tuple[ServerKnowledge, list[str]]:
     """What the server held in this run: the method's defaults, less what it did not keep."""
     plan = attacks_for(kept.method)
     knowledge, notes = plan.knowledge, []
@@ -83,7 +83,11 @@ def _knowledge(kept: KeptRun) -> tuple[ServerKnowledge, list[str]]:
         knowledge = replace(knowledge, extractor_weights=False, note="the server sent no initial edge model (edge_init is "
                             "not 'shared') and no evaluation report of the kept round came with a ResNet-8")
         notes.append("no extractor kept: the white-box and inverse-network attacks do not apply")
-    if kept.method == "splitnn" and not any(m.extractor for m in kept.maps.values()):
+    if kept.method == "splitnn" and kept.method_config.get("extractor") == "private":
+        knowledge = replace(knowledge, extractor_weights=False, note="each agent keeps its own extractor (splitnn.extractor "
+                            "= 'private'): the server never holds one, only the activations and labels")
+        notes.append("private extractors: the white-box and inverse-network attacks do not apply")
+    elif kept.method == "splitnn" and not any(m.extractor for m in kept.maps.values()):
         knowledge = replace(knowledge, extractor_weights=False)
         notes.append("no extractor kept with the maps: the white-box and inverse-network attacks do not apply")
     return knowledge, notes
@@ -247,7 +251,7 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
     """
     started = time.perf_counter()
     kept = load_kept_run(run_dir)
-    knowledge, notes = _knowledge(kept)
+    knowledge, notes = server_knowledge(kept)
     plan = attacks_for(kept.method, knowledge)
     unknown = sorted(set(options.attacks) - {spec.name for spec in plan.attacks})
     if unknown:

@@ -16,6 +16,14 @@ scores it on the global test set. After an evaluated round the final extractor
 also goes to the agents that took part (:class:`SplitExtractor`); answering the
 evaluation request they stream their test activations, which the server's part
 scores (the local figure).
+
+``extractor = "private"``: each agent draws its own extractor from its private key and
+keeps it; the server never holds one (RoundStart carries no weights, no extractor comes
+back). The server's part is still one, trained turn by turn on every agent's activations.
+Evaluation moves to the devices (``scores_on_device``): the server sends its part
+(:class:`SplitServerModel`, evaluation's bytes) and each agent scores its extractor + that
+part on the public global set and on its shard; the deployed model is per agent, so the
+global figure is the mean over agents.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from models import (build_model, check_cut_pair, count_parameters, get_model_spe
                     training_flops_per_sample)
 from models.training import make_optimizer
 from shared_protocol.activation_guard import ActivationGuard
-from shared_protocol.configs import EmbeddedRoundConfig, check_optimizer, config_from_table
+from shared_protocol.configs import EmbeddedRoundConfig, check_choice, check_optimizer, config_from_table
 from shared_protocol.errors import ShapeMismatchError, StaleMessageError, ValueRangeError
 from shared_protocol.messages import EvalReport, Message, RoundEnd, check_labels
 from shared_protocol.methods.splitnn import (
@@ -43,10 +51,11 @@ from shared_protocol.methods.splitnn import (
     SplitExtractorWeights,
     SplitGradients,
     SplitRoundConfig,
+    SplitServerModel,
 )
 
 from ..activation_privacy import activation_defences
-from ..evaluation import HEADLINE, EvalModel, Evaluation
+from ..evaluation import HEADLINE, EvalModel, Evaluation, global_results, local_results
 from ..server_step import TrainStep
 from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -56,6 +65,10 @@ log = logging.getLogger("cloud_server.splitnn")
 # How the [splitnn] table names the fields of the SplitRoundConfig that SplitNNConfig holds.
 EDGE_KEYS = EmbeddedRoundConfig(SplitRoundConfig, "edge", {
     "optimizer": "edge_optimizer", "lr": "edge_lr", "momentum": "edge_momentum", "weight_decay": "edge_weight_decay"})
+
+
+#: splitnn.extractor: passed along the ring through the server, or each agent's own.
+EXTRACTOR_MODES = ("ring", "private")
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,11 @@ class SplitNNConfig:
                                                 "flows back through the clipping); `0`: off. The report gives its ε per map "
                                                 "and per image over the run's releases (Opacus's accountant)",
         "map_noise_delta": "δ of the report's ε for noised activations",
+        "extractor": "`ring`: one extractor passed from agent to agent through the server (vanilla split learning; the "
+                     "server holds it at every turn's start and end); `private`: each agent draws its own from a key it "
+                     "keeps (`os.urandom`, or `[agent] private_seed`) and never uploads it: the server sees activations "
+                     "only, and the agents score their extractor + the server's part themselves (the global figure is "
+                     "the mean over agents)",
         "nopeek_alpha": "sent to agents: each turn's loss gains `nopeek_alpha * dCor(images, activations)` (NoPeek); "
                         "`0`: off",
     }
@@ -95,9 +113,12 @@ class SplitNNConfig:
     # reply_attempts, eval_batch_samples; all written in the [splitnn] table itself (EDGE_KEYS).
     edge: SplitRoundConfig = field(default_factory=SplitRoundConfig)
     map_noise_delta: float = 1e-5  # δ of the report's ε for noised activations
+    # "ring": the extractor travels along the ring through the server; "private": each agent keeps its own.
+    extractor: str = "ring"
 
     def __post_init__(self) -> None:
         check_cut_pair(self.edge_model, self.server_model, "splitnn")
+        check_choice(self.extractor, EXTRACTOR_MODES, "splitnn.extractor")
         if not 0 < self.map_noise_delta < 1:
             raise ValueError(f"splitnn.map_noise_delta must be in (0, 1), got {self.map_noise_delta}")
         check_optimizer(self.server_optimizer, "splitnn.server_optimizer")
@@ -109,10 +130,16 @@ class SplitNNConfig:
         """The run report's ``defences``: the activation defences on, with their parameters and ε
         (every turn's epochs release each training image's activations again)."""
         guard, cut = ActivationGuard.of(self.edge), get_model_spec(self.edge_model).cut
-        if not (guard.active or cut != "stem"):
+        if not (guard.active or self.private_extractor or cut != "stem"):
             return None
-        return activation_defences(guard, self.map_noise_delta, method="splitnn", private_extractor=False,
-                                   extractor_trains=True, cut=cut, rounds=rounds, releases_per_round=self.edge.local_epochs)
+        return activation_defences(guard, self.map_noise_delta, method="splitnn", private_extractor=self.private_extractor,
+                                   extractor_trains=True, cut=cut, rounds=rounds,
+                                   releases_per_round=self.edge.local_epochs) | {"extractor": self.extractor}
+
+    @property
+    def private_extractor(self) -> bool:
+        """Whether each agent's extractor is its own, never held by the server."""
+        return self.extractor == "private"
 
     def round_config(self) -> SplitRoundConfig:
         return self.edge
@@ -158,7 +185,9 @@ class SplitNNServer(AnswersUploads, ServerMethod):
         # RNG, which other threads of the process (in-memory federations) use (models.seeding).
         generator = torch.Generator().manual_seed(ctx.seed)
         extractor = build_model(self.config.edge_model, ctx.num_classes, ctx.in_channels, generator=generator).extractor
-        self.extractor_state = state_dict_to_arrays(extractor)
+        # A private extractor is the agents' own: the draw above still happens, so the server's
+        # part starts from the same weights in either mode.
+        self.extractor_state = {} if self.config.private_extractor else state_dict_to_arrays(extractor)
         self.feature_channels = get_model_spec(self.config.server_model).feature_channels
         self.model = build_model(self.config.server_model, ctx.num_classes, generator=generator).to(self.device)
         c = self.config
@@ -174,10 +203,19 @@ class SplitNNServer(AnswersUploads, ServerMethod):
         self.turn_order: list[tuple[int, str]] = []  # (round, agent) as turns began: for reports and tests
 
     def welcome_settings(self) -> dict[str, Any]:
-        return {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model}
+        settings = {"num_classes": self.ctx.num_classes, "edge_model": self.config.edge_model, "extractor": self.config.extractor}
+        if self.config.private_extractor:  # the agents score their extractor + the server's part themselves
+            settings["server_model"] = self.config.server_model
+        return settings
+
+    @property
+    def scores_on_device(self) -> bool:  # type: ignore[override]
+        """A private extractor never leaves the device: the agents score it."""
+        return self.config.private_extractor
 
     def round_config(self, round_: int, agent: str, evaluate: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Called as ``agent``'s turn begins: it gets the extractor the previous agent left."""
+        """Called as ``agent``'s turn begins: it gets the extractor the previous agent left (a
+        private extractor: nothing, the agent holds its own)."""
         self._end_turn()
         self.turn = _Turn(agent, round_)
         self.turn_order.append((round_, agent))
@@ -215,12 +253,18 @@ class SplitNNServer(AnswersUploads, ServerMethod):
         self._check_batch(msg)
         if msg.split == "train":
             return self._train_step(agent, msg)
+        if self.config.private_extractor:
+            raise ValueRangeError(f"test activations from {agent}: a private extractor is scored on the device, "
+                                  "the server takes no test activations")
         self._score_test_batch(agent, msg)
         return None
 
     def on_upload(self, agent: str, msg: Message) -> None:
         if not isinstance(msg, SplitExtractorWeights):
             raise ValueRangeError(f"{self.name} does not take {msg.TYPE} uploads")
+        if self.config.private_extractor:
+            raise ValueRangeError(f"{msg.TYPE} from {agent}: the extractors are private (splitnn.extractor = 'private'), "
+                                  "the server takes none")
         self._take_extractor(agent, msg)
 
     def _check_batch(self, msg: SplitActivations) -> None:
@@ -311,7 +355,7 @@ class SplitNNServer(AnswersUploads, ServerMethod):
         declared = end.uploads.get("train", {})
         if declared.get("batches") != turn.next_seq or declared.get("samples") != turn.samples:
             return f"{turn.next_seq} batches / {turn.samples} samples trained, agent reported {declared}"
-        if not turn.extractor_received:
+        if not turn.extractor_received and not self.config.private_extractor:
             return "extractor weights never arrived"
         return None
 
@@ -333,7 +377,7 @@ class SplitNNServer(AnswersUploads, ServerMethod):
         if outcome.samples:
             outcome.server_loss = sum(t.loss_sum for t in turns) / outcome.samples
         self.finished.clear()
-        if evaluate and outcome.used_agents:
+        if evaluate and outcome.used_agents and not self.config.private_extractor:
             for agent in sorted(ends):
                 outcome.downloads.append(
                     (agent, SplitExtractor(run=self.ctx.run_id, round=round_, sender="server", weights=dict(self.extractor_state))))
@@ -341,7 +385,17 @@ class SplitNNServer(AnswersUploads, ServerMethod):
 
     # -- evaluation -------------------------------------------------------------------- #
 
+    def evaluation_downloads(self, round_: int, agent: str) -> list[Message]:
+        """A private extractor is scored on the device: the agent gets the server's part."""
+        if not self.config.private_extractor:
+            return []
+        return [SplitServerModel(run=self.ctx.run_id, round=round_, sender="server", weights=state_dict_to_arrays(self.model))]
+
     def evaluation(self, round_: int, reports: dict[str, EvalReport]) -> Evaluation:
+        if self.config.private_extractor:  # every figure scored on the devices, checked on arrival
+            return Evaluation(global_reported=global_results(reports), local=local_results(reports),
+                              labels={HEADLINE: f"agent k's own extractor + the server's {self.config.server_model} "
+                                                "(mean over agents)"})
         extractor = build_model(self.config.edge_model, self.ctx.num_classes, self.ctx.in_channels).extractor
         load_arrays_into(extractor, self.extractor_state)
         extractor = extractor.to(self.device).eval()

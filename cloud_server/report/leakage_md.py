@@ -54,6 +54,7 @@ def strongest_attack_cell(report: Mapping[str, Any]) -> str:
 
 _DEFENCE_LABELS = {
     "cut": "cut after", "private_extractor": "extractor private to the agent", "edge_init": "edge_init",
+    "extractor": "split learning's extractor (`ring` / `private`)",
     "map_clip_norm": "map clipping norm C", "map_noise_multiplier": "noise multiplier z", "noise_std": "noise std (z C)",
     "map_noise_delta": "δ", "epsilon_per_map": "ε per released map", "releases_per_image": "releases per image",
     "epsilon_per_image": "ε per image over its releases", "accountant": "accountant", "nopeek_alpha": "NoPeek α",

@@ -7,6 +7,11 @@ send the activations, block until the server's gradient w.r.t. them arrives
 (``ctx.request``; a real exchange over the broker for every batch), backward
 and step. At the end it uploads the extractor for the next agent.
 
+A private extractor (the server's ``extractor = "private"``) is drawn from the agent's
+private key, trained in its turns and never sent: no weights come with RoundStart, none go
+back, and the agent scores it + the server's part (:class:`SplitServerModel`, sent for
+evaluation) on the public global set and on its shard itself.
+
 The turn runs in the shared loop (:func:`edge_agent.trainer.train_epochs`): the
 exchange is the loss, ``sum(activations * gradient)``, whose gradient with respect to
 the activations is exactly the server's (``1 * g``), so the backward pass and the
@@ -19,11 +24,12 @@ import logging
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from fldata.torch_data import make_loader
-from models import WeightsMismatchError, build_model, load_arrays_into, state_dict_to_arrays
-from models.training import make_optimizer
-from shared_protocol.errors import ShapeMismatchError
+from models import WeightsMismatchError, build_model, forward_flops_per_sample, load_arrays_into, state_dict_to_arrays
+from models.training import INFERENCE_BATCH_SAMPLES, make_optimizer
+from shared_protocol.errors import ShapeMismatchError, StaleMessageError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.splitnn import (
     SplitActivations,
@@ -31,14 +37,15 @@ from shared_protocol.methods.splitnn import (
     SplitExtractorWeights,
     SplitGradients,
     SplitRoundConfig,
+    SplitServerModel,
 )
 
 from shared_protocol.activation_guard import ActivationGuard
 
 from ..activation_guard import NoPeek, clip_rows_torch, protect_maps
-from ..costs import RoundMeter
+from ..costs import DeclaredFlops, RoundMeter
 from ..trainer import LossFn, Trains, train_epochs
-from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method
+from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method, shard_result
 
 log = logging.getLogger("edge_agent.splitnn")
 
@@ -49,10 +56,13 @@ class SplitNNEdge(EdgeMethod):
     def __init__(self, ctx: EdgeContext) -> None:
         super().__init__(ctx)
         self.edge_model = str(ctx.settings.get("edge_model", "resnet8"))
-        num_classes = int(ctx.settings["num_classes"])
+        self.num_classes = num_classes = int(ctx.settings["num_classes"])
+        # A private extractor is drawn from the agent's own key, so the server cannot rebuild it.
+        self.private = ctx.settings.get("extractor", "ring") == "private"
+        generator = ctx.private_generator() if self.private else ctx.weights_generator()
         # Only the stem is used; the rest of the edge model is never built into the graph.
         self.extractor = build_model(self.edge_model, num_classes, ctx.train.in_channels,
-                                     generator=ctx.weights_generator()).extractor.to(ctx.device)
+                                     generator=generator).extractor.to(ctx.device)
         self.config = SplitRoundConfig()
         shape = tuple(ctx.train.images.shape[1:])  # (C, H, W)
         # The stem alone: its output has no loss of its own (the backward pass starts from the
@@ -60,6 +70,9 @@ class SplitNNEdge(EdgeMethod):
         self.trains = Trains.of((self.extractor,), shape, loss="sum")
         self.flops = self.trains.models[0]
         self.final_extractor: dict[str, np.ndarray] | None = None  # the round's last extractor, for evaluation
+        self.server_part: SplitServerModel | None = None  # a private extractor's evaluation: the server's part
+        self.server_model: torch.nn.Module | None = None  # built for the first private evaluation
+        self.server_flops = DeclaredFlops()
 
     def _load(self, weights: dict[str, np.ndarray]) -> None:
         try:
@@ -72,10 +85,15 @@ class SplitNNEdge(EdgeMethod):
     def run_round(self, start: RoundStart, meter: RoundMeter) -> RoundResult:
         cfg = self.config = SplitRoundConfig.from_dict(start.config)
         ctx = self.ctx
-        if not start.weights:
+        if self.private:
+            if start.weights:
+                raise ShapeMismatchError("round_start carries extractor weights, but this agent's extractor is private")
+        elif not start.weights:
             raise ShapeMismatchError("round_start carries no extractor weights")
-        self._load(start.weights)
-        # A fresh optimiser every turn: the extractor arrives from another agent.
+        else:
+            self._load(start.weights)
+        # A fresh optimiser every turn: the extractor arrives from another agent (a private one
+        # does the same, so the two modes differ only in whose extractor trains).
         optimizer = make_optimizer(cfg.optimizer, self.extractor.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay,
                                    lean=self.ctx.device == "cpu")
         loader = meter.deadline.batches(make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round))
@@ -90,11 +108,12 @@ class SplitNNEdge(EdgeMethod):
             if nopeek is not None:
                 nopeek.close()
         seq, samples, correct, loss_sum = turn["seq"], turn["samples"], turn["correct"], turn["loss_sum"]
-        ctx.send(
-            SplitExtractorWeights(run=ctx.run_id, round=start.round, sender=ctx.agent_id, instance=ctx.instance,
-                                  batches=seq, weights=state_dict_to_arrays(self.extractor)),
-            meter,
-        )
+        if not self.private:
+            ctx.send(
+                SplitExtractorWeights(run=ctx.run_id, round=start.round, sender=ctx.agent_id, instance=ctx.instance,
+                                      batches=seq, weights=state_dict_to_arrays(self.extractor)),
+                meter,
+            )
         metrics = {"train_loss": loss_sum / samples if samples else 0.0, "train_accuracy": correct / samples if samples else 0.0}
         return RoundResult(num_samples=samples, uploads={"train": {"batches": seq, "samples": samples}}, metrics=metrics)
 
@@ -139,12 +158,21 @@ class SplitNNEdge(EdgeMethod):
             self._load(msg.weights)
             self.final_extractor = dict(msg.weights)
             return True
+        if isinstance(msg, SplitServerModel):
+            self.server_part = msg
+            return True
         return False
 
     @torch.no_grad()
     def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
         """Stream the test shard's activations under the round's final extractor (sent just
-        before the request); the server's part scores them."""
+        before the request); the server's part scores them. A private extractor is scored here (:meth:`_evaluate_private`)."""
+        if self.private:
+            if self.server_part is None or self.server_part.round != request.round:
+                held = self.server_part.round if self.server_part is not None else None
+                raise StaleMessageError(f"eval_request for round {request.round} without the server's part to score the "
+                                        f"private extractor with (held: round {held})")
+            return self._evaluate_private(request, self.server_part, meter)
         if self.final_extractor is None:
             return EvalAnswer()
         ctx, cfg = self.ctx, self.config
@@ -165,6 +193,62 @@ class SplitNNEdge(EdgeMethod):
             batches, samples = batches + 1, samples + int(labels.shape[0])
         meter.forward(self.flops, samples)
         return EvalAnswer(uploads={"test": {"batches": batches, "samples": samples}})
+
+    def _server_model_for(self, msg: SplitServerModel) -> torch.nn.Module:
+        """The server's part as ``msg`` sends it, in eval mode (built once, loaded every time)."""
+        if self.server_model is None:
+            name = str(self.ctx.settings.get("server_model", "resnet55_server"))
+            # Its initial weights are overwritten at once; a generator of its own keeps other streams untouched.
+            self.server_model = build_model(name, self.num_classes, generator=torch.Generator().manual_seed(0)).to(self.ctx.device)
+            x = torch.zeros((1, *self.ctx.train.images.shape[1:]), device=self.ctx.device)
+            self.extractor.eval()
+            map_shape = tuple(self.extractor(x).shape[1:])  # (C, H, W)
+            self.server_flops = DeclaredFlops(forward=forward_flops_per_sample(self.server_model, map_shape))
+        try:
+            load_arrays_into(self.server_model, msg.weights)
+        except WeightsMismatchError as exc:
+            raise ShapeMismatchError(f"{msg.TYPE}: the server's part does not fit {self.ctx.settings.get('server_model')}: {exc}") from None
+        return self.server_model.eval()
+
+    @torch.no_grad()
+    def _evaluate_private(self, request: EvalRequest, server_part: SplitServerModel, meter: RoundMeter) -> EvalAnswer:
+        """This extractor + the server's part on the public global set the request names and on
+        the local test shard: figures only, nothing of the extractor or its activations."""
+        public = self.ctx.public_set(request.public_set, meter, request.round)  # once per run; a download is network time
+        with meter.phase("compute"):
+            self.extractor.eval()
+            server = self._server_model_for(server_part)
+            global_results, results = {}, {}
+            for data, out in ((public, global_results), (self.ctx.test, results)):
+                correct = total = 0
+                loss_sum = 0.0
+                for images, labels, _ in make_loader(data, INFERENCE_BATCH_SAMPLES):
+                    logits = server(self.extractor(images.to(self.ctx.device)))  # (B, K)
+                    correct += int((logits.argmax(1).cpu() == labels).sum())
+                    total += int(labels.shape[0])
+                    loss_sum += float(F.cross_entropy(logits.float().cpu(), labels, reduction="sum"))
+                out["model"] = shard_result(correct, total, loss_sum)
+                meter.forward(self.flops, len(data))
+                meter.forward(self.server_flops, len(data))
+        return EvalAnswer(results=results, global_results=global_results)
+
+    # -- local persistence --------------------------------------------------------- #
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """A private extractor exists nowhere else: a restarted agent resumes it (a ring
+        extractor comes back with the next turn's RoundStart)."""
+        if not self.private:
+            return {}
+        state = {f"extractor/{k}": v for k, v in state_dict_to_arrays(self.extractor).items()}
+        state["guard/key"] = np.frombuffer(self.ctx.key(), dtype=np.uint8).copy()
+        return state
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        if "guard/key" in arrays:
+            self.ctx.private_key = bytes(np.asarray(arrays["guard/key"], dtype=np.uint8))
+        extractor = {k[len("extractor/"):]: v for k, v in arrays.items() if k.startswith("extractor/")}
+        if extractor:
+            self._load(extractor)
 
 
 def _is_gradient_for(round_: int, seq: int):  # type: ignore[no-untyped-def]

@@ -8,6 +8,12 @@ before the next batch; at the end :class:`SplitExtractorWeights` up. After an
 evaluated round the server sends the final extractor (:class:`SplitExtractor`);
 answering the evaluation request every method answers (``EvalReport``), each
 agent first streams its test activations (``split = "test"``, no answers).
+
+With a private extractor (the server's ``extractor = "private"``) nothing of the extractor
+crosses: RoundStart carries no weights, no :class:`SplitExtractorWeights` goes up, and
+before the evaluation request the server sends its part (:class:`SplitServerModel`, an
+evaluation download); the agent scores its extractor + that part on the run's public
+global set and on its shard and reports the figures only.
 """
 
 from __future__ import annotations
@@ -107,6 +113,29 @@ class SplitExtractor(Message):
             raise ShapeMismatchError(f"{self.TYPE}: no weights")
 
 
+@register_message
+@dataclass(kw_only=True)
+class SplitServerModel(Message):
+    """Server -> an agent whose extractor is private, just before its ``EvalRequest``: the
+    server's part (``weights``, its state dict), which the agent needs to score its own
+    extractor + that part itself. Its bytes are evaluation's."""
+
+    TYPE: ClassVar[str] = "splitnn.server_model"
+    DEFAULT_CODECS: ClassVar[dict[str, str]] = {"weights": "zstd"}
+    weights: dict = tensor_dict()
+
+    @property
+    def for_evaluation(self) -> bool:
+        return True
+
+    def validate(self) -> None:
+        if not self.weights:
+            raise ValueRangeError(f"{self.TYPE}: no server model weights")
+        for name, array in self.weights.items():
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                raise ValueRangeError(f"{self.TYPE}: weights {name!r} hold non-finite values")
+
+
 @dataclass(frozen=True)
 class SplitRoundConfig:
     """``RoundStart.config`` of split learning: the agent's half of the settings."""
@@ -152,6 +181,7 @@ __all__ = [
     "SplitExtractorWeights",
     "SplitGradients",
     "SplitRoundConfig",
+    "SplitServerModel",
 ]
 
 

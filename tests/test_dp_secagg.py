@@ -36,6 +36,13 @@ def _std_matches(samples: np.ndarray, std: float, tolerance: float = 0.01) -> bo
     return abs(samples.std() / std - 1) < tolerance and abs(samples.mean()) < 6 * std / np.sqrt(samples.size)
 
 
+def _six_sigma(size: int) -> float:
+    """Six standard errors of a sample standard deviation (or of the norm of a Gaussian vector)
+    relative to its value, for ``size`` draws: about 1 / sqrt(2 size) each. A chance failure at
+    that bound is about one in five hundred million."""
+    return 6 / np.sqrt(2 * size)
+
+
 class Recorder:
     """What each agent passed through ``shared_update`` (the update as trained, and as masked)
     and to ``SecAggClient.mask``, per (round, agent); and each round's global state before and
@@ -152,8 +159,9 @@ def test_client_clipping_on_the_secure_sum_is_plain_client_clippings_aggregate(m
         assert max(float(np.abs(other[n] - plain[n]).max()) for n in names) > 5 * tolerance
         # (3) the aggregate minus the mean of the clipped updates is noise of std z C / n.
         residual = np.concatenate([(got[n] - sum(u[n] for u in updates) / 3).ravel() for n in names])
-        assert _std_matches(residual, Z * C / 3, tolerance=0.02)
-        assert not _std_matches(residual, Z * C, tolerance=0.02) and not _std_matches(residual, Z * C / np.sqrt(3), tolerance=0.02)
+        within = _six_sigma(residual.size)
+        assert _std_matches(residual, Z * C / 3, tolerance=within)
+        assert not _std_matches(residual, Z * C, tolerance=within) and not _std_matches(residual, Z * C / np.sqrt(3), tolerance=within)
     # (5) the report: the privacy section with ε per round and for the run, and the secagg figures.
     section = report["privacy"]["dp_fedavg"]
     assert section["mode"] == "client_clipping" and section["secure_aggregation"] is True
@@ -191,7 +199,8 @@ def test_local_dp_is_noised_on_the_agents_and_only_unmasked_by_the_server(tmp_pa
         assert rec.uniform[(1, agent)] is False  # local DP keeps FedAvg's sample weights
         # What was masked carries the agent's own noise: far longer than C, as N(0, (z C)^2) per entry makes it.
         d = sum(u.size for u in update.values())
-        assert update_norm(update) == pytest.approx(z * C * np.sqrt(d), rel=0.02)
+        assert update_norm(update) == pytest.approx(z * C * np.sqrt(d), rel=_six_sigma(d))
+        assert update_norm(update) != pytest.approx(z * C * np.sqrt(d) * 1.1, rel=_six_sigma(d))  # the bound tells a tenth apart
     # The server added nothing: the new model is the sample-weighted mean of what was masked.
     expected = weighted_mean(updates, [rec.num_samples[a] for a in agents])
     worst = max(float(np.abs(rec.after[1][n].astype(np.float64) - rec.before[1][n] - expected[n]).max()) for n in names)

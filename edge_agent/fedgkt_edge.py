@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from fldata import ArrayDataset
 from shared_protocol.errors import StaleMessageError
 from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedgkt import (
@@ -111,9 +112,13 @@ class FedGktEdgeBase(EdgeMethod):
         backend's training loop; (samples, mean loss)."""
 
     @abstractmethod
+    def _batches(self, data: ArrayDataset, batch_samples: int) -> Iterable[tuple[Any, np.ndarray, np.ndarray]]:
+        """``data``'s (images in the backend's form, labels, sample ids) in a fixed order,
+        ``batch_samples`` at a time, with the model in eval mode: a re-extracted batch must be
+        the batch first sent."""
+
     def _upload_batches(self, split: str, batch_samples: int) -> Iterable[tuple[Any, np.ndarray, np.ndarray]]:
-        """``split``'s (images, labels, sample ids) in a fixed order, ``batch_samples`` at a time,
-        with the model in eval mode: a re-extracted batch must be the batch first sent."""
+        return self._batches(self.ctx.train if split == "train" else self.ctx.test, batch_samples)
 
     @abstractmethod
     def _extract(self, images: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -181,25 +186,46 @@ class FedGktEdgeBase(EdgeMethod):
         metrics: dict[str, Any] = {"train_loss": mean_loss, "kd_samples": len(self.teacher)}
         return RoundResult(num_samples=uploads["train"]["samples"], uploads=uploads, metrics=metrics)
 
+    def _extractor_private(self, cfg: GktRoundConfig) -> bool:
+        """Whether this extractor is this agent's alone (the server's ``private_extractor``):
+        drawn from the agent's private key, or trained on its data."""
+        return self.ctx.settings.get("edge_init", "shared") != "shared" or cfg.train_extractor
+
     def evaluate(self, request: EvalRequest, meter: RoundMeter) -> EvalAnswer:
         """The deployed model is this extractor followed by the server's model: stream the
         test shard's maps (the server scores them: the local figure), score the ResNet-8 on
-        them in the same pass (the model left on the device), and send the ResNet-8 itself
-        (about 42 KB) for the server to score both on the global test set."""
+        them in the same pass, and send the ResNet-8 itself (about 42 KB) for the server to
+        score the extractor + its model on the global test set. The ResNet-8 lives here, so
+        it is scored here on the global set too, when the request names it."""
         if self._last_round is None or not self._ready():
             return EvalAnswer()  # no model trained here yet (a restarted agent): nothing to evaluate
-        if request.public_set.dataset:  # the extractor is private: scored here, nothing of it sent
-            if self.eval_model is None or self.eval_model.round != request.round:
-                held = self.eval_model.round if self.eval_model is not None else None
-                raise StaleMessageError(f"eval_request for round {request.round} without the server model to score the "
-                                        f"private extractor with (held: round {held})")
-            return self._evaluate_private(request, self.eval_model, meter)
         _, cfg = self._last_round
+        if self._extractor_private(cfg) or self.eval_model is not None:  # scored here, nothing of it sent
+            if self.eval_model is None or self.eval_model.round != request.round or not request.public_set.dataset:
+                held = self.eval_model.round if self.eval_model is not None else None
+                raise StaleMessageError(f"eval_request for round {request.round} without the server model and the public "
+                                        f"set to score the private extractor with (held: round {held}, public set "
+                                        f"{request.public_set.dataset or 'not named'})")
+            return self._evaluate_private(request, self.eval_model, meter)
         test = self._stream_features("test", request.round, cfg, meter)
         meter.forward(self.flops, test["samples"])
         correct = test.pop("correct")
-        return EvalAnswer(results={"edge": shard_result(correct, test["samples"])}, models={"edge": self._model_arrays()},
-                          uploads={"test": test})
+        global_results = {}
+        if request.public_set.dataset:
+            public = self.ctx.public_set(request.public_set, meter, request.round)  # once per run
+            global_results["edge"] = self._score_edge(public, meter)
+        return EvalAnswer(results={"edge": shard_result(correct, test["samples"])}, global_results=global_results,
+                          models={"edge": self._model_arrays()}, uploads={"test": test})
+
+    def _score_edge(self, data: ArrayDataset, meter: RoundMeter) -> dict[str, Any]:
+        """The ResNet-8's figures on ``data`` (eval mode), its forward passes metered."""
+        correct = 0
+        with meter.phase("compute"):
+            for images, labels, _ids in self._batches(data, EXTRACT_BATCH_SAMPLES):
+                _maps, logits = self._extract(images)  # (B, 16, H, W), (B, K)
+                correct += int((logits.argmax(axis=1) == labels).sum())
+            meter.forward(self.flops, len(data))
+        return shard_result(correct, len(data))
 
     def _evaluate_private(self, request: EvalRequest, server_model: GktEvalModel, meter: RoundMeter) -> EvalAnswer:
         """Score this extractor + the server model (``model``; ``personalised_bn`` with the

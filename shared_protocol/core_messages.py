@@ -189,7 +189,8 @@ class EvalRequest(Message):
     method whose agents score privately the models they need for it) were sent before this
     request on the same topic. ``config`` is the method's (e.g. the global model version the
     answer must be about). ``public_set`` names the global test set when the method's agents
-    score their private model(s) on it themselves (``EvalReport.global_results``)."""
+    score model(s) on it themselves (``EvalReport.global_results``): private ones, and ones
+    that live on the device."""
 
     TYPE: ClassVar[str] = "eval_request"
     config: dict = field(default_factory=dict)
@@ -225,7 +226,8 @@ class EvalReport(Message):
     (``"model"``: the method's deployed model; others such as ``"edge"``, ``"mentee"``),
     ``{"correct": int, "total": int}`` and optionally ``"loss_sum"`` (summed cross-entropy).
     ``global_results`` holds the same figures of the model(s) the agent scored on the run's
-    public global test set itself (a model the method keeps private: FedKD's mentor), and
+    public global test set itself (a model the method keeps private: FedKD's mentor; one that
+    lives on the device: FedGKT's ResNet-8), and
     ``public_set_sha256`` that set's ``images_sha256`` (``EvalRequest.public_set``).
     ``models`` carries, as ``LABEL/PARAM`` arrays, the agent-side model(s) the server needs
     to score the deployed model on the global test set when they are not private (FedGKT's

@@ -19,9 +19,10 @@ from cloud_server.centralized import CentralizedTrainer
 from cloud_server.evaluation import EvalModel, EvalSet, EvalSetSpec, Evaluation, Evaluator, module_digest
 from cloud_server.report import validate_report
 from edge_agent.agent import EdgeAgent
-from fldata import load_agent_subset
+from edge_agent.fedgkt_edge import FedGktEdgeBase
+from fldata import ArrayDataset, load_agent_subset
 from fldata.subsets import AgentDataSpec
-from models import build_model, training_flops_per_sample
+from models import build_model, load_arrays_into, training_flops_per_sample
 from shared_protocol.errors import ValueRangeError
 from shared_protocol.messages import EvalReport, decode_message, encode_message
 from shared_protocol.records import EvalCosts
@@ -146,7 +147,17 @@ def test_fedgkt_scores_every_agent_on_the_whole_balanced_set(tmp_path: Path, mon
         scored.append((total, np.bincount(labels, minlength=10).tolist()))
         return correct, total
 
+    on_device: dict[str, tuple[dict[str, np.ndarray], dict, list[int]]] = {}
+    score_edge = FedGktEdgeBase._score_edge
+
+    def device_spy(edge: FedGktEdgeBase, data: ArrayDataset, meter: object) -> dict:
+        result = score_edge(edge, data, meter)
+        on_device[edge.ctx.agent_id] = ({k: v.copy() for k, v in edge._model_arrays().items()}, result,
+                                        np.bincount(data.labels, minlength=10).tolist())
+        return result
+
     monkeypatch.setattr(Evaluator, "score", spy)
+    monkeypatch.setattr(FedGktEdgeBase, "_score_edge", device_spy)
     broker = InMemoryBroker()
     coordinator = make_server(cfg, InMemoryTransport(broker, "server"))
     agents = [EdgeAgent(agent_config(cfg.run_id, i, 2), transport=InMemoryTransport(broker, f"agent-{i}"), data=shards[i])
@@ -154,12 +165,22 @@ def test_fedgkt_scores_every_agent_on_the_whole_balanced_set(tmp_path: Path, mon
     report = Federation(coordinator, agents).start().join()
     assert report["status"] == "finished"
     ev = report["rounds"][0]["evaluation"]
-    # 2 agents x (pipeline with the server's statistics, with the agent's own, its ResNet-8), each over the
+    # On the server, 2 agents x (pipeline with the server's statistics, with the agent's own), each over the
     # whole global set, every class present in equal numbers; the two agents' stems are the shared, frozen
-    # one, so their pipelines with the server's statistics are one model, scored once: 5 passes.
-    assert len(scored) == 5 and ev["models_scored"] == 5 and ev["models_reused"] == 1
+    # one, so their pipelines with the server's statistics are one model, scored once: 3 passes. Each
+    # ResNet-8 is scored where it lives, on the same set.
+    assert len(scored) == 3 and ev["models_scored"] == 3 and ev["models_reused"] == 1
     for total, counts in scored:
         assert total == 80 and counts == [8] * 10
+    assert sorted(on_device) == ["agent-0", "agent-1"]
+    for agent, (arrays, result, counts) in on_device.items():
+        assert counts == [8] * 10 and result["total"] == 80
+        # The device's figure is the server's scoring of the same ResNet-8 on its own copy of the set.
+        edge = build_model("resnet8", 10, 3)
+        load_arrays_into(edge, arrays)
+        edge.eval()
+        assert Evaluator(coordinator.eval_set).score(EvalModel(lambda x, e=edge: e(x)[0]))[0] == result["correct"]
+        assert ev["per_agent"][agent]["accuracy"]["edge"] == result["correct"] / 80
     one_class = ev["per_agent"]["agent-0"]
     assert set(one_class["accuracy"]) == {"model", "personalised_bn", "edge"}
     assert one_class["local_samples"] == len(shards[0][1])

@@ -128,10 +128,11 @@ class ServerMethod(ABC):
     # Whether every round is evaluated whatever [server] eval_every says (a method that needs
     # the agents' evaluation answers to run, e.g. validation losses that weigh teachers).
     evaluate_every_round: ClassVar[bool] = False
-    # Whether the agents score the deployed model(s) on the run's global test set themselves
-    # (cloud_server/evaluation.py): a model the method keeps private never leaves the device.
-    # Their evaluation requests then name the set (EvalRequest.public_set). A method whose
-    # privacy is a config choice declares a property reading it.
+    # Whether the agents score model(s) on the run's global test set themselves
+    # (cloud_server/evaluation.py): a model the method keeps private never leaves the device,
+    # and a model that lives on the device is scored where it lives. Their evaluation requests
+    # then name the set (EvalRequest.public_set). A method whose choice depends on its config
+    # declares a property reading it.
     scores_on_device: ClassVar[bool] = False
     # Codec per tensor field of the messages the server sends, by message type
     # ({"round_start": {"weights": "fp16-zstd"}}); a type not named travels with its defaults.

@@ -581,10 +581,9 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
 
     # -- evaluation: each agent's extractor followed by the server model, on the global set and the agent's own test maps
 
-    @property
-    def scores_on_device(self) -> bool:  # type: ignore[override]
-        """A private extractor never leaves the device: the agents score it."""
-        return bool(self.config.private_extractor)
+    #: The ResNet-8 lives on the device and is scored there on the global set; a private
+    #: extractor's pipeline too (it never leaves the device).
+    scores_on_device = True
 
     def _personalised(self, round_: int) -> bool:
         mode = self.config.personalised_eval
@@ -618,6 +617,7 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
             return ev
         personalised = self._personalised(round_)
         self.model.eval()
+        ev.global_reported = global_results(reports)  # "edge": the ResNet-8 scored on its device
         for agent, report in sorted(reports.items()):
             arrays = models_from_report(report, "edge")
             if arrays:
@@ -631,8 +631,9 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
                     # Agents whose extractors are equal (the shared, frozen stem) have one pipeline: scored once.
                     ev.global_models.setdefault(HEADLINE, {})[agent] = replace(
                         self._pipeline(edge, None), identity=module_digest(edge.extractor, extra="extractor+server"))
-                    ev.global_models.setdefault("edge", {})[agent] = EvalModel(lambda x, e=edge: e(x)[0],
-                                                                               identity=module_digest(edge, extra="edge"))
+                    if "edge" not in report.global_results:  # an agent that did not score it: scored here
+                        ev.global_models.setdefault("edge", {})[agent] = EvalModel(lambda x, e=edge: e(x)[0],
+                                                                                   identity=module_digest(edge, extra="edge"))
                     if personalised and agent in self.agent_bn:
                         ev.global_models.setdefault("personalised_bn", {})[agent] = self._pipeline(edge, self.agent_bn[agent])
         ev.local = local_results(reports)  # "edge": the ResNet-8 on the agent's shard

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fldata import ArrayDataset
 from fldata.numpy_data import Normalizer, iterate_batches
 from shared_protocol.messages import ErrorReply, RoundStart
 from shared_protocol.methods.fedgkt import GktRoundConfig
@@ -119,8 +120,7 @@ class OrtFedGktEdge(FedGktEdgeBase):
                 meter.trained(len(labels), self.flops.training)  # this backend's loop meters its steps
         return samples, total_loss / samples if samples else 0.0
 
-    def _upload_batches(self, split: str, batch_samples: int):  # -> Iterator[(images (B, C, H, W), labels, ids)]
-        data = self.ctx.train if split == "train" else self.ctx.test
+    def _batches(self, data: ArrayDataset, batch_samples: int):  # -> Iterator[(images (B, C, H, W), labels, ids)]
         return iterate_batches(data, batch_samples, normalizer=self.normalizer)
 
     def _extract(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -96,8 +96,9 @@ class EvalAnswer:
 
     ``results[label]``: ``{"correct", "total"}`` (and optionally ``"loss_sum"``) of a model
     the agent holds, on its own test shard; label ``"model"`` is the method's deployed model.
-    ``global_results[label]``: the same figures of a model the method keeps private, scored
-    here on the public global test set the request names (``EvalRequest.public_set``).
+    ``global_results[label]``: the same figures of a model the method keeps private, or one
+    that lives here, scored here on the public global test set the request names
+    (``EvalRequest.public_set``).
     ``models[label]``: arrays of a model the server needs to score on the global test set
     (never a private one).
     ``uploads``: what was streamed for evaluation before the answer (split methods)."""

@@ -173,9 +173,8 @@ class FedGktEdge(FedGktEdgeBase):
             frozen=None if cfg.train_extractor else self.model.extractor,
         )
 
-    def _upload_batches(self, split: str, batch_samples: int):  # -> Iterator[(images (B, C, H, W), labels, ids)]
+    def _batches(self, data: ArrayDataset, batch_samples: int):  # -> Iterator[(images (B, C, H, W), labels, ids)]
         self.model.eval()
-        data = self.ctx.train if split == "train" else self.ctx.test
         for images, labels, sample_ids in make_loader(data, batch_samples, shuffle=False):
             yield images, labels.numpy(), sample_ids.numpy()
 

@@ -173,13 +173,11 @@ def secagg_section(data: Mapping[str, Any] | None) -> list[str]:
              f"Pairwise masking with dropout recovery (`[server] secure_aggregation`, [privacy.md](privacy.md#secure-aggregation)) "
              f"on an update of {data['model']}'s {data['update_entries']:,} entries (a plain zstd FedAvg upload of it: "
              f"{data['plain_update_bytes'] / 1e3:.1f} kB), ring of {params['ring_bits']} bits; {data['note']}. "
-             "From `bench/secagg.py`, `bench/results/secagg.json`.", "",
-             "| Agents | Dropped after sharing keys | Repeats | Round s | Server unmask s | Agent compute s (mean) | "
-             "Messages up / down | kB up per agent | MB up (wire) | MB down (wire) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "From `bench/secagg.py`, `bench/results/secagg.json`; mean over the repeats.", "",
+             "| Agents | Dropped after sharing keys | Round s | Server unmask s | kB up per agent | MB up (wire) | MB down (wire) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for (agents, dropped), rows in sorted(groups.items()):
-        lines.append(f"| {agents} | {dropped} | {len(rows)} | {mean(rows, 'round_s'):.2f} | {mean(rows, 'server_unmask_s'):.3f} | "
-                     f"{mean(rows, 'agent_compute_s_mean'):.3f} | {mean(rows, 'messages_up'):.0f} / {mean(rows, 'messages_down'):.0f} | "
+        lines.append(f"| {agents} | {dropped} | {mean(rows, 'round_s'):.2f} | {mean(rows, 'server_unmask_s'):.3f} | "
                      f"{mean(rows, 'frame_bytes_per_agent_up') / 1e3:.1f} | {mean(rows, 'wire_bytes_up') / 1e6:.2f} | "
                      f"{mean(rows, 'wire_bytes_down') / 1e6:.2f} |")
     return lines + [""]
@@ -202,11 +200,10 @@ def decision_section(leakage: Mapping[str, Any] | None, defences: Sequence[Row])
 
     lines += [f"Every registered method at its defaults, {agents} agents, {rounds} rounds, "
               f"{scale.get('train_samples', 0):,} {scale.get('dataset', '')} training images (Dirichlet {leakage['experiment'].get('partitions', ['?'])[0].split(':')[-1]}), "
-              "the same seeds, test images and evaluation for every row (`bench/experiments/leakage.toml`); mean ± sd over "
-              "the seeds. A few rounds: the accuracy column ranks how fast each method learns here, the longer studies below "
-              "say where each ends. \"Over mean image\": what the server's strongest attack rebuilds of the private images "
-              "beyond guessing the mean image (0: nothing); — where no image attack ran (the reasons are in the leakage "
-              "section below). Defences: [privacy.md](privacy.md).", "",
+              "the same seeds and evaluation for every row (`bench/experiments/leakage.toml`). A few rounds: accuracy ranks how "
+              "fast each method learns; the studies below say where each ends. \"Over mean image\": what the server's strongest "
+              "attack rebuilds beyond guessing the mean image (0: nothing; —: no image attack ran). Defences: "
+              "[privacy.md](privacy.md).", "",
               "| Method | n | Global acc. % | Edge GFLOPs / agent (run) | MB up / agent / round | Peak agent RSS MB | "
               "Over mean image dB | Its best measured defence |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

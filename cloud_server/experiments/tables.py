@@ -298,7 +298,13 @@ def setting_md(results: Mapping[str, Any]) -> str:
             f"{f' ({fraction:g} drawn a round)' if fraction not in (None, 1.0) else ''}, {scale['rounds']} rounds, "
             f"{scale['train_samples']:,} / {scale['test_samples']:,} {scale['dataset']} images; {', '.join(spec['partitions'])}; "
             f"seed{'s' if len(seeds) > 1 else ''} {seeds_text} (`bench/experiments/{name}.toml`, `bench/results/{name}.json`).")
-    common = _overrides(spec.get("overrides") or {})
+    overrides = spec.get("overrides") or {}
+    common = _overrides({"flags": overrides.get("flags"), "faulty_agents": overrides.get("faulty_agents")})
+    settings = overrides.get("settings") or {}
+    if len(settings) > 3:  # a long list of shared settings is the TOML's to hold
+        common = ", ".join(x for x in (common, f"{len(settings)} `--set` values (the TOML)") if x)
+    else:
+        common = _overrides(overrides)
     lines = [line + (f" Every run: {common}." if common else "")]
     variants = [(v, _overrides(v["overrides"])) for v in spec.get("variants") or []]
     if any(text for _, text in variants):
@@ -306,8 +312,7 @@ def setting_md(results: Mapping[str, Any]) -> str:
         for variant, text in variants:
             if not text and variant["name"] == "default":
                 continue
-            only = "; ".join(", ".join(v) for v in (variant.get("methods"), variant.get("partitions")) if v)
-            lines.append(f"- `{variant['name']}`" + (f" ({only})" if only else "") + f": {text or 'as above'}")
+            lines.append(f"- `{variant['name']}`: {text or 'as above'}")
     return "\n".join(lines)
 
 

@@ -110,20 +110,20 @@ def privacy_block(rows: Sequence[Row]) -> list[str]:
         lines += ["No defence is measured yet: `edgesplit bench run bench/experiments/defences_activations_small.toml` "
                   "(and `defences_dp.toml`), then `python bench/render_results.py`.", "", PRIVACY_END]
         return lines
-    lines += ["| Experiment | Method | Variant | n | Global acc. % | vs undefended (points) | Strongest attack dB | "
-              "Over mean image dB | vs undefended (dB) | ε | Up MB (wire) | vs undefended | Edge GFLOPs / agent |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["| Experiment | Method | Variant | Global acc. % | vs undefended (points) | Over mean image dB | "
+              "vs undefended (dB) | ε | Up bytes vs undefended |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
+        if r["variant"] == "default":
+            continue  # the undefended runs: the rows' reference, in the experiment's own section of results.md
         eps = "—" if r["epsilon"] is None else f"{r['epsilon']:.3g}"
-        up = "—" if r["up_bytes"] is None else f"{r['up_bytes'] / 1e6:.2f}"
-        gflops = "—" if r["gflops"] is None else f"{r['gflops']:.1f}"
-        lines.append(f"| `{r['experiment']}` | `{r['method']}` | {r['variant']} | {r['n']} | {_pm(r['accuracy'], 100)} | "
-                     f"{_signed(r['accuracy_points'])} | {_pm(r['psnr'])} | {_pm(r['gain_db'])} | {_signed(r['gain_change_db'])} | "
-                     f"{eps} | {up} | {_ratio(r['up_ratio'])} | {gflops} |")
-    lines += ["", "Mean ± sd over the seeds (n); each variant against its experiment's undefended (`default`) runs of the "
-              "same method on the same seeds (the differences use only the seeds both have) and the same evaluation. \"Over mean image\": the strongest attack's PSNR minus that of guessing "
-              "the mean image (0: the server learns nothing an image-free guess would not give it). ε: per image for "
-              "noised maps, for the run for DP-FedAvg and DP-SGD (δ in each experiment file).", "", PRIVACY_END]
+        lines.append(f"| `{r['experiment']}` | `{r['method']}` | {r['variant']} | {_pm(r['accuracy'], 100)} | "
+                     f"{_signed(r['accuracy_points'])} | {_pm(r['gain_db'])} | {_signed(r['gain_change_db'])} | "
+                     f"{eps} | {_ratio(r['up_ratio'])} |")
+    lines += ["", "Mean ± sd over the seeds; each variant against its experiment's undefended runs of the same method on the "
+              "seeds both have ([results.md](results.md#what-each-activation-defence-leaves-the-server-and-what-it-costs) "
+              "has the reference runs). \"Over mean image\": the strongest attack's PSNR minus that of guessing the mean image "
+              "(0: nothing learnt). ε: per image for noised maps, per run for DP-FedAvg and DP-SGD.", "", PRIVACY_END]
     return lines
 
 

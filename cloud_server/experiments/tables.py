@@ -508,7 +508,8 @@ def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], o
         text = text.replace("{{table:" + spec + "}}", compact_md(groups, [f.strip() for f in spec.split(",") if f.strip()]))
     unattacked = unattacked_md(results)
     fills = {"name": results["experiment"]["name"], "question": results["experiment"]["question"],
-             "setting": setting_md(results), "claims_summary": claims_summary_md(claims, groups),
+             "setting": setting_md(results) if "{{setting}}" in text else "",
+             "claims_summary": claims_summary_md(claims, groups) if "{{claims_summary}}" in text else "",
              "table": summary_md(groups), "claims": claims_md(evaluate_claims(claims, groups)), "cells": long_md(rows),
              "unattacked": f"Image attacks that apply but did not run, and why:\n\n{unattacked}" if unattacked else "",
              "timing": summary_md(groups, TIMING_COLUMNS),

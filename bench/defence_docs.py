@@ -110,20 +110,20 @@ def privacy_block(rows: Sequence[Row]) -> list[str]:
         lines += ["No defence is measured yet: `edgesplit bench run bench/experiments/defences_activations_small.toml` "
                   "(and `defences_dp.toml`), then `python bench/render_results.py`.", "", PRIVACY_END]
         return lines
-    lines += ["| Experiment | Method | Variant | n | Global acc. % | vs undefended (points) | Strongest attack dB | "
-              "Over mean image dB | vs undefended (dB) | ε | Up MB (wire) | vs undefended | Edge GFLOPs / agent |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["| Experiment | Method | Variant | Global acc. % | vs undefended (points) | Over mean image dB | "
+              "vs undefended (dB) | ε | Up bytes vs undefended |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
+        if r["variant"] == "default":
+            continue  # the undefended runs: the rows' reference, in the experiment's own section of results.md
         eps = "—" if r["epsilon"] is None else f"{r['epsilon']:.3g}"
-        up = "—" if r["up_bytes"] is None else f"{r['up_bytes'] / 1e6:.2f}"
-        gflops = "—" if r["gflops"] is None else f"{r['gflops']:.1f}"
-        lines.append(f"| `{r['experiment']}` | `{r['method']}` | {r['variant']} | {r['n']} | {_pm(r['accuracy'], 100)} | "
-                     f"{_signed(r['accuracy_points'])} | {_pm(r['psnr'])} | {_pm(r['gain_db'])} | {_signed(r['gain_change_db'])} | "
-                     f"{eps} | {up} | {_ratio(r['up_ratio'])} | {gflops} |")
-    lines += ["", "Mean ± sd over the seeds (n); each variant against its experiment's undefended (`default`) runs of the "
-              "same method on the same seeds (the differences use only the seeds both have) and the same evaluation. \"Over mean image\": the strongest attack's PSNR minus that of guessing "
-              "the mean image (0: the server learns nothing an image-free guess would not give it). ε: per image for "
-              "noised maps, for the run for DP-FedAvg and DP-SGD (δ in each experiment file).", "", PRIVACY_END]
+        lines.append(f"| `{r['experiment']}` | `{r['method']}` | {r['variant']} | {_pm(r['accuracy'], 100)} | "
+                     f"{_signed(r['accuracy_points'])} | {_pm(r['gain_db'])} | {_signed(r['gain_change_db'])} | "
+                     f"{eps} | {_ratio(r['up_ratio'])} |")
+    lines += ["", "Mean ± sd over the seeds; each variant against its experiment's undefended runs of the same method on the "
+              "seeds both have ([results.md](results.md#what-each-activation-defence-leaves-the-server-and-what-it-costs) "
+              "has the reference runs). \"Over mean image\": the strongest attack's PSNR minus that of guessing the mean image "
+              "(0: nothing learnt). ε: per image for noised maps, per run for DP-FedAvg and DP-SGD.", "", PRIVACY_END]
     return lines
 
 
@@ -173,13 +173,11 @@ def secagg_section(data: Mapping[str, Any] | None) -> list[str]:
              f"Pairwise masking with dropout recovery (`[server] secure_aggregation`, [privacy.md](privacy.md#secure-aggregation)) "
              f"on an update of {data['model']}'s {data['update_entries']:,} entries (a plain zstd FedAvg upload of it: "
              f"{data['plain_update_bytes'] / 1e3:.1f} kB), ring of {params['ring_bits']} bits; {data['note']}. "
-             "From `bench/secagg.py`, `bench/results/secagg.json`.", "",
-             "| Agents | Dropped after sharing keys | Repeats | Round s | Server unmask s | Agent compute s (mean) | "
-             "Messages up / down | kB up per agent | MB up (wire) | MB down (wire) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "From `bench/secagg.py`, `bench/results/secagg.json`; mean over the repeats.", "",
+             "| Agents | Dropped after sharing keys | Round s | Server unmask s | kB up per agent | MB up (wire) | MB down (wire) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for (agents, dropped), rows in sorted(groups.items()):
-        lines.append(f"| {agents} | {dropped} | {len(rows)} | {mean(rows, 'round_s'):.2f} | {mean(rows, 'server_unmask_s'):.3f} | "
-                     f"{mean(rows, 'agent_compute_s_mean'):.3f} | {mean(rows, 'messages_up'):.0f} / {mean(rows, 'messages_down'):.0f} | "
+        lines.append(f"| {agents} | {dropped} | {mean(rows, 'round_s'):.2f} | {mean(rows, 'server_unmask_s'):.3f} | "
                      f"{mean(rows, 'frame_bytes_per_agent_up') / 1e3:.1f} | {mean(rows, 'wire_bytes_up') / 1e6:.2f} | "
                      f"{mean(rows, 'wire_bytes_down') / 1e6:.2f} |")
     return lines + [""]
@@ -202,11 +200,10 @@ def decision_section(leakage: Mapping[str, Any] | None, defences: Sequence[Row])
 
     lines += [f"Every registered method at its defaults, {agents} agents, {rounds} rounds, "
               f"{scale.get('train_samples', 0):,} {scale.get('dataset', '')} training images (Dirichlet {leakage['experiment'].get('partitions', ['?'])[0].split(':')[-1]}), "
-              "the same seeds, test images and evaluation for every row (`bench/experiments/leakage.toml`); mean ± sd over "
-              "the seeds. A few rounds: the accuracy column ranks how fast each method learns here, the longer studies below "
-              "say where each ends. \"Over mean image\": what the server's strongest attack rebuilds of the private images "
-              "beyond guessing the mean image (0: nothing); — where no image attack ran (the reasons are in the leakage "
-              "section below). Defences: [privacy.md](privacy.md).", "",
+              "the same seeds and evaluation for every row (`bench/experiments/leakage.toml`). A few rounds: accuracy ranks how "
+              "fast each method learns; the studies below say where each ends. \"Over mean image\": what the server's strongest "
+              "attack rebuilds beyond guessing the mean image (0: nothing; —: no image attack ran). Defences: "
+              "[privacy.md](privacy.md).", "",
               "| Method | n | Global acc. % | Edge GFLOPs / agent (run) | MB up / agent / round | Peak agent RSS MB | "
               "Over mean image dB | Its best measured defence |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -43,12 +43,10 @@ def source_line(data: dict[str, Any], name: str) -> str:
     m = data["machine_info"]
     load = ", ".join(f"{x:.1f}" for x in m.get("load_average", []))
     quick = " At `--quick` sizes: a check that it runs, not a measurement." if m.get("quick") else ""
-    converted = (f" Measured by `{m['converted_from']}` before this harness and converted to its JSON, not re-measured."
+    converted = (f" Measured by `{m['converted_from']}` before this harness, converted, not re-measured."
                  if m.get("converted_from") else "") + (f" Recorded so: {m['converted_note']}." if m.get("converted_note") else "")
-    return (f"From `bench/results/{name}.json` (`bench/micro/test_{name}.py`, `make bench-micro MICRO={name}`): "
-            f"{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')} ({m.get('torch_threads', '?')} "
-            f"threads), {data['datetime'][:19]}; load average {load} at the start (the machine is shared: times are "
-            f"indicative).{converted}{quick}")
+    return (f"From `bench/results/{name}.json` (`bench/micro/test_{name}.py`): {m.get('cpu_model', '?')}, {m.get('cores', '?')} "
+            f"cores, torch {m.get('torch', '?')}, {data['datetime'][:10]}, load {load} at the start.{converted}{quick}")
 
 
 def _mb_per_s(raw_bytes: float, seconds: float) -> str:
@@ -76,15 +74,14 @@ def codecs_section(data: dict[str, Any]) -> list[str]:
     fp16 = case(data, "test_codec[features-trained-fp16-zstd-encode]")["extra_info"]["ratio"]
     return [
         "## Wire codecs", "",
-        source_line(data, "codecs") + " Fashion-MNIST images through a ResNet-8 in eval mode, coded per upload batch "
-        "as the FedGKT edge sends them; MB/s of raw float32 bytes (10^6), the median of one pass over all batches; "
-        "the error is max |decoded − x| / max |x| per batch.", "",
+        source_line(data, "codecs") + " ResNet-8 feature maps of Fashion-MNIST, coded per upload batch as the FedGKT edge "
+        "sends them; MB/s of raw float32 bytes; error: max |decoded − x| / max |x| per batch.", "",
         *_table(["Codec", "Ratio, trained maps", "Ratio, fresh maps", "Encode MB/s", "Decode MB/s", "Max rel. error"], rows),
         "",
         f"The design's floor, fp16-zstd at least 4× smaller than fp32 on trained maps: {fp16:.2f}× "
         f"({'holds' if fp16 >= 4 else '**does not hold**'}).", "",
-        "FedKD's `svd` codec on the first epoch's update of each model (every float tensor one call); its squared "
-        "error equals the discarded singular-value energy from numpy's SVD (largest gap per tensor in the last column):", "",
+        "FedKD's `svd` codec on each model's first-epoch update; Gap: the largest difference per tensor between its squared "
+        "error and the discarded singular-value energy numpy's SVD gives:", "",
         *_table(["Model", "T", "Ratio", "Matrices factored", "Rel. sq. error of the matrices", "Gap"], svd_rows),
         "",
     ]
@@ -108,8 +105,7 @@ def edge_cost_section(data: dict[str, Any]) -> list[str]:
         *_table(["Edge model", "Params", "÷ ResNet-8", "Train MFLOPs / image", "÷ ResNet-8", "CPU ms / batch"], rows),
         "",
         f"The paper: ResNet-56 / ResNet-110 need {paper['resnet56'][0]:.0f}× / {paper['resnet110'][0]:.0f}× the FLOPs and "
-        f"{paper['resnet56'][1]:.0f}× / {paper['resnet110'][1]:.0f}× the parameters of ResNet-8. FedAvg trains the full model "
-        "on the edge; FedGKT trains ResNet-8; split learning trains only ResNet-8's stem on the edge.", "",
+        f"{paper['resnet56'][1]:.0f}× / {paper['resnet110'][1]:.0f}× the parameters of ResNet-8.", "",
     ]
 
 
@@ -142,7 +138,7 @@ def server_loop_section(data: dict[str, Any]) -> list[str]:
     """The server step against a bare loop, torch.compile on the CPU, and the step's cost per map by batch."""
     server, bare = case(data, "test_training_loop[server_step]"), case(data, "test_training_loop[bare_loop]")
     s, b, setup = server["stats"], bare["stats"], server["extra_info"]
-    rows = [[label, f"{x['stats']['median']:.2f}", f"{x['stats']['min']:.2f}", ", ".join(f"{t:.2f}" for t in x["stats"].get("data", []))]
+    rows = [[label, f"{x['stats']['median']:.2f}", f"{x['stats']['min']:.2f}"]
             for label, x in (("FedGKT server step (`FedGktServer._train`)", server), ("bare PyTorch loop, same tensors", bare))]
     within = "within" if s["min"] <= 1.10 * b["min"] else "**not** within"
     eager, compiled = case(data, "test_compile[eager]"), case(data, "test_compile[compiled]")
@@ -153,18 +149,16 @@ def server_loop_section(data: dict[str, Any]) -> list[str]:
     return [
         "## Server training loop vs a bare loop", "",
         f"{source_line(data, 'server_loop')} {setup['server_model']}, {setup['samples']} staged samples from "
-        f"{setup['agents']} agents, batch {setup['batch_size']}, {s['rounds']} timed repeats each. The server step gathers "
-        "float16 staged feature maps by shuffled index and records logits by sample id; the bare loop iterates over "
-        "ready float32 batches.", "",
-        *_table(["Loop", "Median s", "Best s", "Per repeat s"], rows),
+        f"{setup['agents']} agents, batch {setup['batch_size']}, {s['rounds']} timed repeats each; the bare loop iterates "
+        "over ready float32 batches.", "",
+        *_table(["Loop", "Median s", "Best s"], rows),
         "",
         f"Overhead of the server step: {100 * (s['median'] / b['median'] - 1):+.1f}% (medians), "
         f"{100 * (s['min'] / b['min'] - 1):+.1f}% (best of each). Target, within 10%: {within} (best of each).", "",
         "### torch.compile on this CPU", "",
-        f"The shared server step ({compiled['extra_info']['server_model']}, batch {compiled['extra_info']['batch_size']}, "
-        f"{compiled['extra_info']['loss']}) eagerly and through `torch.compile` from an empty inductor cache, "
-        f"{compiled['stats']['rounds']} rounds of {compiled['stats']['iterations']} steps after "
-        f"{compiled['extra_info']['warmup_steps']} warm-up steps.", "",
+        f"{compiled['extra_info']['server_model']}, batch {compiled['extra_info']['batch_size']}, "
+        f"{compiled['extra_info']['loss']}, from an empty inductor cache; {compiled['stats']['rounds']} rounds of "
+        f"{compiled['stats']['iterations']} steps after {compiled['extra_info']['warmup_steps']} warm-up steps.", "",
         *_table(["Step", "Median s / step", "Best s / step", "Warm-up s"], [["eager", *steps[0]], ["compiled", *steps[1]]]),
         "",
         f"First step's loss, same weights and batch: {eager['extra_info']['first_step_loss']:.6f} eager, "
@@ -172,8 +166,7 @@ def server_loop_section(data: dict[str, Any]) -> list[str]:
         verdict["verdict"] + ".", "",
         *([] if verdict["auto_follows_verdict"] else ["**`AUTO_STEP` in cloud_server/server_step.py does not follow this measurement.**", ""]),
         "### The server step by batch size", "",
-        "One ResNet-55 step (Adam, fp32, CE on 16x32x32 maps): why FedGKT's CPU defaults take batch 64 where the paper "
-        "says 256.", "",
+        "One ResNet-55 step (Adam, fp32): why FedGKT's CPU defaults take batch 64 where the paper says 256.", "",
         *_table(["Batch", "ms / step", "ms / map"], by_batch),
         "",
     ]
@@ -183,10 +176,9 @@ def server_loop_section(data: dict[str, Any]) -> list[str]:
 PEAK_TARGET_MB = {"torch": 350, "ort": 150}
 MODE_IS = {
     "default": "edge-agent run",
-    "low-memory": "edge-agent run --low-memory: forward passes of at most 16 samples (training accumulates them into each batch "
-                  "of 64), uploads of at most 64 samples, glibc's mmap threshold pinned at 1 MiB, the shard memory-mapped from disk",
-    "low-memory-8": "as low-memory with micro-batches of 8",
-    "micro-batch": "[memory] micro_batch_samples = 16: as low-memory without the pinned threshold",
+    "low-memory": "--low-memory ([deploy.md](deploy.md#memory-on-the-device))",
+    "low-memory-8": "micro-batches of 8",
+    "micro-batch": "micro-batches of 16 without the rest of --low-memory",
 }
 RSS_PLOT = "agent_rss_per_round.png"
 
@@ -216,11 +208,8 @@ def footprint_section(data: dict[str, Any], image_dir: Path | None) -> list[str]
                      spread, f"{'yes' if measured and max(measured) <= target else 'no'} (<= {target} MB)"])
     lines = [
         "## The agent's memory", "",
-        f"{source_line(data, 'footprint')} Peak RSS of a whole agent process running "
-        "FedGKT rounds (batch 64, an evaluation every round) on its Fashion-MNIST shard, in each memory mode: "
-        + "; ".join(f"{k}: {v}" for k, v in MODE_IS.items()) + ". Largest / smallest is the peak at the largest shard over the "
-        f"peak at the smallest. The Pi target (torch {PEAK_TARGET_MB['torch']} MB, ort {PEAK_TARGET_MB['ort']} MB) is for the "
-        "low-memory mode; the other rows show it for comparison.", "",
+        f"{source_line(data, 'footprint')} Peak RSS of an agent process running FedGKT rounds, per memory mode: "
+        + "; ".join(f"{k}: {v}" for k, v in MODE_IS.items()) + ". The Pi target is for the low-memory mode.", "",
         *_table(["Agent", "Mode", "Runtime alone", *(f"{n:,} samples" for n in sizes), "Largest / smallest", "Within the Pi target"],
                 rows, right_from=2),
         "",
@@ -238,8 +227,8 @@ def _long_run_lines(cases: list[dict[str, Any]], image_dir: Path | None) -> list
         later = [p for r, p in peaks.items() if r > 3]
         target = PEAK_TARGET_MB[run["backend"]] if run["mode"] == "low-memory" else None
         rows.append([run["env"], run["mode"], f"{run['train_samples']:,}", f"{len(peaks)}" + ("" if run.get("complete", True) else " (unfinished)"),
-                     _mb(peaks.get(1)), _mb(peaks.get(3)), _mb(peaks[max(peaks)]),
-                     f"{max(later) / peaks[3]:.3f}" if later and 3 in peaks else DASH, _mb(max(peaks.values())),
+                     _mb(peaks.get(3)), _mb(peaks[max(peaks)]),
+                     f"{max(later) / peaks[3]:.3f}" if later and 3 in peaks else DASH,
                      DASH if target is None else ("yes" if max(peaks.values()) <= target * 1e6 else "no") + f" (<= {target} MB)"])
     if image_dir is not None:
         import matplotlib
@@ -268,11 +257,10 @@ def _long_run_lines(cases: list[dict[str, Any]], image_dir: Path | None) -> list
         plt.close(fig)
     return [
         "### The agent's memory over a long run", "",
-        f"`test_long_run`: {max(len(r['rounds']) for r in runs)} rounds; the peak is the one the agent reports for each round "
-        "in its `RoundEnd` (the most it held since the previous round ended).", "",
+        f"`test_long_run`: each round's peak as the agent reports it in its `RoundEnd`.", "",
         f"![the agent's peak RSS per round](img/{RSS_PLOT})", "",
-        *_table(["Agent", "Mode", "Samples", "Rounds", "Round 1 MB", "Round 3 MB", "Last round MB", "Highest after round 3 / round 3",
-                 "Highest MB", "Within the Pi target"], rows, right_from=2),
+        *_table(["Agent", "Mode", "Samples", "Rounds", "Round 3 MB", "Last round MB", "Highest after round 3 / round 3",
+                 "Within the Pi target"], rows, right_from=2),
         "",
     ]
 
@@ -336,15 +324,13 @@ def metrics_overhead_section(data: dict[str, Any]) -> list[str]:
         "## What watching a run costs: metrics off vs on", "",
         f"{source_line(data, 'metrics_overhead')} `make demo`'s run (`edgesplit local`, one server and {s['agents']} agent processes, "
         f"FedGKT, {s['dataset']}, {s['train_samples']:,} training / {s['test_samples']:,} test images, {s['partition']}, "
-        f"{s['rounds']} rounds, seed {s['seed']}) with metrics off and with `--metrics`; while on, every endpoint (the server's "
-        f"and each agent's `/metrics`, the status page) fetched every {on['scrape_interval_s']:g} s. Off, nothing of the metrics "
-        f"code is imported (`{off['off_not_imported_checked_by']}`).", "",
+        f"{s['rounds']} rounds, seed {s['seed']}) with metrics off and with `--metrics`, every endpoint scraped every "
+        f"{on['scrape_interval_s']:g} s. Off, nothing of the metrics code is imported (`{off['off_not_imported_checked_by']}`).", "",
         *_table(["Run", "Mean round s", "Server training s", "Run wall s", "CPU s, all processes", "Load (1 min) before → after",
                  "Scrapes ok / failed"], rows),
         "",
-        *(["Measured directly: every endpoint counts the CPU seconds of its threads serving requests and of the metrics hooks "
-           "(`edgesplit_metrics_cpu_seconds_total`), read at its last scrape; their sum over the off runs' mean summed round time "
-           f"({verdict['off_round_time_total_s']:.0f} s) bounds what the metrics can add to the rounds.", "",
+        *(["Measured directly: the metrics code's own CPU seconds (`edgesplit_metrics_cpu_seconds_total`) at each endpoint's last "
+           f"scrape, over the off runs' mean summed round time ({verdict['off_round_time_total_s']:.0f} s).", "",
            *_table(["Run", "Server, ms CPU", "Agent mean, ms CPU", "All endpoints, ms CPU", "Share of round time"], direct), ""]
           if direct else []),
         f"Target, round time with metrics on within {100 * METRICS_TARGET:.0f} % of off: **{verdict['result']}**.", "",
@@ -369,14 +355,11 @@ def scale_section(data: dict[str, Any]) -> list[str]:
         "## Many agents (the shape of the paper's Table 4)", "",
         f"{source_line(data, 'scale')} {first['agents'] * first['samples_per_agent']:,} training / "
         f"{first['agents'] * first['test_samples_per_agent']:,} test {first['dataset']} images split ({first['partition']}) over "
-        f"the agents, {first['rounds']} rounds, {first['edge_model']} edge / {first['server_model']}: accuracies show the trend "
-        "at toy scale, not the paper's numbers. The server runs in the benchmark's process, all agents in one "
-        "`edge-agent simulate` process (one MQTT client each, compute shared), one fresh mosquitto per agent count.", "",
+        f"the agents, {first['rounds']} rounds, {first['edge_model']} / {first['server_model']}; all agents in one "
+        "`edge-agent simulate` process. Figures per round are given round by round (a / b).", "",
         *_table(["Agents", "Samples / agent", "Round s", "Server train s", "Accuracy", "Server peak RSS MiB", "Broker peak RSS MiB",
                  "Agents' process peak RSS MiB", "Messages / round", "Up MB / round", "Down MB / round"], rows),
         "",
-        "Messages per round: the server connection's messages in and out over the run (registration and status included) "
-        "÷ rounds. Bytes: MQTT packets through the server's connection attributed to the round.", "",
     ]
 
 
@@ -386,17 +369,16 @@ def transport_section(data: dict[str, Any]) -> list[str]:
     rates, med, cpu = info["mb_per_s"], info["median_mb_per_s"], info["median_cpu_ms_per_mb"]
     labels = (("tcp_socket", "raw TCP socket copy"), ("paho_raw_plain", "raw paho, plain"), ("edgesplit_plain", "EdgeSplit transport, plain"),
               ("paho_raw_tls", "raw paho, TLS"), ("edgesplit_tls", "EdgeSplit transport, TLS"))
-    rows = [[label, f"{med[key]:,.0f}", ", ".join(f"{x:,.0f}" for x in rates[key]),
+    rows = [[label, f"{med[key]:,.0f}",
              *((DASH, DASH) if key not in cpu else (f"{cpu[key]['clients']:.2f}", f"{cpu[key]['broker']:.2f}"))] for key, label in labels]
     ratios, pair, cpu_ratio, targets = info["ratios"], info["median_pair_ratio"], info["cpu_ratio_edgesplit_over_paho"], info["targets"]
     floor = info.get("cpu_ratio_floor_of_the_hashes")
     return [
         "## Transport throughput", "",
         f"{source_line(data, 'transport')} {info['megabytes']} MB per measurement through one mosquitto on loopback, "
-        f"{info['repeats']} repeats, chunks of {info['chunk_bytes'] // 1024} KiB, EdgeSplit sending {info['blob_megabytes']} MB blobs "
-        "pipelined and the receiver taking each reassembled, SHA-256-verified blob; raw paho publishes the same bytes as "
-        f"QoS 1 messages with no integrity check. {info['method'][:1].upper()}{info['method'][1:]}.", "",
-        *_table(["Path", "Median MB/s", "MB/s per repeat", "Client CPU ms / MB", "Broker CPU ms / MB"], rows),
+        f"{info['repeats']} repeats, {info['chunk_bytes'] // 1024} KiB chunks, {info['blob_megabytes']} MB SHA-256-verified blobs; "
+        f"raw paho publishes the same bytes at QoS 1, unchecked. {info['method'][:1].upper()}{info['method'][1:]}.", "",
+        *_table(["Path", "Median MB/s", "Client CPU ms / MB", "Broker CPU ms / MB"], rows),
         "",
         f"Raw paho ÷ EdgeSplit (medians): plain {ratios['paho_over_edgesplit_plain']:.2f}×, TLS {ratios['paho_over_edgesplit_tls']:.2f}×; "
         f"median of the back-to-back pairs: plain {pair['plain']:.2f}×, TLS {pair['tls']:.2f}×. CPU per MB (clients + broker), "

@@ -78,12 +78,10 @@ def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None,
         return lines + ["*No GPU figure recorded: on a GPU machine run `bash bench/gpu_checklist.sh`, then "
                         "`python3 bench/gpu_collect.py` on what it brings back (bench/gpu_checklist.sh says how).*", ""]
     machine = server["machine"]
-    lines += [f"From `bench/results/server_gpu.json` (`bench/server_gpu.py`), measured on one {server['device_name']} "
-              f"(torch {machine['torch']}, {machine['cores']} cores, {machine['date'][:10]}). One ResNet-55 server step on "
-              f"16x32x32 feature maps with FedGKT's CE + KD loss; {server['setup']['steps']} timed steps x "
-              f"{server['setup']['repeats']} repeats after {server['setup']['warmup']} warm-up steps; `bare` is the plain "
-              "PyTorch loop over ready batches, `eager` / `graph` the server's step (batches gathered by index from staged "
-              "rows; `graph`: one CUDA graph per step). Seconds for one epoch over 60,000 maps:", ""]
+    lines += [f"From `bench/results/server_gpu.json` (`bench/server_gpu.py`): one {server['device_name']}, torch {machine['torch']}, "
+              f"{machine['date'][:10]}. One ResNet-55 server step (CE + KD) on 16x32x32 maps, {server['setup']['steps']} timed steps x "
+              f"{server['setup']['repeats']} repeats; `bare`: a plain PyTorch loop, `eager` / `graph`: the server's step (`graph`: one "
+              "CUDA graph per step). Seconds per epoch of 60,000 maps:", ""]
     rows = []
     for key, row in server["results"].items():
         model, batch, precision = key.split("/")
@@ -106,7 +104,7 @@ def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None,
     if util.get("samples"):
         lines.append(f"- GPU utilisation (nvidia-smi every {util['every_s']:g} s while the bench ran, set-up and model builds "
                      f"included): mean {util['mean_percent']:.0f} %, max {util['max_percent']:.0f} %.")
-    lines += ["", server["note"], ""]
+    lines += [""]
     if fullscale is not None:
         setup = fullscale["setup"]
         method = setup["method_config"]
@@ -120,11 +118,11 @@ def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None,
                   f"From `bench/results/fedgkt_fullscale.json`: `{setup['command']}`, {setup['agents']} agent processes, "
                   f"the server on {fullscale['device_name']}; the server trained {method['server_epochs']} epoch(s) a round at batch "
                   f"{method['server_batch_size']} ({method['server_order']} order), the agents {method['edge_epochs']} epoch(s) at batch "
-                  f"{method['edge_batch_size']}. Global: the server model on the 10,000 test images; edge: the agents' ResNet-8.", "",
+                  f"{method['edge_batch_size']}. Edge: the agents' ResNet-8 alone.", "",
                   *_table(["Round", "Global", "Local", "Edge", "Round s", "Server train s", "Agent compute s", "Agents idle",
                            "GPU peak MiB", "GPU util."], rows),
                   "", f"{fullscale['status']}. Target ({target['what']}): best {_pct(target['best_so_far'])} so far, "
-                  f"{'reached' if target['reached'] else 'not reached in the rounds run'}.", "", fullscale["note"], ""]
+                  f"{'reached' if target['reached'] else 'not reached in the rounds run'}.", ""]
     if methods is not None:
         rows = [[name, "yes" if run["finished"] else "**no**", run.get("device") or "—",
                  " / ".join(_pct(a) for a in run.get("accuracy", []))] for name, run in methods["runs"].items()]
@@ -133,8 +131,6 @@ def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None,
                   *_table(["Method", "Finished", "Server device", "Global accuracy per round"], rows), ""]
         if tests:
             lines += [f"CUDA tests (`{tests['file']}`): {tests['summary']}.", ""]
-        if methods.get("note"):
-            lines += [methods["note"], ""]
     return lines
 
 
@@ -180,9 +176,8 @@ def experiment_sections(results: Path, image_dir: Path | None, runs_dir: Path) -
         if template.stem == "leakage":
             pictures = (copy_pictures(data, runs_dir / template.stem, image_dir) if image_dir is not None
                         else present_pictures(data, REPO_ROOT / "docs" / "img"))
-        grid = "\n\n".join(f"`{method}` at its defaults, seed {_first_seed(data, method)}: each agent's private images, "
-                            f"each attack's reconstructions beneath.\n\n![{method}](img/{name})"
-                            for method, name in sorted(pictures.items()))
+        grid = "\n\n".join(f"`{method}`, seed {_first_seed(data, method)}: private images, each attack's reconstructions "
+                            f"beneath.\n\n![{method}](img/{name})" for method, name in sorted(pictures.items()))
         lines += [text.replace("{{pictures}}", grid).rstrip(), ""] + unrun_lines(template, experiment, data)
         if template.stem == "leakage":
             lines += update_inversion_section(_load(results / "update_inversion.json"))
@@ -212,8 +207,7 @@ def unrun_lines(template: Path, experiment: Any, data: dict[str, Any]) -> list[s
     missing = [cell.key for cell in grid if cell.key not in done]
     if not missing:
         return []
-    return [f"{len(missing)} of the experiment's {len(grid)} runs are not recorded yet: "
-            f"`edgesplit bench run bench/experiments/{template.stem}.toml` runs them into `bench/results/{template.stem}.json`.", ""]
+    return [f"{len(missing)} of its {len(grid)} runs not recorded yet (`edgesplit bench run bench/experiments/{template.stem}.toml`).", ""]
 
 
 def _first_seed(data: dict[str, Any], method: str) -> int:
@@ -228,9 +222,9 @@ def render(results: Path, image_dir: Path | None = None) -> str:
         "<!-- Generated by bench/render_results.py from bench/results/*.json. Do not edit by hand: "
         "rerun the benchmark, then the renderer. -->",
         "",
-        "Every number below was measured by this system on the machine named with it, by the scripts named with it. "
-        "The FedGKT paper's claims are comparisons (FedAvg on accuracy and edge compute, split learning on bandwidth); "
-        "these are the same comparisons, made here.",
+        "Every number below was measured by this system on the machine named with it, by the files named with it; "
+        "tables give the mean ± sd over n seeds, — where a run did not measure a figure; times on a shared machine are "
+        "indicative. How to run an experiment: [experiments.md](experiments.md).",
         "",
     ]
     lines += decision_section(load_experiment_results(results / "leakage.json"), defence_rows(load_defences(results)))

@@ -3,7 +3,9 @@
 - :func:`long_table`: one row per cell, its figures flat (``leakage_*`` for the strongest attack);
 - :func:`summary`: per method x partition x variant, mean, sd and n over the seeds of every figure;
 - :func:`evaluate_claims`: each claim of the experiment met, not met, or without data;
-- :func:`summary_md`, :func:`claims_md`, :func:`long_md`: markdown;
+- :func:`summary_md`, :func:`claims_md`, :func:`long_md`: markdown; :func:`compact_md` and
+  :func:`claims_summary_md` the shorter forms the results page shows; :func:`setting_md` the
+  experiment's setting, from its recorded spec;
 - :func:`plot`: accuracy against bytes up and, where audited, against the strongest attack's PSNR;
 - :func:`curves`, :func:`curves_md`, :func:`plot_curves`: per round, accuracy against what it has cost so far;
 - :func:`render`: an experiment's template (``NAME.md``, ``{{table}}``, ``{{plot}}``...) filled in.
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,8 +22,8 @@ from typing import Any
 from .results import LEAKAGE_FIGURES, OPTIONAL_RUN_FIGURES, RUN_FIGURES, RUN_SERIES
 from .spec import CLAIM_OPERATORS, Claim
 
-__all__ = ["claims_md", "curves", "curves_md", "evaluate_claims", "long_md", "long_table", "plot", "render", "summary", "summary_md",
-           "unattacked_md"]
+__all__ = ["claims_md", "claims_summary_md", "compact_md", "curves", "curves_md", "evaluate_claims", "long_md", "long_table",
+           "pivot_md", "plot", "render", "setting_md", "summary", "summary_md", "unattacked_md"]
 
 Row = dict[str, Any]
 GROUP = ("method", "partition", "variant")
@@ -62,6 +65,9 @@ ROBUSTNESS_COLUMNS = (
     ("honest_min_label_agreement", "Honest min label agreement", 1, 2),
     ("faulty_max_label_agreement", "Faulty max label agreement", 1, 2),
 )
+
+#: Every column a template may name in ``{{table:figure,...}}`` (:func:`compact_md`).
+COLUMNS = {c[0]: c for c in (*SUMMARY_COLUMNS, *TIMING_COLUMNS, *ROBUSTNESS_COLUMNS)}
 
 
 def long_table(results: Mapping[str, Any]) -> list[Row]:
@@ -126,15 +132,18 @@ def evaluate_claims(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> lis
         groups = [s for s in summary_rows if s["method"] == claim.method
                   and claim.partition in (None, s["partition"]) and claim.variant in (None, s["variant"])]
         if claim.baseline is None:
-            observed = [s[claim.figure]["mean"] for s in groups if s.get(claim.figure, {}).get("mean") is not None]
-            spread: list[float | None] = [s[claim.figure]["sd"] for s in groups if s.get(claim.figure, {}).get("mean") is not None]
+            measured = [s for s in groups if s.get(claim.figure, {}).get("mean") is not None]
+            observed = [s[claim.figure]["mean"] for s in measured]
+            spread: list[float | None] = [s[claim.figure]["sd"] for s in measured]
         else:
-            pairs = [_paired(s, next((b for b in summary_rows if b["method"] == claim.baseline and b["partition"] == s["partition"]
-                                      and b["variant"] == claim.baseline_variant), None), claim.figure) for s in groups]
-            observed = [mean for mean, _ in pairs if mean is not None]
-            spread = [sd for mean, sd in pairs if mean is not None]
+            pairs = [(s, _paired(s, next((b for b in summary_rows if b["method"] == claim.baseline and b["partition"] == s["partition"]
+                                          and b["variant"] == claim.baseline_variant), None), claim.figure)) for s in groups]
+            measured = [s for s, (mean, _) in pairs if mean is not None]
+            observed = [mean for _, (mean, _) in pairs if mean is not None]
+            spread = [sd for _, (mean, sd) in pairs if mean is not None]
         met = all(CLAIM_OPERATORS[claim.op](v, claim.value) for v in observed) if observed else None
-        out.append({"claim": claim.text, "check": claim.describe(), "observed": observed, "spread": spread, "met": met})
+        out.append({"claim": claim.text, "check": claim.describe(), "observed": observed, "spread": spread, "met": met,
+                    "where": [f"{s['partition']}, {s['variant']}" for s in measured]})
     return out
 
 
@@ -176,6 +185,135 @@ def claims_md(claims: Sequence[Row]) -> str:
                                                                                    [None] * len(c["observed"]))) or "—",
              word[c["met"]]] for c in claims]
     return _md(["Claim", "Check", "Observed (mean ± sd over seeds)", "Result"], rows)
+
+
+def compact_md(summary_rows: Sequence[Row], figures: Sequence[str]) -> str:
+    """The summary with the named figures' columns only (those some group measured); a column the
+    same in every row (the partition, n, a figure no variant moves) is said once under the table."""
+    unknown = [f for f in figures if f not in COLUMNS]
+    if unknown:
+        raise ValueError(f"{{{{table:...}}}} names {unknown}; a column is one of {sorted(COLUMNS)}")
+    if not summary_rows:
+        return "No cell is done yet."
+    columns = [COLUMNS[f] for f in figures if any(s[f]["mean"] is not None for s in summary_rows)]
+    header = ["Method", "Partition", "Variant", "n", *(h for _, h, _, _ in columns)]
+    rows = [[f"`{s['method']}`", s["partition"], s["variant"], str(s["n"]), *(_cell(s[f], scale, d) for f, _, scale, d in columns)]
+            for s in summary_rows]
+    same = {i for i in range(len(header)) if len(rows) > 1 and len({r[i] for r in rows}) == 1}
+    kept = [i for i in range(len(header)) if i not in same]
+    table = _md([header[i] for i in kept], [[r[i] for i in kept] for r in rows])
+    every = "; ".join(f"{header[i].lower() if i < 4 else header[i]} {rows[0][i]}" for i in sorted(same))
+    return table + (f"\n\nEvery row: {every}." if every else "")
+
+
+def pivot_md(summary_rows: Sequence[Row], figure: str) -> str:
+    """One figure (mean ± sd over the seeds) with a row per method and variant and a column per
+    partition, in the summary's order."""
+    if figure not in COLUMNS:
+        raise ValueError(f"{{{{pivot:...}}}} names {figure!r}; a column is one of {sorted(COLUMNS)}")
+    if not summary_rows:
+        return "No cell is done yet."
+    _, title, scale, decimals = COLUMNS[figure]
+    partitions = list(dict.fromkeys(s["partition"] for s in summary_rows))
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for s in summary_rows:
+        cells.setdefault((s["method"], s["variant"]), {})[s["partition"]] = _cell(s[figure], scale, decimals)
+    variants = any(variant != "default" for _, variant in cells)
+    rows = [[f"`{method}`", *([variant] if variants else []), *(by.get(p, "—") for p in partitions)]
+            for (method, variant), by in cells.items()]
+    return _md(["Method", *(["Variant"] if variants else []), *partitions], rows) + f"\n\n{title}, by partition."
+
+
+def _worse(op: str, a: float, b: float) -> bool:
+    """Whether observation ``a`` is further from meeting a claim with operator ``op`` than ``b``."""
+    return a < b if op in (">", ">=") else a > b
+
+
+def claims_summary_md(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> str:
+    """One row per kind of claim, with how many held and the observation furthest from holding,
+    with its check (``edgesplit bench report`` prints every claim). One kind: the claims whose
+    texts agree after a ``"PREFIX: "`` (one statement made per method or partition), or that
+    check each variant of a method against the method's own cells the same way."""
+    if not claims:
+        return ""
+    kinds: dict[Any, list[tuple[Claim, Row]]] = {}
+    for claim, judged in zip(claims, evaluate_claims(claims, summary_rows)):
+        statement = claim.text.split(": ", 1)[-1]
+        ablation = claim.baseline == claim.method and claim.variant not in (None, claim.baseline_variant)
+        key = ((claim.method, claim.partition, claim.figure, claim.op, claim.value, claim.baseline_variant) if ablation
+               else statement if ": " in claim.text else claim.text)
+        kinds.setdefault(key, []).append((claim, judged))
+    rows = []
+    for key, members in kinds.items():
+        first = members[0][0]
+        if len(members) == 1:
+            text = first.text
+        elif isinstance(key, tuple):
+            text = f"Each of {len(members)} variants: `{first.method} (VARIANT) {first.figure} - {first.method}'s {first.op} {first.value:g}`"
+        else:
+            text = key[0].upper() + key[1:]
+        held = sum(1 for _, j in members if j["met"])
+        judged = [j for _, j in members if j["met"] is not None]
+        worst: tuple[float, float | None, str, Claim] | None = None
+        for claim, j in members:
+            for value, sd, where in zip(j["observed"], j["spread"], j["where"]):
+                if worst is None or _worse(claim.op, value, worst[0]):
+                    worst = (value, sd, where, claim)
+        if worst is None:
+            seen = "no data"
+        else:
+            value, sd, where, claim = worst
+            scope = f" at {where.split(', ')[0]}" if claim.partition is None else ""
+            seen = f"{value:.3g}" + (f" ± {sd:.2g}" if sd is not None else "") + f"{scope}: `{claim.describe()}`"
+        count = f"{held} of {len(judged)}" + (f" ({len(members) - len(judged)} no data)" if len(judged) < len(members) else "")
+        rows.append([text, count if judged else "no data", seen])
+    return _md(["Claim", "Held", "Furthest from holding (mean ± sd over seeds)"], rows)
+
+
+def _overrides(overrides: Mapping[str, Any]) -> str:
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in (overrides.get("flags") or {}).items()]
+    # The same key and value set for several methods (`fedgkt.x=1`, `splitnn.x=1`): said once, as `{fedgkt,splitnn}.x=1`.
+    owners: dict[tuple[str, str], list[str]] = {}
+    for key, value in (overrides.get("settings") or {}).items():
+        table, _, name = key.rpartition(".")
+        owners.setdefault((name if table else key, str(value)), []).append(table)
+    settings = [f"{{{','.join(t)}}}.{name}={value}" if len(t) > 1 else f"{t[0] + '.' if t[0] else ''}{name}={value}"
+                for (name, value), t in owners.items()]
+    faults = [f"--faulty-agent {f}" for f in overrides.get("faulty_agents") or []]
+    return ", ".join(f"`{x}`" for x in (*flags, *settings, *faults))
+
+
+def setting_md(results: Mapping[str, Any]) -> str:
+    """The experiment's setting from its recorded spec: the methods, scale, partitions and seeds,
+    what each variant changes, and the files that hold it."""
+    spec = results["experiment"]
+    scale = spec["scale"]
+    name = spec["name"]
+    seeds = spec["seeds"]
+    seeds_text = (f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1))
+                  else ", ".join(str(s) for s in seeds))
+    fraction = scale.get("client_fraction")
+    methods = spec.get("methods_resolved") or spec["methods"]
+    line = (f"Setting: {', '.join(f'`{m}`' for m in methods)}; {scale['agents']} agents"
+            f"{f' ({fraction:g} drawn a round)' if fraction not in (None, 1.0) else ''}, {scale['rounds']} rounds, "
+            f"{scale['train_samples']:,} / {scale['test_samples']:,} {scale['dataset']} images; {', '.join(spec['partitions'])}; "
+            f"seed{'s' if len(seeds) > 1 else ''} {seeds_text} (`bench/experiments/{name}.toml`, `bench/results/{name}.json`).")
+    overrides = spec.get("overrides") or {}
+    common = _overrides({"flags": overrides.get("flags"), "faulty_agents": overrides.get("faulty_agents")})
+    settings = overrides.get("settings") or {}
+    if len(settings) > 3:  # a long list of shared settings is the TOML's to hold
+        common = ", ".join(x for x in (common, f"{len(settings)} `--set` values (the TOML)") if x)
+    else:
+        common = _overrides(overrides)
+    lines = [line + (f" Every run: {common}." if common else "")]
+    variants = [(v, _overrides(v["overrides"])) for v in spec.get("variants") or []]
+    if any(text for _, text in variants):
+        lines.append("")
+        for variant, text in variants:
+            if not text and variant["name"] == "default":
+                continue
+            lines.append(f"- `{variant['name']}`: {text or 'as above'}")
+    return "\n".join(lines)
 
 
 def long_md(rows: Sequence[Row]) -> str:
@@ -329,9 +467,11 @@ def unattacked_md(results: Mapping[str, Any]) -> str:
         group = reasons.setdefault((cell["method"], cell["variant"]), {})
         for attack, why in skipped.items():
             group.setdefault(attack, why)
-    lines = [f"- `{method}`{'' if variant == 'default' else f' ({variant})'}, {attack}: {why}"
-             for (method, variant), group in reasons.items() for attack, why in group.items()]
-    return "\n".join(lines) if lines else ""
+    shared: dict[tuple[str, str], list[str]] = {}
+    for (method, variant), group in reasons.items():
+        for attack, why in group.items():
+            shared.setdefault((attack, why), []).append(f"`{method}`{'' if variant == 'default' else f' ({variant})'}")
+    return "\n".join(f"- {', '.join(who)}, {attack}: {why}" for (attack, why), who in shared.items())
 
 
 DEFAULT_TEMPLATE = "# {{name}}\n\n{{question}}\n\n{{table}}\n\n{{claims}}\n\n{{plot}}\n"
@@ -341,8 +481,10 @@ def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], o
     """Fill ``template``'s placeholders (``{{name}}``, ``{{question}}``, ``{{table}}`` the summary,
     ``{{claims}}``, ``{{cells}}`` the long table, ``{{unattacked}}`` the attacks that did not run and why, ``{{timing}}`` where each run's time and upload bytes go per round, ``{{robustness}}`` what the server's
     screen refused and judged, ``{{curves}}`` per round the accuracy against the edge FLOPs and bytes spent so far
-    (a table and a picture), ``{{plot}}`` a picture written beside ``out``,
-    linked as ``link_prefix`` + its file name)."""
+    (a table and a picture; ``{{curves_plot}}`` the picture alone), ``{{plot}}`` a picture written beside ``out``,
+    linked as ``link_prefix`` + its file name; the shorter forms: ``{{setting}}`` the recorded setting and what each
+    variant changes, ``{{table:figure,...}}`` the summary with those columns, ``{{claims_summary}}`` one row per kind
+    of claim)."""
     rows = long_table(results)
     groups = summary(rows)
     text = template
@@ -356,9 +498,21 @@ def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], o
         image = (f"![{results['experiment']['name']} by round]({link_prefix}{picture.name})\n\n"
                  if plot_curves(points, picture, results["experiment"]["name"]) else "")
         text = text.replace("{{curves}}", image + curves_md(points))
+    if "{{curves_plot}}" in text:
+        picture = out.with_name(f"{out.stem}-curves.png")
+        text = text.replace("{{curves_plot}}", f"![{results['experiment']['name']} by round]({link_prefix}{picture.name})"
+                            if plot_curves(curves(rows), picture, results["experiment"]["name"]) else "")
+    for figure in set(re.findall(r"\{\{pivot:([^}]*)\}\}", text)):
+        text = text.replace("{{pivot:" + figure + "}}", pivot_md(groups, figure.strip()))
+    for spec in set(re.findall(r"\{\{table:([^}]*)\}\}", text)):
+        text = text.replace("{{table:" + spec + "}}", compact_md(groups, [f.strip() for f in spec.split(",") if f.strip()]))
+    unattacked = unattacked_md(results)
     fills = {"name": results["experiment"]["name"], "question": results["experiment"]["question"],
+             "setting": setting_md(results) if "{{setting}}" in text else "",
+             "claims_summary": claims_summary_md(claims, groups) if "{{claims_summary}}" in text else "",
              "table": summary_md(groups), "claims": claims_md(evaluate_claims(claims, groups)), "cells": long_md(rows),
-             "unattacked": unattacked_md(results), "timing": summary_md(groups, TIMING_COLUMNS),
+             "unattacked": f"Image attacks that apply but did not run, and why:\n\n{unattacked}" if unattacked else "",
+             "timing": summary_md(groups, TIMING_COLUMNS),
              "robustness": summary_md(groups, ROBUSTNESS_COLUMNS)}
     for key, value in fills.items():
         text = text.replace("{{" + key + "}}", value)

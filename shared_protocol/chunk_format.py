@@ -8,7 +8,7 @@ paho parses properties by re-slicing the whole remaining packet once per field:
 seven user properties cost the receiver about 25 copies of every 512 KiB chunk.
 
 The blob digest guards reassembly against accidental corruption and mis-assembly
-(a chunk lost, swapped, or taken from another transfer), not against an adversary:
+(a chunk's bytes changed, two chunks swapped, a chunk taken from another transfer), not against an adversary:
 TLS and the broker's ACL do that, and every tensor of the frame inside carries its
 own SHA-256, checked end to end by the decoder. So the chunk layer uses a fast
 non-cryptographic 128-bit hash (XXH3-128, from the ``xxhash`` package), which costs
@@ -37,7 +37,6 @@ MAX_TRANSFER_ID_BYTES = 64
 # magic, version, flags, transfer-id length, reply-topic length, seq, count, stride, total
 _FIXED = struct.Struct(">4sBBBHIIIQ")
 CHUNK_FIXED_BYTES = _FIXED.size  # 29
-
 
 
 def blob_hasher() -> xxhash.xxh3_128:

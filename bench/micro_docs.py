@@ -373,10 +373,12 @@ def transport_section(data: dict[str, Any]) -> list[str]:
              *((DASH, DASH) if key not in cpu else (f"{cpu[key]['clients']:.2f}", f"{cpu[key]['broker']:.2f}"))] for key, label in labels]
     ratios, pair, cpu_ratio, targets = info["ratios"], info["median_pair_ratio"], info["cpu_ratio_edgesplit_over_paho"], info["targets"]
     floor = info.get("cpu_ratio_floor_of_the_hashes")
+    # Results measured before the chunk layer's digest became XXH3-128 name no digest: theirs was SHA-256.
+    digest, digest_ms = info.get("digest", "SHA-256"), info.get("digest_ms_per_mb", info.get("sha256_ms_per_mb"))
     return [
         "## Transport throughput", "",
         f"{source_line(data, 'transport')} {info['megabytes']} MB per measurement through one mosquitto on loopback, "
-        f"{info['repeats']} repeats, {info['chunk_bytes'] // 1024} KiB chunks, {info['blob_megabytes']} MB SHA-256-verified blobs; "
+        f"{info['repeats']} repeats, {info['chunk_bytes'] // 1024} KiB chunks, {info['blob_megabytes']} MB {digest}-verified blobs; "
         f"raw paho publishes the same bytes at QoS 1, unchecked. {info['method'][:1].upper()}{info['method'][1:]}.", "",
         *_table(["Path", "Median MB/s", "Client CPU ms / MB", "Broker CPU ms / MB"], rows),
         "",
@@ -385,7 +387,7 @@ def transport_section(data: dict[str, Any]) -> list[str]:
         f"EdgeSplit ÷ raw paho: plain {cpu_ratio['plain']:.2f}×, TLS {cpu_ratio['tls']:.2f}×. Target, raw paho ÷ EdgeSplit within "
         f"{targets['time_ratio_max']:g}×: {'within' if info['within_time_target'] else '**not** within'} (on the medians); CPU per MB "
         f"within {targets['cpu_ratio_max']:g}× of raw paho's: {'within' if info['within_cpu_target'] else '**not** within'}.", "",
-        *([f"The blob's integrity check alone, one SHA-256 pass on each side ({info['sha256_ms_per_mb']:.2f} ms per MB each, "
+        *([f"The blob's integrity check alone, one {digest} pass on each side ({digest_ms:.2f} ms per MB each, "
            f"measured in the same run), keeps EdgeSplit's CPU per MB at least {floor['plain']:.2f}× raw paho's (plain) and "
            f"{floor['tls']:.2f}× (TLS), whatever else the transport does: raw paho checks nothing.", ""] if floor else []),
     ]

@@ -65,7 +65,7 @@ def check_backend(backend: str, importer: Callable[[str], object]) -> Check:
 
 def check_dependencies(importer: Callable[[str], object]) -> Check:
     missing = []
-    for module in ("numpy", "zstandard", "paho.mqtt.client"):
+    for module in ("numpy", "zstandard", "xxhash", "paho.mqtt.client"):
         try:
             importer(module)
         except ImportError:
@@ -73,7 +73,7 @@ def check_dependencies(importer: Callable[[str], object]) -> Check:
     if missing:
         return Check("dependencies", FAIL, f"missing Python packages: {', '.join(missing)}",
                      "reinstall the agent: pip install 'edgesplit[edge]' (or [edge-lite])")
-    return Check("dependencies", OK, "numpy, zstandard, paho-mqtt present")
+    return Check("dependencies", OK, "numpy, zstandard, xxhash, paho-mqtt present")
 
 
 def _readable_file(path: str, what: str, name: str, fix: str) -> Check | None:

@@ -1,6 +1,6 @@
 """EdgeSplit wire protocol: frames, codecs, chunking, typed messages, transports.
 
-Depends on numpy, zstandard and (for MQTT) paho-mqtt only; never on torch or
+Depends on numpy, zstandard, xxhash and (for MQTT) paho-mqtt only; never on torch or
 the agent/server packages.
 """
 

@@ -7,11 +7,10 @@ chunk is copied except into its own payload.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import uuid
 
-from .chunk_format import DEFAULT_CHUNK_SIZE_BYTES, MAX_TRANSFER_ID_BYTES, ChunkHeader
+from .chunk_format import DEFAULT_CHUNK_SIZE_BYTES, MAX_TRANSFER_ID_BYTES, ChunkHeader, blob_hasher
 
 
 class ChunkedBlob:
@@ -36,7 +35,7 @@ class ChunkedBlob:
         self.total_bytes = len(self._view)
         self.count = max(1, -(-self.total_bytes // chunk_size_bytes))
         self.reply_topic = reply_topic
-        self._hasher = hashlib.sha256()
+        self._hasher = blob_hasher()
         self._hashed_upto = 0  # chunks [0, _hashed_upto) are in the hasher
         self._digest: bytes | None = None
         self._lock = threading.Lock()
@@ -58,8 +57,8 @@ class ChunkedBlob:
             return self._digest
 
     @property
-    def sha256(self) -> bytes:
-        """The whole blob's digest (hashes what is not hashed yet)."""
+    def digest(self) -> bytes:
+        """The whole blob's XXH3-128 digest (hashes what is not hashed yet)."""
         return self._hash_through(self.count - 1) or b""  # never empty: the last seq completes the hash
 
     def header(self, seq: int) -> ChunkHeader:

@@ -105,6 +105,11 @@ class ChunkError(ProtocolError):
     code = "bad_chunk"
 
 
+class ChunkVersionError(ChunkError):
+    """A chunk in another chunk format version than this build's (a sender on an older or newer
+    build): counted as ``bad_chunk``, its message names both versions."""
+
+
 class StaleMessageError(ProtocolError):
     """A message for a round that is not the current one (replay or straggler)."""
 

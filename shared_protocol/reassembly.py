@@ -7,20 +7,21 @@ bytes arrive and bounds it per sender, for unexpected senders together and in
 total, checks a transfer's declared length against what the receiver expects
 from its sender, expires transfers that stall, ignores a sender that keeps
 sending invalid transfers, can list the seqs still missing, and hands a blob up
-only after its sha256 matches, joined with one copy.
+only after its digest (XXH3-128) matches, joined with one copy.
 (Writing chunks in place into a preallocated bytearray costs the same one copy
 plus zero-filling the buffer first: slower, not faster.)
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .chunk_format import ChunkHeader
+import xxhash
+
+from .chunk_format import DIGEST_NAME, ChunkHeader, blob_hasher
 from .errors import (
     ProtocolError,
     BudgetError,
@@ -38,11 +39,11 @@ class _Transfer:
     header: ChunkHeader  # the first chunk seen: count, total and stride every later chunk must match
     started_at: float
     updated_at: float
+    # The blob digest, fed as chunks arrive in order, so completing a blob does not hash it all at once.
+    hasher: xxhash.xxh3_128
     parts: dict[int, memoryview | bytes] = field(default_factory=dict)  # by seq: views into the received payloads
     held_bytes: int = 0  # bytes of the parts: what this transfer holds now
-    sha256: bytes | None = None  # from the last chunk, once it arrived
-    # Hash as chunks arrive in order, so completing a blob does not hash it all at once.
-    hasher: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    digest: bytes | None = None  # from the last chunk, once it arrived
     hashed_upto: int = 0  # seqs [0, hashed_upto) are in the hasher
 
 
@@ -267,8 +268,8 @@ class Reassembler:
         self._make_room(key, len(body))
         transfer.parts[header.seq] = body  # a view: the payload stays alive, nothing is copied yet
         self._hold(source, transfer, len(body))
-        if header.sha256 is not None:
-            transfer.sha256 = header.sha256
+        if header.digest is not None:
+            transfer.digest = header.digest
         transfer.updated_at = now
         while transfer.hashed_upto in transfer.parts:
             transfer.hasher.update(transfer.parts[transfer.hashed_upto])
@@ -276,9 +277,10 @@ class Reassembler:
         if len(transfer.parts) < header.count:
             return None
         self._drop(key)
-        if transfer.hasher.digest() != transfer.sha256:
+        if transfer.hasher.digest() != transfer.digest:
             raise self._refuse(
-                HashMismatchError(f"transfer {header.transfer_id}: sha256 of the reassembled blob does not match"),
+                HashMismatchError(f"transfer {header.transfer_id}: the {DIGEST_NAME} of the reassembled blob does not "
+                                  f"match the one its last chunk carries"),
                 source, invalid=True,
             )
         self._completed[key] = None
@@ -303,7 +305,7 @@ class Reassembler:
             # The least recently active goes: a sender's live transfer is never the one that stalls.
             self._evict(min(mine, key=lambda k: self._transfers[k].updated_at))
             mine = self.open_transfers(source)
-        transfer = _Transfer(header, now, now)
+        transfer = _Transfer(header, now, now, blob_hasher())
         self._transfers[key] = transfer
         return transfer
 

@@ -23,7 +23,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud_server.report import validate_report
 from fedhelpers import ROOT, agent_config, mqtt_federation, server_config, write_server_toml
-from shared_protocol.chunking import ChunkHeader, SenderLimits, split_blob
+from shared_protocol.chunking import DIGEST_BYTES, ChunkHeader, SenderLimits, split_blob
 from shared_protocol.transport import CHUNK_HEADROOM_BYTES, MqttTransport, TransportConfig, TransportError
 from shared_protocol.topics import Topics
 
@@ -52,12 +52,12 @@ def _first_chunk(transfer_id: str, total_bytes: int, stride: int) -> bytes:
 
 def _flood_payloads(rng: np.random.Generator, i: int) -> list[bytes]:
     """One round of everything an attacker throws: random bytes, well-formed chunks carrying
-    garbage frames, a chunk with a wrong SHA-256, a frame declaring a 4 GiB header, and first
+    garbage frames, a chunk with a wrong blob digest, a frame declaring a 4 GiB header, and first
     chunks of 256 MiB and of 2 MiB transfers that never complete."""
     garbage_frame = split_blob(rng.bytes(3000), 1024)
     wrong_sha = split_blob(rng.bytes(2000), 4096)[0]
     header, body = ChunkHeader.parse(wrong_sha)
-    wrong_sha = replace(header, sha256=bytes(32)).pack() + bytes(body)
+    wrong_sha = replace(header, digest=bytes(DIGEST_BYTES)).pack() + bytes(body)
     huge_header = split_blob(struct.pack(">4sBBIQ", b"ESPL", 1, 0, 0xFFFFFFFF, 16) + bytes(64), 4096)[0]
     return [
         rng.bytes(200),

@@ -1,22 +1,41 @@
-"""Chunk splitting and reassembly: order, duplicates, limits, expiry, hashes."""
+"""Chunk splitting and reassembly: order, duplicates, limits, expiry, the blob digest, the
+chunk format's golden bytes and its version."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import random
+import re
+import struct
+from pathlib import Path
 
 import pytest
+import xxhash
 
-from shared_protocol.chunking import CHUNK_FIXED_BYTES, ChunkedBlob, ChunkHeader, Reassembler, SenderLimits, split_blob
+from shared_protocol.chunking import (
+    CHUNK_FIXED_BYTES,
+    DIGEST_BYTES,
+    ChunkedBlob,
+    ChunkHeader,
+    Reassembler,
+    SenderLimits,
+    split_blob,
+)
+from shared_protocol import chunked_blob, reassembly
 from shared_protocol.errors import (
     BudgetError,
     ChunkError,
+    ChunkVersionError,
     HashMismatchError,
     LengthMismatchError,
     SenderIgnoredError,
     SizeLimitError,
 )
+
+
+GOLDEN = Path(__file__).parent / "golden"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeClock:
@@ -33,8 +52,8 @@ def test_split_sizes_and_single_chunk_for_small_or_empty() -> None:
     assert [len(body) for _, body in chunks] == [4096, 4096, 1808]
     assert {h.count for h, _ in chunks} == {3}
     assert b"".join(bytes(body) for _, body in chunks) == blob
-    # The blob's sha256 rides on the last chunk only.
-    assert [h.sha256 for h, _ in chunks] == [None, None, hashlib.sha256(blob).digest()]
+    # The blob's XXH3-128 rides on the last chunk only.
+    assert [h.digest for h, _ in chunks] == [None, None, xxhash.xxh3_128(blob).digest()]
     (empty,) = split_blob(b"", 4096)
     assert Reassembler().add(empty) == b""
 
@@ -84,6 +103,92 @@ def test_hash_mismatch_detected() -> None:
     header, body = ChunkHeader.parse(chunks[2])
     with pytest.raises(HashMismatchError):
         r.add(header.pack() + b"\x00" * len(body))
+
+
+class _NoDigest:
+    """A blob hasher that checks nothing: with it on both sides every blob's digest agrees."""
+
+    def update(self, data: object) -> None:
+        pass
+
+    def digest(self) -> bytes:
+        return bytes(DIGEST_BYTES)
+
+
+def _mis_assembled(kind: str) -> tuple[bytes, list[bytes]]:
+    """A 3-chunk blob and the chunks of its transfer as a receiver gets them, one of them wrong."""
+    blob = os.urandom(3000)
+    chunks = split_blob(blob, 1000, transfer_id="t")
+    parsed = [ChunkHeader.parse(c) for c in chunks]
+    if kind == "corrupted":  # a chunk's bytes changed on the way
+        header, body = parsed[1]
+        chunks[1] = header.pack() + bytes(b ^ 0x01 if i == 500 else b for i, b in enumerate(bytes(body)))
+    elif kind == "swapped":  # two chunks' bytes under each other's seq
+        (h0, b0), (h1, b1) = parsed[0], parsed[1]
+        chunks[0], chunks[1] = h0.pack() + bytes(b1), h1.pack() + bytes(b0)
+    elif kind == "from_another_transfer":  # the same transfer id, a chunk of another blob of the same layout
+        chunks[1] = split_blob(os.urandom(3000), 1000, transfer_id="t")[1]
+    return blob, chunks
+
+
+@pytest.mark.parametrize("kind", ["corrupted", "swapped", "from_another_transfer"])
+def test_a_mis_assembled_blob_is_refused_by_its_digest(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    blob, chunks = _mis_assembled(kind)
+    r = Reassembler()
+    assert r.add(chunks[0], "s") is None and r.add(chunks[1], "s") is None
+    with pytest.raises(HashMismatchError, match="XXH3-128"):
+        r.add(chunks[2], "s")
+    assert r.open_transfers() == [] and r.stats.rejected_by_reason == {"hash_mismatch": 1}
+    # Positive control: with the digest checking nothing, the same chunks make a wrong blob, so the
+    # digest (no other check) is what refuses them.
+    monkeypatch.setattr(chunked_blob, "blob_hasher", _NoDigest)
+    monkeypatch.setattr(reassembly, "blob_hasher", _NoDigest)
+    blob, chunks = _mis_assembled(kind)
+    r = Reassembler()
+    out = [r.add(c, "s") for c in chunks][-1]
+    assert out is not None and len(out) == len(blob) and out != blob
+
+
+def test_an_old_format_chunk_is_refused_naming_both_versions() -> None:
+    # Version 1's bytes as its senders wrote them: the same fixed fields, the blob's SHA-256 on the last chunk.
+    body = b"hello"
+    v1 = struct.pack(">4sBBBHIIIQ", b"ESCK", 1, 0x01, 1, 0, 0, 1, 1024, len(body)) + b"x" + hashlib.sha256(body).digest() + body
+    r = Reassembler()
+    with pytest.raises(ChunkVersionError, match=r"chunk format version 1 \(the blob's SHA-256 on its last chunk\); this "
+                                                 r"build speaks version 2 \(the blob's XXH3-128 on its last chunk\)"):
+        r.add(v1, "up/old-agent")
+    assert r.stats.rejected_by_reason == {"bad_chunk": 1}
+    with pytest.raises(ChunkVersionError, match="chunk format version 9; this build speaks version 2"):
+        r.add(v1[:4] + b"\x09" + v1[5:])
+
+
+def golden_chunks() -> list[bytes]:
+    """The chunks pinned in tests/golden/chunk_v2_seq*.bin (see make_golden.py)."""
+    blob = bytes(range(50))
+    return ChunkedBlob(blob, 32, transfer_id="00000000000000000000000000000003",
+                       reply_topic="edgesplit/v1/golden-run/down/a1").chunks()
+
+
+def test_golden_chunks_are_byte_identical_and_parse_to_known_values() -> None:
+    golden = [(GOLDEN / f"chunk_v2_seq{seq}.bin").read_bytes() for seq in range(2)]
+    assert golden_chunks() == golden
+    (h0, b0), (h1, b1) = (ChunkHeader.parse(c) for c in golden)
+    assert golden[0][:5] == b"ESCK\x02" and golden[0][5] == 0 and golden[1][5] == 1  # version 2; the flag on the last only
+    assert (h0.seq, h0.count, h0.chunk_bytes, h0.total_bytes, h0.digest) == (0, 2, 32, 50, None)
+    assert (h1.transfer_id, h1.reply_topic) == ("00000000000000000000000000000003", "edgesplit/v1/golden-run/down/a1")
+    # The digest as docs/protocol.md §5 specifies it: XXH3-128, seed 0, 16 bytes big-endian.
+    assert h1.digest == xxhash.xxh3_128(bytes(range(50))).intdigest().to_bytes(16, "big")
+    assert golden[1][-18 - DIGEST_BYTES : -18] == h1.digest and bytes(b0) + bytes(b1) == bytes(range(50))
+    r = Reassembler()
+    assert r.add(golden[1]) is None and r.add(golden[0]) == bytes(range(50))
+
+
+def test_the_protocol_pages_digest_examples_hold() -> None:
+    spec = " ".join((ROOT / "docs" / "protocol.md").read_text().split())
+    abc = re.search(r"`abc` has the digest `([0-9a-f]{32})`", spec)
+    empty = re.search(r"the empty blob `([0-9a-f]{32})`", spec)
+    assert abc is not None and empty is not None
+    assert (abc[1], empty[1]) == (ChunkedBlob(b"abc").digest.hex(), ChunkedBlob(b"").digest.hex())
 
 
 def test_per_transfer_and_total_memory_bounds() -> None:
@@ -142,7 +247,7 @@ def test_inconsistent_chunk_metadata_rejected() -> None:
 
 
 def _good() -> ChunkHeader:
-    return ChunkHeader("x", 0, 1, 1, 1024, b"\x00" * 32)
+    return ChunkHeader("x", 0, 1, 1, 1024, b"\x00" * DIGEST_BYTES)
 
 
 @pytest.mark.parametrize(
@@ -151,16 +256,16 @@ def _good() -> ChunkHeader:
         b"",
         b"ESCK" + bytes(10),  # shorter than the fixed header
         b"XXXX" + _good().pack()[4:] + b"a",  # magic
-        _good().pack()[:4] + b"\x02" + _good().pack()[5:] + b"a",  # version
+        _good().pack()[:4] + b"\x03" + _good().pack()[5:] + b"a",  # a version not (yet) spoken
         _good().pack()[:5] + b"\x03" + _good().pack()[6:] + b"a",  # unknown flag
-        ChunkHeader("", 0, 1, 1, 1024, b"\x00" * 32).pack() + b"a",  # empty transfer id
-        ChunkHeader("x" * 65, 0, 1, 1, 1024, b"\x00" * 32).pack() + b"a",  # transfer id too long
-        ChunkHeader("x", 1, 1, 1, 1024, b"\x00" * 32).pack() + b"a",  # seq outside [0, count)
-        ChunkHeader("x", 0, 2, 1, 1024, b"\x00" * 32).pack() + b"a",  # count does not match length / stride
-        ChunkHeader("x", 0, 1, 1, 0, b"\x00" * 32).pack() + b"a",  # zero stride
-        ChunkHeader("x", 0, 1, 1, 1024).pack() + b"a",  # last chunk without the blob's sha256
-        ChunkHeader("x", 0, 2, 2000, 1024, b"\x00" * 32).pack() + bytes(1024),  # sha256 on a chunk that is not last
-        _good().pack()[:-8],  # truncated inside the sha256
+        ChunkHeader("", 0, 1, 1, 1024, b"\x00" * DIGEST_BYTES).pack() + b"a",  # empty transfer id
+        ChunkHeader("x" * 65, 0, 1, 1, 1024, b"\x00" * DIGEST_BYTES).pack() + b"a",  # transfer id too long
+        ChunkHeader("x", 1, 1, 1, 1024, b"\x00" * DIGEST_BYTES).pack() + b"a",  # seq outside [0, count)
+        ChunkHeader("x", 0, 2, 1, 1024, b"\x00" * DIGEST_BYTES).pack() + b"a",  # count does not match length / stride
+        ChunkHeader("x", 0, 1, 1, 0, b"\x00" * DIGEST_BYTES).pack() + b"a",  # zero stride
+        ChunkHeader("x", 0, 1, 1, 1024).pack() + b"a",  # last chunk without the blob's digest
+        ChunkHeader("x", 0, 2, 2000, 1024, b"\x00" * DIGEST_BYTES).pack() + bytes(1024),  # digest on a chunk that is not last
+        _good().pack()[:-8],  # truncated inside the digest
         _good().pack()[:CHUNK_FIXED_BYTES] + b"\xff" + _good().pack()[CHUNK_FIXED_BYTES + 1 :] + b"a",  # tid not UTF-8
     ],
 )
@@ -183,7 +288,7 @@ def test_chunked_blob_cuts_views_and_resends_the_same_bytes() -> None:
     blob = os.urandom(10_000)
     cut = ChunkedBlob(blob, 3000, transfer_id="t", reply_topic="up/me")
     first = [cut.chunk(seq) for seq in range(len(cut))]
-    assert cut.sha256 == hashlib.sha256(blob).digest()
+    assert cut.digest == xxhash.xxh3_128(blob).digest()
     # A resend re-cuts a chunk byte for byte; the reply topic travels in every header.
     assert [cut.chunk(seq) for seq in (2, 0, 3)] == [first[2], first[0], first[3]]
     assert {ChunkHeader.parse(c)[0].reply_topic for c in first} == {"up/me"}
@@ -192,7 +297,7 @@ def test_chunked_blob_cuts_views_and_resends_the_same_bytes() -> None:
     assert r.reply_topic("t", "s") == "up/me"
     # Cutting the last chunk first (a resend before the sender cut the rest) still hashes the whole blob.
     early = ChunkedBlob(blob, 3000, transfer_id="t")
-    assert ChunkHeader.parse(early.chunk(3))[0].sha256 == hashlib.sha256(blob).digest()
+    assert ChunkHeader.parse(early.chunk(3))[0].digest == xxhash.xxh3_128(blob).digest()
 
 
 def test_one_source_cannot_hold_too_many_open_transfers() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared_protocol.chunking import ChunkHeader, Reassembler, split_blob
+from shared_protocol.chunking import DIGEST_BYTES, ChunkHeader, Reassembler, split_blob
 from shared_protocol.errors import ProtocolError
 from shared_protocol.frame import FrameLimits, decode_frame
 from shared_protocol.messages import RoundEnd, decode_message, encode_message
@@ -91,13 +91,13 @@ def test_arbitrary_headers(header: dict) -> None:
 
 @FUZZ
 @given(st.text(max_size=70), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
-       st.integers(0, 2**32 - 1), st.one_of(st.none(), st.binary(min_size=32, max_size=32)), st.text(max_size=40),
+       st.integers(0, 2**32 - 1), st.one_of(st.none(), st.binary(min_size=DIGEST_BYTES, max_size=DIGEST_BYTES)), st.text(max_size=40),
        st.binary(max_size=64))
-def test_chunk_headers_and_reassembly(tid: str, seq: int, count: int, total: int, stride: int, sha: bytes | None,
+def test_chunk_headers_and_reassembly(tid: str, seq: int, count: int, total: int, stride: int, digest: bytes | None,
                                       reply: str, body: bytes) -> None:
     reassembler = Reassembler(max_transfer_bytes=1 << 16, max_total_bytes=1 << 18)
     try:
-        reassembler.add(ChunkHeader(tid, seq, count, total, stride, sha, reply).pack() + body, "t")
+        reassembler.add(ChunkHeader(tid, seq, count, total, stride, digest, reply).pack() + body, "t")
     except ProtocolError:
         pass
     except (struct.error, UnicodeEncodeError):

@@ -241,7 +241,7 @@ else
   # checks that the training API loads.
   say "6. the agent, lean: ${ORT_SPEC} without its artifact-generation dependencies"
   run "${PIP}" install -q --no-deps "${ORT_SPEC}"
-  run "${PIP}" install -q "numpy>=1.24" "zstandard>=0.21" "paho-mqtt>=2.0,<3" "pillow>=9"
+  run "${PIP}" install -q "numpy>=1.24" "zstandard>=0.21" "paho-mqtt>=2.0,<3" "xxhash>=3.0" "pillow>=9"
   run "${PIP}" install -q --no-deps "${SOURCE}"
 fi
 

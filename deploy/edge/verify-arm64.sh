@@ -281,7 +281,7 @@ from pathlib import Path
 
 out, work = Path(sys.argv[1]), Path(sys.argv[2])
 logs = work / "logs"
-keep = ("torch", "torchvision", "numpy", "edgesplit", "paho-mqtt", "zstandard", "tqdm", "psutil", "pillow")
+keep = ("torch", "torchvision", "numpy", "edgesplit", "paho-mqtt", "zstandard", "xxhash", "tqdm", "psutil", "pillow")
 versions = {p["name"].lower(): p["version"] for p in json.loads((work / "pip-list.json").read_text() or "[]")}
 report_path = work / "run" / "report.json"
 report = json.loads(report_path.read_text()) if report_path.exists() else None

@@ -257,7 +257,7 @@ def _long_run_lines(cases: list[dict[str, Any]], image_dir: Path | None) -> list
         plt.close(fig)
     return [
         "### The agent's memory over a long run", "",
-        f"`test_long_run`: each round's peak as the agent reports it in its `RoundEnd`.", "",
+        "`test_long_run`: each round's peak as the agent reports it in its `RoundEnd`.", "",
         f"![the agent's peak RSS per round](img/{RSS_PLOT})", "",
         *_table(["Agent", "Mode", "Samples", "Rounds", "Round 3 MB", "Last round MB", "Highest after round 3 / round 3",
                  "Within the Pi target"], rows, right_from=2),
@@ -366,7 +366,7 @@ def scale_section(data: dict[str, Any]) -> list[str]:
 def transport_section(data: dict[str, Any]) -> list[str]:
     """The transport against raw paho and a raw TCP copy: MB/s, CPU per MB, the targets and the hashes' floor."""
     info = case(data, "test_transport")["extra_info"]
-    rates, med, cpu = info["mb_per_s"], info["median_mb_per_s"], info["median_cpu_ms_per_mb"]
+    med, cpu = info["median_mb_per_s"], info["median_cpu_ms_per_mb"]
     labels = (("tcp_socket", "raw TCP socket copy"), ("paho_raw_plain", "raw paho, plain"), ("edgesplit_plain", "EdgeSplit transport, plain"),
               ("paho_raw_tls", "raw paho, TLS"), ("edgesplit_tls", "EdgeSplit transport, TLS"))
     rows = [[label, f"{med[key]:,.0f}",

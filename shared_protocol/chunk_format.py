@@ -5,7 +5,7 @@ seq, count, chunk stride, total bytes, optional reply topic and, on the last
 chunk, the whole blob's XXH3-128 digest) followed by a contiguous slice of the blob.
 The header travels in the payload, not as MQTT v5 user properties, because
 paho parses properties by re-slicing the whole remaining packet once per field:
-seven user properties cost the receiver about 25 copies of every 512 KiB chunk.
+each user property costs the receiver several copies of every chunk.
 
 The blob digest guards reassembly against accidental corruption and mis-assembly
 (a chunk's bytes changed, two chunks swapped, a chunk taken from another transfer), not against an adversary:

@@ -309,11 +309,8 @@ def metrics_overhead_section(data: dict[str, Any]) -> list[str]:
     rows, direct = [], []
     for condition, info in (("off", off), ("on", on)):
         for i, r in enumerate(info["runs"], 1):
-            scraped = r.get("scrapes", {}).get("per_endpoint")
             rows.append([f"{condition} {i}" + ("" if r.get("in_ratio", True) else " (direct only)"), f"{sum(r['round_s']) / len(r['round_s']):.1f}", f"{sum(r['server_train_s']):.1f}",
-                         f"{r['run_wall_time_s']:.0f}", f"{r['cpu_s']['tree_total']:.0f}",
-                         f"{r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f}",
-                         DASH if not scraped else f"{sum(c['ok'] for c in scraped.values())} / {sum(c['failed'] for c in scraped.values())}"])
+                         f"{r['run_wall_time_s']:.0f}", f"{r['cpu_s']['tree_total']:.0f}"])
             cost = r.get("self_cost") or {}
             if cost.get("share_of_round_time") is not None:
                 agents = [v for k, v in cost["cpu_s_by_endpoint"].items() if k.startswith("agent-")]
@@ -326,8 +323,7 @@ def metrics_overhead_section(data: dict[str, Any]) -> list[str]:
         f"FedGKT, {s['dataset']}, {s['train_samples']:,} training / {s['test_samples']:,} test images, {s['partition']}, "
         f"{s['rounds']} rounds, seed {s['seed']}) with metrics off and with `--metrics`, every endpoint scraped every "
         f"{on['scrape_interval_s']:g} s. Off, nothing of the metrics code is imported (`{off['off_not_imported_checked_by']}`).", "",
-        *_table(["Run", "Mean round s", "Server training s", "Run wall s", "CPU s, all processes", "Load (1 min) before → after",
-                 "Scrapes ok / failed"], rows),
+        *_table(["Run", "Mean round s", "Server training s", "Run wall s", "CPU s, all processes"], rows),
         "",
         *(["Measured directly: the metrics code's own CPU seconds (`edgesplit_metrics_cpu_seconds_total`) at each endpoint's last "
            f"scrape, over the off runs' mean summed round time ({verdict['off_round_time_total_s']:.0f} s).", "",

@@ -686,3 +686,20 @@ def test_a_reference_cell_runs_end_to_end(tmp_path: Path) -> None:
     report = json.loads((runs / cell["key"] / "report.json").read_text())
     assert report["config"]["method_config"]["batch_size"] == 16 and report["config"]["method_config"]["model"] == "resnet8"
     assert cell["run"] == run_figures(report) and cell["run"]["final_accuracy"] is not None and cell["run"]["rounds"] == 1
+
+
+def test_the_setting_lists_a_joined_variant_once_as_its_parts_changes() -> None:
+    from cloud_server.experiments.tables import setting_md
+
+    def variant(name: str, **settings: Any) -> dict[str, Any]:
+        return {"name": name, "overrides": {"settings": settings}}
+
+    spec = {"name": "x", "seeds": [0], "methods": ["fedavg"], "partitions": ["iid"],
+            "scale": {"agents": 2, "rounds": 1, "train_samples": 10, "test_samples": 10, "dataset": "d"},
+            "variants": [variant("default"), variant("a", **{"server.p": 1}), variant("b_c", **{"server.q": 2}),
+                         variant("a_b_c", **{"server.p": 1, "server.q": 2}), variant("a_odd", **{"server.p": 1, "server.r": 3})]}
+    text = setting_md({"experiment": spec})
+    assert "- `a`: `server.p=1`" in text and "- `b_c`: `server.q=2`" in text
+    assert "- `a_b_c`" not in text and "(`a_b_c`): their changes together" in text
+    # A name that joins others' but changes something else is listed with its changes.
+    assert "- `a_odd`: `server.p=1`, `server.r=3`" in text

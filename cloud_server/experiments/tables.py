@@ -271,6 +271,10 @@ def claims_summary_md(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> s
 
 
 def _overrides(overrides: Mapping[str, Any]) -> str:
+    return ", ".join(_override_items(overrides))
+
+
+def _override_items(overrides: Mapping[str, Any]) -> list[str]:
     flags = [f"--{k.replace('_', '-')} {v}" for k, v in (overrides.get("flags") or {}).items()]
     # The same key and value set for several methods (`fedgkt.x=1`, `splitnn.x=1`): said once, as `{fedgkt,splitnn}.x=1`.
     owners: dict[tuple[str, str], list[str]] = {}
@@ -280,7 +284,21 @@ def _overrides(overrides: Mapping[str, Any]) -> str:
     settings = [f"{{{','.join(t)}}}.{name}={value}" if len(t) > 1 else f"{t[0] + '.' if t[0] else ''}{name}={value}"
                 for (name, value), t in owners.items()]
     faults = [f"--faulty-agent {f}" for f in overrides.get("faulty_agents") or []]
-    return ", ".join(f"`{x}`" for x in (*flags, *settings, *faults))
+    return [f"`{x}`" for x in (*flags, *settings, *faults)]
+
+
+def _joins(name: str, variants: Mapping[str, Sequence[str]]) -> bool:
+    """Whether ``name`` is two or more other variants' names joined by ``_`` and makes exactly their
+    changes together (``flip_nochecks``: ``flip`` and ``nochecks``), so the setting need not list it."""
+    tokens = name.split("_")
+
+    def splits(start: int) -> list[list[str]]:
+        if start == len(tokens):
+            return [[]]
+        return [[part, *rest] for end in range(start + 1, len(tokens) + 1)
+                if (part := "_".join(tokens[start:end])) in variants and part != name for rest in splits(end)]
+
+    return any(len(parts) > 1 and set(variants[name]) == {i for p in parts for i in variants[p]} for parts in splits(0))
 
 
 def setting_md(results: Mapping[str, Any]) -> str:
@@ -306,13 +324,15 @@ def setting_md(results: Mapping[str, Any]) -> str:
     else:
         common = _overrides(overrides)
     lines = [line + (f" Every run: {common}." if common else "")]
-    variants = [(v, _overrides(v["overrides"])) for v in spec.get("variants") or []]
-    if any(text for _, text in variants):
-        lines.append("")
-        for variant, text in variants:
-            if not text and variant["name"] == "default":
-                continue
-            lines.append(f"- `{variant['name']}`: {text or 'as above'}")
+    variants = {v["name"]: _override_items(v["overrides"]) for v in spec.get("variants") or []}
+    if not any(variants.values()):
+        return "\n".join(lines)
+    joined = [name for name in variants if _joins(name, variants)]
+    lines.append("")
+    lines += [f"- `{name}`: {', '.join(items) or 'as above'}" for name, items in variants.items()
+              if name not in joined and (items or name != "default")]
+    if joined:
+        lines.append(f"- a variant whose name joins others' (`{joined[0]}`): their changes together")
     return "\n".join(lines)
 
 

@@ -27,9 +27,11 @@ from cloud_server.audit.kept import agent_images, load_kept_run
 from cloud_server.audit.registry import attacks_for
 from cloud_server.audit.scoring import PixelSpace
 from cloud_server.audit.updates import unrolled_update
+from conftest import Broker
 from edge_agent.config import DataConfig, EdgeConfig
 from edge_agent.secagg_client import SecAggClient
-from fedhelpers import in_memory_federation, method_server_config, write_agent_toml
+from fedhelpers import agent_config, in_memory_federation, method_server_config, mqtt_federation, write_agent_toml
+from shared_protocol.secagg import SecAggParams, dequantise
 
 AGENTS = 2
 # One image per agent, one SGD step on it: where the audit's update inversion rebuilds an image.
@@ -143,3 +145,50 @@ def test_the_aggregate_is_kept_and_is_one_step_on_the_survivors_images_together(
     assert any("secure aggregation" in note for note in result["notes"])
     section = json.loads((kept.run_dir / "report.json").read_text())["leakage"]
     assert any("masked input" in note for note in section["notes"])
+
+
+@pytest.mark.broker
+def test_over_mosquitto_the_keeper_holds_exactly_the_masked_inputs_sent_and_the_aggregate(tmp_path: Path, mosquitto: Broker) -> None:
+    sent: dict[str, np.ndarray] = {}
+    unmasked: dict[str, np.ndarray] = {}
+    lock = threading.Lock()
+    mask = SecAggClient.mask
+
+    def spying_mask(client: SecAggClient, update: np.ndarray, num_samples: int, uniform: bool = False) -> np.ndarray:
+        ring = mask(client, update, num_samples, uniform=uniform)
+        with lock:
+            sent.setdefault(client.me, ring.copy())
+            unmasked.setdefault(client.me, update.copy())
+        return ring
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SecAggClient, "mask", spying_mask)
+        config = dataclasses.replace(method_server_config(tmp_path, "fedavg", {"model": "resnet8", "batch_size": 16}, run_id="audit-sa-mq",
+                                                          agents=AGENTS, rounds=1, eval_samples=40, audit=True),
+                                     secure_aggregation=True, secagg_stage_timeout_s=30.0)
+        fed = mqtt_federation(config, [agent_config("audit-sa-mq", i, AGENTS, train_samples=64, test_samples=16) for i in range(AGENTS)],
+                              mosquitto.url)
+        report = fed.start().join()
+    assert report["rounds"][0]["method"]["secagg"]["stage"] == "done"
+    kept = load_kept_run(tmp_path / "run")
+    params = SecAggParams()
+    for agent in ("agent-0", "agent-1"):
+        update = kept.updates[agent]
+        assert update.kind == "secagg.masked_input" and update.num_samples == 32
+        # Exactly what crossed the broker, read in the agent's layout ...
+        wire = _as_named(dequantise(sent[agent], params)[:-1], update.global_weights)
+        received = received_update(update)
+        assert all(np.array_equal(received[n].numpy(), wire[n]) for n in wire)
+        # ... which is not the agent's update.
+        plain = _as_named(unmasked[agent], update.global_weights)
+        whole = [torch.cat([torch.as_tensor(u[n]).flatten() for n in sorted(plain)]) for u in (received, plain)]
+        assert abs(float(F.cosine_similarity(*whole, dim=0))) < 6 / whole[0].numel() ** 0.5
+    # The aggregate: the server's new model minus the one the round started from, the mean of the two updates.
+    aggregate = kept.aggregate
+    assert aggregate is not None and aggregate.agents == ("agent-0", "agent-1") and aggregate.num_samples == 64
+    final = fed.coordinator.method.global_state
+    plain = [_as_named(unmasked[a], aggregate.global_weights) for a in aggregate.agents]
+    mean = {n: (plain[0][n] + plain[1][n]) / 2 for n in plain[0]}  # equal shards: the sample-weighted mean
+    for name, delta in received_update(aggregate).items():
+        assert np.allclose(delta.numpy(), final[name] - aggregate.global_weights[name], atol=1e-6), name
+        assert np.allclose(delta.numpy(), mean[name], atol=1e-5), name

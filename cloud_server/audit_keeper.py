@@ -387,7 +387,7 @@ class AuditKeeper:
         start = self._start_model(agent, msg.model_version)
         if start is None or self.secagg is None:
             return
-        if not self._aggregate_kept and self._pending is None:
+        if not self._aggregate_kept and (self._pending is None or self._pending["round"] < msg.round):  # a failed round's gives way
             self._pending = {"round": msg.round, "start": start, "round_config": self._round_config.get(agent, {}),
                              "survivors": [], "num_samples": {}}
         if self._pending is not None and self._pending["round"] == msg.round:

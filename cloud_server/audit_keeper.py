@@ -23,6 +23,14 @@ files (``np.savez``; read back with ``allow_pickle=False``):
 - ``update-<agent>.npz``: weight-sharing uploads (the FedAvg family's models, FedKD's
   factored mentee update): the agent's first upload whose starting global model the keeper
   saw go out, that global model, and the round config that set its local schedule.
+- with ``[server] secure_aggregation``, ``update-<agent>.npz`` holds instead the agent's first
+  masked input (kind ``secagg.masked_input``) whose starting global model the keeper saw,
+  decoded as the server would read a plain update from it: each ring element as the fixed-point
+  encoding's signed value scaled back to a float, cut into the model's float arrays in the
+  order the agent flattened them (sorted by name), with the (masked) weight entry apart; and
+  ``aggregate.npz`` the first round's unmasked aggregate (the new global model minus the one
+  the round started from: the survivors' mean update, what the server legitimately learns)
+  with the survivors and their sample counts.
 - ``kept.json``: the method, the bound, what each file holds, the uploads the keeper
   does not know how to keep (named, so that the audit can say so instead of reporting
   safety), and per agent the models its evaluation reports carried (FedKD's mentor, FedGKT's
@@ -44,22 +52,32 @@ from typing import Any
 
 import numpy as np
 
+from shared_protocol.errors import ShapeMismatchError
 from shared_protocol.messages import ErrorReply, EvalReport, Hello, Message, RoundEnd, RoundStart, Status
 from shared_protocol.methods.fedavg import FedAvgGlobalModel, FedAvgUpdate, join_state
 from shared_protocol.methods.fedgkt import GktFeatures, GktReusedMaps
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdUpdate
 from shared_protocol.methods.splitnn import SplitActivations, SplitExtractor, SplitExtractorWeights
+from shared_protocol.secagg_messages import SecAggAdvertise, SecAggMaskedInput, SecAggUnmask
+from shared_protocol.secagg_params import SecAggParams
 
 log = logging.getLogger("cloud_server")
 
-__all__ = ["AUDIT_DIR", "KEPT_MANIFEST", "AuditKeeper", "save_arrays"]
+__all__ = ["AGGREGATE_FILE", "AGGREGATE_KIND", "AUDIT_DIR", "KEPT_MANIFEST", "MASKED_KIND", "AuditKeeper", "decode_masked", "save_arrays"]
 
 #: The run directory's folder of what the audit reads.
 AUDIT_DIR = "audit"
 #: The keeper's manifest in :data:`AUDIT_DIR`.
 KEPT_MANIFEST = "kept.json"
-#: Uploads that carry nothing of the private data the audit attacks (requests, checksums of work done).
-_NOT_ATTACKED = ("fedgkt.ort_artifacts_request", "splitnn.extractor", "eval_set_request")
+#: Uploads that carry nothing of the private data the audit attacks (requests, checksums of work done;
+#: secure aggregation's keys and seed shares, whose use, the unmasked sum, is kept as the aggregate).
+_NOT_ATTACKED = ("fedgkt.ort_artifacts_request", "splitnn.extractor", "eval_set_request", "secagg.share_keys",
+                 "secagg.unmask_shares")
+#: The kind of a kept masked input and of a kept secure aggregate (``kind`` in their files).
+MASKED_KIND = "secagg.masked_input"
+AGGREGATE_KIND = "secagg.aggregate"
+#: The file of the kept secure aggregate.
+AGGREGATE_FILE = "aggregate.npz"
 
 
 def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -73,6 +91,31 @@ def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
+
+
+def decode_masked(masked: np.ndarray, params: SecAggParams, start: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+    """A masked input read as the server would read a plain update from it: (the update by name,
+    the weight entry). ``start`` is the global model the input started from, whose float arrays
+    the agent flattened in name order (edge_agent/methods/fedavg.py) before appending its weight.
+
+    Raises:
+        ShapeMismatchError: ``masked`` does not hold one entry per float of ``start`` and the weight.
+    """
+    from shared_protocol.secagg import dequantise  # needs cryptography and pycryptodome, as secure aggregation does
+
+    names = sorted(n for n, a in start.items() if np.asarray(a).dtype.kind == "f")
+    length = sum(np.asarray(start[n]).size for n in names)
+    if masked.size != length + 1:
+        raise ShapeMismatchError(f"a masked input of {masked.size} entries does not fit the {length} floats of the "
+                                 "global model it started from and a weight")
+    values = dequantise(np.ascontiguousarray(masked).view(params.dtype), params)
+    update, offset = {}, 0
+    for name in names:
+        shape = np.shape(start[name])
+        size = int(np.prod(shape))
+        update[name] = values[offset:offset + size].reshape(shape).astype(np.float32)
+        offset += size
+    return update, float(values[-1])
 
 
 @dataclass
@@ -101,14 +144,20 @@ class AuditKeeper:
         run_dir: the run directory (files go to ``run_dir/audit``).
         method: the run's method name.
         samples_per_agent: activation rows kept per agent (>= 1).
+        secagg: the run's secure-aggregation parameters (None: off), to decode masked inputs.
     """
 
-    def __init__(self, run_dir: str | Path, method: str, samples_per_agent: int) -> None:
+    def __init__(self, run_dir: str | Path, method: str, samples_per_agent: int, secagg: SecAggParams | None = None) -> None:
         if samples_per_agent < 1:
             raise ValueError(f"audit samples_per_agent must be >= 1, got {samples_per_agent}")
         self.dir = Path(run_dir) / AUDIT_DIR
         self.method = method
         self.samples_per_agent = samples_per_agent
+        self.secagg = secagg
+        self._advertised: dict[str, int] = {}  # agent -> the sample count of its latest secure-aggregation advert
+        # the first secure round whose masked inputs the keeper saw start from a model it holds, until its aggregate is kept
+        self._pending: dict[str, Any] | None = None
+        self._aggregate_kept = False
         self._maps: dict[str, _Maps] = {}
         self._eval_maps: dict[str, _Maps] = {}  # FedGKT: the maps of the agents' local test images, evaluation's upload
         # agent (None: sent to all) -> (global version, weights) of the last model the server sent
@@ -142,6 +191,7 @@ class AuditKeeper:
             elif name.startswith("evalmaps-"):
                 self._eval_maps[about["agent"]] = _Maps(round=-1)
         self._extractor_kept = "extractor.npz" in self._files
+        self._aggregate_kept = AGGREGATE_FILE in self._files
 
     # -- what the coordinator calls ----------------------------------------------------- #
 
@@ -154,6 +204,10 @@ class AuditKeeper:
                 self._on_model_sent(agent, msg)
         elif isinstance(msg, FedAvgGlobalModel):
             self._global[agent] = (msg.model_version, dict(msg.weights))
+            self._maybe_keep_aggregate(msg.model_version, msg.weights)
+        elif isinstance(msg, SecAggUnmask) and not msg.reason:
+            if self._pending is not None and self._pending["round"] == msg.round:
+                self._pending["survivors"] = list(msg.survivors)
         elif isinstance(msg, SplitExtractor) and agent is not None:
             self._eval_extractor[agent] = dict(msg.weights)  # the extractor the agent evaluates its test shard with
         elif isinstance(msg, FedKdAggregate):
@@ -180,6 +234,10 @@ class AuditKeeper:
             self._keep_fedavg_update(agent, msg)
         elif isinstance(msg, FedKdUpdate):
             self._keep_fedkd_update(agent, msg)
+        elif isinstance(msg, SecAggAdvertise):
+            self._advertised[agent] = msg.num_samples  # in clear, as a plain upload's
+        elif isinstance(msg, SecAggMaskedInput) and self.secagg is not None:
+            self._keep_masked_input(agent, msg)
         elif isinstance(msg, EvalReport):
             self._note_eval_models(agent, msg)
             self._keep_eval_model(agent, msg)
@@ -209,6 +267,7 @@ class AuditKeeper:
         version = msg.config.get("model_version", msg.config.get("global_version"))
         if isinstance(version, int):
             self._global[agent] = (version, weights)
+            self._maybe_keep_aggregate(version, weights)
 
     def _keep_maps(self, agent: str, round_: int, seq: int, features: np.ndarray, labels: np.ndarray,
                    sample_ids: np.ndarray | None, predicted: np.ndarray | None) -> None:
@@ -324,12 +383,57 @@ class AuditKeeper:
                        "base_version": np.asarray(msg.base_version, np.int64)})
         self._keep_update(agent, msg.round, "fedkd.update", msg.num_samples, arrays)
 
+    def _keep_masked_input(self, agent: str, msg: SecAggMaskedInput) -> None:
+        start = self._start_model(agent, msg.model_version)
+        if start is None or self.secagg is None:
+            return
+        if not self._aggregate_kept and (self._pending is None or self._pending["round"] < msg.round):  # a failed round's gives way
+            self._pending = {"round": msg.round, "start": start, "round_config": self._round_config.get(agent, {}),
+                             "survivors": [], "num_samples": {}}
+        if self._pending is not None and self._pending["round"] == msg.round:
+            self._pending["num_samples"][agent] = self._advertised.get(agent, 0)
+        if agent in self._updates:
+            return
+        try:
+            update, weight = decode_masked(msg.masked, self.secagg, start)
+        except ShapeMismatchError as exc:
+            log.warning("audit: %s's masked input is not kept: %s", agent, exc)
+            return
+        arrays = {f"update/{k}": v for k, v in update.items()}
+        arrays.update({f"int_buffers/{k}": np.asarray(v, np.int64) for k, v in msg.int_buffers.items()})
+        arrays.update({f"global/{k}": np.asarray(v) for k, v in start.items()})
+        arrays["masked_weight"] = np.asarray(weight)
+        self._keep_update(agent, msg.round, MASKED_KIND, self._advertised.get(agent, 0), arrays)
+
+    def _maybe_keep_aggregate(self, version: int, weights: dict[str, np.ndarray]) -> None:
+        """FedAvg's global version is the round that made it: the model of version r, minus the one
+        round r started from, is the survivors' mean update (with DP-FedAvg's noise, where on)."""
+        pending = self._pending
+        if pending is None or version != pending["round"] or not pending["survivors"] or not weights:
+            return
+        start = pending["start"]
+        names = sorted(n for n in weights if n in start and np.asarray(weights[n]).dtype.kind == "f")
+        arrays: dict[str, np.ndarray] = {f"update/{n}": (np.asarray(weights[n], np.float64) - np.asarray(start[n], np.float64)).astype(np.float32)
+                                         for n in names}
+        arrays.update({f"global/{k}": np.asarray(v) for k, v in start.items()})
+        survivors = pending["survivors"]
+        counts = [int(pending["num_samples"].get(a, 0)) for a in survivors]
+        arrays.update({"kind": np.asarray(AGGREGATE_KIND), "round": np.asarray(pending["round"], np.int64),
+                       "agents": np.asarray(survivors), "agent_samples": np.asarray(counts, np.int64),
+                       "num_samples": np.asarray(sum(counts), np.int64),
+                       "round_config": np.asarray(json.dumps(pending["round_config"], sort_keys=True))})
+        self._pending, self._aggregate_kept = None, True
+        self._save(AGGREGATE_FILE, arrays, {"what": f"the unmasked aggregate of {len(survivors)} agents (their mean update) "
+                                            "and the global model it started from", "agents": survivors,
+                                            "round": int(arrays["round"]), "num_samples": int(sum(counts))})
+
     def _keep_update(self, agent: str, round_: int, kind: str, num_samples: int, arrays: dict[str, np.ndarray]) -> None:
         arrays.update({"kind": np.asarray(kind), "round": np.asarray(round_, np.int64),
                        "num_samples": np.asarray(num_samples, np.int64),
                        "round_config": np.asarray(json.dumps(self._round_config.get(agent, {}), sort_keys=True))})
         self._updates.add(agent)
-        self._save(f"update-{agent}.npz", arrays, {"what": f"one {kind} and the global model it started from",
+        what = ("one masked input (secure aggregation), decoded as a plain update" if kind == MASKED_KIND else f"one {kind}")
+        self._save(f"update-{agent}.npz", arrays, {"what": f"{what} and the global model it started from", "kind": kind,
                                                    "agent": agent, "round": round_, "num_samples": num_samples})
 
     # -- files ------------------------------------------------------------------------- #

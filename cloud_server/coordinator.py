@@ -119,7 +119,8 @@ class Coordinator:
         privacy.check_method(method, robustness.plain_mean)
         load_method_messages(method.name)
         # The leakage audit's keeper (cloud_server/audit_keeper.py): sees what is sent and received.
-        self.audit: AuditKeeper | None = AuditKeeper(self.out_dir, method.name, config.audit_samples_per_agent) if config.audit else None
+        self.audit: AuditKeeper | None = (AuditKeeper(self.out_dir, method.name, config.audit_samples_per_agent, method.ctx.secagg)
+                                          if config.audit else None)
         # The live view (cloud_server/metrics.py): imported only when configured.
         endpoint = config.metrics_endpoint()
         self.metrics: ServerMetrics | None = None

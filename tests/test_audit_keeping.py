@@ -126,3 +126,52 @@ def test_fedgkt_keeps_the_resnet8_of_the_kept_rounds_evaluation_report(tmp_path:
     kept = load(tmp_path / "audit" / "maps-agent-0.npz")
     assert np.array_equal(kept["eval_weights/extractor.conv.weight"], model["edge/extractor.conv.weight"])
     assert json.loads((tmp_path / "audit" / "kept.json").read_text())["not_kept"] == {}
+
+
+def test_a_masked_input_is_kept_decoded_in_the_agents_layout_and_the_rounds_aggregate_beside_it(tmp_path: Path) -> None:
+    from cloud_server.audit.audit_updates import received_update
+    from cloud_server.audit.kept import load_kept_run
+    from edge_agent.secagg_client import wire_view
+    from shared_protocol.secagg import SecAggParams, quantise
+    from shared_protocol.secagg_messages import SecAggAdvertise, SecAggMaskedInput, SecAggUnmask
+
+    params = SecAggParams()
+    keeper = AuditKeeper(tmp_path, "fedavg", samples_per_agent=8, secagg=params)
+    start = {"b": np.zeros(2, np.float32), "a": np.ones((2, 2), np.float32)}  # not in name order: the agent sorts
+    config = {"model_version": 0, "lr": 0.01, "optimizer": "sgd", "batch_size": 4, "local_epochs": 1}
+    updates = {"agent-0": {"a": np.array([[0.5, -0.25], [1.0, -2.0]]), "b": np.array([0.125, -0.75])},
+               "agent-1": {"a": np.array([[0.25, 0.0], [-1.0, 2.0]]), "b": np.array([-0.125, 0.25])}}
+    for agent, update in updates.items():
+        keeper.on_sent(agent, RoundStart(run="r", round=1, sender="server", method="fedavg", deadline_s=1.0, config=config,
+                                         weights=start))
+        keeper.on_received(agent, SecAggAdvertise(run="r", round=1, sender=agent, num_samples=3, c_public=np.zeros(32, np.uint8),
+                                                  s_public=np.zeros(32, np.uint8)))
+        # A ring holding the update as the agent lays it out (floats in name order, then the weight),
+        # without masks: what the decoding must give back exactly, name by name.
+        flat = np.concatenate([update[n].ravel() for n in sorted(update)])
+        ring, _ = quantise(np.append(flat, 0.5), params, 2)
+        keeper.on_received(agent, SecAggMaskedInput(run="r", round=1, sender=agent, model_version=0, masked=wire_view(ring)))
+    kept = load(tmp_path / "audit" / "update-agent-0.npz")
+    assert str(kept["kind"]) == "secagg.masked_input" and int(kept["num_samples"]) == 3 and float(kept["masked_weight"]) == 0.5
+    for name, value in updates["agent-0"].items():
+        assert np.array_equal(kept[f"update/{name}"], value), name
+    assert np.array_equal(kept["global/a"], start["a"])
+    # Unmasking, then the model of version 1 (the round's aggregate) goes out: its change is kept as the aggregate.
+    for agent in updates:
+        keeper.on_sent(agent, SecAggUnmask(run="r", round=1, sender="server", survivors=sorted(updates)))
+    mean = {n: (updates["agent-0"][n] + updates["agent-1"][n]) / 2 for n in start}
+    keeper.on_sent(None, FedAvgGlobalModel(run="r", round=1, sender="server", model_version=1,
+                                           weights={n: (start[n] + mean[n]).astype(np.float32) for n in start}))
+    aggregate = load(tmp_path / "audit" / "aggregate.npz")
+    assert str(aggregate["kind"]) == "secagg.aggregate" and aggregate["agents"].tolist() == ["agent-0", "agent-1"]
+    assert aggregate["agent_samples"].tolist() == [3, 3] and int(aggregate["num_samples"]) == 6
+    for name in start:
+        assert np.allclose(aggregate[f"update/{name}"], mean[name], atol=1e-6), name
+    manifest = json.loads((tmp_path / "audit" / "kept.json").read_text())
+    assert manifest["not_kept"] == {} and "masked input" in manifest["files"]["update-agent-0.npz"]["what"]
+    # The audit reads both back as updates by name.
+    (tmp_path / "report.json").write_text(json.dumps({"config": {"method": "fedavg"}}))
+    run = load_kept_run(tmp_path)
+    assert run.aggregate is not None and run.aggregate.agents == ("agent-0", "agent-1")
+    received = received_update(run.updates["agent-1"])
+    assert all(np.array_equal(received[n].numpy(), updates["agent-1"][n].astype(np.float32)) for n in start)

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from models.registry import build_model
 
-from ..audit_keeper import AUDIT_DIR
+from ..audit_keeper import AUDIT_DIR, MASKED_KIND
 from ..evaluation import EvalSet, EvalSetSpec
 from .activations import ArchitectureOnlyConfig, WhiteBoxConfig, invert_features_architecture_only, invert_features_white_box
 from .errors import AuditError
@@ -261,7 +261,7 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
              f"{', '.join(_describe(knowledge)['holds'])}")
     for note in notes:
         progress(f"edgesplit audit: {note}")
-    images = agent_images(kept.run_dir, agents)
+    images = agent_images(kept.run_dir, sorted(set(agents) | set(kept.aggregate.agents if kept.aggregate else ())))
     progress(f"edgesplit audit: {images.source}")
     public = _public(kept, options)
     pixels = PixelSpace.of_dataset(kept.dataset, kept.in_channels)
@@ -288,6 +288,9 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
             rows, pictures, private = attack_update(kept, update, plan, images, public, pixels, options.steps,
                                                     options.max_update_images, options.attacks, options.seed, progress)
             where = {"kept": update.kind, "round": update.round, "num_samples": update.num_samples}
+            if update.kind == MASKED_KIND:
+                where["masked"] = ("the masked input the server received (secure aggregation), decoded as it would read a "
+                                   "plain update")
         for row in rows:
             row["assumes"] = _assumed(row_needs(plan, row["attack"]))
             progress(_line(agent, row))
@@ -297,6 +300,22 @@ def run_audit(run_dir: str | Path, options: AuditOptions = AuditOptions(), progr
         if agent in kept.eval_maps:
             per_agent[agent]["evaluation_uploads"] = _attack_eval_maps(kept, kept.eval_maps[agent], plan, images, public,
                                                                        pixels, options, decoders, progress, grid)
+    if kept.aggregate is not None:  # secure aggregation: the unmasked mean of the survivors, which the server does learn
+        aggregate = kept.aggregate
+        who = f"aggregate of {len(aggregate.agents)} agents"
+        rows, pictures, private = attack_update(kept, aggregate, plan, images, public, pixels, options.steps,
+                                                options.max_update_images, options.attacks, options.seed, progress)
+        for row in rows:
+            row["assumes"] = _assumed(row_needs(plan, row["attack"]))
+            progress(_line(who, row))
+        per_agent[who] = {"kept": aggregate.kind, "round": aggregate.round, "num_samples": aggregate.num_samples,
+                          "agents": list(aggregate.agents), "attacks": rows}
+        if private is not None and pictures:
+            grid.append((who, private, pictures))
+    if any(u.kind == MASKED_KIND for u in kept.updates.values()):
+        notes.append("secure aggregation: each agent's update attacked is its masked input as the server received it; "
+                     "what the server learns in clear is the survivors' aggregate, attacked apart")
+        progress(f"edgesplit audit: {notes[-1]}")
     summary = _best(per_agent)
     result = {
         "method": kept.method, "run_dir": str(kept.run_dir), "knowledge": _describe(knowledge), "notes": notes,

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from models.registry import build_model
 
+from ..audit_keeper import AGGREGATE_KIND
 from .kept import AgentImages, KeptRun, KeptUpdate
 from .labels import label_histogram_from_bias_update, uniform_guess_error
 from .received import update_from_fedavg, update_from_fedkd
@@ -30,7 +31,7 @@ from .schedule import LocalSchedule
 from .scoring import PixelSpace, mean_image_baseline, score_images
 from .updates import UpdateInversionConfig, invert_update, last_linear_layer
 
-__all__ = ["attack_update", "image_row", "local_schedule", "match_private", "received_update", "start_model"]
+__all__ = ["aggregate_schedule", "attack_update", "image_row", "local_schedule", "match_private", "received_update", "start_model"]
 
 Progress = Callable[[str], None]
 
@@ -63,6 +64,22 @@ def local_schedule(update: KeptUpdate) -> tuple[LocalSchedule, str]:
     return schedule, note
 
 
+def aggregate_schedule(update: KeptUpdate) -> tuple[LocalSchedule | None, str]:
+    """A secure aggregate as one update over the survivors' images together, where it is one:
+    when every agent took one SGD step on its whole shard, the (sample-weighted) mean of their
+    steps is that step on the union, whose batch the attack unrolls; else (None, why not)."""
+    cfg = update.round_config
+    counts = [int(c) for c in update.arrays["agent_samples"]]
+    optimizer, epochs, batch = str(cfg.get("optimizer", "adam")), int(cfg.get("local_epochs", 1)), int(cfg.get("batch_size", 64))
+    if optimizer != "sgd" or epochs != 1 or batch < max(counts, default=0):
+        return None, (f"the aggregate is the mean of {len(counts)} agents' local trainings ({optimizer}, {epochs} epoch(s), batch "
+                      f"{batch}, shards of {counts} images): one update over their union only for one full-batch SGD step "
+                      "each, and the unrolled attack does not model a mean of several trajectories")
+    schedule = LocalSchedule(lr=float(cfg.get("lr", 0.001)), local_steps=1, batch_size=sum(counts), optimizer="sgd",
+                             weight_decay=float(cfg.get("weight_decay", 0.0)))
+    return schedule, "one SGD step on the survivors' images together (each agent's full-batch step, averaged)"
+
+
 def start_model(kept: KeptRun, update: KeptUpdate) -> nn.Module:
     """The global model ``update`` started from, as the server sent it, in the run's architecture."""
     name = str(kept.method_config.get("mentee_model" if update.kind == "fedkd.update" else "model",
@@ -80,6 +97,9 @@ def received_update(update: KeptUpdate) -> dict[str, torch.Tensor]:
     from shared_protocol.methods.fedkd import FedKdUpdate
 
     a = update.arrays
+    decoded = {k[len("update/"):]: v for k, v in a.items() if k.startswith("update/")}
+    if decoded:  # secure aggregation's masked input or aggregate, kept as the update the server reads
+        return {name: torch.from_numpy(np.asarray(v, dtype=np.float32)) for name, v in decoded.items()}
     if update.kind == "fedkd.update":
         msg = FedKdUpdate(run="audit", round=update.round, sender=update.agent, instance="", num_samples=update.num_samples,
                           base_version=int(a["base_version"]), payload=str(a["payload"]), threshold=float(a["threshold"]),
@@ -127,8 +147,15 @@ def attack_update(kept: KeptRun, update: KeptUpdate, plan: AuditPlan, images: Ag
     the rows of leakage.json, the reconstructions by attack, and the private images they match."""
     rows: list[dict[str, Any]] = []
     pictures: dict[str, torch.Tensor] = {}
-    private_all, true_labels = images.all_of(update.agent)
-    schedule, left_out = local_schedule(update)
+    held = [images.all_of(agent) for agent in update.agents]
+    private_all, true_labels = torch.cat([p for p, _ in held]), np.concatenate([t for _, t in held])
+    if update.kind == AGGREGATE_KIND:
+        aggregate, why = aggregate_schedule(update)
+        if aggregate is None:
+            return [{"attack": spec.name, "skipped": why} for spec in plan.attacks if not only or spec.name in only], {}, None
+        schedule, left_out = aggregate, ""
+    else:
+        schedule, left_out = local_schedule(update)
     model = start_model(kept, update)
     received = received_update(update)
     _, head = last_linear_layer(model)
@@ -154,7 +181,7 @@ def attack_update(kept: KeptRun, update: KeptUpdate, plan: AuditPlan, images: Ag
             continue
         n = update.num_samples
         if n > max_images or n != len(private_all):
-            rows.append({"attack": spec.name, "skipped": f"the update covers {n} images (the agent holds {len(private_all)}); "
+            rows.append({"attack": spec.name, "skipped": f"the update covers {n} images (its agents hold {len(private_all)}); "
                          f"the unrolled inversion runs up to --max-update-images {max_images}, and on the project's "
                          "ResNets it recovers little more than the mean image even from one image's update, and "
                          "nothing at one step of the agents' default batch: bench/results/update_inversion.json "

@@ -21,7 +21,7 @@ import torch
 
 from fldata import AgentDataSpec, ArrayDataset, load_agent_subsets
 
-from ..audit_keeper import AUDIT_DIR, KEPT_MANIFEST
+from ..audit_keeper import AGGREGATE_FILE, AUDIT_DIR, KEPT_MANIFEST
 from .errors import AuditError
 
 if sys.version_info >= (3, 11):
@@ -55,11 +55,16 @@ class KeptUpdate:
 
     agent: str
     round: int
-    kind: str  # "fedavg.update" or "fedkd.update"
+    kind: str  # "fedavg.update", "fedkd.update", "secagg.masked_input" or "secagg.aggregate"
     num_samples: int
     round_config: dict[str, Any]
     global_weights: dict[str, np.ndarray]
-    arrays: dict[str, np.ndarray]  # the rest, as kept (uploaded/..., factors, layout, ...)
+    arrays: dict[str, np.ndarray]  # the rest, as kept (uploaded/..., update/..., factors, layout, ...)
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        """Whose data the update comes from: the agent, or a secure aggregate's survivors."""
+        return tuple(str(a) for a in self.arrays["agents"]) if "agents" in self.arrays else (self.agent,)
 
 
 @dataclass
@@ -74,6 +79,7 @@ class KeptRun:
     eval_maps: dict[str, KeptMaps] = field(default_factory=dict)  # FedGKT: evaluation's maps of the local test images
     updates: dict[str, KeptUpdate] = field(default_factory=dict)
     extractor: dict[str, np.ndarray] = field(default_factory=dict)  # FedGKT's initial edge model
+    aggregate: KeptUpdate | None = None  # secure aggregation: one round's unmasked aggregate
 
     @property
     def method_config(self) -> dict[str, Any]:
@@ -136,12 +142,16 @@ def load_kept_run(run_dir: str | Path) -> KeptRun:
                 round_predicted=arrays.get("round_predicted"), whole_batch=bool(arrays["whole_batch"]),
                 extractor=_prefixed(arrays, "weights/"), eval_model=_prefixed(arrays, "eval_weights/"),
                 split="test" if evaluation else "train")
-        elif name.startswith("update-"):
-            agent = name[len("update-"):-len(".npz")]
-            kept.updates[agent] = KeptUpdate(
+        elif name.startswith("update-") or name == AGGREGATE_FILE:
+            agent = name[len("update-"):-len(".npz")] if name != AGGREGATE_FILE else "aggregate"
+            update = KeptUpdate(
                 agent=agent, round=int(arrays["round"]), kind=str(arrays["kind"]), num_samples=int(arrays["num_samples"]),
                 round_config=json.loads(str(arrays["round_config"])), global_weights=_prefixed(arrays, "global/"),
                 arrays={k: v for k, v in arrays.items() if not k.startswith("global/")})
+            if name == AGGREGATE_FILE:
+                kept.aggregate = update
+            else:
+                kept.updates[agent] = update
     if not kept.maps and not kept.updates:
         not_kept = manifest.get("not_kept", {})
         why = (f"its uploads ({', '.join(sorted(not_kept))}) are of a kind the audit does not keep yet" if not_kept

@@ -31,13 +31,12 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
     import numpy
     import torch
 
-    from shared_protocol.hostinfo import cpu_model
+    from cloud_server.experiments.results import machine
 
     # The machine is often shared: timings are read next to its load.
     machine_info.get("cpu", {}).pop("flags", None)  # a hundred CPU flags say nothing about these timings
-    machine_info.update(cpu_model=cpu_model(), cores=os.cpu_count(), load_average=list(os.getloadavg()),
-                        torch=torch.__version__, torch_threads=torch.get_num_threads(), numpy=numpy.__version__,
-                        quick=bool(config.getoption("--quick")))
+    machine_info.update(machine(), load_average=list(os.getloadavg()), torch_threads=torch.get_num_threads(),
+                        numpy=numpy.__version__, quick=bool(config.getoption("--quick")))
 
 
 @pytest.fixture(scope="session")

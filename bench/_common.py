@@ -17,23 +17,16 @@ if str(REPO_ROOT) not in sys.path:
 
 
 def machine() -> dict[str, Any]:
+    """The runner's description of the machine, with what a timing is read next to: its load, the
+    date, and torch's threads where the script uses torch."""
     import numpy
 
-    from shared_protocol.hostinfo import host_info
+    from cloud_server.experiments.results import machine as runner_machine
 
-    host = host_info()
-    info: dict[str, Any] = {
-        "cpu_model": host.cpu_model, "arch": host.arch, "cores": host.cores, "python": platform.python_version(),
-        "numpy": numpy.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "load_average": os.getloadavg(),
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["torch_threads"] = torch.get_num_threads()
-    except ImportError:
-        pass
+    info = {**runner_machine(), "arch": platform.machine(), "numpy": numpy.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average": os.getloadavg()}
+    if "torch" in sys.modules:
+        info["torch_threads"] = sys.modules["torch"].get_num_threads()
     return info
 
 

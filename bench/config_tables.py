@@ -21,9 +21,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIG_BEGIN", "CONFIG_END", "OTHER_TABLES", "ConfigDocError", "config_tables", "declared_meanings", "default_table",
-           "key_rows", "method_section", "table_section", "update_config_doc"]
-
 #: docs/configuration.md's method tables lie between these lines.
 CONFIG_BEGIN = ("<!-- The methods' tables: rendered from each method's config (MethodSpec.config, its KEY_MEANINGS) "
                 "by bench/render_results.py. Do not edit by hand. -->")
@@ -120,12 +117,6 @@ def table_section(name: str, config: str, note: str = "") -> list[str]:
     return lines
 
 
-def method_section(name: str, spec: Any) -> list[str]:
-    """One method's heading line and table (``spec``: its MethodSpec)."""
-    notes = f"notes in [{spec.docs.removeprefix('docs/')}]({spec.docs.removeprefix('docs/')})" if spec.docs else ""
-    return table_section(name, spec.config, notes)
-
-
 def config_tables(methods: Mapping[str, Any] | None = None) -> list[str]:
     """The block of docs/configuration.md: every registered method with a config, by name, then
     :data:`OTHER_TABLES`."""
@@ -136,7 +127,8 @@ def config_tables(methods: Mapping[str, Any] | None = None) -> list[str]:
     lines = [CONFIG_BEGIN]
     for name, spec in methods.items():
         if spec.config:
-            lines += ["", *method_section(name, spec)]
+            notes = spec.docs.removeprefix("docs/") if spec.docs else ""
+            lines += ["", *table_section(name, spec.config, f"notes in [{notes}]({notes})" if notes else "")]
     for name, config, note in OTHER_TABLES:
         lines += ["", *table_section(name, config, note)]
     return [*lines, "", CONFIG_END]

@@ -23,6 +23,7 @@ the runs use a user name and a password file like a real deployment would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
@@ -124,10 +125,14 @@ class Node:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
+def transport(url: str, name: str) -> MqttTransport:
+    return MqttTransport(TransportConfig(broker_url=url, username=USER, password=PASSWORD, connect_timeout_s=15,
+                                         client_id=f"{name}-{time.monotonic_ns()}"))
+
+
 def probe(url: str) -> dict[str, Any]:
     """What the broker's CONNACK says, as our transport reads it."""
-    t = MqttTransport(TransportConfig(broker_url=url, username=USER, password=PASSWORD, connect_timeout_s=15,
-                                      client_id=f"probe-{time.monotonic_ns()}"))
+    t = transport(url, "probe")
     try:
         t.connect()
     except TransportError as exc:
@@ -161,10 +166,7 @@ def oversize_outcome(url: str) -> str:
 
 def cross_node_delivery(publish_url: str, subscribe_url: str) -> bool:
     """A 3 MB blob published on one node reaches a subscriber on the other."""
-    rx = MqttTransport(TransportConfig(broker_url=subscribe_url, username=USER, password=PASSWORD, connect_timeout_s=15,
-                                       client_id=f"rx-{time.monotonic_ns()}"))
-    tx = MqttTransport(TransportConfig(broker_url=publish_url, username=USER, password=PASSWORD, connect_timeout_s=15,
-                                       client_id=f"tx-{time.monotonic_ns()}"))
+    rx, tx = transport(subscribe_url, "rx"), transport(publish_url, "tx")
     rx.subscribe("edgesplit/v1/probe/#")
     rx.connect()
     tx.connect()
@@ -184,15 +186,14 @@ def summarize(out: Path, seconds: float, code: int) -> dict[str, Any]:
         return {"exit_code": code, "status": "no report", "wall_s": round(seconds, 1)}
     report = json.loads(report_path.read_text())
     totals = report["totals"]
-    logs = "\n".join(p.read_text(errors="replace") for p in sorted((out / "logs").glob("*.log")))
-    connected = {}  # process -> the node (port) it connected to, from its log
-    for log_file in sorted((out / "logs").glob("*.log")):
-        ports = re.findall(r"connected to mqtt://127\.0\.0\.1:(\d+) as", log_file.read_text(errors="replace"))
-        connected[log_file.stem] = sorted({int(p) for p in ports})
+    by_process = {p.stem: p.read_text(errors="replace") for p in sorted((out / "logs").glob("*.log"))}
+    logs = "\n".join(by_process.values())
     return {
         "exit_code": code,
         "status": report["status"],
-        "connected_to_ports": connected,
+        # process -> the nodes (ports) it connected to, from its log
+        "connected_to_ports": {name: sorted({int(p) for p in re.findall(r"connected to mqtt://127\.0\.0\.1:(\d+) as", log)})
+                               for name, log in by_process.items()},
         "wall_s": round(seconds, 1),
         "rounds": [
             {"round": r["round"], "status": r["status"], "completed": r["completed"], "samples": r["samples"],
@@ -233,29 +234,22 @@ def run_cluster(agents_node: Node, server_node: Node, out: Path, password_file: 
     logs.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     started = time.monotonic()
-    files = []
-    procs = []
-    try:
-        f = open(logs / "server.log", "w")
-        files.append(f)
-        server = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "run", "--config", str(server_toml),
-                                   "--broker", server_node.url, "--no-progress"], cwd=REPO_ROOT, env=env,
-                                  stdout=f, stderr=subprocess.STDOUT)
-        for i, toml in enumerate(agent_tomls):
-            f = open(logs / f"agent-{i}.log", "w")
-            files.append(f)
-            procs.append(subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "run", "--config", str(toml),
-                                           "--no-progress"], cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
-        code = server.wait(timeout=1500)
-    finally:
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.terminate()
-                p.wait(10)
-        for f in files:
-            f.close()
+    with contextlib.ExitStack() as logs_open:
+        def start(log: str, *argv: str) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-m", *argv, "--no-progress"], cwd=REPO_ROOT, env=env,
+                                    stdout=logs_open.enter_context(open(logs / log, "w")), stderr=subprocess.STDOUT)
+
+        server = start("server.log", "cloud_server.cli", "run", "--config", str(server_toml), "--broker", server_node.url)
+        agents = [start(f"agent-{i}.log", "edge_agent.cli", "run", "--config", str(toml)) for i, toml in enumerate(agent_tomls)]
+        try:
+            code = server.wait(timeout=1500)
+        finally:
+            for p in agents:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.terminate()
+                    p.wait(10)
     return summarize(out, time.monotonic() - started, code)
 
 
@@ -281,14 +275,13 @@ def main() -> int:
     password_file.write_text(PASSWORD + "\n")
     password_file.chmod(0o600)
     nodes = [Node(base, 1, free_port()), Node(base, 2, free_port())]
-    result_ports = {node.name: node.port for node in nodes}
     result: dict[str, Any] = {
         "benchmark": "ejabberd", "generated_by": "python bench/ejabberd.py", "machine": machine(),
         "ejabberd": ejabberd_version(),
         "setup": {"agents": 2, "rounds": 2, "method": "fedgkt", "dataset": "synthetic", "train_samples": 256,
                   "test_samples": 128, "session_expiry_s": SESSION_EXPIRY_S, "max_payload_size": MAX_PAYLOAD_BYTES,
                   "auth": "anonymous, login_anon (any non-empty password)"},
-        "node_mqtt_ports": result_ports,
+        "node_mqtt_ports": {node.name: node.port for node in nodes},
     }
     try:
         nodes[0].start()

@@ -31,7 +31,7 @@ from typing import Any
 
 from _common import RESULTS, write_json
 
-METHODS = ("fedavg", "fedbe", "feddistill", "fedgkd", "fedgkt", "fedkd", "splitnn", "centralized")
+from shared_protocol.registry import registered_methods
 
 
 def steps(folder: Path) -> dict[str, tuple[float, float]]:
@@ -112,8 +112,8 @@ def fullscale(folder: Path, windows: dict[str, tuple[float, float]], samples: li
     for r in report["rounds"]:
         t = r["time_s"]
         agents = list(r["per_agent"].values())
-        idle = [a["idle_s"] / (a["compute_s"] + a["encode_s"] + a["network_s"] + a["idle_s"]) for a in agents
-                if (a["compute_s"] + a["encode_s"] + a["network_s"] + a["idle_s"]) > 0]
+        spent = [(a["idle_s"], a["compute_s"] + a["encode_s"] + a["network_s"] + a["idle_s"]) for a in agents]
+        idle = [idle_s / total_s for idle_s, total_s in spent if total_s > 0]
         server = r["server"]
         rounds.append({
             "round": r["round"], "accuracy": r["accuracy"], "local_accuracy": r["local_accuracy"],
@@ -151,7 +151,7 @@ def fullscale(folder: Path, windows: dict[str, tuple[float, float]], samples: li
 
 def methods(methods_dir: Path, tests_log: Path | None, note: str) -> dict[str, Any]:
     runs: dict[str, Any] = {}
-    for name in METHODS:
+    for name in (*registered_methods(), "centralized"):
         path = methods_dir / name / "report.json"
         if not path.exists():
             runs[name] = {"finished": False, "why": "no report.json"}

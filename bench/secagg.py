@@ -19,7 +19,6 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ import numpy as np
 from _common import RESULTS, machine, write_json
 
 from cloud_server.secagg_server import SecAggRound
+from edge_agent.costs import RoundMeter
 from edge_agent.secagg_client import SecAggClient
 from models import build_model, state_dict_to_arrays
 from shared_protocol.errors import SecAggError
@@ -39,15 +39,6 @@ from shared_protocol.topics import Topics
 from shared_protocol.transport import MqttTransport
 
 RUN = "secagg-bench"
-
-
-class _Meter:
-    """What the client's context calls a meter with: phases only."""
-
-    def phase(self, name: str) -> Any:
-        from contextlib import nullcontext
-
-        return nullcontext()
 
 
 class _AgentContext:
@@ -114,11 +105,11 @@ def one_round(broker_url: str, agents: int, update: np.ndarray, params: SecAggPa
     def agent(ctx: _AgentContext) -> None:
         client = SecAggClient(ctx, params, round_, deadline_at=time.monotonic() + 600)
         try:
-            client.setup(_Meter(), 100 + len(ctx.agent_id))
+            client.setup(RoundMeter(), 100 + len(ctx.agent_id))
             if ctx.agent_id in leaving:
                 gone.append(ctx.agent_id)  # the coordinator drops an agent that fails its round
                 return
-            client.upload(_Meter(), client.mask(update, 100), 0, {})
+            client.upload(RoundMeter(), client.mask(update, 100), 0, {})
             agent_s.append(client.compute_s)
         except (SecAggError, TimeoutError) as exc:
             errors.append(f"{ctx.agent_id}: {exc}")

@@ -33,6 +33,8 @@ and ``not_run`` lists the rest of the grid.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -79,67 +81,55 @@ def measure(model_name: str, batch: int, precision: str, mode: str, device: torc
     torch.manual_seed(0)
     model = build_model(model_name, 10).to(device).train()
     optimizer = make_optimizer("adam", model.parameters(), lr=1e-3, weight_decay=5e-4, device=device)
-    n = batch * 8
-    bank, labels, edge_logits = _data(n, device)
-    g = torch.Generator().manual_seed(1)
-    order = torch.randperm(n, generator=g).to(device)
-    timings: list[float] = []
-    losses: list[float] = []
+    bank, labels, edge_logits = _data(batch * 8, device)
+    losses: list[float] = []  # the server step's cumulative loss after each warm-up step
     if mode == "bare":
-        f = bank.gather(torch.arange(batch, device=device), torch.float32)
-        y = labels[:batch]
+        step, session, extra_warmup = None, contextlib.nullcontext(), 0
+        f, y = bank.gather(torch.arange(batch, device=device), torch.float32), labels[:batch]
 
-        def bare_step() -> None:
+        def one_step() -> None:
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
                 loss = F.cross_entropy(model(f), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+    else:
+        step = TrainStep(model, optimizer, _gkt_loss, mode, autocast_dtype=amp, name=f"bench {mode}")
+        session, extra_warmup = step.session(), step.warmup_steps if mode == "graph" else 0
+        total = DeviceSum(device)
+        batches = itertools.cycle(torch.randperm(batch * 8, generator=torch.Generator().manual_seed(1)).to(device).split(batch))
 
-        for _ in range(warmup):
-            bare_step()
+        def one_step() -> None:
+            idx = next(batches)
+            total.add(step(bank.gather(idx, torch.float32), labels[idx], edge_logits[idx]).loss, batch)
+
+    def fell_back() -> bool:
+        return step is not None and step.mode != mode
+
+    if fell_back():
+        return {"measured": False, "why": step.fallback_reason}
+    timings: list[float] = []
+    with session:
+        started = time.perf_counter()
+        for _ in range(warmup + extra_warmup):
+            one_step()
+            if step is not None:
+                losses.append(float(total.total))
+        _sync(device)
+        warmup_s = time.perf_counter() - started
+        if fell_back():
+            return {"measured": False, "why": step.fallback_reason}
         for _ in range(repeats):
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                bare_step()
+                one_step()
             _sync(device)
             timings.append(time.perf_counter() - t0)
-    else:
-        step = TrainStep(model, optimizer, _gkt_loss, mode, autocast_dtype=amp, name=f"bench {mode}")
-        if step.mode != mode:
-            return {"measured": False, "why": step.fallback_reason}
-        total = DeviceSum(device)
-        position = 0
-
-        def server_step() -> None:
-            nonlocal position
-            if position + batch > n:
-                position = 0
-            idx = order[position : position + batch]
-            position += batch
-            out = step(bank.gather(idx, torch.float32), labels[idx], edge_logits[idx])
-            total.add(out.loss, batch)
-
-        with step.session():
-            compile_started = time.perf_counter()
-            for _ in range(warmup + (step.warmup_steps if mode == "graph" else 0)):
-                server_step()
-                losses.append(float(total.total))  # cumulative: compared with the eager run's below
-            _sync(device)
-            warmup_s = time.perf_counter() - compile_started
-            if step.mode != mode:
-                return {"measured": False, "why": step.fallback_reason}
-            for _ in range(repeats):
-                _sync(device)
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    server_step()
-                _sync(device)
-                timings.append(time.perf_counter() - t0)
+        if step is not None:
             total.item()  # the one read of the summed loss
-        if step.mode != mode:
-            return {"measured": False, "why": step.fallback_reason}
+    if fell_back():
+        return {"measured": False, "why": step.fallback_reason}
     s = statistics.median(timings)
     out: dict[str, Any] = {
         "measured": True,
@@ -148,7 +138,7 @@ def measure(model_name: str, batch: int, precision: str, mode: str, device: torc
         "epoch_60k_s": EPOCH_SAMPLES / (batch * steps / s),
         "timed_runs_s": timings,
     }
-    if mode != "bare":
+    if step is not None:
         out["warmup_s"] = warmup_s
         out["first_cumulative_losses"] = losses
     if device.type == "cuda":

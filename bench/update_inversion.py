@@ -20,6 +20,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import operator
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ from _common import RESULTS, machine, write_json
 import torch
 import torch.nn.functional as F
 
-from cloud_server.audit import LocalSchedule, PixelSpace, UpdateInversionConfig, invert_update, mean_image_baseline, score_images
-from cloud_server.audit.audit_updates import match_private
+from cloud_server.audit import LocalSchedule, PixelSpace, UpdateInversionConfig, invert_update
+from cloud_server.audit.audit_updates import image_row, match_private
 from fldata import seeded_subset
 from models.optimizers import make_optimizer
 from models.registry import build_model
@@ -85,14 +86,10 @@ def run_cell(model_name: str, optimizer: str, batch: int, steps: int, variant: s
         labels_right &= result.labels.tolist() == labels.tolist()
         reconstructed.append(result.images)
         private.append(match_private(result.images, images))
-    rec, priv = torch.cat(reconstructed), torch.cat(private)
-    scores, baseline = score_images(rec, priv), mean_image_baseline(public, priv)
-    return {"model": model_name, "optimizer": optimizer, "batch_size": batch, "local_steps": steps, "variant": variant,
-            "seed": seed, "images_per_update": per_update, "updates": updates, "psnr_db": scores.psnr_db,
-            "ssim": scores.ssim, "baseline_psnr_db": baseline.psnr_db, "baseline_ssim": baseline.ssim,
-            "gain_db": scores.psnr_db - baseline.psnr_db, "labels": "read from the update" if per_update == 1 else "given",
-            "labels_right": labels_right, "attack_steps": attack_steps, "wall_s": wall_s,
-            "config": dataclasses.asdict(config)}
+    return image_row("update_inversion", torch.cat(reconstructed), torch.cat(private), public, wall_s, model=model_name,
+                     optimizer=optimizer, batch_size=batch, local_steps=steps, variant=variant, seed=seed,
+                     images_per_update=per_update, updates=updates, labels="read from the update" if per_update == 1 else "given",
+                     labels_right=labels_right, attack_steps=attack_steps, config=dataclasses.asdict(config))
 
 
 def main() -> None:
@@ -128,20 +125,14 @@ def main() -> None:
                         print(f"{model_name:9s} {optimizer:4s} b={batch} steps={steps} {variant:6s} seed={seed}: "
                               f"{row['psnr_db']:.1f} dB (baseline {row['baseline_psnr_db']:.1f}), "
                               f"SSIM {row['ssim']:.3f} (baseline {row['baseline_ssim']:.3f}), {row['wall_s']:.0f} s", flush=True)
-    run = {"machine": machine(), "args": vars(args), "total_wall_s": time.perf_counter() - started}
-    out = Path(args.out)
+    runs, out = [{"machine": machine(), "args": vars(args), "total_wall_s": time.perf_counter() - started}], Path(args.out)
     if args.append and out.exists():
         previous = json.loads(out.read_text())
-        new_keys = {_row_key(row) for row in rows}
-        rows = [row for row in previous["rows"] if _row_key(row) not in new_keys] + rows
-        runs = previous.get("runs") or [{k: previous[k] for k in ("machine", "args", "total_wall_s")}]
-        write_json(out, {"benchmark": "update_inversion", **runs[0], "runs": runs + [run], "rows": rows})
-        return
-    write_json(out, {"benchmark": "update_inversion", **run, "rows": rows})
-
-
-def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (row["model"], row["optimizer"], row["batch_size"], row["local_steps"], row["variant"], row["seed"])
+        key = operator.itemgetter("model", "optimizer", "batch_size", "local_steps", "variant", "seed")
+        new_keys = {key(row) for row in rows}
+        rows = [row for row in previous["rows"] if key(row) not in new_keys] + rows
+        runs = previous["runs"] + runs
+    write_json(out, {"benchmark": "update_inversion", **runs[0], "runs": runs, "rows": rows})
 
 
 if __name__ == "__main__":

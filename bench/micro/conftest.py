@@ -31,13 +31,12 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
     import numpy
     import torch
 
-    from shared_protocol.hostinfo import cpu_model
+    from cloud_server.experiments.results import machine
 
     # The machine is often shared: timings are read next to its load.
     machine_info.get("cpu", {}).pop("flags", None)  # a hundred CPU flags say nothing about these timings
-    machine_info.update(cpu_model=cpu_model(), cores=os.cpu_count(), load_average=list(os.getloadavg()),
-                        torch=torch.__version__, torch_threads=torch.get_num_threads(), numpy=numpy.__version__,
-                        quick=bool(config.getoption("--quick")))
+    machine_info.update(machine(), load_average=list(os.getloadavg()), torch_threads=torch.get_num_threads(),
+                        numpy=numpy.__version__, quick=bool(config.getoption("--quick")))
 
 
 @pytest.fixture(scope="session")
@@ -58,29 +57,37 @@ def worker_envs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
 
 
 @pytest.fixture(scope="session")
-def ort_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
-    """The agents' onnxruntime-training artifacts for images of ``in_channels`` channels, as the
-    server generates them for the default round config (with a ``meta.json``)."""
+def ort_reply() -> Callable[[int], Any]:
+    """The server's ``fedgkt.ort_artifacts`` message for images of ``in_channels`` channels
+    (cloud_server/ort_artifacts.py, the default round config's edge model)."""
+    server: list[Any] = []
+
+    def reply(in_channels: int) -> Any:
+        pytest.importorskip("onnxruntime.training", reason="the ort agent needs onnxruntime-training (the [edge-lite] extra)")
+        from cloud_server.ort_artifacts import OrtArtifactServer
+        from shared_protocol.methods.fedgkt_ort import GktOrtArtifacts, GktOrtArtifactsRequest
+
+        server[:] = server or [OrtArtifactServer("bench", "resnet8", 10)]  # it caches what it generated
+        msg = server[0].reply(GktOrtArtifactsRequest(run="bench", round=0, sender="bench", edge_model="resnet8",
+                                                     in_channels=in_channels, image_size=32, num_classes=10))
+        if not isinstance(msg, GktOrtArtifacts):
+            raise RuntimeError(f"the server could not generate the ort artifacts: {msg.reason}")
+        return msg
+
+    return reply
+
+
+@pytest.fixture(scope="session")
+def ort_artifacts(tmp_path_factory: pytest.TempPathFactory, ort_reply: Callable[[int], Any]) -> Callable[[int], Path]:
+    """Those artifacts as files, as an agent keeps them, with a ``meta.json``."""
     made: dict[int, Path] = {}
 
     def artifacts(in_channels: int) -> Path:
         if in_channels not in made:
-            pytest.importorskip("onnxruntime.training", reason="the ort agent needs onnxruntime-training (the [edge-lite] extra)")
-            import torch
-
-            from models import build_model
-            from models.onnx_export import export_edge_artifacts
-            from shared_protocol.methods.fedgkt import GktRoundConfig
-
-            torch.manual_seed(0)
-            exported = export_edge_artifacts(build_model("resnet8", 10, in_channels), 10, in_channels,
-                                             train_extractor=GktRoundConfig.train_extractor)
-            directory = tmp_path_factory.mktemp(f"artifacts-{in_channels}ch")
-            exported.write(directory)
-            meta = {"trainable": list(exported.trainable), "bn_stats": list(exported.bn_stats), "bn_counters": list(exported.bn_counters),
-                    "state_names": list(exported.state_names), "input_shape": list(exported.input_shape),
-                    "num_classes": exported.num_classes}
-            (directory / "meta.json").write_text(json.dumps(meta))
+            reply, directory = ort_reply(in_channels), tmp_path_factory.mktemp(f"artifacts-{in_channels}ch")
+            for name, blob in reply.blobs().items():
+                (directory / (name if name == "checkpoint" else f"{name}.onnx")).write_bytes(blob)
+            (directory / "meta.json").write_text(json.dumps(reply.meta))
             made[in_channels] = directory
         return made[in_channels]
 

@@ -54,24 +54,11 @@ TORCH_CPU_WHEEL_GLOB = "opt/wheels/torch-*+cpu-*.whl"  # the dev machine's local
 INSTALLS = ("edge", "edge-lite", "edge-lite-lean")
 
 
-def _artifacts_message(directory: Path, run_id: str, round_: int):  # type: ignore[no-untyped-def]
-    import numpy as np
-
-    from shared_protocol.methods.fedgkt_ort import GktOrtArtifacts, artifacts_sha256
-
-    files = {"training_model": "training_model.onnx", "eval_model": "eval_model.onnx", "optimizer_model": "optimizer_model.onnx",
-             "checkpoint": "checkpoint"}
-    blobs = {name: (directory / file).read_bytes() for name, file in files.items()}
-    return GktOrtArtifacts(run=run_id, round=round_, sender="server", edge_model="resnet8", sha256=artifacts_sha256(blobs),
-                           meta=json.loads((directory / "meta.json").read_text()), train_flops_per_sample=0, forward_flops_per_sample=0,
-                           **{name: np.frombuffer(blob, np.uint8).copy() for name, blob in blobs.items()})
-
-
 class ScriptedGktServer(threading.Thread):
     """FedGKT's server side for one agent over MQTT: answers in protocol order, keeps nothing but
     each round's ``RoundEnd`` peak (``marks``)."""
 
-    def __init__(self, broker_url: str, run_id: str, train_ids: Any, rounds: int, artifacts: Path | None) -> None:
+    def __init__(self, broker_url: str, run_id: str, train_ids: Any, rounds: int, artifacts: Any) -> None:
         super().__init__(name=f"server-{run_id}", daemon=True)
         self.broker_url, self.run_id, self.train_ids, self.rounds, self.artifacts = broker_url, run_id, train_ids, rounds, artifacts
         self.round, self.marks, self.error = 0, [], None  # type: ignore[var-annotated]
@@ -120,7 +107,7 @@ class ScriptedGktServer(threading.Thread):
                     send(Welcome(**base, round=0, accepted=True, method="fedgkt", settings={"num_classes": 10, "edge_model": "resnet8"}))
                     round_start()
                 elif kind == "fedgkt.ort_artifacts_request" and self.artifacts is not None:
-                    send(_artifacts_message(self.artifacts, self.run_id, self.round))
+                    send(dataclasses.replace(self.artifacts, run=self.run_id, round=self.round))
                 elif kind == "round_end":
                     costs = decode_message(bytes(delivery.payload)).costs
                     self.marks.append({"round": self.round, "peak_rss_bytes": costs.peak_rss_bytes,
@@ -154,7 +141,7 @@ def test_runtime_alone(benchmark: Any, worker_envs: dict[str, dict[str, str]], e
     fresh.in_fresh_processes(benchmark, 1, WORKER, ["baseline", ENVS[env]], worker_envs[ENVS[env]])
 
 
-def run_agent(benchmark: Any, quick: bool, broker: Any, worker_envs: dict[str, dict[str, str]], ort_artifacts: Callable[[int], Path],
+def run_agent(benchmark: Any, quick: bool, broker: Any, worker_envs: dict[str, dict[str, str]], ort_reply: Callable[[int], Any],
               env: str, mode: str, samples: int, rounds: int) -> None:
     import numpy as np
 
@@ -167,7 +154,7 @@ def run_agent(benchmark: Any, quick: bool, broker: Any, worker_envs: dict[str, d
     backend, run_id = ENVS[env], f"fp-{env}-{mode}-{samples}-{rounds}"
     spec = AgentDataSpec(dataset="fashion-mnist", partition="none", seed=0, train_samples=samples, test_samples=test_samples)
     train_ids = np.asarray(load_agent_subset(spec, 0)[0].sample_ids, np.int64)
-    server = ScriptedGktServer(broker.url, run_id, train_ids, rounds, ort_artifacts(1) if backend == "ort" else None)
+    server = ScriptedGktServer(broker.url, run_id, train_ids, rounds, ort_reply(1) if backend == "ort" else None)
     result: dict[str, Any] = {}
 
     def agent() -> None:
@@ -193,15 +180,15 @@ def run_agent(benchmark: Any, quick: bool, broker: Any, worker_envs: dict[str, d
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("env", list(ENVS))
 def test_first_rounds(benchmark: Any, quick: bool, broker: Any, worker_envs: dict[str, dict[str, str]],
-                      ort_artifacts: Callable[[int], Path], env: str, mode: str, samples: int) -> None:
-    run_agent(benchmark, quick, broker, worker_envs, ort_artifacts, env, mode, samples, FIRST_ROUNDS[samples])
+                      ort_reply: Callable[[int], Any], env: str, mode: str, samples: int) -> None:
+    run_agent(benchmark, quick, broker, worker_envs, ort_reply, env, mode, samples, FIRST_ROUNDS[samples])
 
 
 @pytest.mark.parametrize("samples", LONG_SIZES)
 @pytest.mark.parametrize(("env", "mode"), LONG_JOBS)
 def test_long_run(benchmark: Any, quick: bool, broker: Any, worker_envs: dict[str, dict[str, str]],
-                  ort_artifacts: Callable[[int], Path], env: str, mode: str, samples: int) -> None:
-    run_agent(benchmark, quick, broker, worker_envs, ort_artifacts, env, mode, samples, LONG_ROUNDS)
+                  ort_reply: Callable[[int], Any], env: str, mode: str, samples: int) -> None:
+    run_agent(benchmark, quick, broker, worker_envs, ort_reply, env, mode, samples, LONG_ROUNDS)
 
 
 def tree_bytes(path: Path) -> int:

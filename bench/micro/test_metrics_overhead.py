@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import resource
 import subprocess
@@ -117,16 +116,8 @@ def one_run(setting: dict[str, Any], condition: str, run_id: str, out: Path, int
     started = time.monotonic()
     proc = subprocess.Popen(command(setting, condition, run_id, out), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout or []:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, name="launcher-stdout", daemon=True).start()
     scraper, tail = None, []
-    while (line := lines.get()) is not None:
+    for line in proc.stdout or []:
         tail = (tail + [line.rstrip()])[-20:]
         if condition == "on" and scraper is None and line.startswith(BANNER):
             scraper = Scraper(endpoints(line.strip()), interval_s)

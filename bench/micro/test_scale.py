@@ -33,12 +33,10 @@ def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, work:
     from cloud_server.assemble import build_server
     from cloud_server.config import ServerConfig
     from edge_agent.costs import reset_peak_rss
-    from shared_protocol.local_broker import LocalBroker, free_port
+    from shared_protocol.local_broker import LocalBroker
     from shared_protocol.tomlio import write_toml
 
-    port, conf = free_port(), work / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n")
-    broker = LocalBroker(work / "broker", port, config_file=conf).start()
+    broker = LocalBroker(work / "broker").start()  # the local runs' mosquitto settings
     run_id = f"scale{agents}"
     write_toml(work / "agent.toml", {
         "agent": {"agent_id": "sim", "run_id": run_id, "broker_url": broker.url},

@@ -11,7 +11,7 @@ The tables are generated, never typed: rerun a benchmark, then this script.
 
 It also rewrites the README's table of methods (from the method registry) and
 docs/configuration.md's tables of the methods' keys (from each method's config,
-``bench/config_tables.py``).
+``cloud_server/config_docs.py``).
 
     python bench/render_results.py [--results bench/results] [--out docs/results.md]
 """
@@ -33,7 +33,7 @@ if str(REPO_ROOT / "bench") not in sys.path:
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from config_tables import update_config_doc  # noqa: E402
+from cloud_server.config_docs import update_config_doc  # noqa: E402
 from defence_docs import (decision_section, defence_rows, load_defences, readme_defence_cell, secagg_section,  # noqa: E402
                           update_privacy_page)
 from micro_docs import (codecs_section, edge_cost_section, footprint_section, load_micro,  # noqa: E402

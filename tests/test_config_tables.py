@@ -1,5 +1,5 @@
 """docs/configuration.md's tables of the methods' keys are rendered from each method's config
-(bench/config_tables.py): the page holds exactly what the code renders, every key of every
+(cloud_server/config_docs.py): the page holds exactly what the code renders, every key of every
 registered method's table has a declared meaning, and a key without one stops the render."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any, ClassVar
 import pytest
 
 from fedhelpers import ROOT
-from benchhelpers import load_bench
+import cloud_server.config_docs as config_docs
 
 
 
 
 def test_the_page_holds_the_rendered_tables() -> None:
-    render = load_bench("config_tables")
+    render = config_docs
     page = (ROOT / "docs" / "configuration.md").read_text()
     block = page[page.index(render.CONFIG_BEGIN):page.index(render.CONFIG_END) + len(render.CONFIG_END)]
     assert block.splitlines() == render.config_tables(), "rerun `python bench/render_results.py` (it rewrites the tables)"
@@ -26,7 +26,7 @@ def test_the_page_holds_the_rendered_tables() -> None:
 def test_every_registered_method_with_a_config_has_its_table_with_every_key() -> None:
     from shared_protocol.registry import import_part, registered_methods
 
-    render = load_bench("config_tables")
+    render = config_docs
     lines = render.config_tables()
     for name, spec in registered_methods().items():
         if not spec.config:
@@ -45,7 +45,7 @@ def test_the_centralized_table_is_rendered_in_the_block_with_every_key() -> None
     block (test_the_page_holds_the_rendered_tables) holds it, with every field of its config."""
     from cloud_server.centralized import CentralizedConfig
 
-    render = load_bench("config_tables")
+    render = config_docs
     assert ("centralized", "cloud_server.centralized:CentralizedConfig",
             "run with `edgesplit centralized --config FILE`") in render.OTHER_TABLES
     lines = render.config_tables()
@@ -67,7 +67,7 @@ def test_the_centralized_table_is_rendered_in_the_block_with_every_key() -> None
 
 
 def test_a_row_shows_the_keys_types_defaults_and_meaning() -> None:
-    render = load_bench("config_tables")
+    render = config_docs
 
     @dataclass(frozen=True)
     class Inner:
@@ -102,7 +102,7 @@ def test_a_row_shows_the_keys_types_defaults_and_meaning() -> None:
 
 
 def test_a_key_without_a_meaning_or_a_meaning_without_a_key_stops_the_render() -> None:
-    render = load_bench("config_tables")
+    render = config_docs
 
     @dataclass(frozen=True)
     class Undescribed:
@@ -123,7 +123,7 @@ def test_a_key_without_a_meaning_or_a_meaning_without_a_key_stops_the_render() -
 
 
 def test_a_page_without_the_block_is_an_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    render = load_bench("config_tables")
+    render = config_docs
     page = tmp_path / "configuration.md"
     page.write_text("# Configuration\n")
     with pytest.raises(render.ConfigDocError, match="no methods' tables"):

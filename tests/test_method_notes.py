@@ -1,6 +1,6 @@
 """docs/methods/*.md set each method's defaults beside its paper's values in a table headed
 :data:`HEADER`; its "default here" cells are the method config's defaults as
-docs/configuration.md renders them (bench/config_tables.py), so a changed default fails here
+docs/configuration.md renders them (cloud_server/config_docs.py), so a changed default fails here
 until the note says why it now differs from the paper (or no longer does)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from benchhelpers import load_bench
+import cloud_server.config_docs as config_docs
 from fedhelpers import ROOT
 
 #: The header of a method note's table of its settings against its paper's.
@@ -21,7 +21,7 @@ HEADER = "| key | the paper | default here | why |"
 def _defaults(cls: type) -> dict[str, str]:
     """Key -> its default as docs/configuration.md writes it (`0.95`, `"adam"`, unset)."""
     out: dict[str, str] = {}
-    for keys, _types, defaults, _meaning in load_bench("config_tables").key_rows(cls):
+    for keys, _types, defaults, _meaning in config_docs.key_rows(cls):
         names = re.findall(r"`([^`]+)`", keys)
         values = re.findall(r"`[^`]*`|unset", defaults)
         assert len(names) == len(values), (keys, defaults)

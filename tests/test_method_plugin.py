@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import cloud_server.config_docs as config_docs
 from fedhelpers import ROOT, agent_config, in_memory_federation, method_server_config
 from benchhelpers import load_bench
 
@@ -255,7 +256,7 @@ def test_a_method_in_its_own_files_registers_runs_and_is_listed(toy_method: list
 
 def test_a_method_in_its_own_files_gets_its_table_of_keys(toy_method: list[str], tmp_path: Path) -> None:
     before = _git_status()
-    render = load_bench("config_tables")
+    render = config_docs
     tables = render.config_tables()
     assert "`[toymean]` (`toymean/server.py`, `ToyConfig`)" in tables
     assert "| `scale` | float | `1.0` | how much each agent weighs its counts |" in tables

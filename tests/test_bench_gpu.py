@@ -82,6 +82,15 @@ def test_collect_cuts_the_samples_by_step_and_judges_the_targets(tmp_path: Path)
     assert full["target"] == {"what": "global accuracy >= 88 % by round 10", "best_so_far": 0.881, "reached": True}
     assert full["gpu_utilization_nvidia_smi"]["mean_percent"] == 100.0
 
+    assert "ResNet-109" in server["not_run_why"] and not any(k.startswith("resnet109") for k in server["results"])
+    # The checklist's last step measured ResNet-109: its rows join the ResNet-55 ones, and nothing says it was not run.
+    big = _server_json({"bs64": 9.0, "bs256": 8.0})
+    big["results"] = {k.replace("resnet55", "resnet109"): v for k, v in big["results"].items()}
+    (folder / "server_gpu_109.json").write_text(json.dumps(big))
+    both = collect.server_gpu(folder, windows, samples, "note")
+    assert "not_run_why" not in both and both["results"]["resnet109_server/bs64/fp32"]["graph"]["epoch_60k_s"] == 9.0
+    assert both["targets"]["verdicts"] == verdicts  # the targets are the ResNet-55's
+
     methods = collect.methods(folder / "methods", folder / "tests.log", "")
     assert methods["runs"]["fedavg"]["finished"] and methods["runs"]["fedavg"]["device"] == "cuda"
     assert methods["runs"]["fedkd"] == {"finished": False, "why": "no report.json"}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import cloud_server.methods as server_methods
+from cloud_server.methods.fedgkt_config import FedGktConfig
 from cloud_server.centralized import CentralizedTrainer
 from cloud_server.evaluation import EvalModel, EvalSet, EvalSetSpec, Evaluation, Evaluator, module_digest
 from cloud_server.report import validate_report
@@ -190,6 +191,27 @@ def test_fedgkt_scores_every_agent_on_the_whole_balanced_set(tmp_path: Path, mon
     assert report["rounds"][0]["accuracy"] == pytest.approx(sum(per_agent) / 2)
     assert report["rounds"][0]["edge_accuracy"] == pytest.approx(
         sum(ev["per_agent"][a]["accuracy"]["edge"] for a in ("agent-0", "agent-1")) / 2)
+
+
+def test_fedgkt_scores_the_resnet8s_on_the_server_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``edge_scoring = "server"``: the request names no public set, no agent scores the global set,
+    and the server scores each ResNet-8 from the copy it was sent: the same figures as on the devices."""
+    figures = {}
+    for where in ("device", "server"):
+        calls: list[str] = []
+        score_edge = FedGktEdgeBase._score_edge
+        monkeypatch.setattr(FedGktEdgeBase, "_score_edge",
+                            lambda edge, data, meter: calls.append(edge.ctx.agent_id) or score_edge(edge, data, meter))
+        cfg = server_config(tmp_path / where, run_id=f"ev-{where}", rounds=1, method_config={"edge_scoring": where})
+        report = in_memory_federation(cfg, [agent_config(cfg.run_id, i, 2) for i in range(2)]).start().join()
+        ev = report["rounds"][0]["evaluation"]
+        assert sorted(calls) == (["agent-0", "agent-1"] if where == "device" else [])
+        # The server's passes: the shared stem's pipeline once and two personalised ones; plus the ResNet-8s here.
+        assert ev["models_scored"] == (3 if where == "device" else 5)
+        figures[where] = {a: ev["per_agent"][a]["accuracy"]["edge"] for a in ("agent-0", "agent-1")}
+    assert figures["device"] == figures["server"]
+    with pytest.raises(ValueError, match="fedgkt.edge_scoring"):
+        FedGktConfig(edge_scoring="cloud")
 
 
 def test_evaluation_costs_are_not_training_costs(tmp_path: Path) -> None:

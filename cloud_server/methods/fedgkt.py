@@ -581,9 +581,11 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
 
     # -- evaluation: each agent's extractor followed by the server model, on the global set and the agent's own test maps
 
-    #: The ResNet-8 lives on the device and is scored there on the global set; a private
-    #: extractor's pipeline too (it never leaves the device).
-    scores_on_device = True
+    @property
+    def scores_on_device(self) -> bool:  # type: ignore[override]
+        """A private extractor never leaves the device: the agents score it; the ResNet-8 is
+        scored where it lives unless ``edge_scoring = "server"``."""
+        return bool(self.config.private_extractor) or self.config.edge_scoring == "device"
 
     def _personalised(self, round_: int) -> bool:
         mode = self.config.personalised_eval

@@ -118,6 +118,11 @@ class FedGktConfig:
                              "`personalised_bn` scores it with agent k's own statistics, recomputed on its training "
                              "maps (kept in the checkpoint): in the run's last round (`final`), in `every` evaluated "
                              "round (twice the server's scoring work), or `off`",
+        "edge_scoring": "where each agent's ResNet-8 is scored on the global set: `device` (where it lives: the "
+                        "agent loads the public set, or downloads it once, and reports its counts; its passes are "
+                        "metered as the agent's evaluation) or `server` (from the copy the agent sends; for devices "
+                        "too slow to score the global set every evaluated round). A private extractor is always "
+                        "scored on the device",
         "bn_calibration_samples": "at most this many of an agent's training maps (an even spread) for its statistics",
         "map_clip_norm, map_noise_multiplier": "sent to agents ([protecting activations](privacy.md#protecting-activations)): "
                                                 "each uploaded map is scaled to an L2 norm of at most `map_clip_norm` (C), then "
@@ -174,6 +179,8 @@ class FedGktConfig:
     # batches (one agent's maps each) were normalised with: in every evaluated round ("every"),
     # in the run's last round only ("final": it doubles the server's evaluation work), or never.
     personalised_eval: str = "final"
+    # Where the agents' ResNet-8s are scored on the global set: "device" or "server".
+    edge_scoring: str = "device"
     bn_calibration_samples: int = 256
     # An extra figure in report.json: the server's training accuracy in its last epoch.
     eval_diagnostics: bool = False
@@ -198,6 +205,7 @@ class FedGktConfig:
                              f"got {self.server_epochs}, {self.server_batch_size}, {self.bn_calibration_samples}, {self.server_lr}")
         check_choice(self.personalised_eval, ("every", "final", "off"), "fedgkt.personalised_eval")
         check_choice(self.edge_init, ("shared", "per_agent"), "fedgkt.edge_init")
+        check_choice(self.edge_scoring, ("device", "server"), "fedgkt.edge_scoring")
         check_cut_pair(self.edge_model, self.server_model, "fedgkt")
         if not 0 < self.map_noise_delta < 1:
             raise ValueError(f"fedgkt.map_noise_delta must be in (0, 1), got {self.map_noise_delta}")

@@ -23,13 +23,14 @@ import pytest
 from fresh import status_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
-#: (training samples, test samples) split over the agents, and rounds; full and --quick.
+#: (training samples, test samples) split over the agents, and rounds; full and --quick. The
+#: global set is the test samples' number of images (every agent scores its ResNet-8 on it).
 SIZES = {False: (2048, 512, 2), True: (256, 128, 1)}
 DATASET = "fashion-mnist"
 METHOD_CONFIG = {"upload_batch_samples": 64, "server_batch_size": 64}
 
 
-def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, work: Path) -> dict[str, Any]:
+def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, work: Path, eval_samples: int) -> dict[str, Any]:
     from cloud_server.assemble import build_server
     from cloud_server.config import ServerConfig
     from edge_agent.costs import reset_peak_rss
@@ -44,6 +45,7 @@ def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, work:
                  "test_samples": agents * test_per_agent, "seed": 0}})
     coordinator = build_server(ServerConfig(run_id=run_id, broker_url=broker.url, out_dir=str(work / run_id), expected_agents=agents,
                                             rounds=rounds, round_deadline_s=1800, registration_timeout_s=600, dataset=DATASET,
+                                            eval_samples=eval_samples,
                                             progress=False, method_config=METHOD_CONFIG), device="cpu")
     sim = subprocess.Popen([sys.executable, "-m", "edge_agent.cli", "simulate", "--config", str(work / "agent.toml"), "--agents", str(agents)],
                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(work / "simulate.log", "w"), env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -66,6 +68,7 @@ def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, work:
     rounds_out, connection = report["rounds"], report["totals"]["server_connection"]
     return {
         "agents": agents, "samples_per_agent": per_agent, "test_samples_per_agent": test_per_agent, "rounds": rounds,
+        "eval_samples": eval_samples,
         "status": report["status"], "round_status": [r["status"] for r in rounds_out],
         "round_s": [r["time_s"]["round"] for r in rounds_out], "server_train_s": [r["time_s"]["server_train"] for r in rounds_out],
         "accuracy": [r["accuracy"] for r in rounds_out], "edge_accuracy": [r["edge_accuracy"] for r in rounds_out],
@@ -84,7 +87,7 @@ def one_run(agents: int, per_agent: int, test_per_agent: int, rounds: int, work:
 def test_agents(benchmark: Any, quick: bool, tmp_path: Path, agents: int) -> None:
     train, test, rounds = SIZES[quick]
     result: dict[str, Any] = {}
-    benchmark.pedantic(lambda: result.update(one_run(agents, train // agents, max(1, test // agents), rounds, tmp_path)),
+    benchmark.pedantic(lambda: result.update(one_run(agents, train // agents, max(1, test // agents), rounds, tmp_path, test)),
                        rounds=1, iterations=1)
     benchmark.extra_info.update(dataset=DATASET, partition="iid", edge_model="resnet8", server_model="resnet55_server",
                                 **METHOD_CONFIG, **result)

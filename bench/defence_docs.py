@@ -110,20 +110,18 @@ def privacy_block(rows: Sequence[Row]) -> list[str]:
         lines += ["No defence is measured yet: `edgesplit bench run bench/experiments/defences_activations_small.toml` "
                   "(and `defences_dp.toml`), then `python bench/render_results.py`.", "", PRIVACY_END]
         return lines
-    lines += ["| Experiment | Method | Variant | Global acc. % | vs undefended (points) | Over mean image dB | "
-              "vs undefended (dB) | ε | Up bytes vs undefended |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["| Method | Variant | Accuracy (points) | Over mean image (dB) | ε | Bytes up |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if r["variant"] == "default":
             continue  # the undefended runs: the rows' reference, in the experiment's own section of results.md
         eps = "—" if r["epsilon"] is None else f"{r['epsilon']:.3g}"
-        lines.append(f"| `{r['experiment']}` | `{r['method']}` | {r['variant']} | {_pm(r['accuracy'], 100)} | "
-                     f"{_signed(r['accuracy_points'])} | {_pm(r['gain_db'])} | {_signed(r['gain_change_db'])} | "
+        lines.append(f"| `{r['method']}` | {r['variant']} | {_signed(r['accuracy_points'])} | {_signed(r['gain_change_db'])} | "
                      f"{eps} | {_ratio(r['up_ratio'])} |")
-    lines += ["", "Mean ± sd over the seeds; each variant against its experiment's undefended runs of the same method on the "
-              "seeds both have ([results.md](results.md#what-each-activation-defence-leaves-the-server-and-what-it-costs) "
-              "has the reference runs). \"Over mean image\": the strongest attack's PSNR minus that of guessing the mean image "
-              "(0: nothing learnt). ε: per image for noised maps, per run for DP-FedAvg and DP-SGD.", "", PRIVACY_END]
+    lines += ["", "Each defence against its experiment's undefended runs of the same method on the seeds both have, mean over "
+              "the seeds: the change in global accuracy, in what the strongest attack rebuilds over guessing the mean image, "
+              "and the bytes up as a multiple; ε per image for noised maps, per run for DP. The runs themselves: "
+              "[results.md](results.md#what-each-activation-defence-leaves-the-server-and-what-it-costs) and the "
+              "sections after it.", "", PRIVACY_END]
     return lines
 
 

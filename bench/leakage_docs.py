@@ -204,16 +204,19 @@ def update_inversion_section(data: Mapping[str, Any] | None) -> list[str]:
 
     lines = ["### Inverting a weight update", "",
              "The audit's update inversion on one agent update of the project's models, mean ± sd over the seeds; labels read "
-             "from the update at batch 1, given above it. From `bench/update_inversion.py`, `bench/results/update_inversion.json`.", "",
-             "| Model | Optimiser | Batch x steps | Attack | PSNR dB | Mean image PSNR dB | SSIM | Attack s / update |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "from the update at batch 1, given above it. From `bench/update_inversion.py`, `bench/results/update_inversion.json`.", ""]
     weaker = sorted({k[4] for k in groups} - {"strong"})
     if weaker and "strong" in {k[4] for k in groups}:  # the weaker variants stay in the JSON; the table shows the strongest
         groups = {k: v for k, v in groups.items() if k[4] == "strong"}
         lines[2] = lines[2].replace("given above it.", f"given above it; the `strong` attack only (the JSON also holds {', '.join(weaker)}).")
+    attacks = len({k[4] for k in groups}) > 1  # one attack: the sentence above names it, no column repeats it
+    if not attacks and groups and f"`{next(iter(groups))[4]}`" not in lines[2]:
+        lines[2] = lines[2].replace("given above it.", f"given above it; the `{next(iter(groups))[4]}` attack.")
+    lines += ["| Model | Optimiser | Batch x steps |" + (" Attack |" if attacks else "") + " PSNR dB | Mean image PSNR dB | SSIM |",
+              "| --- | --- | ---: |" + (" --- |" if attacks else "") + " ---: | ---: | ---: |"]
     for (model, optimizer, batch, steps, variant), rows in sorted(groups.items(), key=lambda kv: (
             kv[0][0], kv[0][1], kv[0][2] * kv[0][3], kv[0][3], kv[0][4])):
-        lines.append(f"| {model} | {optimizer} | {batch} x {steps} | {variant} | "
+        lines.append(f"| {model} | {optimizer} | {batch} x {steps} |{f' {variant} |' if attacks else ''} "
                      f"{pm([r['psnr_db'] for r in rows], 1)} | {pm([r['baseline_psnr_db'] for r in rows], 1)} | "
-                     f"{pm([r['ssim'] for r in rows], 2)} | {pm([r['wall_s'] / r['updates'] for r in rows], 0)} |")
+                     f"{pm([r['ssim'] for r in rows], 2)} |")
     return lines + [""]

@@ -61,6 +61,8 @@ def test_each_defence_is_read_against_the_undefended_runs_of_its_experiment(tmp_
     # README: the defence that leaves the least over the mean image, with what it costs.
     assert docs.readme_defence_cell(list(rows.values()), "fedgkt") == "noise: 2.0 dB over the mean image, accuracy -10.0 points"
     assert docs.readme_defence_cell(list(rows.values()), "fedavg") == "dp: accuracy -10.0 points"
+    cheaper = {**rows[("fedavg", "dp")], "variant": "dp-cheap", "accuracy_points": -5.0}
+    assert docs.readme_defence_cell([*rows.values(), cheaper], "fedavg") == "dp-cheap: accuracy -5.0 points"
     assert docs.readme_defence_cell(list(rows.values()), "splitnn") == "not measured yet"
     block = "\n".join(docs.privacy_block(list(rows.values())))
     assert "| `fedgkt` | noise | -10.0 | -76.0 | 8 | 2.00x |" in block

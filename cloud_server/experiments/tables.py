@@ -258,7 +258,8 @@ def claims_summary_md(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> s
         if len(members) == 1:
             text = first.text
         elif isinstance(key, tuple):
-            text = f"Each of {len(members)} variants: `{first.method} (VARIANT) {first.figure} - {first.method}'s {first.op} {first.value:g}`"
+            text = (f"Each of {len(members)} variants{f' at {first.partition}' if first.partition else ''}: "
+                    f"`{first.method} (VARIANT) {first.figure} - {first.method}'s {first.op} {first.value:g}`")
         else:
             text = key[0].upper() + key[1:]
         held = sum(1 for _, j in members if j["met"])
@@ -273,7 +274,9 @@ def claims_summary_md(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> s
         else:
             value, sd, where, claim = worst
             scope = f" at {where.split(', ')[0]}" if claim.partition is None else ""
-            seen = f"{value:.3g}" + (f" ± {sd:.2g}" if sd is not None else "") + f"{scope}: `{claim.describe()}`"
+            # Variants checked alike: the row's text is the check, so the furthest one is named by its variant alone.
+            said = where.split(", ")[-1] if isinstance(key, tuple) and len(members) > 1 and claim.partition else f"`{claim.describe()}`"
+            seen = f"{value:.3g}" + (f" ± {sd:.2g}" if sd is not None else "") + f"{scope}: {said}"
         count = f"{held} of {len(judged)}" + (f" ({len(members) - len(judged)} no data)" if len(judged) < len(members) else "")
         rows.append([text, count if judged else "no data", seen])
     return _md(["Claim", "Held", "Furthest from holding (mean ± sd over seeds)"], rows)

@@ -119,20 +119,19 @@ def _method_note(figures: Figures, method: str) -> str:
     if entry is None:
         return ("Not measured yet: `edgesplit bench run bench/experiments/leakage.toml`, then "
                 "`python bench/render_results.py`.")
-    text = (f"Measured at this method's defaults ({entry['setting']}, {entry['n']} seeds, "
-            "`bench/experiments/leakage.toml`): ")
+    text = f"At the defaults ({entry['setting']}, {entry['n']} seeds, `bench/experiments/leakage.toml`): "
     if entry["psnr"]["mean"] is not None:
-        text += (f"the strongest attack ({', '.join(entry['attacks'])}) rebuilds the private images at {_db(entry['psnr'])} dB "
-                 f"PSNR, SSIM {entry['ssim']['mean']:.3f}, against {entry['baseline_psnr']['mean']:.1f} dB for the mean image")
+        text += (f"{', '.join(entry['attacks'])} rebuilds the private images at {_db(entry['psnr'])} dB PSNR, SSIM "
+                 f"{entry['ssim']['mean']:.3f} (the mean image: {entry['baseline_psnr']['mean']:.1f} dB)")
         others = [f"{name} {psnr:.1f} dB" for name, psnr in entry["image_attacks"].items() if name not in entry["attacks"]]
         if others:
-            text += f" (the other attacks: {', '.join(others)})"
+            text += f"; the others: {', '.join(others)}"
     else:
-        text += "no image attack ran on what the server kept (see the audit's reasons in the run's summary.md)"
+        text += "no image attack ran (the run's summary.md says why)"
     if entry["labels"]:
         name, error, baseline = entry["labels"]
         guess = "" if baseline is None else f", a uniform guess {baseline:.3f}"
-        text += f"; the label distribution comes out to a histogram error of {error:.3f} ({name}; 0 is exact{guess})"
+        text += f"; {name} reads the label histogram to an error of {error:.3f} (0 is exact{guess})"
     return text + "."
 
 

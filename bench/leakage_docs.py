@@ -83,8 +83,8 @@ def leakage_cell(figures: Figures, method: str) -> str:
         return "not measured yet"
     if entry["psnr"]["mean"] is None:
         labels = entry["labels"]
-        guess = "" if not labels or labels[2] is None else f", uniform guess {labels[2]:.2f}"
-        return "no image attack ran" + (f"; label shares to {labels[1]:.2f} histogram error{guess}" if labels else "")
+        guess = "" if not labels or labels[2] is None else f" (uniform guess {labels[2]:.2f})"
+        return "no image attack ran" + (f"; label shares, error {labels[1]:.2f}{guess}" if labels else "")
     return (f"images at {_db(entry['psnr'])} dB PSNR, SSIM {entry['ssim']['mean']:.2f} "
             f"(mean image {entry['baseline_psnr']['mean']:.1f} dB)")
 

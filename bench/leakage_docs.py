@@ -83,8 +83,8 @@ def leakage_cell(figures: Figures, method: str) -> str:
         return "not measured yet"
     if entry["psnr"]["mean"] is None:
         labels = entry["labels"]
-        guess = "" if not labels or labels[2] is None else f", uniform guess {labels[2]:.2f}"
-        return "no image attack ran" + (f"; label shares to {labels[1]:.2f} histogram error{guess}" if labels else "")
+        guess = "" if not labels or labels[2] is None else f" (uniform guess {labels[2]:.2f})"
+        return "no image attack ran" + (f"; label shares, error {labels[1]:.2f}{guess}" if labels else "")
     return (f"images at {_db(entry['psnr'])} dB PSNR, SSIM {entry['ssim']['mean']:.2f} "
             f"(mean image {entry['baseline_psnr']['mean']:.1f} dB)")
 
@@ -119,20 +119,19 @@ def _method_note(figures: Figures, method: str) -> str:
     if entry is None:
         return ("Not measured yet: `edgesplit bench run bench/experiments/leakage.toml`, then "
                 "`python bench/render_results.py`.")
-    text = (f"Measured at this method's defaults ({entry['setting']}, {entry['n']} seeds, "
-            "`bench/experiments/leakage.toml`): ")
+    text = f"At the defaults ({entry['setting']}, {entry['n']} seeds, `bench/experiments/leakage.toml`): "
     if entry["psnr"]["mean"] is not None:
-        text += (f"the strongest attack ({', '.join(entry['attacks'])}) rebuilds the private images at {_db(entry['psnr'])} dB "
-                 f"PSNR, SSIM {entry['ssim']['mean']:.3f}, against {entry['baseline_psnr']['mean']:.1f} dB for the mean image")
+        text += (f"{', '.join(entry['attacks'])} rebuilds the private images at {_db(entry['psnr'])} dB PSNR, SSIM "
+                 f"{entry['ssim']['mean']:.3f} (the mean image: {entry['baseline_psnr']['mean']:.1f} dB)")
         others = [f"{name} {psnr:.1f} dB" for name, psnr in entry["image_attacks"].items() if name not in entry["attacks"]]
         if others:
-            text += f" (the other attacks: {', '.join(others)})"
+            text += f"; the others: {', '.join(others)}"
     else:
-        text += "no image attack ran on what the server kept (see the audit's reasons in the run's summary.md)"
+        text += "no image attack ran (the run's summary.md says why)"
     if entry["labels"]:
         name, error, baseline = entry["labels"]
         guess = "" if baseline is None else f", a uniform guess {baseline:.3f}"
-        text += f"; the label distribution comes out to a histogram error of {error:.3f} ({name}; 0 is exact{guess})"
+        text += f"; {name} reads the label histogram to an error of {error:.3f} (0 is exact{guess})"
     return text + "."
 
 
@@ -204,16 +203,19 @@ def update_inversion_section(data: Mapping[str, Any] | None) -> list[str]:
 
     lines = ["### Inverting a weight update", "",
              "The audit's update inversion on one agent update of the project's models, mean ± sd over the seeds; labels read "
-             "from the update at batch 1, given above it. From `bench/update_inversion.py`, `bench/results/update_inversion.json`.", "",
-             "| Model | Optimiser | Batch x steps | Attack | PSNR dB | Mean image PSNR dB | SSIM | Attack s / update |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "from the update at batch 1, given above it. From `bench/update_inversion.py`, `bench/results/update_inversion.json`.", ""]
     weaker = sorted({k[4] for k in groups} - {"strong"})
     if weaker and "strong" in {k[4] for k in groups}:  # the weaker variants stay in the JSON; the table shows the strongest
         groups = {k: v for k, v in groups.items() if k[4] == "strong"}
         lines[2] = lines[2].replace("given above it.", f"given above it; the `strong` attack only (the JSON also holds {', '.join(weaker)}).")
+    attacks = len({k[4] for k in groups}) > 1  # one attack: the sentence above names it, no column repeats it
+    if not attacks and groups and f"`{next(iter(groups))[4]}`" not in lines[2]:
+        lines[2] = lines[2].replace("given above it.", f"given above it; the `{next(iter(groups))[4]}` attack.")
+    lines += ["| Model | Optimiser | Batch x steps |" + (" Attack |" if attacks else "") + " PSNR dB | Mean image PSNR dB | SSIM |",
+              "| --- | --- | ---: |" + (" --- |" if attacks else "") + " ---: | ---: | ---: |"]
     for (model, optimizer, batch, steps, variant), rows in sorted(groups.items(), key=lambda kv: (
             kv[0][0], kv[0][1], kv[0][2] * kv[0][3], kv[0][3], kv[0][4])):
-        lines.append(f"| {model} | {optimizer} | {batch} x {steps} | {variant} | "
+        lines.append(f"| {model} | {optimizer} | {batch} x {steps} |{f' {variant} |' if attacks else ''} "
                      f"{pm([r['psnr_db'] for r in rows], 1)} | {pm([r['baseline_psnr_db'] for r in rows], 1)} | "
-                     f"{pm([r['ssim'] for r in rows], 2)} | {pm([r['wall_s'] / r['updates'] for r in rows], 0)} |")
+                     f"{pm([r['ssim'] for r in rows], 2)} |")
     return lines + [""]

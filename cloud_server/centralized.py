@@ -56,14 +56,13 @@ class CentralizedConfig:
     # One line per key of the [centralized] table (docs/configuration.md is rendered from it by
     # bench/render_results.py).
     KEY_MEANINGS: ClassVar[dict[str, str]] = {
-        "model": "the model trained on the union of the agents' data: `resnet56`, `resnet110`, `resnet8`",
-        "epochs_per_round, optimizer, lr, momentum, weight_decay, batch_size":
-            "the training (the paper: Adam, lr 0.003, batch 256, 300 epochs)",
-        "lr_schedule": "`none`, or `plateau`: the learning rate halved after 2 rounds without a lower training loss",
+        "model": "trained on the union of the agents' data: `resnet56`, `resnet110`, `resnet8`",
+        "epochs_per_round, optimizer, lr, momentum, weight_decay, batch_size": "the training",
+        "lr_schedule": "`none`, or `plateau`: halve the lr after 2 rounds without a lower training loss",
         "train_samples, test_samples": "the seeded subsets (with `[server] seed`) a federation with the same settings "
-                                       "partitions; 0 = all",
+                                       "partitions; 0: all",
         "data_root, download": "as in an agent's `[data]`",
-        "augment": "random crops and flips; unset: on for CIFAR-10/100 and CINIC-10 (as in the paper), off otherwise",
+        "augment": "random crops and flips; unset: on for CIFAR-10/100 and CINIC-10, off otherwise",
     }
 
     model: str = "resnet56"  # resnet56 | resnet110 | resnet8

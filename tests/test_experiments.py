@@ -22,8 +22,8 @@ from cloud_server.experiments.results import (RUN_FIGURES, ResultsError, leakage
 from cloud_server.experiments.runner import CellOutcome, SubprocessExecutor, cell_command, run_experiment
 from cloud_server.experiments.experiment_file import load_experiment
 from cloud_server.experiments.spec import CENTRALIZED, UNION, Claim, ExperimentError, Scale
-from cloud_server.experiments.tables import (curves, curves_md, evaluate_claims, long_table, plot, render, summary, summary_md,
-                                             unattacked_md)
+from cloud_server.experiments.tables import (claims_summary_md, curves, curves_md, evaluate_claims, long_table, pivot_md, plot,
+                                             render, summary, summary_md, unattacked_md)
 from shared_protocol import registry
 from shared_protocol.registry import MethodSpec, registered_methods
 
@@ -591,6 +591,38 @@ def test_the_tables_and_the_template(tmp_path: Path) -> None:
     assert "# hand" in text and "| FedGKT reaches 70% |" in text and "| met |" in text and "![hand](page.png)" in text
     assert (tmp_path / "page.png").stat().st_size > 0
 
+
+
+def test_a_pivot_puts_partitions_or_methods_in_the_columns() -> None:
+    results = good_results()
+    flip = {**results["cells"][2], "key": "fedavg-iid-s0-flip", "variant": "flip", "run": {**FIGURES, "final_accuracy": 0.10}}
+    results["cells"].append(flip)
+    groups = summary(long_table(results))
+    by_partition = render("{{pivot:final_accuracy}}", results, [], Path("unused.md"))
+    assert by_partition.splitlines()[:4] == ["| Method | Variant | iid |", "| --- | --- | --- |",
+                                             "| `fedgkt` | default | 75.0 ± 7.1 |", "| `fedavg` | default | 60.0 |"]
+    assert by_partition.endswith("Global acc. %, by partition.")
+    by_method = render("{{pivot:final_accuracy, method}}", results, [], Path("unused.md"))
+    # One row per variant (the single partition is said by no column), a method missing a variant: a dash.
+    assert by_method.splitlines() == ["| Variant | `fedgkt` | `fedavg` |", "| --- | --- | --- |",
+                                      "| default | 75.0 ± 7.1 | 60.0 |", "| flip | — | 10.0 |", "",
+                                      "Global acc. %, by method."]
+    with pytest.raises(ValueError, match="pivots across 'seed'"):
+        pivot_md(groups, "final_accuracy", "seed")
+
+
+def test_the_claims_summary_names_the_furthest_of_variants_checked_alike_by_its_variant() -> None:
+    results = good_results()
+    for variant, accuracy in (("a", 0.58), ("b", 0.50)):
+        results["cells"].append({**results["cells"][2], "key": f"fedavg-iid-s0-{variant}", "variant": variant,
+                                 "run": {**FIGURES, "final_accuracy": accuracy}})
+    groups = summary(long_table(results))
+    alike = [Claim(f"{v} keeps FedAvg", "fedavg", "final_accuracy", ">=", -0.05, partition="iid", variant=v,
+                   baseline="fedavg") for v in ("a", "b")]
+    one = Claim("FedGKT reaches 70%", "fedgkt", "final_accuracy", ">=", 0.7)
+    md = claims_summary_md([*alike, one], groups)
+    assert "| Each of 2 variants at iid: `fedavg (VARIANT) final_accuracy - fedavg's >= -0.05` | 1 of 2 | -0.1: b |" in md
+    assert f"| FedGKT reaches 70% | 1 of 1 | 0.75 ± 0.071 at iid: `{one.describe()}` |" in md
 
 def test_the_label_columns_and_the_unattacked_list_explain_each_dash() -> None:
     results = good_results()

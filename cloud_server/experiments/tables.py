@@ -206,22 +206,31 @@ def compact_md(summary_rows: Sequence[Row], figures: Sequence[str]) -> str:
     return table + (f"\n\nEvery row: {every}." if every else "")
 
 
-def pivot_md(summary_rows: Sequence[Row], figure: str) -> str:
-    """One figure (mean ± sd over the seeds) with a row per method and variant and a column per
-    partition, in the summary's order."""
+def pivot_md(summary_rows: Sequence[Row], figure: str, across: str = "partition") -> str:
+    """One figure (mean ± sd over the seeds) with a column per value of ``across`` (``partition`` or
+    ``method``) and a row per value of the other two (a variant column only where some variant is not
+    the default, a partition column only where there are several), in the summary's order."""
     if figure not in COLUMNS:
         raise ValueError(f"{{{{pivot:...}}}} names {figure!r}; a column is one of {sorted(COLUMNS)}")
+    if across not in ("partition", "method"):
+        raise ValueError(f"{{{{pivot:{figure},...}}}} pivots across {across!r}; it takes partition or method")
     if not summary_rows:
         return "No cell is done yet."
     _, title, scale, decimals = COLUMNS[figure]
-    partitions = list(dict.fromkeys(s["partition"] for s in summary_rows))
-    cells: dict[tuple[str, str], dict[str, str]] = {}
+    labels = [d for d in GROUP if d != across]
+    columns = list(dict.fromkeys(s[across] for s in summary_rows))
+    cells: dict[tuple[str, ...], dict[str, str]] = {}
     for s in summary_rows:
-        cells.setdefault((s["method"], s["variant"]), {})[s["partition"]] = _cell(s[figure], scale, decimals)
-    variants = any(variant != "default" for _, variant in cells)
-    rows = [[f"`{method}`", *([variant] if variants else []), *(by.get(p, "—") for p in partitions)]
-            for (method, variant), by in cells.items()]
-    return _md(["Method", *(["Variant"] if variants else []), *partitions], rows) + f"\n\n{title}, by partition."
+        cells.setdefault(tuple(s[d] for d in labels), {})[s[across]] = _cell(s[figure], scale, decimals)
+    shown = [i for i, d in enumerate(labels) if d == "method" or (d == "variant" and any(k[i] != "default" for k in cells))
+             or (d == "partition" and len({k[i] for k in cells}) > 1)]
+
+    def name(dimension: str, value: str) -> str:
+        return f"`{value}`" if dimension == "method" else value
+
+    rows = [[*(name(labels[i], key[i]) for i in shown), *(by.get(c, "—") for c in columns)] for key, by in cells.items()]
+    return (_md([*(labels[i].capitalize() for i in shown), *(name(across, c) for c in columns)], rows)
+            + f"\n\n{title}, by {across}.")
 
 
 def _worse(op: str, a: float, b: float) -> bool:
@@ -249,7 +258,8 @@ def claims_summary_md(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> s
         if len(members) == 1:
             text = first.text
         elif isinstance(key, tuple):
-            text = f"Each of {len(members)} variants: `{first.method} (VARIANT) {first.figure} - {first.method}'s {first.op} {first.value:g}`"
+            text = (f"Each of {len(members)} variants{f' at {first.partition}' if first.partition else ''}: "
+                    f"`{first.method} (VARIANT) {first.figure} - {first.method}'s {first.op} {first.value:g}`")
         else:
             text = key[0].upper() + key[1:]
         held = sum(1 for _, j in members if j["met"])
@@ -264,7 +274,9 @@ def claims_summary_md(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> s
         else:
             value, sd, where, claim = worst
             scope = f" at {where.split(', ')[0]}" if claim.partition is None else ""
-            seen = f"{value:.3g}" + (f" ± {sd:.2g}" if sd is not None else "") + f"{scope}: `{claim.describe()}`"
+            # Variants checked alike: the row's text is the check, so the furthest one is named by its variant alone.
+            said = where.split(", ")[-1] if isinstance(key, tuple) and len(members) > 1 and claim.partition else f"`{claim.describe()}`"
+            seen = f"{value:.3g}" + (f" ± {sd:.2g}" if sd is not None else "") + f"{scope}: {said}"
         count = f"{held} of {len(judged)}" + (f" ({len(members) - len(judged)} no data)" if len(judged) < len(members) else "")
         rows.append([text, count if judged else "no data", seen])
     return _md(["Claim", "Held", "Furthest from holding (mean ± sd over seeds)"], rows)
@@ -503,8 +515,8 @@ def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], o
     screen refused and judged, ``{{curves}}`` per round the accuracy against the edge FLOPs and bytes spent so far
     (a table and a picture; ``{{curves_plot}}`` the picture alone), ``{{plot}}`` a picture written beside ``out``,
     linked as ``link_prefix`` + its file name; the shorter forms: ``{{setting}}`` the recorded setting and what each
-    variant changes, ``{{table:figure,...}}`` the summary with those columns, ``{{claims_summary}}`` one row per kind
-    of claim)."""
+    variant changes, ``{{table:figure,...}}`` the summary with those columns, ``{{pivot:figure}}`` one figure
+    by partition (``{{pivot:figure,method}}``: by method), ``{{claims_summary}}`` one row per kind of claim)."""
     rows = long_table(results)
     groups = summary(rows)
     text = template
@@ -522,8 +534,9 @@ def render(template: str, results: Mapping[str, Any], claims: Sequence[Claim], o
         picture = out.with_name(f"{out.stem}-curves.png")
         text = text.replace("{{curves_plot}}", f"![{results['experiment']['name']} by round]({link_prefix}{picture.name})"
                             if plot_curves(curves(rows), picture, results["experiment"]["name"]) else "")
-    for figure in set(re.findall(r"\{\{pivot:([^}]*)\}\}", text)):
-        text = text.replace("{{pivot:" + figure + "}}", pivot_md(groups, figure.strip()))
+    for spec in set(re.findall(r"\{\{pivot:([^}]*)\}\}", text)):
+        figure, _, across = spec.partition(",")
+        text = text.replace("{{pivot:" + spec + "}}", pivot_md(groups, figure.strip(), across.strip() or "partition"))
     for spec in set(re.findall(r"\{\{table:([^}]*)\}\}", text)):
         text = text.replace("{{table:" + spec + "}}", compact_md(groups, [f.strip() for f in spec.split(",") if f.strip()]))
     unattacked = unattacked_md(results)

@@ -70,11 +70,10 @@ class FedAvgConfig:
     # One line per key of the [fedavg] table, which the FedAvg family's tables extend
     # (docs/configuration.md is rendered from it by bench/render_results.py).
     KEY_MEANINGS: ClassVar[dict[str, str]] = {
-        "model": "the full model every agent trains: `resnet56`, `resnet110`, or `resnet8` as a small one",
-        "local_epochs, optimizer, lr, momentum, weight_decay, batch_size":
-            "local training, sent with every round (`FedAvgRoundConfig`; the paper: 20 local epochs)",
+        "model": "`resnet56`, `resnet110`, or `resnet8` (small)",
+        "local_epochs, optimizer, lr, momentum, weight_decay, batch_size": "local training, sent with every round",
         "upload_codec, download_codec": "weights codec up / down: `zstd` (lossless), `fp16-zstd`, `raw`; BatchNorm "
-                                        "counters always travel exactly",
+                                        "counters always exact",
     }
 
     model: str = "resnet56"  # resnet56 | resnet110 | resnet8 (a small full model)

@@ -83,32 +83,26 @@ class FedBEConfig(FedAvgConfig):
 
     TABLE: ClassVar[str] = "fedbe"
     KEY_MEANINGS: ClassVar[dict[str, str]] = {
-        "unlabeled_dataset": "required: the `fldata` dataset of the server's unlabeled set (usually the federation's, "
-                             "e.g. `\"fashion-mnist\"`)",
-        "unlabeled_split": "`train-holdout`: its training split minus the agents' seeded subset (no agent trains on a "
-                           "held-out sample); `train`, `test`, `valid`: that whole split ([the server's unlabeled "
-                           "set](methods/fedbe.md#the-servers-unlabeled-set))",
-        "unlabeled_root, unlabeled_download": "where that dataset lies, and whether to fetch it when it is not on disk "
-                                              "(as an agent's `[data]` `root` and `download`)",
+        "unlabeled_dataset": "required: the `fldata` dataset of the server's unlabeled set (e.g. `\"fashion-mnist\"`)",
+        "unlabeled_split": "`train-holdout`: its training split less the agents' seeded subset; `train`, `test`, "
+                           "`valid`: that whole split",
+        "unlabeled_root, unlabeled_download": "as an agent's `[data]` `root` and `download`",
         "unlabeled_samples": "images of the unlabeled set (0: all of the pool less `validation_samples`)",
-        "validation_samples": "labelled held-out images for the round report's figures (0: report on the unlabeled set)",
+        "validation_samples": "labelled held-out images for the report's figures (0: report on the unlabeled set)",
         "agent_train_samples, agent_data_seed": "`train-holdout`: the agents' `data.train_samples` and `data.seed` "
-                                                "(unset: `[server] seed`), so that the held-out pool is exactly what "
-                                                "they do not train on",
-        "posterior": "the global model distribution: `gaussian` (Eq. 5) or `dirichlet` (Eq. 7)",
-        "sampled_models": "M, the models sampled from it for the ensemble",
-        "variance_scale": "`gaussian`: sample from N(mu, scale x Sigma_diag); 1 is Eq. 5",
-        "dirichlet_alpha": "`dirichlet`: alpha = dirichlet_alpha x 1",
-        "ensemble_weight_average, ensemble_clients": "the ensemble also holds the weight average w_bar, and the "
-                                                     "clients' models",
-        "distill_steps, distill_batch_size": "SWA distillation of w_bar on the ensemble's soft labels: steps, and their batch",
-        "swa_warmup_steps": "steps at `swa_lr_max` before the first cycle (the paper: 250)",
-        "swa_cycle_steps": "the weights are collected at the end of every cycle of this many steps",
-        "swa_lr_max, swa_lr_min": "each cycle's learning rate, from max down to min",
-        "distill_momentum, distill_weight_decay": "the distillation's SGD",
-        "eval_batch_size": "forward passes (ensemble, BatchNorm statistics, accuracy): small batches stay in the CPU "
-                           "caches (ResNet-56 inference measured 2-3x faster per image at 32-64 than at 256); on a GPU "
-                           "raise it (e.g. 1024)",
+                                                "(unset: `[server] seed`)",
+        "posterior, variance_scale, dirichlet_alpha": "the global model distribution: `gaussian`, N(mu, variance_scale x "
+                                                      "Sigma_diag) (1: Eq. 5), or `dirichlet`, alpha = dirichlet_alpha x 1 "
+                                                      "(Eq. 7)",
+        "sampled_models": "M, models sampled for the ensemble",
+        "ensemble_weight_average, ensemble_clients": "add the weight average w_bar, and the clients' models, to the ensemble",
+        "distill_steps, distill_batch_size, distill_momentum, distill_weight_decay":
+            "SWA distillation (SGD) of w_bar on the ensemble's soft labels",
+        "swa_warmup_steps, swa_cycle_steps, swa_lr_max, swa_lr_min":
+            "steps at the max lr before the first cycle; steps a cycle (weights collected at its end), its lr falling "
+            "from max to min",
+        "eval_batch_size": "forward passes (ensemble, BatchNorm statistics, accuracy): small suits CPU caches; raise it "
+                           "on a GPU",
     }
 
     # The server's unlabeled data (see load_server_data).

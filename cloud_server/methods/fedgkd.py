@@ -61,12 +61,11 @@ class FedGkdConfig(FedAvgConfig):
 
     TABLE: ClassVar[str] = "fedgkd"
     KEY_MEANINGS: ClassVar[dict[str, str]] = {
-        "variant": "`avg`: FedGKD, one teacher, the average of the last M global models (Eq. 4); `vote`: FedGKD-Vote, "
-                   "the M models with their own coefficients (Eq. 5)",
-        "gamma": "distillation coefficient of `avg` (the loss adds gamma / 2 x KL(teacher || local))",
+        "variant": "`avg`: one teacher, the mean of the last M global models (Eq. 4); `vote`: FedGKD-Vote, the M "
+                   "models with their own coefficients (Eq. 5)",
+        "gamma": "`avg`: loss + gamma / 2 x KL(teacher || local)",
         "buffer_size": "M, global models kept (the initial one included)",
-        "vote_scale, vote_temperature": "`vote`: lambda and beta of gamma_m / 2 = lambda softmax(-L_m / beta); beta 0 "
-                                        "means 1 / M",
+        "vote_scale, vote_temperature": "`vote`: lambda, beta of gamma_m / 2 = lambda softmax(-L_m / beta); beta 0: 1 / M",
     }
 
     variant: str = "avg"  # avg: FedGKD (Eq. 4) | vote: FedGKD-Vote (Eq. 5)

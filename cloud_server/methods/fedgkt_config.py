@@ -57,80 +57,53 @@ class FedGktConfig:
     # One line per key of the [fedgkt] table (docs/configuration.md is rendered from it by
     # bench/render_results.py; keys sharing a line are comma-separated).
     KEY_MEANINGS: ClassVar[dict[str, str]] = {
-        "preset": "`\"paper-iid\"` or `\"paper-noniid\"`: the paper's Table 10 (optimiser, lr, weight decay, batch 256, "
-                  "1 edge epoch, 20 / 40 server epochs) and Algorithm 1 (`server_order = \"per_agent\"`, "
-                  "`train_extractor = true`) fill every key this table does not set; `\"\"`: the defaults below, sized "
-                  "for a CPU server ([why they differ](methods/fedgkt.md#defaults-and-the-papers-table-10))",
-        "mode": "`sync`: Algorithm 1 with a round barrier; `async`: the server trains on each agent's upload as it "
-                "arrives and answers at once",
-        "kd": "`bidirectional` (S<->E, Eqs. 6-7), `s2e` (server CE only, edges distil), `none`",
-        "server_model, edge_model": "from the model registry; the cut is the edge model's: `resnet8` uploads its "
-                                    "stem's 16-channel maps (server `resnet55_server` / `resnet109_server`), "
-                                    "`resnet8_stage1` the 64-channel maps after its bottleneck stage (server "
+        "preset": "`\"paper-iid\"`, `\"paper-noniid\"`: the paper's Table 10 and Algorithm 1 fill every key this table "
+                  "does not set; `\"\"`: the defaults below, sized for a CPU server",
+        "mode": "`sync`: rounds with a barrier (Algorithm 1); `async`: the server trains on each upload as it arrives "
+                "and answers at once",
+        "kd": "`bidirectional` (Eqs. 6-7), `s2e` (only the edges distil), `none`",
+        "server_model, edge_model": "the edge model sets the cut: `resnet8` (server `resnet55_server` / "
+                                    "`resnet109_server`) or the deeper `resnet8_stage1` (server "
                                     "`resnet55_server_stage1` / `resnet109_server_stage1`)",
-        "server_epochs": "E_s, the server's epochs per round",
-        "server_optimizer, server_lr, server_momentum, server_weight_decay":
-            "the paper uses Adam (lr 0.001, wd 1e-4) for IID, SGD (lr 0.005, momentum 0.9) for non-IID",
-        "server_batch_size": "the server's training batch",
-        "server_order": "`mixed`: every server batch drawn from the union of all agents' maps (Eq. 8's sum); "
-                        "`shuffled`: one agent's maps per batch, the agents' batches in random order; `per_agent`: "
-                        "Algorithm 1's agent-by-agent walk ([why mixed](methods/fedgkt.md#non-iid-agents-and-the-balanced-test-set))",
-        "async_replay": "`mode = \"async\"` only: each arrival's server training draws its batches (by `server_order`) "
-                        "from the arriving agent's new maps **and the other agents' latest maps**, which the server "
-                        "keeps (one upload per agent, in the staging; not checkpointed), as many samples an epoch as "
-                        "the arriving agent sent, so over a round every map is drawn about as often as in a sync round "
-                        "and no arrival trains on one agent's label-skewed maps alone; the arriving agent's logits come "
-                        "from the trained model (running BatchNorm averages). `false`: an arrival trains on its agent's "
-                        "maps alone, as the reference code does ([why, measured](methods/fedgkt.md#asynchronous-training)). "
-                        "Refused with `server_order = \"per_agent\"`; the presets set it `false`",
-        "lr_schedule": "`plateau`: halve the server lr after 2 rounds without a lower training loss (the round's "
-                       "sample-weighted server loss, stepped once per round when it closes, in async mode too); or `none`",
-        "temperature, alpha": "KD: `CE + alpha * T^2 * KL(p_teacher || p_student)`; sent to agents with every round",
+        "server_epochs, server_optimizer, server_lr, server_momentum, server_weight_decay, server_batch_size":
+            "the server's training: E_s epochs a round",
+        "server_order": "`mixed`: each batch drawn from all agents' maps; `shuffled`: one agent's maps per batch, the "
+                        "agents in random order; `per_agent`: agent by agent (Algorithm 1)",
+        "async_replay": "`async` only: an arrival also trains on the other agents' latest maps (kept by the server, not "
+                        "checkpointed), as many samples as it sent; `false`: on its own maps alone (the reference code). "
+                        "Refused with `server_order = \"per_agent\"`; the presets set `false`",
+        "lr_schedule": "`plateau`: halve the server lr after 2 rounds without a lower training loss; `none`",
+        "temperature, alpha": "KD: `CE + alpha * T^2 * KL(p_teacher || p_student)`; sent to agents",
         "edge_epochs, edge_optimizer, edge_lr, edge_momentum, edge_weight_decay, edge_batch_size":
-            "the agents' local training, sent to agents with every round",
-        "train_extractor": "sent to agents: `false`, the agents' extractors (conv stem, its BatchNorm statistics "
-                           "included) keep the shared initial weights and only the classifier trains, so all agents' "
-                           "maps stay in one feature space; `true`: Algorithm 1 line 22, the whole ResNet-8 trains "
-                           "([why](methods/fedgkt.md#non-iid-agents-and-the-balanced-test-set)). Both backends; the "
-                           "ort backend's artifacts freeze it the same way",
-        "upload_codec": "feature-map codec, any registered one (`shared_protocol/codecs.py`: `raw`, `zstd`, "
-                        "`fp16-zstd`, `u8-zstd`, `svd`); an unknown name is refused at start-up with the list of known "
-                        "codecs. The default is `GktFeatures`' declared codec for maps",
+            "the agents' local training, sent to agents",
+        "train_extractor": "sent to agents: `false`, only the classifier trains and the extractors keep the shared "
+                           "initial weights (one feature space); `true`: the whole ResNet-8 (Algorithm 1 line 22)",
+        "upload_codec": "feature-map codec: `raw`, `zstd`, `fp16-zstd`, `u8-zstd`, `svd` (any registered one; an unknown "
+                        "name is refused at start-up)",
         "upload_batch_samples": "samples per upload message (the agent holds one such batch of maps at a time)",
-        "reuse_maps": "sent to agents: `true`, maps go up once while they cannot change: the server keeps an agent's "
-                      "staged training and local test maps across rounds (in the staging, bounded by "
-                      "`staged_memory_bytes`; not checkpointed) and tells the agent their digest (its extractor's "
-                      "weights and BatchNorm buffers, and the codec); an agent whose maps would have that digest sends "
-                      "its logits and sample ids instead, and the server trains on the held maps as if re-sent (asking "
-                      "for them in full when it lost them). `train_extractor = true` uploads every round as before. "
-                      "`false`: every round uploads its maps in full ([how](methods/fedgkt.md#maps-go-up-once))",
-        "max_staged_samples_per_agent": "an agent cannot make the server stage more than this per round",
-        "staged_memory_bytes": "staged float16 feature maps held in memory (all agents; default 2 GiB); beyond it "
-                               "uploads are staged in memory-mapped files",
-        "spill_dir": "where those files go (`\"\"`: `staged/` in the run directory); deleted after each round's training, "
-                     "except those of maps held for reuse (`reuse_maps`: deleted when replaced)",
-        "edge_init": "`shared`: every agent's ResNet-8 starts from the server's initial weights (drawn from "
-                     "`[server] seed`, sent with an agent's RoundStarts until it has finished a round, about 42 KB), "
-                     "so all extractors start in one feature space; `per_agent`: each agent draws its own from a key "
-                     "it keeps (`os.urandom`, or `[agent] private_seed`), which the server cannot reproduce",
-        "personalised_eval": "the evaluation's headline scores agent k's extractor + the server model with the "
-                             "server's running BatchNorm statistics (as the reference code evaluates); "
-                             "`personalised_bn` scores it with agent k's own statistics, recomputed on its training "
-                             "maps (kept in the checkpoint): in the run's last round (`final`), in `every` evaluated "
-                             "round (twice the server's scoring work), or `off`",
-        "edge_scoring": "where each agent's ResNet-8 is scored on the global set: `device` (where it lives: the "
-                        "agent loads the public set, or downloads it once, and reports its counts; its passes are "
-                        "metered as the agent's evaluation) or `server` (from the copy the agent sends; for devices "
-                        "too slow to score the global set every evaluated round). A private extractor is always "
-                        "scored on the device",
-        "bn_calibration_samples": "at most this many of an agent's training maps (an even spread) for its statistics",
-        "map_clip_norm, map_noise_multiplier": "sent to agents ([protecting activations](privacy.md#protecting-activations)): "
-                                                "each uploaded map is scaled to an L2 norm of at most `map_clip_norm` (C), then "
-                                                "gets Gaussian noise of standard deviation `map_noise_multiplier * C`, drawn once "
-                                                "per released map from a key the agent keeps; `0`: off. The report gives its "
-                                                "ε per map (Opacus's accountant)",
-        "map_noise_delta": "δ of the report's ε for noised maps",
-        "nopeek_alpha": "sent to agents: the agents' loss gains `nopeek_alpha * dCor(images, maps)` (NoPeek); needs "
+        "reuse_maps": "sent to agents: `true`, while an agent's extractor is unchanged the server keeps its maps (within "
+                      "`staged_memory_bytes`, not checkpointed) and the agent sends logits and sample ids only; `false` "
+                      "(or `train_extractor = true`): maps go up every round",
+        "max_staged_samples_per_agent": "most samples one agent can make the server stage per round",
+        "staged_memory_bytes, spill_dir": "staged float16 maps held in memory (all agents); beyond it, memory-mapped "
+                                          "files in `spill_dir` (`\"\"`: `staged/` in the run directory), deleted after "
+                                          "each round's training unless held for `reuse_maps`",
+        "edge_init": "`shared`: every agent's ResNet-8 starts from the server's initial weights (from `[server] seed`); "
+                     "`per_agent`: each agent draws its own from a key it keeps (`os.urandom`, or `[agent] private_seed`), "
+                     "which the server cannot reproduce",
+        "personalised_eval, bn_calibration_samples": "also score each agent's model with its own BatchNorm statistics "
+                                                     "(`personalised_bn`, from at most `bn_calibration_samples` of its "
+                                                     "training maps): in the last round (`final`), in `every` evaluated "
+                                                     "round (twice the server's scoring work), or `off`",
+        "edge_scoring": "where each agent's ResNet-8 is scored on the global set: `device` (the agent loads or downloads "
+                        "the set once and reports counts, metered as its evaluation) or `server` (from the copy it "
+                        "sends; for devices too slow to score it every evaluated round); a private extractor is "
+                        "always scored on the device",
+        "map_clip_norm, map_noise_multiplier, map_noise_delta":
+            "sent to agents: each map clipped to L2 norm C, plus Gaussian noise of sd `map_noise_multiplier * C`; "
+            "`0`: off; the report gives ε (δ: `map_noise_delta`) per map "
+            "([protecting activations](privacy.md#protecting-activations))",
+        "nopeek_alpha": "sent to agents: loss + `nopeek_alpha * dCor(images, maps)` (NoPeek); needs "
                         "`train_extractor = true`; `0`: off",
         "eval_diagnostics": "also record the server's training accuracy in its last epoch (`report.json` "
                             "`rounds[].method`)",

@@ -36,24 +36,20 @@ class FedKdConfig:
     # One line per key of the [fedkd] table (docs/configuration.md is rendered from it by
     # bench/render_results.py; keys sharing a line are comma-separated).
     KEY_MEANINGS: ClassVar[dict[str, str]] = {
-        "mentor_model, mentee_model": "each agent's private mentor, and the shared mentee that travels "
-                                      "(`resnet20` is a mentor three times cheaper for CPUs)",
-        "threshold_start, threshold_end, schedule_rounds": "the SVD energy threshold T of the uploads rises from "
-                                                           "T_start to T_end (Eq. 9), reached in round "
-                                                           "`schedule_rounds` (0: the run's last round)",
-        "upload": "`update`: the round's mentee change, factored; `gradient`: the mean gradient at the global mentee, "
-                  "which the server steps along",
-        "gradient_lr": "eta_s of the server's step in `gradient` mode",
-        "weighting": "`samples`: the agents' uploads weighted by their samples (FedAvg); `uniform`: Algorithm 1's g / N",
+        "mentor_model, mentee_model": "each agent's private mentor, and the shared mentee (`resnet20`: a cheaper mentor "
+                                      "for CPUs)",
+        "threshold_start, threshold_end, schedule_rounds": "the uploads' SVD energy threshold rises from start to end "
+                                                           "(Eq. 9) by round `schedule_rounds` (0: the last)",
+        "upload, gradient_lr": "`update`: the round's mentee change, factored; `gradient`: the mean gradient at the "
+                               "global mentee, which the server steps along by `gradient_lr`",
+        "weighting": "`samples` (FedAvg) or `uniform` (Algorithm 1's g / N)",
         "local_epochs, batch_size, optimizer, mentor_lr, mentee_lr, momentum, weight_decay":
-            "the agents' local training, sent with every round (`FedKdRoundConfig`)",
-        "hidden_loss, attention_loss": "sent to agents: Eq. 5's MSE(H_t, W_h H_s) of the hidden states, and "
-                                       "MSE(A_t, A_s) of the attention maps of the last feature maps",
+            "the agents' local training, sent with every round",
+        "hidden_loss, attention_loss": "sent to agents: Eq. 5's MSE of the hidden states, and that of the attention maps",
         "sync_codec": "the whole mentee, for agents that do not hold the current one",
         "mentor_distillation, mentee_distillation, adaptive_weight":
-            "ablations (the paper's Figs. 2-3), sent to agents only when off: `false` leaves the mentor's (mentee's) "
-            "task loss alone, so it learns from the labels only; `adaptive_weight = false` weights the distillation "
-            "and hidden terms 1 instead of 1 / (L^t_t + L^t_s)",
+            "ablations (Figs. 2-3), sent only when off: `false`, the mentor (mentee) learns from the labels only; "
+            "`adaptive_weight = false` weights the distillation and hidden terms 1, not 1 / (L^t_t + L^t_s)",
     }
 
     mentee_model: str = "resnet8"

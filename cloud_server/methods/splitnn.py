@@ -76,29 +76,23 @@ class SplitNNConfig:
     # One line per key of the [splitnn] table (docs/configuration.md is rendered from it by
     # bench/render_results.py; keys sharing a line are comma-separated).
     KEY_MEANINGS: ClassVar[dict[str, str]] = {
-        "server_model, edge_model": "the server's part, and the model whose extractor the agents hold: `resnet8`'s stem "
-                                    "(server `resnet55_server` / `resnet109_server`), or `resnet8_stage1`'s stem + "
-                                    "bottleneck stage, a deeper cut (server `resnet55_server_stage1` / "
-                                    "`resnet109_server_stage1`)",
+        "server_model, edge_model": "the edge model sets the cut: `resnet8` (server `resnet55_server` / "
+                                    "`resnet109_server`) or the deeper `resnet8_stage1` (server "
+                                    "`resnet55_server_stage1` / `resnet109_server_stage1`)",
         "server_optimizer, server_lr, server_momentum, server_weight_decay": "one step per agent batch",
         "local_epochs, edge_optimizer, edge_lr, edge_momentum, edge_weight_decay, batch_size":
-            "each agent's turn, sent with every round (`SplitRoundConfig`)",
-        "upload_codec": "activations up (gradients come back fp32): `raw`, `zstd`, `fp16-zstd`, `u8-zstd`",
+            "each agent's turn, sent with every round",
+        "upload_codec": "activations up: `raw`, `zstd`, `fp16-zstd`, `u8-zstd` (gradients come back fp32)",
         "reply_timeout_s, reply_attempts": "an agent asks again for a gradient that did not come",
-        "eval_batch_samples": "test activations per message in evaluation",
-        "map_clip_norm, map_noise_multiplier": "sent to agents ([protecting activations](privacy.md#protecting-activations)): "
-                                                "each activation map is scaled to an L2 norm of at most C, then gets Gaussian "
-                                                "noise of standard deviation `map_noise_multiplier * C` (the server's gradient "
-                                                "flows back through the clipping); `0`: off. The report gives its ε per map "
-                                                "and per image over the run's releases (Opacus's accountant)",
-        "map_noise_delta": "δ of the report's ε for noised activations",
-        "extractor": "`ring`: one extractor passed from agent to agent through the server (vanilla split learning; the "
-                     "server holds it at every turn's start and end); `private`: each agent draws its own from a key it "
-                     "keeps (`os.urandom`, or `[agent] private_seed`) and never uploads it: the server sees activations "
-                     "only, and the agents score their extractor + the server's part themselves (the global figure is "
-                     "the mean over agents)",
-        "nopeek_alpha": "sent to agents: each turn's loss gains `nopeek_alpha * dCor(images, activations)` (NoPeek); "
-                        "`0`: off",
+        "eval_batch_samples": "test activations per evaluation message",
+        "map_clip_norm, map_noise_multiplier, map_noise_delta":
+            "sent to agents: each map clipped to L2 norm C, plus Gaussian noise of sd `map_noise_multiplier * C`; "
+            "`0`: off; the report gives ε (δ: `map_noise_delta`) per map and per image "
+            "([protecting activations](privacy.md#protecting-activations))",
+        "extractor": "`ring`: one extractor passed from agent to agent through the server (vanilla split learning); "
+                     "`private`: each agent keeps its own (`os.urandom`, or `[agent] private_seed`), the server sees "
+                     "activations only, and the agents score their models themselves",
+        "nopeek_alpha": "sent to agents: loss + `nopeek_alpha * dCor(images, activations)` (NoPeek); `0`: off",
     }
 
     server_model: str = "resnet55_server"  # or resnet109_server

@@ -124,11 +124,14 @@ def gpu_section(server: dict[str, Any] | None, fullscale: dict[str, Any] | None,
                   "", f"{fullscale['status']}. Target ({target['what']}): best {_pct(target['best_so_far'])} so far, "
                   f"{'reached' if target['reached'] else 'not reached in the rounds run'}.", ""]
     if methods is not None:
-        rows = [[name, "yes" if run["finished"] else "**no**", run.get("device") or "—",
-                 " / ".join(_pct(a) for a in run.get("accuracy", []))] for name, run in methods["runs"].items()]
+        runs = methods["runs"]
+        # Shown only where a run did not finish or its server left CUDA: the heading says the rest.
+        full = not all(run["finished"] and run.get("device") == "cuda" for run in runs.values())
+        rows = [[name, *(["yes" if run["finished"] else "**no**", run.get("device") or "—"] if full else []),
+                 " / ".join(_pct(a) for a in run.get("accuracy", []))] for name, run in runs.items()]
         tests = methods.get("cuda_tests") or {}
         lines += ["### Every method on CUDA", "", f"From `bench/results/gpu_methods.json`: {methods['setup']}.", "",
-                  *_table(["Method", "Finished", "Server device", "Global accuracy per round"], rows), ""]
+                  *_table(["Method", *(["Finished", "Server device"] if full else []), "Global accuracy per round"], rows), ""]
         if tests:
             lines += [f"CUDA tests (`{tests['file']}`): {tests['summary']}.", ""]
     return lines

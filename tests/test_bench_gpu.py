@@ -109,6 +109,11 @@ def test_the_results_page_shows_the_gpu_figures_or_says_how_to_get_them(tmp_path
     assert "Batch 64: best 4.0 s per epoch (graph), target <= 5 s: met." in page
     assert "the server trained 20 epoch(s) a round" in page and "| 2 | 88.10% |" in page
     assert "| fedkd | **no** |" in page and "4 passed" in page
+    # Every run finished on CUDA: the two constant columns go.
+    methods = collect.methods(folder / "methods", folder / "tests.log", "")
+    methods["runs"] = {"fedavg": methods["runs"]["fedavg"]}
+    server = collect.server_gpu(folder, windows, samples, "the note")
+    assert "| Method | Global accuracy per round |" in "\n".join(render.gpu_section(server, None, methods))
     cpu_only = {"gpu_figures_measured": False}
     assert "No GPU figure recorded" in "\n".join(render.gpu_section(cpu_only, None, None))
     assert "No GPU figure recorded" in "\n".join(render.gpu_section(None, None, None))

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from .doctor_report import FAIL, OK, WARN, Check
+from .report import FAIL, OK, WARN, Check
 
 
 def check_reachable(host: str, port: int, timeout_s: float) -> Check:

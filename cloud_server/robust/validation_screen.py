@@ -26,8 +26,8 @@ from fldata import train_holdout
 from fldata.datasets import load_dataset, take
 from models import load_arrays_into, state_dict_to_arrays
 
-from .validation import VALIDATION_MIN_AGENTS, DefenceConfig, implausible_validation
 from ..server_step import normalised_images
+from .validation import VALIDATION_MIN_AGENTS, DefenceConfig, implausible_validation
 
 log = logging.getLogger("cloud_server.robust")
 

@@ -46,7 +46,7 @@ from shared_protocol.messages import (
     decode_message,
     encode_message,
 )
-from shared_protocol.mqtt_transport import MqttTransport
+from shared_protocol.mqtt.transport import MqttTransport
 from shared_protocol.records import EvalCosts
 from shared_protocol.registry import load_method_messages
 from shared_protocol.topics import Topics

@@ -102,7 +102,7 @@ def check_tls(host: str, port: int, tls: bool, ca_file: str | None, cert: tuple[
 
 
 def check_login(config: "EdgeConfigLike", timeout_s: float) -> Check:
-    from shared_protocol.mqtt_transport import MqttTransport
+    from shared_protocol.mqtt.transport import MqttTransport
     from shared_protocol.transport_interface import TransportError
 
     # A client id of its own: the agent's id would kick a running agent off the broker.

@@ -91,7 +91,7 @@ def run_checks(options: DoctorOptions) -> list[Check]:
     checks.append(Check("config", OK, f"{options.config_path}: agent {config.agent_id!r} in run {config.run_id!r}, broker {config.broker_url}"))
     checks.append(cred)
 
-    from shared_protocol.mqtt_config import BrokerAddress
+    from shared_protocol.mqtt.config import BrokerAddress
 
     address = BrokerAddress.parse(config.broker_url)
     reach = check_reachable(address.host, address.port, options.timeout_s)
@@ -115,7 +115,7 @@ def run_checks(options: DoctorOptions) -> list[Check]:
 def connection_checks(config: "EdgeConfigLike", timeout_s: float = 5.0) -> list[Check]:
     """Doctor's network checks for ``config`` (broker reachable, TLS, login), stopping at the
     first failure: what ``edge-agent run`` prints when it cannot connect, with the fix."""
-    from shared_protocol.mqtt_config import BrokerAddress
+    from shared_protocol.mqtt.config import BrokerAddress
 
     address = BrokerAddress.parse(config.broker_url)  # type: ignore[attr-defined]
     reach = check_reachable(address.host, address.port, timeout_s)

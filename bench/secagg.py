@@ -33,7 +33,7 @@ from shared_protocol.errors import SecAggError
 from shared_protocol.local_broker import LocalBroker
 from shared_protocol.message_base import Message, decode_message, encode_message
 from shared_protocol.methods.fedavg import FedAvgUpdate, split_state
-from shared_protocol.mqtt_config import TransportConfig
+from shared_protocol.mqtt.config import TransportConfig
 from shared_protocol.secagg import SecAggParams
 from shared_protocol.topics import Topics
 from shared_protocol.transport import MqttTransport

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shared_protocol.chunking import SenderLimits
+from shared_protocol.mqtt.chunking import SenderLimits
 from shared_protocol.errors import UnknownSenderError
 from shared_protocol.frame import FrameLimits
 from shared_protocol.messages import Hello, Status

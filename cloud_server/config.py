@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .methods.base import ServerContext
     from .privacy import PrivacyConfig
     from .robust import RobustnessConfig
-    from .robust_validation import DefenceConfig
+    from .robust.validation import DefenceConfig
 
 # The modes of cloud_server/server_step.py (kept here so that reading a config never imports torch).
 SERVER_STEPS = ("auto", "eager", "compiled", "graph")
@@ -90,7 +90,7 @@ class ServerConfig:
     # Client sampling (the fraction C of federated averaging): each sync round takes this fraction of the online
     # agents (at least min_agents), drawn with a generator seeded by (seed, round).
     client_fraction: float = 1.0
-    # Robustness to a bad device (cloud_server/robust.py, docs/configuration.md): the
+    # Robustness to a bad device (cloud_server/robust/, docs/configuration.md): the
     # weight-sharing methods' aggregation rule, update clipping, plausibility checks,
     # the server's training guard and quarantine.
     aggregation: str = "mean"  # mean | trimmed_mean | median | krum | multi_krum
@@ -100,7 +100,7 @@ class ServerConfig:
     plausible_global_ratio: float = 10.0
     plausible_peer_ratio: float = 50.0
     plausible_mad: float = 6.0
-    plausible_min_cosine: float = -1.0  # -1: off; RobustnessConfig's default (cloud_server/robust.py), kept equal by a test
+    plausible_min_cosine: float = -1.0  # -1: off; RobustnessConfig's default (cloud_server/robust/), kept equal by a test
     feature_abs_limit: float = 1.0e4
     logit_abs_limit: float = 1.0e4
     quarantine_after: int = 3  # 0: no quarantine
@@ -108,7 +108,7 @@ class ServerConfig:
     quarantine_release_after: int = 1  # plausible: consecutive judged clean rounds that release
     server_grad_clip_norm: float = 0.0  # 0: off
     server_loss_skip_factor: float = 0.0  # 0: off
-    # The checks that need the server's judgement (cloud_server/robust_validation.py): a labelled
+    # The checks that need the server's judgement (cloud_server/robust/validation.py): a labelled
     # validation set that judges weight updates (validation_samples 0: none), and the server-side
     # label-agreement check of feature-map uploads (plausible_min_label_agreement 0: off). Defaults: DefenceConfig's.
     validation_samples: int = 0
@@ -116,7 +116,7 @@ class ServerConfig:
     validation_split: str = "train-holdout"  # train-holdout | train | valid
     validation_agent_train_samples: int = 0  # train-holdout: the agents' data.train_samples
     validation_agent_data_seed: int | None = None  # train-holdout: the agents' data.seed (None: seed)
-    validation_loss_margin: float = 0.5  # DefenceConfig's default (cloud_server/robust_validation.py), kept equal by a test
+    validation_loss_margin: float = 0.5  # DefenceConfig's default (cloud_server/robust/validation.py), kept equal by a test
     validation_step: str = "update"  # update | share: what an update is scored by
     plausible_min_label_agreement: float = 0.0  # 0: off
     # Differential privacy (cloud_server/privacy.py, docs/privacy.md): DP-FedAvg at client level
@@ -248,7 +248,7 @@ class ServerConfig:
         )
 
     def defence_config(self) -> "DefenceConfig":
-        from .robust_validation import DefenceConfig
+        from .robust.validation import DefenceConfig
 
         return DefenceConfig(
             validation_samples=self.validation_samples, validation_dataset=self.validation_dataset or self.dataset,

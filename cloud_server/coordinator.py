@@ -107,11 +107,11 @@ class Coordinator:
         method.ctx.robustness = robustness
         method.ctx.ledger.cfg = robustness
         method.ctx.defence = defence = config.defence_config()
-        if defence.validates and method.ctx.validation is None:  # cloud_server/robust_validation.py
+        if defence.validates and method.ctx.validation is None:  # cloud_server/robust/validation.py
             if not method.aggregates_weights:
                 raise ValueError(f"server.validation_samples judges weight updates; {method.name} does not share weights: "
                                  "leave it at 0 (feature-map uploads have their labels judged instead: plausible_min_label_agreement)")
-            from .validation_screen import ValidationScreen
+            from .robust.validation_screen import ValidationScreen
 
             method.ctx.validation = ValidationScreen(defence)
         self.ledger = method.ctx.ledger

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared_protocol.chunking import DEFAULT_CHUNK_SIZE_BYTES
+from shared_protocol.mqtt.chunking import DEFAULT_CHUNK_SIZE_BYTES
 from shared_protocol.registry import DEFAULT_METHOD
 from shared_protocol.topics import TOPIC_ROOT, check_name
 from shared_protocol.tomlio import write_toml

@@ -227,7 +227,7 @@ class RoundRecord(JsonRecord):
     excluded: dict[str, str] = optional_section(default_factory=dict)  # agent -> why its upload was not used
     method: dict[str, Any] = optional_section(default_factory=dict)  # the method's own figures (round_report)
     evaluation: RoundEvaluation | None = optional_section()  # None: not evaluated
-    # Robustness to a bad device (cloud_server/robust.py): per agent, the uploads refused as
+    # Robustness to a bad device (cloud_server/robust/): per agent, the uploads refused as
     # implausible by reason ({"count", "detail"}: the first figure and threshold), clipped
     # updates, server steps skipped on its data; the aggregation rule when not the mean;
     # quarantine. Empty: nothing happened.

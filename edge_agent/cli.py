@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sys.stderr.isatty():
         config = dataclasses.replace(config, progress=False)
     from .agent import EdgeAgent
-    from .doctor_data import data_fix
+    from .doctor.data import data_fix
 
     try:
         agent = EdgeAgent(config)

@@ -17,7 +17,7 @@ from shared_protocol.faults import FaultSpec
 from shared_protocol.metrics_endpoint import MetricsEndpointConfig
 from shared_protocol.tomlio import read_secret
 from shared_protocol.topics import check_name
-from shared_protocol.mqtt_config import BrokerAddress, TransportConfig, redact_url
+from shared_protocol.mqtt.config import BrokerAddress, TransportConfig, redact_url
 
 
 #: [agent] keys naming files that a relative path finds next to the config file.

@@ -1,5 +1,5 @@
 """What a receiver takes from each sender: the :class:`SenderLimits` it states for the
-senders it expects (:class:`~shared_protocol.reassembly.Reassembler` applies them, blocks
+senders it expects (:class:`~shared_protocol.mqtt.reassembly.Reassembler` applies them, blocks
 the senders their owner dropped, and ignores for a while a sender nobody expects that keeps
 sending invalid transfers)."""
 

@@ -8,11 +8,12 @@ from the module that does the job):
   and the coordinator see (never paho), :class:`Delivery`, :class:`TrafficStats`,
   :class:`TransportError`;
 - :mod:`.wire_bytes`: the size of the MQTT packets a blob travels in;
-- :mod:`.mqtt_config`: :class:`BrokerAddress`, :class:`TransportConfig`, TLS, the
+- :mod:`.mqtt.config`: :class:`BrokerAddress`, :class:`TransportConfig`, TLS, the
   chunk size under the broker's packet limit;
-- :mod:`.mqtt_transport`: :class:`MqttTransport`: the connection, the send window,
+- :mod:`.mqtt.transport`: :class:`MqttTransport`: the connection, the send window,
   the control channel and inbound reassembly, one class; its cache of blobs sent for
-  resends in :mod:`.mqtt_resend`;
+  resends in :mod:`.mqtt.resend` (the chunks it cuts and puts back together are the
+  rest of :mod:`shared_protocol.mqtt`);
 - :mod:`.memory_transport`: :class:`InMemoryTransport` over an :class:`InMemoryBroker`,
   for fast unit tests of methods.
 """
@@ -20,7 +21,7 @@ from the module that does the job):
 from __future__ import annotations
 
 from .memory_transport import InMemoryBroker, InMemoryTransport, topic_matches
-from .mqtt_config import (
+from .mqtt.config import (
     CHUNK_HEADROOM_BYTES,
     MIN_CHUNK_SIZE_BYTES,
     BrokerAddress,
@@ -29,8 +30,8 @@ from .mqtt_config import (
     redact_url,
     tls_context,
 )
-from .mqtt_resend import ResendCache
-from .mqtt_transport import MqttTransport, make_transport
+from .mqtt.resend import ResendCache
+from .mqtt.transport import MqttTransport, make_transport
 from .transport_interface import Delivery, TrafficStats, Transport, TransportError
 from .wire_bytes import PUBACK_BYTES, publish_packet_bytes, user_properties_bytes
 

@@ -3,7 +3,7 @@
 :class:`Transport` is the interface methods and the coordinator use; they never
 import paho. It moves whole blobs (:class:`Delivery` on the way in) and counts
 them in :class:`TrafficStats`. Its implementations are
-:class:`~shared_protocol.mqtt_transport.MqttTransport` and
+:class:`~shared_protocol.mqtt.transport.MqttTransport` and
 :class:`~shared_protocol.memory_transport.InMemoryTransport`.
 """
 

@@ -32,7 +32,7 @@ from fldata import make_synthetic
 from shared_protocol.messages import EvalRequest, RoundEnd, RoundStart, Shutdown, Welcome, decode_message, encode_message, peek_header
 from shared_protocol.methods.fedgkt import GktRoundConfig, GktServerLogits
 from shared_protocol.topics import Topics
-from shared_protocol.chunking import ChunkedBlob
+from shared_protocol.mqtt.chunking import ChunkedBlob
 from shared_protocol.transport import InMemoryBroker, InMemoryTransport, ResendCache, TransportConfig
 
 pytest.importorskip("torch")

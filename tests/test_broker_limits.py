@@ -23,7 +23,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud_server.report import validate_report
 from fedhelpers import ROOT, agent_config, mqtt_federation, server_config, write_server_toml
-from shared_protocol.chunking import DIGEST_BYTES, ChunkHeader, SenderLimits, split_blob
+from shared_protocol.mqtt.chunking import DIGEST_BYTES, ChunkHeader, SenderLimits, split_blob
 from shared_protocol.transport import CHUNK_HEADROOM_BYTES, MqttTransport, TransportConfig, TransportError
 from shared_protocol.topics import Topics
 

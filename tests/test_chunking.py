@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from shared_protocol.chunking import (
+from shared_protocol.mqtt.chunking import (
     CHUNK_FIXED_BYTES,
     DIGEST_BYTES,
     ChunkedBlob,
@@ -22,7 +22,7 @@ from shared_protocol.chunking import (
     SenderLimits,
     split_blob,
 )
-from shared_protocol import chunked_blob, reassembly
+from shared_protocol.mqtt import chunked_blob, reassembly
 from shared_protocol.errors import (
     BudgetError,
     ChunkError,

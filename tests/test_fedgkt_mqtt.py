@@ -17,7 +17,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud_server.report import validate_report
-from shared_protocol.chunking import ChunkHeader
+from shared_protocol.mqtt.chunking import ChunkHeader
 from shared_protocol.errors import ProtocolError
 from shared_protocol.messages import decode_message
 from shared_protocol.topics import Topics

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared_protocol.chunking import DIGEST_BYTES, ChunkHeader, Reassembler, split_blob
+from shared_protocol.mqtt.chunking import DIGEST_BYTES, ChunkHeader, Reassembler, split_blob
 from shared_protocol.errors import ProtocolError
 from shared_protocol.frame import FrameLimits, decode_frame
 from shared_protocol.messages import RoundEnd, decode_message, encode_message

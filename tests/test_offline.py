@@ -19,7 +19,7 @@ import fldata.downloads as downloads
 import fldata.loaders as loaders
 from cloud_server.config import ServerConfig
 from fldata import DOWNLOAD_TIMEOUT_S, DownloadError, load_dataset
-from shared_protocol.mqtt_config import TransportConfig
+from shared_protocol.mqtt.config import TransportConfig
 from shared_protocol.tomlio import write_toml
 
 ROOT = Path(__file__).resolve().parents[1]

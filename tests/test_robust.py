@@ -1,4 +1,4 @@
-"""Robustness to a bad device (cloud_server/robust.py and the robust_* modules it gathers):
+"""Robustness to a bad device (cloud_server/robust/: its __init__ gathers the names of the modules beside it):
 the aggregation rules against hand computations, the configuration bounds, plausibility
 checks, the ledger and quarantine, the server step's guard, and what the report shows. No
 broker: tests/test_robust_mqtt.py runs the federations."""
@@ -642,15 +642,15 @@ def test_a_quarantined_agent_is_judged_but_not_used_until_released() -> None:
     assert not ledger.is_quarantined("agent-2")  # used again from the next round
 
 
-#: Every public name cloud_server/robust.py defined before it was split, and the module that holds it now.
+#: Every public name the single module cloud_server.robust defined before it was split, and the module that holds it now.
 ROBUST_NAMES = {
-    "robust_config": ("AGGREGATION_RULES", "QUARANTINE_RELEASES", "MAD_TO_SD", "PLAUSIBLE_MIN_COSINE", "DIRECTION_MIN_AGENTS",
-                      "ImplausibleUploadError", "RobustnessConfig", "tolerated"),
-    "robust_rules": ("RuleChoice", "choose_rule", "krum_scores", "aggregate_vectors", "clip_rows", "flatten", "unflatten",
-                     "robust_state_aggregate"),
-    "robust_checks": ("robust_median", "implausible_norms", "direction_cosines", "implausible_directions"),
-    "robust_screening": ("UpdateBlocks", "screen_uploads"),
-    "robust_ledger": ("RobustnessLedger",),
+    "config": ("AGGREGATION_RULES", "QUARANTINE_RELEASES", "MAD_TO_SD", "PLAUSIBLE_MIN_COSINE", "DIRECTION_MIN_AGENTS",
+               "ImplausibleUploadError", "RobustnessConfig", "tolerated"),
+    "rules": ("RuleChoice", "choose_rule", "krum_scores", "aggregate_vectors", "clip_rows", "flatten", "unflatten",
+              "robust_state_aggregate"),
+    "checks": ("robust_median", "implausible_norms", "direction_cosines", "implausible_directions"),
+    "screening": ("UpdateBlocks", "screen_uploads"),
+    "ledger": ("RobustnessLedger",),
 }
 
 
@@ -660,11 +660,11 @@ def test_the_old_import_path_gives_every_name_from_the_module_that_holds_it() ->
     import cloud_server.robust as facade
 
     for module, names in ROBUST_NAMES.items():
-        home = importlib.import_module(f"cloud_server.{module}")
+        home = importlib.import_module(f"cloud_server.robust.{module}")
         for name in names:
             assert getattr(facade, name) is getattr(home, name), f"cloud_server.robust.{name} is not {module}.{name}"
             assert name in facade.__all__
     # The ledger logs under the name its lines always had.
-    import cloud_server.robust_ledger as ledger_module
+    import cloud_server.robust.ledger as ledger_module
 
     assert ledger_module.log.name == "cloud_server.robust"

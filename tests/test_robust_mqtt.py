@@ -1,4 +1,4 @@
-"""One bad device must not spoil the model (cloud_server/robust.py): whole federations, three
+"""One bad device must not spoil the model (cloud_server/robust/): whole federations, three
 agents on Fashion-MNIST, one of which (agent-2) misbehaves.
 
 The bad agent sends finite garbage -- well-formed frames, only the numbers are bad: its upload
@@ -357,7 +357,7 @@ def test_fedgkt_label_check_refuses_labels_the_server_model_does_not_agree_with(
     assert "of its labels, below plausible_min_label_agreement 0.3" in detail
 
 
-# The server validation set (cloud_server/robust_validation.py), off by default: 500 of the
+# The server validation set (cloud_server/robust/validation.py), off by default: 500 of the
 # Fashion-MNIST training images the agents do not take (`validation_split = "train-holdout"`).
 VALIDATION = {"validation_samples": 500, "validation_agent_train_samples": TRAIN_SAMPLES}
 

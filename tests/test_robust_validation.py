@@ -1,4 +1,4 @@
-"""The checks that need the server's own judgement (cloud_server/robust_validation.py,
+"""The checks that need the server's own judgement (cloud_server/robust/validation.py,
 validation_screen.py, the label check in methods/fedgkt.py): the rules by hand, the validation set's
 carving, FedAvg's and FedKD's updates judged on it, FedGKT's label agreement, the config and
 what the report shows. No broker: tests/test_robust_mqtt.py runs the federations."""
@@ -21,8 +21,8 @@ from cloud_server.methods.fedkd import FedKdServer
 from cloud_server.records import RoundRecord
 from cloud_server.report.markdown import _robustness_md
 from cloud_server.robust import MAD_TO_SD, RobustnessConfig
-from cloud_server.robust_validation import DefenceConfig, implausible_labels, implausible_validation
-from cloud_server.validation_screen import ValidationScreen, load_validation_set
+from cloud_server.robust.validation import DefenceConfig, implausible_labels, implausible_validation
+from cloud_server.robust.validation_screen import ValidationScreen, load_validation_set
 from fldata.datasets import load_dataset, take
 from models import load_arrays_into, state_dict_to_arrays
 from models.training import logits_of

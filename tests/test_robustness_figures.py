@@ -69,7 +69,7 @@ def _done(name: str, variant: str | None = None) -> list[dict[str, Any]]:
 
 
 def test_the_direction_checks_default_is_off_or_between_the_recorded_honest_and_flipped_cosines() -> None:
-    from cloud_server.robust_config import PLAUSIBLE_MIN_COSINE
+    from cloud_server.robust.config import PLAUSIBLE_MIN_COSINE
 
     honest = [r["honest_min_cosine"] for r in _done("direction_cosines") if r["honest_min_cosine"] is not None]
     flipped = [r["faulty_max_cosine"] for r in _done("direction_cosines", "flip_median") if r["faulty_max_cosine"] is not None]
@@ -81,7 +81,7 @@ def test_the_direction_checks_default_is_off_or_between_the_recorded_honest_and_
 
 
 def test_the_label_checks_default_is_off_or_below_every_recorded_honest_agreement() -> None:
-    from cloud_server.robust_validation import DefenceConfig
+    from cloud_server.robust.validation import DefenceConfig
 
     default = DefenceConfig()
     honest = [r["honest_min_label_agreement"] for r in _done("label_scores") if r["honest_min_label_agreement"] is not None]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shared_protocol.chunking import split_blob
+from shared_protocol.mqtt.chunking import split_blob
 from shared_protocol.transport import MqttTransport, TransportConfig, TransportError
 
 pytestmark = pytest.mark.broker

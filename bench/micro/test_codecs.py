@@ -38,7 +38,7 @@ from models import build_model
 from models.training import logits_of
 from shared_protocol import codecs as wire_codecs
 from shared_protocol import svd as svd_math
-from shared_protocol.chunking import DEFAULT_CHUNK_SIZE_BYTES
+from shared_protocol.mqtt.chunking import DEFAULT_CHUNK_SIZE_BYTES
 from shared_protocol.messages import encode_message
 from shared_protocol.methods.fedgkt import GktFeatures, GktRoundConfig
 

@@ -25,7 +25,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from cloud_server.keys import KeysConfig, init_keys
-from shared_protocol.chunk_format import DIGEST_NAME, blob_hasher
+from shared_protocol.mqtt.chunk_format import DIGEST_NAME, blob_hasher
 from shared_protocol.local_broker import LocalBroker, free_port
 from shared_protocol.transport import MqttTransport, TransportConfig
 

@@ -42,14 +42,14 @@ class ServerContext:
     # The device's figures per round (name, training seconds, peak memory, utilisation): methods wrap
     # their server-side training in device_meter.training(); the coordinator takes them as a round closes.
     device_meter: Any = None  # cloud_server.device_meter.DeviceMeter, made from ``device`` when not given
-    # Robustness to a bad device (cloud_server/robust.py): the [server] settings, and the ledger of
+    # Robustness to a bad device (cloud_server/robust/): the [server] settings, and the ledger of
     # refusals, clips, skipped steps and quarantine that methods and the coordinator write.
     robustness: Any = None  # cloud_server.robust.RobustnessConfig; default: the defaults
     ledger: Any = None  # cloud_server.robust.RobustnessLedger, made from ``robustness`` when not given
-    # The checks that need the server's judgement (cloud_server/robust_validation.py): their settings,
+    # The checks that need the server's judgement (cloud_server/robust/validation.py): their settings,
     # and the validation set that judges weight updates (None: [server] validation_samples = 0).
-    defence: Any = None  # cloud_server.robust_validation.DefenceConfig; default: off
-    validation: Any = None  # cloud_server.validation_screen.ValidationScreen
+    defence: Any = None  # cloud_server.robust.validation.DefenceConfig; default: off
+    validation: Any = None  # cloud_server.robust.validation_screen.ValidationScreen
     # Differential privacy (cloud_server/privacy.py): the [server] dp_* settings, the noised mean of
     # clipped updates the weight-sharing methods call, and the accountant. Default: off.
     privacy: Any = None  # cloud_server.privacy.PrivacyLedger
@@ -57,9 +57,9 @@ class ServerContext:
     secagg: Any = None
 
     def __post_init__(self) -> None:
-        from ..robust_config import RobustnessConfig
-        from ..robust_ledger import RobustnessLedger
-        from ..robust_validation import DefenceConfig
+        from ..robust.config import RobustnessConfig
+        from ..robust.ledger import RobustnessLedger
+        from ..robust.validation import DefenceConfig
 
         if self.robustness is None:
             self.robustness = RobustnessConfig()
@@ -110,7 +110,7 @@ class ServerMethod(ABC):
     name: ClassVar[str]
     upload_types: ClassVar[tuple[type[Message], ...]] = ()
     # Whether the method aggregates the agents' weights or updates (and so honours
-    # [server] aggregation and clip_update_norm, cloud_server/robust.py).
+    # [server] aggregation and clip_update_norm, cloud_server/robust/).
     aggregates_weights: ClassVar[bool] = False
     # The [server] dp_fedavg modes (cloud_server/privacy.py) this method's aggregation honours; a
     # method that reads the agents' individual updates for more than their mean (an ensemble sampled around them)

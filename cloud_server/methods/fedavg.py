@@ -48,8 +48,8 @@ from shared_protocol.methods.fedavg import (
 
 from ..aggregation import weighted_mean
 from ..evaluation import HEADLINE, EvalModel, Evaluation
-from ..robust_rules import robust_state_aggregate
-from ..robust_screening import screen_uploads
+from ..robust.rules import robust_state_aggregate
+from ..robust.screening import screen_uploads
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 
@@ -215,7 +215,7 @@ class FedAvgServer(ServerMethod):
         return self.average(round_, states, num_samples)
 
     def average(self, round_: int, states: list[dict[str, np.ndarray]], num_samples: list[int]) -> dict[str, np.ndarray]:
-        """``[server] aggregation`` over the agents' states (cloud_server/robust.py): the
+        """``[server] aggregation`` over the agents' states (cloud_server/robust/): the
         sample-weighted mean by default, exactly as before; a robust rule or clipping works on
         the updates (state - global) and its figures go to the round's robustness record; with
         ``[server] dp_fedavg`` central or client-side clipping, the noised mean of the clipped
@@ -237,7 +237,7 @@ class FedAvgServer(ServerMethod):
         return new_state
 
     def screen(self, round_: int, used: dict[str, _Staged], excluded: dict[str, str]) -> dict[str, _Staged]:
-        """Plausibility and quarantine (cloud_server/robust.py): each update's norm against the
+        """Plausibility and quarantine (cloud_server/robust/): each update's norm against the
         global model's and the other agents' this round, and its direction against the round's
         median update, and, with a server validation set, by the validation loss of the global model
         plus the update; an implausible one is refused (to the ledger, and ``excluded`` with its
@@ -256,7 +256,7 @@ class FedAvgServer(ServerMethod):
                 base = self.global_state[n].astype(np.float64).ravel()
                 yield np.stack([used[a].state[n].astype(np.float64).ravel() - base for a in agents])  # (K, entries)
 
-        judge = None  # the server's validation set, when it holds one (cloud_server/validation_screen.py)
+        judge = None  # the server's validation set, when it holds one (cloud_server/robust/validation_screen.py)
         if self.ctx.validation is not None:
             judge = self.ctx.validation.judge_states(round_, self.ctx.ledger, self.model, lambda m, x: logits_of(m(x)),
                                                      self.global_state, lambda a: used[a].state)

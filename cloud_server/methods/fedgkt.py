@@ -48,8 +48,8 @@ from shared_protocol.methods.fedgkt_ort import GktOrtArtifactsRequest
 from ..evaluation import HEADLINE, EvalModel, Evaluation, global_results, local_results, models_from_report, module_digest
 from ..feature_store import (AgentRows, ArrayStaging, HeldMaps, RowSource, StagedArray, StagedBatch, StagedUploads,
                              gather_batches, materialise, reused_whole)
-from ..robust_config import MAD_TO_SD, ImplausibleUploadError
-from ..robust_validation import LABEL_CHECK_FROM_ROUND, LABEL_MIN_OTHERS, implausible_labels
+from ..robust.config import MAD_TO_SD, ImplausibleUploadError
+from ..robust.validation import LABEL_CHECK_FROM_ROUND, LABEL_MIN_OTHERS, implausible_labels
 from ..row_bank import banks_for_staged_rows
 from ..server_step import TrainStep
 from .base import AnswersUploads, RoundOutcome, ServerContext, ServerMethod, StreamedUploads, register_server_method
@@ -113,7 +113,7 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
         # a resumed server replays what arrives after the resume).
         self.replay: dict[str, AgentRows] = {}
         self._init_held_maps()  # maps sent once (the section on held maps below)
-        # Plausibility (cloud_server/robust.py): agent -> (instance, round, {(split, seq)}) of the
+        # Plausibility (cloud_server/robust/): agent -> (instance, round, {(split, seq)}) of the
         # batches refused at the door (held as arrived: not asked for again), and per agent
         # its round's training maps' per-channel sums of squares, element counts and the
         # logits' sum of squares and count, for the comparison with the other agents.
@@ -785,7 +785,7 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
         """Agent -> why its round's maps are not used: a batch refused at the door, or statistics
         far from the other agents'. A quarantined agent's maps are screened like the others' (and
         label-checked) and left out after (:meth:`FedGktServer.complete`): a judged round is what
-        releases it (cloud_server/robust_ledger.py)."""
+        releases it (cloud_server/robust/ledger.py)."""
         ledger = self.ctx.ledger
         out: dict[str, str] = {}
         for agent in sorted(ends):

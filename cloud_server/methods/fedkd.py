@@ -59,8 +59,8 @@ from shared_protocol.messages import EvalReport, Message, RoundEnd, RoundStart
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdUpdate, factor_state, unfactor_state
 
 from ..evaluation import HEADLINE, EvalModel, Evaluation, global_results, local_results
-from ..robust_rules import aggregate_vectors, choose_rule, clip_rows
-from ..robust_screening import screen_uploads
+from ..robust.rules import aggregate_vectors, choose_rule, clip_rows
+from ..robust.screening import screen_uploads
 from ..staging import ModelUploadStage, StagedUpload
 from .base import RoundOutcome, ServerContext, ServerMethod, register_server_method
 from .fedkd_config import EDGE_KEYS, WEIGHTINGS, FedKdConfig
@@ -213,7 +213,7 @@ class FedKdServer(ServerMethod):
         """Algorithm 1, lines 13-16: the (weighted) mean of the rebuilt updates, as the
         update to add (gradient mode: one step of -gradient_lr along the mean gradient); or
         ``[server] aggregation``'s robust rule over them, after ``clip_update_norm``
-        (cloud_server/robust.py)."""
+        (cloud_server/robust/)."""
         weights = np.asarray([s.num_samples if self.config.weighting == "samples" else 1 for s in staged], dtype=np.float64)
         weights /= weights.sum()
         cfg = self.ctx.robustness
@@ -255,7 +255,7 @@ class FedKdServer(ServerMethod):
         return out
 
     def screen(self, round_: int, used: dict[str, _Staged], excluded: dict[str, str]) -> dict[str, _Staged]:
-        """Plausibility and quarantine (cloud_server/robust.py): each rebuilt update's norm
+        """Plausibility and quarantine (cloud_server/robust/): each rebuilt update's norm
         against the global mentee's and the other agents' this round (an update's, not a
         gradient's, is compared with the mentee), and its direction against the round's median
         rebuilt update (a gradient's too: every agent's has the same sign convention), and,
@@ -273,7 +273,7 @@ class FedKdServer(ServerMethod):
             for n in self.global_state:
                 yield np.stack([used[a].delta[n].astype(np.float64).ravel() for a in agents])  # (K, entries)
 
-        judge = None  # the server's validation set, when it holds one (cloud_server/validation_screen.py)
+        judge = None  # the server's validation set, when it holds one (cloud_server/robust/validation_screen.py)
         if self.ctx.validation is not None:
             gradient = self.config.upload == "gradient"
 

@@ -1,5 +1,5 @@
 """FedKD's SVD factors as the server reads them: their ranks, Eq. 8's K in the round's
-history, and the check that refuses factors no SVD produces (cloud_server/robust.py)."""
+history, and the check that refuses factors no SVD produces (cloud_server/robust/)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 
 from shared_protocol import svd
 
-from ..robust_config import ImplausibleUploadError
+from ..robust.config import ImplausibleUploadError
 
 __all__ = ["FACTOR_TOLERANCE", "_check_factors", "_eq8_rank", "_ranks"]
 

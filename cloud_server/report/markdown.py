@@ -265,7 +265,7 @@ def _refused_md(report: Mapping[str, Any]) -> list[str]:
 
 
 def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The rounds' ``robustness`` entries (cloud_server/robust.py): per round and agent, the
+    """The rounds' ``robustness`` entries (cloud_server/robust/): per round and agent, the
     uploads refused as implausible (by reason, with the first figure and threshold), clipped
     updates, skipped server steps, quarantine; empty when no round has any."""
     # A round whose only entries are the figures every screened round records is not marked.
@@ -308,7 +308,7 @@ def _robustness_md(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 # The figures every screened round records (not marked by themselves): update norms and
-# directions (cloud_server/robust.py), validation losses and label agreement (robust_validation.py).
+# directions (cloud_server/robust/), validation losses and label agreement (robust/validation.py).
 SCREENED_FIGURES = {"update_norms", "update_directions", "update_validation", "label_agreement"}
 # What each refusal reason means, for the summary's legend (docs/configuration.md has the keys).
 REFUSAL_REASONS = {

@@ -19,7 +19,7 @@
   (``-1``): under label skew honest agents point away from the median as far as a
   sign-flipped one does (bench/experiments/direction_cosines.toml).
 
-Each check returns agent -> (reason, detail); :mod:`cloud_server.robust_screening` applies
+Each check returns agent -> (reason, detail); :mod:`cloud_server.robust.screening` applies
 them to a round's uploads and writes the ledger.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .robust_config import DIRECTION_MIN_AGENTS, MAD_TO_SD, RobustnessConfig
+from .config import DIRECTION_MIN_AGENTS, MAD_TO_SD, RobustnessConfig
 
 __all__ = ["direction_cosines", "implausible_directions", "implausible_norms", "robust_median"]
 

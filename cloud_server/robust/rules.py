@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from .aggregation import AggregationError, weighted_mean
-from .robust_config import AGGREGATION_RULES, RobustnessConfig, minimum_agents, tolerated
+from ..aggregation import AggregationError, weighted_mean
+from .config import AGGREGATION_RULES, RobustnessConfig, minimum_agents, tolerated
 
 __all__ = [
     "RuleChoice",

@@ -22,7 +22,7 @@ from typing import Callable
 import xxhash
 
 from .chunk_format import DIGEST_NAME, ChunkHeader, blob_hasher
-from .errors import (
+from ..errors import (
     ProtocolError,
     BudgetError,
     ChunkError,
@@ -31,7 +31,7 @@ from .errors import (
     SenderIgnoredError,
     SizeLimitError,
 )
-from .sender_policy import SenderLimits, _Invalid
+from ..sender_policy import SenderLimits, _Invalid
 
 
 @dataclass

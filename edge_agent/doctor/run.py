@@ -1,22 +1,6 @@
-"""``edge-agent doctor``: check that this device can run an agent, and say what is wrong.
-
-Each check returns a :class:`Check` with a status, what was found, and -- when
-something is wrong -- what to do about it, in plain words. Checks run in order
-and later ones are skipped when what they need failed (no broker check without a
-readable config). Nothing here imports torch or onnxruntime at module level:
-the doctor must run in an environment where they are missing, to say so.
-
-Checks: Python version; the training backend (torch, or onnxruntime-training
-for ``--backend ort``) and the agent's other dependencies; the config file;
-credentials (password file, CA, client certificate); broker reachability (DNS,
-TCP); TLS (handshake, certificate chain and host name, plain port mistaken for
-TLS and the reverse); MQTT login (username/password); the data directory and
-dataset; the state directory.
-
-This module runs them in order (:func:`run_checks`); the checks themselves live in
-:mod:`.doctor_device`, :mod:`.doctor_network` and :mod:`.doctor_data`, what a check
-says and how it prints in :mod:`.doctor_report` (their names are re-exported here).
-"""
+"""The doctor's run: :func:`run_checks` runs the checks in order (later ones skipped when what
+they need failed), :func:`connection_checks` the network ones alone for ``edge-agent run``,
+and :func:`main` prints them."""
 
 from __future__ import annotations
 
@@ -27,9 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from .doctor_data import check_data, contract_mismatch, data_fix
-from .doctor_device import (
-    MIN_PYTHON,
+from .data import check_data
+from .device import (
     check_backend,
     check_credentials,
     check_dependencies,
@@ -38,15 +21,10 @@ from .doctor_device import (
     check_state_dir,
     meminfo_bytes,
 )
-from .doctor_network import EdgeConfigLike, check_login, check_reachable, check_tls
-from .doctor_report import FAIL, OK, SKIP, WARN, Check, render
+from .network import EdgeConfigLike, check_login, check_reachable, check_tls
+from .report import FAIL, OK, SKIP, Check, render
 
-__all__ = [
-    "DEFAULT_CONFIG", "FAIL", "MIN_PYTHON", "OK", "SKIP", "WARN", "Check", "DoctorOptions", "check_backend",
-    "check_credentials", "check_data", "check_dependencies", "check_login", "check_memory", "check_python",
-    "check_reachable", "check_state_dir", "check_tls", "connection_checks", "contract_mismatch", "data_fix", "main",
-    "meminfo_bytes", "render", "run_checks",
-]
+__all__ = ["DEFAULT_CONFIG", "DoctorOptions", "connection_checks", "main", "run_checks"]
 
 DEFAULT_CONFIG = "/etc/edgesplit/agent.toml"
 
@@ -83,7 +61,7 @@ def run_checks(options: DoctorOptions) -> list[Check]:
     except (ValueError, PermissionError) as exc:
         checks.append(Check("config", FAIL, f"cannot read {options.config_path}: {exc}", "fix the TOML syntax or its permissions"))
         return checks
-    from .config import resolve_credential_paths
+    from ..config import resolve_credential_paths
 
     # Relative credential paths are relative to the config file, as edge-agent run reads them.
     raw_agent = resolve_credential_paths(dict(raw.get("agent", {})), Path(options.config_path).resolve().parent)
@@ -91,7 +69,7 @@ def run_checks(options: DoctorOptions) -> list[Check]:
     checks.append(check_backend(backend, options.importer))
     cred, password = check_credentials(raw_agent)
 
-    from .config import EdgeConfig
+    from ..config import EdgeConfig
 
     try:
         config_doc = dict(raw)
@@ -113,7 +91,7 @@ def run_checks(options: DoctorOptions) -> list[Check]:
     checks.append(Check("config", OK, f"{options.config_path}: agent {config.agent_id!r} in run {config.run_id!r}, broker {config.broker_url}"))
     checks.append(cred)
 
-    from shared_protocol.mqtt_config import BrokerAddress
+    from shared_protocol.mqtt.config import BrokerAddress
 
     address = BrokerAddress.parse(config.broker_url)
     reach = check_reachable(address.host, address.port, options.timeout_s)
@@ -137,7 +115,7 @@ def run_checks(options: DoctorOptions) -> list[Check]:
 def connection_checks(config: "EdgeConfigLike", timeout_s: float = 5.0) -> list[Check]:
     """Doctor's network checks for ``config`` (broker reachable, TLS, login), stopping at the
     first failure: what ``edge-agent run`` prints when it cannot connect, with the fix."""
-    from shared_protocol.mqtt_config import BrokerAddress
+    from shared_protocol.mqtt.config import BrokerAddress
 
     address = BrokerAddress.parse(config.broker_url)  # type: ignore[attr-defined]
     reach = check_reachable(address.host, address.port, timeout_s)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .errors import ChunkError, ChunkVersionError
+from ..errors import ChunkError, ChunkVersionError
 
 DEFAULT_CHUNK_SIZE_BYTES = 512 * 1024
 

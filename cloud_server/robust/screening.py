@@ -1,5 +1,5 @@
-"""Screening a round's uploads: the plausibility checks (:mod:`cloud_server.robust_checks`)
-and the quarantine (:class:`cloud_server.robust_ledger.RobustnessLedger`) applied to a
+"""Screening a round's uploads: the plausibility checks (:mod:`cloud_server.robust.checks`)
+and the quarantine (:class:`cloud_server.robust.ledger.RobustnessLedger`) applied to a
 weight-sharing method's usable uploads, before its aggregation rule runs."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .robust_checks import direction_cosines, implausible_directions, implausible_norms
-from .robust_config import DIRECTION_MIN_AGENTS, PLAUSIBLE_MIN_COSINE, RobustnessConfig
+from .checks import direction_cosines, implausible_directions, implausible_norms
+from .config import DIRECTION_MIN_AGENTS, PLAUSIBLE_MIN_COSINE, RobustnessConfig
 
 if TYPE_CHECKING:
-    from .robust_ledger import RobustnessLedger
+    from .ledger import RobustnessLedger
 
 __all__ = ["UpdateBlocks", "screen_uploads"]
 
@@ -30,7 +30,7 @@ def screen_uploads(round_: int, used: dict[str, Any], excluded: dict[str, str], 
     """Plausibility and quarantine for a weight-sharing method's usable uploads (agent ->
     upload): ``measure()`` gives each agent's update norm and the reference norm (0: none),
     ``blocks(agents)`` the updates of those agents for the direction check (None: no check),
-    ``judge(agents)`` more checks of the agents still plausible (cloud_server/robust_validation.py);
+    ``judge(agents)`` more checks of the agents still plausible (cloud_server/robust/validation.py);
     an implausible update is refused (to the ledger, and ``excluded`` with its reason), a
     quarantined agent's is judged but not used. Each check notes the agents it could judge
     (``ledger.examined``: what quarantine is decided on). Returns ``used`` without them.
@@ -51,7 +51,7 @@ def screen_uploads(round_: int, used: dict[str, Any], excluded: dict[str, str], 
             refusals.update(implausible_directions(cosines, cfg))
             if cfg.plausible_min_cosine > PLAUSIBLE_MIN_COSINE:  # on; a zero update has no direction to judge
                 ledger.examined(round_, "implausible_direction", [a for a, c in cosines.items() if math.isfinite(c)])
-        if judge is not None:  # more checks of the rest (cloud_server/robust_validation.py)
+        if judge is not None:  # more checks of the rest (cloud_server/robust/validation.py)
             refusals.update(judge([a for a in used if a not in refusals]))
         for agent, (reason, detail) in refusals.items():
             ledger.refuse(round_, agent, reason, detail)

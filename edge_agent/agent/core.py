@@ -6,7 +6,7 @@ logged with its reason, counted, and answered with an ErrorReply, and the agent
 keeps running.
 
 This module holds :class:`EdgeAgent`, one class: its lifecycle, main loop and dispatch,
-messaging, rounds and local state; its data (:mod:`.agent_data`) is a module of its own.
+messaging, rounds and local state; its data (:mod:`.data`) is a module of its own.
 """
 
 from __future__ import annotations
@@ -46,30 +46,30 @@ from shared_protocol.messages import (
     decode_message,
     encode_message,
 )
-from shared_protocol.mqtt_transport import MqttTransport
+from shared_protocol.mqtt.transport import MqttTransport
 from shared_protocol.records import EvalCosts
 from shared_protocol.registry import load_method_messages
 from shared_protocol.topics import Topics
 from shared_protocol.transport_interface import Transport, TransportError
 
-from . import __version__
-from .activation_guard import agent_key
-from .agent_data import agent_data_spec, load_agent_data, shards_as_configured
-from .backends import describe_backend, get_backend_method
-from .config import EdgeConfig
-from .costs import RoundMeter, RoundPeakRss
-from .deadline import RoundDeadline
-from .faults import AgentFault
-from .memory import trim_malloc
-from .methods import EdgeContext, EdgeMethod, get_edge_method
-from .public_set import PublicTestSet
+from .. import __version__
+from ..activation_guard import agent_key
+from ..backends import describe_backend, get_backend_method
+from ..config import EdgeConfig
+from ..costs import RoundMeter, RoundPeakRss
+from ..deadline import RoundDeadline
+from ..faults import AgentFault
+from ..memory import trim_malloc
+from ..methods import EdgeContext, EdgeMethod, get_edge_method
+from ..public_set import PublicTestSet
+from .data import load_agent_data, shards_as_configured
 
 if TYPE_CHECKING:  # imported for real only when metrics are on
-    from .metrics import AgentMetrics
+    from ..metrics import AgentMetrics
 
 __all__ = [
     "EXIT_CONFIG", "EXIT_OK", "EXIT_REFUSED", "SERVER_ID", "EdgeAgent", "RequestTimeoutError", "RoundInterruptedError",
-    "RoundRestartedError", "agent_data_spec", "load_agent_data", "shards_as_configured",
+    "RoundRestartedError",
 ]
 
 log = logging.getLogger("edge_agent")
@@ -151,7 +151,7 @@ class EdgeAgent:
         self.metrics: AgentMetrics | None = None
         if endpoint is not None:
             endpoint.require_client_library()
-            from .metrics import AgentMetrics
+            from ..metrics import AgentMetrics
 
             self.metrics = AgentMetrics(config.run_id, config.agent_id, self.transport, endpoint)
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from .doctor_report import FAIL, OK, WARN, Check
+from .report import FAIL, OK, WARN, Check
 
 
 def check_reachable(host: str, port: int, timeout_s: float) -> Check:
@@ -102,7 +102,7 @@ def check_tls(host: str, port: int, tls: bool, ca_file: str | None, cert: tuple[
 
 
 def check_login(config: "EdgeConfigLike", timeout_s: float) -> Check:
-    from shared_protocol.mqtt_transport import MqttTransport
+    from shared_protocol.mqtt.transport import MqttTransport
     from shared_protocol.transport_interface import TransportError
 
     # A client id of its own: the agent's id would kick a running agent off the broker.

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .doctor_device import _user
-from .doctor_network import EdgeConfigLike
-from .doctor_report import FAIL, OK, Check
+from .device import _user
+from .network import EdgeConfigLike
+from .report import FAIL, OK, Check
 
 
 def data_fix(exc: BaseException) -> str:

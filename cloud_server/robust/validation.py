@@ -1,11 +1,11 @@
 """Robustness to a bad device, the checks that need the server's own judgement of the data:
 a server-held labelled validation set for weight updates, and the server model's agreement
 with the labels FedGKT's agents send (numpy only; the torch side is in
-cloud_server/validation_screen.py and the label check of cloud_server/methods/fedgkt.py).
+cloud_server/robust/validation_screen.py and the label check of cloud_server/methods/fedgkt.py).
 
 A sign-flipped update is of honest size, and under label skew honest updates point away
 from the round's median as far as it does (bench/experiments/direction_cosines.toml): the
-checks of cloud_server/robust.py cannot tell it from an honest one there. A server that
+checks of cloud_server/robust/ cannot tell it from an honest one there. A server that
 holds a few labelled images can: Zeno (Xie et al. 2019) scores each update by what it does
 to a validation loss. Here each update's score is the rise of the server's validation loss
 from the global model to the global model plus that update alone (Zeno's score at step 1,
@@ -13,7 +13,7 @@ without its norm penalty: the norm check is beside it), and an update whose rise
 the other agents' (:func:`implausible_validation`) is refused as ``implausible_validation``.
 
 FedGKT's server trains on the labels the agents send with their maps: an agent whose labels
-are shuffled sends maps and logits in range, and nothing of cloud_server/robust.py refuses
+are shuffled sends maps and logits in range, and nothing of cloud_server/robust/ refuses
 it. Once the server model has trained (round 2 on), it can say how many of an agent's labels
 it agrees with on that agent's maps; an agent far below the others and below an absolute floor
 (:func:`implausible_labels`) is refused as ``implausible_labels`` and its maps are not trained on.
@@ -28,7 +28,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .robust import MAD_TO_SD, robust_median
+from .checks import robust_median
+from .config import MAD_TO_SD
 
 __all__ = ["LABEL_CHECK_FROM_ROUND", "LABEL_MIN_OTHERS", "VALIDATION_MIN_AGENTS", "VALIDATION_SPLITS", "VALIDATION_STEPS", "DefenceConfig", "implausible_labels", "implausible_validation"]
 

@@ -1,4 +1,4 @@
-"""The server's validation set at work (cloud_server/robust_validation.py): it loads the
+"""The server's validation set at work (cloud_server/robust/validation.py): it loads the
 labelled images and judges the weight-sharing methods' updates by the validation loss of the
 global model plus each update (Zeno's score, Xie et al. 2019).
 
@@ -26,8 +26,8 @@ from fldata import train_holdout
 from fldata.datasets import load_dataset, take
 from models import load_arrays_into, state_dict_to_arrays
 
-from .robust_validation import VALIDATION_MIN_AGENTS, DefenceConfig, implausible_validation
-from .server_step import normalised_images
+from ..server_step import normalised_images
+from .validation import VALIDATION_MIN_AGENTS, DefenceConfig, implausible_validation
 
 log = logging.getLogger("cloud_server.robust")
 

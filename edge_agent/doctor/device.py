@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .doctor_report import FAIL, OK, SKIP, WARN, Check
+from .report import FAIL, OK, SKIP, WARN, Check
 
 if TYPE_CHECKING:
-    from .config import MemoryConfig
+    from ..config import MemoryConfig
 
 MIN_PYTHON = (3, 10)
 
@@ -157,7 +157,7 @@ def meminfo_bytes(path: str = "/proc/meminfo") -> dict[str, int]:
 
 def check_memory(backend: str, memory: "MemoryConfig", meminfo: dict[str, int]) -> Check:
     """Whether the agent's measured peak (edge_agent.memory.MEASURED_PEAK_MB) fits what the device has free."""
-    from .memory import MEASURED_PEAK_MB, PEAK_FROM_LONG_RUN, memory_mode
+    from ..memory import MEASURED_PEAK_MB, PEAK_FROM_LONG_RUN, memory_mode
 
     if "MemAvailable" not in meminfo:
         return Check("memory", SKIP, "cannot read /proc/meminfo")

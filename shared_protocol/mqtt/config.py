@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
 
 from .chunk_format import DEFAULT_CHUNK_SIZE_BYTES
-from .transport_interface import TransportError
+from ..transport_interface import TransportError
 
 # What a PUBLISH carries besides a chunk's blob bytes: the chunk header with a 64-byte transfer
 # id and the SHA-256 (125 bytes), a topic and a reply topic of up to 400 bytes each, and the MQTT

@@ -8,7 +8,7 @@ from fldata import AgentDataSpec, ArrayDataset, load_agent_subset
 from fldata.downloads import default_data_root
 from fldata.mapped import keep_on_disk
 
-from .config import DataConfig, EdgeConfig
+from ..config import DataConfig, EdgeConfig
 
 
 def agent_data_spec(data: DataConfig) -> AgentDataSpec:

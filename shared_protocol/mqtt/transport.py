@@ -5,8 +5,8 @@ This module owns the connection: the client's setup, connecting and reconnecting
 what the broker's CONNACK announces (its Maximum Packet Size, hence the chunk size;
 the session expiry it grants) and the subscriptions. Sending through a bounded
 window of chunks in flight, answering resend requests (from the
-:class:`~shared_protocol.mqtt_resend.ResendCache` of blobs sent) and reassembling
-inbound chunks (:class:`~shared_protocol.reassembly.Reassembler`) are sections of the
+:class:`~shared_protocol.mqtt.resend.ResendCache` of blobs sent) and reassembling
+inbound chunks (:class:`~shared_protocol.mqtt.reassembly.Reassembler`) are sections of the
 one :class:`MqttTransport` class. Bytes are counted both as payload and as MQTT
 packets on the wire (:mod:`.wire_bytes`).
 """
@@ -22,15 +22,15 @@ import uuid
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
+from ..errors import BudgetError, ProtocolError
+from ..sender_policy import SenderLimits
+from ..transport_interface import Delivery, TrafficStats, Transport, TransportError
+from ..wire_bytes import PUBACK_BYTES, publish_packet_bytes, user_properties_bytes
 from .chunk_format import DEFAULT_CHUNK_SIZE_BYTES, P_CONTROL, P_SEQS, P_TRANSFER
 from .chunked_blob import ChunkedBlob
-from .mqtt_config import BrokerAddress, TransportConfig, chunk_size_for, tls_context
-from .mqtt_resend import ResendCache
+from .config import BrokerAddress, TransportConfig, chunk_size_for, tls_context
 from .reassembly import Reassembler
-from .sender_policy import SenderLimits
-from .errors import BudgetError, ProtocolError
-from .transport_interface import Delivery, TrafficStats, Transport, TransportError
-from .wire_bytes import PUBACK_BYTES, publish_packet_bytes, user_properties_bytes
+from .resend import ResendCache
 
 # The MQTT transport's modules log under the name they had as one module.
 log = logging.getLogger("shared_protocol.transport")

@@ -8,26 +8,30 @@ model. The methods get three answers, all numpy (no torch), each job in its own 
 this one gathers their public names so that ``from cloud_server.robust import ...`` keeps
 working (new code imports from the module that does the job):
 
-- :mod:`.robust_config`: the ``[server]`` keys (:class:`RobustnessConfig`, refused at start
+- :mod:`.config`: the ``[server]`` keys (:class:`RobustnessConfig`, refused at start
   when a rule can never honour them with ``expected_agents``), the bound each rule needs,
   :class:`ImplausibleUploadError`;
-- :mod:`.robust_rules`: the aggregation rules over the agents' updates (``mean``,
+- :mod:`.rules`: the aggregation rules over the agents' updates (``mean``,
   ``trimmed_mean``, ``median``, ``krum``, ``multi_krum``; f from ``aggregation_tolerate``;
   the median when a round has too few agents for the rule) and ``clip_update_norm``;
-- :mod:`.robust_checks`: the plausibility of an update's norm (against the global model and
+- :mod:`.checks`: the plausibility of an update's norm (against the global model and
   the other agents') and of its direction (its cosine with the round's coordinate-wise
   median update; off by default, as measured);
-- :mod:`.robust_screening`: both checks and the quarantine applied to a round's uploads;
-- :mod:`.robust_ledger`: :class:`RobustnessLedger`, per round and agent what was refused and
+- :mod:`.screening`: both checks and the quarantine applied to a round's uploads;
+- :mod:`.ledger`: :class:`RobustnessLedger`, per round and agent what was refused and
   why, clipped, skipped, which rule ran, and the quarantine.
+
+The checks that need the server's own judgement live beside them and are not gathered here
+(the screen imports torch): :mod:`.validation` (the rules, numpy) and
+:mod:`.validation_screen` (the server's validation set at work).
 
 docs/configuration.md describes every key and what the measurements say about the defaults.
 """
 
 from __future__ import annotations
 
-from .robust_checks import direction_cosines, implausible_directions, implausible_norms, robust_median
-from .robust_config import (
+from .checks import direction_cosines, implausible_directions, implausible_norms, robust_median
+from .config import (
     AGGREGATION_RULES,
     DIRECTION_MIN_AGENTS,
     MAD_TO_SD,
@@ -38,8 +42,8 @@ from .robust_config import (
     minimum_agents,
     tolerated,
 )
-from .robust_ledger import RobustnessLedger
-from .robust_rules import (
+from .ledger import RobustnessLedger
+from .rules import (
     RuleChoice,
     aggregate_vectors,
     choose_rule,
@@ -49,7 +53,7 @@ from .robust_rules import (
     robust_state_aggregate,
     unflatten,
 )
-from .robust_screening import UpdateBlocks, screen_uploads
+from .screening import UpdateBlocks, screen_uploads
 
 __all__ = [
     "AGGREGATION_RULES",

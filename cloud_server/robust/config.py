@@ -89,7 +89,7 @@ class RobustnessConfig:
     quarantine_after: int = 3  # 0: no quarantine
     quarantine_release: str = "plausible"
     # "plausible": consecutive rounds in which the checks that refused it judged its uploads and
-    # refused none, before a quarantined agent is released (cloud_server/robust_ledger.py).
+    # refused none, before a quarantined agent is released (cloud_server/robust/ledger.py).
     quarantine_release_after: int = 1
     server_grad_clip_norm: float = 0.0  # 0: the server's training steps are not clipped
     server_loss_skip_factor: float = 0.0  # 0: no step is skipped for its loss (non-finite ones always are)

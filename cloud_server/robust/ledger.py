@@ -22,9 +22,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .robust_config import RobustnessConfig
+from .config import RobustnessConfig
 
-# The name the robustness log lines have always had (cloud_server/robust.py before its split).
+# The name the robustness log lines have always had (the single module cloud_server.robust was before its split).
 log = logging.getLogger("cloud_server.robust")
 
 __all__ = ["RobustnessLedger"]

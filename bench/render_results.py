@@ -149,7 +149,7 @@ def load_experiment_results(path: Path) -> dict[str, Any] | None:
 
 #: The order of the experiments on the page: what a user chooses by (accuracy, leakage, defences, cost), then
 #: the papers' claims and ablations, then how the defaults were chosen; the rest after, by name.
-EXPERIMENT_ORDER = ("table1", "leakage", "defences_activations_small", "defences_activations", "defences_dp",
+EXPERIMENT_ORDER = ("table1", "leakage", "defences_activations_small", "defences_activations", "defences_table1", "defences_dp",
                     "robustness_defaults", "bad_device", "demo", "comm_cost", "fedgkt_async", "kd_methods", "fedkd_bytes",
                     "fedgkt_ablation", "gkt_server_epochs", "fedkd_ablation", "feddistill_weights", "fedbe_unlabeled",
                     "kd_regime", "low_memory", "direction_cosines", "validation_scores", "label_scores")

@@ -425,8 +425,23 @@ def test_an_update_that_keeps_pointing_against_the_others_is_warned_about_with_t
                          [{**honest, "a-3": -0.6}, {**honest, "a-3": 0.1}, {**honest, "a-3": -0.7}, {**honest, "a-3": 0.3},
                           {**honest, "a-3": 0.4}])
     assert sanity_warnings(dips) == []
-    # One judged round is too few to say.
+    # One judged round is too few to say while the run goes on training ...
     assert sanity_warnings(_with_cosines(make_report(rounds=3, method="fedavg"), [{**honest, "a-3": -0.99}])) == []
+    # ... but not when that round's aggregate broke the run: every round after it failed (each agent's loss NaN),
+    # the run aborted, and only the accuracy of that one round was evaluated.
+    for status in ("aborted", "finished"):
+        broken = _with_cosines(make_report(rounds=4, method="fedavg"), [{**honest, "a-3": -0.95}])
+        broken["status"] = status
+        for record in broken["rounds"][1:]:
+            record.update(status="failed_quorum", accuracy=None, local_accuracy=None)
+        (warning,) = sanity_warnings(broken)
+        assert warning.startswith("a-3's weight update pointed against the other agents' in 1 of the 1 rounds")
+        assert "no round after round 1 trained" in warning and 'aggregation = "median"' in warning
+        # Positive control for the rule, not the data: the same run with an honest a-3 names nobody.
+        assert sanity_warnings(_with_cosines(broken, [{**honest, "a-3": 0.9}])) == []
+    # An agent judged once in a run that judged others in later rounds is not named on that one round.
+    late = _with_cosines(make_report(rounds=3, method="fedavg"), [{**honest, "a-3": -0.99}, honest, honest])
+    assert sanity_warnings(late) == []
     # A setting that acts on such an update is on: nothing to add.
     for server in ({"aggregation": "median"}, {"aggregation": "multi_krum"}, {"validation_samples": 500},
                    {"plausible_min_cosine": 0.0}):

@@ -19,7 +19,7 @@ _CHANCE_AFTER_ROUNDS = 2
 _GAP = 0.25
 #: An update whose cosine with the coordinate-wise median of the round's updates is below this
 #: points against the others; an agent whose update does so in more than half of its judged rounds
-#: (two at least) is named. A sign-flipped update sits near -1 in every round; honest agents on
+#: (two at least, unless the run trained no round after its last judged one) is named. A sign-flipped update sits near -1 in every round; honest agents on
 #: label-skewed shards dip below zero in some rounds (the recorded cosines per partition are in
 #: bench/results/update_directions.json and the robustness_defaults experiment's runs).
 AGAINST_COSINE = -0.5
@@ -34,7 +34,7 @@ def sanity_warnings(report: Mapping[str, Any]) -> list[str]:
     to change (empty when neither)."""
     evaluated = [r for r in report["rounds"] if r.get("accuracy") is not None]
     if len(evaluated) < _CHANCE_AFTER_ROUNDS:
-        return []
+        return against_the_peers(report)
     num_classes = int(report["config"].get("num_classes") or 10)
     last, chance = evaluated[-1], 1.0 / num_classes
     samples = [info.get("num_samples", 0) for info in report["agents"].values()]
@@ -72,18 +72,27 @@ def against_the_peers(report: Mapping[str, Any]) -> list[str]:
             or (config.get("plausible_min_cosine") if config.get("plausible_min_cosine") is not None else -1.0) > AGAINST_COSINE):
         return []
     judged: dict[str, list[float]] = {}
+    last_judged = 0
     for round_record in report["rounds"]:
         cosines = ((round_record.get("robustness") or {}).get("update_directions") or {}).get("agents") or {}
         for agent, cosine in cosines.items():
             if cosine is not None:
                 judged.setdefault(agent, []).append(float(cosine))
+                last_judged = max(last_judged, int(round_record["round"]))
+    # A run that trained no round after its last judged one (the rounds after it failed, or it was
+    # aborted) gives no second round to judge: its judged rounds are all there is.
+    later = [r for r in report["rounds"] if int(r["round"]) > last_judged]
+    cut_short = (not any(r.get("status") == "ok" for r in later)
+                 and (any(r.get("status") != "ok" for r in later) or report.get("status") == "aborted"))
     warnings = []
     for agent, cosines in sorted(judged.items()):
         against = [c for c in cosines if c < AGAINST_COSINE]
-        if len(cosines) >= _AGAINST_MIN_ROUNDS and 2 * len(against) > len(cosines):
+        if (len(cosines) >= _AGAINST_MIN_ROUNDS or cut_short) and 2 * len(against) > len(cosines):
+            after = (f"; no round after round {last_judged} trained (the run was cut short there), so that is all that "
+                     "could be judged" if cut_short and len(cosines) < _AGAINST_MIN_ROUNDS else "")
             warnings.append(
                 f"{agent}'s weight update pointed against the other agents' in {len(against)} of the {len(cosines)} rounds "
-                f"it was judged in (its cosine with the round's coordinate-wise median as low as {min(against):.2f}), and "
+                f"it was judged in (its cosine with the round's coordinate-wise median as low as {min(against):.2f}{after}), and "
                 f"the server averaged it in (`[server] aggregation = \"{config.get('aggregation', 'mean')}\"`). A faulty or "
                 "malicious device sends such updates (a sign flip), and so, in some rounds, can an honest one whose data "
                 "differ from everyone else's. If that device is not to be trusted, set `[server] aggregation = \"median\"` "

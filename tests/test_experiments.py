@@ -22,7 +22,7 @@ from cloud_server.experiments.results import (RUN_FIGURES, ResultsError, leakage
 from cloud_server.experiments.runner import CellOutcome, SubprocessExecutor, cell_command, run_experiment
 from cloud_server.experiments.experiment_file import load_experiment
 from cloud_server.experiments.spec import CENTRALIZED, UNION, Claim, ExperimentError, Scale
-from cloud_server.experiments.tables import (claims_summary_md, curves, curves_md, evaluate_claims, long_table, pivot_md, plot,
+from cloud_server.experiments.tables import (claims_md, claims_summary_md, curves, curves_md, evaluate_claims, long_table, pivot_md, plot,
                                              render, summary, summary_md, unattacked_md)
 from shared_protocol import registry
 from shared_protocol.registry import MethodSpec, registered_methods
@@ -577,6 +577,27 @@ def test_a_claim_against_a_baseline_is_judged_on_the_per_seed_differences(tmp_pa
     with pytest.raises(ExperimentError, match="claims: baseline 'fedavg' is not in the grid"):
         load_experiment(write_experiment(tmp_path, text + '[[claims]]\ntext = "x"\nmethod = "fedgkt"\nbaseline = "fedavg"\n'
                                          'figure = "final_accuracy"\nop = ">"\nvalue = 0\n'))
+
+
+def test_a_claim_with_an_alternative_is_judged_seed_by_seed() -> None:
+    results = good_results()
+    results["cells"].append({**results["cells"][2], "key": "fedavg-iid-s1", "seed": 1, "run": {**FIGURES, "final_accuracy": 0.85}})
+    groups = summary(long_table(results))
+    # fedgkt 0.70 / 0.80 against fedavg 0.60 / 0.85: seed 0 is 10 points above, seed 1 five below.
+    warned = {"figure": "report_warnings", "op": ">=", "value": 1}
+    within = Claim("FedGKT within 2 points of FedAvg, or warned", "fedgkt", "final_accuracy", ">=", -0.02, baseline="fedavg",
+                   unless=warned)
+    assert evaluate_claims([within], groups)[0]["met"] is False  # seed 1: five points below, and no warning
+    for row in results["cells"]:
+        if row["key"] == "fedgkt-iid-s1":
+            row["run"] = {**row["run"], "report_warnings": 1}
+    judged = evaluate_claims([within], summary(long_table(results)))[0]
+    assert judged["met"] is True and judged["saved_by_unless"] == ["iid, default, seed 1"]
+    assert "or report_warnings >= 1, seed by seed" in within.describe() and "(1 by the alternative)" in claims_md([judged])
+    # The mean alone would have passed the first run (mean +0.025 >= -0.02): seed by seed is stricter, as meant.
+    assert evaluate_claims([Claim("mean", "fedgkt", "final_accuracy", ">=", -0.02, baseline="fedavg")], groups)[0]["met"] is True
+    with pytest.raises(ExperimentError, match="unless"):
+        Claim("x", "fedgkt", "final_accuracy", ">=", 0.0, unless={"figure": "no_such_figure", "op": ">=", "value": 1})
 
 
 def test_the_tables_and_the_template(tmp_path: Path) -> None:

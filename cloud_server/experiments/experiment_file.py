@@ -14,7 +14,7 @@ The file's layout (docs/experiments.md)::
     [method.NAME]                  # one method's: flags = {...}, set = {...}
     [variants.NAME]                # a variant of the grid: flags, set, faulty_agents, methods, partitions and seeds (only these)
     faulty_agents = ["4:sign_flip:4"]  # (top level, per method or per variant) --faulty-agent AGENT_INDEX:KIND[:SCALE]
-    [[claims]]                     # text, method, figure, op, value, partition, variant, baseline, baseline_variant
+    [[claims]]                     # text, method, figure, op, value, partition, variant, baseline, baseline_variant, unless
     [centralized]                  # reference cells: models = ["resnet56"], set = {"centralized.batch_size" = 32}
 """
 

@@ -50,7 +50,8 @@ ROBUSTNESS_FIGURES = ("refused_uploads", "honest_refused_uploads", "faulty_refus
 OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon", "activation_epsilon_per_image",
                         *(f"{k}_per_round" for k in ("server_train_s", "server_eval_s", "round_s")),
                         "up_wire_bytes_first_round", "up_wire_bytes_per_later_round", "server_eval_over_train",
-                        "later_over_first_round_up", "agents_warned_against_peers", "agent_idle_share", *ROBUSTNESS_FIGURES)
+                        "later_over_first_round_up", "agents_warned_against_peers", "report_warnings", "agent_idle_share",
+                        *ROBUSTNESS_FIGURES)
 #: Per round of a run (lists, an entry null where that round measured none): the global accuracy, the
 #: edge training GFLOPs and the bytes through the server's connection, both ways, training only.
 RUN_SERIES = ("accuracy_by_round", "edge_train_gflops_by_round", "train_wire_bytes_by_round")
@@ -123,6 +124,7 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
         "server_eval_over_train": _ratio(timing["server_eval_s_per_round"], timing["server_train_s_per_round"]),
         "later_over_first_round_up": _ratio(timing["up_wire_bytes_per_later_round"], timing["up_wire_bytes_first_round"]),
         "agents_warned_against_peers": _warned_against_peers(report),
+        "report_warnings": _report_warnings(report),
         "agent_idle_share": _idle_share(rounds),
         **robustness_figures(rounds, faulty_agents(report)),
         "accuracy_by_round": [r.get("accuracy") for r in rounds],
@@ -183,6 +185,14 @@ def _warned_against_peers(report: Mapping[str, Any]) -> int | None:
 
     judged = any(((r.get("robustness") or {}).get("update_directions") or {}).get("agents") for r in report.get("rounds", []))
     return len(against_the_peers(report)) if judged and "config" in report else None
+
+
+def _report_warnings(report: Mapping[str, Any]) -> int | None:
+    """How many warnings the run report puts before its figures (cloud_server/report/sanity.py:
+    accuracy at chance, far below the run's local figure, updates against the peers)."""
+    from cloud_server.report.sanity import sanity_warnings
+
+    return len(sanity_warnings(report)) if {"config", "agents", "rounds"} <= set(report) else None
 
 
 def _timing(rounds: list[Mapping[str, Any]]) -> dict[str, float | None]:

@@ -193,7 +193,10 @@ class Claim:
     the cells of ``method`` (and ``partition`` / ``variant`` when given) ``op`` ``value``. With a
     ``baseline`` (a method of the grid, in ``baseline_variant``, default the plain runs) the claim
     is relative: the mean over the seeds both ran of ``method``'s figure minus the baseline's on
-    the same partition and seed (each seed is one split, shared by both) ``op`` ``value``."""
+    the same partition and seed (each seed is one split, shared by both) ``op`` ``value``. With
+    ``unless`` (``{figure, op, value}``) the claim is judged seed by seed: each seed meets the check
+    or, on the same cell, the alternative (e.g. "stays within 5 points of the clean run, or the
+    report warns": ``unless = { figure = "report_warnings", op = ">=", value = 1 }``)."""
 
     text: str
     method: str
@@ -204,6 +207,7 @@ class Claim:
     variant: str | None = None
     baseline: str | None = None
     baseline_variant: str = DEFAULT_VARIANT
+    unless: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.op not in CLAIM_OPERATORS:
@@ -213,13 +217,21 @@ class Claim:
         figures = (*RUN_FIGURES, *OPTIONAL_RUN_FIGURES, *LEAKAGE_FIGURES)
         if self.figure not in figures:
             raise ExperimentError(f"claims: no figure {self.figure!r}; figures: {', '.join(figures)}")
+        if self.unless is not None:
+            if not isinstance(self.unless, Mapping) or sorted(self.unless) != ["figure", "op", "value"]:
+                raise ExperimentError(f"claims: unless is a table {{ figure, op, value }}, got {self.unless!r}")
+            if self.unless["figure"] not in figures or self.unless["op"] not in CLAIM_OPERATORS or not _number(self.unless["value"]):
+                raise ExperimentError(f"claims: unless = {dict(self.unless)!r} needs a figure of the table, an op of "
+                                      f"{' | '.join(CLAIM_OPERATORS)} and a number")
 
     def describe(self) -> str:
         where = ", ".join(x for x in (self.partition, self.variant) if x)
         minus = ""
         if self.baseline:
             minus = f" - {self.baseline}{f' ({self.baseline_variant})' if self.baseline_variant != DEFAULT_VARIANT else ''}'s"
-        return f"{self.method}{f' ({where})' if where else ''} {self.figure}{minus} {self.op} {self.value:g}"
+        alternative = (f", or {self.unless['figure']} {self.unless['op']} {self.unless['value']:g}, seed by seed"
+                       if self.unless else "")
+        return f"{self.method}{f' ({where})' if where else ''} {self.figure}{minus} {self.op} {self.value:g}{alternative}"
 
 
 @dataclass(frozen=True)

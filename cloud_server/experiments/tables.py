@@ -142,9 +142,35 @@ def evaluate_claims(claims: Sequence[Claim], summary_rows: Sequence[Row]) -> lis
             observed = [mean for _, (mean, _) in pairs if mean is not None]
             spread = [sd for _, (mean, sd) in pairs if mean is not None]
         met = all(CLAIM_OPERATORS[claim.op](v, claim.value) for v in observed) if observed else None
-        out.append({"claim": claim.text, "check": claim.describe(), "observed": observed, "spread": spread, "met": met,
-                    "where": [f"{s['partition']}, {s['variant']}" for s in measured]})
+        row = {"claim": claim.text, "check": claim.describe(), "observed": observed, "spread": spread, "met": met,
+               "where": [f"{s['partition']}, {s['variant']}" for s in measured]}
+        if claim.unless is not None:
+            row.update(_seed_by_seed(claim, groups, summary_rows))
+        out.append(row)
     return out
+
+
+def _seed_by_seed(claim: Claim, groups: Sequence[Row], summary_rows: Sequence[Row]) -> Row:
+    """A claim with ``unless``: met when every seed of every matching group meets the check (its
+    figure, or its difference from the baseline's same seed) or, on the same cell, the alternative;
+    None when no seed measured either. ``saved_by_unless``: the cells that met only the alternative."""
+    check, alternative = CLAIM_OPERATORS[claim.op], CLAIM_OPERATORS[claim.unless["op"]]  # type: ignore[index]
+    verdicts, saved = [], []
+    for group in groups:
+        values = dict(group.get(claim.figure, {}).get("by_seed", {}))
+        if claim.baseline is not None:
+            base = next((b for b in summary_rows if b["method"] == claim.baseline and b["partition"] == group["partition"]
+                         and b["variant"] == claim.baseline_variant), None)
+            theirs = (base or {}).get(claim.figure, {}).get("by_seed", {})
+            values = {seed: v - theirs[seed] for seed, v in values.items() if seed in theirs}
+        alternatives = group.get(claim.unless["figure"], {}).get("by_seed", {})  # type: ignore[index]
+        for seed in sorted(set(values) | set(alternatives)):
+            holds = seed in values and check(values[seed], claim.value)
+            rescued = not holds and seed in alternatives and alternative(alternatives[seed], claim.unless["value"])  # type: ignore[index]
+            verdicts.append(holds or rescued)
+            if rescued:
+                saved.append(f"{group['partition']}, {group['variant']}, seed {seed}")
+    return {"met": all(verdicts) if verdicts else None, "saved_by_unless": saved}
 
 
 def _cell(stat: Mapping[str, Any] | None, scale: float, decimals: int) -> str:
@@ -183,7 +209,8 @@ def claims_md(claims: Sequence[Row]) -> str:
 
     rows = [[c["claim"], f"`{c['check']}`", ", ".join(seen(v, sd) for v, sd in zip(c["observed"], c.get("spread") or
                                                                                    [None] * len(c["observed"]))) or "—",
-             word[c["met"]]] for c in claims]
+             word[c["met"]] + (f" ({len(c['saved_by_unless'])} by the alternative)" if c.get("saved_by_unless") else "")]
+            for c in claims]
     return _md(["Claim", "Check", "Observed (mean ± sd over seeds)", "Result"], rows)
 
 

@@ -72,7 +72,7 @@ if ! skip methods; then
 stamp methods start
 m_to=$(until_t $(( ${FULLSCALE_UNTIL:-380} + 150 )))  # 8 servers starting at once take ~40 s to connect
 pids=()
-for m in fedavg fedbe feddistill fedgkd fedgkt fedkd splitnn; do
+for m in $(python3 -c "from shared_protocol.registry import registered_methods; print(' '.join(registered_methods()))"); do
   timeout -s INT -k 10 "$m_to" python3 -m cloud_server.launcher local --method "$m" --agents 2 --rounds 2 \
     --train-samples 1000 --test-samples 500 --partition iid --run-id "gpu-$m" --out "$R/methods/$m" > "$R/method-$m.log" 2>&1 &
   pids+=($!)

@@ -92,9 +92,9 @@ class FedKdServer(ServerMethod):
     name = "fedkd"
     upload_types = (FedKdUpdate,)
     aggregates_weights = True
-    # The agents factor their mentee updates before sending (edge_agent/methods/fedkd.py): the server clips
-    # and noises the rebuilt updates; clipping or noise on the device is not built for FedKD.
-    dp_fedavg_modes = ("central",)
+    # DP-FedAvg: central clips the rebuilt updates here; client_clipping and local clip (and noise) the
+    # dense update on the agent before factoring, and a truncated SVD never lengthens it.
+    dp_fedavg_modes = ("central", "client_clipping", "local")
     scores_on_device = True  # the mentor is private: the agents score it on the global set
 
     def __init__(self, ctx: ServerContext, method_config: dict[str, Any]) -> None:

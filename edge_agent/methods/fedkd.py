@@ -18,7 +18,8 @@ each other (``fedkd_losses``, Eqs. 1-7):
 
 Then the mentee's change over the round (``upload = "update"``, the default)
 or its mean gradient at the global mentee (``"gradient"``) goes up SVD-factored
-with the round's threshold T (:class:`FedKdUpdate`); the server's aggregate
+with the round's threshold T (:class:`FedKdUpdate`), clipped (and noised) first under
+``[server] dp_fedavg`` client_clipping (local); the server's aggregate
 comes back factored (:class:`FedKdAggregate`) and is added to the agent's copy
 of the global mentee, which all agents then share bit for bit.
 
@@ -58,6 +59,7 @@ from shared_protocol.messages import EvalRequest, Message, RoundStart
 from shared_protocol.methods.fedkd import FedKdAggregate, FedKdRoundConfig, FedKdUpdate, factor_state, unfactor_state
 
 from ..costs import RoundMeter
+from ..privacy import agent_privacy, privatise_update
 from ..trainer import LossFn, Trains, train_epochs
 from .base import EdgeContext, EdgeMethod, EvalAnswer, RoundResult, register_edge_method, shard_result
 
@@ -204,6 +206,10 @@ class FedKdEdge(EdgeMethod):
         # A step trains both models (W_h's and the attention maps' work is not counted).
         self.trains = Trains.of((self.mentor, self.mentee), shape)
         self.mentor_flops, self.mentee_flops = self.trains.models
+        # DP-FedAvg's client side (edge_agent/privacy.py): the mentee's update clipped (and noised)
+        # before it is factored; the noise draws from OS entropy, not the run's seed.
+        self.privacy = agent_privacy(settings)
+        self._dp_rng = np.random.default_rng()
 
     # -- the global mentee ------------------------------------------------------- #
 
@@ -329,11 +335,12 @@ class FedKdEdge(EdgeMethod):
             "mentee_loss": stats["mentee_loss"] / n,
             "hidden_loss": stats["hidden_loss"] / n,
         }
-        uploads = self._upload(start, cfg, result.steps, meter)
+        uploads = self._upload(start, cfg, result.steps, meter, metrics)
         return RoundResult(num_samples=len(ctx.train), uploads=uploads, metrics={k: v for k, v in metrics.items() if v is not None})
 
-    def _upload(self, start: RoundStart, cfg: FedKdRoundConfig, steps: int, meter: RoundMeter) -> dict:
-        """Algorithm 1, lines 8-10: factor the mentee's update (or mean gradient) and send it."""
+    def _upload(self, start: RoundStart, cfg: FedKdRoundConfig, steps: int, meter: RoundMeter, metrics: dict) -> dict:
+        """Algorithm 1, lines 8-10: factor the mentee's update (or mean gradient) and send it;
+        under ``[server] dp_fedavg`` client_clipping or local, clipped (and noised) first."""
         assert self.global_state is not None
         with meter.phase("encode"):
             local = float_state(self.mentee)
@@ -344,6 +351,12 @@ class FedKdEdge(EdgeMethod):
                 for name, p in self.mentee.named_parameters():
                     grad = p.grad.detach().cpu().numpy() / max(steps, 1) if p.grad is not None else np.zeros_like(delta[name])
                     delta[name] = np.ascontiguousarray(grad, dtype=np.float32)
+            if self.privacy.agent_clips:
+                # Before factoring: the SVD of a clipped (local: noised) update is post-processing,
+                # which keeps the guarantee, and a truncated SVD's reconstruction is no longer in
+                # Frobenius norm than the tensor, so what the server rebuilds stays within C.
+                private, metrics["dp_update_norm"] = privatise_update(delta, self.privacy, self._dp_rng)
+                delta = {name: np.ascontiguousarray(u, dtype=np.float32) for name, u in private.items()}
             layout, factors, packed = factor_state(delta, cfg.threshold)
         msg = FedKdUpdate(
             run=self.ctx.run_id, round=start.round, sender=self.ctx.agent_id, instance=self.ctx.instance,

@@ -37,7 +37,7 @@ from models.training import Step, StepSkipped, Trainer, Batch
 from shared_protocol import svd
 from shared_protocol.messages import RoundEnd, decode_message, encode_message
 from shared_protocol.methods.fedavg import FedAvgUpdate, split_state
-from shared_protocol.methods.fedgkt import GktFeatures
+from shared_protocol.methods.fedgkt import GktFeatures, GktReusedMaps
 from shared_protocol.methods.fedkd import FedKdUpdate, factor_state
 
 from fedhelpers import distinct_resnet8_state
@@ -413,6 +413,44 @@ def test_fedgkt_refuses_out_of_range_maps_and_logits_at_the_door_and_wild_statis
     assert outcome.used_agents == ["a0", "a1", "a2"]
     assert "implausible_statistics" in outcome.excluded["loud"] and "refused" in outcome.excluded["bad"]
     assert server.ctx.ledger.take(1)[0]["refused"]["loud"]["implausible_statistics"]["count"] == 1
+
+
+def test_fedgkt_judges_a_loud_agent_against_peers_whose_maps_are_held_not_sent_again() -> None:
+    """With maps sent once, the honest agents' later rounds carry logits and sample ids only:
+    their maps count in the comparison with the figure they had when accepted, so a loud agent
+    that sends its maps again (refused, so never held) is refused in every round, not only the
+    first. Positive control: without the held figure (the reused batches carry logits alone)
+    fewer than three agents have a map figure and the loud maps would pass."""
+    server = FedGktServer(_ctx(), {"server_batch_size": 8, "lr_schedule": "none"})
+    digests = {a: f"{k:x}" * 64 for k, a in enumerate(("a0", "a1", "a2", "loud"), start=1)}
+
+    def upload(agent: str, round_: int, seed: int, scale: float = 1.0, reuse: bool = False) -> None:
+        full = dataclasses.replace(_gkt_features(agent, seed, scale=scale), round=round_, maps_digest=digests[agent])
+        if reuse:
+            server.on_upload(agent, GktReusedMaps(run="u", round=round_, sender=agent, split="train", seq=0,
+                                                  instance=full.instance, maps_digest=digests[agent],
+                                                  logits=full.logits, sample_ids=full.sample_ids))
+        else:
+            server.on_upload(agent, full)
+
+    for round_ in (1, 2, 3):
+        for k in range(3):
+            upload(f"a{k}", round_, k, reuse=round_ > 1)
+        upload("loud", round_, 7, scale=300.0)
+        ends = {a: dataclasses.replace(_gkt_end(a), round=round_) for a in ("a0", "a1", "a2", "loud")}
+        outcome = server.complete(round_, ends, evaluate=False)
+        assert outcome.used_agents == ["a0", "a1", "a2"], round_
+        assert "implausible_statistics" in outcome.excluded["loud"] and "channel" in outcome.excluded["loud"]
+        if round_ > 1:
+            assert server.round_report(round_)["maps_reused_batches"] == 3
+    assert ("loud", "train") not in server.held and set(server.accepted_map_ms) == {"a0", "a1", "a2"}
+    # The control: the held figures forgotten, round 4's reused batches carry no map figure.
+    server.accepted_map_ms.clear()
+    for k in range(3):
+        upload(f"a{k}", 4, k, reuse=True)
+    upload("loud", 4, 7, scale=300.0)
+    judged, refusals = server._implausible_statistics(4, ["a0", "a1", "a2", "loud"])
+    assert judged == ["a0", "a1", "a2", "loud"] and "loud" not in refusals
 
 
 # -- the ledger and quarantine --------------------------------------------------------------------- #

@@ -119,6 +119,11 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
         # logits' sum of squares and count, for the comparison with the other agents.
         self.refused_seqs: dict[str, tuple[str, int, set[tuple[str, int]]]] = {}
         self.upload_stats: dict[str, tuple[str, int, np.ndarray, int, float, int]] = {}
+        # agent -> (maps digest, per-channel mean square) of the training maps it last had
+        # accepted: a batch that reuses held maps counts with these in the comparison, so the
+        # peers' yardstick stands while their maps are not sent again.
+        self.accepted_map_ms: dict[str, tuple[str, np.ndarray]] = {}
+        self.round_digests: dict[str, tuple[str, int, set[str]]] = {}
         self.recent_losses: list[float] = []  # the server steps' last losses (the guard's running range)
         self.label_agreement_latest: dict[str, float] = {}  # the label check's figures (its section below)
         self.label_agreement_round: tuple[int, dict[str, dict[str, Any]]] = (0, {})
@@ -734,14 +739,24 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
         self.ctx.ledger.examined(msg.round, "out_of_range", [agent])
         if msg.split != "train":
             return
-        held = self.upload_stats.get(agent)
-        channels = features.shape[1]
-        if held is None or held[:2] != (msg.instance, msg.round):
-            held = (msg.instance, msg.round, np.zeros(channels), 0, 0.0, 0)
         f64 = features.astype(np.float64)
-        sumsq = held[2] + np.einsum("nchw,nchw->c", f64, f64)  # (C,)
+        self._add_stats(agent, msg, np.einsum("nchw,nchw->c", f64, f64), features.size // max(features.shape[1], 1))
+        digests = self.round_digests.get(agent)
+        if digests is None or digests[:2] != (msg.instance, msg.round):
+            digests = self.round_digests[agent] = (msg.instance, msg.round, set())
+        digests[2].add(msg.maps_digest or "")
+
+    def _add_stats(self, agent: str, msg: GktFeatures | GktReusedMaps, sumsq: np.ndarray | None, elements: int) -> None:
+        """Add one training batch to ``agent``'s round statistics: its maps' per-channel sums of
+        squares over ``elements`` values a channel (None: no map figure), and its logits'."""
+        held = self.upload_stats.get(agent)
+        if held is None or held[:2] != (msg.instance, msg.round):
+            held = (msg.instance, msg.round, np.zeros(0), 0, 0.0, 0)
+        total = held[2]
+        if sumsq is not None:
+            total = sumsq if total.size == 0 else total + sumsq  # (C,)
         logits = np.asarray(msg.logits, dtype=np.float64)
-        self.upload_stats[agent] = (msg.instance, msg.round, sumsq, held[3] + features.size // max(channels, 1),
+        self.upload_stats[agent] = (msg.instance, msg.round, total, held[3] + (elements if sumsq is not None else 0),
                                     held[4] + float(np.sum(logits * logits)), held[5] + logits.size)
 
     def _implausible_statistics(self, round_: int, agents: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -753,11 +768,34 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
         others is not a yardstick))."""
         cfg = self.ctx.robustness
         stats = {a: self.upload_stats[a] for a in agents if a in self.upload_stats and self.upload_stats[a][1] == round_}
+        # Maps: the agents with a map figure this round (sent, or the accepted figure of the held
+        # maps a batch reused); logits: every agent that sent a batch.
+        map_names = sorted(a for a in stats if stats[a][3] > 0)
+        if len(map_names) < 3:
+            map_names = []
         if len(stats) < 3:
             return [], {}
         names = sorted(stats)
-        rms = np.stack([np.sqrt(stats[a][2] / max(stats[a][3], 1)) for a in names])  # (A, C)
         logit_rms = np.array([math.sqrt(stats[a][4] / max(stats[a][5], 1)) for a in names])  # (A,)
+        out: dict[str, str] = {}
+        if map_names:
+            rms = np.stack([np.sqrt(stats[a][2] / stats[a][3]) for a in map_names])  # (A, C)
+            out.update(self._implausible_maps(map_names, rms))
+        for i, agent in enumerate(names):
+            if agent in out:
+                continue
+            lo = np.delete(logit_rms, i)
+            lmed = float(np.median(lo))
+            lmad = float(np.median(np.abs(lo - lmed)))
+            llimit = max(cfg.plausible_peer_ratio * lmed, lmed + cfg.plausible_mad * MAD_TO_SD * lmad)
+            if not logit_rms[i] <= llimit:
+                out[agent] = (f"edge logits' RMS {logit_rms[i]:.4g}, the other agents' median {lmed:.4g} "
+                              f"(limit {llimit:.4g})")
+        return names, out
+
+    def _implausible_maps(self, names: list[str], rms: np.ndarray) -> dict[str, str]:
+        """Agent -> detail for the agents whose maps' RMS (``rms``: (A, C)) is far above the others' in some channel."""
+        cfg = self.ctx.robustness
         floor = cfg.plausible_peer_ratio * float(np.median(rms))
         out: dict[str, str] = {}
         for i, agent in enumerate(names):
@@ -771,15 +809,7 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
                 c = int(over[np.argmax(rms[i][over] / limit[over])])
                 out[agent] = (f"feature maps' RMS in channel {c} is {rms[i, c]:.4g}, the other agents' median "
                               f"{med[c]:.4g} (limit {limit[c]:.4g}); {len(over)} of {rms.shape[1]} channels over")
-                continue
-            lo = np.delete(logit_rms, i)
-            lmed = float(np.median(lo))
-            lmad = float(np.median(np.abs(lo - lmed)))
-            llimit = max(cfg.plausible_peer_ratio * lmed, lmed + cfg.plausible_mad * MAD_TO_SD * lmad)
-            if not logit_rms[i] <= llimit:
-                out[agent] = (f"edge logits' RMS {logit_rms[i]:.4g}, the other agents' median {lmed:.4g} "
-                              f"(limit {llimit:.4g})")
-        return names, out
+        return out
 
     def _screen(self, round_: int, ends: dict[str, RoundEnd]) -> dict[str, str]:
         """Agent -> why its round's maps are not used: a batch refused at the door, or statistics
@@ -798,8 +828,14 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
             for agent, detail in refusals.items():
                 ledger.refuse(round_, agent, "implausible_statistics", detail)
                 out[agent] = f"implausible_statistics: {detail}"
+            for agent in judged:
+                stats, digests = self.upload_stats[agent], self.round_digests.get(agent)
+                fresh = digests[2] if digests is not None and digests[:2] == stats[:2] else set()
+                if agent not in out and len(fresh) == 1 and "" not in fresh and stats[3] > 0:
+                    self.accepted_map_ms[agent] = (next(iter(fresh)), stats[2] / stats[3])
         for agent in ends:
             self.upload_stats.pop(agent, None)
+            self.round_digests.pop(agent, None)
             if agent in self.refused_seqs and self.refused_seqs[agent][1] <= round_:
                 self.refused_seqs.pop(agent)
         return out
@@ -975,11 +1011,23 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
         except MapsNotHeldError as exc:
             self._want_maps(agent, msg, f"{exc.code}: {exc}")
             return
+        if self.ctx.robustness.plausibility_checks and msg.split == "train":
+            self._add_reused_stats(agent, msg)
         self._stage(agent, msg, reused=(self.held[(agent, msg.split)], rows))
         n = len(msg.sample_ids)
         self._count(msg.round, msg.split, "reused_batches", 1)
         self._count(msg.round, msg.split, "reused_samples", n)
         self._count(msg.round, msg.split, "reused_fp32_bytes", 4 * n * math.prod(self.feature_shape or ()))
+
+    def _add_reused_stats(self, agent: str, msg: GktReusedMaps) -> None:
+        """A reused batch in the peers' comparison: its logits as sent, its maps with the figure
+        they had when accepted (none when they were held without one: its logits count alone)."""
+        accepted = self.accepted_map_ms.get(agent)
+        if accepted is None or accepted[0] != msg.maps_digest or self.feature_shape is None:
+            self._add_stats(agent, msg, None, 0)
+            return
+        elements = len(msg.sample_ids) * math.prod(self.feature_shape[1:])
+        self._add_stats(agent, msg, accepted[1] * elements, elements)
 
     def reused_rows(self, agent: str, msg: GktReusedMaps) -> np.ndarray:
         """The rows of the maps ``agent``'s claim reuses; :class:`MapsNotHeldError` (a specific

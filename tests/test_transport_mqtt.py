@@ -172,3 +172,32 @@ def test_retained_blob_must_fit_one_chunk(mosquitto) -> None:  # type: ignore[no
             tx.publish("t/retained", os.urandom(200 * 1024), retain=True)
     finally:
         tx.close()
+
+
+@pytest.mark.parametrize("ack_first", [True, False])
+def test_an_acknowledged_control_message_is_not_taken_for_a_later_chunk_with_its_packet_id(ack_first: bool) -> None:
+    """paho numbers packets 1..65535 and reuses the numbers: the PUBACK of a resend request (or a
+    resent chunk), whether it arrives before or after its publish returns, must not count as the
+    acknowledgement of the chunk that next gets the same packet id, or a flush returns with that
+    chunk unacknowledged. Positive control: a chunk's own early acknowledgement still counts."""
+    t = MqttTransport(TransportConfig(broker_url="mqtt://127.0.0.1:1"))
+    if ack_first:
+        t._on_publish(None, None, 7, None, None)
+        t._untrack(7)
+    else:
+        t._untrack(7)
+        t._on_publish(None, None, 7, None, None)
+    assert not t._early_acks and not t._untracked
+    with t._ack_cond:
+        t._track(7)  # the next chunk with packet id 7
+    assert t._pending == {7}
+    with pytest.raises(TransportError, match="1 chunks not acknowledged"):
+        with t._ack_cond:
+            t._wait_acked(time.monotonic() + 0.05, keep=0)
+    t._on_publish(None, None, 7, None, None)
+    assert not t._pending
+    t._on_publish(None, None, 8, None, None)  # acknowledged before its publish returned
+    with t._ack_cond:
+        t._track(8)
+        t._wait_acked(time.monotonic() + 0.05, keep=0)
+    assert not t._pending and not t._early_acks

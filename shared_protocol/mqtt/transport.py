@@ -19,7 +19,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from typing import Any
 
 from ..errors import BudgetError, ProtocolError
@@ -76,10 +76,12 @@ class MqttTransport(Transport):
         self._subscriptions: list[str] = []
         self._lock = threading.Lock()
         self._ack_cond = threading.Condition(self._lock)
-        self._pending: set[int] = set()
+        self._pending: set[int] = set()  # chunks' mids not acknowledged yet, across blobs
         self._early_acks: set[int] = set()
+        self._untracked: set[int] = set()  # mids of control messages and resent chunks: acks not waited for
         self._nacked: dict[int, str] = {}  # mid -> reason the broker refused it (e.g. ACL)
-        self._window: deque[int] = deque()  # mids in flight, across blobs
+        # A waiting sender is woken when at most this many chunks are unacknowledged (None: nobody waits).
+        self._wake_at: int | None = None
         self._unflushed: list[int] = []  # mids published since the last flush
         self._refused = threading.Event()
         self._sub_cond = threading.Condition()
@@ -259,16 +261,38 @@ class MqttTransport(Transport):
     # -- sending: each blob cut into chunks and published at QoS 1 through one window of at most
     # ``max_inflight_chunks`` unacknowledged chunks across blobs (no drain between messages); the
     # broker's acknowledgements (and refusals) tracked per packet id; every blob sent kept for resends.
+    # Control messages and resent chunks are not waited for: their acknowledgements must not be
+    # taken for a later chunk's once paho reuses the packet id.
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
         with self._ack_cond:
+            if mid in self._untracked:
+                self._untracked.discard(mid)
+                return
             if getattr(reason_code, "is_failure", False):
                 self._nacked[mid] = str(reason_code)
             if mid in self._pending:
                 self._pending.discard(mid)
             else:
                 self._early_acks.add(mid)
-            self._ack_cond.notify_all()
+            if self._wake_at is not None and len(self._pending) <= self._wake_at:
+                self._ack_cond.notify_all()
+
+    def _track(self, mid: int | None) -> None:
+        """With ``_ack_cond`` held: a chunk's mid, waited for."""
+        if mid in self._early_acks:
+            self._early_acks.discard(mid)
+        elif mid is not None:
+            self._pending.add(mid)
+
+    def _untrack(self, mid: int | None) -> None:
+        """A control message's or a resent chunk's mid: its acknowledgement is not waited for."""
+        with self._ack_cond:
+            if mid in self._early_acks:
+                self._early_acks.discard(mid)
+                self._nacked.pop(mid, None)
+            elif mid is not None:
+                self._untracked.add(mid)
 
     def publish(self, topic: str, blob: bytes, retain: bool = False, reply_topic: str | None = None, wait: bool = True) -> None:
         # A caller's bytearray could change under chunks still in flight or kept for resends.
@@ -299,13 +323,9 @@ class MqttTransport(Transport):
                 wire_total += publish_packet_bytes(topic, len(payload), 1, 1)
                 with self._ack_cond:
                     self._unflushed.append(info.mid)
-                    if info.mid in self._early_acks:
-                        self._early_acks.discard(info.mid)
-                    else:
-                        self._pending.add(info.mid)
-                        self._window.append(info.mid)
+                    self._track(info.mid)
                     # Chunks stay in flight across blobs: no pipeline drain between messages.
-                    self._wait_acked(self._window, deadline, keep=self.config.max_inflight_chunks - 1)
+                    self._wait_acked(deadline, keep=self.config.max_inflight_chunks - 1)
             self.stats.add(
                 payload_bytes_out=len(blob),
                 wire_bytes_out=wire_total,
@@ -322,27 +342,26 @@ class MqttTransport(Transport):
 
     def _flush_locked(self, deadline: float) -> None:
         with self._ack_cond:
-            self._wait_acked(self._window, deadline, keep=0)
+            self._wait_acked(deadline, keep=0)
             refused = [self._nacked.pop(m) for m in self._unflushed if m in self._nacked]
             self._unflushed.clear()
         if refused:
             raise TransportError(f"broker refused {len(refused)} published chunk(s): {refused[0]}")
 
-    def _wait_acked(self, window: deque[int], deadline: float, keep: int) -> None:
-        """With ``_ack_cond`` held: block until at most ``keep`` mids of ``window`` are unacknowledged."""
-        while True:
-            while window and window[0] not in self._pending:
-                window.popleft()
-            outstanding = [m for m in window if m in self._pending]
-            if len(outstanding) <= keep:
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransportError(
-                    f"{len(outstanding)} chunks not acknowledged by {self.address.url()} within "
-                    f"{self.config.publish_timeout_s}s"
-                )
-            self._ack_cond.wait(min(remaining, 1.0))
+    def _wait_acked(self, deadline: float, keep: int) -> None:
+        """With ``_ack_cond`` held: block until at most ``keep`` chunks are unacknowledged."""
+        try:
+            while len(self._pending) > keep:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportError(
+                        f"{len(self._pending)} chunks not acknowledged by {self.address.url()} within "
+                        f"{self.config.publish_timeout_s}s"
+                    )
+                self._wake_at = keep
+                self._ack_cond.wait(min(remaining, 1.0))
+        finally:
+            self._wake_at = None
 
     def drop_resend_cache(self) -> None:
         with self._publish_lock:
@@ -485,7 +504,7 @@ class MqttTransport(Transport):
     def _send_control(self, topic: str, values: dict[str, str]) -> None:
         props = self._Properties(self._PacketTypes.PUBLISH)
         props.UserProperty = [(P_CONTROL, values["kind"]), (P_TRANSFER, values["tid"]), (P_SEQS, values["seqs"])]
-        self._client.publish(topic, b"", qos=1, properties=props)
+        self._untrack(self._client.publish(topic, b"", qos=1, properties=props).mid)
 
     def _handle_control(self, kind: str, values: dict[str, str]) -> None:
         if kind != "resend":
@@ -504,7 +523,7 @@ class MqttTransport(Transport):
         for seq in seqs:
             if 0 <= seq < len(chunks):
                 # Fire and forget from the network thread: never block it on acks.
-                self._client.publish(topic, chunks.chunk(seq), qos=1)
+                self._untrack(self._client.publish(topic, chunks.chunk(seq), qos=1).mid)
                 self.stats.add(resent_chunks=1)
 
 

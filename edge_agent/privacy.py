@@ -8,14 +8,16 @@ Welcome as ``settings["privacy"]``; docs/privacy.md):
   the update itself, which secure aggregation masks (``FedAvgEdge.shared_update``).
 - :class:`DpSgd`: DP-SGD through Opacus (per-sample clipping and noise at every step, batches
   drawn by Poisson sampling), one ``PrivacyEngine`` per agent whose accountant counts every
-  step of the run; the agent reports its ε with each round's metrics.
+  step of the run; the agent reports its ε with each round's metrics. Its per-sample
+  gradients are training work the model's own count leaves out: :meth:`DpSgd.extra_flops_per_sample`
+  counts them, and the agent's meter adds them to every DP-SGD step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,6 +78,19 @@ class DpSgd:
         self.engine = PrivacyEngine(accountant=settings.accountant)
         self.sample_rate = 0.0
         self.empty_batches = 0
+        self._extra_flops: dict[tuple[int, ...], int] = {}
+
+    def extra_flops_per_sample(self, model: nn.Module, input_shape: Sequence[int]) -> int:
+        """FLOPs per sample a DP-SGD step adds to the model's forward and backward: Opacus's
+        per-sample gradients, each counted layer's weight gradient once more per sample
+        (:func:`models.layer_flops.weight_gradient_flops_per_sample`; the per-sample clipping
+        and the noise are element-wise, which the formulas do not count). Once per input shape."""
+        from models.layer_flops import weight_gradient_flops_per_sample
+
+        shape = tuple(int(d) for d in input_shape)
+        if shape not in self._extra_flops:
+            self._extra_flops[shape] = weight_gradient_flops_per_sample(model, shape)
+        return self._extra_flops[shape]
 
     @contextlib.contextmanager
     def private(self, model: nn.Module, optimizer: torch.optim.Optimizer,

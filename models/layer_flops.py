@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any, Callable
 
@@ -278,6 +278,12 @@ def _layer_forward_total(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def _layer_training_total(model: nn.Module, x: torch.Tensor, loss: LossKind) -> int:
+    return sum(call.forward + call.grad_input + call.grad_weight for call in _layer_training_calls(model, x, loss))
+
+
+def _layer_training_calls(model: nn.Module, x: torch.Tensor, loss: LossKind) -> list[_LayerCall]:
+    """One training step's counted layer calls, their backward figures zeroed for a layer
+    whose output is not on the loss's graph."""
     # A copy, as in the FlopCounterMode path: a train-mode forward moves BatchNorm statistics.
     probe = copy.deepcopy(model).train()
     with _hooked(probe) as recorder:
@@ -302,10 +308,19 @@ def _layer_training_total(model: nn.Module, x: torch.Tensor, loss: LossKind) -> 
     # A layer's backward runs only if its output's node is on the loss's graph
     # (an unused head costs no backward); which gradients it computes follows
     # requires_grad, exactly as convolution_backward's output_mask does.
-    return sum(
-        call.forward + (call.grad_input + call.grad_weight if call.node is not None and id(call.node) in reachable else 0)
-        for call in recorder.calls[:forward_calls]
-    )
+    return [call if call.node is not None and id(call.node) in reachable else replace(call, grad_input=0, grad_weight=0)
+            for call in recorder.calls[:forward_calls]]
+
+
+def weight_gradient_flops_per_sample(model: nn.Module, input_shape: Sequence[int], batch_size: int = 2,
+                                     loss: LossKind = "ce") -> int:
+    """The weight-gradient part of :func:`layer_flops_per_sample`'s training figure, per sample:
+    the products that DP-SGD's per-sample gradients (Opacus) compute once more for each sample
+    on top of the usual backward. Refuses what :func:`layer_flops_per_sample` refuses."""
+    _check_loss(loss)
+    x = _dummy_batch(input_shape, batch_size, model)
+    _check_countable(model)
+    return sum(call.grad_weight for call in _layer_training_calls(model, x, loss)) // batch_size
 
 
 def layer_flops_per_sample(

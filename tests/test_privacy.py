@@ -17,7 +17,8 @@ from cloud_server.methods.fedavg import FedAvgServer
 from cloud_server.privacy import PrivacyConfig, PrivacyLedger, client_level_epsilon
 from cloud_server.report import validate_report
 from edge_agent.privacy import privatise_state
-from models import build_model
+from models import build_model, cached_flops_per_sample
+from models.layer_flops import weight_gradient_flops_per_sample
 from models.privacy import DpSgdModelError, require_dpsgd_model
 from shared_protocol.privacy import DpAgentSettings, clip_update
 
@@ -121,6 +122,34 @@ def test_agent_clips_its_update_and_local_mode_adds_noise_of_std_z_c() -> None:
     assert not _std_matches(noise, z) and not _std_matches(noise, z * c * 1.05)  # positive controls
 
 
+def test_dpsgd_adds_each_layers_weight_gradient_once_per_sample() -> None:
+    """Opacus computes each sample's weight gradient of a Linear (in x out products) and a
+    Conv2d (out x in x k x k at each output position) on top of the usual backward: the FLOPs
+    (2 x MACs) DP-SGD adds to an agent's step. Positive control against Opacus itself: one step of
+    its hooked conv model under FlopCounterMode, less the same step without the hooks, is the
+    conv's figure (the conv's per-sample product is a batched matmul, which FlopCounterMode
+    counts; the linear's is an outer product, which it does not)."""
+    import torch
+    import torch.nn as nn
+    from opacus import GradSampleModule
+
+    from models.reference_flops import flops_of
+
+    linear = nn.Sequential(nn.Flatten(), nn.Linear(12, 5))
+    assert weight_gradient_flops_per_sample(linear, (3, 2, 2)) == 2 * 12 * 5
+    conv = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    conv_part = 2 * 4 * 2 * 3 * 3 * 6 * 6
+    assert weight_gradient_flops_per_sample(conv, (2, 6, 6)) == conv_part + 2 * 4 * 6 * 6 * 3
+    x, y = torch.randn(4, 2, 6, 6), torch.zeros(4, dtype=torch.long)
+    plain = flops_of(lambda: nn.functional.cross_entropy(conv(x), y).backward())
+    hooked = GradSampleModule(conv)
+    assert flops_of(lambda: nn.functional.cross_entropy(hooked(x), y).backward()) - plain == 4 * conv_part
+    model = build_model("resnet8_gn", 10, 1)
+    extra = weight_gradient_flops_per_sample(model, (1, 28, 28))
+    flops = cached_flops_per_sample(model, (1, 28, 28))
+    assert 0.5 * flops.forward < extra <= flops.forward < flops.training
+
+
 # --------------------------------------------------------------------------- #
 # Refusals
 # --------------------------------------------------------------------------- #
@@ -198,3 +227,12 @@ def test_dpsgd_over_mosquitto_reports_the_agents_epsilon(mosquitto, tmp_path: Pa
         assert figures["dpsgd_epsilon"] == pytest.approx(client_level_epsilon(1.0, q, steps, 1e-5), rel=1e-6)
     assert section["epsilon"] == max(f["dpsgd_epsilon"] for f in section["agents"].values())
     assert "DP-SGD" in (tmp_path / "run" / "summary.md").read_text()
+    # Every step's FLOPs include the per-sample gradients: each agent's count is a whole number of
+    # samples at the model's training figure plus Opacus's, not at the model's alone.
+    model = build_model("resnet8_gn", 10, 3)  # the agents' synthetic 3 x 32 x 32 images
+    plain = cached_flops_per_sample(model, (3, 32, 32)).training
+    per_sample = plain + weight_gradient_flops_per_sample(model, (3, 32, 32))
+    for round_ in report["rounds"]:
+        for agent in round_["per_agent"].values():
+            flops = agent["train_flops"]
+            assert flops > 0 and flops % per_sample == 0 and flops % plain != 0

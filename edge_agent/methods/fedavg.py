@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -165,10 +165,14 @@ class FedAvgEdge(EdgeMethod):
                                        lean=ctx.device == "cpu")
             loader = make_loader(ctx.train, cfg.batch_size, shuffle=True, augment=ctx.augment, seed=ctx.seed + start.round)
             loss_fn = self.loss_fn(cfg)
+            trains = self.trains(cfg)
+            if self.dpsgd is not None:  # the per-sample gradients: work the model's own count leaves out
+                trains = replace(trains, extra_flops_per_sample=trains.extra_flops_per_sample
+                                 + self.dpsgd.extra_flops_per_sample(self.model, self.input_shape))
             private = self.dpsgd.private(self.model, optimizer, loader) if self.dpsgd else contextlib.nullcontext((self.model, optimizer, loader))
             with private as (model, optimizer, batches):
                 result = train_epochs(
-                    model, meter.deadline.batches(batches), optimizer, loss_fn, cfg.local_epochs, meter=meter, trains=self.trains(cfg),
+                    model, meter.deadline.batches(batches), optimizer, loss_fn, cfg.local_epochs, meter=meter, trains=trains,
                     device=ctx.device, progress=ctx.progress, desc=f"{ctx.agent_id} round {start.round}", forward=self.forward_fn(cfg),
                 )
         metrics: dict = {"train_loss": result.mean_loss}

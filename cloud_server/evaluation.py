@@ -63,7 +63,7 @@ from models.training import INFERENCE_BATCH_SAMPLES
 from shared_protocol.errors import UnknownEvalSetError, ValueRangeError
 from shared_protocol.messages import EvalReport, PublicEvalSet
 
-from .records import RoundEvaluation
+from .records import HEADLINE, RoundEvaluation
 
 log = logging.getLogger("cloud_server.evaluation")
 
@@ -74,8 +74,6 @@ __all__ = [
 
 #: Images per forward pass when scoring a model on the global set.
 EVAL_BATCH_SAMPLES = INFERENCE_BATCH_SAMPLES
-#: The label of a method's deployed model: its figures are the round's ``accuracy`` and ``local_accuracy``.
-HEADLINE = "model"
 #: No global test set (a deployment whose server holds none): only local figures.
 NO_EVAL_SET = "none"
 

@@ -162,6 +162,10 @@ class ServerDeviceRecord(JsonRecord):
     gpu_utilization_unavailable: str | None = None  # why there is no utilisation figure
 
 
+#: The label of a method's deployed model: its figures are the round's ``accuracy`` and ``local_accuracy``.
+HEADLINE = "model"
+
+
 @dataclass(frozen=True)
 class RoundEvaluation(JsonRecord):
     """How a round was evaluated (``report.rounds[i].evaluation``; cloud_server/evaluation.py).

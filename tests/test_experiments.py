@@ -756,3 +756,18 @@ def test_the_setting_lists_a_joined_variant_once_as_its_parts_changes() -> None:
     assert "- `a_b_c`" not in text and "(`a_b_c`): their changes together" in text
     # A name that joins others' but changes something else is listed with its changes.
     assert "- `a_odd`: `server.p=1`, `server.r=3`" in text
+
+
+def test_the_honest_accuracy_leaves_out_the_faulty_agents_own_models() -> None:
+    """A method with a model per agent: the mean of the honest agents' headline figures, not the
+    faulty agent's own model (which it trained on its garbage); with one deployed model, or no
+    faulty agent, the global figure."""
+    evaluation = {"accuracy": {"model": 0.58}, "per_agent": {
+        "agent-0": {"accuracy": {"model": 0.7, "edge": 0.1}}, "agent-1": {"accuracy": {"model": 0.74}},
+        "agent-2": {"accuracy": {"model": 0.12}}}}
+    report = {"totals": {"edge_train_flops": 0, "final_accuracy": 0.52}, "rounds": [{"round": 1, "evaluation": evaluation}],
+              "agents": {"agent-0": {}, "agent-1": {}, "agent-2": {"fault": "random_labels"}}}
+    assert run_figures(report)["honest_accuracy"] == pytest.approx(0.72)
+    assert run_figures({**report, "agents": {a: {} for a in report["agents"]}})["honest_accuracy"] == 0.52
+    one_model = {**report, "rounds": [{"round": 1, "evaluation": {"accuracy": {"model": 0.52}}}]}
+    assert run_figures(one_model)["honest_accuracy"] == 0.52

@@ -26,8 +26,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ..records import HEADLINE
+
 __all__ = ["SCHEMA", "RUN_FIGURES", "RUN_SERIES", "OPTIONAL_RUN_FIGURES", "LEAKAGE_FIGURES", "ROBUSTNESS_FIGURES", "CELL_STATUSES", "ResultsError",
-           "faulty_agents", "leakage_figures", "load_results", "machine", "robustness_figures", "run_figures", "validate_results",
+           "faulty_agents", "honest_accuracy", "leakage_figures", "load_results", "machine", "robustness_figures", "run_figures", "validate_results",
            "write_results"]
 
 SCHEMA = 1
@@ -51,7 +53,7 @@ OPTIONAL_RUN_FIGURES = ("dp_fedavg_epsilon", "dpsgd_epsilon", "activation_epsilo
                         *(f"{k}_per_round" for k in ("server_train_s", "server_eval_s", "round_s")),
                         "up_wire_bytes_first_round", "up_wire_bytes_per_later_round", "server_eval_over_train",
                         "later_over_first_round_up", "agents_warned_against_peers", "report_warnings", "agent_idle_share",
-                        *ROBUSTNESS_FIGURES)
+                        "honest_accuracy", *ROBUSTNESS_FIGURES)
 #: Per round of a run (lists, an entry null where that round measured none): the global accuracy, the
 #: edge training GFLOPs and the bytes through the server's connection, both ways, training only.
 RUN_SERIES = ("accuracy_by_round", "edge_train_gflops_by_round", "train_wire_bytes_by_round")
@@ -126,12 +128,29 @@ def run_figures(report: Mapping[str, Any]) -> dict[str, float | int | None]:
         "agents_warned_against_peers": _warned_against_peers(report),
         "report_warnings": _report_warnings(report),
         "agent_idle_share": _idle_share(rounds),
+        "honest_accuracy": honest_accuracy(report, evaluation),
         **robustness_figures(rounds, faulty_agents(report)),
         "accuracy_by_round": [r.get("accuracy") for r in rounds],
         "edge_train_gflops_by_round": [(r.get("edge_train_flops") or 0) / 1e9 for r in rounds],
         "train_wire_bytes_by_round": [r["bytes"]["up_wire"] + r["bytes"]["down_wire"]
                                       if {"up_wire", "down_wire"} <= set(r.get("bytes", {})) else None for r in rounds],
     }
+
+
+def honest_accuracy(report: Mapping[str, Any], evaluation: Mapping[str, Any]) -> float | None:
+    """The last evaluation's global accuracy over the agents not made faulty on purpose: where a
+    method deploys a model per agent (FedKD's mentors, FedGKT's pipelines), the mean of the honest
+    agents' figures, so that what a faulty device does to its own model (which no server defence
+    can reach) is apart from what it does to the others'; with one deployed model, the global
+    figure. Without a faulty agent, the global figure."""
+    final = (report.get("totals") or {}).get("final_accuracy")
+    faulty = faulty_agents(report)
+    per_agent = evaluation.get("per_agent") or {}
+    figures = {a: (v.get("accuracy") or {}).get(HEADLINE) for a, v in per_agent.items() if isinstance(v, Mapping)}
+    honest = [float(f) for a, f in figures.items() if a not in faulty and f is not None]
+    if not faulty or not honest:
+        return final
+    return sum(honest) / len(honest)
 
 
 def faulty_agents(report: Mapping[str, Any]) -> set[str]:

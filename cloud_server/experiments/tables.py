@@ -56,8 +56,8 @@ TIMING_COLUMNS = (
 )
 #: The screen's table (``{{robustness}}``): what the server refused and judged, the faulty agents apart.
 ROBUSTNESS_COLUMNS = (
-    ("final_accuracy", "Global acc. %", 100, 1), ("rounds", "Rounds done", 1, 0),
-    ("honest_refused_uploads", "Honest uploads refused", 1, 0), ("faulty_refused_uploads", "Faulty uploads refused", 1, 0),
+    ("final_accuracy", "Global acc. %", 100, 1), ("honest_accuracy", "Honest agents' acc. %", 100, 1),
+    ("rounds", "Rounds done", 1, 0), ("honest_refused_uploads", "Honest uploads refused", 1, 0), ("faulty_refused_uploads", "Faulty uploads refused", 1, 0),
     ("faulty_unused_rounds", "Rounds faulty unused", 1, 0),
     ("honest_min_cosine", "Honest min cosine", 1, 3), ("faulty_max_cosine", "Faulty max cosine", 1, 3),
     ("honest_max_validation_rise", "Honest max rise (nats)", 1, 2),

@@ -5,6 +5,12 @@ transport: the reassembled, digest-verified blobs). Raw paho and the transport a
 alternately, so a pair sees nearly the same load; the one case records every repeat, the
 medians, CPU per MB and the targets in ``extra_info`` (its own timing is not the figure).
 
+Every timed transfer runs after an untimed one of each, so both are measured with a warm
+allocator: once a process has freed blob-sized buffers, glibc serves the next ones from its heap
+instead of fresh mappings. A cold process pays a page fault per fresh page of every buffer; raw
+paho's CPU per MB, whose copies are all fresh buffers, is then several times its warm figure
+(as a long-running agent or server process never sees it).
+
     make bench-micro MICRO=transport     # or: pytest bench/micro/test_transport.py [--quick]
 """
 

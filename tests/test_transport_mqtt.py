@@ -201,3 +201,8 @@ def test_an_acknowledged_control_message_is_not_taken_for_a_later_chunk_with_its
         t._track(8)
         t._wait_acked(time.monotonic() + 0.05, keep=0)
     assert not t._pending and not t._early_acks
+    t._untrack(9)  # a control message whose acknowledgement never comes (its session lost)
+    with t._ack_cond:
+        t._track(9)  # paho numbered a chunk 9 again
+    t._on_publish(None, None, 9, None, None)
+    assert not t._pending and not t._untracked

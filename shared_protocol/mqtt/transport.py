@@ -279,7 +279,9 @@ class MqttTransport(Transport):
                 self._ack_cond.notify_all()
 
     def _track(self, mid: int | None) -> None:
-        """With ``_ack_cond`` held: a chunk's mid, waited for."""
+        """With ``_ack_cond`` held: a chunk's mid, waited for (paho numbers anew: an untracked
+        message's acknowledgement that never came is not this chunk's)."""
+        self._untracked.discard(mid)
         if mid in self._early_acks:
             self._early_acks.discard(mid)
         elif mid is not None:

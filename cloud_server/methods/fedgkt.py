@@ -123,6 +123,7 @@ class FedGktServer(StreamedUploads, AnswersUploads, ServerMethod):
         # accepted: a batch that reuses held maps counts with these in the comparison, so the
         # peers' yardstick stands while their maps are not sent again.
         self.accepted_map_ms: dict[str, tuple[str, np.ndarray]] = {}
+        # agent -> (instance, round, the maps digests of the batches it sent in full this round).
         self.round_digests: dict[str, tuple[str, int, set[str]]] = {}
         self.recent_losses: list[float] = []  # the server steps' last losses (the guard's running range)
         self.label_agreement_latest: dict[str, float] = {}  # the label check's figures (its section below)

@@ -9,6 +9,7 @@ payload: sizes are checked before anything is allocated, and every failure is a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -217,6 +218,73 @@ class U8ZstdCodec:
         return np.ascontiguousarray(np.moveaxis(values, 0, axis) if shape else values.reshape(shape))
 
 
+def _channels_first(array: np.ndarray) -> tuple[int, np.ndarray]:
+    """(the channel axis: 1 for rank >= 2, else 0; the array as float32 (C, rest) rows)."""
+    axis = 1 if array.ndim >= 2 else 0
+    moved = np.moveaxis(array.astype(np.float32), axis, 0)  # (C, ...)
+    return axis, moved.reshape(moved.shape[0], -1)
+
+
+def _channels_back(rows: np.ndarray, shape: tuple[int, ...], axis: int) -> np.ndarray:
+    moved_shape = (shape[axis], *[d for i, d in enumerate(shape) if i != axis])
+    return np.ascontiguousarray(np.moveaxis(rows.reshape(moved_shape), 0, axis))
+
+
+def _float_list(params: dict[str, Any], key: str, channels: int, codec: str) -> np.ndarray:
+    values = params.get(key)
+    if not isinstance(values, list) or len(values) != channels or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise CodecError(f"{codec}: expected {channels} finite numbers in {key!r}, got {values!r}")
+    return np.asarray(values, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class U8AffineZstdCodec:
+    """Per-channel affine uint8 quantisation of any finite floating array, then zstd.
+
+    Like ``u8-zstd`` but for signed values (maps with Gaussian noise added, activations before a
+    ReLU): channel c is stored as round((x - offset_c) / scale_c) with offset_c its minimum and
+    scale_c = (max_c - min_c) / 255, so the absolute error is at most (max_c - min_c) / 510.
+    """
+
+    name: str = "u8-affine-zstd"
+    lossless: bool = False
+    level: int = 1
+
+    def encode(self, array: np.ndarray) -> tuple[bytes, dict[str, Any], str]:
+        if array.dtype.kind != "f":
+            raise ValueError(f"u8-affine-zstd encodes floating arrays, got {array.dtype}")
+        if not np.isfinite(array).all():
+            raise ValueError("u8-affine-zstd cannot encode NaN or Inf")
+        if array.ndim == 0:
+            raise ValueError("u8-affine-zstd needs an array of rank >= 1")
+        axis, flat = _channels_first(array)  # (C, rest)
+        channels = flat.shape[0]
+        lows = flat.min(axis=1) if flat.shape[1] else np.zeros(channels, np.float32)
+        highs = flat.max(axis=1) if flat.shape[1] else np.zeros(channels, np.float32)
+        with np.errstate(over="ignore"):
+            spans = (highs - lows).astype(np.float32)
+        if not np.isfinite(spans).all():
+            raise ValueError("u8-affine-zstd: a channel's range exceeds float32; use 'raw' or 'zstd' for this tensor")
+        scale = np.where(spans > 0, spans / np.float32(255.0), np.float32(1.0)).astype(np.float32)
+        quantised = np.clip(np.rint((flat - lows[:, None]) / scale[:, None]), 0, 255).astype(np.uint8)
+        payload = _zstd_compress(quantised.tobytes(), self.level)
+        return payload, {"axis": axis, "offset": [float(v) for v in lows], "scale": [float(v) for v in scale]}, "float32"
+
+    def decode(self, payload, dtype, shape, params):  # type: ignore[no-untyped-def]
+        if dtype != "float32":
+            raise CodecError(f"u8-affine-zstd decodes to float32, descriptor says {dtype}")
+        axis = params.get("axis")
+        if len(shape) == 0 or axis not in (0, 1) or (axis == 1 and len(shape) < 2) or (axis == 0 and len(shape) > 1):
+            raise CodecError(f"u8-affine-zstd: bad axis {axis!r} for shape {list(shape)}")
+        channels = shape[axis]
+        offset = _float_list(params, "offset", channels, self.name)
+        scale = _float_list(params, "scale", channels, self.name)
+        quantised = _from_bytes(_zstd_decompress(payload, _num_elements(shape)), "uint8", (channels, _num_elements(shape) // max(channels, 1)))
+        values = offset[:, None] + quantised.astype(np.float32) * scale[:, None]  # (C, rest)
+        return _channels_back(values, tuple(shape), axis)
+
+
 @dataclass(frozen=True)
 class SvdCodec:
     """Truncated SVD of the tensor viewed as a matrix (FedKD, Eqs. 8-9); decodes to float32.
@@ -277,6 +345,7 @@ register_codec(RawCodec())
 register_codec(ZstdCodec())
 register_codec(Fp16ZstdCodec())
 register_codec(U8ZstdCodec())
+register_codec(U8AffineZstdCodec())
 register_codec(SvdCodec())
 
 __all__ = [
@@ -290,5 +359,6 @@ __all__ = [
     "ZstdCodec",
     "Fp16ZstdCodec",
     "U8ZstdCodec",
+    "U8AffineZstdCodec",
     "SvdCodec",
 ]

@@ -246,3 +246,24 @@ def test_a_frozen_extractors_noisy_maps_go_up_once(tmp_path: Path, reuse_maps: b
         assert len(by_round) == 2
         # The same maps again carry the same noise: nothing to average away (fp16 on the wire, same bytes).
         assert all(np.array_equal(first[s], second[s]) for s in first)
+
+
+def test_noised_maps_go_up_in_eight_bits_with_u8_affine_zstd(tmp_path: Path) -> None:
+    """Noised maps are signed, so u8-zstd cannot carry them; u8-affine-zstd does, in fewer bytes
+    than fp16-zstd: every batch's channel arrives on a lattice of at most 256 values (fp16's, the
+    positive control, has many more), the maps still noised well beyond the clipped ones."""
+    distinct: dict[str, int] = {}
+    up_bytes: dict[str, int] = {}
+    for codec in ("fp16-zstd", "u8-affine-zstd"):
+        guard = {"map_clip_norm": 3.0, "map_noise_multiplier": 1.0, "upload_codec": codec}
+        config = server_config(tmp_path / codec, run_id="noise-u8", agents=1, rounds=1, eval_every=5, method_config=guard)
+        federation = in_memory_federation(config, [agent_config("noise-u8", 0, 1, train_samples=48, test_samples=16)])
+        seen = _received(federation.coordinator)
+        report = federation.start().join(120)
+        assert report["status"] == "finished"
+        up_bytes[codec] = report["rounds"][0]["bytes"]["up_payload"]
+        batches = [m.features for _t, m in seen if isinstance(m, GktFeatures) and m.split == "train"]  # (n, C, H, W) each
+        assert sum(len(b) for b in batches) == 48 and max(float(np.abs(b).max()) for b in batches) > 3.0
+        distinct[codec] = max(len(np.unique(b[:, c])) for b in batches for c in range(b.shape[1]))
+    assert distinct["u8-affine-zstd"] <= 256 < distinct["fp16-zstd"]
+    assert up_bytes["u8-affine-zstd"] < up_bytes["fp16-zstd"]

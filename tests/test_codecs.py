@@ -97,3 +97,71 @@ def test_u8_zstd_refuses_non_finite_and_scalars() -> None:
         codec.encode(np.array([[1.0, np.inf]], np.float32))
     with pytest.raises(ValueError, match="rank"):
         codec.encode(np.array(1.0, np.float32))
+
+
+def test_u8_affine_zstd_takes_signed_maps_within_half_a_step_per_channel() -> None:
+    rng = np.random.default_rng(3)
+    maps = relu_maps(3) + rng.normal(0.0, 0.3, size=(8, 16, 32, 32)).astype(np.float32)  # noised: negatives too
+    maps[:, 3] *= 50.0
+    maps[:, 5] = -2.5  # a constant channel: no division by zero, decoded exactly
+    codec = codecs.get_codec("u8-affine-zstd")
+    payload, params, dtype = codec.encode(maps)
+    out = codec.decode(payload, dtype, maps.shape, params)
+    assert out.shape == maps.shape and out.dtype == np.float32
+    span = maps.max(axis=(0, 2, 3)) - maps.min(axis=(0, 2, 3))
+    err = np.abs(out - maps).max(axis=(0, 2, 3))
+    assert np.all(err <= span / 510 * (1 + 1e-5) + 1e-6)
+    np.testing.assert_array_equal(out[:, 5], -2.5)
+    # Positive control: u8-zstd refuses these maps; fp16-zstd takes them at more bytes.
+    with pytest.raises(ValueError, match="non-negative"):
+        codecs.get_codec("u8-zstd").encode(maps)
+    assert len(payload) < len(codecs.get_codec("fp16-zstd").encode(maps)[0])
+    vector = np.array([-1.0, 0.5, 2.0], np.float32)  # rank 1: each entry its own channel, as in u8-zstd
+    p, pa, d = codec.encode(vector)
+    assert pa["axis"] == 0 and pa["offset"] == [-1.0, 0.5, 2.0]
+    np.testing.assert_array_equal(codec.decode(p, d, vector.shape, pa), vector)
+
+
+def test_u8_affine_zstd_refuses_what_it_cannot_carry_and_bad_params() -> None:
+    codec = codecs.get_codec("u8-affine-zstd")
+    for bad, said in ((np.array([[1.0, np.nan]], np.float32), "NaN"), (np.array(1.0, np.float32), "rank"),
+                      (np.array([1, 2], np.int64), "floating"), (np.array([[-3e38], [3e38]], np.float32), "range")):
+        with pytest.raises(ValueError, match=said):
+            codec.encode(bad)
+    maps = relu_maps()[:1] - 0.5
+    payload, params, dtype = codec.encode(maps)
+    for broken in ({**params, "offset": params["offset"][:3]}, {**params, "scale": [float("nan")] * 16},
+                   {**params, "axis": 0}, {**params, "offset": None}, {**params, "scale": [True] * 16}):
+        with pytest.raises(CodecError):
+            codec.decode(payload, dtype, maps.shape, broken)
+    with pytest.raises(CodecError, match="float32"):
+        codec.decode(payload, "float64", maps.shape, params)
+
+
+def test_the_protocol_docs_test_vectors() -> None:
+    """docs/protocol.md's codec test vectors: each row's content before zstd and params are what
+    the reference encoder makes of the table's x, and its reference payload decodes back to what
+    the doc says (every registered codec but svd, whose vectors are in tests/test_svd_codec.py)."""
+    import json
+    import re
+    from pathlib import Path
+
+    import zstandard
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    table = text.split("### Test vectors", 1)[1].split("## 5.", 1)[0]
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| `?([0-9a-f-]+)`? \| `([0-9a-f]+)` \| `(\{.*\})` \|$", table, re.M)
+    assert {r[0] for r in rows} == set(codecs.list_codecs()) - {"svd"}
+    x = np.array([[[0.0, 1.5], [3.0, 0.25]]], np.float32)
+    for name, content, reference, params_json in rows:
+        codec = codecs.get_codec(name)
+        payload, params, dtype = codec.encode(x)
+        made = payload if content == "-" else zstandard.ZstdDecompressor().decompress(payload)
+        assert made.hex() == (reference if content == "-" else content), name
+        doc_params = json.loads(params_json)
+        assert params.keys() == doc_params.keys(), name
+        for key, value in doc_params.items():
+            np.testing.assert_allclose(params[key], value, rtol=1e-12, err_msg=name)
+        decoded = codec.decode(bytes.fromhex(reference), dtype, x.shape, doc_params)
+        tolerance = {"u8-zstd": 0.0059, "fp16-zstd": 1e-3}.get(name, 0.0)
+        np.testing.assert_allclose(decoded, x, atol=tolerance, err_msg=name)

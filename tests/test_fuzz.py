@@ -29,7 +29,7 @@ def _seed_frames() -> list[bytes]:
         logits=rng.normal(size=(2, 10)).astype(np.float32),
         labels=np.array([1, 2], np.int64), sample_ids=np.array([5, 6], np.int64),
     )
-    frames = [encode_message(features, codecs={"features": c}) for c in ("raw", "fp16-zstd", "u8-zstd", "zstd")]
+    frames = [encode_message(features, codecs={"features": c}) for c in ("raw", "fp16-zstd", "u8-zstd", "u8-affine-zstd", "zstd")]
     frames.append(encode_message(RoundEnd(run="r", round=1, sender="a", num_samples=2, costs=AgentRoundCosts(compute_s=1.0))))
     from test_secagg_wire import golden_secagg_messages
 

@@ -78,7 +78,7 @@ class FedGktConfig:
             "the agents' local training, sent to agents",
         "train_extractor": "sent to agents: `false`, only the classifier trains and the extractors keep the shared "
                            "initial weights (one feature space); `true`: the whole ResNet-8 (Algorithm 1 line 22)",
-        "upload_codec": "feature-map codec: `raw`, `zstd`, `fp16-zstd`, `u8-zstd`, `svd` (any registered one; an unknown "
+        "upload_codec": "feature-map codec: `raw`, `zstd`, `fp16-zstd`, `u8-zstd`, `u8-affine-zstd` (signed: noised maps), `svd` (any registered one; an unknown "
                         "name is refused at start-up)",
         "upload_batch_samples": "samples per upload message (the agent holds one such batch of maps at a time)",
         "reuse_maps": "sent to agents: `true`, while an agent's extractor is unchanged the server keeps its maps (within "

@@ -82,7 +82,7 @@ class SplitNNConfig:
         "server_optimizer, server_lr, server_momentum, server_weight_decay": "one step per agent batch",
         "local_epochs, edge_optimizer, edge_lr, edge_momentum, edge_weight_decay, batch_size":
             "each agent's turn, sent with every round",
-        "upload_codec": "activations up: `raw`, `zstd`, `fp16-zstd`, `u8-zstd` (gradients come back fp32)",
+        "upload_codec": "activations up: `raw`, `zstd`, `fp16-zstd`, `u8-zstd`, `u8-affine-zstd` (signed: noised maps; gradients come back fp32)",
         "reply_timeout_s, reply_attempts": "an agent asks again for a gradient that did not come",
         "eval_batch_samples": "test activations per evaluation message",
         "map_clip_norm, map_noise_multiplier, map_noise_delta":

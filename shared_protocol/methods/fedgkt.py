@@ -257,7 +257,7 @@ register_method(MethodSpec(
         LauncherFlag("--server-model", "resnet55_server", "the server's model: resnet55_server | resnet109_server"),
         LauncherFlag("--server-epochs", 1, "the server's epochs per round", type="int", minimum=1),
         LauncherFlag("--edge-epochs", 1, "epochs of local training per round", type="int", minimum=1),
-        LauncherFlag("--codec", None, "feature maps: raw | fp16-zstd (default) | u8-zstd"),
+        LauncherFlag("--codec", None, "feature maps: raw | fp16-zstd (default) | u8-zstd | u8-affine-zstd"),
     ),
     backends={"ort": "edge_agent.backends.ort_fedgkt:OrtFedGktEdge"},
     docs="docs/methods/fedgkt.md",

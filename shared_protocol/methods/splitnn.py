@@ -31,7 +31,7 @@ from ..registry import LauncherFlag, MethodSpec, register_method
 
 SPLITS = ("train", "test")
 #: Activation codecs; vanilla split learning sends fp32 (the paper's Eq. 12 counts fp32).
-ACTIVATION_CODECS = ("raw", "zstd", "fp16-zstd", "u8-zstd")
+ACTIVATION_CODECS = ("raw", "zstd", "fp16-zstd", "u8-zstd", "u8-affine-zstd")
 
 
 @register_message

@@ -64,6 +64,13 @@ def test_each_defence_is_read_against_the_undefended_runs_of_its_experiment(tmp_
     cheaper = {**rows[("fedavg", "dp")], "variant": "dp-cheap", "accuracy_points": -5.0}
     assert docs.readme_defence_cell([*rows.values(), cheaper], "fedavg") == "dp-cheap: accuracy -5.0 points"
     assert docs.readme_defence_cell(list(rows.values()), "splitnn") == "not measured yet"
+    # Only defences within the accuracy budget compete; none within it: said, with the least-leaking one.
+    ruinous = {**rows[("fedgkt", "noise")], "variant": "ruinous", "accuracy_points": -60.0, "gain_db": {"mean": 0.1}}
+    assert docs.readme_defence_cell([*rows.values(), ruinous], "fedgkt") == (
+        "noise: 2.0 dB over the mean image, accuracy -10.0 points; the least left: ruinous: 0.1 dB over the mean image, "
+        "accuracy -60.0 points")
+    assert docs.readme_defence_cell([ruinous], "fedgkt") == ("none within 20 points of accuracy; the least left: ruinous: "
+                                                            "0.1 dB over the mean image, accuracy -60.0 points")
     block = "\n".join(docs.privacy_block(list(rows.values())))
     assert "| `fedgkt` | noise | -10.0 | -76.0 | 8 | 2.00x |" in block
     assert "| `fedgkt` | default |" not in block  # the reference itself is no row

@@ -39,6 +39,24 @@ def test_white_box_recovers_the_images_through_the_known_stem(sets: tuple[torch.
     assert scores.ssim > 0.999
 
 
+def test_white_box_tries_several_learning_rates_and_keeps_each_images_best_fit(sets: tuple[torch.Tensor, torch.Tensor, float]) -> None:
+    """The deeper cut (the stem and its bottleneck stage) as drawn from one seed: at the first
+    learning rate alone the images stall in a poor fit of the maps (the positive control: an
+    attack that reports safety where there is none); with the ladder each image keeps the
+    reconstruction whose maps fit best, and the images come back."""
+    from models import build_model
+
+    private, _, _ = sets
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        deeper = build_model("resnet8_stage1", 10, 1).extractor.eval()
+    received = maps(deeper, private)
+    one_rate = invert_features_white_box(deeper, received, FASHION, IMAGE_SHAPE, WhiteBoxConfig(steps=400, more_lrs=()))
+    assert score_images(one_rate, private).psnr_db < 30.0
+    ladder = invert_features_white_box(deeper, received, FASHION, IMAGE_SHAPE, WhiteBoxConfig(steps=400))
+    assert score_images(ladder, private).psnr_db > 60.0
+
+
 def test_white_box_recovers_the_images_from_fp16_maps(sets: tuple[torch.Tensor, torch.Tensor, float]) -> None:
     # fp16 is what the default codec (fp16-zstd) leaves of the maps.
     private, _, _ = sets

@@ -170,6 +170,28 @@ class Fp16ZstdCodec:
         return _from_bytes(raw, "float16", shape).astype(np.float32)
 
 
+def _check_quantisable(codec: str, array: np.ndarray) -> None:
+    """What an 8-bit quantiser refuses: a non-floating array, NaN or Inf, a scalar."""
+    if array.dtype.kind != "f":
+        raise ValueError(f"{codec} encodes floating arrays, got {array.dtype}")
+    if not np.isfinite(array).all():
+        raise ValueError(f"{codec} cannot encode NaN or Inf")
+    if array.ndim == 0:
+        raise ValueError(f"{codec} needs an array of rank >= 1")
+
+
+def _channels_first(array: np.ndarray) -> tuple[int, np.ndarray]:
+    """(the channel axis: 1 for rank >= 2, else 0; the array as float32 (C, rest) rows)."""
+    axis = 1 if array.ndim >= 2 else 0
+    moved = np.moveaxis(array.astype(np.float32), axis, 0)  # (C, ...)
+    return axis, moved.reshape(moved.shape[0], -1)
+
+
+def _channels_back(rows: np.ndarray, shape: tuple[int, ...], axis: int) -> np.ndarray:
+    moved_shape = (shape[axis], *[d for i, d in enumerate(shape) if i != axis])
+    return np.ascontiguousarray(np.moveaxis(rows.reshape(moved_shape), 0, axis))
+
+
 @dataclass(frozen=True)
 class U8ZstdCodec:
     """Per-channel uint8 quantisation of non-negative maps, then zstd.
@@ -184,18 +206,11 @@ class U8ZstdCodec:
     level: int = 1
 
     def encode(self, array: np.ndarray) -> tuple[bytes, dict[str, Any], str]:
-        if array.dtype.kind != "f":
-            raise ValueError(f"u8-zstd encodes floating arrays, got {array.dtype}")
-        if not np.isfinite(array).all():
-            raise ValueError("u8-zstd cannot encode NaN or Inf")
+        _check_quantisable(self.name, array)
         if array.size and float(array.min()) < 0:
             raise ValueError("u8-zstd needs non-negative values (e.g. post-ReLU maps); got a negative minimum")
-        if array.ndim == 0:
-            raise ValueError("u8-zstd needs an array of rank >= 1")
-        axis = 1 if array.ndim >= 2 else 0
-        moved = np.moveaxis(array.astype(np.float32), axis, 0)  # (C, ...)
-        channels = moved.shape[0]
-        flat = moved.reshape(channels, -1)
+        axis, flat = _channels_first(array)  # (C, rest)
+        channels = flat.shape[0]
         maxima = flat.max(axis=1) if flat.shape[1] else np.zeros(channels, np.float32)
         scale = np.where(maxima > 0, maxima / 255.0, 1.0).astype(np.float32)
         quantised = np.clip(np.rint(flat / scale[:, None]), 0, 255).astype(np.uint8)
@@ -216,18 +231,6 @@ class U8ZstdCodec:
         scales = np.asarray(scale, dtype=np.float32).reshape((channels,) + (1,) * (len(moved_shape) - 1))
         values = quantised.astype(np.float32) * scales
         return np.ascontiguousarray(np.moveaxis(values, 0, axis) if shape else values.reshape(shape))
-
-
-def _channels_first(array: np.ndarray) -> tuple[int, np.ndarray]:
-    """(the channel axis: 1 for rank >= 2, else 0; the array as float32 (C, rest) rows)."""
-    axis = 1 if array.ndim >= 2 else 0
-    moved = np.moveaxis(array.astype(np.float32), axis, 0)  # (C, ...)
-    return axis, moved.reshape(moved.shape[0], -1)
-
-
-def _channels_back(rows: np.ndarray, shape: tuple[int, ...], axis: int) -> np.ndarray:
-    moved_shape = (shape[axis], *[d for i, d in enumerate(shape) if i != axis])
-    return np.ascontiguousarray(np.moveaxis(rows.reshape(moved_shape), 0, axis))
 
 
 def _float_list(params: dict[str, Any], key: str, channels: int, codec: str) -> np.ndarray:
@@ -252,12 +255,7 @@ class U8AffineZstdCodec:
     level: int = 1
 
     def encode(self, array: np.ndarray) -> tuple[bytes, dict[str, Any], str]:
-        if array.dtype.kind != "f":
-            raise ValueError(f"u8-affine-zstd encodes floating arrays, got {array.dtype}")
-        if not np.isfinite(array).all():
-            raise ValueError("u8-affine-zstd cannot encode NaN or Inf")
-        if array.ndim == 0:
-            raise ValueError("u8-affine-zstd needs an array of rank >= 1")
+        _check_quantisable(self.name, array)
         axis, flat = _channels_first(array)  # (C, rest)
         channels = flat.shape[0]
         lows = flat.min(axis=1) if flat.shape[1] else np.zeros(channels, np.float32)

@@ -22,10 +22,10 @@ class TransportError(RuntimeError):
 
 @dataclass(frozen=True)
 class Delivery:
-    """One complete inbound blob."""
+    """One complete inbound blob (read-only bytes or a read-only view of them)."""
 
     topic: str
-    payload: bytes
+    payload: bytes | memoryview
     transfer_id: str
     wire_bytes: int
     received_at: float

@@ -8,7 +8,10 @@ import os
 import random
 import re
 import struct
+import sys
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import xxhash
@@ -300,6 +303,27 @@ def test_chunked_blob_cuts_views_and_resends_the_same_bytes() -> None:
     assert ChunkHeader.parse(early.chunk(3))[0].digest == xxhash.xxh3_128(blob).digest()
 
 
+def test_each_chunk_is_copied_into_place_and_its_payload_let_go() -> None:
+    """The receiver keeps no received payload (paho's chunk objects go as they are copied, not
+    when the blob completes) and hands the blob up read-only."""
+    blob = os.urandom(10_000)
+    chunks = split_blob(blob, 3000, transfer_id="t")
+    r = Reassembler()
+    for chunk in chunks[:0:-1]:
+        before = sys.getrefcount(chunk)
+        assert r.add(chunk, "s") is None
+        assert sys.getrefcount(chunk) == before
+    # Positive control: the count sees a view kept of a payload.
+    base = sys.getrefcount(chunks[0])
+    kept = memoryview(chunks[0])
+    assert sys.getrefcount(chunks[0]) > base
+    out = r.add(chunks[0], "s")
+    assert out is not None and out == blob and out.readonly
+    with pytest.raises(TypeError):
+        out[0] = 0
+    kept.release()
+
+
 def test_one_source_cannot_hold_too_many_open_transfers() -> None:
     """At its limit a sender's least recently active transfer gives way to its new one;
     other senders are unaffected."""
@@ -321,11 +345,24 @@ def _first_chunk(transfer_id: str, total_bytes: int, stride: int) -> bytes:
     return ChunkHeader(transfer_id, 0, count, total_bytes, stride).pack() + os.urandom(stride)
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
 def test_memory_is_taken_as_bytes_arrive_not_reserved() -> None:
     r = Reassembler(max_transfer_bytes=256 << 20, max_total_bytes=1 << 30)
+    before = _resident_bytes()
     for i in range(8):  # eight first chunks of 256 MiB transfers: 2 GiB declared
         r.add(_first_chunk(f"t{i}", 256 << 20, 4096), source=f"s{i}")
     assert r.held_bytes == 8 * 4096
+    assert _resident_bytes() - before < 64 << 20  # the declared lengths took no memory
+    # Positive control: the same measure sees 256 MiB that are written.
+    before = _resident_bytes()
+    written = np.ones(256 << 20, np.uint8)
+    assert _resident_bytes() - before > 200 << 20
+    del written
     ok = os.urandom(10_000)
     assert [r.add(c, "honest") for c in split_blob(ok, 4096)][-1] == ok
 

@@ -6,10 +6,11 @@ import hashlib
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from shared_protocol.mqtt.chunking import split_blob
+from shared_protocol.mqtt.chunking import Reassembler, split_blob
 from shared_protocol.transport import MqttTransport, TransportConfig, TransportError
 
 pytestmark = pytest.mark.broker
@@ -206,3 +207,69 @@ def test_an_acknowledged_control_message_is_not_taken_for_a_later_chunk_with_its
         t._track(9)  # paho numbered a chunk 9 again
     t._on_publish(None, None, 9, None, None)
     assert not t._pending and not t._untracked
+
+
+class _HoldingClient:
+    """A stand-in for paho's client that keeps each payload, as paho does to send it again after a
+    reconnect, until the test's broker thread acknowledges its packet id."""
+
+    def __init__(self) -> None:
+        self.mid = 0
+        self.held: dict[int, tuple[bytes | bytearray, bytes]] = {}
+        self.payloads: list[bytes | bytearray] = []
+        self.sent: list[bytes] = []  # each payload's bytes when it was published
+        self.at: dict[int, float] = {}
+        self.lock = threading.Lock()
+
+    def publish(self, topic: str, payload: bytes | bytearray, qos: int, retain: bool) -> SimpleNamespace:
+        with self.lock:
+            self.mid += 1
+            self.held[self.mid] = (payload, bytes(payload))
+            self.payloads.append(payload)
+            self.sent.append(bytes(payload))
+            self.at[self.mid] = time.monotonic()
+            return SimpleNamespace(rc=0, mid=self.mid)
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_chunk_buffer_is_reused_only_once_the_broker_has_acknowledged_its_chunk(early: bool) -> None:
+    """The sender writes chunks into recycled buffers: no buffer may change while paho still holds
+    the chunk it carries (unacknowledged: paho would send the changed bytes after a reconnect),
+    whether the acknowledgement comes after or before the publish call returns. Positive control:
+    buffers are reused (fewer buffers than chunks), so the check had something to catch."""
+    t = MqttTransport(TransportConfig(broker_url="mqtt://127.0.0.1:1", chunk_size_bytes=4096, max_inflight_chunks=4))
+    client = _HoldingClient()
+    t._client = client
+    changed: list[int] = []
+    stop = threading.Event()
+
+    def broker() -> None:  # acknowledges the oldest chunk paho holds, checking it is still as sent
+        while not stop.is_set():
+            with client.lock:
+                mid = min(client.held, default=None)
+                if mid is not None and not early and len(client.held) < 3 and time.monotonic() < client.at[mid] + 0.005:
+                    mid = None  # let a few pile up: acknowledgements well after their publish returned
+                entry = client.held.pop(mid) if mid is not None else None
+            if entry is None:
+                time.sleep(0.0005)
+                continue
+            if bytes(entry[0]) != entry[1]:
+                changed.append(mid)
+            t._on_publish(None, None, mid, None, None)
+
+    acker = threading.Thread(target=broker, daemon=True)
+    acker.start()
+    blobs = [os.urandom(10 * 4096 + 17 * i) for i in range(4)]
+    try:
+        for blob in blobs:
+            t.publish("t/x", blob, wait=False)
+        t.flush()
+    finally:
+        stop.set()
+        acker.join(5)
+    assert not changed, f"chunks {changed} changed while paho held them"
+    recycled = [p for p in client.payloads if isinstance(p, bytearray)]
+    assert len(recycled) >= len(blobs) * 9 and len({id(p) for p in recycled}) <= 4 + 2
+    r = Reassembler()
+    out = [r.add(sent, "t/x") for sent in client.sent]
+    assert [bytes(b) for b in out if b is not None] == blobs

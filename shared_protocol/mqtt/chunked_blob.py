@@ -2,7 +2,9 @@
 
 The sender cuts chunks from a memoryview of the blob and hashes it incrementally
 as chunks are cut, so the first chunk leaves before the blob is hashed and no
-chunk is copied except into its own payload.
+chunk is copied except into its own payload: a buffer the sender recycles once the
+broker has acknowledged the chunk it carried, filled without holding the
+interpreter lock.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import threading
 import uuid
 
-from .chunk_format import DEFAULT_CHUNK_SIZE_BYTES, MAX_TRANSFER_ID_BYTES, ChunkHeader, blob_hasher
+import numpy as np
+
+from .chunk_format import CHUNK_FIXED_BYTES, DEFAULT_CHUNK_SIZE_BYTES, DIGEST_BYTES, MAX_TRANSFER_ID_BYTES, ChunkHeader, blob_hasher
 
 
 class ChunkedBlob:
@@ -72,6 +76,23 @@ class ChunkedBlob:
     def chunk(self, seq: int) -> bytes:
         """The PUBLISH payload of chunk ``seq``: header + body (the one copy the broker client needs)."""
         return b"".join([self.header(seq).pack(), self.body(seq)])
+
+    def payload_bytes(self, seq: int) -> int:
+        """The length of chunk ``seq``'s payload (header and body)."""
+        digest = DIGEST_BYTES if seq == self.count - 1 else 0
+        return (CHUNK_FIXED_BYTES + len(self.transfer_id.encode()) + len(self.reply_topic.encode()) + digest
+                + len(self.body(seq)))
+
+    def chunk_into(self, seq: int, buffer: bytearray) -> bytes | bytearray:
+        """Chunk ``seq``'s payload written into ``buffer`` when it has the payload's exact length
+        (a sender's recycled buffer: no allocation, and the body is copied without holding the
+        interpreter lock); otherwise :meth:`chunk`."""
+        head, body = self.header(seq).pack(), self.body(seq)
+        if len(buffer) != len(head) + len(body):
+            return b"".join([head, body])
+        buffer[: len(head)] = head
+        np.frombuffer(buffer, np.uint8)[len(head) :] = np.frombuffer(body, np.uint8)
+        return buffer
 
     def chunks(self) -> list[bytes]:
         return [self.chunk(seq) for seq in range(self.count)]

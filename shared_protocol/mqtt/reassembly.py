@@ -1,15 +1,15 @@
 """Putting inbound chunks back together safely (:class:`Reassembler`).
 
 The :class:`Reassembler` accepts chunks in any order, drops duplicates (QoS 1
-delivers at least once), keeps each chunk's body as a view into the received
-payload (no copy), hashes in seq order as the chunks arrive, counts memory as
-bytes arrive and bounds it per sender, for unexpected senders together and in
-total, checks a transfer's declared length against what the receiver expects
-from its sender, expires transfers that stall, ignores a sender that keeps
-sending invalid transfers, can list the seqs still missing, and hands a blob up
-only after its digest (XXH3-128) matches, joined with one copy.
-(Writing chunks in place into a preallocated bytearray costs the same one copy
-plus zero-filling the buffer first: slower, not faster.)
+delivers at least once), copies each chunk's body into its place in the blob as it
+arrives (the one copy on receive, made without holding the interpreter lock, so
+the network thread's copying does not stall the process's other threads; the
+received payload is let go at once), hashes in seq order as the chunks arrive,
+counts memory as bytes arrive and bounds it per sender, for unexpected senders
+together and in total, checks a transfer's declared length against what the
+receiver expects from its sender, expires transfers that stall, ignores a sender
+that keeps sending invalid transfers, can list the seqs still missing, and hands a
+blob up (a read-only view) only after its digest (XXH3-128) matches.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import xxhash
 
 from .chunk_format import DIGEST_NAME, ChunkHeader, blob_hasher
@@ -41,8 +42,9 @@ class _Transfer:
     updated_at: float
     # The blob digest, fed as chunks arrive in order, so completing a blob does not hash it all at once.
     hasher: xxhash.xxh3_128
-    parts: dict[int, memoryview | bytes] = field(default_factory=dict)  # by seq: views into the received payloads
-    held_bytes: int = 0  # bytes of the parts: what this transfer holds now
+    buffer: np.ndarray  # the blob, filled in place as chunks arrive (uninitialised until then)
+    parts: set[int] = field(default_factory=set)  # seqs received
+    held_bytes: int = 0  # bytes received: what this transfer holds now (the buffer's untouched pages take no memory)
     digest: bytes | None = None  # from the last chunk, once it arrived
     hashed_upto: int = 0  # seqs [0, hashed_upto) are in the hasher
 
@@ -208,8 +210,8 @@ class Reassembler:
 
     # -- chunks --------------------------------------------------------------- #
 
-    def add(self, payload: bytes | bytearray | memoryview, source: str = "") -> bytes | None:
-        """Add one chunk payload; return the whole blob when this chunk completes it."""
+    def add(self, payload: bytes | bytearray | memoryview, source: str = "") -> memoryview | None:
+        """Add one chunk payload; return the whole blob (read-only) when this chunk completes it."""
         header, body = self.parse(payload, source)
         return self.add_chunk(header, body, source)
 
@@ -225,9 +227,9 @@ class Reassembler:
                 raise self._refuse(SenderIgnoredError(f"chunk from ignored sender {source or '?'}"), source, invalid=False) from None
             raise self._refuse(exc, source, invalid=True) from None
 
-    def add_chunk(self, header: ChunkHeader, body: bytes | memoryview, source: str = "") -> bytes | None:
-        """Add one parsed chunk (see :meth:`ChunkHeader.parse`). ``body`` is kept as is until the
-        transfer completes, so it must not change (paho hands up immutable bytes).
+    def add_chunk(self, header: ChunkHeader, body: bytes | memoryview, source: str = "") -> memoryview | None:
+        """Add one parsed chunk (see :meth:`ChunkHeader.parse`): ``body`` is copied into its place
+        and not kept; the whole blob, read-only, when this chunk completes it.
 
         A sender that is ignored for its invalid transfers still gets a whole message that comes
         in one chunk through (on a broker without ACLs others may publish on its topic: an agent
@@ -266,13 +268,16 @@ class Reassembler:
                 source, invalid=True,
             )
         self._make_room(key, len(body))
-        transfer.parts[header.seq] = body  # a view: the payload stays alive, nothing is copied yet
+        start = header.seq * header.chunk_bytes
+        transfer.buffer[start : start + len(body)] = np.frombuffer(body, np.uint8)  # the one copy on receive
+        transfer.parts.add(header.seq)
         self._hold(source, transfer, len(body))
         if header.digest is not None:
             transfer.digest = header.digest
         transfer.updated_at = now
         while transfer.hashed_upto in transfer.parts:
-            transfer.hasher.update(transfer.parts[transfer.hashed_upto])
+            start = transfer.hashed_upto * header.chunk_bytes
+            transfer.hasher.update(transfer.buffer[start : start + header.chunk_bytes])
             transfer.hashed_upto += 1
         if len(transfer.parts) < header.count:
             return None
@@ -287,7 +292,7 @@ class Reassembler:
         while len(self._completed) > self._remember:
             self._completed.popitem(last=False)
         self.stats.completed += 1
-        return b"".join([transfer.parts[i] for i in range(header.count)])  # the one copy on receive
+        return memoryview(transfer.buffer).toreadonly()
 
     def _open(self, key: tuple[str, str], header: ChunkHeader, now: float) -> _Transfer:
         source = key[0]
@@ -305,7 +310,13 @@ class Reassembler:
             # The least recently active goes: a sender's live transfer is never the one that stalls.
             self._evict(min(mine, key=lambda k: self._transfers[k].updated_at))
             mine = self.open_transfers(source)
-        transfer = _Transfer(header, now, now, blob_hasher())
+        try:
+            # Address space only: pages are taken as the chunks are written into them.
+            buffer = np.empty(header.total_bytes, np.uint8)
+        except MemoryError:
+            raise self._refuse(BudgetError(f"transfer {header.transfer_id} on {source or '?'}: no room for its "
+                                           f"{header.total_bytes} bytes"), source, invalid=False) from None
+        transfer = _Transfer(header, now, now, blob_hasher(), buffer)
         self._transfers[key] = transfer
         return transfer
 

@@ -80,6 +80,9 @@ class MqttTransport(Transport):
         self._early_acks: set[int] = set()
         self._untracked: set[int] = set()  # mids of control messages and resent chunks: acks not waited for
         self._nacked: dict[int, str] = {}  # mid -> reason the broker refused it (e.g. ACL)
+        # Chunk payload buffers: free ones, and those paho holds until the broker acknowledges them.
+        self._pool: list[bytearray] = []
+        self._lent: dict[int, bytearray] = {}
         # A waiting sender is woken when at most this many chunks are unacknowledged (None: nobody waits).
         self._wake_at: int | None = None
         self._unflushed: list[int] = []  # mids published since the last flush
@@ -273,19 +276,41 @@ class MqttTransport(Transport):
                 self._nacked[mid] = str(reason_code)
             if mid in self._pending:
                 self._pending.discard(mid)
+                self._recycle(self._lent.pop(mid, None))
             else:
                 self._early_acks.add(mid)
             if self._wake_at is not None and len(self._pending) <= self._wake_at:
                 self._ack_cond.notify_all()
 
-    def _track(self, mid: int | None) -> None:
+    def _track(self, mid: int | None, payload: bytes | bytearray | None = None) -> None:
         """With ``_ack_cond`` held: a chunk's mid, waited for (paho numbers anew: an untracked
-        message's acknowledgement that never came is not this chunk's)."""
+        message's acknowledgement that never came is not this chunk's). A payload written into a
+        recycled buffer goes back to the pool once the broker has it (paho keeps it until then,
+        to send it again after a reconnect)."""
         self._untracked.discard(mid)
+        lent = payload if isinstance(payload, bytearray) else None
         if mid in self._early_acks:
             self._early_acks.discard(mid)
+            self._recycle(lent)
         elif mid is not None:
             self._pending.add(mid)
+            if lent is not None:
+                self._lent[mid] = lent
+
+    def _recycle(self, buffer: bytearray | None) -> None:
+        """With ``_ack_cond`` held: an acknowledged chunk's buffer, free for a later chunk."""
+        if buffer is not None and len(self._pool) <= self.config.max_inflight_chunks:
+            self._pool.append(buffer)
+
+    def _buffer(self, size: int) -> bytearray:
+        """A free buffer of ``size`` bytes for a full chunk's payload (the pool keeps one size:
+        when the chunk size changes, say on a broker with another packet limit, it starts anew)."""
+        with self._ack_cond:
+            if self._pool and len(self._pool[-1]) != size:
+                self._pool.clear()
+            if self._pool:
+                return self._pool.pop()
+        return bytearray(size)
 
     def _untrack(self, mid: int | None) -> None:
         """A control message's or a resent chunk's mid: its acknowledgement is not waited for."""
@@ -317,7 +342,10 @@ class MqttTransport(Transport):
         with self._publish_lock:
             self._sent.remember(topic, chunks)
             for seq in range(len(chunks)):
-                payload = chunks.chunk(seq)  # hashes the blob as it goes: the digest rides on the last chunk
+                # Hashes the blob as it goes: the digest rides on the last chunk. Full chunks (all
+                # of one size) go in recycled buffers; a blob's last, shorter chunk is made anew.
+                last = seq == len(chunks) - 1
+                payload = chunks.chunk(seq) if last else chunks.chunk_into(seq, self._buffer(chunks.payload_bytes(seq)))
                 info = self._client.publish(topic, payload, qos=1, retain=retain)
                 if info.rc == self._mqtt.MQTT_ERR_QUEUE_SIZE:
                     raise TransportError("paho's outgoing queue is full")
@@ -325,7 +353,7 @@ class MqttTransport(Transport):
                 wire_total += publish_packet_bytes(topic, len(payload), 1, 1)
                 with self._ack_cond:
                     self._unflushed.append(info.mid)
-                    self._track(info.mid)
+                    self._track(info.mid, payload)
                     # Chunks stay in flight across blobs: no pipeline drain between messages.
                     self._wait_acked(deadline, keep=self.config.max_inflight_chunks - 1)
             self.stats.add(

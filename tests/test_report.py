@@ -376,6 +376,26 @@ def test_the_leakage_section_is_checked_shown_and_compared(tmp_path: Path) -> No
             write_report(tmp_path / "c", dict(audited, leakage=broken))
 
 
+def test_an_audit_of_a_run_whose_report_an_older_version_wrote_keeps_its_findings(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Attaching the leakage to a report this version cannot load (fields added since) leaves
+    that report as it is and says where the findings are, instead of failing the audit after
+    its attacks ran. Positive control: a current report gets the section."""
+    from cloud_server.audit.leakage_report import attach_to_report
+
+    write_report(tmp_path / "now", make_report(method="fedgkt"))
+    assert attach_to_report(tmp_path / "now", LEAKAGE)
+    assert json.loads((tmp_path / "now" / "report.json").read_text())["leakage"] == LEAKAGE
+
+    write_report(tmp_path / "old", make_report(method="fedgkt"))
+    old = json.loads((tmp_path / "old" / "report.json").read_text())
+    del old["config"]  # a field this version's reports must carry
+    (tmp_path / "old" / "report.json").write_text(json.dumps(old))
+    with caplog.at_level("WARNING"):
+        assert not attach_to_report(tmp_path / "old", LEAKAGE)
+    assert json.loads((tmp_path / "old" / "report.json").read_text()) == old
+    assert "does not load with this version" in caplog.text and "run the run again" in caplog.text
+
+
 def test_a_run_at_chance_or_far_below_its_own_local_figure_is_warned_about(tmp_path: Path) -> None:
     at_chance = make_report(accuracies=[0.1, 0.1, 0.1])
     (warning,) = sanity_warnings(at_chance)

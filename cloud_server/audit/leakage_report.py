@@ -3,10 +3,15 @@ of summary.md and the comparison of runs), and what the evaluation reports hande
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+from ..audit_keeper import AUDIT_DIR
+
 __all__ = ["attach_to_report", "eval_models_note", "leakage_section"]
+
+log = logging.getLogger(__name__)
 
 # What an evaluation report's models are, for the methods whose reports carry one.
 _EVAL_MODELS = {"fedkd": "the agent's private mentor", "fedgkt": "the agent's ResNet-8, extractor included"}
@@ -49,12 +54,20 @@ def leakage_section(result: dict[str, Any], picture: str | None = None) -> dict[
 
 def attach_to_report(run_dir: Path, section: dict[str, Any]) -> bool:
     """Put ``section`` into ``run_dir``'s report.json as ``leakage`` and rewrite summary.md and
-    the plots; False when the run directory holds no report (the server's own directory)."""
-    from ..report import load_report, write_report
+    the plots; False when the run directory holds no report (the server's own directory) or one
+    this version cannot load (written by an older EdgeSplit: the audit's own files still hold
+    everything it found, and the log says so)."""
+    from ..report import ReportError, load_report, write_report
 
     if not (run_dir / "report.json").exists():
         return False
-    report = load_report(run_dir)
+    try:
+        report = load_report(run_dir)
+    except ReportError as exc:
+        log.warning("%s does not load with this version of EdgeSplit, so it stays without the leakage section (the "
+                    "audit's findings are in %s; run the run again for a report that carries them): %s",
+                    run_dir / "report.json", run_dir / AUDIT_DIR, exc)
+        return False
     report["leakage"] = section
     write_report(run_dir, report)
     return True

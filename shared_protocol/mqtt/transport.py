@@ -85,7 +85,6 @@ class MqttTransport(Transport):
         self._lent: dict[int, bytearray] = {}
         # A waiting sender is woken when at most this many chunks are unacknowledged (None: nobody waits).
         self._wake_at: int | None = None
-        self._unflushed: list[int] = []  # mids published since the last flush
         self._refused = threading.Event()
         self._sub_cond = threading.Condition()
         self._suback_pending: set[int] = set()
@@ -352,7 +351,6 @@ class MqttTransport(Transport):
                 # When disconnected paho keeps QoS 1 messages and sends them on reconnect.
                 wire_total += publish_packet_bytes(topic, len(payload), 1, 1)
                 with self._ack_cond:
-                    self._unflushed.append(info.mid)
                     self._track(info.mid, payload)
                     # Chunks stay in flight across blobs: no pipeline drain between messages.
                     self._wait_acked(deadline, keep=self.config.max_inflight_chunks - 1)
@@ -373,8 +371,9 @@ class MqttTransport(Transport):
     def _flush_locked(self, deadline: float) -> None:
         with self._ack_cond:
             self._wait_acked(deadline, keep=0)
-            refused = [self._nacked.pop(m) for m in self._unflushed if m in self._nacked]
-            self._unflushed.clear()
+            # Every chunk is acknowledged by now: the refusals recorded are this flush's chunks'.
+            refused = list(self._nacked.values())
+            self._nacked.clear()
         if refused:
             raise TransportError(f"broker refused {len(refused)} published chunk(s): {refused[0]}")
 

@@ -111,15 +111,16 @@ def privacy_block(rows: Sequence[Row]) -> list[str]:
         lines += ["No defence is measured yet: `edgesplit bench run bench/experiments/defences_activations_small.toml` "
                   "(and `defences_dp.toml`), then `python bench/render_results.py`.", "", PRIVACY_END]
         return lines
-    lines += ["| Method | Variant | Accuracy (points) | Over mean image (dB) | ε | Bytes up |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += ["| Method | Variant | Experiment | Seeds | Accuracy (points) | Over mean image (dB) | ε | Bytes up |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if r["variant"] == "default":
             continue  # the undefended runs: the rows' reference, in the experiment's own section of results.md
         eps = "—" if r["epsilon"] is None else f"{r['epsilon']:.3g}"
-        lines.append(f"| `{r['method']}` | {r['variant']} | {_signed(r['accuracy_points'])} | {_signed(r['gain_change_db'])} | "
-                     f"{eps} | {_ratio(r['up_ratio'])} |")
-    lines += ["", "Each defence against its experiment's undefended runs of the same method on the seeds both have, mean over "
-              "the seeds: the change in global accuracy, in what the strongest attack rebuilds over guessing the mean image, "
+        lines.append(f"| `{r['method']}` | {r['variant']} | {r['experiment']} | {r['paired_seeds']} | "
+                     f"{_signed(r['accuracy_points'])} | {_signed(r['gain_change_db'])} | {eps} | {_ratio(r['up_ratio'])} |")
+    lines += ["", "Each defence against its experiment's undefended runs of the same method on the seeds both have (Seeds), mean "
+              "over them: the change in global accuracy, in what the strongest attack rebuilds over guessing the mean image, "
               "and the bytes up as a multiple; ε per image for noised maps, per run for DP. The runs themselves: "
               "[results.md](results.md#what-each-activation-defence-leaves-the-server-and-what-it-costs) and the "
               "sections after it.", "", PRIVACY_END]
@@ -139,10 +140,25 @@ def readme_defence_cell(rows: Sequence[Row], method: str) -> str:
     mine = [r for r in rows if r["method"] == method and r["variant"] != "default"]
     if not mine:
         return "not measured yet"
+    several = len({r["experiment"] for r in mine}) > 1
+    if several:
+        # A defence measured in several experiments: the one with the most seeds paired with its
+        # undefended runs; between equals, a full experiment over its `_small` version.
+        best: dict[str, Row] = {}
+        for r in mine:
+            rank = (r["paired_seeds"], not r["experiment"].endswith("_small"))
+            kept = best.get(r["variant"])
+            if kept is None or rank > (kept["paired_seeds"], not kept["experiment"].endswith("_small")):
+                best[r["variant"]] = r
+        mine = list(best.values())
+
+    def named(r: Row) -> str:
+        return f"{r['variant']} ({r['experiment']}, {r['paired_seeds']} seeds)" if several else r["variant"]
+
     attacked = [r for r in mine if r["gain_db"] is not None and r["gain_db"].get("mean") is not None]
     if attacked:
         def said(r: Row) -> str:
-            return f"{r['variant']}: {r['gain_db']['mean']:.1f} dB over the mean image, accuracy {_signed(r['accuracy_points'])} points"
+            return f"{named(r)}: {r['gain_db']['mean']:.1f} dB over the mean image, accuracy {_signed(r['accuracy_points'])} points"
 
         affordable = [r for r in attacked if r["accuracy_points"] is not None
                       and r["accuracy_points"] >= -ACCURACY_BUDGET_POINTS]
@@ -152,7 +168,7 @@ def readme_defence_cell(rows: Sequence[Row], method: str) -> str:
         best = min(affordable, key=lambda r: r["gain_db"]["mean"])
         return said(best) if best is least else f"{said(best)}; the least left: {said(least)}"
     cheapest = max(mine, key=lambda r: -math.inf if r["accuracy_points"] is None else r["accuracy_points"])
-    return f"{cheapest['variant']}: accuracy {_signed(cheapest['accuracy_points'])} points"
+    return f"{named(cheapest)}: accuracy {_signed(cheapest['accuracy_points'])} points"
 
 
 def update_privacy_page(path: Path, rows: Sequence[Row]) -> bool:

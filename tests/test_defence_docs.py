@@ -72,7 +72,14 @@ def test_each_defence_is_read_against_the_undefended_runs_of_its_experiment(tmp_
     assert docs.readme_defence_cell([ruinous], "fedgkt") == ("none within 20 points of accuracy; the least left: ruinous: "
                                                             "0.1 dB over the mean image, accuracy -60.0 points")
     block = "\n".join(docs.privacy_block(list(rows.values())))
-    assert "| `fedgkt` | noise | -10.0 | -76.0 | 8 | 2.00x |" in block
+    assert "| `fedgkt` | noise | defences_x | 2 | -10.0 | -76.0 | 8 | 2.00x |" in block
+    # A defence measured in two experiments: the one with more paired seeds speaks, named.
+    other = {**noise, "experiment": "defences_y_small", "paired_seeds": 3, "gain_db": {"mean": 5.0}, "accuracy_points": -1.0}
+    assert docs.readme_defence_cell([*rows.values(), other], "fedgkt") == (
+        "noise (defences_y_small, 3 seeds): 5.0 dB over the mean image, accuracy -1.0 points")
+    tied = {**other, "paired_seeds": 2}  # equal seeds: the full experiment over a `_small` one
+    assert docs.readme_defence_cell([noise, tied], "fedgkt") == (
+        "noise (defences_x, 2 seeds): 2.0 dB over the mean image, accuracy -10.0 points")
     assert "| `fedgkt` | default |" not in block  # the reference itself is no row
 
 

@@ -11,7 +11,9 @@ from audithelpers import FASHION, IMAGE_SHAPE, fashion_sets, stem
 from audithelpers import one_torch_thread  # noqa: F401 (a fixture: importing it applies it here)
 from cloud_server.audit import (ArchitectureOnlyConfig, AttackInputError, FeatureDecoder, InverseNetworkConfig,
                                 WhiteBoxConfig, decode_features, invert_features_architecture_only,
-                                invert_features_white_box, mean_image_baseline, score_images, train_inverse_network)
+                                invert_features_white_box, mean_image_baseline, score_images, train_inverse_network,
+                                white_box_candidates)
+from cloud_server.audit.audit_run import best_candidate
 
 PRIVATE = 8
 PUBLIC = 200
@@ -55,6 +57,27 @@ def test_white_box_tries_several_learning_rates_and_keeps_each_images_best_fit(s
     assert score_images(one_rate, private).psnr_db < 30.0
     ladder = invert_features_white_box(deeper, received, FASHION, IMAGE_SHAPE, WhiteBoxConfig(steps=400))
     assert score_images(ladder, private).psnr_db > 60.0
+
+
+def test_the_audit_reports_the_best_scoring_of_the_white_box_candidates(sets: tuple[torch.Tensor, torch.Tensor, float]) -> None:
+    """On noised maps the closest fit of the maps can be the one that fitted the noise: the audit
+    scores each learning rate's reconstruction and the per-image best fit, and reports the best,
+    named, so the ladder never scores below one of its rates alone. Positive control: a candidate
+    that is the private images themselves wins, and is named."""
+    private, public, _ = sets
+    clean = maps(stem(0), private)
+    generator = torch.Generator().manual_seed(0)
+    noised = clean + 0.3 * clean.std() * torch.randn(clean.shape, generator=generator)
+    candidates = white_box_candidates(stem(0), noised, FASHION, IMAGE_SHAPE, WhiteBoxConfig(steps=100))
+    assert set(candidates) == {"lr 0.05", "lr 0.2", "best map fit"}
+    row, images = best_candidate("white_box_inversion", candidates, private, public, 1.0)
+    scores = {name: score_images(c, private).psnr_db for name, c in candidates.items()}
+    assert row["psnr_db"] == max(scores.values()) and row["candidate"].startswith(max(scores, key=scores.get))
+    assert torch.equal(images, candidates[max(scores, key=scores.get)])
+    row, images = best_candidate("white_box_inversion", {**candidates, "truth": private.clone()}, private, public, 1.0)
+    assert row["candidate"].startswith("truth") and row["psnr_db"] > 90.0
+    row, _ = best_candidate("inverse_network", {"": candidates["lr 0.05"]}, private, public, 1.0)
+    assert "candidate" not in row
 
 
 def test_white_box_recovers_the_images_from_fp16_maps(sets: tuple[torch.Tensor, torch.Tensor, float]) -> None:

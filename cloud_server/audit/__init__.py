@@ -13,8 +13,8 @@
   server is assumed to know.
 """
 
-from .activations import (ArchitectureOnlyConfig, WhiteBoxConfig, invert_features_architecture_only,
-                          invert_features_white_box)
+from .activations import (BEST_MAP_FIT, ArchitectureOnlyConfig, WhiteBoxConfig, invert_features_architecture_only,
+                          invert_features_white_box, white_box_candidates)
 from .errors import AttackInputError, AuditError, UnknownAuditMethodError, UnsupportedScheduleError
 from .inverse_network import FeatureDecoder, InverseNetworkConfig, decode_features, train_inverse_network
 from .labels import (LabelDistributionEstimate, histogram_error, label_histogram_from_bias_update,
@@ -31,6 +31,7 @@ __all__ = [
     "ATTACKS",
     "MAX_PSNR_DB",
     "PAYLOADS",
+    "BEST_MAP_FIT",
     "ArchitectureOnlyConfig",
     "AttackInputError",
     "AttackSpec",
@@ -59,6 +60,7 @@ __all__ = [
     "infer_single_label",
     "invert_features_architecture_only",
     "invert_features_white_box",
+    "white_box_candidates",
     "invert_update",
     "label_histogram_from_bias_update",
     "label_histogram_from_labels",

@@ -23,10 +23,12 @@ from .image_prior import ImageVariable, total_variation
 from .scoring import PixelSpace
 
 __all__ = [
+    "BEST_MAP_FIT",
     "ArchitectureOnlyConfig",
     "WhiteBoxConfig",
     "invert_features_architecture_only",
     "invert_features_white_box",
+    "white_box_candidates",
 ]
 
 # Added to the surrogate's seed: a run seeds its agents' initial models with its own seed, and the
@@ -48,7 +50,9 @@ class WhiteBoxConfig:
         more_lrs: further initial learning rates, each a whole optimisation of its own; every
             image keeps the reconstruction whose maps through the extractor fit the received
             ones best (the attacker can tell: it holds both). One rate does not suit every
-            extractor: too small and the images stall in a poor fit of the maps.
+            extractor: too small and the images stall in a poor fit of the maps. On noised
+            maps the closest fit can be the one that fitted the noise:
+            :func:`white_box_candidates` also returns each rate's own reconstruction.
         tv_weight: weight of the total-variation prior against the relative feature error.
         batch_statistics: run the extractor as in training, its normalisation layers using the
             batch's own statistics (split learning's uploads during training); the received
@@ -130,9 +134,24 @@ def _frozen_eval_copy(extractor: nn.Module) -> nn.Module:
     return model
 
 
+#: :func:`white_box_candidates`' key of the per-image best fit of the maps.
+BEST_MAP_FIT = "best map fit"
+
+
 def invert_features_white_box(extractor: nn.Module, features: torch.Tensor, pixels: PixelSpace,
                               image_shape: tuple[int, int, int], config: WhiteBoxConfig = WhiteBoxConfig()) -> torch.Tensor:
-    """Reconstruct the images whose maps the server received, through the extractor it holds.
+    """Reconstruct the images whose maps the server received, through the extractor it holds:
+    per image, the learning rate's reconstruction whose maps fit the received ones best (see
+    :func:`white_box_candidates`)."""
+    return white_box_candidates(extractor, features, pixels, image_shape, config)[BEST_MAP_FIT]
+
+
+def white_box_candidates(extractor: nn.Module, features: torch.Tensor, pixels: PixelSpace,
+                         image_shape: tuple[int, int, int], config: WhiteBoxConfig = WhiteBoxConfig()) -> dict[str, torch.Tensor]:
+    """Reconstruct the images whose maps the server received, through the extractor it holds:
+    each learning rate's reconstruction (``"lr <rate>"``) and, per image, the one of them whose
+    maps fit best (:data:`BEST_MAP_FIT`). The audit scores every candidate and reports the best,
+    as it reports the strongest of its attacks.
 
     Args:
         extractor: the agent's extractor as the server holds it (copied, used in eval mode
@@ -143,7 +162,7 @@ def invert_features_white_box(extractor: nn.Module, features: torch.Tensor, pixe
         config: the optimisation.
 
     Returns:
-        The reconstructions ``(N, C, H, W)`` in ``[0, 1]`` pixel units.
+        Candidate name -> reconstructions ``(N, C, H, W)`` in ``[0, 1]`` pixel units.
 
     Raises:
         AttackInputError: maps that are empty or non-finite, or that the extractor cannot produce
@@ -152,6 +171,7 @@ def invert_features_white_box(extractor: nn.Module, features: torch.Tensor, pixe
     _check_features(features, image_shape)
     model = _frozen_eval_copy(extractor).train(config.batch_statistics)
     target = features.detach().float()
+    candidates: dict[str, torch.Tensor] = {}
     best: torch.Tensor | None = None
     best_fit = torch.full((target.shape[0],), math.inf)
     for lr in (config.lr, *config.more_lrs):
@@ -162,13 +182,15 @@ def invert_features_white_box(extractor: nn.Module, features: torch.Tensor, pixe
             loss = _relative_error(produced, target) + config.tv_weight * total_variation(image.pixels)
             image.step(loss)
         result = image.result()  # (N, C, H, W)
+        candidates[f"lr {lr:g}"] = result
         with torch.no_grad():
             fit = _fit_per_image(model(pixels.to_model(result)), target)  # (N,)
         better = fit < best_fit
         best = result if best is None else torch.where(better[:, None, None, None], result, best)
         best_fit = torch.minimum(fit, best_fit)
     assert best is not None
-    return best
+    candidates[BEST_MAP_FIT] = best
+    return candidates
 
 
 def _fit_per_image(produced: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

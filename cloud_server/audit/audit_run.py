@@ -22,7 +22,8 @@ from models.registry import build_model
 
 from ..audit_keeper import AUDIT_DIR, MASKED_KIND
 from ..evaluation import EvalSet, EvalSetSpec
-from .activations import ArchitectureOnlyConfig, WhiteBoxConfig, invert_features_architecture_only, invert_features_white_box
+from .activations import (BEST_MAP_FIT, ArchitectureOnlyConfig, WhiteBoxConfig, invert_features_architecture_only,
+                          white_box_candidates)
 from .errors import AuditError
 from .guarded import as_uploaded, guard_of, public_map_noise
 from .inverse_network import InverseNetworkConfig, decode_features, train_inverse_network
@@ -167,10 +168,12 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
             extra["extractor"] = source
         progress(f"  {maps.agent}: {spec.name} on {len(maps.features)} maps ...")
         started = time.perf_counter()
+        candidates: dict[str, torch.Tensor] = {}
         if spec.name == "white_box_inversion" and extractor is not None:
             white_box = WhiteBoxConfig(steps=_steps(options, WhiteBoxConfig.steps), batch_statistics=batch_statistics,
                                        seed=options.seed)
-            reconstructed = invert_features_white_box(extractor, maps.features, pixels, image_shape, white_box)
+            candidates = white_box_candidates(extractor, maps.features, pixels, image_shape, white_box)
+            reconstructed = candidates[BEST_MAP_FIT]
         elif spec.name == "inverse_network" and extractor is not None:
             # One decoder per extractor: FedGKT's agents share theirs while the stems stay at the shared start.
             extra["decoder"] = "trained here" if digest not in decoders else "an earlier agent's, same extractor"
@@ -194,9 +197,22 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
             private = match_private(reconstructed, shard)
             extra["matched"] = "each reconstruction scored against the image of the agent's shard it fits best"
         assert private is not None
-        rows.append(image_row(spec.name, reconstructed, private, public, wall_s, **extra))
+        row, reconstructed = best_candidate(spec.name, candidates or {"": reconstructed}, private, public, wall_s, **extra)
+        rows.append(row)
         pictures[spec.name] = reconstructed
     return rows, pictures, private
+
+
+def best_candidate(attack: str, candidates: dict[str, torch.Tensor], private: torch.Tensor, public: torch.Tensor,
+                   wall_s: float, **extra: Any) -> tuple[dict[str, Any], torch.Tensor]:
+    """An attack's row and reconstruction: of its candidate reconstructions (one, or the
+    white-box attack's learning rates and their best map fit), the one that scores best against
+    the private images, named in the row when there were several."""
+    scored = [(image_row(attack, images, private, public, wall_s, **extra), name, images) for name, images in candidates.items()]
+    row, name, images = max(scored, key=lambda entry: entry[0]["psnr_db"])
+    if len(candidates) > 1:
+        row["candidate"] = f"{name} (the best-scoring of {', '.join(candidates)})"
+    return row, images
 
 
 def _attack_eval_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentImages, public: torch.Tensor,

@@ -153,7 +153,8 @@ def readme_defence_cell(rows: Sequence[Row], method: str) -> str:
         mine = list(best.values())
 
     def named(r: Row) -> str:
-        return f"{r['variant']} ({r['experiment']}, {r['paired_seeds']} seeds)" if several else r["variant"]
+        seeds = r["paired_seeds"]
+        return f"{r['variant']} ({r['experiment']}, {seeds} seed{'' if seeds == 1 else 's'})" if several else r["variant"]
 
     attacked = [r for r in mine if r["gain_db"] is not None and r["gain_db"].get("mean") is not None]
     if attacked:

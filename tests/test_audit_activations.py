@@ -14,6 +14,7 @@ from cloud_server.audit import (ArchitectureOnlyConfig, AttackInputError, Featur
                                 invert_features_white_box, mean_image_baseline, score_images, train_inverse_network,
                                 white_box_candidates)
 from cloud_server.audit.audit_run import best_candidate
+from cloud_server.audit.audit_updates import match_private
 
 PRIVATE = 8
 PUBLIC = 200
@@ -70,14 +71,34 @@ def test_the_audit_reports_the_best_scoring_of_the_white_box_candidates(sets: tu
     noised = clean + 0.3 * clean.std() * torch.randn(clean.shape, generator=generator)
     candidates = white_box_candidates(stem(0), noised, FASHION, IMAGE_SHAPE, WhiteBoxConfig(steps=100))
     assert set(candidates) == {"lr 0.05", "lr 0.2", "best map fit"}
-    row, images = best_candidate("white_box_inversion", candidates, private, public, 1.0)
+    row, images, _ = best_candidate("white_box_inversion", candidates, private, public, 1.0)
     scores = {name: score_images(c, private).psnr_db for name, c in candidates.items()}
     assert row["psnr_db"] == max(scores.values()) and row["candidate"].startswith(max(scores, key=scores.get))
     assert torch.equal(images, candidates[max(scores, key=scores.get)])
-    row, images = best_candidate("white_box_inversion", {**candidates, "truth": private.clone()}, private, public, 1.0)
+    row, images, _ = best_candidate("white_box_inversion", {**candidates, "truth": private.clone()}, private, public, 1.0)
     assert row["candidate"].startswith("truth") and row["psnr_db"] > 90.0
-    row, _ = best_candidate("inverse_network", {"": candidates["lr 0.05"]}, private, public, 1.0)
+    row, _, _ = best_candidate("inverse_network", {"": candidates["lr 0.05"]}, private, public, 1.0)
     assert "candidate" not in row
+
+
+def test_without_ids_each_white_box_candidate_is_matched_to_the_private_images_on_its_own(
+        sets: tuple[torch.Tensor, torch.Tensor, float]) -> None:
+    """Split learning's uploads carry no ids: a reconstruction is scored against the images of
+    the shard it fits best. Each candidate is matched on its own, so a candidate that is the
+    shard in another order scores exactly, not against the order another candidate's fit chose;
+    what it was scored against comes back with it."""
+    private, public, _ = sets
+    shard = torch.cat([private, public[-4:]])  # (12, C, H, W)
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(1))[:8]
+    exact = shard[order].clone()
+    blurred = 0.5 * shard[order.flip(0)] + 0.5 * public[:8]  # fits the other images best
+    row, images, against = best_candidate("white_box_inversion", {"blurred": blurred, "exact": exact},
+                                          lambda found: match_private(found, shard), public, 1.0)
+    assert row["candidate"].startswith("exact") and row["psnr_db"] > 90.0
+    assert torch.equal(images, exact) and torch.equal(against, shard[order])
+    # The control: scored against the images the other candidate fits, the same candidate is far off.
+    row, _, _ = best_candidate("white_box_inversion", {"exact": exact}, match_private(blurred, shard), public, 1.0)
+    assert row["psnr_db"] < 40.0
 
 
 def test_white_box_recovers_the_images_from_fp16_maps(sets: tuple[torch.Tensor, torch.Tensor, float]) -> None:

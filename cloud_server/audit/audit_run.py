@@ -137,6 +137,7 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
     rows: list[dict[str, Any]] = []
     pictures: dict[str, torch.Tensor] = {}
     private: torch.Tensor | None = None
+    best_matched_db: float | None = None
     by_id = bool((maps.sample_ids >= 0).all())
     if by_id:
         private, _ = images.by_sample_id(maps.agent, maps.sample_ids, maps.split)
@@ -193,26 +194,37 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
             rows.append({"attack": spec.name, "skipped": f"{spec.name} does not read activation uploads"})
             continue
         wall_s = time.perf_counter() - started
-        if not by_id:
-            private = match_private(reconstructed, shard)
+        if by_id:
+            row, reconstructed, _ = best_candidate(spec.name, candidates or {"": reconstructed}, private, public, wall_s, **extra)
+        else:
             extra["matched"] = "each reconstruction scored against the image of the agent's shard it fits best"
-        assert private is not None
-        row, reconstructed = best_candidate(spec.name, candidates or {"": reconstructed}, private, public, wall_s, **extra)
+            row, reconstructed, matched = best_candidate(spec.name, candidates or {"": reconstructed},
+                                                         lambda found: match_private(found, shard), public, wall_s, **extra)
+            # Every attack reconstructs the same maps in the same order: the picture shows them
+            # beneath the images the best-scoring attack matched them to.
+            if best_matched_db is None or row["psnr_db"] > best_matched_db:
+                private, best_matched_db = matched, row["psnr_db"]
         rows.append(row)
         pictures[spec.name] = reconstructed
     return rows, pictures, private
 
 
-def best_candidate(attack: str, candidates: dict[str, torch.Tensor], private: torch.Tensor, public: torch.Tensor,
-                   wall_s: float, **extra: Any) -> tuple[dict[str, Any], torch.Tensor]:
-    """An attack's row and reconstruction: of its candidate reconstructions (one, or the
-    white-box attack's learning rates and their best map fit), the one that scores best against
-    the private images, named in the row when there were several."""
-    scored = [(image_row(attack, images, private, public, wall_s, **extra), name, images) for name, images in candidates.items()]
-    row, name, images = max(scored, key=lambda entry: entry[0]["psnr_db"])
+def best_candidate(attack: str, candidates: dict[str, torch.Tensor],
+                   private: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], public: torch.Tensor, wall_s: float,
+                   **extra: Any) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """An attack's row, reconstruction and the private images it was scored against: of its
+    candidate reconstructions (one, or the white-box attack's learning rates and their best map
+    fit), the one that scores best, named in the row when there were several. ``private`` is
+    the images in the maps' order, or, for uploads without ids, a function that matches a
+    reconstruction to the private images it fits (each candidate is matched on its own)."""
+    scored = []
+    for name, images in candidates.items():
+        against = private(images) if callable(private) else private
+        scored.append((image_row(attack, images, against, public, wall_s, **extra), name, images, against))
+    row, name, images, against = max(scored, key=lambda entry: entry[0]["psnr_db"])
     if len(candidates) > 1:
         row["candidate"] = f"{name} (the best-scoring of {', '.join(candidates)})"
-    return row, images
+    return row, images, against
 
 
 def _attack_eval_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentImages, public: torch.Tensor,

@@ -388,7 +388,9 @@ def long_md(rows: Sequence[Row]) -> str:
 
 def plot(summary_rows: Sequence[Row], path: Path, title: str = "") -> bool:
     """Global accuracy against bytes up (wire, training) and, when any cell was audited, against
-    the strongest attack's PSNR; one point per group, error bars the sd. False: nothing to plot."""
+    what the strongest attack rebuilds over the mean image (each cell against its own baseline:
+    uploads without ids are scored against the images they were matched to); one point per
+    group, error bars the sd. False: nothing to plot."""
     points = [s for s in summary_rows if s["final_accuracy"]["mean"] is not None]
     if not points:
         return False
@@ -396,8 +398,8 @@ def plot(summary_rows: Sequence[Row], path: Path, title: str = "") -> bool:
     from matplotlib.figure import Figure
 
     panels = [("train_up_wire_bytes", 1e-6, "bytes up, training (MB, wire)")]
-    if any(s["leakage_psnr_db"]["mean"] is not None for s in points):
-        panels.append(("leakage_psnr_db", 1, "strongest attack PSNR (dB; higher leaks more)"))
+    if any(s["leakage_gain_db"]["mean"] is not None for s in points):
+        panels.append(("leakage_gain_db", 1, "strongest attack's PSNR over the mean image's (dB; higher leaks more)"))
     fig = Figure(figsize=(6.5 * len(panels), 4.5), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
@@ -414,13 +416,9 @@ def plot(summary_rows: Sequence[Row], path: Path, title: str = "") -> bool:
                 continue
             ax.errorbar(x["mean"] * scale, y["mean"] * 100, xerr=(x["sd"] or 0) * scale, yerr=(y["sd"] or 0) * 100,
                         fmt=marker, color=colour, capsize=3, label=name)
-        if figure == "leakage_psnr_db":
-            baselines = [s["leakage_baseline_psnr_db"]["mean"] for s in points
-                         if s.get("leakage_baseline_psnr_db", {}).get("mean") is not None]
-            if baselines:
-                ax.axvline(sum(baselines) / len(baselines), color="grey", linestyle="--", linewidth=1,
-                           label="mean image (nothing received)")
-                ax.legend(fontsize=8)
+        if figure == "leakage_gain_db":
+            ax.axvline(0.0, color="grey", linestyle="--", linewidth=1, label="the mean image (nothing received)")
+            ax.legend(fontsize=8)
             if unmeasured:
                 ax.set_title("no image attack ran: " + ", ".join(unmeasured), fontsize=8, wrap=True)
         ax.set_xlabel(label)

@@ -195,6 +195,7 @@ def _attack_maps(kept: KeptRun, maps: KeptMaps, plan: AuditPlan, images: AgentIm
             continue
         wall_s = time.perf_counter() - started
         if by_id:
+            assert private is not None
             row, reconstructed, _ = best_candidate(spec.name, candidates or {"": reconstructed}, private, public, wall_s, **extra)
         else:
             extra["matched"] = "each reconstruction scored against the image of the agent's shard it fits best"

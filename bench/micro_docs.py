@@ -383,7 +383,7 @@ def transport_section(data: dict[str, Any]) -> list[str]:
         f"{targets['time_ratio_max']:g}×: {'within' if info['within_time_target'] else '**not** within'} (on the medians); CPU per MB "
         f"within {targets['cpu_ratio_max']:g}× of raw paho's: {'within' if info['within_cpu_target'] else '**not** within'}.", "",
         *([f"With each receiver in a process of its own, as an agent and the server run (the sender and the receiver above share "
-           f"one interpreter lock): raw paho ÷ EdgeSplit plain {ratios['paho_over_edgesplit_plain_procs']:.2f}×, TLS "
+           f"one interpreter lock; both receivers with glibc's heap trimming off, as the bench's docstring explains): raw paho ÷ EdgeSplit plain {ratios['paho_over_edgesplit_plain_procs']:.2f}×, TLS "
            f"{ratios['paho_over_edgesplit_tls_procs']:.2f}× (time: {'within' if info['within_time_target_apart'] else '**not** within'}"
            f"); CPU per MB plain {cpu_ratio['plain_procs']:.2f}×, TLS {cpu_ratio['tls_procs']:.2f}× (CPU: "
            f"{'within' if info['within_cpu_target_apart'] else '**not** within'}).", ""] if "within_time_target_apart" in info else []),

@@ -99,9 +99,10 @@ def paho_client(name: str, port: int, tls: dict[str, str] | None) -> mqtt.Client
 
 
 def edgesplit(name: str, port: int, tls: dict[str, str] | None) -> MqttTransport:
+    # Sessions that end at disconnect, as raw paho's here: a kept session would queue every later measurement's messages.
     url = f"mqtts://localhost:{port}" if tls else f"mqtt://127.0.0.1:{port}"
     return MqttTransport(TransportConfig(broker_url=url, client_id=f"{name}-{time.monotonic_ns()}", username=tls["user"] if tls else None,
-                                         password=tls["password"] if tls else None, ca_file=tls["ca"] if tls else None))
+                                         password=tls["password"] if tls else None, ca_file=tls["ca"] if tls else None, session_expiry_s=0))
 
 
 class Receiver:
